@@ -1,0 +1,309 @@
+"""Shared machinery for the ckptfmt benchmarks.
+
+Builds the transformer-shaped test state, evicts checkpoints from the page
+cache, runs competitors round-robin and renders results as rich tables.
+Linux only (``posix_fadvise``, ``/proc``).
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import os
+import re
+import shutil
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator, Mapping
+
+import torch
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+HIDDEN = 1024
+FFN = 4096
+VOCAB = 32000
+PAGE_BYTES = 4096
+GB = 1e9
+MiB = 1 << 20
+
+# Wide enough for the tables when stdout is not a terminal (rich would assume 80 columns).
+console = Console(width=None if sys.stdout.isatty() else 160)
+progress = Console(stderr=True, style="dim")
+
+
+# --------------------------------------------------------------------------- state
+
+
+def layer_shapes(index: int) -> dict[str, tuple[int, ...]]:
+    """Parameter shapes of one transformer block (attention, 2 layernorms, FFN)."""
+    prefix = f"layers.{index}."
+    shapes: dict[str, tuple[int, ...]] = {}
+    for proj in ("q", "k", "v", "o"):
+        shapes[f"{prefix}attn.{proj}.weight"] = (HIDDEN, HIDDEN)
+        shapes[f"{prefix}attn.{proj}.bias"] = (HIDDEN,)
+    for norm in ("ln1", "ln2"):
+        shapes[f"{prefix}{norm}.weight"] = (HIDDEN,)
+        shapes[f"{prefix}{norm}.bias"] = (HIDDEN,)
+    shapes[f"{prefix}ffn.up.weight"] = (FFN, HIDDEN)
+    shapes[f"{prefix}ffn.up.bias"] = (FFN,)
+    shapes[f"{prefix}ffn.down.weight"] = (HIDDEN, FFN)
+    shapes[f"{prefix}ffn.down.bias"] = (HIDDEN,)
+    return shapes
+
+
+def layers_for_size(size_gb: float) -> int:
+    """Number of blocks that brings the fp32 state closest to ``size_gb`` GB."""
+    embed_bytes = VOCAB * HIDDEN * 4
+    layer_bytes = sum(math.prod(s) for s in layer_shapes(0).values()) * 4
+    return max(1, round((size_gb * GB - embed_bytes) / layer_bytes))
+
+
+def build_state(size_gb: float, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A flat fp32 state dict of about ``size_gb`` GB filled with seeded randn."""
+    gen = torch.Generator().manual_seed(seed)
+    shapes = {"embed.weight": (VOCAB, HIDDEN)}
+    for index in range(layers_for_size(size_gb)):
+        shapes.update(layer_shapes(index))
+    return {key: torch.randn(shape, generator=gen) for key, shape in shapes.items()}
+
+
+def state_nbytes(state: Mapping[str, torch.Tensor]) -> int:
+    """Total tensor payload in bytes."""
+    return sum(t.numel() * t.element_size() for t in state.values())
+
+
+def lazy_key(state: Mapping[str, torch.Tensor]) -> str:
+    """Key of the 1024x4096 FFN down weight in the middle block (16 MiB fp32)."""
+    keys = [k for k in state if k.endswith("ffn.down.weight")]
+    return keys[len(keys) // 2]
+
+
+def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
+    """Every tensor inside nested dicts / lists / tuples."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, Mapping):
+        for value in obj.values():
+            yield from iter_tensors(value)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            yield from iter_tensors(value)
+
+
+def touch(obj: Any) -> float:
+    """Read one element per 4 KiB page of every tensor; return their float64 sum.
+
+    Forces lazily mapped data in from disk, and doubles as a checksum: the same
+    tensors always give the same value.
+    """
+    total = 0.0
+    for tensor in iter_tensors(obj):
+        step = max(1, PAGE_BYTES // tensor.element_size())
+        total += tensor.reshape(-1)[::step].double().sum().item()
+    return total
+
+
+def check_checksum(got: float, expected: float) -> None:
+    """Raise if a ``touch`` checksum differs from the reference state's."""
+    if not math.isclose(got, expected, rel_tol=1e-9, abs_tol=1e-6):
+        raise ValueError(f"checksum mismatch: got {got!r}, expected {expected!r}")
+
+
+# ---------------------------------------------------------------------- filesystem
+
+
+def files_under(path: str | os.PathLike) -> list[Path]:
+    """``path`` itself if it is a file, else every regular file below it."""
+    path = Path(path)
+    if path.is_file():
+        return [path]
+    return [Path(d) / f for d, _, names in os.walk(path) for f in names if (Path(d) / f).is_file()]
+
+
+def evict(path: str | os.PathLike) -> None:
+    """Drop every file under ``path`` from the page cache (fsync, then FADV_DONTNEED)."""
+    for file in files_under(path):
+        fd = os.open(file, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def fsync_path(path: str | os.PathLike) -> None:
+    """fsync a file or directory."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def dir_bytes(path: str | os.PathLike) -> int:
+    """Sum of the sizes of every file under ``path``."""
+    return sum(f.stat().st_size for f in files_under(path))
+
+
+def fs_type(path: str | os.PathLike) -> str:
+    """Filesystem type of the mount holding ``path`` (from /proc/mounts)."""
+    path = os.path.realpath(path)
+    best, kind = "", "unknown"
+    with open("/proc/mounts") as mounts:
+        for line in mounts:
+            _, mount_point, fstype, *_ = line.split()
+            inside = path == mount_point or path.startswith(mount_point.rstrip("/") + "/")
+            if inside and len(mount_point) >= len(best):
+                best, kind = mount_point, fstype
+    return kind
+
+
+class Scratch:
+    """Numbered scratch directories per slot; a fresh one deletes the slot's previous one."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.current: dict[str, Path] = {}
+        self._count = 0
+
+    def fresh(self, slot: str) -> Path:
+        """Create a new empty directory for ``slot`` and remove its predecessor."""
+        old = self.current.pop(slot, None)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+        self._count += 1
+        safe_slot = re.sub(r"[^\w.-]", "_", slot)
+        path = self.root / f"{safe_slot}-{self._count}"
+        path.mkdir(parents=True)
+        self.current[slot] = path
+        return path
+
+
+# -------------------------------------------------------------------------- timing
+
+
+@dataclass
+class Result:
+    """Wall times of one competitor, or the error that stopped it."""
+
+    times: list[float] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.times) if self.times else math.nan
+
+    @property
+    def min(self) -> float:
+        return min(self.times) if self.times else math.nan
+
+    def to_json(self) -> dict[str, Any]:
+        return {"times_s": self.times, "median_s": nan_to_none(self.median),
+                "min_s": nan_to_none(self.min), "error": self.error}
+
+
+def nan_to_none(value: float) -> float | None:
+    """JSON-friendly float."""
+    return None if value is None or math.isnan(value) else value
+
+
+def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    """Run ``fn`` and return (seconds, its value)."""
+    start = time.perf_counter()
+    value = fn()
+    return time.perf_counter() - start, value
+
+
+def describe_error(exc: BaseException) -> str:
+    """``Type: message (file:line)`` of the innermost frame."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = f" ({Path(frames[-1].filename).name}:{frames[-1].lineno})" if frames else ""
+    return f"{type(exc).__name__}: {exc}{where}"
+
+
+def round_robin(label: str, competitors: Mapping[str, Callable[[int], float]], repeats: int,
+                before_repeat: Callable[[int], None] | None = None) -> dict[str, Result]:
+    """Call every competitor once per repeat, rotating the order each repeat.
+
+    A competitor is ``fn(repeat) -> seconds`` and does its own untimed setup.
+    The first exception disables it for the remaining repeats.
+    """
+    names = list(competitors)
+    results = {name: Result() for name in names}
+    for rep in range(repeats):
+        if before_repeat is not None:
+            before_repeat(rep)
+        shift = rep % len(names)
+        for name in names[shift:] + names[:shift]:
+            result = results[name]
+            if result.error is not None:
+                continue
+            gc.collect()
+            try:
+                seconds = competitors[name](rep)
+            except Exception as exc:  # noqa: BLE001 - report and carry on
+                result.error = describe_error(exc)
+                progress.print(f"{label} | {name}: FAILED {result.error}", markup=False)
+                continue
+            result.times.append(seconds)
+            progress.print(f"{label} | repeat {rep + 1}/{repeats} | {name}: {fmt_time(seconds)}")
+    return results
+
+
+# -------------------------------------------------------------------------- output
+
+
+def fmt_time(seconds: float) -> str:
+    """Seconds as ``812.3 ms`` or ``2.41 s``."""
+    if math.isnan(seconds):
+        return "-"
+    return f"{seconds * 1e3:.1f} ms" if seconds < 1 else f"{seconds:.2f} s"
+
+
+def fmt_ratio(value: float) -> str:
+    """A ratio as ``0.83x``."""
+    return "-" if math.isnan(value) else f"{value:.2f}x"
+
+
+def ratio(a: float, b: float) -> float:
+    """a / b, NaN when either is missing."""
+    return a / b if b and not (math.isnan(a) or math.isnan(b)) else math.nan
+
+
+def times_table(title: str, results: Mapping[str, Result], baselines: Iterable[str],
+                nbytes: int | None = None) -> Table:
+    """Median/min per competitor, optional GB/s, and median ratios to each baseline."""
+    baselines = [b for b in baselines if b in results]
+    table = Table(title=title, title_justify="left")
+    table.add_column("competitor")
+    table.add_column("median", justify="right")
+    table.add_column("min", justify="right")
+    if nbytes is not None:
+        table.add_column("GB/s", justify="right")
+    for base in baselines:
+        table.add_column(f"vs {base}", justify="right")
+    table.add_column("note", overflow="fold", max_width=60)
+    for name, result in results.items():
+        row = [name, fmt_time(result.median), fmt_time(result.min)]
+        if nbytes is not None:
+            row.append("-" if not result.times else f"{nbytes / GB / result.median:.2f}")
+        row += [fmt_ratio(ratio(result.median, results[b].median)) for b in baselines]
+        row.append(Text(result.error or "", style="red"))
+        table.add_row(*row)
+    return table
+
+
+def median_int(values: list[int]) -> int | None:
+    """Median of integers (upper middle), None if empty."""
+    return sorted(values)[len(values) // 2] if values else None
+
+
+def results_json(results: Mapping[str, Result]) -> dict[str, Any]:
+    """Per-competitor JSON of a section."""
+    return {name: result.to_json() for name, result in results.items()}

@@ -1,0 +1,50 @@
+"""ckptfmt: a verifiable, content-addressed checkpoint format for PyTorch.
+
+    ckptfmt.save(state, "runs/exp1/step-100", step=100)
+    state = ckptfmt.load("runs/exp1")            # the repository's latest checkpoint
+    with ckptfmt.open("runs/exp1/step-100") as ckpt:
+        w = ckpt.get_tensor("model/layers.0.attn.weight")
+    ckptfmt.verify("s3://bucket/runs/exp1").ok
+"""
+
+from .errors import (
+    CheckpointError,
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CorruptDataError,
+    InvalidNameError,
+    ManifestError,
+    StorageError,
+    UnsupportedValueError,
+    UnsupportedVersionError,
+)
+from .manifest import FORMAT_VERSION
+from .reader import CheckpointReader, load, open, restore_rng
+from .repository import Repository
+from .values import OpaqueObject
+from .verify import VerifyReport, verify
+from .writer import save
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointExistsError",
+    "CheckpointNotFoundError",
+    "CheckpointReader",
+    "CorruptDataError",
+    "FORMAT_VERSION",
+    "InvalidNameError",
+    "ManifestError",
+    "OpaqueObject",
+    "Repository",
+    "StorageError",
+    "UnsupportedValueError",
+    "UnsupportedVersionError",
+    "VerifyReport",
+    "load",
+    "open",
+    "restore_rng",
+    "save",
+    "verify",
+]

@@ -1,0 +1,90 @@
+"""Cutting tensor bytes into chunks: big tensors split at ``chunk_size``, small ones packed.
+
+The plan is pure bookkeeping: it yields the byte ranges to hash and store, and
+records, for every tensor, which ranges (by chunk job) hold its bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+DEFAULT_CHUNK_SIZE = 64 * 2**20
+#: Tensors below this size are packed together so that a state of thousands of
+#: small tensors does not become thousands of tiny objects.
+SMALL_TENSOR_BYTES = 256 * 2**10
+PACK_BYTES = 4 * 2**20
+PACK_ALIGNMENT = 64
+
+
+@dataclass
+class ChunkJob:
+    """The bytes of one future chunk: a slice of one tensor, or a pack of small ones."""
+
+    index: int
+    packed: bool
+    #: (source, start in the source's bytes, length, offset in this chunk)
+    parts: list[tuple[int, int, int, int]] = field(default_factory=list)
+    size: int = 0
+    #: Element width for byte-shuffling codecs (1 for packs of mixed dtypes).
+    itemsize: int = 1
+
+
+@dataclass
+class PieceRef:
+    """A tensor's byte range inside a chunk job (resolved to a chunk index after hashing)."""
+
+    job: int
+    offset: int
+    length: int
+
+
+class ChunkPlanner:
+    """Assigns each source's bytes to chunk jobs; call ``add`` per source, then ``finish``."""
+
+    def __init__(self, chunk_size: int = DEFAULT_CHUNK_SIZE):
+        if chunk_size < 4096:
+            raise ValueError("chunk_size must be at least 4096 bytes")
+        self.chunk_size = chunk_size
+        self.jobs: list[ChunkJob] = []
+        self._pack: ChunkJob | None = None
+
+    def add(self, source: int, nbytes: int, itemsize: int) -> tuple[list[PieceRef], list[ChunkJob]]:
+        """Plan one source; returns its pieces and the jobs that became complete."""
+        if nbytes == 0:
+            return [], []
+        if nbytes < SMALL_TENSOR_BYTES:
+            return self._add_small(source, nbytes)
+        pieces, ready = [], []
+        for start in range(0, nbytes, self.chunk_size):
+            length = min(self.chunk_size, nbytes - start)
+            job = self._new_job(False, itemsize)
+            job.parts.append((source, start, length, 0))
+            job.size = length
+            pieces.append(PieceRef(job.index, 0, length))
+            ready.append(job)
+        return pieces, ready
+
+    def _add_small(self, source: int, nbytes: int) -> tuple[list[PieceRef], list[ChunkJob]]:
+        ready = []
+        pack = self._pack
+        if pack is not None:
+            offset = -(-pack.size // PACK_ALIGNMENT) * PACK_ALIGNMENT
+            if offset + nbytes > PACK_BYTES:
+                ready.append(pack)
+                pack = None
+        if pack is None:
+            pack = self._pack = self._new_job(True, 1)
+            offset = 0
+        pack.parts.append((source, 0, nbytes, offset))
+        pack.size = offset + nbytes
+        return [PieceRef(pack.index, offset, nbytes)], ready
+
+    def finish(self) -> list[ChunkJob]:
+        """The last, partly filled pack, if any."""
+        pack, self._pack = self._pack, None
+        return [pack] if pack is not None else []
+
+    def _new_job(self, packed: bool, itemsize: int) -> ChunkJob:
+        job = ChunkJob(index=len(self.jobs), packed=packed, itemsize=itemsize)
+        self.jobs.append(job)
+        return job

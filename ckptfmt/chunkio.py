@@ -1,0 +1,90 @@
+"""Reading chunks back: every byte checked against its BLAKE3 name before use."""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future
+
+from . import codecs, layout
+from .errors import CheckpointNotFoundError, CorruptDataError
+from .hashing import check_chunk
+from .manifest import Chunk
+from .storage import Storage
+
+_CACHE_BYTES = 64 * 2**20
+
+
+class ChunkReader:
+    """Verified chunk reads, with a small shared cache for chunks several tensors use (packs)."""
+
+    def __init__(self, storage: Storage, chunks: list[Chunk]):
+        self.storage = storage
+        self.chunks = chunks
+        self._cache: OrderedDict[int, bytes] = OrderedDict()
+        self._cached_bytes = 0
+        self._loading: dict[int, Future] = {}
+        self._lock = threading.Lock()
+
+    def where(self, index: int) -> str:
+        chunk = self.chunks[index]
+        return self.storage.describe(layout.chunk_key(chunk.hash, chunk.codec))
+
+    def can_read_into(self, index: int, length: int) -> bool:
+        """Whether a piece covering all of chunk ``index`` can be read straight into its target."""
+        chunk = self.chunks[index]
+        return chunk.codec == codecs.NONE and chunk.size == length
+
+    def read_into(self, index: int, target: memoryview, *, parallel: bool = False) -> None:
+        """Read an uncompressed chunk straight into ``target`` (its exact size), then verify it."""
+        chunk = self.chunks[index]
+        key = layout.chunk_key(chunk.hash, chunk.codec)
+        self._read_checked(key, lambda: self.storage.read_into(key, target))
+        check_chunk(target, chunk.hash, self.storage.describe(key), parallel=parallel)
+
+    def read(self, index: int, *, parallel: bool = False) -> bytes | memoryview:
+        """The decoded, verified bytes of chunk ``index`` (cached while small chunks are reused)."""
+        with self._lock:
+            if index in self._cache:
+                self._cache.move_to_end(index)
+                return self._cache[index]
+            future = self._loading.get(index)
+            owner = future is None
+            if owner:
+                future = self._loading[index] = Future()
+        if not owner:
+            return future.result()
+        try:
+            data = self._fetch(index, parallel)
+        except BaseException as exc:
+            future.set_exception(exc)
+            with self._lock:
+                del self._loading[index]
+            raise
+        future.set_result(data)
+        with self._lock:
+            del self._loading[index]
+            if len(data) <= _CACHE_BYTES // 8:
+                self._cache[index] = data
+                self._cached_bytes += len(data)
+                while self._cached_bytes > _CACHE_BYTES:
+                    _, evicted = self._cache.popitem(last=False)
+                    self._cached_bytes -= len(evicted)
+        return data
+
+    def _fetch(self, index: int, parallel: bool) -> bytes | memoryview:
+        chunk = self.chunks[index]
+        key = layout.chunk_key(chunk.hash, codecs.check_codec(chunk.codec))
+        where = self.storage.describe(key)
+        stored = self._read_checked(key, lambda: self.storage.read(key, max_size=chunk.stored_size))
+        if len(stored) != chunk.stored_size:
+            raise CorruptDataError(f"{where}: {len(stored)} bytes stored, manifest says {chunk.stored_size}")
+        data = codecs.decode(chunk.codec, stored, chunk.size, where)
+        check_chunk(data, chunk.hash, where, parallel=parallel)
+        return data
+
+    def _read_checked(self, key: str, read):
+        try:
+            return read()
+        except CheckpointNotFoundError:
+            raise CheckpointNotFoundError(f"{self.storage.describe(key)}: chunk is missing") from None

@@ -1,0 +1,43 @@
+"""The exception hierarchy: every bad input, missing or corrupt datum raises a CheckpointError.
+
+Subclasses also derive from the builtin they resemble (as zarr does), so that
+``except FileNotFoundError`` or ``except ValueError`` in a caller keeps working.
+"""
+
+from __future__ import annotations
+
+
+class CheckpointError(Exception):
+    """Root of every error ckptfmt raises for bad input, missing or corrupt data."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """A repository, checkpoint or chunk that should exist does not."""
+
+
+class CheckpointExistsError(CheckpointError, FileExistsError):
+    """A checkpoint with that name is already committed; checkpoints are immutable."""
+
+
+class CorruptDataError(CheckpointError, ValueError):
+    """Stored bytes do not match their hash, size or encoding."""
+
+
+class ManifestError(CheckpointError, ValueError):
+    """A manifest or commit record is malformed, inconsistent or over a limit."""
+
+
+class UnsupportedVersionError(CheckpointError):
+    """The data was written by a newer, incompatible major version of the format."""
+
+
+class InvalidNameError(CheckpointError, ValueError):
+    """A checkpoint name, key or hash breaks the naming rules (e.g. path traversal)."""
+
+
+class UnsupportedValueError(CheckpointError, TypeError):
+    """save() was given a value the format cannot represent exactly."""
+
+
+class StorageError(CheckpointError, OSError):
+    """The storage backend failed (permissions, network, credentials)."""

@@ -1,0 +1,31 @@
+"""Where things live in a repository: the keys of the marker, chunks, manifests and commits.
+
+    REPO/ckptfmt.json                          the marker: format name and version
+    REPO/chunks/<h[0:2]>/<h>[.<codec>]         content-addressed chunks
+    REPO/NAME/manifest-<manifest hash>.msgpack one checkpoint's manifest
+    REPO/NAME/COMMIT                           its commit record, written last
+"""
+
+from __future__ import annotations
+
+from .codecs import NONE
+from .limits import check_hash, check_name
+
+MARKER_KEY = "ckptfmt.json"
+CHUNKS_DIR = "chunks"
+COMMIT_NAME = "COMMIT"
+
+
+def chunk_key(digest: str, codec: str) -> str:
+    """The key of a chunk; the codec suffix keeps differently encoded copies apart."""
+    check_hash(digest)
+    suffix = "" if codec == NONE else f".{codec}"
+    return f"{CHUNKS_DIR}/{digest[:2]}/{digest}{suffix}"
+
+
+def manifest_key(name: str, digest: str) -> str:
+    return f"{check_name(name)}/manifest-{check_hash(digest)}.msgpack"
+
+
+def commit_key(name: str) -> str:
+    return f"{check_name(name)}/{COMMIT_NAME}"

@@ -1,0 +1,46 @@
+"""Limits and naming rules that every reader applies before trusting a file.
+
+They bound memory and time whatever a file claims, and forbid names that could
+escape the repository (path traversal) on any filesystem or object store.
+"""
+
+from __future__ import annotations
+
+import re
+
+from .errors import InvalidNameError
+
+MAX_MANIFEST_BYTES = 256 * 2**20
+MAX_COMMIT_BYTES = 64 * 2**10
+MAX_MARKER_BYTES = 64 * 2**10
+MAX_DIMS = 64
+MAX_KEY_BYTES = 4096
+MAX_NAME_LENGTH = 128
+MAX_NESTING = 256
+MAX_TENSORS = 2_000_000
+MAX_CHUNKS = 10_000_000
+MAX_SHARDS_PER_TENSOR = 1_000_000
+MAX_CHUNK_BYTES = 4 * 2**30
+MAX_TENSOR_BYTES = 2**48
+
+NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+HASH_PATTERN = re.compile(r"[0-9a-f]{64}")
+#: Names that a checkpoint may not take because the repository uses them.
+RESERVED_NAMES = frozenset({"chunks", "ckptfmt.json"})
+
+
+def check_name(name: object) -> str:
+    """Return ``name`` if it is a valid checkpoint name, else raise InvalidNameError."""
+    if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name) or name in RESERVED_NAMES:
+        raise InvalidNameError(
+            f"invalid checkpoint name {name!r}: use 1-{MAX_NAME_LENGTH} characters from "
+            "A-Z a-z 0-9 . _ -, starting with a letter or digit, not 'chunks'"
+        )
+    return name
+
+
+def check_hash(value: object) -> str:
+    """Return ``value`` if it is a lowercase hex BLAKE3-256 digest, else raise InvalidNameError."""
+    if not isinstance(value, str) or not HASH_PATTERN.fullmatch(value):
+        raise InvalidNameError(f"invalid chunk hash {value!r}: expected 64 lowercase hex digits")
+    return value

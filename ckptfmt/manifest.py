@@ -1,0 +1,343 @@
+"""The manifest: one checkpoint's tensors, chunks, state tree and run metadata, in msgpack.
+
+``Manifest.to_bytes`` writes it; ``Manifest.from_bytes`` is the only way a reader
+gets one, and validates everything a hostile or damaged file could lie about
+(types, limits, hashes, shapes against byte counts) before anything is allocated.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+from .dtypes import itemsize
+from .errors import CheckpointError, ManifestError, UnsupportedVersionError
+from .limits import (
+    MAX_CHUNK_BYTES, MAX_CHUNKS, MAX_DIMS, MAX_KEY_BYTES, MAX_MANIFEST_BYTES,
+    MAX_SHARDS_PER_TENSOR, MAX_TENSOR_BYTES, MAX_TENSORS, check_hash, check_name,
+)
+
+FORMAT_VERSION = (1, 0)
+MANIFEST_FORMAT = "ckptfmt-manifest"
+TENSOR_KINDS = ("tensor", "parameter", "numpy")
+_PAIRWISE_OVERLAP_LIMIT = 256
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One content-addressed chunk: BLAKE3 of its decoded bytes, codec and sizes."""
+
+    hash: str
+    codec: str
+    size: int
+    stored_size: int
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A byte range of one chunk; a shard's pieces, concatenated, are its C-order bytes."""
+
+    chunk: int
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True)
+class Shard:
+    """A box of a tensor: where it starts in the global tensor, its shape, who wrote it."""
+
+    offsets: tuple[int, ...]
+    shape: tuple[int, ...]
+    rank: int
+    pieces: tuple[Piece, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """A tensor of the state: key, dtype, global shape, and the shards that tile it."""
+
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    shards: tuple[Shard, ...]
+    kind: str = "tensor"
+    requires_grad: bool = False
+    same_as: int | None = None
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * itemsize(self.dtype)
+
+
+@dataclass
+class Manifest:
+    """Everything about one checkpoint except the tensor bytes themselves."""
+
+    name: str
+    step: int | None
+    created_ns: int
+    parent: str | None
+    chunks: list[Chunk]
+    tensors: list[TensorEntry]
+    state: bytes
+    user: bytes
+    rng: list[dict] = field(default_factory=list)
+    environment: dict = field(default_factory=dict)
+    topology: dict = field(default_factory=dict)
+    timing: dict = field(default_factory=dict)
+    stats: dict = field(default_factory=dict)
+    version: tuple[int, int] = FORMAT_VERSION
+    #: Fields this reader does not know (from a newer minor version), kept as read.
+    extra: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        doc = {
+            "format": MANIFEST_FORMAT,
+            "version": list(self.version),
+            "name": self.name,
+            "step": self.step,
+            "created_ns": self.created_ns,
+            "parent": self.parent,
+            "chunks": [
+                {"hash": c.hash, "codec": c.codec, "size": c.size, "stored_size": c.stored_size} for c in self.chunks
+            ],
+            "tensors": [_tensor_to_dict(t) for t in self.tensors],
+            "state": self.state,
+            "user": self.user,
+            "rng": self.rng,
+            "environment": self.environment,
+            "topology": self.topology,
+            "timing": self.timing,
+            "stats": self.stats,
+        }
+        return {**self.extra, **doc}
+
+    def to_bytes(self) -> bytes:
+        return msgpack.packb(self.to_dict(), use_bin_type=True)
+
+    @classmethod
+    def from_bytes(cls, data: bytes, where: str) -> "Manifest":
+        """Parse and validate a manifest; every problem raises ManifestError naming ``where``."""
+        if len(data) > MAX_MANIFEST_BYTES:
+            raise ManifestError(f"{where}: manifest of {len(data)} bytes is over the {MAX_MANIFEST_BYTES} limit")
+        try:
+            doc = msgpack.unpackb(data, raw=False, strict_map_key=False)
+        except Exception as exc:
+            raise ManifestError(f"{where}: not a valid msgpack manifest ({type(exc).__name__}: {exc})") from None
+        try:
+            return _parse(doc)
+        except CheckpointError as exc:
+            raise type(exc)(f"{where}: {exc}") from None
+        except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
+            raise ManifestError(f"{where}: malformed manifest ({type(exc).__name__}: {exc})") from None
+
+
+def _tensor_to_dict(t: TensorEntry) -> dict:
+    doc = {
+        "key": t.key,
+        "dtype": t.dtype,
+        "shape": list(t.shape),
+        "kind": t.kind,
+        "requires_grad": t.requires_grad,
+        "shards": [
+            {
+                "offsets": list(s.offsets),
+                "shape": list(s.shape),
+                "rank": s.rank,
+                "pieces": [[p.chunk, p.offset, p.length] for p in s.pieces],
+            }
+            for s in t.shards
+        ],
+    }
+    if t.same_as is not None:
+        doc["same_as"] = t.same_as
+    return doc
+
+
+# -- parsing and validation ---------------------------------------------------
+
+def _get(doc: dict, key: str, kind: type | tuple, *, optional: bool = False, default: Any = None) -> Any:
+    if key not in doc:
+        if optional:
+            return default
+        raise ManifestError(f"missing field {key!r}")
+    value = doc[key]
+    if value is None and optional:
+        return default
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise ManifestError(f"field {key!r} has type {type(value).__name__}")
+    return value
+
+
+def _int(value: Any, what: str, low: int = 0, high: int = 2**63 - 1) -> int:
+    if type(value) is not int or not low <= value <= high:
+        raise ManifestError(f"{what} must be an integer in [{low}, {high}], found {value!r}")
+    return value
+
+
+def check_version(version: Any, what: str) -> tuple[int, int]:
+    """Accept any 1.x version (unknown fields of newer minors are ignored); refuse other majors."""
+    if not isinstance(version, list) or len(version) != 2 or not all(type(v) is int for v in version):
+        raise ManifestError(f"{what}: malformed version {version!r}")
+    if version[0] != FORMAT_VERSION[0]:
+        raise UnsupportedVersionError(
+            f"{what}: format version {version[0]}.{version[1]} is not readable by this ckptfmt "
+            f"(reads {FORMAT_VERSION[0]}.x); upgrade ckptfmt"
+        )
+    return version[0], version[1]
+
+
+_KNOWN_FIELDS = frozenset(
+    "format version name step created_ns parent chunks tensors state user rng environment topology timing stats".split()
+)
+
+
+def _parse(doc: Any) -> Manifest:
+    if not isinstance(doc, dict):
+        raise ManifestError("manifest is not a map")
+    if doc.get("format") != MANIFEST_FORMAT:
+        raise ManifestError(f"not a ckptfmt manifest (format field {doc.get('format')!r})")
+    version = check_version(doc.get("version"), "manifest")
+    raw_chunks = _get(doc, "chunks", list)
+    raw_tensors = _get(doc, "tensors", list)
+    if len(raw_chunks) > MAX_CHUNKS or len(raw_tensors) > MAX_TENSORS:
+        raise ManifestError("too many chunks or tensors")
+    chunks = [_parse_chunk(c, i) for i, c in enumerate(raw_chunks)]
+    tensors = [_parse_tensor(t, i, chunks) for i, t in enumerate(raw_tensors)]
+    _check_same_as(tensors)
+    parent = _get(doc, "parent", str, optional=True)
+    rng = _get(doc, "rng", list, optional=True, default=[])
+    if not all(isinstance(r, dict) for r in rng):
+        raise ManifestError("rng entries must be maps")
+    return Manifest(
+        name=check_name(_get(doc, "name", str)),
+        step=_get(doc, "step", int, optional=True),
+        created_ns=_int(_get(doc, "created_ns", int), "created_ns"),
+        parent=check_name(parent) if parent is not None else None,
+        chunks=chunks,
+        tensors=tensors,
+        state=_get(doc, "state", bytes),
+        user=_get(doc, "user", bytes),
+        rng=rng,
+        environment=_get(doc, "environment", dict, optional=True, default={}),
+        topology=_get(doc, "topology", dict, optional=True, default={}),
+        timing=_get(doc, "timing", dict, optional=True, default={}),
+        stats=_get(doc, "stats", dict, optional=True, default={}),
+        version=version,
+        extra={k: v for k, v in doc.items() if k not in _KNOWN_FIELDS},
+    )
+
+
+def _parse_chunk(doc: Any, index: int) -> Chunk:
+    if not isinstance(doc, dict):
+        raise ManifestError(f"chunk {index} is not a map")
+    size = _int(doc.get("size"), f"chunk {index} size", 0, MAX_CHUNK_BYTES)
+    stored = _int(doc.get("stored_size"), f"chunk {index} stored_size", 0, MAX_CHUNK_BYTES)
+    codec = doc.get("codec")
+    if not isinstance(codec, str):
+        raise ManifestError(f"chunk {index} codec is not a string")
+    return Chunk(hash=check_hash(doc.get("hash")), codec=codec, size=size, stored_size=stored)
+
+
+def _parse_dims(value: Any, what: str) -> tuple[int, ...]:
+    if not isinstance(value, list) or len(value) > MAX_DIMS:
+        raise ManifestError(f"{what} must be a list of at most {MAX_DIMS} integers")
+    return tuple(_int(d, what) for d in value)
+
+
+def _parse_tensor(doc: Any, index: int, chunks: list[Chunk]) -> TensorEntry:
+    if not isinstance(doc, dict):
+        raise ManifestError(f"tensor {index} is not a map")
+    key = doc.get("key")
+    if not isinstance(key, str) or not key or len(key.encode("utf-8", "surrogatepass")) > MAX_KEY_BYTES:
+        raise ManifestError(f"tensor {index} has an invalid key")
+    what = f"tensor {key!r}"
+    dtype = doc.get("dtype")
+    if not isinstance(dtype, str):
+        raise ManifestError(f"{what}: dtype is not a string")
+    width = itemsize(dtype)
+    shape = _parse_dims(doc.get("shape"), f"{what} shape")
+    if math.prod(shape) * width > MAX_TENSOR_BYTES:
+        raise ManifestError(f"{what}: shape {list(shape)} is over the size limit")
+    kind = doc.get("kind", "tensor")
+    if kind not in TENSOR_KINDS:
+        raise ManifestError(f"{what}: unknown kind {kind!r}")
+    requires_grad = doc.get("requires_grad", False)
+    if type(requires_grad) is not bool:
+        raise ManifestError(f"{what}: requires_grad is not a bool")
+    same_as = doc.get("same_as")
+    if same_as is not None:
+        _int(same_as, f"{what} same_as", 0, index - 1 if index else 0)
+        if index == 0:
+            raise ManifestError(f"{what}: same_as must name an earlier tensor")
+    raw_shards = doc.get("shards")
+    if not isinstance(raw_shards, list) or not raw_shards or len(raw_shards) > MAX_SHARDS_PER_TENSOR:
+        raise ManifestError(f"{what}: shards must be a non-empty list")
+    shards = tuple(_parse_shard(s, what, shape, width, chunks) for s in raw_shards)
+    _check_tiling(what, shape, shards)
+    return TensorEntry(key, dtype, shape, shards, kind, requires_grad, same_as)
+
+
+def _parse_shard(doc: Any, what: str, shape: tuple, width: int, chunks: list[Chunk]) -> Shard:
+    if not isinstance(doc, dict):
+        raise ManifestError(f"{what}: shard is not a map")
+    offsets = _parse_dims(doc.get("offsets"), f"{what} shard offsets")
+    box = _parse_dims(doc.get("shape"), f"{what} shard shape")
+    if len(offsets) != len(shape) or len(box) != len(shape):
+        raise ManifestError(f"{what}: shard rank differs from the tensor's {len(shape)} dims")
+    if any(o + n > d for o, n, d in zip(offsets, box, shape)):
+        raise ManifestError(f"{what}: shard at {list(offsets)} of shape {list(box)} lies outside {list(shape)}")
+    rank = _int(doc.get("rank", 0), f"{what} shard rank", 0, 2**31)
+    raw_pieces = doc.get("pieces")
+    if not isinstance(raw_pieces, list):
+        raise ManifestError(f"{what}: shard pieces must be a list")
+    pieces = []
+    total = 0
+    for raw in raw_pieces:
+        if not isinstance(raw, list) or len(raw) != 3:
+            raise ManifestError(f"{what}: a piece must be [chunk, offset, length]")
+        index = _int(raw[0], f"{what} piece chunk", 0, len(chunks) - 1) if chunks else None
+        if index is None:
+            raise ManifestError(f"{what}: piece names a chunk but the chunk table is empty")
+        offset = _int(raw[1], f"{what} piece offset")
+        length = _int(raw[2], f"{what} piece length")
+        if offset + length > chunks[index].size:
+            raise ManifestError(f"{what}: piece [{offset}, +{length}) runs past chunk {index} ({chunks[index].size} bytes)")
+        pieces.append(Piece(index, offset, length))
+        total += length
+    expected = math.prod(box) * width
+    if total != expected:
+        raise ManifestError(f"{what}: shard of shape {list(box)} needs {expected} bytes, pieces hold {total}")
+    return Shard(offsets, box, rank, tuple(pieces))
+
+
+def _check_tiling(what: str, shape: tuple, shards: tuple[Shard, ...]) -> None:
+    """Shards must cover the tensor exactly: same total volume and no two overlapping."""
+    if sum(s.numel for s in shards) != math.prod(shape):
+        raise ManifestError(f"{what}: shards do not cover shape {list(shape)} exactly")
+    if len(shards) <= _PAIRWISE_OVERLAP_LIMIT:
+        for i, a in enumerate(shards):
+            for b in shards[i + 1 :]:
+                if a.numel and b.numel and all(
+                    ao < bo + bn and bo < ao + an for ao, an, bo, bn in zip(a.offsets, a.shape, b.offsets, b.shape)
+                ):
+                    raise ManifestError(f"{what}: shards at {list(a.offsets)} and {list(b.offsets)} overlap")
+
+
+def _check_same_as(tensors: list[TensorEntry]) -> None:
+    for t in tensors:
+        if t.same_as is not None:
+            first = tensors[t.same_as]
+            if (first.dtype, first.shape, first.kind) != (t.dtype, t.shape, t.kind) or first.same_as is not None:
+                raise ManifestError(f"tensor {t.key!r}: same_as names a different tensor")

@@ -1,0 +1,184 @@
+"""Reading checkpoints: ``open`` (lazy, per tensor), ``load`` (everything) and ``restore_rng``."""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from .chunkio import ChunkReader
+from .errors import CheckpointError, CheckpointNotFoundError
+from .manifest import Manifest, TensorEntry
+from .repository import Repository, resolve
+from .rng import apply_rng
+from .tensors import byte_view, empty, finish
+from .topology import current_rank
+from .values import decode_tree
+
+
+class CheckpointReader:
+    """A committed checkpoint, opened lazily: tensors are read only when asked for.
+
+    Use as a context manager, like safetensors' ``safe_open``::
+
+        with ckptfmt.open("runs/exp1/step-100") as ckpt:
+            weight = ckpt.get_tensor("model/layers.0.attn.weight")
+    """
+
+    def __init__(self, url: str | os.PathLike, *, storage_options: dict | None = None,
+                 map_location: str | torch.device | None = "cpu"):
+        repository, name = resolve(url, storage_options)
+        self._setup(repository, name, map_location)
+
+    @classmethod
+    def from_parts(cls, repository: Repository, name: str,
+                   map_location: str | torch.device | None = "cpu") -> "CheckpointReader":
+        """Open checkpoint ``name`` of an already opened repository."""
+        reader = cls.__new__(cls)
+        reader._setup(repository, name, map_location)
+        return reader
+
+    def _setup(self, repository: Repository, name: str, map_location) -> None:
+        self.repository, self.name = repository, name
+        self.commit = repository.commit(name)
+        self.manifest: Manifest = repository.manifest(name, self.commit)
+        self.map_location = torch.device(map_location if map_location is not None else "cpu")
+        self._index = {t.key: i for i, t in enumerate(self.manifest.tensors)}
+        self._chunks = ChunkReader(repository.storage, self.manifest.chunks)
+
+    # -- context manager -----------------------------------------------------
+    def __enter__(self) -> "CheckpointReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Nothing is held open between reads; kept for the safe_open-like protocol."""
+
+    # -- what is inside --------------------------------------------------------
+    @property
+    def url(self) -> str:
+        return self.repository.storage.describe(self.name)
+
+    @property
+    def id(self) -> str:
+        """The BLAKE3 hash of the manifest: identifies this checkpoint's exact content."""
+        return self.commit.manifest_hash
+
+    def keys(self) -> list[str]:
+        """Every tensor's key (path segments joined by '/'), in save order."""
+        return list(self._index)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._index
+
+    def tensor_info(self, key: str) -> TensorEntry:
+        """Dtype, shape, shards and chunk references of one tensor, without reading it."""
+        return self.manifest.tensors[self._lookup(key)]
+
+    @property
+    def metadata(self) -> dict:
+        """Run metadata: step, environment, rng, topology, timing, user, and more."""
+        m = self.manifest
+        return {
+            "name": m.name,
+            "step": m.step,
+            "created_ns": m.created_ns,
+            "parent": m.parent,
+            "format_version": list(m.version),
+            "environment": m.environment,
+            "rng": m.rng,
+            "topology": m.topology,
+            "timing": m.timing,
+            "stats": m.stats,
+            "user": decode_tree(m.user),
+            **({"extra": m.extra} if m.extra else {}),
+        }
+
+    # -- reading -------------------------------------------------------------
+    def get_tensor(self, key: str):
+        """Read one tensor (only its chunks), verified, on ``map_location``."""
+        return self._read(self._lookup(key), parallel=True)
+
+    def load_state(self, *, workers: int = 4) -> Any:
+        """The whole saved state, type-exact, every chunk verified."""
+        tensors = self.manifest.tensors
+        loaded: list[Any] = [None] * len(tensors)
+        firsts = [i for i, t in enumerate(tensors) if t.same_as is None]
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckptfmt-load") as pool:
+            for index, value in zip(firsts, pool.map(self._read, firsts)):
+                loaded[index] = value
+        for index, entry in enumerate(tensors):
+            if entry.same_as is not None:
+                loaded[index] = loaded[entry.same_as]
+
+        def resolve_tensor(index: int):
+            if not 0 <= index < len(loaded):
+                raise CheckpointError(f"{self.url}: state refers to tensor {index}, table has {len(loaded)}")
+            return loaded[index]
+
+        return decode_tree(self.manifest.state, resolve_tensor)
+
+    def _lookup(self, key: str) -> int:
+        try:
+            return self._index[key]
+        except KeyError:
+            raise CheckpointNotFoundError(f"{self.url}: no tensor {key!r}") from None
+
+    def _read(self, index: int, parallel: bool = False):
+        entry = self.manifest.tensors[index]
+        if entry.same_as is not None:
+            entry = self.manifest.tensors[entry.same_as]
+        try:
+            tensor = empty(entry.dtype, entry.shape)
+        except RuntimeError as exc:
+            raise CheckpointError(f"{self.url}: cannot allocate tensor {entry.key!r}: {exc}") from None
+        whole = len(entry.shards) == 1
+        for shard in entry.shards:
+            target = tensor if whole else empty(entry.dtype, shard.shape)
+            self._fill(byte_view(target), shard.pieces, parallel)
+            if not whole:
+                tensor[tuple(slice(o, o + n) for o, n in zip(shard.offsets, shard.shape))] = target
+        if self.map_location.type != "cpu" and entry.kind != "numpy":
+            tensor = tensor.to(self.map_location)
+        return finish(tensor, entry.kind, entry.requires_grad)
+
+    def _fill(self, target: memoryview, pieces, parallel: bool) -> None:
+        position = 0
+        for piece in pieces:
+            region = target[position : position + piece.length]
+            if self._chunks.can_read_into(piece.chunk, piece.length) and self.repository.storage.zero_copy_reads:
+                self._chunks.read_into(piece.chunk, region, parallel=parallel)
+            else:
+                data = self._chunks.read(piece.chunk, parallel=parallel)
+                region[:] = memoryview(data)[piece.offset : piece.offset + piece.length]
+            position += piece.length
+
+
+def open(url: str | os.PathLike, *, storage_options: dict | None = None,
+         map_location: str | torch.device | None = "cpu") -> CheckpointReader:
+    """Open a checkpoint (or a repository's latest) for lazy reads."""
+    return CheckpointReader(url, storage_options=storage_options, map_location=map_location)
+
+
+def load(url: str | os.PathLike, *, map_location: str | torch.device | None = "cpu",
+         storage_options: dict | None = None) -> Any:
+    """Load a checkpoint's whole state, type-exact, with every chunk verified against its hash."""
+    with open(url, storage_options=storage_options, map_location=map_location) as reader:
+        return reader.load_state()
+
+
+def restore_rng(url_or_reader: str | os.PathLike | CheckpointReader, *, rank: int | None = None,
+                storage_options: dict | None = None) -> None:
+    """Restore the torch, CUDA, numpy and Python RNG states this rank had at save."""
+    reader = url_or_reader if isinstance(url_or_reader, CheckpointReader) else open(
+        url_or_reader, storage_options=storage_options
+    )
+    rank = current_rank()[0] if rank is None else rank
+    entries = [e for e in reader.manifest.rng if e.get("rank") == rank]
+    if not entries:
+        raise CheckpointNotFoundError(f"{reader.url}: no RNG state recorded for rank {rank}")
+    apply_rng(entries[0], reader.url)

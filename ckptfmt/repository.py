@@ -1,0 +1,210 @@
+"""A repository: the marker, the chunk store and the committed checkpoints at one URL.
+
+A checkpoint exists for readers only once its commit record is written and
+names a manifest whose hash matches; anything else under REPO/NAME is an
+unfinished or failed save and is ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+from . import layout
+from .errors import CheckpointError, CheckpointNotFoundError, CorruptDataError, ManifestError
+from .hashing import check_chunk
+from .limits import MAX_COMMIT_BYTES, MAX_MANIFEST_BYTES, MAX_MARKER_BYTES, NAME_PATTERN, RESERVED_NAMES, check_hash, check_name
+from .manifest import FORMAT_VERSION, Manifest, check_version
+from .storage import Storage, open_storage
+
+REPO_FORMAT = "ckptfmt-repository"
+COMMIT_FORMAT = "ckptfmt-commit"
+
+
+@dataclass(frozen=True)
+class CommitRecord:
+    """The small record that makes a checkpoint exist: its manifest's hash plus a summary."""
+
+    name: str
+    manifest_hash: str
+    manifest_size: int
+    step: int | None
+    created_ns: int
+    parent: str | None
+    stats: dict
+
+    def to_bytes(self) -> bytes:
+        return json.dumps({
+            "format": COMMIT_FORMAT,
+            "version": list(FORMAT_VERSION),
+            "name": self.name,
+            "manifest": self.manifest_hash,
+            "manifest_size": self.manifest_size,
+            "step": self.step,
+            "created_ns": self.created_ns,
+            "parent": self.parent,
+            "stats": self.stats,
+        }, indent=1).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes, where: str) -> "CommitRecord":
+        try:
+            doc = json.loads(data)
+            if not isinstance(doc, dict) or doc.get("format") != COMMIT_FORMAT:
+                raise ManifestError("not a ckptfmt commit record")
+            check_version(doc.get("version"), "commit record")
+            size = doc["manifest_size"]
+            step = doc.get("step")
+            created = doc["created_ns"]
+            if type(size) is not int or not 0 < size <= MAX_MANIFEST_BYTES:
+                raise ManifestError(f"manifest_size {size!r} is invalid")
+            if step is not None and type(step) is not int:
+                raise ManifestError("step is not an integer")
+            if type(created) is not int:
+                raise ManifestError("created_ns is not an integer")
+            parent = doc.get("parent")
+            stats = doc.get("stats") or {}
+            if not isinstance(stats, dict):
+                raise ManifestError("stats is not a map")
+            return cls(
+                name=check_name(doc["name"]),
+                manifest_hash=check_hash(doc["manifest"]),
+                manifest_size=size,
+                step=step,
+                created_ns=created,
+                parent=check_name(parent) if parent is not None else None,
+                stats=stats,
+            )
+        except CheckpointError as exc:
+            raise type(exc)(f"{where}: {exc}") from None
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ManifestError(f"{where}: malformed commit record ({type(exc).__name__}: {exc})") from None
+
+
+class Repository:
+    """Access to one repository's checkpoints and chunks through a Storage."""
+
+    def __init__(self, storage: Storage):
+        self.storage = storage
+
+    @property
+    def url(self) -> str:
+        return self.storage.url
+
+    @classmethod
+    def open(cls, url: str | os.PathLike, storage_options: dict | None = None, *, create: bool = False) -> "Repository":
+        """The repository at ``url``; with ``create``, make it (marker included) when missing."""
+        repo = cls(open_storage(url, storage_options))
+        if repo.storage.exists(layout.MARKER_KEY):
+            repo.check_marker()
+        elif create:
+            repo.storage.makedirs("")
+            try:
+                repo.storage.create(layout.MARKER_KEY, repo._marker_bytes())
+            except FileExistsError:  # another writer created it first
+                repo.check_marker()
+        else:
+            raise CheckpointNotFoundError(f"{repo.url}: not a ckptfmt repository (no {layout.MARKER_KEY})")
+        return repo
+
+    @staticmethod
+    def _marker_bytes() -> bytes:
+        return json.dumps({"format": REPO_FORMAT, "version": list(FORMAT_VERSION)}, indent=1).encode()
+
+    def check_marker(self) -> None:
+        where = self.storage.describe(layout.MARKER_KEY)
+        try:
+            doc = json.loads(self.storage.read(layout.MARKER_KEY, max_size=MAX_MARKER_BYTES))
+        except CheckpointError:
+            raise
+        except ValueError:
+            raise ManifestError(f"{where}: not valid JSON") from None
+        if not isinstance(doc, dict) or doc.get("format") != REPO_FORMAT:
+            raise ManifestError(f"{where}: not a ckptfmt repository marker")
+        check_version(doc.get("version"), where)
+
+    # -- checkpoints ---------------------------------------------------------
+    def names(self) -> list[str]:
+        """Names of the committed checkpoints (those with a commit record), sorted."""
+        names = []
+        for entry in self.storage.list(""):
+            if NAME_PATTERN.fullmatch(entry) and entry not in RESERVED_NAMES:
+                if self.storage.exists(layout.commit_key(entry)):
+                    names.append(entry)
+        return names
+
+    def commit(self, name: str) -> CommitRecord:
+        key = layout.commit_key(name)
+        where = self.storage.describe(key)
+        try:
+            data = self.storage.read(key, max_size=MAX_COMMIT_BYTES)
+        except CheckpointNotFoundError:
+            raise CheckpointNotFoundError(f"{self.storage.describe(name)}: no such checkpoint (no commit record)") from None
+        record = CommitRecord.from_bytes(data, where)
+        if record.name != name:
+            raise ManifestError(f"{where}: commit record names checkpoint {record.name!r}")
+        return record
+
+    def commits(self) -> list[CommitRecord]:
+        """Commit records of every checkpoint, oldest first."""
+        return sorted((self.commit(n) for n in self.names()), key=lambda r: (r.created_ns, r.name))
+
+    def latest(self) -> str:
+        """The most recently committed checkpoint's name."""
+        records = self.commits()
+        if not records:
+            raise CheckpointNotFoundError(f"{self.url}: repository has no checkpoints")
+        return records[-1].name
+
+    def manifest(self, name: str, record: CommitRecord | None = None) -> Manifest:
+        """Read a committed checkpoint's manifest, checked against its commit record."""
+        record = record or self.commit(name)
+        key = layout.manifest_key(name, record.manifest_hash)
+        where = self.storage.describe(key)
+        data = self.storage.read(key, max_size=record.manifest_size)
+        if len(data) != record.manifest_size:
+            raise CorruptDataError(f"{where}: {len(data)} bytes, commit record says {record.manifest_size}")
+        check_chunk(data, record.manifest_hash, where)
+        manifest = Manifest.from_bytes(data, where)
+        if manifest.name != name:
+            raise ManifestError(f"{where}: manifest names checkpoint {manifest.name!r}")
+        return manifest
+
+    # -- chunks --------------------------------------------------------------
+    def chunk_location(self, digest: str, codec: str) -> str:
+        return layout.chunk_key(digest, codec)
+
+    @cached_property
+    def zero_copy_reads(self) -> bool:
+        return self.storage.zero_copy_reads
+
+
+def resolve(url: str | os.PathLike, storage_options: dict[str, Any] | None = None) -> tuple[Repository, str]:
+    """Map a checkpoint URL (REPO/NAME) or a repository URL (its latest checkpoint) to both parts."""
+    text = os.fspath(url).rstrip("/")
+    storage = open_storage(text, storage_options)
+    if storage.exists(layout.MARKER_KEY):
+        repo = Repository(storage)
+        repo.check_marker()
+        return repo, repo.latest()
+    parent, sep, name = text.rpartition("/")
+    if not sep or not name:
+        raise CheckpointNotFoundError(f"{text}: not a ckptfmt repository or checkpoint")
+    check_name(name)
+    try:
+        repo = Repository.open(parent or "/", storage_options)
+    except CheckpointNotFoundError:
+        raise CheckpointNotFoundError(f"{text}: not a ckptfmt repository or checkpoint") from None
+    return repo, name
+
+
+def split_checkpoint_url(url: str | os.PathLike) -> tuple[str, str]:
+    """Split 'REPO/NAME' for a save; the name must be one valid path segment."""
+    text = os.fspath(url).rstrip("/")
+    parent, sep, name = text.rpartition("/")
+    if not sep:
+        parent, name = ".", text
+    return parent or "/", check_name(name)

@@ -1,0 +1,73 @@
+"""Random number generator states: captured at save, restored by ``restore_rng``.
+
+Per rank: torch's CPU generator, every CUDA device's generator (when CUDA is in
+use), numpy's global generator and Python's ``random``. Byte states are stored
+verbatim; numpy's and Python's as plain lists and numbers.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import torch
+
+from .errors import CheckpointError
+
+
+def capture_rng(rank: int) -> dict:
+    """This process's generator states, as one manifest ``rng`` entry."""
+    entry = {
+        "rank": rank,
+        "torch_cpu": torch.get_rng_state().numpy().tobytes(),
+        "torch_initial_seed": torch.initial_seed(),
+        "cuda": [],
+        "numpy": _numpy_state(),
+        "python": _python_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        entry["cuda"] = [state.numpy().tobytes() for state in torch.cuda.get_rng_state_all()]
+    return entry
+
+
+def _numpy_state() -> dict:
+    name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+    return {
+        "bit_generator": name,
+        "keys": np.asarray(keys, dtype="<u4").tobytes(),
+        "pos": int(pos),
+        "has_gauss": int(has_gauss),
+        "cached_gaussian": float(cached),
+    }
+
+
+def _python_state() -> dict:
+    version, internal, gauss_next = random.getstate()
+    return {"version": version, "state": list(internal), "gauss_next": gauss_next}
+
+
+def apply_rng(entry: dict, where: str) -> None:
+    """Set this process's generators to a captured entry; raises CheckpointError if malformed."""
+    try:
+        torch.set_rng_state(torch.frombuffer(bytearray(entry["torch_cpu"]), dtype=torch.uint8))
+        cuda_states = entry.get("cuda") or []
+        if cuda_states and torch.cuda.is_available():
+            if len(cuda_states) != torch.cuda.device_count():
+                raise CheckpointError(
+                    f"{where}: {len(cuda_states)} CUDA generator states saved, {torch.cuda.device_count()} devices here"
+                )
+            torch.cuda.set_rng_state_all([torch.frombuffer(bytearray(s), dtype=torch.uint8) for s in cuda_states])
+        numpy_state = entry.get("numpy")
+        if numpy_state:
+            keys = np.frombuffer(numpy_state["keys"], dtype="<u4").astype(np.uint32)
+            np.random.set_state((
+                numpy_state["bit_generator"], keys, numpy_state["pos"],
+                numpy_state["has_gauss"], numpy_state["cached_gaussian"],
+            ))
+        python_state = entry.get("python")
+        if python_state:
+            random.setstate((python_state["version"], tuple(python_state["state"]), python_state["gauss_next"]))
+    except CheckpointError:
+        raise
+    except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+        raise CheckpointError(f"{where}: malformed RNG state ({type(exc).__name__}: {exc})") from None

@@ -1,0 +1,294 @@
+"""One storage layer over fsspec: the few primitives the format needs, on any URL.
+
+``Storage`` works on every fsspec filesystem (memory://, s3://, ...). ``LocalStorage``
+specialises it for local disks, where durability needs fsync and renames, and
+reads can go straight into a tensor's memory.
+
+Keys are '/'-separated paths relative to the storage root. Writes come in two
+kinds: ``write`` (idempotent, for content-addressed chunks) and ``create``
+(write-once: fails if the key exists, for commit records).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import uuid
+from typing import Any
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+from .errors import CheckpointError, CheckpointNotFoundError, CorruptDataError, StorageError
+
+
+def _storage_error(exc: Exception, what: str) -> CheckpointError:
+    """Translate a backend exception into the ckptfmt hierarchy."""
+    if isinstance(exc, CheckpointError):
+        return exc
+    if isinstance(exc, FileNotFoundError):
+        return CheckpointNotFoundError(f"{what}: not found")
+    if isinstance(exc, PermissionError):
+        return StorageError(f"{what}: permission denied ({exc})")
+    return StorageError(f"{what}: {type(exc).__name__}: {exc}")
+
+
+class Storage:
+    """Key/value access to a folder or prefix on any fsspec filesystem."""
+
+    #: Whether ``read_into`` reads straight into caller memory without a copy.
+    zero_copy_reads = False
+
+    def __init__(self, fs: fsspec.AbstractFileSystem, root: str, url: str):
+        self.fs = fs
+        self.root = root.rstrip("/")
+        self.url = url.rstrip("/")
+
+    def path(self, key: str) -> str:
+        """The backend path of ``key``."""
+        return f"{self.root}/{key}" if key else self.root
+
+    def describe(self, key: str) -> str:
+        """The user-facing URL of ``key``, for messages."""
+        return f"{self.url}/{key}" if key else self.url
+
+    def child(self, key: str) -> "Storage":
+        """A storage rooted at ``key`` below this one, on the same filesystem."""
+        return type(self)(self.fs, self.path(key), self.describe(key))
+
+    # -- reads --------------------------------------------------------------
+    def read(self, key: str, *, max_size: int | None = None) -> bytes:
+        """All bytes of ``key``; with ``max_size``, refuses larger objects before reading them."""
+        try:
+            if max_size is not None:
+                size = self.size(key)
+                if size > max_size:
+                    raise CorruptDataError(f"{self.describe(key)}: {size} bytes, over the limit of {max_size}")
+            return self.fs.cat_file(self.path(key))
+        except Exception as exc:
+            raise _storage_error(exc, self.describe(key)) from None
+
+    def read_into(self, key: str, buffer: memoryview) -> None:
+        """Fill ``buffer`` with the bytes of ``key``, which must be exactly that long."""
+        data = self.read(key, max_size=len(buffer))
+        if len(data) != len(buffer):
+            raise CorruptDataError(f"{self.describe(key)}: {len(data)} bytes, expected {len(buffer)}")
+        buffer[:] = data
+
+    def size(self, key: str) -> int:
+        """Size in bytes of ``key``."""
+        try:
+            return int(self.fs.size(self.path(key)))
+        except Exception as exc:
+            raise _storage_error(exc, self.describe(key)) from None
+
+    def exists(self, key: str) -> bool:
+        try:
+            return bool(self.fs.exists(self.path(key)))
+        except Exception as exc:
+            raise _storage_error(exc, self.describe(key)) from None
+
+    def list(self, key: str = "") -> list[str]:
+        """Names of the entries directly under ``key`` (empty when it does not exist)."""
+        try:
+            self.fs.invalidate_cache(self.path(key))  # other processes may have written since
+            entries = self.fs.ls(self.path(key), detail=False)
+        except FileNotFoundError:
+            return []
+        except Exception as exc:
+            raise _storage_error(exc, self.describe(key)) from None
+        return sorted({e.rstrip("/").rsplit("/", 1)[-1] for e in entries})
+
+    # -- writes -------------------------------------------------------------
+    def write(self, key: str, data) -> None:
+        """Store ``data`` at ``key``, replacing any object there, atomically for readers."""
+        try:
+            self.fs.pipe_file(self.path(key), bytes(data))
+        except Exception as exc:
+            raise _storage_error(exc, self.describe(key)) from None
+
+    def create(self, key: str, data: bytes) -> None:
+        """Store ``data`` at ``key`` only if nothing is there; raises FileExistsError otherwise.
+
+        On S3 this is a conditional PUT (``If-None-Match: *``), so two writers
+        racing for one key cannot both succeed.
+        """
+        try:
+            self.fs.pipe_file(self.path(key), bytes(data), mode="create")
+        except FileExistsError:
+            raise
+        except Exception as exc:
+            raise _storage_error(exc, self.describe(key)) from None
+
+    def delete(self, key: str) -> None:
+        try:
+            self.fs.rm_file(self.path(key))
+        except FileNotFoundError:
+            pass
+        except Exception as exc:
+            raise _storage_error(exc, self.describe(key)) from None
+
+    def sync(self, keys: list[str]) -> None:
+        """Make the named keys' directory entries durable (object stores already are)."""
+
+    def makedirs(self, key: str) -> None:
+        """Create the folder ``key`` where folders exist (object stores have none)."""
+
+
+class LocalStorage(Storage):
+    """Local disks: temp file + fsync + rename, directory fsync, reads into caller memory."""
+
+    zero_copy_reads = True
+
+    def __init__(self, fs: fsspec.AbstractFileSystem, root: str, url: str):
+        super().__init__(fs, os.path.abspath(root), url)
+        self._known_dirs: set[str] = set()
+        #: Folders this storage created: their entries in their parents need an fsync too.
+        self._new_dirs: set[str] = set()
+
+    def read(self, key: str, *, max_size: int | None = None) -> bytes:
+        path = self.path(key)
+        try:
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                if max_size is not None and size > max_size:
+                    raise CorruptDataError(f"{self.describe(key)}: {size} bytes, over the limit of {max_size}")
+                return f.read()
+        except Exception as exc:
+            raise _storage_error(exc, self.describe(key)) from None
+
+    def read_into(self, key: str, buffer: memoryview) -> None:
+        path = self.path(key)
+        try:
+            with open(path, "rb", buffering=0) as f:
+                size = os.fstat(f.fileno()).st_size
+                if size != len(buffer):
+                    raise CorruptDataError(f"{self.describe(key)}: {size} bytes, expected {len(buffer)}")
+                view = buffer.cast("B")
+                while view:
+                    n = f.readinto(view)
+                    if not n:
+                        raise CorruptDataError(f"{self.describe(key)}: truncated while reading")
+                    view = view[n:]
+        except Exception as exc:
+            raise _storage_error(exc, self.describe(key)) from None
+
+    def size(self, key: str) -> int:
+        try:
+            return os.stat(self.path(key)).st_size
+        except Exception as exc:
+            raise _storage_error(exc, self.describe(key)) from None
+
+    def exists(self, key: str) -> bool:
+        return os.path.exists(self.path(key))
+
+    def list(self, key: str = "") -> list[str]:
+        try:
+            return sorted(os.listdir(self.path(key)))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        except Exception as exc:
+            raise _storage_error(exc, self.describe(key)) from None
+
+    def makedirs(self, key: str) -> None:
+        path = self.path(key)
+        if path in self._known_dirs:
+            return
+        missing = []
+        probe = path
+        while not os.path.isdir(probe):
+            missing.append(probe)
+            probe = os.path.dirname(probe)
+        try:
+            os.makedirs(path, exist_ok=True)
+        except Exception as exc:
+            raise _storage_error(exc, self.describe(key)) from None
+        self._known_dirs.add(path)
+        self._new_dirs.update(missing)
+
+    def _write_temp(self, key: str, data) -> str:
+        """Write ``data`` durably to a temp file beside ``key``; returns its path."""
+        path = self.path(key)
+        directory, name = os.path.split(path)
+        self.makedirs(os.path.relpath(directory, self.root) if directory != self.root else "")
+        tmp = os.path.join(directory, f".{name}.tmp-{uuid.uuid4().hex[:12]}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            view = memoryview(data).cast("B")
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            os.unlink(tmp)
+            raise
+        os.close(fd)
+        return tmp
+
+    def write(self, key: str, data) -> None:
+        try:
+            tmp = self._write_temp(key, data)
+            os.replace(tmp, self.path(key))
+        except Exception as exc:
+            raise _storage_error(exc, self.describe(key)) from None
+
+    def create(self, key: str, data: bytes) -> None:
+        try:
+            tmp = self._write_temp(key, data)
+        except Exception as exc:
+            raise _storage_error(exc, self.describe(key)) from None
+        try:
+            os.link(tmp, self.path(key))  # atomic, and fails if the key exists
+        except FileExistsError:
+            raise
+        except Exception as exc:
+            raise _storage_error(exc, self.describe(key)) from None
+        finally:
+            os.unlink(tmp)
+        self.sync([key])
+
+    def delete(self, key: str) -> None:
+        try:
+            os.unlink(self.path(key))
+        except FileNotFoundError:
+            pass
+        except Exception as exc:
+            raise _storage_error(exc, self.describe(key)) from None
+
+    def sync(self, keys: list[str]) -> None:
+        directories = {os.path.dirname(self.path(k)) for k in keys}
+        directories.update(os.path.dirname(d) for d in self._new_dirs)
+        self._new_dirs.clear()
+        for directory in sorted(directories, key=len, reverse=True):
+            try:
+                fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+            except FileNotFoundError:
+                continue
+            try:
+                os.fsync(fd)
+            except OSError as exc:  # some filesystems cannot fsync directories
+                if exc.errno not in (errno.EINVAL, errno.ENOTSUP):
+                    raise _storage_error(exc, directory) from None
+            finally:
+                os.close(fd)
+
+    def child(self, key: str) -> "LocalStorage":
+        return LocalStorage(self.fs, self.path(key), self.describe(key))
+
+
+def open_storage(url: str | os.PathLike, storage_options: dict[str, Any] | None = None) -> Storage:
+    """The storage for a local path or fsspec URL (``s3://``, ``memory://``, ``file://``).
+
+    S3 endpoint and credentials come from ``storage_options`` or, as in a user's
+    shell, from the standard AWS environment variables (``AWS_ENDPOINT_URL``, ...).
+    """
+    url = os.fspath(url)
+    try:
+        fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+    except ImportError as exc:
+        raise StorageError(f"{url}: missing backend ({exc}); for s3:// install ckptfmt[s3]") from None
+    except Exception as exc:
+        raise _storage_error(exc, url) from None
+    if isinstance(fs, LocalFileSystem):
+        return LocalStorage(fs, root, url)
+    return Storage(fs, root, url)

@@ -1,0 +1,96 @@
+"""Turning tensor-like leaves into raw little-endian C-order bytes, and back.
+
+torch tensors (parameters included) and numpy arrays are stored; sparse,
+quantized, meta and subclassed tensors are refused with the offending path.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .dtypes import dtype_from_name, dtype_name
+from .errors import UnsupportedValueError
+
+if sys.byteorder != "little":  # pragma: no cover - every supported platform is little-endian
+    raise ImportError("ckptfmt stores little-endian bytes and supports little-endian hosts only")
+
+
+@dataclass
+class TensorSource:
+    """A tensor ready to be written: its CPU bytes and what the manifest says about it."""
+
+    tensor: torch.Tensor  # CPU, contiguous; owns or views the bytes below
+    dtype: str
+    shape: tuple[int, ...]
+    kind: str
+    requires_grad: bool
+    #: True when ``tensor`` views the caller's memory (stable address across saves).
+    borrowed: bool
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.numel() * self.tensor.element_size()
+
+    def byte_view(self) -> memoryview:
+        """The raw bytes, without copying."""
+        return byte_view(self.tensor)
+
+
+def prepare(value: torch.Tensor | np.ndarray, where: str) -> TensorSource:
+    """Check a leaf and bring it to contiguous CPU memory (copying only when needed)."""
+    if isinstance(value, np.ndarray):
+        if value.dtype.kind not in "biufc" or value.dtype.byteorder == ">":
+            raise UnsupportedValueError(f"{where}: numpy arrays of dtype {value.dtype} cannot be stored")
+        array = np.ascontiguousarray(value)
+        try:
+            tensor = torch.from_numpy(array)
+        except TypeError as exc:
+            raise UnsupportedValueError(f"{where}: {exc}") from None
+        return TensorSource(tensor, dtype_name(tensor.dtype), tuple(array.shape), "numpy", False, array is value)
+    kind = type(value)
+    if kind not in (torch.Tensor, torch.nn.Parameter):
+        raise UnsupportedValueError(f"{where}: tensor subclass {kind.__qualname__} is not supported yet")
+    if value.layout != torch.strided or value.is_quantized or value.is_nested:
+        raise UnsupportedValueError(f"{where}: {value.layout} / quantized / nested tensors are not supported")
+    if value.device.type == "meta":
+        raise UnsupportedValueError(f"{where}: meta tensors have no data to save")
+    name = dtype_name(value.dtype)
+    tensor = value.detach().resolve_conj().resolve_neg()
+    on_cpu = tensor.device.type == "cpu"
+    if not on_cpu:
+        tensor = tensor.cpu()
+    contiguous = tensor.is_contiguous()
+    if not contiguous:
+        tensor = tensor.contiguous()
+    return TensorSource(
+        tensor, name, tuple(value.shape),
+        "parameter" if kind is torch.nn.Parameter else "tensor",
+        bool(value.requires_grad), on_cpu and contiguous,
+    )
+
+
+def empty(dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """Fresh CPU memory for a tensor about to be read."""
+    return torch.empty(shape, dtype=dtype_from_name(dtype))
+
+
+def byte_view(tensor: torch.Tensor) -> memoryview:
+    """Writable raw bytes of a contiguous CPU tensor."""
+    if tensor.numel() == 0:
+        return memoryview(bytearray())
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+
+
+def finish(tensor: torch.Tensor, kind: str, requires_grad: bool):
+    """Give a loaded tensor back the type it was saved as."""
+    if kind == "numpy":
+        return tensor.numpy()
+    if kind == "parameter":
+        return torch.nn.Parameter(tensor, requires_grad=requires_grad)
+    if requires_grad and (tensor.is_floating_point() or tensor.is_complex()):
+        tensor.requires_grad_(True)
+    return tensor

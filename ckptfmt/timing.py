@@ -1,0 +1,37 @@
+"""Phase timing of a save: wall-clock start stamps and durations, per rank."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import time
+
+
+class PhaseTimer:
+    """Records named phases as {name, start_ns (wall clock), duration_s (monotonic)}."""
+
+    def __init__(self):
+        self.phases: list[dict] = []
+        self.start_ns = time.time_ns()
+        self._start = time.perf_counter()
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        start_ns, start = time.time_ns(), time.perf_counter()
+        try:
+            yield
+        finally:
+            self.phases.append({"name": name, "start_ns": start_ns, "duration_s": time.perf_counter() - start})
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self._start
+
+    def record(self, rank: int) -> dict:
+        """This rank's entry of the manifest's ``timing.ranks``."""
+        return {
+            "rank": rank,
+            "host": socket.gethostname(),
+            "start_ns": self.start_ns,
+            "phases": list(self.phases),
+            "total_s": self.elapsed(),
+        }

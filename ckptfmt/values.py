@@ -1,0 +1,223 @@
+"""The value tree: a training state's structure and plain values, type-exact, in msgpack.
+
+msgpack's own types carry None, bool, int (64-bit), float (always float64, so
+nan and inf survive), str, bytes, list and dict (with keys of any type below).
+Extension types carry the rest, each payload itself a msgpack document:
+
+    1 tensor reference   int: index into the manifest's tensor table
+    2 tuple              array
+    3 big integer        ASCII decimal, for ints outside [-2**63, 2**64)
+    4 OrderedDict        map
+    5 set / 6 frozenset  array
+    7 complex            [real, imag]
+    8 torch.dtype        str: the format's dtype name
+    9 torch.Size         array of ints
+   10 torch.device       str
+   11 numpy scalar       [numpy dtype string such as '<f4', raw bytes]
+   12 opaque object      map {"module", "qualname", "pickle": bytes}: an object a
+                         converter could not rebuild safely; its pickle is kept
+                         verbatim and never unpickled by ckptfmt
+
+Anything else is refused at save time with the path of the offending value.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import msgpack
+import numpy as np
+import torch
+
+from .dtypes import dtype_from_name, dtype_name
+from .errors import ManifestError, UnsupportedValueError
+from .limits import MAX_NESTING
+
+EXT_TENSOR, EXT_TUPLE, EXT_BIGINT, EXT_ODICT, EXT_SET, EXT_FROZENSET = 1, 2, 3, 4, 5, 6
+EXT_COMPLEX, EXT_DTYPE, EXT_SIZE, EXT_DEVICE, EXT_NUMPY_SCALAR, EXT_OPAQUE = 7, 8, 9, 10, 11, 12
+
+_INT_MIN, _INT_MAX = -(2**63), 2**64 - 1
+
+#: A leaf that goes to the tensor table: torch tensors and numpy arrays.
+TensorLike = torch.Tensor | np.ndarray
+#: Called for each tensor leaf with its key path; returns its tensor-table index.
+OnTensor = Callable[[tuple, TensorLike], int]
+
+
+@dataclass(frozen=True)
+class OpaqueObject:
+    """An object kept as its verbatim pickle because rebuilding it could run code.
+
+    ckptfmt never unpickles it; export to torch format can write it back as it came.
+    """
+
+    module: str
+    qualname: str
+    pickle: bytes
+
+    def __repr__(self) -> str:
+        return f"<opaque {self.module}.{self.qualname}, {len(self.pickle)} pickle bytes>"
+
+
+def format_key(path: tuple) -> str:
+    """A tensor's key: its path segments joined by '/' ('%' and '/' in strings escaped)."""
+    parts = []
+    for segment in path:
+        text = segment if type(segment) is str else (str(segment) if type(segment) is int else repr(segment))
+        parts.append(text.replace("%", "%25").replace("/", "%2F"))
+    return "/".join(parts)
+
+
+def _where(path: tuple) -> str:
+    return "state" + "".join(f"[{segment!r}]" for segment in path)
+
+
+class _Encoder:
+    def __init__(self, on_tensor: OnTensor | None):
+        self.on_tensor = on_tensor
+
+    def pack(self, value: Any, path: tuple) -> Any:
+        """Turn ``value`` into msgpack-native data plus ExtTypes."""
+        if len(path) > MAX_NESTING:
+            raise UnsupportedValueError(f"{_where(path[:8])}...: nested deeper than {MAX_NESTING} levels")
+        kind = type(value)
+        if value is None or kind in (bool, float, str, bytes):
+            return value
+        if kind is int:
+            if _INT_MIN <= value <= _INT_MAX:
+                return value
+            return msgpack.ExtType(EXT_BIGINT, str(value).encode("ascii"))
+        if kind is list:
+            return [self.pack(item, (*path, i)) for i, item in enumerate(value)]
+        if kind is dict:
+            return {self.key(k, path): self.pack(v, (*path, k)) for k, v in value.items()}
+        if kind is OrderedDict:
+            body = {self.key(k, path): self.pack(v, (*path, k)) for k, v in value.items()}
+            return self.ext(EXT_ODICT, body)
+        if kind is tuple:
+            return self.ext(EXT_TUPLE, [self.pack(item, (*path, i)) for i, item in enumerate(value)])
+        if isinstance(value, torch.Tensor) or kind is np.ndarray:
+            if self.on_tensor is None:
+                raise UnsupportedValueError(f"{_where(path)}: tensors are not allowed here")
+            return self.ext(EXT_TENSOR, self.on_tensor(path, value))
+        if kind is torch.Size:
+            return self.ext(EXT_SIZE, list(value))
+        if kind in (set, frozenset):
+            items = [self.key(item, path) for item in value]
+            return self.ext(EXT_SET if kind is set else EXT_FROZENSET, items)
+        if kind is complex:
+            return self.ext(EXT_COMPLEX, [value.real, value.imag])
+        if kind is torch.dtype:
+            return self.ext(EXT_DTYPE, dtype_name(value))
+        if kind is torch.device:
+            return self.ext(EXT_DEVICE, str(value))
+        if isinstance(value, np.generic) and value.dtype.kind in "biufc":
+            return self.ext(EXT_NUMPY_SCALAR, [value.dtype.str, value.tobytes()])
+        if kind is OpaqueObject:
+            return self.ext(EXT_OPAQUE, {"module": value.module, "qualname": value.qualname, "pickle": value.pickle})
+        raise UnsupportedValueError(
+            f"{_where(path)}: cannot store a {kind.__module__}.{kind.__qualname__} exactly; "
+            "convert it to plain values (dict, list, tuple, int, float, str, bytes, tensors)"
+        )
+
+    def key(self, key: Any, path: tuple) -> Any:
+        """Pack a dict key or set item: any plain hashable value, never a tensor."""
+        if isinstance(key, (torch.Tensor, np.ndarray)):
+            raise UnsupportedValueError(f"{_where(path)}: tensors cannot be dict keys or set items")
+        return self.pack(key, (*path, "<key>"))
+
+    def ext(self, code: int, body: Any) -> msgpack.ExtType:
+        return msgpack.ExtType(code, _packb(body))
+
+
+def _packb(obj: Any) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True, strict_types=True)
+
+
+def encode_tree(value: Any, on_tensor: OnTensor | None = None) -> bytes:
+    """The msgpack document of ``value``; tensors go to ``on_tensor`` (None forbids them)."""
+    return _packb(_Encoder(on_tensor).pack(value, ()))
+
+
+class _Decoder:
+    def __init__(self, resolve_tensor: Callable[[int], Any] | None):
+        self.resolve_tensor = resolve_tensor
+        self.depth = 0
+
+    def unpack(self, data: bytes) -> Any:
+        self.depth += 1
+        try:
+            if self.depth > MAX_NESTING:
+                raise ManifestError(f"value tree nested deeper than {MAX_NESTING} extension levels")
+            return msgpack.unpackb(data, raw=False, strict_map_key=False, ext_hook=self.ext_hook, use_list=True)
+        except ManifestError:
+            raise
+        except TypeError as exc:  # unhashable map key
+            raise ManifestError(f"value tree: invalid map key ({exc})") from None
+        except Exception as exc:
+            raise ManifestError(f"value tree: malformed msgpack ({type(exc).__name__}: {exc})") from None
+        finally:
+            self.depth -= 1
+
+    def ext_hook(self, code: int, data: bytes) -> Any:
+        body = self.unpack(data) if code != EXT_BIGINT else data
+        try:
+            return self._build(code, body)
+        except ManifestError:
+            raise
+        except Exception as exc:
+            raise ManifestError(f"value tree: bad extension {code} payload ({exc})") from None
+
+    def _build(self, code: int, body: Any) -> Any:
+        if code == EXT_TENSOR:
+            if type(body) is not int:
+                raise ManifestError("value tree: tensor reference is not an integer")
+            if self.resolve_tensor is None:
+                raise ManifestError("value tree: tensor reference where none is allowed")
+            return self.resolve_tensor(body)
+        if code == EXT_TUPLE:
+            return tuple(_expect(body, list))
+        if code == EXT_BIGINT:
+            if len(body) > 10_000 or not body.lstrip(b"-").isdigit():
+                raise ManifestError("value tree: malformed big integer")
+            return int(body.decode("ascii"))
+        if code == EXT_ODICT:
+            return OrderedDict(_expect(body, dict))
+        if code == EXT_SET:
+            return set(_expect(body, list))
+        if code == EXT_FROZENSET:
+            return frozenset(_expect(body, list))
+        if code == EXT_COMPLEX:
+            real, imag = _expect(body, list)
+            return complex(float(real), float(imag))
+        if code == EXT_DTYPE:
+            return dtype_from_name(body)
+        if code == EXT_SIZE:
+            return torch.Size([int(_expect(d, int)) for d in _expect(body, list)])
+        if code == EXT_DEVICE:
+            return torch.device(_expect(body, str))
+        if code == EXT_NUMPY_SCALAR:
+            dtype_str, raw = _expect(body, list)
+            dtype = np.dtype(_expect(dtype_str, str))
+            if dtype.kind not in "biufc" or len(_expect(raw, bytes)) != dtype.itemsize:
+                raise ManifestError("value tree: malformed numpy scalar")
+            return np.frombuffer(raw, dtype=dtype)[0]
+        if code == EXT_OPAQUE:
+            body = _expect(body, dict)
+            return OpaqueObject(_expect(body["module"], str), _expect(body["qualname"], str), _expect(body["pickle"], bytes))
+        raise ManifestError(f"value tree: unknown extension type {code}")
+
+
+def _expect(value: Any, kind: type) -> Any:
+    if type(value) is not kind:
+        raise ManifestError(f"value tree: expected {kind.__name__}, found {type(value).__name__}")
+    return value
+
+
+def decode_tree(data: bytes, resolve_tensor: Callable[[int], Any] | None = None) -> Any:
+    """Rebuild a value tree; tensor references are passed to ``resolve_tensor``."""
+    if type(data) is not bytes:
+        raise ManifestError("value tree: expected an embedded msgpack document (bin)")
+    return _Decoder(resolve_tensor).unpack(data)

@@ -1,0 +1,276 @@
+"""save(): write a training state as a new checkpoint, durably and atomically.
+
+Order of writes (the commit protocol of spec/FORMAT.md): every chunk, then the
+manifest, then the commit record, each durable before the next starts. A save
+that dies at any point leaves earlier checkpoints untouched and its own
+invisible: readers only see names with a commit record.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from typing import Any
+
+
+from . import codecs, layout
+from .chunker import DEFAULT_CHUNK_SIZE, ChunkJob, ChunkPlanner, PieceRef
+from .environment import capture_environment
+from .errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError
+from .hashcache import DEFAULT_CACHE, HashCache
+from .hashing import chunk_hash
+from .manifest import Chunk, Manifest, Piece, Shard, TensorEntry
+from .repository import CommitRecord, Repository, split_checkpoint_url
+from .rng import capture_rng
+from .tensors import TensorSource, prepare
+from .timing import PhaseTimer
+from .topology import capture_topology, current_rank
+from .values import encode_tree, format_key
+
+_LATEST = object()
+
+
+@dataclass
+class _StoredChunk:
+    chunk: Chunk
+    written: int
+
+
+class _ChunkWriter:
+    """Hashes, deduplicates and stores chunk jobs on a thread pool, with bounded memory."""
+
+    def __init__(self, repo: Repository, sources: list[TensorSource], compression: str | None,
+                 known: set[str], cache: HashCache, workers: int):
+        self.repo = repo
+        self.sources = sources
+        self.compression = compression
+        self.known = known
+        self.cache = cache
+        self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckptfmt-save")
+        self.slots = threading.BoundedSemaphore(workers * 2)
+        self.futures: dict[int, Future] = {}
+        self.claimed: set[str] = set()
+        self.lock = threading.Lock()
+        self.written_keys: list[str] = []
+
+    def submit(self, job: ChunkJob) -> None:
+        self.slots.acquire()
+        future = self.pool.submit(self._store, job)
+        future.add_done_callback(lambda _: self.slots.release())
+        self.futures[job.index] = future
+
+    def results(self) -> dict[int, _StoredChunk]:
+        futures = list(self.futures.values())
+        done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+        for future in done:
+            if future.exception() is not None:
+                self.close(cancel=True)
+                raise future.exception()
+        return {index: future.result() for index, future in self.futures.items()}
+
+    def close(self, cancel: bool = False) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=cancel)
+
+    def _bytes(self, job: ChunkJob) -> tuple[memoryview, int | None]:
+        """The job's bytes, and a stable address for the hash cache when they are borrowed."""
+        if not job.packed:
+            source_index, start, length, _ = job.parts[0]
+            source = self.sources[source_index]
+            view = source.byte_view()[start : start + length]
+            address = source.tensor.data_ptr() + start if source.borrowed else None
+            return view, address
+        buffer = bytearray(job.size)
+        for source_index, start, length, offset in job.parts:
+            buffer[offset : offset + length] = self.sources[source_index].byte_view()[start : start + length]
+        return memoryview(buffer), None
+
+    def _store(self, job: ChunkJob) -> _StoredChunk:
+        data, address = self._bytes(job)
+        digest = self.cache.hash(data, address)
+        codec = codecs.codec_for(self.compression, job.itemsize)
+        key = layout.chunk_key(digest, codec)
+        with self.lock:
+            first = key not in self.claimed
+            self.claimed.add(key)
+        if not first:  # a twin job of this save stores it; _tables takes its stored size
+            return _StoredChunk(Chunk(digest, codec, job.size, -1), 0)
+        if key in self.known or self.repo.storage.exists(key):
+            stored_size = job.size if codec == codecs.NONE else self.repo.storage.size(key)
+            return _StoredChunk(Chunk(digest, codec, job.size, stored_size), 0)
+        encoded = codecs.encode(codec, data)
+        self.repo.storage.write(key, encoded)
+        with self.lock:
+            self.written_keys.append(key)
+        stored = len(memoryview(encoded).cast("B"))
+        return _StoredChunk(Chunk(digest, codec, job.size, stored), stored)
+
+
+def save(
+    state: Any,
+    url: str | os.PathLike,
+    *,
+    step: int | None = None,
+    metadata: dict | None = None,
+    storage_options: dict | None = None,
+    parent: Any = _LATEST,
+    chunk_size: int | None = None,
+    compression: str | None = None,
+    step_times: list | None = None,
+    parallelism: dict | None = None,
+    workers: int | None = None,
+) -> str:
+    """Save ``state`` (nested dicts/lists/tuples of tensors and plain values) as checkpoint ``url``.
+
+    ``url`` is ``REPO/NAME``: the repository is created when missing and NAME
+    must be new. Returns the checkpoint's URL. Durable when it returns.
+
+    ``parent`` defaults to the repository's latest checkpoint (None for none);
+    ``compression`` is None, 'zstd' or 'shuffle-zstd'; ``step_times`` are the
+    caller's per-step timings, stored under ``timing``; ``parallelism`` records
+    the run's layout (e.g. ``{"dp": 8, "tp": 2}``).
+    """
+    if step is not None and type(step) is not int:
+        raise TypeError("step must be an int or None")
+    codecs.codec_for(compression, 4)  # reject unknown values before any work
+    timer = PhaseTimer()
+    repo_url, name = split_checkpoint_url(url)
+    rank, _ = current_rank()
+    with timer.phase("prepare"):
+        repo = Repository.open(repo_url, storage_options, create=True)
+        if repo.storage.exists(layout.commit_key(name)):
+            raise CheckpointExistsError(f"{repo.storage.describe(name)}: checkpoint already exists")
+        parent_name, known = _parent(repo, parent)
+        sources: list[TensorSource] = []
+        entries: list[dict] = []
+        state_bytes = encode_tree(state, _TensorCollector(sources, entries))
+        user_bytes = encode_tree(metadata or {}, None)
+        rng = capture_rng(rank)
+    writer = _ChunkWriter(repo, sources, compression, known, DEFAULT_CACHE, workers or (4 if repo.storage.zero_copy_reads else 16))
+    try:
+        with timer.phase("write_chunks"):
+            planner = ChunkPlanner(chunk_size or DEFAULT_CHUNK_SIZE)
+            pieces: list[list[PieceRef]] = []
+            for index, source in enumerate(sources):
+                refs, ready = planner.add(index, source.nbytes, source.tensor.element_size())
+                pieces.append(refs)
+                for job in ready:
+                    writer.submit(job)
+            for job in planner.finish():
+                writer.submit(job)
+            stored = writer.results()
+        with timer.phase("sync"):
+            repo.storage.sync(writer.written_keys)
+    finally:
+        writer.close()
+    with timer.phase("environment"):
+        environment = capture_environment()
+    chunks, tensors = _tables(stored, sources, entries, pieces, rank)
+    stats = {
+        "tensor_count": len(tensors),
+        "tensor_bytes": sum(s.nbytes for s in sources),
+        "chunk_count": len(chunks),
+        "stored_bytes": sum(c.stored_size for c in chunks),
+        "new_bytes": sum(s.written for s in stored.values()),
+    }
+    manifest = Manifest(
+        name=name, step=step, created_ns=time.time_ns(), parent=parent_name,
+        chunks=chunks, tensors=tensors, state=state_bytes, user=user_bytes, rng=[rng],
+        environment=environment, topology=capture_topology(parallelism),
+        timing={"ranks": [timer.record(rank)], "steps": list(step_times or [])},
+        stats=stats,
+    )
+    _commit(repo, manifest)
+    return repo.storage.describe(name)
+
+
+class _TensorCollector:
+    """The value tree's tensor hook: prepares each leaf and numbers it (same object, same entry)."""
+
+    def __init__(self, sources: list[TensorSource], entries: list[dict]):
+        self.sources = sources
+        self.entries = entries
+        self.seen: dict[int, int] = {}
+        self.keys: set[str] = set()
+
+    def __call__(self, path: tuple, value) -> int:
+        key = format_key(path)
+        if key in self.keys:
+            raise CheckpointError(f"two tensors map to the key {key!r}; rename one of the dict keys")
+        self.keys.add(key)
+        index = len(self.entries)
+        first = self.seen.get(id(value))
+        if first is not None:
+            self.entries.append({"key": key, "source": self.entries[first]["source"], "same_as": first})
+            return index
+        self.seen[id(value)] = index
+        self.entries.append({"key": key, "source": len(self.sources), "same_as": None})
+        self.sources.append(prepare(value, "state" + "".join(f"[{p!r}]" for p in path)))
+        return index
+
+
+def _parent(repo: Repository, parent: Any) -> tuple[str | None, set[str]]:
+    """The parent's name and the chunk keys it proves present (skips existence checks)."""
+    if parent is None:
+        return None, set()
+    if parent is _LATEST:
+        names = repo.names()
+        if not names:
+            return None, set()
+        parent = repo.latest()
+    try:
+        manifest = repo.manifest(parent)
+    except CheckpointNotFoundError:
+        raise CheckpointNotFoundError(f"parent checkpoint {parent!r} not found in {repo.url}") from None
+    return parent, {layout.chunk_key(c.hash, c.codec) for c in manifest.chunks}
+
+
+def _tables(stored: dict[int, _StoredChunk], sources: list[TensorSource], entries: list[dict],
+            pieces: list[list[PieceRef]], rank: int) -> tuple[list[Chunk], list[TensorEntry]]:
+    """The manifest's chunk table (one row per distinct chunk) and tensor table."""
+    chunks: list[Chunk] = []
+    row_of: dict[tuple[str, str], int] = {}
+    job_row: dict[int, int] = {}
+    for job_index in sorted(stored):
+        chunk = stored[job_index].chunk
+        key = (chunk.hash, chunk.codec)
+        if key not in row_of:
+            row_of[key] = len(chunks)
+            chunks.append(chunk)
+        elif chunks[row_of[key]].stored_size < 0:
+            chunks[row_of[key]] = chunk
+        job_row[job_index] = row_of[key]
+    tensors = []
+    for entry in entries:
+        source = sources[entry["source"]]
+        shard = Shard(
+            offsets=(0,) * len(source.shape), shape=source.shape, rank=rank,
+            pieces=tuple(Piece(job_row[p.job], p.offset, p.length) for p in pieces[entry["source"]]),
+        )
+        tensors.append(TensorEntry(
+            key=entry["key"], dtype=source.dtype, shape=source.shape, shards=(shard,),
+            kind=source.kind, requires_grad=source.requires_grad, same_as=entry["same_as"],
+        ))
+    return chunks, tensors
+
+
+def _commit(repo: Repository, manifest: Manifest) -> None:
+    """Write the manifest, then the commit record that makes the checkpoint exist."""
+    data = manifest.to_bytes()
+    digest = chunk_hash(data)
+    key = layout.manifest_key(manifest.name, digest)
+    repo.storage.write(key, data)
+    repo.storage.sync([key])
+    record = CommitRecord(
+        name=manifest.name, manifest_hash=digest, manifest_size=len(data), step=manifest.step,
+        created_ns=manifest.created_ns, parent=manifest.parent, stats=manifest.stats,
+    )
+    try:
+        repo.storage.create(layout.commit_key(manifest.name), record.to_bytes())
+    except FileExistsError:
+        raise CheckpointExistsError(f"{repo.storage.describe(manifest.name)}: checkpoint already exists") from None
+
+
+__all__ = ["save"]
