@@ -96,6 +96,13 @@ def _check_chunks(repo: Repository, manifests: dict[str, Manifest], report: Veri
             jobs.setdefault((chunk.hash, chunk.codec), (manifest, index))
     callback.set_size(sum(m.chunks[i].size for m, i in jobs.values()))
     lock = threading.Lock()
+    buffers = threading.local()  # one reusable read buffer per thread: fresh memory costs page faults
+
+    def buffer(size: int) -> memoryview:
+        current = getattr(buffers, "data", None)
+        if current is None or len(current) < size:
+            current = buffers.data = bytearray(size)
+        return memoryview(current)[:size]
 
     def check(item) -> None:
         ident, (manifest, index) = item
@@ -105,7 +112,7 @@ def _check_chunks(repo: Repository, manifests: dict[str, Manifest], report: Veri
         chunk = manifest.chunks[index]
         try:
             if reader.can_read_into(index, chunk.size) and repo.storage.zero_copy_reads:
-                reader.read_into(index, memoryview(bytearray(chunk.size)))
+                reader.read_into(index, buffer(chunk.size))
             else:
                 reader.read(index)
             problem = None

@@ -1,0 +1,35 @@
+# The two commands of the README: `make demo` and `make test`. Both set up .venv first.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+DEMO_REPO := demo-runs/repo
+
+.PHONY: setup demo test bench clean
+
+setup: $(STAMP)
+
+# Idempotent: reinstalls only when the dependency lists change. torch is pinned
+# by constraints-dev.txt to the CPU wheel (a looser pin would pull CUDA builds).
+$(STAMP): pyproject.toml constraints-dev.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -c constraints-dev.txt -e '.[test,s3,tui,bench]'
+	touch $(STAMP)
+
+demo: setup
+	rm -rf $(DEMO_REPO)
+	$(BIN)/python -m ckptfmt.demo $(DEMO_REPO) --steps 30 --every 10
+	$(BIN)/ckptfmt ls $(DEMO_REPO)
+	$(BIN)/ckptfmt show $(DEMO_REPO)/step-000030 --limit 12
+	$(BIN)/ckptfmt verify $(DEMO_REPO)
+	$(BIN)/ckptfmt diff $(DEMO_REPO)/step-000020 $(DEMO_REPO)/step-000030
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+bench: setup
+	$(BIN)/python bench/run.py
+
+clean:
+	rm -rf $(VENV) demo-runs .pytest_cache .hypothesis *.egg-info
