@@ -1,3 +1,5 @@
+"""``python -m ckptfmt.cli``: the same as the ``ckptfmt`` console script."""
+
 import sys
 
 from . import main

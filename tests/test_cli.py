@@ -1,0 +1,147 @@
+"""The ckptfmt command: output, exit codes, and one-line errors without tracebacks."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+import ckptfmt
+
+from ckptfmt.cli import main
+
+CLI = [sys.executable, "-m", "ckptfmt.cli"]
+
+
+@dataclass
+class Result:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+@pytest.fixture
+def run(capsys, monkeypatch):
+    """Run the CLI in this process (fast); the subprocess tests below cover the real script."""
+    monkeypatch.setenv("COLUMNS", "200")
+
+    def invoke(*args) -> Result:
+        code = main([str(a) for a in args])
+        captured = capsys.readouterr()
+        return Result(code, captured.out, captured.err)
+
+    return invoke
+
+
+def run_script(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([*CLI, *map(str, args)], capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("cli") / "repo"
+    torch.manual_seed(0)
+    state = {"model": {"w": torch.randn(512, 256), "b": torch.zeros(64), "big": torch.randn(256, 512)}, "step": 1}
+    ckptfmt.save(state, root / "step-1", step=1, metadata={"run": "cli"})
+    state["model"]["w"] = state["model"]["w"] + 1.0
+    state["model"]["extra"] = torch.ones(3)
+    state["step"] = 2
+    ckptfmt.save(state, root / "step-2", step=2)
+    return root
+
+
+def test_ls_lists_checkpoints_with_step_and_sizes(repo, run):
+    result = run("ls", repo, "--json")
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(result.stdout)
+    assert [(r["name"], r["step"], r["parent"]) for r in rows] == [("step-1", 1, None), ("step-2", 2, "step-1")]
+    assert rows[0]["new_bytes"] == rows[0]["stored_bytes"] > 2 * 512 * 256 * 4
+    assert 512 * 256 * 4 < rows[1]["new_bytes"] < 2 * 512 * 256 * 4  # "big" is unchanged: shared
+    table = run("ls", repo)
+    assert "step-1" in table.stdout and "step-2" in table.stdout
+
+
+def test_show_prints_tensors_and_metadata(repo, run):
+    result = run("show", repo / "step-1")
+    assert result.returncode == 0, result.stderr
+    for text in ("model/w", "float32", "(512, 256)", "torch", "determinism", "rng rank 0", "topology"):
+        assert text in result.stdout
+    data = json.loads(run("show", repo / "step-1", "--json").stdout)
+    assert data["step"] == 1 and data["user"] == {"run": "cli"}
+    assert {t["key"]: t["shape"] for t in data["tensors"]} == {"model/w": [512, 256], "model/b": [64], "model/big": [256, 512]}
+
+
+def test_show_repository_means_latest(repo, run):
+    data = json.loads(run("show", repo, "--json").stdout)
+    assert data["name"] == "step-2"
+
+
+def test_verify_ok_and_damaged(repo, run, tmp_path):
+    assert run("verify", repo).returncode == 0
+    damaged = tmp_path / "damaged"
+    ckptfmt.save({"a": torch.arange(100_000, dtype=torch.float32), "b": torch.ones(10)}, damaged / "c1")
+    with ckptfmt.open(damaged / "c1") as reader:
+        chunk = reader.manifest.chunks[reader.tensor_info("a").shards[0].pieces[0].chunk]
+    path = damaged / "chunks" / chunk.hash[:2] / chunk.hash
+    data = bytearray(path.read_bytes())
+    data[100] ^= 0xFF
+    path.write_bytes(bytes(data))
+    result = run("verify", damaged)
+    assert result.returncode == 1
+    assert "corrupt-chunk" in result.stdout and "a" in result.stdout and chunk.hash[:16] in result.stdout
+    report = json.loads(run("verify", damaged / "c1", "--json").stdout)
+    assert report["ok"] is False and report["problems"][0]["tensors"] == ["a"]
+
+
+def test_diff_reports_changed_added_and_unchanged(repo, run):
+    data = json.loads(run("diff", repo / "step-1", repo / "step-2", "--json").stdout)
+    status = {t["key"]: t["status"] for t in data["tensors"]}
+    assert status == {"model/w": "changed", "model/b": "unchanged", "model/big": "unchanged", "model/extra": "added"}
+    changed = next(t for t in data["tensors"] if t["key"] == "model/w")
+    assert changed["max_abs_diff"] == pytest.approx(1.0) and changed["frac_changed"] == 1.0
+    fields = {m["field"] for m in data["metadata"]}
+    assert "step" in fields and "user.run" in fields
+
+
+def test_export_torch_and_safetensors(repo, run, tmp_path):
+    from safetensors.torch import load_file
+
+    assert run("export", repo / "step-2", tmp_path / "out.pt", "--format", "torch").returncode == 0
+    state = torch.load(tmp_path / "out.pt", weights_only=True)
+    expected = ckptfmt.load(repo / "step-2")
+    assert state["step"] == 2 and torch.equal(state["model"]["w"], expected["model"]["w"])
+    assert run("export", repo / "step-2", tmp_path / "out.safetensors", "--format", "safetensors").returncode == 0
+    flat = load_file(tmp_path / "out.safetensors")
+    assert set(flat) == {"model/w", "model/b", "model/big", "model/extra"}
+    assert torch.equal(flat["model/extra"], torch.ones(3))
+
+
+@pytest.mark.parametrize("args", [
+    ("show", "/nonexistent/repo/ckpt"),
+    ("ls", "/nonexistent/repo"),
+    ("verify", "/nonexistent/repo"),
+    ("show", "memory://nothing/here/at-all"),
+])
+def test_errors_are_one_line_without_traceback(args):
+    result = run_script(*args)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ckptfmt: error:"), result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_debug_flag_shows_traceback():
+    result = run_script("--debug", "show", "/nonexistent/repo/ckpt")
+    assert result.returncode == 2 and "Traceback" in result.stderr
+
+
+def test_console_script_is_installed():
+    result = subprocess.run(["ckptfmt", "--help"], capture_output=True, text=True,
+                            env={**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"})
+    assert result.returncode == 0 and "verify" in result.stdout
