@@ -1,0 +1,505 @@
+"""spec/: the JSON Schemas match real checkpoints, and FORMAT.md suffices to read and write one.
+
+* Real checkpoints written by ``ckptfmt.save`` validate against
+  spec/{manifest,commit,repository}.schema.json (Draft 2020-12), through the
+  msgpack -> JSON image of FORMAT.md section 15; broken documents do not.
+* ``_SpecReader`` is a reader written from FORMAT.md alone (msgpack, blake3,
+  and zstandard for compressed chunks; no ckptfmt code): it reassembles every
+  tensor of a real checkpoint, verifying every hash, and matches what was saved.
+* ``_write_by_spec`` is a writer written from FORMAT.md alone: it lays out a
+  multi-shard, multi-piece, partly compressed checkpoint by hand, and
+  ckptfmt's own reader loads it.
+"""
+
+from __future__ import annotations
+
+import base64
+import copy
+import itertools
+import json
+import math
+import shutil
+from collections import OrderedDict
+from pathlib import Path
+
+import blake3
+import msgpack
+import numpy as np
+import pytest
+import torch
+import zstandard
+
+jsonschema = pytest.importorskip("jsonschema")
+
+import ckptfmt  # noqa: E402  (only to write and read checkpoints, and for enum/limit cross-checks)
+
+SPEC = Path(__file__).resolve().parent.parent / "spec"
+CHUNK_SIZE = 64 * 2**10
+
+
+def _schema(name: str) -> dict:
+    return json.loads((SPEC / name).read_text(encoding="utf-8"))
+
+
+def _validator(name: str) -> "jsonschema.Draft202012Validator":
+    schema = _schema(name)
+    jsonschema.Draft202012Validator.check_schema(schema)
+    return jsonschema.Draft202012Validator(schema)
+
+
+# -- the JSON image of msgpack data (FORMAT.md section 15) ---------------------
+
+def json_image(value):
+    """msgpack-decoded Python data -> its JSON image (bin as {"$bin": base64}, ...)."""
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float):
+        if math.isnan(value):
+            return {"$float": "nan"}
+        if math.isinf(value):
+            return {"$float": "inf" if value > 0 else "-inf"}
+        return value
+    if isinstance(value, bytes):
+        return {"$bin": base64.b64encode(value).decode("ascii")}
+    if isinstance(value, msgpack.ExtType):
+        return {"$ext": value.code, "$data": base64.b64encode(value.data).decode("ascii")}
+    if isinstance(value, (list, tuple)):
+        return [json_image(v) for v in value]
+    if isinstance(value, dict):
+        if all(isinstance(k, str) and not k.startswith("$") for k in value):
+            return {k: json_image(v) for k, v in value.items()}
+        return {"$map": [[json_image(k), json_image(v)] for k, v in value.items()]}
+    raise TypeError(f"not msgpack data: {type(value)}")
+
+
+def _unpack(data: bytes):
+    return msgpack.unpackb(data, raw=False, strict_map_key=False)
+
+
+# -- a checkpoint written by ckptfmt ------------------------------------------
+
+def _state() -> dict:
+    gen = torch.Generator().manual_seed(1234)
+    tied = torch.randn(4, 4, generator=gen)
+    return {
+        "model": {
+            # 360,000 bytes >= 256 KiB: split into 64 KiB chunks (6 chunks, the last shorter)
+            "big": torch.randn(300, 300, generator=gen),
+            # 320,000 bytes of bfloat16: split too (shuffle2-zstd when compressed)
+            "big_bf16": torch.randn(400, 400, generator=gen).to(torch.bfloat16),
+            "small": tied,
+            "bf16": torch.randn(3, 5, generator=gen).to(torch.bfloat16),
+            "bias": torch.nn.Parameter(torch.randn(7, generator=gen)),
+        },
+        "layers": {0: torch.arange(6, dtype=torch.int64), 1: torch.ones(2, 3, dtype=torch.float16)},
+        "tied": tied,
+        "scalar": torch.tensor(2.5, dtype=torch.float64),
+        "empty": torch.zeros(0, 4),
+        "np": np.arange(5, dtype=np.int16),
+        "step": 3,
+        "misc": (1, 2**70, float("nan"), {"a", "b"}, OrderedDict(x=1), torch.float16),
+    }
+
+
+def _expected_bytes(value) -> bytes:
+    if isinstance(value, np.ndarray):
+        return np.ascontiguousarray(value).tobytes()
+    return value.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _tensor_leaves(state: dict) -> dict[str, object]:
+    """key -> saved tensor, with the keys FORMAT.md section 6.7 prescribes."""
+    m = state["model"]
+    return {
+        "model/big": m["big"], "model/big_bf16": m["big_bf16"], "model/small": m["small"],
+        "model/bf16": m["bf16"], "model/bias": m["bias"],
+        "layers/0": state["layers"][0], "layers/1": state["layers"][1],
+        "tied": state["tied"], "scalar": state["scalar"], "empty": state["empty"], "np": state["np"],
+    }
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A repository with two checkpoints: 'plain' (codec none) and 'packed-z' (shuffle-zstd)."""
+    repo = tmp_path_factory.mktemp("spec") / "repo"
+    state = _state()
+    ckptfmt.save(state, f"{repo}/plain", step=3, chunk_size=CHUNK_SIZE, metadata={"lr": 0.001, 7: "seven"})
+    ckptfmt.save(state, f"{repo}/packed-z", step=4, chunk_size=CHUNK_SIZE, compression="shuffle-zstd")
+    return repo, state
+
+
+def _manifest_bytes(repo: Path, name: str) -> bytes:
+    commit = json.loads((repo / name / "COMMIT").read_bytes())
+    return (repo / name / f"manifest-{commit['manifest']}.msgpack").read_bytes()
+
+
+# -- schema tests -------------------------------------------------------------
+
+def test_schemas_are_valid_draft_2020_12():
+    for name in ("manifest.schema.json", "commit.schema.json", "repository.schema.json"):
+        schema = _schema(name)
+        assert schema["$schema"] == "https://json-schema.org/draft/2020-12/schema"
+        jsonschema.Draft202012Validator.check_schema(schema)
+
+
+@pytest.mark.parametrize("name", ["plain", "packed-z"])
+def test_real_checkpoint_matches_schemas(saved, name):
+    repo, _ = saved
+    _validator("repository.schema.json").validate(json.loads((repo / "ckptfmt.json").read_bytes()))
+    _validator("commit.schema.json").validate(json.loads((repo / name / "COMMIT").read_bytes()))
+    manifest = _unpack(_manifest_bytes(repo, name))
+    _validator("manifest.schema.json").validate(json_image(manifest))
+    # The fixture exercises what it claims to: split, packed, compressed, empty, 0-dim, tied, int keys.
+    big = next(t for t in manifest["tensors"] if t["key"] == "model/big")
+    assert len(big["shards"][0]["pieces"]) == math.ceil(300 * 300 * 4 / CHUNK_SIZE) == 6
+    keys = [t["key"] for t in manifest["tensors"]]
+    assert {"layers/0", "layers/1", "scalar", "empty", "tied"} <= set(keys)
+    assert any(t.get("same_as") is not None for t in manifest["tensors"])
+    codecs = {c["codec"] for c in manifest["chunks"]}
+    assert codecs == ({"none"} if name == "plain" else {"zstd", "shuffle2-zstd", "shuffle4-zstd"})
+
+
+def test_schema_vocabulary_and_limits_match_the_implementation():
+    from ckptfmt import codecs, dtypes, limits
+
+    defs = _schema("manifest.schema.json")["$defs"]
+    assert set(defs["dtype"]["enum"]) == set(dtypes._NAMES)
+    assert set(defs["codec"]["enum"]) == set(codecs.CODECS)
+    assert defs["chunk"]["properties"]["size"]["maximum"] == limits.MAX_CHUNK_BYTES
+    assert defs["dims"]["maxItems"] == limits.MAX_DIMS
+    assert defs["tensor"]["properties"]["key"]["maxLength"] == limits.MAX_KEY_BYTES
+    assert defs["tensor"]["properties"]["shards"]["maxItems"] == limits.MAX_SHARDS_PER_TENSOR
+    top = _schema("manifest.schema.json")["properties"]
+    assert top["chunks"]["maxItems"] == limits.MAX_CHUNKS
+    assert top["tensors"]["maxItems"] == limits.MAX_TENSORS
+    assert defs["name"]["pattern"] == f"^{limits.NAME_PATTERN.pattern}$"
+    assert set(defs["name"]["not"]["enum"]) == set(limits.RESERVED_NAMES)
+    assert defs["hash"]["pattern"] == f"^{limits.HASH_PATTERN.pattern}$"
+    commit = _schema("commit.schema.json")["properties"]
+    assert commit["manifest_size"]["maximum"] == limits.MAX_MANIFEST_BYTES
+
+
+def _bad_manifests(good: dict):
+    def edit(fn):
+        doc = copy.deepcopy(good)
+        fn(doc)
+        return doc
+
+    yield "uppercase hash", edit(lambda d: d["chunks"][0].update(hash=d["chunks"][0]["hash"].upper()))
+    yield "short hash", edit(lambda d: d["chunks"][0].update(hash="ab" * 31))
+    yield "missing tensors", edit(lambda d: d.pop("tensors"))
+    yield "missing chunk codec", edit(lambda d: d["chunks"][0].pop("codec"))
+    yield "unknown codec", edit(lambda d: d["chunks"][0].update(codec="lz4"))
+    yield "unknown dtype", edit(lambda d: d["tensors"][0].update(dtype="qint8"))
+    yield "two-element piece", edit(lambda d: d["tensors"][0]["shards"][0].update(pieces=[[0, 0]]))
+    yield "negative dim", edit(lambda d: d["tensors"][0].update(shape=[-1]))
+    yield "no shards", edit(lambda d: d["tensors"][0].update(shards=[]))
+    yield "empty key", edit(lambda d: d["tensors"][0].update(key=""))
+    yield "traversal name", edit(lambda d: d.update(name="../etc"))
+    yield "reserved name", edit(lambda d: d.update(name="chunks"))
+    yield "major version 2", edit(lambda d: d.update(version=[2, 0]))
+    yield "state not bin", edit(lambda d: d.update(state=[]))
+    yield "wrong format", edit(lambda d: d.update(format="safetensors"))
+
+
+def test_broken_documents_fail_the_schemas(saved):
+    repo, _ = saved
+    manifest_validator = _validator("manifest.schema.json")
+    good = json_image(_unpack(_manifest_bytes(repo, "plain")))
+    manifest_validator.validate(good)
+    for what, bad in _bad_manifests(good):
+        assert not manifest_validator.is_valid(bad), what
+
+    commit_validator = _validator("commit.schema.json")
+    commit = json.loads((repo / "plain" / "COMMIT").read_bytes())
+    for what, change in [
+        ("bad manifest hash", {"manifest": "not-a-hash"}),
+        ("size 0", {"manifest_size": 0}),
+        ("string step", {"step": "3"}),
+        ("fractional step", {"step": 3.5}),
+        ("bool size", {"manifest_size": True}),
+        ("traversal parent", {"parent": "a/b"}),
+        ("major 2", {"version": [2, 0]}),
+    ]:
+        assert not commit_validator.is_valid({**commit, **change}), what
+    assert not commit_validator.is_valid({k: v for k, v in commit.items() if k != "manifest"})
+
+    marker_validator = _validator("repository.schema.json")
+    assert not marker_validator.is_valid({"format": "ckptfmt-repository"})
+    assert not marker_validator.is_valid({"format": "ckptfmt-repository", "version": [2, 0]})
+    assert marker_validator.is_valid({"format": "ckptfmt-repository", "version": [1, 7], "future": True})
+
+
+# -- a reader written from FORMAT.md alone ------------------------------------
+
+def _blake3(data) -> str:
+    return blake3.blake3(data).hexdigest()
+
+
+def _unshuffle(data: bytes, width: int) -> bytes:
+    """FORMAT.md 5.3: y[j*n + i] -> x[i*N + j] for the whole elements; the tail unchanged."""
+    whole = len(data) - len(data) % width
+    n = whole // width
+    out = bytearray(len(data))
+    for j in range(width):
+        out[j:whole:width] = data[j * n : (j + 1) * n]
+    out[whole:] = data[whole:]
+    return bytes(out)
+
+
+def _shuffle(data: bytes, width: int) -> bytes:
+    whole = len(data) - len(data) % width
+    return b"".join(data[j:whole:width] for j in range(width)) + data[whole:]
+
+
+_ITEMSIZE = {"bool": 1, "uint8": 1, "int8": 1, "int16": 2, "float16": 2, "bfloat16": 2,
+             "int32": 4, "float32": 4, "int64": 8, "float64": 8, "complex64": 8}
+_NAME_CHARS = set("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-")
+
+
+class _SpecReader:
+    """Reads one checkpoint as FORMAT.md section 12 describes; no ckptfmt code."""
+
+    def __init__(self, repo: Path, name: str):
+        assert name[0].isalnum() and set(name) <= _NAME_CHARS and len(name) <= 128
+        assert name not in ("chunks", "ckptfmt.json")
+        self.repo = repo
+        marker = json.loads((repo / "ckptfmt.json").read_bytes())
+        assert marker["format"] == "ckptfmt-repository" and marker["version"][0] == 1
+        commit_path = repo / name / "COMMIT"
+        assert commit_path.stat().st_size <= 64 * 2**10
+        commit = json.loads(commit_path.read_bytes())
+        assert commit["format"] == "ckptfmt-commit" and commit["version"][0] == 1
+        assert commit["name"] == name
+        path = repo / name / f"manifest-{commit['manifest']}.msgpack"
+        assert path.stat().st_size == commit["manifest_size"]
+        data = path.read_bytes()
+        assert _blake3(data) == commit["manifest"]
+        self.manifest = _unpack(data)
+        assert self.manifest["format"] == "ckptfmt-manifest" and self.manifest["version"][0] == 1
+        assert self.manifest["name"] == name
+        self.chunks = self.manifest["chunks"]
+        self.tensors = self.manifest["tensors"]
+        self._decoded: dict[int, bytes] = {}
+        self.chunks_read = 0
+
+    def chunk(self, index: int) -> bytes:
+        if index in self._decoded:
+            return self._decoded[index]
+        row = self.chunks[index]
+        digest, codec = row["hash"], row["codec"]
+        suffix = "" if codec == "none" else f".{codec}"
+        path = self.repo / "chunks" / digest[:2] / f"{digest}{suffix}"
+        assert path.stat().st_size == row["stored_size"], "stored size checked before reading"
+        stored = path.read_bytes()
+        if codec == "none":
+            data = stored
+        else:
+            assert codec == "zstd" or codec in ("shuffle2-zstd", "shuffle4-zstd", "shuffle8-zstd"), codec
+            assert zstandard.frame_content_size(stored) == row["size"], "frame declares its content size"
+            data = zstandard.ZstdDecompressor().decompress(stored, max_output_size=row["size"])
+            if codec != "zstd":
+                data = _unshuffle(data, int(codec[len("shuffle") : -len("-zstd")]))
+        assert len(data) == row["size"]
+        assert _blake3(data) == digest, f"chunk {index} is corrupt"
+        self.chunks_read += 1
+        self._decoded[index] = data
+        return data
+
+    def tensor_bytes(self, key: str) -> tuple[dict, bytes]:
+        entries = [t for t in self.tensors if t["key"] == key]
+        assert len(entries) == 1, "keys are unique"
+        entry = entries[0]
+        if entry.get("same_as") is not None:
+            entry = self.tensors[entry["same_as"]]
+        shape, width = entry["shape"], _ITEMSIZE[entry["dtype"]]
+        numel = math.prod(shape)
+        out = bytearray(numel * width)
+        covered = 0
+        for shard in entry["shards"]:
+            offsets, box = shard["offsets"], shard["shape"]
+            assert len(offsets) == len(box) == len(shape)
+            assert all(o + n <= d for o, n, d in zip(offsets, box, shape))
+            parts = []
+            for chunk_index, offset, length in shard["pieces"]:
+                assert offset + length <= self.chunks[chunk_index]["size"]
+                parts.append(self.chunk(chunk_index)[offset : offset + length])
+            data = b"".join(parts)
+            assert len(data) == math.prod(box) * width
+            covered += math.prod(box)
+            _place(out, shape, width, offsets, box, data)
+        assert covered == numel
+        return entry, bytes(out)
+
+
+def _place(out: bytearray, shape, width, offsets, box, data: bytes) -> None:
+    """Copy a shard's C-order bytes into the global tensor's C-order buffer (FORMAT.md 6.5)."""
+    if not shape:
+        out[:] = data
+        return
+    if math.prod(box) == 0:
+        return
+    strides = [math.prod(shape[k + 1 :]) for k in range(len(shape))]
+    row = box[-1] * width
+    for i, idx in enumerate(itertools.product(*(range(n) for n in box[:-1]))):
+        # element (offsets + (idx, 0)) of the global tensor; the last dimension's stride is 1
+        start = (sum((offsets[k] + idx[k]) * strides[k] for k in range(len(idx))) + offsets[-1]) * width
+        out[start : start + row] = data[i * row : (i + 1) * row]
+
+
+def _tree_hook(code: int, data: bytes):
+    """Just enough of FORMAT.md section 7 for the test: tensor refs, tuples, big ints, sets."""
+    if code == 1:
+        return ("<tensor>", _unpack(data))
+    if code == 2:
+        return tuple(msgpack.unpackb(data, raw=False, strict_map_key=False, ext_hook=_tree_hook))
+    if code == 3:
+        return int(data.decode("ascii"))
+    return ("<ext>", code)
+
+
+@pytest.mark.parametrize("name", ["plain", "packed-z"])
+def test_independent_reader_reassembles_every_tensor(saved, name):
+    repo, state = saved
+    reader = _SpecReader(repo, name)
+    for key, value in _tensor_leaves(state).items():
+        entry, data = reader.tensor_bytes(key)
+        assert data == _expected_bytes(value), key
+        assert list(entry["shape"]) == list(value.shape)
+    assert reader.chunks_read == len(reader.chunks)  # every chunk was read and hashed
+
+    entry = next(t for t in reader.tensors if t["key"] == "model/bias")
+    assert entry["kind"] == "parameter" and entry["requires_grad"] is True
+    assert next(t for t in reader.tensors if t["key"] == "np")["kind"] == "numpy"
+    assert next(t for t in reader.tensors if t["key"] == "model/big_bf16")["dtype"] == "bfloat16"
+
+    tree = msgpack.unpackb(reader.manifest["state"], raw=False, strict_map_key=False, ext_hook=_tree_hook)
+    assert tree["step"] == 3
+    assert set(tree["layers"]) == {0, 1}  # int map keys stay ints
+    index = tree["layers"][1][1]
+    assert tree["layers"][1][0] == "<tensor>" and reader.tensors[index]["key"] == "layers/1"
+    assert tree["misc"][:2] == (1, 2**70) and math.isnan(tree["misc"][2])
+    if name == "plain":
+        user = msgpack.unpackb(reader.manifest["user"], raw=False, strict_map_key=False)
+        assert user == {"lr": 0.001, 7: "seven"}
+
+
+def test_independent_reader_detects_a_corrupt_chunk(saved, tmp_path):
+    repo, _ = saved
+    copy_root = tmp_path / "repo"
+    shutil.copytree(repo, copy_root)
+    reader = _SpecReader(copy_root, "plain")
+    row = next(c for c in reader.chunks if c["size"] == CHUNK_SIZE)
+    path = copy_root / "chunks" / row["hash"][:2] / row["hash"]
+    data = bytearray(path.read_bytes())
+    data[100] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(AssertionError, match="corrupt"):
+        reader.tensor_bytes("model/big")
+    with pytest.raises(ckptfmt.CorruptDataError):
+        ckptfmt.open(f"{copy_root}/plain").get_tensor("model/big")
+
+
+def test_shuffle_matches_the_spec_example():
+    data = bytes(range(11))
+    assert _shuffle(data, 4).hex(" ") == "00 04 01 05 02 06 03 07 08 09 0a"
+    assert _unshuffle(_shuffle(data, 4), 4) == data
+
+
+# -- a writer written from FORMAT.md alone, read by ckptfmt --------------------
+
+def _store_chunk(repo: Path, data: bytes, codec: str) -> dict:
+    digest = _blake3(data)
+    if codec == "none":
+        stored, suffix = data, ""
+    else:
+        width = 1 if codec == "zstd" else int(codec[len("shuffle") : -len("-zstd")])
+        payload = _shuffle(data, width) if width > 1 else data
+        stored = zstandard.ZstdCompressor(level=3, write_content_size=True).compress(payload)
+        suffix = f".{codec}"
+    folder = repo / "chunks" / digest[:2]
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{digest}{suffix}").write_bytes(stored)
+    return {"hash": digest, "codec": codec, "size": len(data), "stored_size": len(stored)}
+
+
+def _write_by_spec(repo: Path, name: str) -> dict:
+    """A 4x6 float32 tensor in two column shards, one split over two chunks; a 0-dim int64."""
+    grid = np.arange(24, dtype="<f4").reshape(4, 6)
+    left, right = grid[:, :2].tobytes(), grid[:, 2:].tobytes()  # each box in its own C order
+    scalar = np.array(-5, dtype="<i8").tobytes()
+    # chunk 0 (none): a pack: left at 0, scalar at 64, first 40 bytes of right at 128
+    pack = bytearray(128 + 40)
+    pack[0 : len(left)] = left
+    pack[64:72] = scalar
+    pack[128:168] = right[:40]
+    rows = [
+        _store_chunk(repo, bytes(pack), "none"),
+        _store_chunk(repo, right[40:], "shuffle4-zstd"),
+    ]
+    manifest = {
+        "format": "ckptfmt-manifest",
+        "version": [1, 0],
+        "name": name,
+        "created_ns": 1_700_000_000_000_000_000,
+        "chunks": rows,
+        "tensors": [
+            {"key": "grid", "dtype": "float32", "shape": [4, 6], "shards": [
+                {"offsets": [0, 2], "shape": [4, 4], "rank": 1, "pieces": [[0, 128, 40], [1, 0, 24]]},
+                {"offsets": [0, 0], "shape": [4, 2], "pieces": [[0, 0, 32]]},
+            ]},
+            {"key": "n", "dtype": "int64", "shape": [], "shards": [
+                {"offsets": [], "shape": [], "pieces": [[0, 64, 8]]},
+            ]},
+            {"key": "grid_again", "dtype": "float32", "shape": [4, 6], "same_as": 0, "shards": [
+                {"offsets": [0, 0], "shape": [4, 6], "pieces": [[0, 0, 32], [0, 128, 40], [1, 0, 24]]},
+            ]},
+        ],
+        "state": msgpack.packb({
+            "grid": msgpack.ExtType(1, msgpack.packb(0)),
+            "n": msgpack.ExtType(1, msgpack.packb(1)),
+            "again": msgpack.ExtType(1, msgpack.packb(2)),
+            "t": msgpack.ExtType(2, msgpack.packb([1, 2.5])),
+            7: "seven",
+        }, use_bin_type=True),
+        "user": msgpack.packb({}, use_bin_type=True),
+        "a_field_from_a_future_minor": {"ignored": True},
+    }
+    data = msgpack.packb(manifest, use_bin_type=True)
+    digest = _blake3(data)
+    (repo / name).mkdir(parents=True)
+    (repo / name / f"manifest-{digest}.msgpack").write_bytes(data)
+    commit = {"format": "ckptfmt-commit", "version": [1, 0], "name": name, "manifest": digest,
+              "manifest_size": len(data), "step": None, "created_ns": manifest["created_ns"], "parent": None}
+    (repo / name / "COMMIT").write_text(json.dumps(commit))
+    return {"grid": grid, "n": -5}
+
+
+def test_checkpoint_written_from_the_spec_is_read_by_ckptfmt(tmp_path):
+    repo = tmp_path / "handmade"
+    repo.mkdir()
+    (repo / "ckptfmt.json").write_text(json.dumps({"format": "ckptfmt-repository", "version": [1, 0]}))
+    expected = _write_by_spec(repo, "by-hand")
+
+    _validator("repository.schema.json").validate(json.loads((repo / "ckptfmt.json").read_text()))
+    _validator("commit.schema.json").validate(json.loads((repo / "by-hand" / "COMMIT").read_text()))
+    _validator("manifest.schema.json").validate(json_image(_unpack(_manifest_bytes(repo, "by-hand"))))
+
+    state = ckptfmt.load(f"{repo}/by-hand")
+    assert torch.equal(state["grid"], torch.from_numpy(expected["grid"]))
+    assert state["again"] is state["grid"]
+    assert state["n"].shape == () and state["n"].dtype == torch.int64 and int(state["n"]) == -5
+    assert state["t"] == (1, 2.5) and type(state["t"]) is tuple
+    assert state[7] == "seven"
+    with ckptfmt.open(f"{repo}/by-hand") as ckpt:
+        assert ckpt.tensor_info("grid").shards[0].rank == 1
+        assert ckpt.metadata["extra"] == {"a_field_from_a_future_minor": {"ignored": True}}
+    assert ckptfmt.verify(str(repo)).ok
+
+    # ...and the spec reader agrees with the spec writer.
+    reader = _SpecReader(repo, "by-hand")
+    assert reader.tensor_bytes("grid")[1] == expected["grid"].tobytes()
+    assert reader.tensor_bytes("grid_again")[1] == expected["grid"].tobytes()
+    assert reader.tensor_bytes("n")[1] == np.array(-5, dtype="<i8").tobytes()
