@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from .chunkio import ChunkReader
-from .errors import CheckpointError, CheckpointNotFoundError
+from .errors import CheckpointError, CheckpointNotFoundError, ManifestError
 from .manifest import Manifest, TensorEntry
 from .repository import Repository, resolve
 from .rng import apply_rng
@@ -144,7 +144,10 @@ class CheckpointReader:
                 tensor[tuple(slice(o, o + n) for o, n in zip(shard.offsets, shard.shape))] = target
         if self.map_location.type != "cpu" and entry.kind != "numpy":
             tensor = tensor.to(self.map_location)
-        return finish(tensor, entry.kind, entry.requires_grad)
+        try:
+            return finish(tensor, entry.kind, entry.requires_grad)
+        except (RuntimeError, TypeError) as exc:  # e.g. a numpy kind with a dtype numpy lacks
+            raise ManifestError(f"{self.url}: tensor {entry.key!r} cannot be rebuilt as saved: {exc}") from None
 
     def _fill(self, target: memoryview, pieces, parallel: bool) -> None:
         position = 0

@@ -80,7 +80,7 @@ class CommitRecord:
             )
         except CheckpointError as exc:
             raise type(exc)(f"{where}: {exc}") from None
-        except (ValueError, KeyError, TypeError) as exc:
+        except (ValueError, KeyError, TypeError, RecursionError) as exc:  # RecursionError: deep JSON nesting
             raise ManifestError(f"{where}: malformed commit record ({type(exc).__name__}: {exc})") from None
 
 
@@ -120,7 +120,7 @@ class Repository:
             doc = json.loads(self.storage.read(layout.MARKER_KEY, max_size=MAX_MARKER_BYTES))
         except CheckpointError:
             raise
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: deep JSON nesting
             raise ManifestError(f"{where}: not valid JSON") from None
         if not isinstance(doc, dict) or doc.get("format") != REPO_FORMAT:
             raise ManifestError(f"{where}: not a ckptfmt repository marker")

@@ -49,6 +49,9 @@ def _python_state() -> dict:
 def apply_rng(entry: dict, where: str) -> None:
     """Set this process's generators to a captured entry; raises CheckpointError if malformed."""
     try:
+        # Byte states must be bytes: bytearray(n) of a hostile integer would allocate n bytes.
+        if type(entry["torch_cpu"]) is not bytes or not all(type(s) is bytes for s in entry.get("cuda") or []):
+            raise TypeError("generator states must be bytes")
         torch.set_rng_state(torch.frombuffer(bytearray(entry["torch_cpu"]), dtype=torch.uint8))
         cuda_states = entry.get("cuda") or []
         if cuda_states and torch.cuda.is_available():
@@ -69,5 +72,5 @@ def apply_rng(entry: dict, where: str) -> None:
             random.setstate((python_state["version"], tuple(python_state["state"]), python_state["gauss_next"]))
     except CheckpointError:
         raise
-    except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+    except (KeyError, TypeError, ValueError, RuntimeError, OverflowError) as exc:
         raise CheckpointError(f"{where}: malformed RNG state ({type(exc).__name__}: {exc})") from None

@@ -45,12 +45,13 @@ def prepare(value: torch.Tensor | np.ndarray, where: str) -> TensorSource:
     if isinstance(value, np.ndarray):
         if value.dtype.kind not in "biufc" or value.dtype.byteorder == ">":
             raise UnsupportedValueError(f"{where}: numpy arrays of dtype {value.dtype} cannot be stored")
-        array = np.ascontiguousarray(value)
+        # Not np.ascontiguousarray alone: it turns 0-d arrays into 1-d ones.
+        array = value if value.flags.c_contiguous else np.ascontiguousarray(value)
         try:
             tensor = torch.from_numpy(array)
         except TypeError as exc:
             raise UnsupportedValueError(f"{where}: {exc}") from None
-        return TensorSource(tensor, dtype_name(tensor.dtype), tuple(array.shape), "numpy", False, array is value)
+        return TensorSource(tensor, dtype_name(tensor.dtype), tuple(value.shape), "numpy", False, array is value)
     kind = type(value)
     if kind not in (torch.Tensor, torch.nn.Parameter):
         raise UnsupportedValueError(f"{where}: tensor subclass {kind.__qualname__} is not supported yet")

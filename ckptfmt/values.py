@@ -39,6 +39,7 @@ EXT_TENSOR, EXT_TUPLE, EXT_BIGINT, EXT_ODICT, EXT_SET, EXT_FROZENSET = 1, 2, 3, 
 EXT_COMPLEX, EXT_DTYPE, EXT_SIZE, EXT_DEVICE, EXT_NUMPY_SCALAR, EXT_OPAQUE = 7, 8, 9, 10, 11, 12
 
 _INT_MIN, _INT_MAX = -(2**63), 2**64 - 1
+_BIGINT_DIGITS = 4300  # the most digits a writer may store (spec 7.2)
 
 #: A leaf that goes to the tensor table: torch tensors and numpy arrays.
 TensorLike = torch.Tensor | np.ndarray
@@ -88,7 +89,13 @@ class _Encoder:
         if kind is int:
             if _INT_MIN <= value <= _INT_MAX:
                 return value
-            return msgpack.ExtType(EXT_BIGINT, str(value).encode("ascii"))
+            try:
+                text = str(value)
+            except ValueError:  # over sys.get_int_max_str_digits()
+                text = None
+            if text is None or len(text.lstrip("-")) > _BIGINT_DIGITS:
+                raise UnsupportedValueError(f"{_where(path)}: integer of more than {_BIGINT_DIGITS} digits")
+            return msgpack.ExtType(EXT_BIGINT, text.encode("ascii"))
         if kind is list:
             return [self.pack(item, (*path, i)) for i, item in enumerate(value)]
         if kind is dict:
@@ -149,9 +156,21 @@ class _Decoder:
     def unpack(self, data: bytes) -> Any:
         self.depth += 1
         try:
-            if self.depth > MAX_NESTING:
+            # The top document, then at most MAX_NESTING containers (the writer's path limit),
+            # then a leaf's own payload (e.g. a tensor reference) may each be one parse deeper.
+            if self.depth > MAX_NESTING + 2:
                 raise ManifestError(f"value tree nested deeper than {MAX_NESTING} extension levels")
-            return msgpack.unpackb(data, raw=False, strict_map_key=False, ext_hook=self.ext_hook, use_list=True)
+            # Not msgpack.unpackb: it keeps ~45 KB of parser state on the C stack, and extension
+            # payloads nest one parse inside another, so ~170 levels overflowed an 8 MiB stack
+            # (a segfault). An Unpacker keeps that state on the heap. Its length limits default
+            # to the buffer size, as unpackb's do to the input's length.
+            unpacker = msgpack.Unpacker(raw=False, strict_map_key=False, ext_hook=self.ext_hook, use_list=True,
+                                        max_buffer_size=max(len(data), 1))
+            unpacker.feed(data)
+            value = unpacker.unpack()
+            if unpacker.tell() != len(data):
+                raise ManifestError("value tree: extra bytes after the document")
+            return value
         except ManifestError:
             raise
         except TypeError as exc:  # unhashable map key

@@ -1,0 +1,123 @@
+"""Shared fixtures: a moto S3 server, per-test buckets, and a repository URL on every backend.
+
+``repo_url`` is parametrized over local disk, ``memory://`` and S3 (moto), so one
+test body runs against all three storage backends.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+
+import fsspec
+import pytest
+
+AWS_ENV = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+}
+
+
+def _clear_s3fs_cache() -> None:
+    """Forget cached S3FileSystem instances so the next one sees the current settings."""
+    try:
+        import s3fs
+    except ImportError:  # pragma: no cover - s3fs is a test dependency
+        return
+    s3fs.S3FileSystem.clear_instance_cache()
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """A moto S3 server on a free local port, with fake credentials and AWS_ENDPOINT_URL set.
+
+    Yields the endpoint URL. Started once per session, on first use.
+    """
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one log line per request otherwise
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    assert port != 0
+    endpoint = f"http://{host}:{port}"
+    with pytest.MonkeyPatch.context() as mp:
+        for name, value in AWS_ENV.items():
+            mp.setenv(name, value)
+        mp.setenv("AWS_ENDPOINT_URL", endpoint)
+        for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN"):
+            mp.delenv(name, raising=False)
+        mp.delenv("AWS_CONFIG_FILE", raising=False)
+        mp.delenv("AWS_SHARED_CREDENTIALS_FILE", raising=False)
+        _clear_s3fs_cache()
+        try:
+            yield endpoint
+        finally:
+            _clear_s3fs_cache()
+            server.stop()
+
+
+@pytest.fixture
+def s3_client(s3_server):
+    import boto3
+
+    return boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1")
+
+
+@pytest.fixture
+def s3_bucket(s3_server, s3_client):
+    """A fresh, uniquely named bucket for this test; yields its s3:// URL."""
+    name = f"ckpt-{uuid.uuid4().hex[:20]}"
+    s3_client.create_bucket(Bucket=name)
+    # The S3FileSystem instance is shared across tests (creating one costs ~0.5 s); the
+    # session fixture cleared the cache once so that it was built with the settings above.
+    yield f"s3://{name}"
+    # Leave moto's memory bounded across a long session.
+    paginator = s3_client.get_paginator("list_objects_v2")
+    for page in paginator.paginate(Bucket=name):
+        objects = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+        if objects:
+            s3_client.delete_objects(Bucket=name, Delete={"Objects": objects})
+    s3_client.delete_bucket(Bucket=name)
+
+
+@pytest.fixture
+def memory_root():
+    """A unique memory:// folder, removed after the test."""
+    path = f"/ckptfmt-test-{uuid.uuid4().hex}"
+    yield f"memory://{path}"
+    fs = fsspec.filesystem("memory")
+    if fs.exists(path):
+        fs.rm(path, recursive=True)
+
+
+BACKENDS = ["local", "memory", "s3"]
+
+
+def make_root(kind: str, request, tmp_path) -> str:
+    """A fresh, empty folder URL on backend ``kind``."""
+    if kind == "local":
+        return str(tmp_path / "store")
+    if kind == "memory":
+        return request.getfixturevalue("memory_root")
+    if kind == "s3":
+        return request.getfixturevalue("s3_bucket") + "/store"
+    raise AssertionError(kind)
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request) -> str:
+    return request.param
+
+
+@pytest.fixture
+def root_url(backend, request, tmp_path) -> str:
+    """An empty folder URL on each backend (nothing created yet)."""
+    return make_root(backend, request, tmp_path)
+
+
+@pytest.fixture
+def repo_url(root_url) -> str:
+    """A repository URL (not yet created) on each backend: local, memory://, S3."""
+    return f"{root_url}/repo"

@@ -1,0 +1,74 @@
+"""Helpers shared by the test modules: exact comparisons and chunk bookkeeping."""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+import numpy as np
+import torch
+
+from ckptfmt import layout
+from ckptfmt.storage import open_storage
+
+
+def raw_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes as a flat uint8 tensor (so NaNs and -0.0 compare bit for bit)."""
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def assert_tensor_exact(a: torch.Tensor, b: torch.Tensor, where: str = "") -> None:
+    assert type(a) is type(b), f"{where}: {type(a)} != {type(b)}"
+    assert a.dtype == b.dtype, f"{where}: dtype {a.dtype} != {b.dtype}"
+    assert a.shape == b.shape, f"{where}: shape {a.shape} != {b.shape}"
+    assert a.requires_grad == b.requires_grad, f"{where}: requires_grad differs"
+    assert torch.equal(raw_bytes(a), raw_bytes(b)), f"{where}: bytes differ"
+
+
+def assert_same(expected: Any, actual: Any, where: str = "state") -> None:
+    """Type-exact, bit-exact structural equality (dict order, key types, tensor bytes)."""
+    assert type(expected) is type(actual), f"{where}: {type(expected).__name__} became {type(actual).__name__}"
+    if isinstance(expected, torch.Tensor):
+        assert_tensor_exact(expected, actual, where)
+    elif isinstance(expected, np.ndarray):
+        assert expected.dtype == actual.dtype and expected.shape == actual.shape, where
+        assert np.ascontiguousarray(expected).tobytes() == actual.tobytes(), where
+    elif isinstance(expected, np.generic):
+        assert expected.dtype == actual.dtype and expected.tobytes() == actual.tobytes(), where
+    elif isinstance(expected, dict):  # dict and OrderedDict: same keys, same order, same key types
+        assert [(type(k), k) for k in expected] == [(type(k), k) for k in actual], f"{where}: keys differ"
+        for key in expected:
+            assert_same(expected[key], actual[key], f"{where}[{key!r}]")
+    elif isinstance(expected, (list, tuple)):
+        assert len(expected) == len(actual), f"{where}: length differs"
+        for i, (x, y) in enumerate(zip(expected, actual)):
+            assert_same(x, y, f"{where}[{i}]")
+    elif isinstance(expected, float):
+        assert struct.pack("<d", expected) == struct.pack("<d", actual), f"{where}: {expected!r} != {actual!r}"
+    elif isinstance(expected, complex):
+        assert_same(expected.real, actual.real, where)
+        assert_same(expected.imag, actual.imag, where)
+    else:
+        assert expected == actual, f"{where}: {expected!r} != {actual!r}"
+
+
+def chunk_keys(repo_url: str, storage_options: dict | None = None) -> set[str]:
+    """Every chunk object's key in a repository, on any backend."""
+    storage = open_storage(repo_url, storage_options)
+    keys = set()
+    for prefix in storage.list(layout.CHUNKS_DIR):
+        for name in storage.list(f"{layout.CHUNKS_DIR}/{prefix}"):
+            if not name.startswith("."):  # temp files of interrupted local writes
+                keys.add(f"{layout.CHUNKS_DIR}/{prefix}/{name}")
+    return keys
+
+
+def tensor_chunk_keys(reader, key: str) -> set[str]:
+    """The chunk keys one tensor of an open checkpoint reads."""
+    entry = reader.tensor_info(key)
+    chunks = reader.manifest.chunks
+    return {
+        layout.chunk_key(chunks[p.chunk].hash, chunks[p.chunk].codec)
+        for shard in entry.shards
+        for p in shard.pieces
+    }

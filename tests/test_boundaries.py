@@ -1,0 +1,66 @@
+"""Import boundaries: the core library never drags in the TUI, the converters or the S3 stack."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import ckptfmt
+
+ROOT = Path(__file__).resolve().parents[1]
+FORBIDDEN = ["textual", "ckptfmt.tui", "ckptfmt.converters", "s3fs", "boto3", "botocore", "aiobotocore"]
+
+PROBE = textwrap.dedent(
+    """
+    import importlib, json, pkgutil, sys
+    forbidden = {forbidden!r}
+
+    def loaded():  # a submodule cannot be loaded without its package, so the roots suffice
+        return sorted(f for f in forbidden if f in sys.modules)
+
+    report = {{}}
+    import ckptfmt
+    report["ckptfmt"] = loaded()
+    modules = sorted(m.name for m in pkgutil.iter_modules(ckptfmt.__path__) if m.name != "cli")
+    report["modules"] = modules
+    for name in modules:
+        importlib.import_module("ckptfmt." + name)
+        report["ckptfmt." + name] = loaded()
+
+    # Local and in-memory use stays off the S3 stack too.
+    import torch
+    for url in (sys.argv[1] + "/repo", "memory://boundary-probe/repo"):
+        ckptfmt.save({{"w": torch.ones(3)}}, url + "/a")
+        ckptfmt.load(url)
+        assert ckptfmt.verify(url).ok
+    report["after local use"] = loaded()
+    print(json.dumps(report))
+    """
+).format(forbidden=FORBIDDEN)
+
+
+def test_core_imports_stay_lean(tmp_path):
+    result = subprocess.run([sys.executable, "-c", PROBE, str(tmp_path)], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    modules = report.pop("modules")
+    # The probe really walked the package: the core modules are all there.
+    assert {"writer", "reader", "repository", "storage", "manifest", "values", "verify", "layout",
+            "limits"} <= set(modules)
+    assert set(report) == {"ckptfmt", "after local use", *(f"ckptfmt.{m}" for m in modules)}
+    offenders = {where: mods for where, mods in report.items() if mods}
+    assert offenders == {}, f"forbidden modules loaded: {offenders}"
+
+
+def test_tui_and_converters_are_importable_subpackages():
+    for name, folder in (("ckptfmt.tui", "tui"), ("ckptfmt.converters", "converters")):
+        module = importlib.import_module(name)
+        assert Path(module.__file__).resolve() == ROOT / folder / "__init__.py"
+        assert module.__name__ == name
+        assert module.__package__ == name
+    assert Path(ckptfmt.__file__).resolve() == ROOT / "ckptfmt" / "__init__.py"
