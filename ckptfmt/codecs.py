@@ -78,7 +78,10 @@ def decode(codec: str, stored: bytes, size: int, where: str) -> bytes | memoryvi
         declared = zstandard.frame_content_size(stored)
         if declared != size:
             raise CorruptDataError(f"{where}: zstd frame declares {declared} bytes, manifest says {size}")
-        data = zstandard.ZstdDecompressor().decompress(stored, max_output_size=size)
+        decompressor = zstandard.ZstdDecompressor().decompressobj()
+        data = decompressor.decompress(stored)
+        if not decompressor.eof or decompressor.unused_data:
+            raise CorruptDataError(f"{where}: chunk is not exactly one complete zstd frame")
     except zstandard.ZstdError as exc:
         raise CorruptDataError(f"{where}: cannot decompress chunk: {exc}") from None
     if len(data) != size:

@@ -8,7 +8,7 @@
 
 from __future__ import annotations
 
-from .codecs import NONE
+from .codecs import NONE, check_codec
 from .limits import check_hash, check_name
 
 MARKER_KEY = "ckptfmt.json"
@@ -19,7 +19,7 @@ COMMIT_NAME = "COMMIT"
 def chunk_key(digest: str, codec: str) -> str:
     """The key of a chunk; the codec suffix keeps differently encoded copies apart."""
     check_hash(digest)
-    suffix = "" if codec == NONE else f".{codec}"
+    suffix = "" if check_codec(codec) == NONE else f".{codec}"
     return f"{CHUNKS_DIR}/{digest[:2]}/{digest}{suffix}"
 
 

@@ -31,10 +31,11 @@ RESERVED_NAMES = frozenset({"chunks", "ckptfmt.json"})
 
 def check_name(name: object) -> str:
     """Return ``name`` if it is a valid checkpoint name, else raise InvalidNameError."""
-    if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name) or name in RESERVED_NAMES:
+    # Reserved names compare case-insensitively: 'Chunks' is 'chunks' on macOS and Windows.
+    if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name) or name.lower() in RESERVED_NAMES:
         raise InvalidNameError(
             f"invalid checkpoint name {name!r}: use 1-{MAX_NAME_LENGTH} characters from "
-            "A-Z a-z 0-9 . _ -, starting with a letter or digit, not 'chunks'"
+            "A-Z a-z 0-9 . _ -, starting with a letter or digit, not 'chunks' or 'ckptfmt.json'"
         )
     return name
 

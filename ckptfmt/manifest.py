@@ -13,6 +13,7 @@ from typing import Any
 
 import msgpack
 
+from .codecs import NONE, check_codec
 from .dtypes import itemsize
 from .errors import CheckpointError, ManifestError, UnsupportedVersionError
 from .limits import (
@@ -215,6 +216,8 @@ def _parse(doc: Any) -> Manifest:
         raise ManifestError("too many chunks or tensors")
     chunks = [_parse_chunk(c, i) for i, c in enumerate(raw_chunks)]
     tensors = [_parse_tensor(t, i, chunks) for i, t in enumerate(raw_tensors)]
+    if len({t.key for t in tensors}) != len(tensors):
+        raise ManifestError("two tensors share one key")
     _check_same_as(tensors)
     parent = _get(doc, "parent", str, optional=True)
     rng = _get(doc, "rng", list, optional=True, default=[])
@@ -244,9 +247,9 @@ def _parse_chunk(doc: Any, index: int) -> Chunk:
         raise ManifestError(f"chunk {index} is not a map")
     size = _int(doc.get("size"), f"chunk {index} size", 0, MAX_CHUNK_BYTES)
     stored = _int(doc.get("stored_size"), f"chunk {index} stored_size", 0, MAX_CHUNK_BYTES)
-    codec = doc.get("codec")
-    if not isinstance(codec, str):
-        raise ManifestError(f"chunk {index} codec is not a string")
+    codec = check_codec(doc.get("codec"))
+    if codec == NONE and stored != size:
+        raise ManifestError(f"chunk {index}: uncompressed but stored_size {stored} differs from size {size}")
     return Chunk(hash=check_hash(doc.get("hash")), codec=codec, size=size, stored_size=stored)
 
 
@@ -298,7 +301,7 @@ def _parse_shard(doc: Any, what: str, shape: tuple, width: int, chunks: list[Chu
         raise ManifestError(f"{what}: shard rank differs from the tensor's {len(shape)} dims")
     if any(o + n > d for o, n, d in zip(offsets, box, shape)):
         raise ManifestError(f"{what}: shard at {list(offsets)} of shape {list(box)} lies outside {list(shape)}")
-    rank = _int(doc.get("rank", 0), f"{what} shard rank", 0, 2**31)
+    rank = _int(doc.get("rank", 0), f"{what} shard rank", 0, 2**31 - 1)
     raw_pieces = doc.get("pieces")
     if not isinstance(raw_pieces, list):
         raise ManifestError(f"{what}: shard pieces must be a list")
@@ -323,21 +326,49 @@ def _parse_shard(doc: Any, what: str, shape: tuple, width: int, chunks: list[Chu
 
 
 def _check_tiling(what: str, shape: tuple, shards: tuple[Shard, ...]) -> None:
-    """Shards must cover the tensor exactly: same total volume and no two overlapping."""
+    """Shards must cover the tensor exactly: same total volume and no two overlapping.
+
+    Up to 256 shards any layout is checked pair by pair; more shards must form a
+    grid (every box the product of one interval per dimension, each dimension's
+    intervals tiling it), which is checked in linear time.
+    """
     if sum(s.numel for s in shards) != math.prod(shape):
         raise ManifestError(f"{what}: shards do not cover shape {list(shape)} exactly")
-    if len(shards) <= _PAIRWISE_OVERLAP_LIMIT:
-        for i, a in enumerate(shards):
-            for b in shards[i + 1 :]:
-                if a.numel and b.numel and all(
-                    ao < bo + bn and bo < ao + an for ao, an, bo, bn in zip(a.offsets, a.shape, b.offsets, b.shape)
-                ):
+    boxes = [s for s in shards if s.numel]
+    if len(boxes) <= _PAIRWISE_OVERLAP_LIMIT:
+        for i, a in enumerate(boxes):
+            for b in boxes[i + 1 :]:
+                if all(ao < bo + bn and bo < ao + an for ao, an, bo, bn in zip(a.offsets, a.shape, b.offsets, b.shape)):
                     raise ManifestError(f"{what}: shards at {list(a.offsets)} and {list(b.offsets)} overlap")
+        return
+    _check_grid(what, shape, boxes)
+
+
+def _check_grid(what: str, shape: tuple, boxes: list[Shard]) -> None:
+    cells = set()
+    intervals: list[set[tuple[int, int]]] = [set() for _ in shape]
+    for box in boxes:
+        cell = tuple(zip(box.offsets, box.shape))
+        cells.add(cell)
+        for dim, interval in enumerate(cell):
+            intervals[dim].add(interval)
+    for dim, found in enumerate(intervals):
+        position = 0
+        for start, length in sorted(found):
+            if start != position:
+                raise ManifestError(f"{what}: more than {_PAIRWISE_OVERLAP_LIMIT} shards that do not form a grid")
+            position += length
+        if position != shape[dim]:
+            raise ManifestError(f"{what}: more than {_PAIRWISE_OVERLAP_LIMIT} shards that do not form a grid")
+    if len(cells) != len(boxes) or len(cells) != math.prod(len(found) for found in intervals):
+        raise ManifestError(f"{what}: more than {_PAIRWISE_OVERLAP_LIMIT} shards that do not form a grid")
 
 
 def _check_same_as(tensors: list[TensorEntry]) -> None:
     for t in tensors:
         if t.same_as is not None:
             first = tensors[t.same_as]
-            if (first.dtype, first.shape, first.kind) != (t.dtype, t.shape, t.kind) or first.same_as is not None:
+            if (first.dtype, first.shape, first.kind, first.requires_grad) != (
+                t.dtype, t.shape, t.kind, t.requires_grad
+            ) or first.same_as is not None:
                 raise ManifestError(f"tensor {t.key!r}: same_as names a different tensor")

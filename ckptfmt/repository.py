@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -63,8 +64,8 @@ class CommitRecord:
                 raise ManifestError(f"manifest_size {size!r} is invalid")
             if step is not None and type(step) is not int:
                 raise ManifestError("step is not an integer")
-            if type(created) is not int:
-                raise ManifestError("created_ns is not an integer")
+            if type(created) is not int or not 0 <= created < 2**63:
+                raise ManifestError("created_ns is not an integer in [0, 2**63)")
             parent = doc.get("parent")
             stats = doc.get("stats") or {}
             if not isinstance(stats, dict):
@@ -128,7 +129,7 @@ class Repository:
 
     # -- checkpoints ---------------------------------------------------------
     def names(self) -> list[str]:
-        """Names of the committed checkpoints (those with a commit record), sorted."""
+        """Names with a commit record, sorted (whether each record is valid is checked on reading it)."""
         names = []
         for entry in self.storage.list(""):
             if NAME_PATTERN.fullmatch(entry) and entry not in RESERVED_NAMES:
@@ -149,11 +150,17 @@ class Repository:
         return record
 
     def commits(self) -> list[CommitRecord]:
-        """Commit records of every checkpoint, oldest first."""
-        return sorted((self.commit(n) for n in self.names()), key=lambda r: (r.created_ns, r.name))
+        """Valid commit records, oldest first; damaged ones are skipped (verify reports them)."""
+        records = []
+        for name in self.names():
+            try:
+                records.append(self.commit(name))
+            except CheckpointError as exc:
+                warnings.warn(f"skipping checkpoint {name!r}: {exc}", stacklevel=2)
+        return sorted(records, key=lambda r: (r.created_ns, r.name))
 
     def latest(self) -> str:
-        """The most recently committed checkpoint's name."""
+        """The newest checkpoint's name: greatest ``created_ns`` (stamped just before commit)."""
         records = self.commits()
         if not records:
             raise CheckpointNotFoundError(f"{self.url}: repository has no checkpoints")
@@ -169,8 +176,10 @@ class Repository:
             raise CorruptDataError(f"{where}: {len(data)} bytes, commit record says {record.manifest_size}")
         check_chunk(data, record.manifest_hash, where)
         manifest = Manifest.from_bytes(data, where)
-        if manifest.name != name:
-            raise ManifestError(f"{where}: manifest names checkpoint {manifest.name!r}")
+        if (manifest.name, manifest.step, manifest.created_ns, manifest.parent) != (
+            name, record.step, record.created_ns, record.parent
+        ):
+            raise ManifestError(f"{where}: name, step, created_ns or parent differ from the commit record")
         return manifest
 
     # -- chunks --------------------------------------------------------------

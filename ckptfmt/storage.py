@@ -38,6 +38,8 @@ class Storage:
 
     #: Whether ``read_into`` reads straight into caller memory without a copy.
     zero_copy_reads = False
+    #: Whether ``exists`` is cheap (a stat) rather than a network round trip.
+    cheap_exists = False
 
     def __init__(self, fs: fsspec.AbstractFileSystem, root: str, url: str):
         self.fs = fs
@@ -139,6 +141,7 @@ class LocalStorage(Storage):
     """Local disks: temp file + fsync + rename, directory fsync, reads into caller memory."""
 
     zero_copy_reads = True
+    cheap_exists = True
 
     def __init__(self, fs: fsspec.AbstractFileSystem, root: str, url: str):
         super().__init__(fs, os.path.abspath(root), url)

@@ -78,6 +78,7 @@ def _where(path: tuple) -> str:
 class _Encoder:
     def __init__(self, on_tensor: OnTensor | None):
         self.on_tensor = on_tensor
+        self.in_key = 0  # > 0 while packing a dict key or set item
 
     def pack(self, value: Any, path: tuple) -> Any:
         """Turn ``value`` into msgpack-native data plus ExtTypes."""
@@ -106,6 +107,8 @@ class _Encoder:
         if kind is tuple:
             return self.ext(EXT_TUPLE, [self.pack(item, (*path, i)) for i, item in enumerate(value)])
         if isinstance(value, torch.Tensor) or kind is np.ndarray:
+            if self.in_key:
+                raise UnsupportedValueError(f"{_where(path)}: tensors cannot be dict keys or set items (nor part of one)")
             if self.on_tensor is None:
                 raise UnsupportedValueError(f"{_where(path)}: tensors are not allowed here")
             return self.ext(EXT_TENSOR, self.on_tensor(path, value))
@@ -131,16 +134,21 @@ class _Encoder:
 
     def key(self, key: Any, path: tuple) -> Any:
         """Pack a dict key or set item: any plain hashable value, never a tensor."""
-        if isinstance(key, (torch.Tensor, np.ndarray)):
-            raise UnsupportedValueError(f"{_where(path)}: tensors cannot be dict keys or set items")
-        return self.pack(key, (*path, "<key>"))
+        self.in_key += 1
+        try:
+            return self.pack(key, (*path, "<key>"))
+        finally:
+            self.in_key -= 1
 
     def ext(self, code: int, body: Any) -> msgpack.ExtType:
         return msgpack.ExtType(code, _packb(body))
 
 
 def _packb(obj: Any) -> bytes:
-    return msgpack.packb(obj, use_bin_type=True, strict_types=True)
+    try:
+        return msgpack.packb(obj, use_bin_type=True, strict_types=True)
+    except UnicodeEncodeError as exc:  # lone surrogates in a str
+        raise UnsupportedValueError(f"state holds a string that is not valid Unicode text: {exc}") from None
 
 
 def encode_tree(value: Any, on_tensor: OnTensor | None = None) -> bytes:

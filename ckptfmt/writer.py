@@ -11,17 +11,21 @@ from __future__ import annotations
 import os
 import threading
 import time
+import warnings
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
+
+import msgpack
 
 
 from . import codecs, layout
 from .chunker import DEFAULT_CHUNK_SIZE, ChunkJob, ChunkPlanner, PieceRef
 from .environment import capture_environment
-from .errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError
+from .errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError, UnsupportedValueError
 from .hashcache import DEFAULT_CACHE, HashCache
 from .hashing import chunk_hash
+from .limits import MAX_CHUNK_BYTES, MAX_KEY_BYTES, check_name
 from .manifest import Chunk, Manifest, Piece, Shard, TensorEntry
 from .repository import CommitRecord, Repository, split_checkpoint_url
 from .rng import capture_rng
@@ -97,7 +101,7 @@ class _ChunkWriter:
             self.claimed.add(key)
         if not first:  # a twin job of this save stores it; _tables takes its stored size
             return _StoredChunk(Chunk(digest, codec, job.size, -1), 0)
-        if key in self.known or self.repo.storage.exists(key):
+        if key in self.known or self.repo.storage.exists(key):  # ``known`` is empty where exists() is cheap
             stored_size = job.size if codec == codecs.NONE else self.repo.storage.size(key)
             return _StoredChunk(Chunk(digest, codec, job.size, stored_size), 0)
         encoded = codecs.encode(codec, data)
@@ -132,9 +136,7 @@ def save(
     caller's per-step timings, stored under ``timing``; ``parallelism`` records
     the run's layout (e.g. ``{"dp": 8, "tp": 2}``).
     """
-    if step is not None and type(step) is not int:
-        raise TypeError("step must be an int or None")
-    codecs.codec_for(compression, 4)  # reject unknown values before any work
+    _check_arguments(step, chunk_size, compression, step_times, parallelism)
     timer = PhaseTimer()
     repo_url, name = split_checkpoint_url(url)
     rank, _ = current_rank()
@@ -146,7 +148,7 @@ def save(
         sources: list[TensorSource] = []
         entries: list[dict] = []
         state_bytes = encode_tree(state, _TensorCollector(sources, entries))
-        user_bytes = encode_tree(metadata or {}, None)
+        user_bytes = encode_tree({} if metadata is None else metadata, None)
         rng = capture_rng(rank)
     writer = _ChunkWriter(repo, sources, compression, known, DEFAULT_CACHE, workers or (4 if repo.storage.zero_copy_reads else 16))
     try:
@@ -186,6 +188,20 @@ def save(
     return repo.storage.describe(name)
 
 
+def _check_arguments(step, chunk_size, compression, step_times, parallelism) -> None:
+    """Refuse bad arguments before anything is written."""
+    if step is not None and type(step) is not int:
+        raise TypeError("step must be an int or None")
+    if chunk_size is not None and not 4096 <= chunk_size <= MAX_CHUNK_BYTES:
+        raise ValueError(f"chunk_size must be between 4096 and {MAX_CHUNK_BYTES} bytes")
+    codecs.codec_for(compression, 4)
+    for name, value in (("step_times", step_times), ("parallelism", parallelism)):
+        try:
+            msgpack.packb(value, use_bin_type=True)
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise UnsupportedValueError(f"{name} must hold plain values (numbers, strings, lists, dicts): {exc}") from None
+
+
 class _TensorCollector:
     """The value tree's tensor hook: prepares each leaf and numbers it (same object, same entry)."""
 
@@ -197,8 +213,12 @@ class _TensorCollector:
 
     def __call__(self, path: tuple, value) -> int:
         key = format_key(path)
+        if not path:
+            raise UnsupportedValueError("a tensor at the root of the state has no key: save {'tensor': t} instead")
+        if len(key.encode("utf-8", "surrogatepass")) > MAX_KEY_BYTES:
+            raise UnsupportedValueError(f"tensor key {key[:80]!r}... is longer than {MAX_KEY_BYTES} bytes")
         if key in self.keys:
-            raise CheckpointError(f"two tensors map to the key {key!r}; rename one of the dict keys")
+            raise UnsupportedValueError(f"two tensors map to the key {key!r}; rename one of the dict keys")
         self.keys.add(key)
         index = len(self.entries)
         first = self.seen.get(id(value))
@@ -212,18 +232,30 @@ class _TensorCollector:
 
 
 def _parent(repo: Repository, parent: Any) -> tuple[str | None, set[str]]:
-    """The parent's name and the chunk keys it proves present (skips existence checks)."""
+    """The parent's name, and on remote storage the chunk keys it proves present.
+
+    Trusting the parent saves one round trip per chunk on object stores; on
+    local disks a stat is cheap, so every chunk's presence is checked.
+    """
     if parent is None:
         return None, set()
     if parent is _LATEST:
-        names = repo.names()
-        if not names:
+        records = repo.commits()
+        if not records:
             return None, set()
-        parent = repo.latest()
-    try:
-        manifest = repo.manifest(parent)
-    except CheckpointNotFoundError:
-        raise CheckpointNotFoundError(f"parent checkpoint {parent!r} not found in {repo.url}") from None
+        parent = records[-1].name
+        try:
+            manifest = repo.manifest(parent, records[-1])
+        except CheckpointError as exc:  # a damaged latest checkpoint must not block new saves
+            warnings.warn(f"not using {parent!r} as parent: {exc}", stacklevel=3)
+            return None, set()
+    else:
+        try:
+            manifest = repo.manifest(check_name(parent))
+        except CheckpointNotFoundError:
+            raise CheckpointNotFoundError(f"parent checkpoint {parent!r} not found in {repo.url}") from None
+    if repo.storage.cheap_exists:
+        return parent, set()
     return parent, {layout.chunk_key(c.hash, c.codec) for c in manifest.chunks}
 
 
@@ -259,6 +291,7 @@ def _tables(stored: dict[int, _StoredChunk], sources: list[TensorSource], entrie
 def _commit(repo: Repository, manifest: Manifest) -> None:
     """Write the manifest, then the commit record that makes the checkpoint exist."""
     data = manifest.to_bytes()
+    Manifest.from_bytes(data, repo.storage.describe(manifest.name))  # never commit what readers refuse
     digest = chunk_hash(data)
     key = layout.manifest_key(manifest.name, digest)
     repo.storage.write(key, data)

@@ -165,7 +165,7 @@ def test_schema_vocabulary_and_limits_match_the_implementation():
     from ckptfmt import codecs, dtypes, limits
 
     defs = _schema("manifest.schema.json")["$defs"]
-    assert set(defs["dtype"]["enum"]) == set(dtypes._NAMES)
+    assert set(defs["dtype"]["enum"]) == set(dtypes.ITEMSIZES)
     assert set(defs["codec"]["enum"]) == set(codecs.CODECS)
     assert defs["chunk"]["properties"]["size"]["maximum"] == limits.MAX_CHUNK_BYTES
     assert defs["dims"]["maxItems"] == limits.MAX_DIMS
