@@ -103,8 +103,12 @@ class CheckpointReader:
         """Read one tensor (only its chunks), verified, on ``map_location``."""
         return self._read(self._lookup(key), parallel=True)
 
-    def load_state(self, *, workers: int = 4) -> Any:
-        """The whole saved state, type-exact, every chunk verified."""
+    def load_state(self, *, workers: int = 8) -> Any:
+        """The whole saved state, type-exact, every chunk verified.
+
+        ``workers`` threads read and hash chunks; several reads in flight keep
+        the disk's queue full (measured: 8 beat 4 and 2 on cold loads).
+        """
         tensors = self.manifest.tensors
         loaded: list[Any] = [None] * len(tensors)
         firsts = [i for i, t in enumerate(tensors) if t.same_as is None]

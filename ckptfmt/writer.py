@@ -54,7 +54,9 @@ class _ChunkWriter:
         self.known = known
         self.cache = cache
         self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckptfmt-save")
-        self.slots = threading.BoundedSemaphore(workers * 2)
+        # Jobs materialise their bytes only when they run (packs, compression, remote
+        # copies), so this bounds both the queue and the memory in flight.
+        self.slots = threading.BoundedSemaphore(workers)
         self.futures: dict[int, Future] = {}
         self.claimed: set[str] = set()
         self.lock = threading.Lock()
@@ -150,7 +152,9 @@ def save(
         state_bytes = encode_tree(state, _TensorCollector(sources, entries))
         user_bytes = encode_tree({} if metadata is None else metadata, None)
         rng = capture_rng(rank)
-    writer = _ChunkWriter(repo, sources, compression, known, DEFAULT_CACHE, workers or (4 if repo.storage.zero_copy_reads else 16))
+    # 4 writers overlap hashing with other chunks' writes and fsyncs; on remote
+    # storage each holds a copy of its chunk, so 4 x 64 MiB bounds the memory.
+    writer = _ChunkWriter(repo, sources, compression, known, DEFAULT_CACHE, workers or 4)
     try:
         with timer.phase("write_chunks"):
             planner = ChunkPlanner(chunk_size or DEFAULT_CHUNK_SIZE)
