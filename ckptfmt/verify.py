@@ -56,7 +56,7 @@ class VerifyReport:
 
 
 def verify(url: str | os.PathLike, *, storage_options: dict | None = None,
-           callback: Callback | None = None, workers: int = 8,
+           callback: Callback | None = None, workers: int = 16,
            cancel: threading.Event | None = None) -> VerifyReport:
     """Verify a checkpoint URL, or every checkpoint of a repository URL."""
     callback = callback or NoOpCallback()
