@@ -98,6 +98,8 @@ class Manifest:
     topology: dict = field(default_factory=dict)
     timing: dict = field(default_factory=dict)
     stats: dict = field(default_factory=dict)
+    #: Where an imported checkpoint came from (source kind, path, versions, import timing).
+    provenance: dict | None = None
     version: tuple[int, int] = FORMAT_VERSION
     #: Fields this reader does not know (from a newer minor version), kept as read.
     extra: dict = field(default_factory=dict)
@@ -122,6 +124,8 @@ class Manifest:
             "timing": self.timing,
             "stats": self.stats,
         }
+        if self.provenance is not None:
+            doc["provenance"] = self.provenance
         return {**self.extra, **doc}
 
     def to_bytes(self) -> bytes:
@@ -200,7 +204,8 @@ def check_version(version: Any, what: str) -> tuple[int, int]:
 
 
 _KNOWN_FIELDS = frozenset(
-    "format version name step created_ns parent chunks tensors state user rng environment topology timing stats".split()
+    "format version name step created_ns parent chunks tensors state user rng environment topology timing stats "
+    "provenance".split()
 )
 
 
@@ -237,6 +242,7 @@ def _parse(doc: Any) -> Manifest:
         topology=_get(doc, "topology", dict, optional=True, default={}),
         timing=_get(doc, "timing", dict, optional=True, default={}),
         stats=_get(doc, "stats", dict, optional=True, default={}),
+        provenance=_get(doc, "provenance", dict, optional=True),
         version=version,
         extra={k: v for k, v in doc.items() if k not in _KNOWN_FIELDS},
     )

@@ -95,6 +95,7 @@ class CheckpointReader:
             "timing": m.timing,
             "stats": m.stats,
             "user": decode_tree(m.user),
+            "provenance": m.provenance,
             **({"extra": m.extra} if m.extra else {}),
         }
 

@@ -127,6 +127,8 @@ def save(
     step_times: list | None = None,
     parallelism: dict | None = None,
     workers: int | None = None,
+    rng: list[dict] | None = None,
+    provenance: dict | None = None,
 ) -> str:
     """Save ``state`` (nested dicts/lists/tuples of tensors and plain values) as checkpoint ``url``.
 
@@ -136,9 +138,11 @@ def save(
     ``parent`` defaults to the repository's latest checkpoint (None for none);
     ``compression`` is None, 'zstd' or 'shuffle-zstd'; ``step_times`` are the
     caller's per-step timings, stored under ``timing``; ``parallelism`` records
-    the run's layout (e.g. ``{"dp": 8, "tp": 2}``).
+    the run's layout (e.g. ``{"dp": 8, "tp": 2}``). Converters pass ``rng``
+    (entries recorded by another tool, replacing this process's states) and
+    ``provenance`` (where an imported checkpoint came from).
     """
-    _check_arguments(step, chunk_size, compression, step_times, parallelism)
+    _check_arguments(step, chunk_size, compression, step_times, parallelism, rng, provenance)
     timer = PhaseTimer()
     repo_url, name = split_checkpoint_url(url)
     rank, _ = current_rank()
@@ -151,7 +155,7 @@ def save(
         entries: list[dict] = []
         state_bytes = encode_tree(state, _TensorCollector(sources, entries))
         user_bytes = encode_tree({} if metadata is None else metadata, None)
-        rng = capture_rng(rank)
+        rng_entries = rng if rng is not None else [capture_rng(rank)]
     # 4 writers overlap hashing with other chunks' writes and fsyncs; on remote
     # storage each holds a copy of its chunk, so 4 x 64 MiB bounds the memory.
     writer = _ChunkWriter(repo, sources, compression, known, DEFAULT_CACHE, workers or 4)
@@ -183,23 +187,26 @@ def save(
     }
     manifest = Manifest(
         name=name, step=step, created_ns=time.time_ns(), parent=parent_name,
-        chunks=chunks, tensors=tensors, state=state_bytes, user=user_bytes, rng=[rng],
+        chunks=chunks, tensors=tensors, state=state_bytes, user=user_bytes, rng=rng_entries,
         environment=environment, topology=capture_topology(parallelism),
         timing={"ranks": [timer.record(rank)], "steps": list(step_times or [])},
-        stats=stats,
+        stats=stats, provenance=provenance,
     )
     _commit(repo, manifest)
     return repo.storage.describe(name)
 
 
-def _check_arguments(step, chunk_size, compression, step_times, parallelism) -> None:
+def _check_arguments(step, chunk_size, compression, step_times, parallelism, rng, provenance) -> None:
     """Refuse bad arguments before anything is written."""
     if step is not None and type(step) is not int:
         raise TypeError("step must be an int or None")
     if chunk_size is not None and not 4096 <= chunk_size <= MAX_CHUNK_BYTES:
         raise ValueError(f"chunk_size must be between 4096 and {MAX_CHUNK_BYTES} bytes")
     codecs.codec_for(compression, 4)
-    for name, value in (("step_times", step_times), ("parallelism", parallelism)):
+    if rng is not None and not (isinstance(rng, list) and all(isinstance(e, dict) for e in rng)):
+        raise TypeError("rng must be a list of per-rank dicts")
+    for name, value in (("step_times", step_times), ("parallelism", parallelism), ("rng", rng),
+                        ("provenance", provenance)):
         try:
             msgpack.packb(value, use_bin_type=True)
         except (TypeError, ValueError, OverflowError) as exc:

@@ -229,3 +229,25 @@ def test_git_state_of_the_working_directory(tmp_path, monkeypatch):
     monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path))
     ckptfmt.save({}, tmp_path / "repo" / "h")
     assert ckptfmt.open(tmp_path / "repo" / "h").metadata["environment"]["git"] is None
+
+
+def test_converters_can_record_foreign_rng_states_and_provenance(tmp_path):
+    """save(rng=..., provenance=...) stores another tool's RNG states and the import's origin."""
+    import random
+
+    torch.manual_seed(1234)
+    random.seed(99)
+    from ckptfmt.rng import capture_rng
+
+    foreign = [capture_rng(0)]
+    expected = (torch.rand(3), random.random())
+    torch.manual_seed(0)
+    random.seed(0)
+    provenance = {"source_kind": "torch", "source": "/data/model.pt", "versions": {"torch": "2.1.0"}}
+    url = ckptfmt.save({"w": torch.ones(2)}, tmp_path / "repo" / "imported", rng=foreign, provenance=provenance)
+    with ckptfmt.open(url) as reader:
+        assert reader.metadata["provenance"] == provenance
+        ckptfmt.restore_rng(reader)
+    assert torch.equal(torch.rand(3), expected[0]) and random.random() == expected[1]
+    plain = ckptfmt.save({"w": torch.ones(2)}, tmp_path / "repo" / "direct")
+    assert ckptfmt.open(plain).metadata["provenance"] is None
