@@ -42,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("b")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--no-measure", dest="measure", action="store_false", help="do not read changed tensors")
+    p.add_argument("--limit", type=int, default=25, help="differing tensors to list (0: all)")
     p.set_defaults(run=commands.diff)
 
     p = sub.add_parser("export", help="write a checkpoint in another format")

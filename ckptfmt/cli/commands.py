@@ -14,7 +14,7 @@ from .. import diff as diff_module
 from ..reader import open as open_checkpoint
 from ..repository import Repository
 from ..verify import verify as verify_url
-from .render import human_bytes, human_time, number, shape_text
+from .render import human_bytes, human_time, new_table, number, shape_text
 
 
 def ls(args, console: Console) -> int:
@@ -26,13 +26,14 @@ def ls(args, console: Console) -> int:
             "manifest": r.manifest_hash, **r.stats,
         } for r in records])
         return 0
-    table = Table(title=f"{repo.url}: {len(records)} checkpoints")
-    for column in ("name", "step", "created", "tensors", "size", "new bytes", "parent"):
-        table.add_column(column, justify="right" if column in ("step", "tensors", "size", "new bytes") else "left")
+    table = new_table(f"{repo.url}: {len(records)} checkpoints")
+    for column in ("name", "step", "created", "size", "new bytes", "parent"):
+        numeric = column in ("step", "size", "new bytes")
+        table.add_column(column, justify="right" if numeric else "left", no_wrap=True, overflow="ellipsis")
     for r in records:
         table.add_row(
             r.name, str(r.step) if r.step is not None else "-", human_time(r.created_ns),
-            str(r.stats.get("tensor_count", "-")), human_bytes(r.stats.get("stored_bytes")),
+            human_bytes(r.stats.get("stored_bytes")),
             human_bytes(r.stats.get("new_bytes")), r.parent or "-",
         )
     console.print(table)
@@ -75,9 +76,10 @@ def _show_summary(console: Console, url: str, ident: str, meta: dict) -> None:
 
 def _show_tensors(console: Console, tensors: list, limit: int) -> None:
     shown = tensors if limit <= 0 else tensors[:limit]
-    table = Table(title=f"tensors ({len(shown)} of {len(tensors)})")
+    table = new_table(f"tensors ({len(shown)} of {len(tensors)})")
     for column in ("key", "dtype", "shape", "size", "shards"):
-        table.add_column(column, justify="right" if column in ("size", "shards") else "left")
+        numeric = column in ("size", "shards")
+        table.add_column(column, justify="right" if numeric else "left", no_wrap=numeric, overflow="fold")
     for t in shown:
         table.add_row(t.key, t.dtype, shape_text(t.shape), human_bytes(t.nbytes), str(len(t.shards)))
     console.print(table)
@@ -87,7 +89,7 @@ def _show_metadata(console: Console, meta: dict) -> None:
     env = meta["environment"]
     torch_info = env.get("torch", {})
     git = env.get("git") or {}
-    table = Table(title="metadata", show_header=False)
+    table = new_table("metadata", show_header=False)
     table.add_column(style="bold")
     table.add_column()
     table.add_row("host", f"{env.get('hostname')} ({env.get('os', {}).get('platform')})")
@@ -146,7 +148,7 @@ def verify(args, console: Console) -> int:
     if report.ok:
         console.print(f"[green]OK[/green]: {summary}")
         return 0
-    table = Table(title=f"[red]DAMAGED[/red]: {len(report.problems)} problem(s) in {summary}")
+    table = new_table(f"[red]DAMAGED[/red]: {len(report.problems)} problem(s) in {summary}")
     for column in ("checkpoint", "problem", "chunk", "tensors", "detail"):
         table.add_column(column, overflow="fold")
     for p in report.problems:
@@ -168,11 +170,13 @@ def diff(args, console: Console) -> int:
     console.print(f"[bold]{report.a}[/bold] -> [bold]{report.b}[/bold]: "
                   + ", ".join(f"{n} {s}" for s, n in counts.items()))
     moved = [t for t in report.tensors if t.status != "unchanged"]
+    shown = moved if args.limit <= 0 else moved[: args.limit]
     if moved:
-        table = Table(title="tensors that differ (most moved first)")
+        table = new_table(f"tensors that differ, most moved first ({len(shown)} of {len(moved)})")
         for column in ("key", "status", "dtype", "shape", "max |diff|", "rel L2", "changed"):
-            table.add_column(column, justify="right" if column in ("max |diff|", "rel L2", "changed") else "left")
-        for t in moved:
+            numeric = column in ("max |diff|", "rel L2", "changed")
+            table.add_column(column, justify="right" if numeric else "left", no_wrap=numeric, overflow="fold")
+        for t in shown:
             dtype = t.dtype[0] if t.dtype[0] == t.dtype[1] else f"{t.dtype[0]} -> {t.dtype[1]}"
             shape = shape_text(t.shape[0]) if t.shape[0] == t.shape[1] else f"{shape_text(t.shape[0])} -> {shape_text(t.shape[1])}"
             changed = f"{t.frac_changed:.1%}" if t.frac_changed is not None else "-"
@@ -180,7 +184,7 @@ def diff(args, console: Console) -> int:
         console.print(table)
     interesting = [m for m in report.metadata if not m[0].startswith(("rng.", "environment.packages"))]
     if report.metadata:
-        table = Table(title=f"metadata that differs ({len(report.metadata)} fields; RNG states and packages summarised)")
+        table = new_table(f"metadata that differs ({len(report.metadata)} fields; RNG states and packages summarised)")
         for column in ("field", "A", "B"):
             table.add_column(column, overflow="fold")
         for field, va, vb in interesting:

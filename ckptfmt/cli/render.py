@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import datetime
 
+from rich import box
+from rich.table import Table
+
 
 def human_bytes(n: int | float | None) -> str:
     if n is None:
@@ -28,3 +31,8 @@ def shape_text(shape) -> str:
 
 def number(value: float | None) -> str:
     return "-" if value is None else f"{value:.4g}"
+
+
+def new_table(title: str, **options) -> Table:
+    """A table in the CLI's style: light borders, so more width goes to keys and names."""
+    return Table(title=title, box=box.SIMPLE_HEAD, title_justify="left", **options)
