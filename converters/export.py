@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import json
 import os
+import re
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 import ckptfmt
+from ckptfmt.dtypes import dtype_from_name
 from ckptfmt.errors import CheckpointError
+
+from .safetensors_format import write_file
 
 FORMATS = ("torch", "safetensors")
 
@@ -22,18 +27,30 @@ class ExportResult:
     tensors: int
     bytes: int
     notes: list[str] = field(default_factory=list)
+    files: list[str] = field(default_factory=list)
 
 
 def export_checkpoint(url: str | os.PathLike, dest: str | os.PathLike, *, format: str,
-                      storage_options: dict | None = None) -> ExportResult:
-    """Write checkpoint ``url`` to the local file ``dest`` as ``format`` ('torch' or 'safetensors')."""
+                      storage_options: dict | None = None, max_shard_size: int | str | None = None,
+                      prefix: str | None = None) -> ExportResult:
+    """Write checkpoint ``url`` to the local path ``dest`` as ``format`` ('torch' or 'safetensors').
+
+    safetensors only: ``prefix`` (e.g. ``"model/"``) exports only the keys under it, with
+    the prefix stripped; ``max_shard_size`` (bytes, or ``"5GB"``, ``"100MB"``, ``"2GiB"``)
+    writes ``dest`` as a folder of ``model-0000i-of-0000N.safetensors`` shards and
+    ``model.safetensors.index.json``, as Hugging Face does (also when ``dest`` is an
+    existing folder or ends with a path separator, with shards of at most 5GB).
+    """
     if format not in FORMATS:
         raise CheckpointError(f"unknown export format {format!r}: choose from {', '.join(FORMATS)}")
+    if format != "safetensors" and (max_shard_size is not None or prefix is not None):
+        raise CheckpointError("max_shard_size and prefix apply to --format safetensors only")
     dest = os.fspath(dest)
+    shard_limit = parse_size(max_shard_size) if max_shard_size is not None else None
     with ckptfmt.open(url, storage_options=storage_options) as reader:
         if format == "torch":
             return _to_torch(reader, dest)
-        return _to_safetensors(reader, dest)
+        return _to_safetensors(reader, dest, max_shard_size=shard_limit, prefix=prefix)
 
 
 def _to_torch(reader: ckptfmt.CheckpointReader, dest: str) -> ExportResult:
@@ -44,24 +61,122 @@ def _to_torch(reader: ckptfmt.CheckpointReader, dest: str) -> ExportResult:
     return ExportResult(dest, stats.get("tensor_count", 0), os.path.getsize(dest))
 
 
-def _to_safetensors(reader: ckptfmt.CheckpointReader, dest: str) -> ExportResult:
-    """Flat tensors keyed by their ckptfmt keys; plain values do not fit safetensors and are noted."""
-    from safetensors.torch import save_file
+#: Hugging Face's default shard size (save_pretrained's max_shard_size).
+DEFAULT_SHARD_SIZE = 5_000_000_000
+_SIZE_UNITS = {"": 1, "B": 1, "K": 10**3, "KB": 10**3, "M": 10**6, "MB": 10**6, "G": 10**9, "GB": 10**9,
+               "T": 10**12, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
-    tensors: dict[str, torch.Tensor] = {}
-    notes = []
+
+def parse_size(value: int | str) -> int:
+    """Bytes from an int or a string like '5GB' (10**9), '2GiB' (2**30), '100MB' or '123456'."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        size = value
+    elif isinstance(value, str):
+        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", value)
+        unit = match.group(2).upper() if match else None
+        if unit not in _SIZE_UNITS:
+            raise CheckpointError(f"shard size {value!r}: expected bytes or a size like '5GB', '500MB', '2GiB'")
+        size = int(float(match.group(1)) * _SIZE_UNITS[unit])
+    else:
+        raise CheckpointError(f"shard size {value!r}: expected bytes or a size like '5GB'")
+    if size <= 0:
+        raise CheckpointError(f"shard size {value!r} must be positive")
+    return size
+
+
+def _to_safetensors(reader: ckptfmt.CheckpointReader, dest: str, *, max_shard_size: int | None = None,
+                    prefix: str | None = None) -> ExportResult:
+    """Flat tensors keyed by their ckptfmt keys (less ``prefix``), one file or HF-style shards.
+
+    Tensors are read lazily and written one at a time, so memory holds at most one
+    tensor; plain values do not fit safetensors and are noted.
+    """
+    from .safetensors_format import TORCH_TO_SAFETENSORS, OutTensor
+
+    notes: list[str] = []
+    if prefix is not None:
+        if not prefix or prefix == "/":
+            raise CheckpointError("prefix must name a part of the state, e.g. 'model/'")
+        if not prefix.endswith("/"):
+            prefix += "/"  # keys are '/'-joined path segments: strip whole segments
+    tensors: list[OutTensor] = []
+    skipped = 0
     for key in reader.keys():
+        if prefix is not None and not key.startswith(prefix):
+            skipped += 1
+            continue
+        name = key[len(prefix):] if prefix is not None else key
         entry = reader.tensor_info(key)
         if entry.same_as is not None:
             notes.append(f"{key} is the same tensor as {reader.manifest.tensors[entry.same_as].key}; stored again")
-        value = reader.get_tensor(key)
-        tensors[key] = torch.from_numpy(value) if isinstance(value, np.ndarray) else value.detach()
+        dtype = dtype_from_name(entry.dtype)
+        if dtype not in TORCH_TO_SAFETENSORS:
+            raise CheckpointError(f"{reader.url}: tensor {key!r} has dtype {entry.dtype}, which safetensors cannot hold")
+        tensors.append(OutTensor(name, dtype, tuple(entry.shape), lambda key=key: reader.get_tensor(key)))
+    if prefix is not None:
+        if not tensors:
+            raise CheckpointError(f"{reader.url}: no tensor key starts with {prefix!r}")
+        if skipped:
+            notes.append(f"{skipped} tensor(s) outside {prefix!r} are not exported")
     metadata = {"format": "pt", "ckptfmt.source": reader.url, "ckptfmt.id": reader.id}
     if reader.manifest.step is not None:
         metadata["ckptfmt.step"] = str(reader.manifest.step)
+    if prefix is not None:
+        metadata["ckptfmt.prefix"] = prefix
     notes.append("safetensors holds tensors only: the state's plain values (counters, hyper-parameters) are not exported")
-    _atomic(dest, lambda tmp: save_file(tensors, tmp, metadata=metadata))
-    return ExportResult(dest, len(tensors), os.path.getsize(dest), notes)
+
+    if max_shard_size is None and not (os.path.isdir(dest) or dest.endswith(("/", os.sep))):
+        written = []
+        _atomic(dest, lambda tmp: written.append(write_file(tmp, tensors, metadata)))
+        return ExportResult(dest, len(tensors), os.path.getsize(dest), notes, [dest])
+    return _safetensors_shards(dest, tensors, metadata, max_shard_size or DEFAULT_SHARD_SIZE, notes)
+
+
+def _safetensors_shards(folder: str, tensors: list, metadata: dict, limit: int, notes: list[str]) -> ExportResult:
+    """Hugging Face layout: model-0000i-of-0000N.safetensors and model.safetensors.index.json."""
+    from .safetensors_format import INDEX_NAME
+
+    shards: list[list] = [[]]
+    size = 0
+    for t in tensors:  # greedy, in key order; a tensor over the limit gets a shard of its own
+        if shards[-1] and size + t.nbytes > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append(t)
+        size += t.nbytes
+    count = len(shards)
+    names = [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as exc:
+        raise CheckpointError(f"{folder}: cannot create the output folder: {exc}") from None
+    stale = sorted(n for n in os.listdir(folder) if re.fullmatch(r"model-\d+-of-\d+\.safetensors", n) and n not in names)
+    if stale:
+        notes.append(f"{folder}: older shard file(s) not in the new index are left as they were: {', '.join(stale)}")
+    temps = [os.path.join(folder, f".{name}.tmp-{os.getpid()}") for name in names]
+    try:
+        for tmp, shard in zip(temps, shards):  # every shard first, then renames, the index last
+            write_file(tmp, shard, metadata)
+        for tmp, name in zip(temps, names):
+            os.replace(tmp, os.path.join(folder, name))
+    except BaseException:
+        for tmp in temps:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        raise
+    total = sum(t.nbytes for t in tensors)
+    index = {"metadata": {"total_size": total},
+             "weight_map": {t.name: name for name, shard in zip(names, shards) for t in shard}}
+    index_path = os.path.join(folder, INDEX_NAME)
+    _atomic(index_path, lambda tmp: _write_json(tmp, index))
+    files = [os.path.join(folder, name) for name in names] + [index_path]
+    return ExportResult(folder, len(tensors), sum(os.path.getsize(f) for f in files), notes, files)
+
+
+def _write_json(path: str, value) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(value, f, indent=2, ensure_ascii=False)
+        f.write("\n")
 
 
 def _atomic(dest: str, write) -> None:

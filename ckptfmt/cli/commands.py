@@ -129,7 +129,7 @@ class _RichCallback(Callback):
 
 def verify(args, console: Console) -> int:
     progress = Progress(
-        TextColumn("[progress.description]{task.description}"), BarColumn(), DownloadColumn(binary_units=True),
+        TextColumn("[progress.description]{task.description}"), BarColumn(), DownloadColumn(),
         TransferSpeedColumn(), TimeRemainingColumn(), console=Console(stderr=True), transient=True,
         disable=args.json,
     )
