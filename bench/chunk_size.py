@@ -22,10 +22,7 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -44,6 +41,7 @@ from harness import (
     fmt_time,
     results_json,
     state_nbytes,
+    run_in_scratch,
 )
 from run import Checkpoint, bench_lazy, bench_load, bench_save
 
@@ -128,17 +126,10 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point."""
     args = parse_args(argv)
     chunks_mib = [int(c) for c in args.chunks_mib.split(",")]
-    parent = Path(args.dir or "/tmp")
-    parent.mkdir(parents=True, exist_ok=True)
-    workdir = Path(tempfile.mkdtemp(prefix="ckptfmt-chunks-", dir=parent))
-    try:
-        report = run_all(args.size_gb, args.repeats, chunks_mib, args.seed, workdir)
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2))
-        console.print(f"results written to {args.json}")
-    return 0
+    return run_in_scratch(
+        args.dir, "ckptfmt-chunks-",
+        lambda workdir: run_all(args.size_gb, args.repeats, chunks_mib, args.seed, workdir), args.json, console,
+    )
 
 
 if __name__ == "__main__":

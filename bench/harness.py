@@ -8,12 +8,14 @@ Linux only (``posix_fadvise``, ``/proc``).
 from __future__ import annotations
 
 import gc
+import json
 import math
 import os
 import re
 import shutil
 import statistics
 import sys
+import tempfile
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -321,3 +323,19 @@ def median_int(values: list[int]) -> int | None:
 def results_json(results: Mapping[str, Result]) -> dict[str, Any]:
     """Per-competitor JSON of a section."""
     return {name: result.to_json() for name, result in results.items()}
+
+
+def run_in_scratch(parent: str | None, prefix: str, run: Callable[[Path], dict], json_path: str | None,
+                   console: Console) -> int:
+    """Run ``run(workdir)`` in a fresh scratch folder under ``parent`` (removed after), save its JSON."""
+    base = Path(parent or "/tmp")
+    base.mkdir(parents=True, exist_ok=True)
+    workdir = Path(tempfile.mkdtemp(prefix=prefix, dir=base))
+    try:
+        report = run(workdir)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    if json_path:
+        Path(json_path).write_text(json.dumps(report, indent=2))
+        console.print(f"results written to {json_path}")
+    return 0

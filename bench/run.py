@@ -46,7 +46,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -87,6 +86,7 @@ from harness import (
     timed,
     times_table,
     touch,
+    run_in_scratch,
 )
 
 SAVE_BASELINES = ["torch.save", "safetensors", "DCP"]
@@ -479,17 +479,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.peak_child:
         print(json.dumps(peak_child(args.peak_child, args.size_gb, args.seed, Path(args.dir))))
         return 0
-    parent = Path(args.dir or "/tmp")
-    parent.mkdir(parents=True, exist_ok=True)
-    workdir = Path(tempfile.mkdtemp(prefix="ckptfmt-bench-", dir=parent))
-    try:
-        report = run_all(args.size_gb, args.repeats, args.seed, workdir)
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2))
-        console.print(f"results written to {args.json}")
-    return 0
+    return run_in_scratch(
+        args.dir, "ckptfmt-bench-", lambda workdir: run_all(args.size_gb, args.repeats, args.seed, workdir),
+        args.json, console,
+    )
 
 
 if __name__ == "__main__":
