@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future
@@ -23,8 +24,16 @@ class ChunkReader:
         self.chunks = chunks
         self._cache: OrderedDict[int, bytes] = OrderedDict()
         self._cached_bytes = 0
-        self._loading: dict[int, Future] = {}
+        self._maps: OrderedDict[int, mmap.mmap | None] = OrderedDict()
+        self._loading: dict[tuple[int, int], Future] = {}
         self._lock = threading.Lock()
+
+    def clear(self) -> None:
+        """Drop cached chunks and maps (tensors built on a map keep it alive themselves)."""
+        with self._lock:
+            self._cache.clear()
+            self._cached_bytes = 0
+            self._maps.clear()
 
     def where(self, index: int) -> str:
         chunk = self.chunks[index]
@@ -44,33 +53,58 @@ class ChunkReader:
 
     def read(self, index: int, *, parallel: bool = False) -> bytes | memoryview:
         """The decoded, verified bytes of chunk ``index`` (cached while small chunks are reused)."""
+        return self._once(self._cache, index, lambda: self._fetch(index, parallel), small_only=True)
+
+    def mapped(self, index: int, *, parallel: bool = False) -> mmap.mmap | None:
+        """A verified copy-on-write memory map of an uncompressed chunk, or None if not mappable.
+
+        Tensors built on it share the page cache instead of copying into fresh
+        memory; the mapping stays valid even if the file is later unlinked.
+        """
+        return self._once(self._maps, index, lambda: self._map(index, parallel), small_only=False)
+
+    def _once(self, cache: OrderedDict, index: int, load, *, small_only: bool):
+        """Load ``index`` once even when several threads ask at the same time; cache the result."""
         with self._lock:
-            if index in self._cache:
-                self._cache.move_to_end(index)
-                return self._cache[index]
-            future = self._loading.get(index)
+            if index in cache:
+                cache.move_to_end(index)
+                return cache[index]
+            future = self._loading.get((id(cache), index))
             owner = future is None
             if owner:
-                future = self._loading[index] = Future()
+                future = self._loading[(id(cache), index)] = Future()
         if not owner:
             return future.result()
         try:
-            data = self._fetch(index, parallel)
+            data = load()
         except BaseException as exc:
             future.set_exception(exc)
             with self._lock:
-                del self._loading[index]
+                del self._loading[(id(cache), index)]
             raise
         future.set_result(data)
         with self._lock:
-            del self._loading[index]
-            if len(data) <= _CACHE_BYTES // 8:
-                self._cache[index] = data
-                self._cached_bytes += len(data)
+            del self._loading[(id(cache), index)]
+            size = len(data) if data is not None else 0
+            if not small_only:
+                cache[index] = data
+            elif size <= _CACHE_BYTES // 8:
+                cache[index] = data
+                self._cached_bytes += size
                 while self._cached_bytes > _CACHE_BYTES:
-                    _, evicted = self._cache.popitem(last=False)
+                    _, evicted = cache.popitem(last=False)
                     self._cached_bytes -= len(evicted)
         return data
+
+    def _map(self, index: int, parallel: bool) -> mmap.mmap | None:
+        chunk = self.chunks[index]
+        if chunk.codec != codecs.NONE:
+            return None
+        key = layout.chunk_key(chunk.hash, chunk.codec)
+        mapping = self._read_checked(key, lambda: self.storage.map(key, chunk.size))
+        if mapping is not None:
+            check_chunk(mapping, chunk.hash, self.storage.describe(key), parallel=parallel)
+        return mapping
 
     def _fetch(self, index: int, parallel: bool) -> bytes | memoryview:
         chunk = self.chunks[index]

@@ -13,6 +13,7 @@ from .errors import CheckpointError, CheckpointNotFoundError, ManifestError
 from .manifest import Manifest, TensorEntry
 from .repository import Repository, resolve
 from .rng import apply_rng
+from .dtypes import dtype_from_name, itemsize
 from .tensors import byte_view, empty, finish
 from .topology import current_rank
 from .values import decode_tree
@@ -28,20 +29,21 @@ class CheckpointReader:
     """
 
     def __init__(self, url: str | os.PathLike, *, storage_options: dict | None = None,
-                 map_location: str | torch.device | None = "cpu"):
+                 map_location: str | torch.device | None = "cpu", mmap: bool = True):
         repository, name = resolve(url, storage_options)
-        self._setup(repository, name, map_location)
+        self._setup(repository, name, map_location, mmap)
 
     @classmethod
     def from_parts(cls, repository: Repository, name: str,
-                   map_location: str | torch.device | None = "cpu") -> "CheckpointReader":
+                   map_location: str | torch.device | None = "cpu", mmap: bool = True) -> "CheckpointReader":
         """Open checkpoint ``name`` of an already opened repository."""
         reader = cls.__new__(cls)
-        reader._setup(repository, name, map_location)
+        reader._setup(repository, name, map_location, mmap)
         return reader
 
-    def _setup(self, repository: Repository, name: str, map_location) -> None:
+    def _setup(self, repository: Repository, name: str, map_location, mmap: bool) -> None:
         self.repository, self.name = repository, name
+        self.mmap = mmap
         self.commit = repository.commit(name)
         self.manifest: Manifest = repository.manifest(name, self.commit)
         self.map_location = torch.device(map_location if map_location is not None else "cpu")
@@ -56,7 +58,8 @@ class CheckpointReader:
         self.close()
 
     def close(self) -> None:
-        """Nothing is held open between reads; kept for the safe_open-like protocol."""
+        """Drop cached chunks and memory maps (tensors already returned stay valid)."""
+        self._chunks.clear()
 
     # -- what is inside --------------------------------------------------------
     @property
@@ -137,6 +140,29 @@ class CheckpointReader:
         entry = self.manifest.tensors[index]
         if entry.same_as is not None:
             entry = self.manifest.tensors[entry.same_as]
+        tensor = self._mapped(entry, parallel) if self.mmap else None
+        if tensor is None:
+            tensor = self._assemble(entry, parallel)
+        if self.map_location.type != "cpu" and entry.kind != "numpy":
+            tensor = tensor.to(self.map_location)
+        try:
+            return finish(tensor, entry.kind, entry.requires_grad)
+        except (RuntimeError, TypeError) as exc:  # e.g. a numpy kind with a dtype numpy lacks
+            raise ManifestError(f"{self.url}: tensor {entry.key!r} cannot be rebuilt as saved: {exc}") from None
+
+    def _mapped(self, entry: TensorEntry, parallel: bool) -> torch.Tensor | None:
+        """The tensor as a view of its memory-mapped chunk, when it lies whole in one uncompressed chunk."""
+        if len(entry.shards) != 1 or len(entry.shards[0].pieces) != 1:
+            return None
+        piece = entry.shards[0].pieces[0]
+        mapping = self._chunks.mapped(piece.chunk, parallel=parallel)
+        if mapping is None or piece.offset % itemsize(entry.dtype):
+            return None
+        raw = torch.frombuffer(mapping, dtype=torch.uint8, count=piece.length, offset=piece.offset)
+        return raw.view(dtype_from_name(entry.dtype)).reshape(entry.shape)
+
+    def _assemble(self, entry: TensorEntry, parallel: bool) -> torch.Tensor:
+        """The tensor in fresh memory, its shards and pieces read into place."""
         try:
             tensor = empty(entry.dtype, entry.shape)
         except RuntimeError as exc:
@@ -147,12 +173,7 @@ class CheckpointReader:
             self._fill(byte_view(target), shard.pieces, parallel)
             if not whole:
                 tensor[tuple(slice(o, o + n) for o, n in zip(shard.offsets, shard.shape))] = target
-        if self.map_location.type != "cpu" and entry.kind != "numpy":
-            tensor = tensor.to(self.map_location)
-        try:
-            return finish(tensor, entry.kind, entry.requires_grad)
-        except (RuntimeError, TypeError) as exc:  # e.g. a numpy kind with a dtype numpy lacks
-            raise ManifestError(f"{self.url}: tensor {entry.key!r} cannot be rebuilt as saved: {exc}") from None
+        return tensor
 
     def _fill(self, target: memoryview, pieces, parallel: bool) -> None:
         position = 0
@@ -167,15 +188,22 @@ class CheckpointReader:
 
 
 def open(url: str | os.PathLike, *, storage_options: dict | None = None,
-         map_location: str | torch.device | None = "cpu") -> CheckpointReader:
-    """Open a checkpoint (or a repository's latest) for lazy reads."""
-    return CheckpointReader(url, storage_options=storage_options, map_location=map_location)
+         map_location: str | torch.device | None = "cpu", mmap: bool = True) -> CheckpointReader:
+    """Open a checkpoint (or a repository's latest) for lazy reads. See ``load`` for ``mmap``."""
+    return CheckpointReader(url, storage_options=storage_options, map_location=map_location, mmap=mmap)
 
 
 def load(url: str | os.PathLike, *, map_location: str | torch.device | None = "cpu",
-         storage_options: dict | None = None) -> Any:
-    """Load a checkpoint's whole state, type-exact, with every chunk verified against its hash."""
-    with open(url, storage_options=storage_options, map_location=map_location) as reader:
+         storage_options: dict | None = None, mmap: bool = True) -> Any:
+    """Load a checkpoint's whole state, type-exact, with every chunk verified against its hash.
+
+    On local disks, tensors that lie whole in one uncompressed chunk are, by
+    default (``mmap=True``), copy-on-write views of the memory-mapped chunk
+    file, verified when mapped: no copy into fresh memory, as
+    ``torch.load(mmap=True)`` does. Writes to them stay private to the process.
+    ``mmap=False`` reads every tensor into memory of its own.
+    """
+    with open(url, storage_options=storage_options, map_location=map_location, mmap=mmap) as reader:
         return reader.load_state()
 
 

@@ -12,6 +12,7 @@ kinds: ``write`` (idempotent, for content-addressed chunks) and ``create``
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 import uuid
 from typing import Any
@@ -76,6 +77,10 @@ class Storage:
         if len(data) != len(buffer):
             raise CorruptDataError(f"{self.describe(key)}: {len(data)} bytes, expected {len(buffer)}")
         buffer[:] = data
+
+    def map(self, key: str, size: int) -> mmap.mmap | None:
+        """A private (copy-on-write) memory map of ``key``, or None where mapping is not possible."""
+        return None
 
     def size(self, key: str) -> int:
         """Size in bytes of ``key``."""
@@ -175,6 +180,21 @@ class LocalStorage(Storage):
                     view = view[n:]
         except Exception as exc:
             raise _storage_error(exc, self.describe(key)) from None
+
+    def map(self, key: str, size: int) -> mmap.mmap | None:
+        if size == 0:
+            return None
+        try:
+            with open(self.path(key), "rb") as f:
+                actual = os.fstat(f.fileno()).st_size
+                if actual != size:
+                    raise CorruptDataError(f"{self.describe(key)}: {actual} bytes, expected {size}")
+                mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        except Exception as exc:
+            raise _storage_error(exc, self.describe(key)) from None
+        if hasattr(mapping, "madvise"):
+            mapping.madvise(mmap.MADV_WILLNEED)  # start reading the whole file ahead of the hash
+        return mapping
 
     def size(self, key: str) -> int:
         try:

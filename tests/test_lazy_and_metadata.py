@@ -67,12 +67,14 @@ def read_log(monkeypatch):
     """Every storage key read, on every backend."""
     keys: list[str] = []
     for cls in (Storage, LocalStorage):
-        for method in ("read", "read_into"):
+        for method in ("read", "read_into", "map"):
             original = cls.__dict__[method]
 
             def wrapper(self, key, *args, _original=original, **kwargs):
-                keys.append(key)
-                return _original(self, key, *args, **kwargs)
+                result = _original(self, key, *args, **kwargs)
+                if result is not None or _original.__name__ != "map":  # map() returns None where it cannot map
+                    keys.append(key)
+                return result
 
             monkeypatch.setattr(cls, method, wrapper)
     return keys
