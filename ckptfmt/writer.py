@@ -8,6 +8,7 @@ invisible: readers only see names with a commit record.
 
 from __future__ import annotations
 
+import operator
 import os
 import threading
 import time
@@ -17,7 +18,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgpack
-
 
 from . import codecs, layout
 from .chunker import DEFAULT_CHUNK_SIZE, ChunkJob, ChunkPlanner, PieceRef
@@ -142,7 +142,7 @@ def save(
     (entries recorded by another tool, replacing this process's states) and
     ``provenance`` (where an imported checkpoint came from).
     """
-    _check_arguments(step, chunk_size, compression, step_times, parallelism, rng, provenance)
+    step = _check_arguments(step, chunk_size, compression, step_times, parallelism, rng, provenance)
     timer = PhaseTimer()
     repo_url, name = split_checkpoint_url(url)
     rank, _ = current_rank()
@@ -196,10 +196,12 @@ def save(
     return repo.storage.describe(name)
 
 
-def _check_arguments(step, chunk_size, compression, step_times, parallelism, rng, provenance) -> None:
-    """Refuse bad arguments before anything is written."""
-    if step is not None and type(step) is not int:
-        raise TypeError("step must be an int or None")
+def _check_arguments(step, chunk_size, compression, step_times, parallelism, rng, provenance) -> int | None:
+    """Refuse bad arguments before anything is written; returns ``step`` as a plain int."""
+    if step is not None:
+        if isinstance(step, bool) or not hasattr(step, "__index__"):
+            raise TypeError(f"step must be an integer or None, not {type(step).__name__}")
+        step = operator.index(step)  # numpy and 0-d integer tensors too
     if chunk_size is not None and not 4096 <= chunk_size <= MAX_CHUNK_BYTES:
         raise ValueError(f"chunk_size must be between 4096 and {MAX_CHUNK_BYTES} bytes")
     codecs.codec_for(compression, 4)
@@ -211,6 +213,7 @@ def _check_arguments(step, chunk_size, compression, step_times, parallelism, rng
             msgpack.packb(value, use_bin_type=True)
         except (TypeError, ValueError, OverflowError) as exc:
             raise UnsupportedValueError(f"{name} must hold plain values (numbers, strings, lists, dicts): {exc}") from None
+    return step
 
 
 class _TensorCollector:
