@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import re
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 import ckptfmt
@@ -54,11 +55,51 @@ def export_checkpoint(url: str | os.PathLike, dest: str | os.PathLike, *, format
 
 
 def _to_torch(reader: ckptfmt.CheckpointReader, dest: str) -> ExportResult:
-    """torch.save of the state, so torch.load(weights_only=True) gives back the same structure."""
-    state = reader.load_state()
+    """torch.save of the state, so torch.load(weights_only=True) gives back the same structure.
+
+    Opaque objects (kept by an import) go back as they came: each is written as
+    ``pickle.loads(<its pickle>)``, so ``torch.load(weights_only=False)`` rebuilds the
+    original object where its class is importable (weights_only=True refuses them).
+    """
+    found: list[str] = []
+    state = _restore_opaque(reader.load_state(), found)
     _atomic(dest, lambda tmp: torch.save(state, tmp))
     stats = reader.manifest.stats
-    return ExportResult(dest, stats.get("tensor_count", 0), os.path.getsize(dest))
+    notes = []
+    if found:
+        notes.append(f"{len(found)} opaque object(s) written back as pickles ({', '.join(sorted(set(found))[:5])}"
+                     f"{' ...' if len(set(found)) > 5 else ''}): load with torch.load(weights_only=False), "
+                     "which runs them")
+    return ExportResult(dest, stats.get("tensor_count", 0), os.path.getsize(dest), notes)
+
+
+class _Repickled:
+    """Pickles as ``pickle.loads(data)``: an opaque object's own pickle, unchanged."""
+
+    def __init__(self, data: bytes):
+        self.data = data
+
+    def __reduce__(self):
+        return pickle.loads, (self.data,)
+
+
+def _restore_opaque(value, found: list[str]):
+    """The state with each OpaqueObject replaced by its pickle (containers rebuilt only when needed)."""
+    kind = type(value)
+    if kind is ckptfmt.OpaqueObject:
+        found.append(f"{value.module}.{value.qualname}")
+        return _Repickled(value.pickle)
+    if kind in (dict, OrderedDict):
+        items = [(_restore_opaque(k, found), _restore_opaque(v, found)) for k, v in value.items()]
+        if all(a is k and b is v for (a, b), (k, v) in zip(items, value.items())):
+            return value
+        return kind(items)
+    if kind in (list, tuple, set, frozenset):
+        items = [_restore_opaque(v, found) for v in value]
+        if all(a is b for a, b in zip(items, value)):
+            return value
+        return kind(items)
+    return value
 
 
 #: Hugging Face's default shard size (save_pretrained's max_shard_size).
@@ -126,8 +167,7 @@ def _to_safetensors(reader: ckptfmt.CheckpointReader, dest: str, *, max_shard_si
     notes.append("safetensors holds tensors only: the state's plain values (counters, hyper-parameters) are not exported")
 
     if max_shard_size is None and not (os.path.isdir(dest) or dest.endswith(("/", os.sep))):
-        written = []
-        _atomic(dest, lambda tmp: written.append(write_file(tmp, tensors, metadata)))
+        _atomic(dest, lambda tmp: write_file(tmp, tensors, metadata))
         return ExportResult(dest, len(tensors), os.path.getsize(dest), notes, [dest])
     return _safetensors_shards(dest, tensors, metadata, max_shard_size or DEFAULT_SHARD_SIZE, notes)
 

@@ -145,3 +145,29 @@ def test_console_script_is_installed():
     result = subprocess.run(["ckptfmt", "--help"], capture_output=True, text=True,
                             env={**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"})
     assert result.returncode == 0 and "verify" in result.stdout
+
+
+def test_export_sharded_safetensors_with_prefix(repo, run, tmp_path):
+    from safetensors.torch import load_file
+
+    out = tmp_path / "hf"
+    result = run("export", repo / "step-2", out, "--format", "safetensors", "--max-shard-size", "600KB",
+                 "--prefix", "model/")
+    assert result.returncode == 0, result.stderr
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == {"w", "b", "big", "extra"}
+    shards = sorted(out.glob("model-*.safetensors"))
+    assert len(shards) >= 2
+    merged = {k: v for shard in shards for k, v in load_file(shard).items()}
+    expected = ckptfmt.load(repo / "step-2")["model"]
+    assert all(torch.equal(merged[k], expected[k]) for k in index["weight_map"])
+
+
+def test_import_round_trips_a_torch_file(run, tmp_path):
+    state = {"w": torch.randn(4, 4), "step": 3, "pair": (1, 2)}
+    torch.save(state, tmp_path / "src.pt")
+    result = run("import", tmp_path / "src.pt", tmp_path / "repo" / "imported")
+    assert result.returncode == 0, result.stderr
+    assert "torch" in result.stdout
+    loaded = ckptfmt.load(tmp_path / "repo" / "imported")
+    assert loaded["pair"] == (1, 2) and torch.equal(loaded["w"], state["w"])

@@ -1,4 +1,4 @@
-"""The ``ckptfmt`` command: ls, show, verify, diff and export checkpoints.
+"""The ``ckptfmt`` command: ls, show, verify, diff, export and import checkpoints.
 
 Errors print one line and exit non-zero (2; verify finding damage exits 1);
 ``--debug`` shows the traceback. Commands that need the converters import them
@@ -47,9 +47,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("export", help="write a checkpoint in another format")
     p.add_argument("checkpoint")
-    p.add_argument("dest", help="output file")
+    p.add_argument("dest", help="output file (or folder, for sharded safetensors)")
     p.add_argument("--format", required=True, choices=("torch", "safetensors"))
+    p.add_argument("--max-shard-size", metavar="SIZE",
+                   help="safetensors: write DEST as a folder of Hugging Face shards "
+                        "(model-0000i-of-0000N.safetensors + model.safetensors.index.json) of at most SIZE "
+                        "(bytes, or 5GB, 500MB, 2GiB)")
+    p.add_argument("--prefix", help="safetensors: export only the tensors under this key prefix, without it "
+                                    "(e.g. model/ gives layers.0.weight)")
     p.set_defaults(run=commands.export)
+
+    p = sub.add_parser("import", help="import a torch.save or safetensors file as a new checkpoint")
+    p.add_argument("src", help="the file to import (never unpickled: unknown objects are kept opaque)")
+    p.add_argument("dest", help="new checkpoint URL REPO/NAME")
+    p.add_argument("--from", dest="kind", metavar="KIND", help="source format: torch, safetensors (default: detected)")
+    p.add_argument("--step", type=int, help="the checkpoint's step (default: found in the source, if any)")
+    p.set_defaults(run=commands.import_)
     return parser
 
 

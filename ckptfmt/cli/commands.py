@@ -202,10 +202,24 @@ def diff(args, console: Console) -> int:
 def export(args, console: Console) -> int:
     from ..converters.export import export_checkpoint  # converters stay out of the core's imports
 
-    result = export_checkpoint(args.checkpoint, args.dest, format=args.format)
+    result = export_checkpoint(args.checkpoint, args.dest, format=args.format,
+                               max_shard_size=args.max_shard_size, prefix=args.prefix)
     console.print(f"wrote {result.path} ({result.tensors} tensors, {human_bytes(result.bytes)})")
     for note in result.notes:
         console.print(f"note: {note}")
+    return 0
+
+
+def import_(args, console: Console) -> int:
+    from ..converters.importer import import_checkpoint  # converters stay out of the core's imports
+
+    result = import_checkpoint(args.src, args.dest, kind=args.kind, step=args.step)
+    console.print(f"imported {args.src} ({result.kind}) as {result.url}: {result.tensors} tensors, "
+                  f"{len(result.opaque)} opaque objects, {result.seconds:.2f} s", markup=False, highlight=False)
+    for key in result.opaque:
+        console.print(f"opaque: {key}", markup=False, highlight=False)
+    for note in result.notes:
+        console.print(f"note: {note}", markup=False, highlight=False)
     return 0
 
 

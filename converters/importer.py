@@ -1,0 +1,147 @@
+"""Import other checkpoint formats into ckptfmt: the framework every source kind plugs into.
+
+A source kind is a module with ``detect(path) -> bool`` and ``read(path) -> Imported``.
+``import_checkpoint`` picks the kind (``kind=`` or the first whose ``detect`` says yes),
+reads the source into an ``Imported`` (its value tree, step, RNG states, versions, what
+was kept opaque), then ``ckptfmt.save``s it with a ``provenance`` record (spec 9.6).
+Reading happens entirely before the save, and the save commits last, so a source that is
+unknown, truncated or inconsistent raises ``CheckpointError`` and leaves no checkpoint.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import ckptfmt
+from ckptfmt.errors import CheckpointError, CheckpointNotFoundError
+from ckptfmt.timing import PhaseTimer
+
+
+@dataclass
+class Imported:
+    """What a reader found in a source checkpoint, ready for ckptfmt.save."""
+
+    state: Any                       # value tree for ckptfmt.save (tensors may be mmap-backed views)
+    kind: str                        # "torch", "safetensors", ...
+    step: int | None = None
+    metadata: dict = field(default_factory=dict)   # user metadata for the checkpoint
+    rng: list[dict] | None = None    # RNG entries in ckptfmt's format (ckptfmt/rng.py), if the source had them
+    versions: dict = field(default_factory=dict)   # tool versions found in the files
+    opaque: list[str] = field(default_factory=list)  # paths of values kept as OpaqueObject
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class ImportResult:
+    """What an import wrote."""
+
+    url: str
+    kind: str
+    tensors: int
+    opaque: list[str]
+    notes: list[str]
+    seconds: float
+
+
+Detect = Callable[[str], bool]
+Read = Callable[[str], Imported]
+
+#: kind -> module (inside this package) providing detect() and read(); detection tries them in order.
+SOURCES: dict[str, str] = {
+    "torch": "torch_format",
+    "safetensors": "safetensors_format",
+}
+
+
+def source(kind: str) -> tuple[Detect, Read] | None:
+    """(detect, read) of a source kind; None when its module is not available."""
+    module_name = SOURCES[kind]
+    try:
+        module = importlib.import_module(f"{__package__}.{module_name}")
+    except ModuleNotFoundError as exc:
+        if exc.name == f"{__package__}.{module_name}":
+            return None
+        raise
+    return module.detect, module.read
+
+
+def available_kinds() -> list[str]:
+    """The source kinds whose converters are installed, in detection order."""
+    return [kind for kind in SOURCES if source(kind) is not None]
+
+
+def detect_kind(path: str) -> str:
+    """The first kind whose detect() accepts ``path``; CheckpointError when none does."""
+    for kind in SOURCES:
+        found = source(kind)
+        if found is not None and found[0](path):
+            return kind
+    raise CheckpointError(f"{path}: not a checkpoint format ckptfmt can import "
+                          f"(tried {', '.join(available_kinds())}); name one with --from / kind=")
+
+
+def read_source(src: str | os.PathLike, kind: str | None = None) -> Imported:
+    """Read ``src`` (a local file) without saving anything."""
+    path = os.fspath(src)
+    if not os.path.exists(path):
+        raise CheckpointNotFoundError(f"{path}: no such file")
+    if kind is None:
+        kind = detect_kind(path)
+    elif kind not in SOURCES:
+        raise CheckpointError(f"unknown source kind {kind!r}: choose from {', '.join(SOURCES)}")
+    found = source(kind)
+    if found is None:
+        raise CheckpointError(f"the {kind} importer is not available in this installation")
+    try:
+        imported = found[1](path)
+    except CheckpointError:
+        raise
+    except (OSError, ValueError, TypeError, KeyError, IndexError, EOFError, RuntimeError) as exc:
+        raise CheckpointError(f"{path}: cannot import as {kind} ({type(exc).__name__}: {exc})") from None
+    if not isinstance(imported, Imported):
+        raise TypeError(f"the {kind} reader returned a {type(imported).__name__}, not an Imported")
+    return imported
+
+
+def import_checkpoint(src: str | os.PathLike, dest: str | os.PathLike, *, kind: str | None = None,
+                      storage_options: dict | None = None, step: int | None = None) -> ImportResult:
+    """Import the checkpoint file ``src`` as the new ckptfmt checkpoint ``dest`` (``REPO/NAME``).
+
+    ``kind`` names the source format (default: detected); ``step`` overrides the step the
+    source recorded. Raises CheckpointError naming the file and the problem; nothing is
+    committed unless the whole import succeeds.
+    """
+    started = time.perf_counter()
+    timer = PhaseTimer()
+    path = os.fspath(src)
+    with timer.phase("read"):
+        imported = read_source(path, kind)
+    provenance = {
+        "source_kind": imported.kind,
+        "source": os.path.abspath(path),
+        "versions": dict(imported.versions),
+        "opaque_objects": list(imported.opaque),
+        # The save's own phases are in the manifest's `timing`; this is what came before it.
+        "timing": list(timer.phases),
+    }
+    url = ckptfmt.save(
+        imported.state, dest, step=step if step is not None else imported.step,
+        metadata=imported.metadata, storage_options=storage_options,
+        # [] rather than None: never record this importing process's generators as the run's.
+        rng=imported.rng if imported.rng is not None else [],
+        provenance=provenance,
+    )
+    with ckptfmt.open(url, storage_options=storage_options) as reader:
+        tensors = reader.manifest.stats.get("tensor_count", 0)
+    notes = list(imported.notes)
+    if imported.rng is None:
+        notes.append("the source holds no RNG states in a known form: none recorded (restore_rng will refuse)")
+    return ImportResult(url, imported.kind, tensors, list(imported.opaque), notes, time.perf_counter() - started)
+
+
+__all__ = ["ImportResult", "Imported", "SOURCES", "available_kinds", "detect_kind", "import_checkpoint",
+           "read_source", "source"]
