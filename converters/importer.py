@@ -16,6 +16,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import numpy as np
+import torch
+
 import ckptfmt
 from ckptfmt.errors import CheckpointError, CheckpointNotFoundError
 from ckptfmt.timing import PhaseTimer
@@ -120,6 +123,9 @@ def import_checkpoint(src: str | os.PathLike, dest: str | os.PathLike, *, kind: 
     path = os.fspath(src)
     with timer.phase("read"):
         imported = read_source(path, kind)
+    if isinstance(imported.state, (torch.Tensor, np.ndarray)):  # torch.save(tensor): a key is needed
+        imported.state = {"tensor": imported.state}
+        imported.notes.append("the source holds a bare tensor: stored under the key 'tensor'")
     provenance = {
         "source_kind": imported.kind,
         "source": os.path.abspath(path),

@@ -297,3 +297,11 @@ def test_cli_import_and_one_line_errors(tmp_path, capsys, monkeypatch):
     assert main(["import", str(garbage), str(tmp_path / "repo" / "three"), "--from", "nope"]) == 2
     assert "unknown source kind" in capsys.readouterr().err
     assert ckptfmt.Repository.open(tmp_path / "repo").names() == ["one", "two"]
+
+
+def test_a_bare_tensor_is_stored_under_a_key(tmp_path):
+    tensor = torch.arange(6.0).reshape(2, 3)
+    torch.save(tensor, tmp_path / "t.pt")
+    result = import_checkpoint(tmp_path / "t.pt", tmp_path / "repo" / "t")
+    assert torch.equal(ckptfmt.load(result.url)["tensor"], tensor)
+    assert any("bare tensor" in note for note in result.notes)
