@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import struct
+import threading
 from typing import Any
 
 import numpy as np
@@ -72,3 +73,12 @@ def tensor_chunk_keys(reader, key: str) -> set[str]:
         for shard in entry.shards
         for p in shard.pieces
     }
+
+
+def run_in_threads(target, count: int) -> None:
+    """Run ``target(i)`` for i in range(count) on as many threads at once, and wait for all."""
+    threads = [threading.Thread(target=target, args=(i,)) for i in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()

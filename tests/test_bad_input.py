@@ -7,6 +7,7 @@ versions) with the error type it must raise.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import random
@@ -98,27 +99,38 @@ def parse_or_checkpoint_error(data: bytes) -> Manifest | None:
         return None
 
 
+@contextlib.contextmanager
+def generators_kept():
+    """Put the torch, numpy and Python RNG states back after a block that may restore_rng()."""
+    states = (torch.get_rng_state(), np.random.get_state(), random.getstate())
+    try:
+        yield
+    finally:
+        torch.set_rng_state(states[0])
+        np.random.set_state(states[1])
+        random.setstate(states[2])
+
+
+def call_each_allowing_checkpoint_errors(calls) -> None:
+    """Run every call; each may succeed or refuse, but only with a CheckpointError."""
+    for call in calls:
+        try:
+            call()
+        except CheckpointError:
+            pass
+
+
 def read_everything_or_checkpoint_error(repo_url: str, data: bytes) -> None:
     """Every reader entry point, on a checkpoint whose manifest is ``data``."""
     url = install(repo_url, data)
-    rng_states = (torch.get_rng_state(), np.random.get_state(), random.getstate())
-    calls = [
-        lambda: ckptfmt.load(url),
-        lambda: ckptfmt.verify(url),
-        lambda: ckptfmt.open(url).metadata,
-        lambda: [r.get_tensor(k) for r in [ckptfmt.open(url)] for k in r.keys()],
-        lambda: ckptfmt.restore_rng(url),
-    ]
-    try:
-        for call in calls:
-            try:
-                call()
-            except CheckpointError:
-                pass
-    finally:
-        torch.set_rng_state(rng_states[0])
-        np.random.set_state(rng_states[1])
-        random.setstate(rng_states[2])
+    with generators_kept():
+        call_each_allowing_checkpoint_errors([
+            lambda: ckptfmt.load(url),
+            lambda: ckptfmt.verify(url),
+            lambda: ckptfmt.open(url).metadata,
+            lambda: [r.get_tensor(k) for r in [ckptfmt.open(url)] for k in r.keys()],
+            lambda: ckptfmt.restore_rng(url),
+        ])
 
 
 # -- strategies ----------------------------------------------------------------------
@@ -733,22 +745,15 @@ def test_consistent_but_hostile_manifests(victim, case):
         return
     Manifest.from_bytes(new, "x")  # the parser accepts these
     url = install(repo_url, new, NAME)
-    rng_states = (torch.get_rng_state(), np.random.get_state(), random.getstate())
     entry_points = {
         "load": lambda: ckptfmt.load(url),
         "restore_rng": lambda: ckptfmt.restore_rng(url),
         "metadata": lambda: ckptfmt.open(url).metadata,
     }
     try:
-        with pytest.raises(CheckpointError):
-            entry_points.pop(refuser)()
-        for call in entry_points.values():  # the others may work, or refuse: but only with CheckpointErrors
-            try:
-                call()
-            except CheckpointError:
-                pass
+        with generators_kept():
+            with pytest.raises(CheckpointError):
+                entry_points.pop(refuser)()
+            call_each_allowing_checkpoint_errors(entry_points.values())
     finally:
-        torch.set_rng_state(rng_states[0])
-        np.random.set_state(rng_states[1])
-        random.setstate(rng_states[2])
         install(repo_url, data, NAME)  # leave the module's victim intact

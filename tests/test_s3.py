@@ -12,7 +12,7 @@ import ckptfmt
 from ckptfmt import CheckpointExistsError, layout, writer
 from ckptfmt.repository import Repository
 
-from helpers import assert_same
+from helpers import assert_same, run_in_threads
 
 
 def bucket_keys(s3_client, bucket_url: str) -> set[str]:
@@ -110,11 +110,7 @@ def test_racing_writers_one_commit_wins(s3_bucket, monkeypatch):
         except BaseException as exc:  # noqa: BLE001 - recorded for the assertions below
             outcomes[seed] = exc
 
-    threads = [threading.Thread(target=save, args=(seed,)) for seed in (10, 20)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_in_threads(lambda i: save((10, 20)[i]), 2)
     monkeypatch.undo()
 
     winners = [seed for seed, outcome in outcomes.items() if outcome == "committed"]
@@ -141,11 +137,7 @@ def test_concurrent_writers_create_one_repository(s3_bucket):
         except BaseException as exc:  # noqa: BLE001
             errors.append(exc)
 
-    threads = [threading.Thread(target=save, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_in_threads(save, 4)
     assert errors == []
     assert Repository.open(url).names() == [f"ckpt-{i}" for i in range(4)]
     for i in range(4):

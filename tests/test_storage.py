@@ -11,6 +11,8 @@ import pytest
 from ckptfmt.errors import CheckpointError, CheckpointNotFoundError, CorruptDataError, StorageError
 from ckptfmt.storage import LocalStorage, Storage, open_storage
 
+from helpers import run_in_threads
+
 
 @pytest.fixture
 def storage(root_url) -> Storage:
@@ -161,11 +163,7 @@ def test_local_create_race_has_one_winner(tmp_path):
         except FileExistsError:
             losers.append(i)
 
-    threads = [threading.Thread(target=attempt, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_in_threads(attempt, 8)
     assert len(winners) == 1 and len(losers) == 7
     assert storage.read("race/COMMIT") == f"writer {winners[0]}".encode()
     assert storage.list("race") == ["COMMIT"]  # no temp files left behind
