@@ -14,7 +14,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml constraints-dev.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -c constraints-dev.txt -e '.[test,s3,tui,bench]'
+	$(BIN)/python -m pip install --quiet -c constraints-dev.txt -e '.[test,s3,bench]'
 	touch $(STAMP)
 
 demo: setup

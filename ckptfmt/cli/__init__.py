@@ -1,4 +1,4 @@
-"""The ``ckptfmt`` command: ls, show, verify, diff, export and import checkpoints.
+"""The ``ckptfmt`` command: ls, show, verify, diff, export, import, and the ``tui``.
 
 Errors print one line and exit non-zero (2; verify finding damage exits 1);
 ``--debug`` shows the traceback. Commands that need the converters import them
@@ -63,6 +63,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--from", dest="kind", metavar="KIND", help="source format: torch, safetensors (default: detected)")
     p.add_argument("--step", type=int, help="the checkpoint's step (default: found in the source, if any)")
     p.set_defaults(run=commands.import_)
+
+    p = sub.add_parser("tui", help="browse, verify and compare checkpoints in a terminal UI")
+    p.add_argument("targets", nargs="+", metavar="TARGET",
+                   help="a repository or checkpoint URL; give two checkpoints to open their diff")
+    p.set_defaults(run=commands.tui)
     return parser
 
 

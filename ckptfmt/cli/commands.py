@@ -223,6 +223,12 @@ def import_(args, console: Console) -> int:
     return 0
 
 
+def tui(args, console: Console) -> int:
+    from ..tui import main  # the TUI (textual) stays out of the core's imports
+
+    return main(args.targets)
+
+
 def _jsonable(value: Any) -> Any:
     """Make metadata printable as JSON (bytes summarised, tuples as lists, keys as strings)."""
     if isinstance(value, dict):

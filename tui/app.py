@@ -1,0 +1,109 @@
+"""The application: opens a repository, a checkpoint, or two checkpoints to compare.
+
+``main(targets)`` runs it; ``create_app(targets)`` builds it for tests. The
+first screen opens the target in a worker thread, then pushes the repository,
+checkpoint or diff screen over itself; where that fails it shows why.
+"""
+
+from __future__ import annotations
+
+from textual import work
+from textual.app import App, ComposeResult
+from textual.binding import Binding
+from textual.containers import Vertical
+from textual.widgets import Footer, Header, Static
+
+from ..errors import CheckpointNotFoundError
+from ..reader import CheckpointReader
+from ..repository import Repository
+from .screens.base import ErrorPanel, WorkerScreen
+from .screens.checkpoint import CheckpointScreen
+from .screens.diff import DiffScreen
+from .screens.help import HelpScreen
+from .screens.repository import RepositoryScreen
+
+
+class OpenScreen(WorkerScreen):
+    """The bottom screen: 'opening TARGET', then the real screen on top, or the error."""
+
+    HELP = "ckptfmt tui TARGET opens a repository or a checkpoint; ckptfmt tui A B compares two checkpoints."
+
+    def __init__(self, targets: list[str]) -> None:
+        super().__init__()
+        self.targets = targets
+
+    def compose(self) -> ComposeResult:
+        yield Header()
+        with Vertical():
+            yield Static(f"Opening {' and '.join(self.targets)} ...", id="opening", markup=False)
+            yield ErrorPanel()
+        yield Footer()
+
+    def on_mount(self) -> None:
+        if len(self.targets) == 2:
+            self.app.push_screen(DiffScreen(*self.targets))
+        else:
+            self.open_target(self.targets[0])
+
+    @work(thread=True, exclusive=True, exit_on_error=False)
+    def open_target(self, target: str) -> None:
+        """A repository URL opens its table of checkpoints; anything else is read as a checkpoint."""
+        options = self.app.storage_options
+        try:
+            Repository.open(target, options)
+        except CheckpointNotFoundError:
+            reader = CheckpointReader(target, storage_options=options)
+            self.app.call_from_thread(self.app.push_screen, CheckpointScreen(reader, target))
+        else:
+            self.app.call_from_thread(self.app.push_screen, RepositoryScreen(target))
+
+
+class CheckpointApp(App):
+    """Browse, verify and compare ckptfmt checkpoints."""
+
+    TITLE = "ckptfmt"
+    BINDINGS = [
+        Binding("q", "quit", "Quit"),
+        Binding("question_mark", "help", "Help", key_display="?"),
+        Binding("escape", "back", "Back"),
+    ]
+
+    def __init__(self, targets: list[str], storage_options: dict | None = None) -> None:
+        if len(targets) not in (1, 2):
+            raise ValueError(f"give one target (a repository or checkpoint) or two to compare, not {len(targets)}")
+        super().__init__()
+        self.targets = list(targets)
+        self.storage_options = storage_options
+        self.verified: dict[str, str] = {}  # checkpoint URL -> "ok" or "damaged", from verifies run in this session
+
+    def get_default_screen(self) -> OpenScreen:
+        return OpenScreen(self.targets)
+
+    def action_help(self) -> None:
+        """Show the keys of this screen and of the app (as in the footer), and the screen's HELP text."""
+        if not isinstance(self.screen, HelpScreen):
+            bindings = [(b.binding.key_display or b.binding.key, b.binding.description)
+                        for b in self.active_bindings.values()
+                        if b.binding.show and b.binding.description and b.node in (self, self.screen)]
+            self.push_screen(HelpScreen(bindings, self.screen.HELP or ""))
+
+    def action_back(self) -> None:
+        """Close the current screen, keeping the first real one (the opening screen lies below it)."""
+        if len(self.screen_stack) > 2:
+            self.pop_screen()
+
+
+def create_app(targets: list[str], storage_options: dict | None = None) -> CheckpointApp:
+    """The app for ``targets``: one repository or checkpoint URL, or two checkpoints to diff."""
+    return CheckpointApp(targets, storage_options)
+
+
+def main(targets: list[str], storage_options: dict | None = None) -> int:
+    """Run the TUI until the user quits; returns the exit code (2 for bad arguments)."""
+    try:
+        app = create_app(targets, storage_options)
+    except ValueError as exc:
+        print(f"ckptfmt tui: {exc}")
+        return 2
+    app.run()
+    return app.return_code or 0

@@ -1,0 +1,1 @@
+"""The TUI's screens: repository, checkpoint, verify, diff, and help."""

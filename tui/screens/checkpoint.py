@@ -1,0 +1,212 @@
+"""The checkpoint screen: the tensor tree with a detail pane, and one tab per kind of metadata.
+
+Statistics of a tensor are computed when it is selected (Enter), in a worker
+that reads only that tensor's chunks through ``CheckpointReader.get_tensor``.
+"""
+
+from __future__ import annotations
+
+from rich.console import Group as RenderGroup
+from rich.table import Table
+from rich.text import Text
+from textual import work
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, VerticalScroll
+from textual.timer import Timer
+from textual.widgets import Footer, Header, Input, Static, TabbedContent, TabPane, Tree
+from textual.worker import get_current_worker
+
+from ...reader import CheckpointReader
+from ..stats import TensorStats, tensor_statistics
+from ..widgets import metadata
+from ..widgets.charts import histogram
+from ..widgets.formatting import (
+    human_bytes,
+    human_time,
+    number,
+    shape_text,
+    tensor_count,
+)
+from ..widgets.tensor_tree import Group, TensorTree
+from .base import TAB_BINDINGS, ErrorPanel, WorkerScreen
+from .verify import VerifyScreen
+
+# tab id (also the name of its renderer in widgets.metadata) -> title
+METADATA_TABS = {
+    "environment": "Environment", "rng": "RNG", "topology": "Topology", "timing": "Timing", "user": "User",
+    "provenance": "Provenance",
+}
+FILTER_DELAY_S = 0.15
+
+
+class CheckpointScreen(WorkerScreen):
+    """One opened checkpoint: tensors (tree, filter, detail, statistics) and its metadata tabs."""
+
+    HELP = ("Tensors are grouped by name path; Enter or space opens a group. Enter on a tensor reads it "
+            "(only its chunks, verified) and computes statistics and a histogram. / filters by name. "
+            "[ and ] switch between the tensor tree and the metadata tabs. v verifies this checkpoint.")
+
+    DEFAULT_CSS = """
+    CheckpointScreen #filter { display: none; }
+    CheckpointScreen #filter.shown { display: block; }
+    CheckpointScreen TensorTree { width: 3fr; }
+    CheckpointScreen #detail-pane { width: 2fr; border-left: solid $primary; padding: 0 1; }
+    CheckpointScreen #summary { padding: 0 1; }
+    CheckpointScreen #tabs { height: 1fr; }
+    """
+    BINDINGS = [
+        Binding("slash", "filter", "Filter", key_display="/"),
+        Binding("v", "verify", "Verify"),
+        *TAB_BINDINGS,
+        Binding("escape", "close", "Back"),
+    ]
+
+    def __init__(self, reader: CheckpointReader, url: str | None = None) -> None:
+        super().__init__()
+        self.reader = reader
+        self.url = url or reader.url
+        self.entries = [reader.tensor_info(k) for k in reader.keys()]
+        self.meta = reader.metadata
+        self._filter_timer: Timer | None = None
+
+    def compose(self) -> ComposeResult:
+        yield Header()
+        yield Static(self._summary(), id="summary")
+        yield ErrorPanel()
+        with TabbedContent(id="tabs"):
+            with TabPane("Tensors", id="tensors"):
+                yield Input(placeholder="filter tensors by name (Enter: to the tree, Escape: clear)", id="filter")
+                with Horizontal():
+                    yield TensorTree(id="tree")
+                    with VerticalScroll(id="detail-pane"):
+                        yield Static("Select a tensor.", id="info")
+                        yield Static("", id="stats")
+            for tab, title in METADATA_TABS.items():
+                with TabPane(title, id=tab), VerticalScroll():
+                    yield Static(self._render_tab(tab), id=f"{tab}-body")
+        yield Footer()
+
+    def _summary(self, shown: int | None = None, text: str = "") -> Text:
+        """The line above the tabs: what this checkpoint is, or how many tensors the filter matches."""
+        stats = self.meta.get("stats") or {}
+        if text:
+            detail = f"filter '{text}': {shown} of {len(self.entries)} tensors"
+        else:
+            detail = (f"step {self.meta.get('step')}  {human_time(self.meta.get('created_ns'))}  "
+                      f"{tensor_count(len(self.entries))}, {human_bytes(stats.get('tensor_bytes'))}; "
+                      f"stored {human_bytes(stats.get('stored_bytes'))} in {stats.get('chunk_count')} chunk(s)")
+        return Text.assemble((self.url, "bold"), "  ", detail)
+
+    def _render_tab(self, tab: str):
+        if tab == "topology":
+            return metadata.topology(self.meta, self.entries)
+        return getattr(metadata, tab)(self.meta)
+
+    def on_mount(self) -> None:
+        tree = self.query_one(TensorTree)
+        tree.show(self.entries)
+        tree.focus()
+
+    # -- tree and detail pane --------------------------------------------------
+    def on_tree_node_highlighted(self, event: Tree.NodeHighlighted[Group]) -> None:
+        group = event.node.data
+        if group is not None:
+            self._show_info(group)
+
+    def on_tree_node_selected(self, event: Tree.NodeSelected[Group]) -> None:
+        group = event.node.data
+        if group is not None and group.tensor is not None:
+            self.query_one("#stats", Static).update(Text(f"computing statistics of {group.tensor} ...", style="dim"))
+            self.compute_stats(group.tensor)
+
+    def _show_info(self, group: Group) -> None:
+        info = self.query_one("#info", Static)
+        if group.tensor is None:
+            totals = f"\n{tensor_count(group.count)}, {human_bytes(group.nbytes)}"
+            info.update(Text.assemble((group.name, "bold"), totals))
+            self.query_one("#stats", Static).update("")
+            return
+        entry = self.reader.tensor_info(group.tensor)
+        chunks = sorted({self.reader.manifest.chunks[p.chunk].hash[:12] for s in entry.shards for p in s.pieces})
+        rows = [
+            ("key", entry.key), ("dtype", entry.dtype), ("shape", shape_text(entry.shape)),
+            ("elements", f"{entry.numel:,}"), ("size", human_bytes(entry.nbytes)), ("kind", entry.kind),
+            ("requires grad", str(entry.requires_grad)), ("shards", str(len(entry.shards))),
+            ("chunks", ", ".join(chunks) or "-"),
+        ]
+        if entry.same_as is not None:
+            rows.append(("same data as", self.reader.manifest.tensors[entry.same_as].key))
+        table = Table.grid(padding=(0, 2))
+        table.add_column(style="bold", no_wrap=True)
+        table.add_column(overflow="fold")
+        for row in rows:
+            table.add_row(*row)
+        info.update(table)
+        self.query_one("#stats", Static).update(Text("\nEnter: compute statistics", style="dim"))
+
+    @work(thread=True, exclusive=True, exit_on_error=False, group="stats")
+    def compute_stats(self, key: str) -> None:
+        """Read one tensor (only its chunks, verified) and summarise it, off the UI thread."""
+        stats = tensor_statistics(self.reader.get_tensor(key))
+        if not get_current_worker().is_cancelled:
+            self.app.call_from_thread(self._show_stats, key, stats)
+
+    def _show_stats(self, key: str, stats: TensorStats) -> None:
+        table = Table.grid(padding=(0, 2))
+        table.add_column(style="bold", no_wrap=True)
+        table.add_column()
+        of = " (of |x|)" if stats.magnitude else ""
+        for label, value in (("min" + of, number(stats.minimum)), ("max" + of, number(stats.maximum)),
+                             ("mean" + of, number(stats.mean)), ("std" + of, number(stats.std)),
+                             ("NaN", f"{stats.nan:,}"), ("Inf", f"{stats.inf:,}"),
+                             ("zeros", f"{stats.zero_fraction:.2%}")):
+            table.add_row(label, value)
+        parts = [Text(f"\nstatistics of {key}", style="bold underline"), table]
+        if stats.histogram:
+            parts += [Text("\nhistogram of finite values", style="bold"), histogram(stats, width=20)]
+        self.query_one("#stats", Static).update(RenderGroup(*parts))
+
+    # -- filter ------------------------------------------------------------------
+    def action_filter(self) -> None:
+        self.query_one(TabbedContent).active = "tensors"
+        box = self.query_one("#filter", Input)
+        box.add_class("shown")
+        box.focus()
+
+    def on_input_changed(self, event: Input.Changed) -> None:
+        """Refilter once typing pauses: rebuilding a large tree on every key would lag behind the keys."""
+        if self._filter_timer is not None:
+            self._filter_timer.stop()
+        self._filter_timer = self.set_timer(FILTER_DELAY_S, lambda: self._apply_filter(event.value.strip()))
+
+    def _apply_filter(self, text: str) -> None:
+        needle = text.lower()
+        shown = [e for e in self.entries if needle in e.key.lower()] if needle else self.entries
+        self.query_one(TensorTree).show(shown)
+        self.query_one("#summary", Static).update(self._summary(len(shown), text))
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        self.query_one(TensorTree).focus()
+
+    def action_close(self) -> None:
+        """Escape: clear an open filter first; otherwise go back."""
+        box = self.query_one("#filter", Input)
+        if box.has_class("shown"):
+            box.value = ""
+            box.remove_class("shown")
+            self.query_one(TensorTree).focus()
+        else:
+            self.app.action_back()
+
+    # -- other actions -----------------------------------------------------------
+    def action_verify(self) -> None:
+        self.app.push_screen(VerifyScreen(self.url, {self.reader.name: self.url}))
+
+    def show_failure(self, exc: BaseException) -> None:
+        """A tensor that cannot be read (a damaged chunk) leaves no stale 'computing' line behind."""
+        super().show_failure(exc)
+        self.query_one("#stats", Static).update("")
+
+    def on_unmount(self) -> None:
+        self.reader.close()

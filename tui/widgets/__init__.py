@@ -1,0 +1,1 @@
+"""Widgets and renderables shared by the TUI's screens."""
