@@ -64,3 +64,17 @@ def test_tui_and_converters_are_importable_subpackages():
         assert module.__name__ == name
         assert module.__package__ == name
     assert Path(ckptfmt.__file__).resolve() == ROOT / "ckptfmt" / "__init__.py"
+
+
+def test_every_package_directory_is_packaged():
+    """pyproject's package list (with its package-dir mapping) covers every folder of code, so wheels are whole."""
+    import tomllib
+
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(config["packages"])
+    found = set()
+    for package, folder in config["package-dir"].items():
+        for init in (ROOT / folder).rglob("__init__.py"):
+            relative = init.parent.relative_to(ROOT / folder).parts
+            found.add(".".join((package, *relative)))
+    assert found == listed
