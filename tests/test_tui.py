@@ -488,3 +488,40 @@ def test_snapshot_diff(fixed_repo, snap_compare):
 def test_snapshot_missing_checkpoint(fixed_repo, snap_compare):
     app = create_app([f"{fixed_repo}/step-9"])
     assert snap_compare(app, terminal_size=SNAP_SIZE, run_before=pressing())
+
+
+@async_test
+async def test_on_the_s3_test_server(s3_bucket):
+    """The same screens on S3 (moto's server on loopback): list, open, statistics, verify, diff."""
+    url = f"{s3_bucket}/runs/exp"
+    ckptfmt.save(model_state(1), f"{url}/step-1", step=1)
+    state = model_state(1)
+    state["model"]["head.bias"] = torch.zeros(4)
+    ckptfmt.save(state, f"{url}/step-2", step=2)
+    app = create_app([url])
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        screen = app.screen
+        assert isinstance(screen, RepositoryScreen)
+        assert [r[1] for r in cells(screen.query_one("#checkpoints"))] == ["step-1", "step-2"]
+        await pilot.press("v")
+        await settle(app, pilot)
+        assert isinstance(app.screen, VerifyScreen) and app.screen.report.ok
+        await pilot.press("escape")
+        await pilot.pause()
+        await pilot.press("enter")
+        await settle(app, pilot)
+        checkpoint = app.screen
+        assert isinstance(checkpoint, CheckpointScreen) and checkpoint.reader.url.startswith("s3://")
+        tree = checkpoint.query_one(TensorTree)
+        bias = next(node for node in tree.root.children[0].children if node.data.name == "head").children[0]
+        tree.move_cursor(bias)
+        await pilot.press("enter")
+        await settle(app, pilot)
+        assert "statistics of model/head.bias" in text_of(app, "#stats")
+    diff_app = create_app([f"{url}/step-1", f"{url}/step-2"])
+    async with diff_app.run_test(size=SIZE) as pilot:
+        await settle(diff_app, pilot)
+        assert isinstance(diff_app.screen, DiffScreen)
+        rows = cells(diff_app.screen.query_one("#tensor-diff"))
+        assert rows[0][0] == "model/head.bias" and rows[0][1] == "changed"
