@@ -35,14 +35,10 @@ class ChunkReader:
             self._cached_bytes = 0
             self._maps.clear()
 
-    def where(self, index: int) -> str:
-        chunk = self.chunks[index]
-        return self.storage.describe(layout.chunk_key(chunk.hash, chunk.codec))
-
     def can_read_into(self, index: int, length: int) -> bool:
         """Whether a piece covering all of chunk ``index`` can be read straight into its target."""
         chunk = self.chunks[index]
-        return chunk.codec == codecs.NONE and chunk.size == length
+        return self.storage.zero_copy_reads and chunk.codec == codecs.NONE and chunk.size == length
 
     def read_into(self, index: int, target: memoryview, *, parallel: bool = False) -> None:
         """Read an uncompressed chunk straight into ``target`` (its exact size), then verify it."""

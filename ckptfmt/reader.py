@@ -179,7 +179,7 @@ class CheckpointReader:
         position = 0
         for piece in pieces:
             region = target[position : position + piece.length]
-            if self._chunks.can_read_into(piece.chunk, piece.length) and self.repository.storage.zero_copy_reads:
+            if self._chunks.can_read_into(piece.chunk, piece.length):
                 self._chunks.read_into(piece.chunk, region, parallel=parallel)
             else:
                 data = self._chunks.read(piece.chunk, parallel=parallel)

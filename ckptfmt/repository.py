@@ -11,7 +11,6 @@ import json
 import os
 import warnings
 from dataclasses import dataclass
-from functools import cached_property
 from typing import Any
 
 from . import layout
@@ -181,14 +180,6 @@ class Repository:
         ):
             raise ManifestError(f"{where}: name, step, created_ns or parent differ from the commit record")
         return manifest
-
-    # -- chunks --------------------------------------------------------------
-    def chunk_location(self, digest: str, codec: str) -> str:
-        return layout.chunk_key(digest, codec)
-
-    @cached_property
-    def zero_copy_reads(self) -> bool:
-        return self.storage.zero_copy_reads
 
 
 def resolve(url: str | os.PathLike, storage_options: dict[str, Any] | None = None) -> tuple[Repository, str]:

@@ -111,7 +111,7 @@ def _check_chunks(repo: Repository, manifests: dict[str, Manifest], report: Veri
         reader = ChunkReader(repo.storage, manifest.chunks)
         chunk = manifest.chunks[index]
         try:
-            if reader.can_read_into(index, chunk.size) and repo.storage.zero_copy_reads:
+            if reader.can_read_into(index, chunk.size):
                 reader.read_into(index, buffer(chunk.size))
             else:
                 reader.read(index)
