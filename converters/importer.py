@@ -55,6 +55,8 @@ Read = Callable[[str], Imported]
 
 #: kind -> module (inside this package) providing detect() and read(); detection tries them in order.
 SOURCES: dict[str, str] = {
+    "hf-trainer": "hf_trainer",
+    "lightning": "lightning_format",
     "torch": "torch_format",
     "safetensors": "safetensors_format",
 }
