@@ -21,6 +21,7 @@ from .errors import (
 from .manifest import FORMAT_VERSION
 from .reader import CheckpointReader, load, open, restore_rng
 from .repository import Repository
+from .sharded import Shard, Sharded
 from .values import OpaqueObject
 from .verify import VerifyReport, verify
 from .writer import save
@@ -38,6 +39,8 @@ __all__ = [
     "ManifestError",
     "OpaqueObject",
     "Repository",
+    "Shard",
+    "Sharded",
     "StorageError",
     "UnsupportedValueError",
     "UnsupportedVersionError",

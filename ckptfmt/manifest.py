@@ -294,7 +294,7 @@ def _parse_tensor(doc: Any, index: int, chunks: list[Chunk]) -> TensorEntry:
     if not isinstance(raw_shards, list) or not raw_shards or len(raw_shards) > MAX_SHARDS_PER_TENSOR:
         raise ManifestError(f"{what}: shards must be a non-empty list")
     shards = tuple(_parse_shard(s, what, shape, width, chunks) for s in raw_shards)
-    _check_tiling(what, shape, shards)
+    check_tiling(what, shape, shards)
     return TensorEntry(key, dtype, shape, shards, kind, requires_grad, same_as)
 
 
@@ -331,7 +331,7 @@ def _parse_shard(doc: Any, what: str, shape: tuple, width: int, chunks: list[Chu
     return Shard(offsets, box, rank, tuple(pieces))
 
 
-def _check_tiling(what: str, shape: tuple, shards: tuple[Shard, ...]) -> None:
+def check_tiling(what: str, shape: tuple, shards: tuple[Shard, ...]) -> None:
     """Shards must cover the tensor exactly: same total volume and no two overlapping.
 
     Up to 256 shards any layout is checked pair by pair; more shards must form a

@@ -34,6 +34,7 @@ import torch
 from .dtypes import dtype_from_name, dtype_name
 from .errors import ManifestError, UnsupportedValueError
 from .limits import MAX_NESTING
+from .sharded import Sharded
 
 EXT_TENSOR, EXT_TUPLE, EXT_BIGINT, EXT_ODICT, EXT_SET, EXT_FROZENSET = 1, 2, 3, 4, 5, 6
 EXT_COMPLEX, EXT_DTYPE, EXT_SIZE, EXT_DEVICE, EXT_NUMPY_SCALAR, EXT_OPAQUE = 7, 8, 9, 10, 11, 12
@@ -41,8 +42,8 @@ EXT_COMPLEX, EXT_DTYPE, EXT_SIZE, EXT_DEVICE, EXT_NUMPY_SCALAR, EXT_OPAQUE = 7, 
 _INT_MIN, _INT_MAX = -(2**63), 2**64 - 1
 _BIGINT_DIGITS = 4300  # the most digits a writer may store (spec 7.2)
 
-#: A leaf that goes to the tensor table: torch tensors and numpy arrays.
-TensorLike = torch.Tensor | np.ndarray
+#: A leaf that goes to the tensor table: torch tensors, numpy arrays, sharded tensors.
+TensorLike = torch.Tensor | np.ndarray | Sharded
 #: Called for each tensor leaf with its key path; returns its tensor-table index.
 OnTensor = Callable[[tuple, TensorLike], int]
 
@@ -106,7 +107,7 @@ class _Encoder:
             return self.ext(EXT_ODICT, body)
         if kind is tuple:
             return self.ext(EXT_TUPLE, [self.pack(item, (*path, i)) for i, item in enumerate(value)])
-        if isinstance(value, torch.Tensor) or kind is np.ndarray:
+        if isinstance(value, torch.Tensor) or kind in (np.ndarray, Sharded):
             if self.in_key:
                 raise UnsupportedValueError(f"{_where(path)}: tensors cannot be dict keys or set items (nor part of one)")
             if self.on_tensor is None:

@@ -18,17 +18,21 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgpack
+import torch
 
 from . import codecs, layout
 from .chunker import DEFAULT_CHUNK_SIZE, ChunkJob, ChunkPlanner, PieceRef
 from .environment import capture_environment
-from .errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError, UnsupportedValueError
+from .errors import (
+    CheckpointError, CheckpointExistsError, CheckpointNotFoundError, ManifestError, UnsupportedValueError,
+)
 from .hashcache import DEFAULT_CACHE, HashCache
 from .hashing import chunk_hash
 from .limits import MAX_CHUNK_BYTES, MAX_KEY_BYTES, check_name
-from .manifest import Chunk, Manifest, Piece, Shard, TensorEntry
+from .manifest import Chunk, Manifest, Piece, Shard, TensorEntry, check_tiling
 from .repository import CommitRecord, Repository, split_checkpoint_url
 from .rng import capture_rng
+from .sharded import Shard as ShardInput, Sharded
 from .tensors import TensorSource, prepare
 from .timing import PhaseTimer
 from .topology import capture_topology, current_rank
@@ -237,12 +241,45 @@ class _TensorCollector:
         index = len(self.entries)
         first = self.seen.get(id(value))
         if first is not None:
-            self.entries.append({"key": key, "source": self.entries[first]["source"], "same_as": first})
+            self.entries.append({**self.entries[first], "key": key, "same_as": first})
             return index
         self.seen[id(value)] = index
-        self.entries.append({"key": key, "source": len(self.sources), "same_as": None})
-        self.sources.append(prepare(value, "state" + "".join(f"[{p!r}]" for p in path)))
+        where = "state" + "".join(f"[{p!r}]" for p in path)
+        if type(value) is Sharded:
+            self.entries.append(self._sharded(key, value, where))
+            return index
+        source = prepare(value, where)
+        self.entries.append({
+            "key": key, "same_as": None, "dtype": source.dtype, "shape": source.shape, "kind": source.kind,
+            "requires_grad": source.requires_grad, "shards": [(len(self.sources), (0,) * len(source.shape), None)],
+        })
+        self.sources.append(source)
         return index
+
+    def _sharded(self, key: str, value: Sharded, where: str) -> dict:
+        """An entry whose shards are separate sources; refuses layouts readers would refuse."""
+        if not value.shards:
+            raise UnsupportedValueError(f"{where}: a sharded tensor needs at least one shard")
+        shards, dtypes = [], set()
+        for shard in value.shards:
+            if not isinstance(shard, ShardInput) or not isinstance(shard.tensor, torch.Tensor):
+                raise UnsupportedValueError(f"{where}: shards must be ckptfmt.Shard(offsets, tensor, rank)")
+            source = prepare(shard.tensor, where)
+            dtypes.add(source.dtype)
+            shards.append((len(self.sources), tuple(int(o) for o in shard.offsets), int(shard.rank)))
+            self.sources.append(source)
+        if len(dtypes) != 1:
+            raise UnsupportedValueError(f"{where}: shards have different dtypes {sorted(dtypes)}")
+        boxes = tuple(Shard(offsets, self.sources[src].shape, rank, ()) for src, offsets, rank in shards)
+        try:
+            check_tiling(where, value.shape, boxes)
+            if any(len(b.offsets) != len(value.shape) or len(b.shape) != len(value.shape) or
+                   any(o + n > d for o, n, d in zip(b.offsets, b.shape, value.shape)) for b in boxes):
+                raise ManifestError(f"{where}: a shard lies outside the global shape {list(value.shape)}")
+        except ManifestError as exc:
+            raise UnsupportedValueError(str(exc)) from None
+        return {"key": key, "same_as": None, "dtype": dtypes.pop(), "shape": value.shape, "kind": "tensor",
+                "requires_grad": False, "shards": shards}
 
 
 def _parent(repo: Repository, parent: Any) -> tuple[str | None, set[str]]:
@@ -290,14 +327,16 @@ def _tables(stored: dict[int, _StoredChunk], sources: list[TensorSource], entrie
         job_row[job_index] = row_of[key]
     tensors = []
     for entry in entries:
-        source = sources[entry["source"]]
-        shard = Shard(
-            offsets=(0,) * len(source.shape), shape=source.shape, rank=rank,
-            pieces=tuple(Piece(job_row[p.job], p.offset, p.length) for p in pieces[entry["source"]]),
+        shards = tuple(
+            Shard(
+                offsets=offsets, shape=sources[src].shape, rank=rank if shard_rank is None else shard_rank,
+                pieces=tuple(Piece(job_row[p.job], p.offset, p.length) for p in pieces[src]),
+            )
+            for src, offsets, shard_rank in entry["shards"]
         )
         tensors.append(TensorEntry(
-            key=entry["key"], dtype=source.dtype, shape=source.shape, shards=(shard,),
-            kind=source.kind, requires_grad=source.requires_grad, same_as=entry["same_as"],
+            key=entry["key"], dtype=entry["dtype"], shape=entry["shape"], shards=shards,
+            kind=entry["kind"], requires_grad=entry["requires_grad"], same_as=entry["same_as"],
         ))
     return chunks, tensors
 
