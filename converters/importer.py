@@ -57,6 +57,7 @@ Read = Callable[[str], Imported]
 SOURCES: dict[str, str] = {
     "hf-trainer": "hf_trainer",
     "lightning": "lightning_format",
+    "dcp": "dcp_format",
     "torch": "torch_format",
     "safetensors": "safetensors_format",
 }
