@@ -1,4 +1,4 @@
-"""Export a ckptfmt checkpoint to torch.save or safetensors files."""
+"""Export a ckptfmt checkpoint to torch.save files, safetensors files, or a DCP folder."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ import json
 import os
 import pickle
 import re
+import shutil
+import warnings
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -17,7 +19,7 @@ from ckptfmt.errors import CheckpointError
 
 from .safetensors_format import write_file
 
-FORMATS = ("torch", "safetensors")
+FORMATS = ("torch", "safetensors", "dcp")
 
 
 @dataclass
@@ -34,7 +36,7 @@ class ExportResult:
 def export_checkpoint(url: str | os.PathLike, dest: str | os.PathLike, *, format: str,
                       storage_options: dict | None = None, max_shard_size: int | str | None = None,
                       prefix: str | None = None) -> ExportResult:
-    """Write checkpoint ``url`` to the local path ``dest`` as ``format`` ('torch' or 'safetensors').
+    """Write checkpoint ``url`` to the local path ``dest`` as ``format`` ('torch', 'safetensors' or 'dcp').
 
     safetensors only: ``prefix`` (e.g. ``"model/"``) exports only the keys under it, with
     the prefix stripped; ``max_shard_size`` (bytes, or ``"5GB"``, ``"100MB"``, ``"2GiB"``)
@@ -51,6 +53,8 @@ def export_checkpoint(url: str | os.PathLike, dest: str | os.PathLike, *, format
     with ckptfmt.open(url, storage_options=storage_options) as reader:
         if format == "torch":
             return _to_torch(reader, dest)
+        if format == "dcp":
+            return _to_dcp(reader, dest)
         return _to_safetensors(reader, dest, max_shard_size=shard_limit, prefix=prefix)
 
 
@@ -71,6 +75,35 @@ def _to_torch(reader: ckptfmt.CheckpointReader, dest: str) -> ExportResult:
                      f"{' ...' if len(set(found)) > 5 else ''}): load with torch.load(weights_only=False), "
                      "which runs them")
     return ExportResult(dest, stats.get("tensor_count", 0), os.path.getsize(dest), notes)
+
+
+def _to_dcp(reader: ckptfmt.CheckpointReader, dest: str) -> ExportResult:
+    """A folder that torch.distributed.checkpoint.load reads (written by DCP's own FileSystemWriter).
+
+    Written from one process, so every tensor is whole (shards are assembled); DCP
+    reshards on load. The folder appears only once complete (written beside, renamed).
+    """
+    from torch.distributed.checkpoint import FileSystemWriter, save
+
+    if os.path.exists(dest):
+        raise CheckpointError(f"{dest}: already exists; DCP export writes a new folder")
+    found: list[str] = []
+    state = _restore_opaque(reader.load_state(), found)
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{reader.url}: DCP needs a dict at the top of the state, not a {type(state).__name__}")
+    tmp = f"{dest}.tmp-{os.getpid()}"
+    try:
+        with warnings.catch_warnings():  # "assuming ... a single process": that is the intent
+            warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
+            save(state, storage_writer=FileSystemWriter(tmp), no_dist=True)
+        os.replace(tmp, dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    files = sorted(os.listdir(dest))
+    notes = [f"{len(found)} opaque object(s) stored as DCP byte items"] if found else []
+    size = sum(os.path.getsize(os.path.join(dest, f)) for f in files)
+    return ExportResult(dest, reader.manifest.stats.get("tensor_count", 0), size, notes, files)
 
 
 class _Repickled:

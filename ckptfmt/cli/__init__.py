@@ -48,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("export", help="write a checkpoint in another format")
     p.add_argument("checkpoint")
     p.add_argument("dest", help="output file (or folder, for sharded safetensors)")
-    p.add_argument("--format", required=True, choices=("torch", "safetensors"))
+    p.add_argument("--format", required=True, choices=("torch", "safetensors", "dcp"))
     p.add_argument("--max-shard-size", metavar="SIZE",
                    help="safetensors: write DEST as a folder of Hugging Face shards "
                         "(model-0000i-of-0000N.safetensors + model.safetensors.index.json) of at most SIZE "
