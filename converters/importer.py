@@ -58,6 +58,7 @@ SOURCES: dict[str, str] = {
     "hf-trainer": "hf_trainer",
     "lightning": "lightning_format",
     "dcp": "dcp_format",
+    "deepspeed": "deepspeed_format",
     "torch": "torch_format",
     "safetensors": "safetensors_format",
 }

@@ -57,10 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
                                     "(e.g. model/ gives layers.0.weight)")
     p.set_defaults(run=commands.export)
 
-    p = sub.add_parser("import", help="import a torch.save, safetensors, HF Trainer, Lightning or DCP checkpoint")
+    p = sub.add_parser("import", help="import a torch.save, safetensors, HF Trainer, Lightning, DCP or DeepSpeed checkpoint")
     p.add_argument("src", help="the file or folder to import (pickles are never run: unknown objects are kept opaque)")
     p.add_argument("dest", help="new checkpoint URL REPO/NAME")
-    p.add_argument("--from", dest="kind", metavar="KIND", help="source format: hf-trainer, lightning, dcp, torch, safetensors (default: detected)")
+    p.add_argument("--from", dest="kind", metavar="KIND", help="source format: deepspeed, hf-trainer, lightning, dcp, torch, safetensors (default: detected)")
     p.add_argument("--step", type=int, help="the checkpoint's step (default: found in the source, if any)")
     p.set_defaults(run=commands.import_)
 
