@@ -40,7 +40,7 @@ import ckptfmt
 from ckptfmt.errors import CheckpointError, CheckpointNotFoundError
 from ckptfmt.values import format_key
 
-from .importer import Imported
+from .importer import Imported, note_opaque_and_step
 from .pickles import (
     MAX_PICKLE_BYTES,
     Node,
@@ -67,7 +67,6 @@ _DCP_CLASSES = {
     "_StorageInfo": (_FS, "_StorageInfo"),
 }
 _RANK_FILE = re.compile(r"__(\d+)_\d+" + re.escape(SUFFIX) + r"$")
-_STEP_KEYS = ("step", "global_step", "iteration")
 
 
 # --------------------------------------------------------------------------- plain metadata
@@ -399,14 +398,7 @@ def read(path: str) -> Imported:
                           f"{tensors} tensor(s), {sharded} kept as shards")
     if not md.planner_data:
         imported.notes.append("the .metadata has no planner_data: flattened keys kept as they are")
-    if opaque:
-        shown = ", ".join(opaque[:10]) + (" ..." if len(opaque) > 10 else "")
-        imported.notes.append(f"{len(opaque)} object(s) kept opaque (pickled, never run): {shown}")
-    for key in _STEP_KEYS:
-        if type(state.get(key)) is int and state[key] >= 0:
-            imported.step = state[key]
-            imported.notes.append(f"step {state[key]} taken from the state's {key!r}")
-            break
+    note_opaque_and_step(imported, opaque)
     return imported
 
 

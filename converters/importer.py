@@ -50,6 +50,24 @@ class ImportResult:
     seconds: float
 
 
+#: Top-level keys whose non-negative int value is taken as the checkpoint's step.
+STEP_KEYS = ("step", "global_step", "iteration")
+
+
+def note_opaque_and_step(imported: Imported, opaque: list[str]) -> None:
+    """What every pickle-based reader adds: a note listing opaque objects, and the step found in the state."""
+    if opaque:
+        shown = ", ".join(opaque[:10]) + (" ..." if len(opaque) > 10 else "")
+        imported.notes.append(f"{len(opaque)} object(s) kept opaque (pickled, never run): {shown}")
+    if isinstance(imported.state, dict):
+        for key in STEP_KEYS:
+            value = imported.state.get(key)
+            if type(value) is int and value >= 0:
+                imported.step = value
+                imported.notes.append(f"step {value} taken from the state's {key!r}")
+                break
+
+
 Detect = Callable[[str], bool]
 Read = Callable[[str], Imported]
 

@@ -34,7 +34,7 @@ from typing import Any
 
 from ckptfmt.errors import CheckpointError
 
-from .importer import Imported
+from .importer import Imported, note_opaque_and_step
 from .pickles import (
     MAX_PICKLE_BYTES,
     PickleError,
@@ -48,7 +48,6 @@ from .pickles import (
 LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
 LEGACY_PROTOCOL = 1001
 _ZIP_MAGIC = b"PK\x03\x04"
-_STEP_KEYS = ("step", "global_step", "iteration")
 
 
 def detect(path: str) -> bool:
@@ -83,16 +82,7 @@ def read(path: str) -> Imported:
         raise CheckpointError(f"{path}: {exc}") from None
     imported = Imported(state=converted.value, kind="torch", versions=versions,
                         opaque=converted.opaque, notes=list(converted.notes))
-    if converted.opaque:
-        shown = ", ".join(converted.opaque[:10]) + (" ..." if len(converted.opaque) > 10 else "")
-        imported.notes.append(f"{len(converted.opaque)} object(s) kept opaque (pickled, never run): {shown}")
-    state = converted.value
-    if isinstance(state, dict):
-        for key in _STEP_KEYS:
-            if type(state.get(key)) is int and state[key] >= 0:
-                imported.step = state[key]
-                imported.notes.append(f"step {state[key]} taken from the state's {key!r}")
-                break
+    note_opaque_and_step(imported, converted.opaque)
     return imported
 
 
