@@ -11,6 +11,7 @@ unknown, truncated or inconsistent raises ``CheckpointError`` and leaves no chec
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
 import time
 from dataclasses import dataclass, field
@@ -109,8 +110,11 @@ def detect_kind(path: str) -> str:
                           f"(tried {', '.join(available_kinds())}); name one with --from / kind=")
 
 
-def read_source(src: str | os.PathLike, kind: str | None = None) -> Imported:
-    """Read ``src`` (a local file) without saving anything."""
+def read_source(src: str | os.PathLike, kind: str | None = None, options: dict | None = None) -> Imported:
+    """Read ``src`` (a local file) without saving anything.
+
+    ``options`` go to the kind's reader as keyword arguments (deepspeed: ``tp_dims``).
+    """
     path = os.fspath(src)
     if not os.path.exists(path):
         raise CheckpointNotFoundError(f"{path}: no such file")
@@ -121,8 +125,12 @@ def read_source(src: str | os.PathLike, kind: str | None = None) -> Imported:
     found = source(kind)
     if found is None:
         raise CheckpointError(f"the {kind} importer is not available in this installation")
+    options = options or {}
+    unknown = sorted(set(options) - set(inspect.signature(found[1]).parameters))
+    if unknown:
+        raise CheckpointError(f"the {kind} importer takes no option {', '.join(unknown)}")
     try:
-        imported = found[1](path)
+        imported = found[1](path, **options)
     except CheckpointError:
         raise
     except (OSError, ValueError, TypeError, KeyError, IndexError, EOFError, RuntimeError) as exc:
@@ -133,18 +141,20 @@ def read_source(src: str | os.PathLike, kind: str | None = None) -> Imported:
 
 
 def import_checkpoint(src: str | os.PathLike, dest: str | os.PathLike, *, kind: str | None = None,
-                      storage_options: dict | None = None, step: int | None = None) -> ImportResult:
+                      storage_options: dict | None = None, step: int | None = None,
+                      options: dict | None = None) -> ImportResult:
     """Import the checkpoint file ``src`` as the new ckptfmt checkpoint ``dest`` (``REPO/NAME``).
 
     ``kind`` names the source format (default: detected); ``step`` overrides the step the
-    source recorded. Raises CheckpointError naming the file and the problem; nothing is
-    committed unless the whole import succeeds.
+    source recorded; ``options`` go to the kind's reader (deepspeed: ``tp_dims``). Raises
+    CheckpointError naming the file and the problem; nothing is committed unless the whole
+    import succeeds.
     """
     started = time.perf_counter()
     timer = PhaseTimer()
     path = os.fspath(src)
     with timer.phase("read"):
-        imported = read_source(path, kind)
+        imported = read_source(path, kind, options)
     if isinstance(imported.state, (torch.Tensor, np.ndarray)):  # torch.save(tensor): a key is needed
         imported.state = {"tensor": imported.state}
         imported.notes.append("the source holds a bare tensor: stored under the key 'tensor'")

@@ -62,6 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dest", help="new checkpoint URL REPO/NAME")
     p.add_argument("--from", dest="kind", metavar="KIND", help="source format: deepspeed, hf-trainer, lightning, dcp, torch, safetensors (default: detected)")
     p.add_argument("--step", type=int, help="the checkpoint's step (default: found in the source, if any)")
+    p.add_argument("--tp-dim", action="append", metavar="REGEX=DIM",
+                   help="deepspeed: tensor-parallel ranks split the parameters whose name REGEX matches on DIM "
+                        "(or REGEX=replicated); repeatable, the first match wins (default: "
+                        "universal_checkpoint_info, else inferred)")
     p.set_defaults(run=commands.import_)
 
     p = sub.add_parser("tui", help="browse, verify and compare checkpoints in a terminal UI")

@@ -11,6 +11,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 from rich.table import Table
 
 from .. import diff as diff_module
+from ..errors import CheckpointError
 from ..reader import open as open_checkpoint
 from ..repository import Repository
 from ..verify import verify as verify_url
@@ -210,10 +211,23 @@ def export(args, console: Console) -> int:
     return 0
 
 
+def _tp_dims(values: list[str] | None) -> dict | None:
+    """``--tp-dim REGEX=DIM`` options as the DeepSpeed reader's tp_dims (DIM a dimension, or replicated)."""
+    dims = {}
+    for value in values or []:
+        pattern, _, dim = value.rpartition("=")
+        if not pattern or not (dim == "replicated" or dim.isdigit()):
+            raise CheckpointError(f"--tp-dim {value!r}: expected REGEX=DIM, DIM a dimension or 'replicated'")
+        dims[pattern] = None if dim == "replicated" else int(dim)
+    return dims or None
+
+
 def import_(args, console: Console) -> int:
     from ..converters.importer import import_checkpoint  # converters stay out of the core's imports
 
-    result = import_checkpoint(args.src, args.dest, kind=args.kind, step=args.step)
+    tp_dims = _tp_dims(args.tp_dim)
+    result = import_checkpoint(args.src, args.dest, kind=args.kind, step=args.step,
+                               options={"tp_dims": tp_dims} if tp_dims else None)
     console.print(f"imported {args.src} ({result.kind}) as {result.url}: {result.tensors} tensors, "
                   f"{len(result.opaque)} opaque objects, {result.seconds:.2f} s", markup=False, highlight=False)
     for key in result.opaque:
