@@ -352,13 +352,16 @@ class _Rebuild:
             raise CheckpointError(f"{where}: no base optimizer state")
         self.param_groups = []
         if isinstance(groups, list) and (stage == 3 or len(groups) == len(self.groups)):
-            names = [n for g in self.groups for n, _, _ in g]
             for i, group in enumerate(groups):
                 group = dict(group)
-                group["params"] = [n for n, _, _ in self.groups[i]] if stage != 3 else names
+                # stage 3: param_shapes is per sub-group, and a group's "params" are its sub-groups' indices
+                members = group.get("params") if stage == 3 else [i]
+                if not isinstance(members, list) or \
+                        not all(type(m) is int and 0 <= m < len(self.groups) for m in members):
+                    raise CheckpointError(f"{where}: param_groups[{i}] names sub-groups {members!r}, "
+                                          f"param_shapes has {len(self.groups)}")
+                group["params"] = [n for m in members for n, _, _ in self.groups[m]]
                 self.param_groups.append(group)
-            if stage == 3 and len(groups) != 1:
-                self.notes.append("stage 3 with several optimizer groups: each group lists every parameter")
         self.filled: dict[str, int] = {}
         self.scalars: dict[str, dict] = {}
         self.elem_keys: set[str] = set()
@@ -513,7 +516,7 @@ class _Rebuild:
             moments = self.moments.setdefault(name, {})
             for key in list(moments):
                 moments[key] = moments[key].view(shape)
-            scalars = self.group_scalars.get(group_of[name] if stage != 3 else 0, {})
+            scalars = self.group_scalars.get(group_of[name], {})
             scalars = {**scalars, **self.group_scalars.get(-1, {})}
             for key, value in scalars.items():
                 moments[key] = value.clone() if isinstance(value, torch.Tensor) else value
