@@ -1,4 +1,4 @@
-"""Export a ckptfmt checkpoint to torch.save files, safetensors files, or a DCP folder."""
+"""Export a ckptfmt checkpoint to torch.save files, safetensors files, a DCP folder or a DeepSpeed folder."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from ckptfmt.errors import CheckpointError
 
 from .safetensors_format import write_file
 
-FORMATS = ("torch", "safetensors", "dcp")
+FORMATS = ("torch", "safetensors", "dcp", "deepspeed")
 
 
 @dataclass
@@ -35,19 +35,26 @@ class ExportResult:
 
 def export_checkpoint(url: str | os.PathLike, dest: str | os.PathLike, *, format: str,
                       storage_options: dict | None = None, max_shard_size: int | str | None = None,
-                      prefix: str | None = None) -> ExportResult:
-    """Write checkpoint ``url`` to the local path ``dest`` as ``format`` ('torch', 'safetensors' or 'dcp').
+                      prefix: str | None = None, world_size: int | None = None, zero_stage: int | None = None,
+                      ds_config: dict | None = None) -> ExportResult:
+    """Write checkpoint ``url`` to the local path ``dest`` as ``format`` (one of ``FORMATS``).
 
     safetensors only: ``prefix`` (e.g. ``"model/"``) exports only the keys under it, with
     the prefix stripped; ``max_shard_size`` (bytes, or ``"5GB"``, ``"100MB"``, ``"2GiB"``)
     writes ``dest`` as a folder of ``model-0000i-of-0000N.safetensors`` shards and
     ``model.safetensors.index.json``, as Hugging Face does (also when ``dest`` is an
     existing folder or ends with a path separator, with shards of at most 5GB).
+
+    deepspeed only (a checkpoint imported from DeepSpeed ZeRO): ``world_size`` data-parallel
+    ranks, ``zero_stage`` and the ``ds_config`` the files will be loaded with; see
+    ``deepspeed_export.to_deepspeed``.
     """
     if format not in FORMATS:
         raise CheckpointError(f"unknown export format {format!r}: choose from {', '.join(FORMATS)}")
     if format != "safetensors" and (max_shard_size is not None or prefix is not None):
         raise CheckpointError("max_shard_size and prefix apply to --format safetensors only")
+    if format != "deepspeed" and (world_size is not None or zero_stage is not None or ds_config is not None):
+        raise CheckpointError("world_size, zero_stage and ds_config apply to --format deepspeed only")
     dest = os.fspath(dest)
     shard_limit = parse_size(max_shard_size) if max_shard_size is not None else None
     with ckptfmt.open(url, storage_options=storage_options) as reader:
@@ -55,6 +62,10 @@ def export_checkpoint(url: str | os.PathLike, dest: str | os.PathLike, *, format
             return _to_torch(reader, dest)
         if format == "dcp":
             return _to_dcp(reader, dest)
+        if format == "deepspeed":
+            from .deepspeed_export import to_deepspeed  # imports this module: loaded on use
+
+            return to_deepspeed(reader, dest, world_size=world_size, zero_stage=zero_stage, ds_config=ds_config)
         return _to_safetensors(reader, dest, max_shard_size=shard_limit, prefix=prefix)
 
 
@@ -66,8 +77,8 @@ def _to_torch(reader: ckptfmt.CheckpointReader, dest: str) -> ExportResult:
     original object where its class is importable (weights_only=True refuses them).
     """
     found: list[str] = []
-    state = _restore_opaque(reader.load_state(), found)
-    _atomic(dest, lambda tmp: torch.save(state, tmp))
+    state = restore_opaque(reader.load_state(), found)
+    write_atomically(dest, lambda tmp: torch.save(state, tmp))
     stats = reader.manifest.stats
     notes = []
     if found:
@@ -88,7 +99,7 @@ def _to_dcp(reader: ckptfmt.CheckpointReader, dest: str) -> ExportResult:
     if os.path.exists(dest):
         raise CheckpointError(f"{dest}: already exists; DCP export writes a new folder")
     found: list[str] = []
-    state = _restore_opaque(reader.load_state(), found)
+    state = restore_opaque(reader.load_state(), found)
     if not isinstance(state, dict):
         raise CheckpointError(f"{reader.url}: DCP needs a dict at the top of the state, not a {type(state).__name__}")
     tmp = f"{dest}.tmp-{os.getpid()}"
@@ -116,19 +127,19 @@ class _Repickled:
         return pickle.loads, (self.data,)
 
 
-def _restore_opaque(value, found: list[str]):
+def restore_opaque(value, found: list[str]):
     """The state with each OpaqueObject replaced by its pickle (containers rebuilt only when needed)."""
     kind = type(value)
     if kind is ckptfmt.OpaqueObject:
         found.append(f"{value.module}.{value.qualname}")
         return _Repickled(value.pickle)
     if kind in (dict, OrderedDict):
-        items = [(_restore_opaque(k, found), _restore_opaque(v, found)) for k, v in value.items()]
+        items = [(restore_opaque(k, found), restore_opaque(v, found)) for k, v in value.items()]
         if all(a is k and b is v for (a, b), (k, v) in zip(items, value.items())):
             return value
         return kind(items)
     if kind in (list, tuple, set, frozenset):
-        items = [_restore_opaque(v, found) for v in value]
+        items = [restore_opaque(v, found) for v in value]
         if all(a is b for a, b in zip(items, value)):
             return value
         return kind(items)
@@ -200,7 +211,7 @@ def _to_safetensors(reader: ckptfmt.CheckpointReader, dest: str, *, max_shard_si
     notes.append("safetensors holds tensors only: the state's plain values (counters, hyper-parameters) are not exported")
 
     if max_shard_size is None and not (os.path.isdir(dest) or dest.endswith(("/", os.sep))):
-        _atomic(dest, lambda tmp: write_file(tmp, tensors, metadata))
+        write_atomically(dest, lambda tmp: write_file(tmp, tensors, metadata))
         return ExportResult(dest, len(tensors), os.path.getsize(dest), notes, [dest])
     return _safetensors_shards(dest, tensors, metadata, max_shard_size or DEFAULT_SHARD_SIZE, notes)
 
@@ -241,7 +252,7 @@ def _safetensors_shards(folder: str, tensors: list, metadata: dict, limit: int, 
     index = {"metadata": {"total_size": total},
              "weight_map": {t.name: name for name, shard in zip(names, shards) for t in shard}}
     index_path = os.path.join(folder, INDEX_NAME)
-    _atomic(index_path, lambda tmp: _write_json(tmp, index))
+    write_atomically(index_path, lambda tmp: _write_json(tmp, index))
     files = [os.path.join(folder, name) for name in names] + [index_path]
     return ExportResult(folder, len(tensors), sum(os.path.getsize(f) for f in files), notes, files)
 
@@ -252,7 +263,7 @@ def _write_json(path: str, value) -> None:
         f.write("\n")
 
 
-def _atomic(dest: str, write) -> None:
+def write_atomically(dest: str, write) -> None:
     """Write through a temp file and rename, so a failed export never leaves a half file."""
     tmp = f"{dest}.tmp-{os.getpid()}"
     try:

@@ -47,14 +47,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("export", help="write a checkpoint in another format")
     p.add_argument("checkpoint")
-    p.add_argument("dest", help="output file (or folder, for sharded safetensors)")
-    p.add_argument("--format", required=True, choices=("torch", "safetensors", "dcp"))
+    p.add_argument("dest", help="output file (or folder: sharded safetensors, dcp, deepspeed)")
+    p.add_argument("--format", required=True, choices=("torch", "safetensors", "dcp", "deepspeed"))
     p.add_argument("--max-shard-size", metavar="SIZE",
                    help="safetensors: write DEST as a folder of Hugging Face shards "
                         "(model-0000i-of-0000N.safetensors + model.safetensors.index.json) of at most SIZE "
                         "(bytes, or 5GB, 500MB, 2GiB)")
     p.add_argument("--prefix", help="safetensors: export only the tensors under this key prefix, without it "
                                     "(e.g. model/ gives layers.0.weight)")
+    p.add_argument("--world-size", type=int, metavar="N",
+                   help="deepspeed: data-parallel ranks the ZeRO files are for (default: the source's)")
+    p.add_argument("--zero-stage", type=int, choices=(1, 2, 3), help="deepspeed: ZeRO stage (default: the config's)")
+    p.add_argument("--ds-config", metavar="JSON",
+                   help="deepspeed: the DeepSpeed config file the run will load with (default: the recorded one)")
     p.set_defaults(run=commands.export)
 
     p = sub.add_parser("import", help="import a torch.save, safetensors, HF Trainer, Lightning, DCP or DeepSpeed checkpoint")

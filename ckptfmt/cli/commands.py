@@ -204,11 +204,26 @@ def export(args, console: Console) -> int:
     from ..converters.export import export_checkpoint  # converters stay out of the core's imports
 
     result = export_checkpoint(args.checkpoint, args.dest, format=args.format,
-                               max_shard_size=args.max_shard_size, prefix=args.prefix)
+                               max_shard_size=args.max_shard_size, prefix=args.prefix, world_size=args.world_size,
+                               zero_stage=args.zero_stage, ds_config=_json_file(args.ds_config))
     console.print(f"wrote {result.path} ({result.tensors} tensors, {human_bytes(result.bytes)})")
     for note in result.notes:
         console.print(f"note: {note}")
     return 0
+
+
+def _json_file(path: str | None) -> dict | None:
+    """A JSON object from a file (e.g. a DeepSpeed config), or a CheckpointError naming the file."""
+    if path is None:
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path}: cannot read a JSON object: {exc}") from None
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, found {type(value).__name__}")
+    return value
 
 
 def _tp_dims(values: list[str] | None) -> dict | None:
