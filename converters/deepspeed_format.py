@@ -1,21 +1,23 @@
-"""Read DeepSpeed checkpoint folders (ZeRO stages 0-3, fp32 or bf16) without DeepSpeed or running pickles.
+"""Read DeepSpeed checkpoint folders (ZeRO stages 0-3, fp32 or bf16, tensor parallel) without DeepSpeed or pickles run.
 
-``engine.save_checkpoint(DIR)`` writes ``DIR/latest`` (the tag, ``global_stepN``) and ``DIR/TAG/``:
+``engine.save_checkpoint(DIR)`` writes ``DIR/latest`` (the tag, ``global_stepN``) and ``DIR/TAG/``,
+with ``MM`` the model-parallel (tensor-parallel) rank and ``R`` the data-parallel rank:
 
-- ``mp_rank_00_model_states.pt`` (stage 0-2, written by data-parallel rank 0) or
-  ``zero_pp_rank_R_mp_rank_00_model_states.pt`` (stage 3, one per rank): ``module`` (the
+- ``mp_rank_MM_model_states.pt`` (stage 0-2, written by data-parallel rank 0) or
+  ``zero_pp_rank_R_mp_rank_MM_model_states.pt`` (stage 3, one per rank): ``module`` (the
   module's state dict; under stage 3 its parameters are empty, only buffers are whole),
   ``buffer_names``, ``param_shapes`` (per optimizer group, name -> shape, in flattening
-  order), ``frozen_param_shapes`` / ``frozen_param_fragments`` (stage 2/3), ``shared_params``,
-  ``lr_scheduler``, ``global_steps``, ``dp_world_size``, ``ds_config``, ``ds_version``,
-  ``optimizer`` (stage 0 only) and the client state's keys.
-- ``[bf16_]zero_pp_rank_R_mp_rank_00_optim_states.pt`` (ZeRO, one per data-parallel rank):
+  order; stage 3: per sub-group), ``frozen_param_shapes`` / ``frozen_param_fragments`` (stage
+  2/3), ``shared_params`` (global rank 0's file only), ``lr_scheduler``, ``global_steps``,
+  ``dp_world_size``, ``mp_world_size``, ``ds_config``, ``ds_version``, ``optimizer`` (stage 0
+  only), Megatron-DeepSpeed's ``universal_checkpoint_info`` and the client state's keys.
+- ``[bf16_]zero_pp_rank_R_mp_rank_MM_optim_states.pt`` (ZeRO, one per rank):
   ``optimizer_state_dict`` holding the rank's flat fp32 partition of each group
   (``single_partition_of_fp32_groups``, stage 1/2, alignment padding already stripped;
   ``fp32_flat_groups``, stage 3) and the base optimizer's state over those partitions
   (``base_optimizer_state``, stage 1/2; ``optimizer_state_dict``, stage 3).
 
-The fp32 master weights are rebuilt per parameter exactly as
+For each model-parallel rank, the fp32 master weights are rebuilt per parameter exactly as
 ``deepspeed.utils.zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint`` does (buffers as
 float, frozen parameters, trainable parameters, shared parameters as aliases), and the
 optimizer's per-element state (Adam's ``exp_avg``, ``exp_avg_sq``, ...) the same way, per
@@ -23,7 +25,10 @@ parameter name. Stage 1/2: each group's partitions, concatenated over ranks, are
 parameters back to back (plus ``param_alignment_paddings``); stage 3: each parameter is split
 in ``ceil(numel / world)`` pieces, one per rank, the last padded. Files are read one rank at a
 time with ``torch_format.read`` (never ``torch.load``); each rank's pieces are copied into the
-result and its files released before the next rank's.
+result and its files released before the next rank's. The model-parallel ranks' results are
+then merged per name (``_TpMerge``): replicated tensors once, split ones as a
+``ckptfmt.Sharded`` with one shard per model-parallel rank; ``metadata["deepspeed"]["tp_merge"]``
+records how each name merged. Pipeline-parallel and mixture-of-experts folders are refused.
 
 The imported state::
 
@@ -39,9 +44,11 @@ import re
 from collections import OrderedDict
 from typing import Any
 
+import numpy as np
 import torch
 
 from ckptfmt.errors import CheckpointError, CheckpointNotFoundError
+from ckptfmt.sharded import Shard, Sharded
 from ckptfmt.values import OpaqueObject
 
 from . import torch_format
@@ -57,15 +64,17 @@ from .pickles import (
 )
 
 LATEST = "latest"
-_MODEL_FILE = "mp_rank_00_model_states.pt"
+_MODEL = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
 _ZERO3_MODEL = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
 _OPTIM = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+_MOE = re.compile(r"^(expert_|expp_rank_|layer_\d+_expert_)")
+_PIPELINE = re.compile(r"^layer_\d+-model")
 #: Keys DeepSpeed itself writes into the model states file; every other top-level key is client state.
 _ENGINE_KEYS = {
     "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
     "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names",
     "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size",
-    "checkpoint_parallel_dimensions", "ds_config", "ds_version",
+    "checkpoint_parallel_dimensions", "ds_config", "ds_version", "universal_checkpoint_info",
 }
 #: Keys of a ZeRO optimizer state dict that are per-rank layout, not state (rebuilt or dropped).
 _LAYOUT_KEYS = {"base_optimizer_state", "optimizer_state_dict", "single_partition_of_fp32_groups",
@@ -82,7 +91,7 @@ def detect(path: str) -> bool:
         names = os.listdir(folder)
     except OSError:
         return False
-    return _MODEL_FILE in names or any(_ZERO3_MODEL.match(n) for n in names)
+    return any(_MODEL.match(n) or _ZERO3_MODEL.match(n) for n in names)
 
 
 def _tag_folder(path: str) -> str:
@@ -101,81 +110,156 @@ def _tag_folder(path: str) -> str:
     return path
 
 
-def read(path: str) -> Imported:
-    """Read a DeepSpeed checkpoint folder as an import (raises CheckpointError naming the file)."""
+class _Files:
+    """The tag folder's files by (data-parallel rank, model-parallel rank); refuses pipeline and MoE folders."""
+
+    def __init__(self, folder: str):
+        self.folder = folder
+        names = sorted(os.listdir(folder))
+        for name in names:
+            if _MOE.match(name):
+                raise CheckpointError(f"{os.path.join(folder, name)}: a mixture-of-experts checkpoint: "
+                                      "not supported")
+            if _PIPELINE.match(name):
+                raise CheckpointError(f"{os.path.join(folder, name)}: a pipeline-parallel checkpoint "
+                                      "(layer_*-model_states.pt): not supported")
+        self.models = {int(m.group(1)): n for n in names if (m := _MODEL.match(n))}
+        self.zero3 = {(int(m.group(1)), int(m.group(2))): n for n in names if (m := _ZERO3_MODEL.match(n))}
+        self.optims = {(int(m.group(2)), int(m.group(3))): n for n in names if (m := _OPTIM.match(n))}
+        prefixes = {n.startswith("bf16_") for n in self.optims.values()}
+        if len(prefixes) > 1:
+            raise CheckpointError(f"{folder}: holds both bf16_zero_* and zero_* optimizer files")
+        self.prefix = "bf16_" if prefixes == {True} else ""
+
+    def main(self, mp: int) -> str:
+        """The model states file of model-parallel rank ``mp`` (stage 3: its data-parallel rank 0's)."""
+        name = self.models.get(mp) or self.zero3.get((0, mp))
+        if name is None:
+            raise CheckpointNotFoundError(
+                f"{os.path.join(self.folder, f'mp_rank_{mp:02d}_model_states.pt')}: missing (nor "
+                f"zero_pp_rank_0_mp_rank_{mp:02d}_model_states.pt): not a complete DeepSpeed checkpoint")
+        return name
+
+    def check(self, dp: int, mp: int, zero: bool) -> None:
+        """Every (dp, mp) rank's files are there and none beyond, before anything else is read."""
+        for rank in range(mp):
+            self.main(rank)
+        wanted = [(self.zero3, "zero_pp_rank_{}_mp_rank_{:02d}_model_states.pt")] if self.zero3 else []
+        if zero:
+            wanted.append((self.optims, self.prefix + "zero_pp_rank_{}_mp_rank_{:02d}_optim_states.pt"))
+        for files, pattern in wanted:
+            for key in [(d, m) for m in range(mp) for d in range(dp)]:
+                if key not in files:
+                    missing = os.path.join(self.folder, pattern.format(*key))
+                    raise CheckpointNotFoundError(f"{missing}: missing (dp_world_size {dp}, mp_world_size {mp}): "
+                                                  "incomplete checkpoint")
+            extra = sorted(k for k in files if k[0] >= dp or k[1] >= mp)
+            if extra:
+                raise CheckpointError(f"{os.path.join(self.folder, files[extra[0]])}: beyond dp_world_size {dp} "
+                                      f"/ mp_world_size {mp}")
+        extra = sorted(m for m in self.models if m >= mp)
+        if extra:
+            raise CheckpointError(f"{os.path.join(self.folder, self.models[extra[0]])}: beyond mp_world_size {mp}")
+
+
+def read(path: str, tp_dims: dict | None = None) -> Imported:
+    """Read a DeepSpeed checkpoint folder as an import (raises CheckpointError naming the file).
+
+    ``tp_dims`` maps a regex (searched in each parameter name, the first match wins) to the
+    dimension the model-parallel ranks split that parameter on, or None for replicated; it
+    overrides the checkpoint's universal_checkpoint_info and the inference (see ``_TpMerge``).
+    """
     path = os.fspath(path)
     folder = _tag_folder(path)
-    names = sorted(os.listdir(folder))
+    files = _Files(folder)
     opaque: list[str] = []
     notes: list[str] = []
+    first = model = _model_file(folder, files.main(0), opaque, notes)
+    dp, mp = model.get("dp_world_size"), model.get("mp_world_size", 1)
+    for key, value in (("dp_world_size", dp), ("mp_world_size", mp)):
+        if type(value) is not int or value < 1:
+            raise CheckpointError(f"{os.path.join(folder, files.main(0))}: {key} is {value!r}")
+    files.check(dp, mp, zero=model.get("param_shapes") is not None)
+    merge = _TpMerge(folder, mp, tp_dims, model) if mp > 1 else None
+    if merge is None and tp_dims:
+        notes.append("tp_dims not used: the checkpoint has no model-parallel ranks")
+    for rank in range(mp):
+        where = os.path.join(folder, files.main(rank))
+        if rank:
+            model = _model_file(folder, files.main(rank), [], notes)
+            _same_run(model, first, where)
+        rank_state, stage = _read_mp_rank(folder, files, rank, model, dp, opaque if rank == 0 else [], notes)
+        if merge is None:
+            state = rank_state
+        else:
+            merge.add(rank, rank_state, model, stage, where)
+    if merge is not None:
+        state = merge.finish(notes)
+    if stage == 3:
+        notes.append("stage 3: 'module' holds the parameters as saved (empty partitions); "
+                     "the whole weights are under 'fp32'")
+    if opaque:
+        shown = ", ".join(opaque[:10]) + (" ..." if len(opaque) > 10 else "")
+        notes.append(f"{len(opaque)} object(s) kept opaque (pickled, never run): {shown}")
+    step, ds_version = first.get("global_steps"), first.get("ds_version")
+    return Imported(state=state, kind="deepspeed", step=step if type(step) is int and step >= 0 else None,
+                    metadata=_metadata(first, files, stage, merge),
+                    versions={"deepspeed": ds_version} if isinstance(ds_version, str) else {},
+                    opaque=opaque, notes=list(dict.fromkeys(notes)))
 
-    zero3_models = {int(m.group(1)): n for n in names if (m := _ZERO3_MODEL.match(n))}
-    if any(not n.endswith("_mp_rank_00_model_states.pt") for n in zero3_models.values()):
-        raise CheckpointError(f"{folder}: model-parallel ZeRO-3 checkpoint: not supported")
-    optims = {}
-    bf16_prefix = set()
-    for n in names:
-        m = _OPTIM.match(n)
-        if m:
-            if m.group(3) != "00":
-                raise CheckpointError(f"{os.path.join(folder, n)}: model-parallel rank {m.group(3)}: "
-                                      "only checkpoints without tensor/pipeline parallelism can be imported")
-            optims[int(m.group(2))] = n
-            bf16_prefix.add(bool(m.group(1)))
-    if any(re.match(r"^mp_rank_(\d+)_model_states\.pt$", n) and n != _MODEL_FILE for n in names) \
-            or any(n.startswith("layer_") for n in names):
-        raise CheckpointError(f"{folder}: model- or pipeline-parallel checkpoint: not supported")
-    if len(bf16_prefix) > 1:
-        raise CheckpointError(f"{folder}: holds both bf16_zero_* and zero_* optimizer files")
-    prefix = "bf16_" if bf16_prefix == {True} else ""
 
-    main_name = _MODEL_FILE if _MODEL_FILE in names else zero3_models.get(0)
-    if main_name is None:
-        raise CheckpointError(f"{folder}: no {_MODEL_FILE} nor zero_pp_rank_0_mp_rank_00_model_states.pt: "
-                              "not a DeepSpeed checkpoint")
-    model = _read_file(folder, main_name, "model_states", opaque, notes)
-    if not isinstance(model, dict) or "module" not in model:
-        raise CheckpointError(f"{os.path.join(folder, main_name)}: no 'module': not a DeepSpeed model states file")
-    ds_version = model.get("ds_version")
-    dp = model.get("dp_world_size")
-    if type(dp) is not int or dp < 1:
-        raise CheckpointError(f"{os.path.join(folder, main_name)}: dp_world_size is {dp!r}")
-
-    state: dict[str, Any] = {"module": model["module"]}
-    zero = model.get("param_shapes") is not None
+def _metadata(model: dict, files: _Files, stage: int, merge: _TpMerge | None) -> dict:
+    """The import's user metadata: ZeRO stage, topology, dtype, how tensor-parallel ranks merged, the config."""
     config = model.get("ds_config") if isinstance(model.get("ds_config"), dict) else None
-    if not zero:
+    meta = {"zero_stage": stage, "dp_world_size": model["dp_world_size"],
+            "mp_world_size": model.get("mp_world_size", 1), "bf16": files.prefix == "bf16_" or _bf16(config)}
+    if isinstance(model.get("checkpoint_parallel_dimensions"), dict):
+        meta["parallel_dimensions"] = model["checkpoint_parallel_dimensions"]
+    if merge is not None:
+        meta["tp_merge"] = merge.how
+    if config is not None:
+        meta["config"] = config
+    return {"deepspeed": meta}
+
+
+def _model_file(folder: str, name: str, opaque: list[str], notes: list[str]) -> dict:
+    model = _read_file(folder, name, "model_states", opaque, notes)
+    if not isinstance(model, dict) or "module" not in model:
+        raise CheckpointError(f"{os.path.join(folder, name)}: no 'module': not a DeepSpeed model states file")
+    return model
+
+
+def _same_run(model: dict, first: dict, where: str) -> None:
+    """A later model-parallel rank's model states file must describe the same run as rank 0's."""
+    for key in ("dp_world_size", "mp_world_size", "global_steps", "ds_version"):
+        if model.get(key) != first.get(key):
+            raise CheckpointError(f"{where}: {key} is {model.get(key)!r}, model-parallel rank 0 says "
+                                  f"{first.get(key)!r}")
+    if (model.get("param_shapes") is None) != (first.get("param_shapes") is None):
+        raise CheckpointError(f"{where}: ZeRO and non-ZeRO model states files mixed")
+
+
+def _read_mp_rank(folder: str, files: _Files, mp: int, model: dict, dp: int, opaque: list[str],
+                  notes: list[str]) -> tuple[dict, int]:
+    """One model-parallel rank's state, its data-parallel partitions merged; and the ZeRO stage."""
+    state: dict[str, Any] = {"module": model["module"]}
+    if model.get("param_shapes") is None:
         stage = 0
         state["optimizer"] = model.get("optimizer")
-        if optims:
-            notes.append(f"{len(optims)} {prefix}zero optimizer file(s) of a stage-0 run not read "
+        if files.optims and mp == 0:
+            notes.append(f"{len(files.optims)} {files.prefix}zero optimizer file(s) of a stage-0 run not read "
                          "(their state is in the model states file's 'optimizer')")
     else:
-        # every rank's optimizer file must be there before anything is read
-        for rank in range(dp):
-            if rank not in optims:
-                missing = os.path.join(folder, f"{prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")
-                raise CheckpointNotFoundError(f"{missing}: missing (dp_world_size is {dp}): incomplete checkpoint")
-        extra = sorted(set(optims) - set(range(dp)))
-        if extra:
-            raise CheckpointError(f"{os.path.join(folder, optims[extra[0]])}: rank {extra[0]} beyond "
-                                  f"dp_world_size {dp}")
-        if zero3_models:
-            for rank in range(dp):
-                if rank not in zero3_models:
-                    raise CheckpointNotFoundError(
-                        f"{os.path.join(folder, f'zero_pp_rank_{rank}_mp_rank_00_model_states.pt')}: missing "
-                        f"(dp_world_size is {dp}): incomplete checkpoint")
-        builder = _Rebuild(folder, model, dp, optims, zero3_models, opaque, notes)
+        optims = {d: n for (d, m), n in files.optims.items() if m == mp}
+        zero3 = {d: n for (d, m), n in files.zero3.items() if m == mp}
+        builder = _Rebuild(folder, files.main(mp), model, dp, optims, zero3, opaque, notes)
         stage = builder.run()
         state["fp32"] = builder.fp32
         state["optimizer"] = {"state": builder.moments, "param_groups": builder.param_groups}
         state["zero_optimizer"] = builder.extras
-
     state["lr_scheduler"] = model.get("lr_scheduler")
     state["client_state"] = {k: v for k, v in model.items() if k not in _ENGINE_KEYS}
-    step = model.get("global_steps")
-    state["global_step"] = step
+    state["global_step"] = model.get("global_steps")
     state["deepspeed"] = {
         "zero_stage": stage, "dp_world_size": dp, "mp_world_size": model.get("mp_world_size"),
         "tag": os.path.basename(os.path.normpath(folder)), "buffer_names": model.get("buffer_names"),
@@ -184,19 +268,9 @@ def read(path: str) -> Imported:
         "global_samples": model.get("global_samples"), "data_sampler": model.get("data_sampler"),
         "random_ltd": model.get("random_ltd"),
     }
-    if stage == 3:
-        notes.append("stage 3: 'module' holds the parameters as saved (empty partitions); "
-                     "the whole weights are under 'fp32'")
-    metadata: dict[str, Any] = {"deepspeed": {"zero_stage": stage, "dp_world_size": dp,
-                                              "bf16": prefix == "bf16_" or _bf16(config)}}
-    if config is not None:
-        metadata["deepspeed"]["config"] = config
-    versions = {"deepspeed": ds_version} if isinstance(ds_version, str) else {}
-    if opaque:
-        shown = ", ".join(opaque[:10]) + (" ..." if len(opaque) > 10 else "")
-        notes.append(f"{len(opaque)} object(s) kept opaque (pickled, never run): {shown}")
-    return Imported(state=state, kind="deepspeed", step=step if type(step) is int and step >= 0 else None,
-                    metadata=metadata, versions=versions, opaque=opaque, notes=notes)
+    if model.get("universal_checkpoint_info") is not None:
+        state["deepspeed"]["universal_checkpoint_info"] = model["universal_checkpoint_info"]
+    return state, stage
 
 
 def _bf16(config: dict | None) -> bool:
@@ -251,7 +325,7 @@ def _numel(shape: Any, where: str) -> int:
 class _Rebuild:
     """Whole parameters (fp32 and optimizer state) from the ranks' flat partitions, one rank at a time."""
 
-    def __init__(self, folder, model, dp, optims, zero3_models, opaque, notes):
+    def __init__(self, folder, main, model, dp, optims, zero3_models, opaque, notes):
         self.folder, self.model, self.dp = folder, model, dp
         self.optims, self.zero3_models = optims, zero3_models
         self.opaque, self.notes = opaque, notes
@@ -259,8 +333,7 @@ class _Rebuild:
         self.moments: dict[str, dict] = {}
         self.param_groups: list = []
         self.extras: dict = {}
-        self.main = os.path.join(folder, _MODEL_FILE if _MODEL_FILE in os.listdir(folder)
-                                 else zero3_models.get(0, ""))
+        self.main = os.path.join(folder, main)
         shapes = model.get("param_shapes")
         if not isinstance(shapes, list) or not all(isinstance(g, dict) for g in shapes):
             raise CheckpointError(f"{self.main}: param_shapes is not a list of name -> shape per group")
@@ -520,3 +593,242 @@ class _Rebuild:
             scalars = {**scalars, **self.group_scalars.get(-1, {})}
             for key, value in scalars.items():
                 moments[key] = value.clone() if isinstance(value, torch.Tensor) else value
+
+
+# ---------------------------------------------------------------- model-parallel ranks
+
+#: universal_checkpoint_info keys (deepspeed/checkpoint/constants.py) and how ds_to_universal merges them
+#: (vocabulary parameters: on dim 0, their padding rows kept rather than cut to original_vocab_size)
+_UCI_RULES = (("tp_replicated_parameter_patterns", None), ("parameter_to_average_patterns", "average"),
+              ("parameter_with_row_parallelism_patterns", 1), ("vocabulary_parameter_patterns", 0))
+#: universal_checkpoint_info layouts this reader does not rebuild (a tp_dims rule for the name overrides)
+_UCI_UNSUPPORTED = ("parameter_with_2_sub_params_cat_dim_0", "parameter_with_sub_params", "affine_map")
+
+
+class _TpMerge:
+    """The model-parallel ranks' states as one, per parameter name: replicated, or shards of a concatenation.
+
+    Rank 0's state is the skeleton. Each later rank's tensors (module, fp32, optimizer moments)
+    are compared with rank 0's as they come: an identical one is dropped and rank 0's kept in its
+    place, so a replicated tensor is held once. How a name merges comes from the user's
+    ``tp_dims``, else the checkpoint's ``universal_checkpoint_info`` (as ds_to_universal reads
+    it), else it is inferred: replicated when every tensor of the name is identical on every
+    rank, otherwise concatenated on dim 0 (ds_to_universal's default). A concatenation is kept
+    as a ``ckptfmt.Sharded`` with one shard per rank, so the ranks' partitions stay as they were.
+    """
+
+    def __init__(self, folder: str, size: int, tp_dims: dict | None, model: dict):
+        self.folder, self.size = folder, size
+        self.user = _compile_tp_dims(tp_dims)
+        info = model.get("universal_checkpoint_info")
+        self.info = info if isinstance(info, dict) else {}
+        self.shared: dict[str, str] = {}
+        self.parts: dict[tuple, list] = {}   # path -> each rank's value (rank 0's where identical)
+        self.names: dict[tuple, str] = {}
+        self.differs: set[str] = set()
+        self.rules: dict[str, tuple] = {}
+        self.how: dict[str, int | str] = {}
+        self.skeleton: dict = {}
+        self.optimizers: list = []           # stage 0: the torch optimizer's state dicts, keyed by index
+        self.client_states: list = []
+
+    def add(self, rank: int, state: dict, model: dict, stage: int, where: str) -> None:
+        """Take model-parallel rank ``rank``'s state (ranks in order, from 0; ``where``: its model file)."""
+        self.shared.update({str(k): str(v) for k, v in (model.get("shared_params") or {}).items()})
+        tensors = dict(self._tensors(state, model, stage))
+        self.client_states.append(state["client_state"])
+        if stage == 0:
+            self.optimizers.append(state["optimizer"])
+        if rank == 0:
+            self.skeleton, self.stage, self.names = state, stage, tensors
+            self.parts = {path: [_at(state, path)] for path in tensors}
+            return
+        if stage != self.stage:
+            raise CheckpointError(f"{where}: ZeRO stage {stage}, model-parallel rank 0's is {self.stage}")
+        if set(tensors) != set(self.names):
+            odd = min(set(tensors) ^ set(self.names))
+            raise CheckpointError(f"{where}: {'/'.join(map(str, odd))} is on model-parallel rank 0 or rank {rank} "
+                                  "only")
+        for path, name in tensors.items():
+            self._compare(path, name, _at(state, path), rank, where)
+
+    def _tensors(self, state: dict, model: dict, stage: int):
+        """(path, parameter name) of every tensor merged across ranks."""
+        buffers = set(model.get("buffer_names") or [])
+        for name, value in state["module"].items():
+            if isinstance(value, torch.Tensor) and (stage != 3 or name in buffers):  # stage 3: empty placeholders
+                yield ("module", name), name
+        aliases = model.get("shared_params") or {}
+        for name in state.get("fp32", {}):
+            if not (name in aliases and aliases[name] in state["fp32"]):
+                yield ("fp32", name), name
+        if stage != 0:
+            for name, moments in state["optimizer"]["state"].items():
+                for key, value in moments.items():
+                    if isinstance(value, torch.Tensor):
+                        yield ("optimizer", "state", name, key), name
+
+    def _compare(self, path: tuple, name: str, value: Any, rank: int, where: str) -> None:
+        parts = self.parts[path]
+        if _same_bits(parts[0], value):
+            parts.append(parts[0])
+            return
+        how, source = self._rule(name)
+        if value.dim() == 0:
+            raise CheckpointError(f"{where}: {'/'.join(map(str, path))}: a scalar that differs from "
+                                  "model-parallel rank 0's")
+        if how is None and source is not None:
+            raise CheckpointError(f"{where}: {name!r} is replicated ({source}) but its "
+                                  f"{'/'.join(map(str, path))} differs from model-parallel rank 0's")
+        self.differs.add(self.shared.get(name, name))
+        parts.append(value)
+
+    def _rule(self, name: str) -> tuple:
+        """(how, source): how = dim, None (replicated) or "average"; source None when left to inference."""
+        if name not in self.rules:
+            target = self.shared.get(name, name)
+            self.rules[name] = self._user_rule(name, target) or self._info_rule(target) or (None, None)
+        return self.rules[name]
+
+    def _user_rule(self, name: str, target: str) -> tuple | None:
+        for regex, dim in self.user:
+            if regex.search(name) or regex.search(target):
+                return dim, f"tp_dims {regex.pattern!r}"
+        return None
+
+    def _info_rule(self, name: str) -> tuple | None:
+        for key in _UCI_UNSUPPORTED:
+            if any(re.match(p, name) for p in _patterns(self.info.get(key))):
+                raise CheckpointError(f"{self.folder}: {name!r} has a {key} layout in universal_checkpoint_info, "
+                                      "which this reader does not rebuild: give its split with tp_dims (--tp-dim)")
+        for key, how in _UCI_RULES:
+            if any(re.match(p, name) for p in _patterns(self.info.get(key))):
+                return how, f"universal_checkpoint_info {key}"
+        return None
+
+    def finish(self, notes: list[str]) -> dict:
+        """The merged state; records how each name merged in ``how`` and notes the inferred ones."""
+        inferred: dict[str, list] = {}
+        averaged = []
+        for path, name in self.names.items():
+            how, source = self._rule(name)
+            if source is None:
+                how = 0 if self.shared.get(name, name) in self.differs else None
+                inferred.setdefault("replicated" if how is None else f"concatenated on dim {how}", []).append(name)
+            parts = self.parts[path]
+            if how is None or parts[0].dim() == 0:  # a scalar (Adam's step) is the same on every rank
+                merged = parts[0]
+            elif how == "average":
+                merged = self._average(path, name, parts)
+                if any(p is not parts[0] for p in parts):
+                    averaged.append(name)
+            else:
+                merged = self._concat(path, name, parts, how)
+            _put(self.skeleton, path, merged)
+            self.how[name] = "replicated" if how is None else how
+        fp32 = self.skeleton.get("fp32")
+        for alias, target in self.shared.items():
+            if fp32 is not None and target in fp32:
+                fp32[alias] = fp32[target]
+        if self.stage == 0:
+            self.skeleton["optimizer"] = self.optimizers
+            notes.append("stage 0: the torch optimizer's state is keyed by parameter index, not name: "
+                         "'optimizer' holds one state dict per model-parallel rank")
+        if not all(_same_tree(c, self.client_states[0]) for c in self.client_states):
+            self.skeleton["client_state_by_mp_rank"] = self.client_states
+            notes.append("the client state differs between model-parallel ranks: each rank's is in "
+                         "'client_state_by_mp_rank'")
+        for kind, names in inferred.items():
+            names = list(dict.fromkeys(names))
+            notes.append(f"{self.size} model-parallel ranks: no tp_dims or universal_checkpoint_info rule, "
+                         f"inferred {kind}: {', '.join(names)}")
+        if averaged:
+            notes.append(f"averaged over the model-parallel ranks (universal_checkpoint_info): "
+                         f"{', '.join(dict.fromkeys(averaged))}")
+        return self.skeleton
+
+    def _average(self, path: tuple, name: str, parts: list) -> torch.Tensor:
+        if all(p is parts[0] for p in parts):
+            return parts[0]
+        if not all(isinstance(p, torch.Tensor) and p.is_floating_point() and p.shape == parts[0].shape
+                   and p.dtype == parts[0].dtype for p in parts):
+            raise CheckpointError(f"{self.folder}: {name!r} ({'/'.join(map(str, path))}): cannot average "
+                                  "tensors of different shapes or dtypes over model-parallel ranks")
+        return sum(parts) / len(parts)  # as ds_to_universal does
+
+    def _concat(self, path: tuple, name: str, parts: list, dim: int):
+        shape = list(parts[0].shape)
+        if dim >= len(shape) or any(p.dtype != parts[0].dtype or p.dim() != len(shape) or
+                                    [n for i, n in enumerate(p.shape) if i != dim] !=
+                                    [n for i, n in enumerate(shape) if i != dim] for p in parts):
+            raise CheckpointError(f"{self.folder}: {name!r} ({'/'.join(map(str, path))}): cannot concatenate "
+                                  f"on dim {dim} the model-parallel ranks' {[tuple(p.shape) for p in parts]} "
+                                  f"({', '.join(sorted({str(p.dtype) for p in parts}))})")
+        shards, offset = [], 0
+        for rank, part in enumerate(parts):
+            offsets = [0] * len(shape)
+            offsets[dim] = offset
+            shards.append(Shard(tuple(offsets), part.contiguous(), rank=rank))
+            offset += part.shape[dim]
+        shape[dim] = offset
+        return Sharded(tuple(shape), shards)
+
+
+def _patterns(entry: Any) -> list[str]:
+    """The regexes a universal_checkpoint_info entry names: a list, sub-parameter dicts, or an affine map."""
+    if isinstance(entry, dict):  # affine_map: {"version": ..., "params": {pattern: map}}
+        entry = list(entry.get("params") or {})
+    patterns = []
+    for item in entry if isinstance(entry, list) else []:
+        if isinstance(item, dict):  # parameter_with_sub_params: [{"patterns": [...], "shape": ..., ...}]
+            patterns.extend(p for p in item.get("patterns") or [] if isinstance(p, str))
+        elif isinstance(item, str):
+            patterns.append(item)
+    return patterns
+
+
+def _compile_tp_dims(tp_dims: dict | None) -> list[tuple]:
+    """tp_dims as (compiled regex, dim or None), checked."""
+    rules = []
+    for pattern, dim in (tp_dims or {}).items():
+        if not isinstance(pattern, str) or not (dim is None or (type(dim) is int and dim >= 0)):
+            raise CheckpointError(f"tp_dims: {pattern!r}: {dim!r}: expected a regex and a dimension >= 0 or None "
+                                  "(replicated)")
+        try:
+            rules.append((re.compile(pattern), dim))
+        except re.error as exc:
+            raise CheckpointError(f"tp_dims: {pattern!r} is not a regular expression: {exc}") from None
+    return rules
+
+
+def _at(tree: Any, path: tuple) -> Any:
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def _put(tree: Any, path: tuple, value: Any) -> None:
+    _at(tree, path[:-1])[path[-1]] = value
+
+
+def _same_bits(a: Any, b: Any) -> bool:
+    """Identical tensors, bit for bit (NaNs included), or equal plain values."""
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
+        return _same_tree(a, b)
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+def _same_tree(a: Any, b: Any) -> bool:
+    """Equal values, tensors compared bit for bit."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and _same_bits(a, b)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return list(a) == list(b) and all(_same_tree(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same_tree(x, y) for x, y in zip(a, b))
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and a.dtype == b.dtype \
+            and a.shape == b.shape and a.tobytes() == b.tobytes()
+    return type(a) is type(b) and a == b
