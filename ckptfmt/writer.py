@@ -15,7 +15,7 @@ import time
 import warnings
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import msgpack
 import torch
@@ -133,6 +133,7 @@ def save(
     workers: int | None = None,
     rng: list[dict] | None = None,
     provenance: dict | None = None,
+    before_commit: Callable[[], None] | None = None,
 ) -> str:
     """Save ``state`` (nested dicts/lists/tuples of tensors and plain values) as checkpoint ``url``.
 
@@ -145,8 +146,16 @@ def save(
     the run's layout (e.g. ``{"dp": 8, "tp": 2}``). Converters pass ``rng``
     (entries recorded by another tool, replacing this process's states) and
     ``provenance`` (where an imported checkpoint came from).
+
+    ``before_commit`` is called once every chunk is durable, just before the
+    manifest and commit record are written; if it raises, the save stops there
+    and the exception propagates, leaving no checkpoint (only orphan chunks,
+    spec 11.6). Converters use it to finish checking their source while the
+    chunks are written, instead of before.
     """
     step = _check_arguments(step, chunk_size, compression, step_times, parallelism, rng, provenance)
+    if before_commit is not None and not callable(before_commit):
+        raise TypeError("before_commit must be a callable or None")
     timer = PhaseTimer()
     repo_url, name = split_checkpoint_url(url)
     rank, _ = current_rank()
@@ -196,6 +205,8 @@ def save(
         timing={"ranks": [timer.record(rank)], "steps": list(step_times or [])},
         stats=stats, provenance=provenance,
     )
+    if before_commit is not None:
+        before_commit()
     _commit(repo, manifest)
     return repo.storage.describe(name)
 
