@@ -3,6 +3,8 @@
     DS_ACCELERATOR=cpu torchrun --nproc_per_node N tests/deepspeed_roundtrip.py save OUT NAME:STAGE:DTYPE ...
     DS_ACCELERATOR=cpu torchrun --nproc_per_node N tests/deepspeed_roundtrip.py load OUT DIR:STAGE:DTYPE ...
 
+DTYPE is fp32, bf16 or fp32-elastic (ZeRO's elastic_checkpoint layout).
+
 ``save`` trains the model 3 steps per configuration and saves OUT/NAME (a DeepSpeed
 checkpoint folder); ``load`` builds a fresh engine for that stage and dtype on N ranks,
 calls DeepSpeed's own ``load_checkpoint(OUT/DIR)``, then trains one more step. Both write
@@ -45,7 +47,7 @@ def engine_for(stage: int, dtype: str):
         "train_micro_batch_size_per_gpu": 2,
         "gradient_accumulation_steps": 1,
         "gradient_clipping": 1.0,
-        "zero_optimization": {"stage": stage},
+        "zero_optimization": {"stage": stage, "elastic_checkpoint": dtype == "fp32-elastic"},
         "bf16": {"enabled": dtype == "bf16"},
         "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.01,
                                                      "warmup_num_steps": 10}},
