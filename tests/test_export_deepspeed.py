@@ -33,7 +33,7 @@ from ckptfmt import CheckpointError
 
 HERE = Path(__file__).resolve().parent
 SAVED = {"z1-fp32": (1, "fp32"), "z2-bf16": (2, "bf16"), "z3-fp32": (3, "fp32"), "z3-bf16": (3, "bf16"),
-         "z2-elastic": (2, "fp32-elastic")}
+         "z2-elastic": (2, "fp32-elastic"), "z2-fp16": (2, "fp16")}
 #: export name -> (source, world size, stage, dtype the loading run uses)
 EXPORTS = {
     "z1-fp32-to-3": ("z1-fp32", 3, 1, "fp32"),
@@ -45,6 +45,7 @@ EXPORTS = {
     "z2-bf16-to-2": ("z2-bf16", 2, 2, "bf16"),
     "z3-bf16-to-1-stage2": ("z3-bf16", 1, 2, "bf16"),
     "z2-elastic-to-3": ("z2-elastic", 3, 2, "fp32-elastic"),  # no param_groups recorded: the elastic layout
+    "z2-fp16-to-3-stage3": ("z2-fp16", 3, 3, "fp16"),  # fp16 weights and DeepSpeed's dynamic loss scaler
 }
 
 
@@ -132,6 +133,22 @@ def test_zero_to_fp32_reads_the_export(runs, name):
         assert_bits(consolidated[key], tensor, key)
         if stage >= 2 or not key.startswith("frozen."):  # stage-1 files hold no frozen fragments
             assert_bits(rebuilt[key], tensor, key)
+
+
+def test_fp16_import_is_bit_identical(runs):
+    """fp16 (DynamicLossScaler, no file prefix): the import equals zero_to_fp32 and the live engine."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        reference = get_fp32_state_dict_from_zero_checkpoint(str(runs / "z2-fp16"))
+    imported = read_source(str(runs / "z2-fp16")).state
+    saved = state(runs, "z2-fp16")
+    assert imported["module"]["first.weight"].dtype == torch.float16
+    for key, tensor in reference.items():
+        assert_bits(imported["fp32"][key], tensor, key)
+    for param in saved["fp32"]:
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert_bits(imported["optimizer"]["state"][param][key], saved[key][param], f"{param}/{key}")
 
 
 def test_reimport_of_the_export_is_the_same_checkpoint(runs):
