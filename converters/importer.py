@@ -4,8 +4,12 @@ A source kind is a module with ``detect(path) -> bool`` and ``read(path) -> Impo
 ``import_checkpoint`` picks the kind (``kind=`` or the first whose ``detect`` says yes),
 reads the source into an ``Imported`` (its value tree, step, RNG states, versions, what
 was kept opaque), then ``ckptfmt.save``s it with a ``provenance`` record (spec 9.6).
-Reading happens entirely before the save, and the save commits last, so a source that is
-unknown, truncated or inconsistent raises ``CheckpointError`` and leaves no checkpoint.
+A kind may also provide ``read_deferred(path) -> Imported`` that returns with checks of
+the source still running (``Imported.pending``, e.g. the torch reader's CRC-32s):
+``import_checkpoint`` then saves while they run and waits for them just before the
+commit (``ckptfmt.save(before_commit=)``). Everything else is read before the save, and
+the save commits last, so a source that is unknown, truncated, inconsistent or damaged
+raises ``CheckpointError`` and leaves no checkpoint.
 """
 
 from __future__ import annotations
@@ -15,7 +19,8 @@ import inspect
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from types import ModuleType
+from typing import Any, Callable, Protocol
 
 import numpy as np
 import torch
@@ -23,6 +28,16 @@ import torch
 import ckptfmt
 from ckptfmt.errors import CheckpointError, CheckpointNotFoundError
 from ckptfmt.timing import PhaseTimer
+
+
+class PendingCheck(Protocol):
+    """Checks of a source that a reader left running in the background."""
+
+    def wait(self) -> None:
+        """Block until they are done; raise CheckpointError naming what is damaged."""
+
+    def cancel(self) -> None:
+        """Give up on them: the import failed for another reason."""
 
 
 @dataclass
@@ -37,6 +52,7 @@ class Imported:
     versions: dict = field(default_factory=dict)   # tool versions found in the files
     opaque: list[str] = field(default_factory=list)  # paths of values kept as OpaqueObject
     notes: list[str] = field(default_factory=list)
+    pending: PendingCheck | None = None  # set only by read_deferred(): wait before trusting the source
 
 
 @dataclass
@@ -85,14 +101,18 @@ SOURCES: dict[str, str] = {
 
 def source(kind: str) -> tuple[Detect, Read] | None:
     """(detect, read) of a source kind; None when its module is not available."""
+    module = _module(kind)
+    return None if module is None else (module.detect, module.read)
+
+
+def _module(kind: str) -> ModuleType | None:
     module_name = SOURCES[kind]
     try:
-        module = importlib.import_module(f"{__package__}.{module_name}")
+        return importlib.import_module(f"{__package__}.{module_name}")
     except ModuleNotFoundError as exc:
         if exc.name == f"{__package__}.{module_name}":
             return None
         raise
-    return module.detect, module.read
 
 
 def available_kinds() -> list[str]:
@@ -111,10 +131,15 @@ def detect_kind(path: str) -> str:
 
 
 def read_source(src: str | os.PathLike, kind: str | None = None, options: dict | None = None) -> Imported:
-    """Read ``src`` (a local file) without saving anything.
+    """Read ``src`` (a local file) without saving anything; every check of the source has run.
 
     ``options`` go to the kind's reader as keyword arguments (deepspeed: ``tp_dims``).
     """
+    return _read(src, kind, deferred=False, options=options)
+
+
+def _read(src: str | os.PathLike, kind: str | None, deferred: bool, options: dict | None = None) -> Imported:
+    """Read ``src``; with ``deferred``, through the kind's read_deferred() where it has one."""
     path = os.fspath(src)
     if not os.path.exists(path):
         raise CheckpointNotFoundError(f"{path}: no such file")
@@ -122,15 +147,16 @@ def read_source(src: str | os.PathLike, kind: str | None = None, options: dict |
         kind = detect_kind(path)
     elif kind not in SOURCES:
         raise CheckpointError(f"unknown source kind {kind!r}: choose from {', '.join(SOURCES)}")
-    found = source(kind)
-    if found is None:
+    module = _module(kind)
+    if module is None:
         raise CheckpointError(f"the {kind} importer is not available in this installation")
+    read = getattr(module, "read_deferred", module.read) if deferred else module.read
     options = options or {}
-    unknown = sorted(set(options) - set(inspect.signature(found[1]).parameters))
+    unknown = sorted(set(options) - set(inspect.signature(read).parameters))
     if unknown:
         raise CheckpointError(f"the {kind} importer takes no option {', '.join(unknown)}")
     try:
-        imported = found[1](path, **options)
+        imported = read(path, **options)
     except CheckpointError:
         raise
     except (OSError, ValueError, TypeError, KeyError, IndexError, EOFError, RuntimeError) as exc:
@@ -154,7 +180,24 @@ def import_checkpoint(src: str | os.PathLike, dest: str | os.PathLike, *, kind: 
     timer = PhaseTimer()
     path = os.fspath(src)
     with timer.phase("read"):
-        imported = read_source(path, kind, options)
+        imported = _read(path, kind, deferred=True, options=options)
+    try:
+        url = _save(imported, path, dest, timer, storage_options, step)
+    except BaseException:
+        if imported.pending is not None:
+            imported.pending.cancel()
+        raise
+    with ckptfmt.open(url, storage_options=storage_options) as reader:
+        tensors = reader.manifest.stats.get("tensor_count", 0)
+    notes = list(imported.notes)
+    if imported.rng is None:
+        notes.append("the source holds no RNG states in a known form: none recorded (restore_rng will refuse)")
+    return ImportResult(url, imported.kind, tensors, list(imported.opaque), notes, time.perf_counter() - started)
+
+
+def _save(imported: Imported, path: str, dest: str | os.PathLike, timer: PhaseTimer, storage_options: dict | None,
+          step: int | None) -> str:
+    """ckptfmt.save of ``imported`` with its provenance; pending checks must pass before the commit."""
     if isinstance(imported.state, (torch.Tensor, np.ndarray)):  # torch.save(tensor): a key is needed
         imported.state = {"tensor": imported.state}
         imported.notes.append("the source holds a bare tensor: stored under the key 'tensor'")
@@ -166,19 +209,14 @@ def import_checkpoint(src: str | os.PathLike, dest: str | os.PathLike, *, kind: 
         # The save's own phases are in the manifest's `timing`; this is what came before it.
         "timing": list(timer.phases),
     }
-    url = ckptfmt.save(
+    return ckptfmt.save(
         imported.state, dest, step=step if step is not None else imported.step,
         metadata=imported.metadata, storage_options=storage_options,
         # [] rather than None: never record this importing process's generators as the run's.
         rng=imported.rng if imported.rng is not None else [],
         provenance=provenance,
+        before_commit=None if imported.pending is None else imported.pending.wait,
     )
-    with ckptfmt.open(url, storage_options=storage_options) as reader:
-        tensors = reader.manifest.stats.get("tensor_count", 0)
-    notes = list(imported.notes)
-    if imported.rng is None:
-        notes.append("the source holds no RNG states in a known form: none recorded (restore_rng will refuse)")
-    return ImportResult(url, imported.kind, tensors, list(imported.opaque), notes, time.perf_counter() - started)
 
 
 __all__ = ["ImportResult", "Imported", "SOURCES", "available_kinds", "detect_kind", "import_checkpoint",

@@ -6,7 +6,8 @@ Both formats torch.save writes are read directly:
   ``('storage', storage class, key, location, numel)``), ``ARCHIVE/data/KEY`` (each storage's
   raw bytes, stored uncompressed), ``ARCHIVE/byteorder`` and ``ARCHIVE/version``. Storage
   records are memory-mapped (copy-on-write, so the tensors are writable but the file never
-  changes) and their zip CRC-32 checked before anything is saved.
+  changes) and their zip CRC-32 checked on threads: before ``read`` returns, or, through
+  ``read_deferred``, while ``import_checkpoint`` saves (before it commits).
 - **legacy** (``_use_new_zipfile_serialization=False``): pickles of the magic number, the
   protocol version (1001) and sys_info, then the main pickle (persistent ids
   ``('storage', class, key, location, numel, view_metadata)``), then the sorted storage
@@ -68,20 +69,38 @@ def detect(path: str) -> bool:
 
 
 def read(path: str) -> Imported:
-    """Read a torch.save file as an import (raises CheckpointError naming the file)."""
+    """Read a torch.save file as an import, every check done (raises CheckpointError naming the file)."""
+    imported = read_deferred(path)
+    if imported.pending is not None:
+        imported.pending.wait()
+        imported.pending = None
+    return imported
+
+
+def read_deferred(path: str) -> Imported:
+    """``read``, but with the storages' CRC-32 checks still running in ``pending``.
+
+    ``import_checkpoint`` waits for them just before its save commits, so the
+    check and the save read the (cold) file once, together.
+    """
     path = os.fspath(path)
     buffer = _map(path)
     notes: set[str] = set()
+    check = None
     try:
         if bytes(buffer[:4]) == _ZIP_MAGIC:
-            obj, versions = _read_zip(buffer, path, path, 0, notes)
+            obj, versions, check = _read_zip(buffer, path, path, 0, notes)
         else:
             obj, versions = _read_legacy(buffer, path, 0, notes)
         converted = to_value_tree(obj, path, notes)
-    except PickleError as exc:
-        raise CheckpointError(f"{path}: {exc}") from None
+    except BaseException as exc:
+        if check is not None:
+            check.cancel()
+        if isinstance(exc, PickleError):
+            raise CheckpointError(f"{path}: {exc}") from None
+        raise
     imported = Imported(state=converted.value, kind="torch", versions=versions,
-                        opaque=converted.opaque, notes=list(converted.notes))
+                        opaque=converted.opaque, notes=list(converted.notes), pending=check)
     note_opaque_and_step(imported, converted.opaque)
     return imported
 
@@ -91,7 +110,9 @@ def load_object(data: bytes, where: str, *, depth: int = 0, notes: set | None = 
     notes = notes if notes is not None else set()
     buffer = memoryview(bytearray(data))  # writable, so tensors over it are too
     if data[:4] == _ZIP_MAGIC:
-        return _read_zip(buffer, io.BytesIO(data), where, depth, notes)[0]
+        obj, _, check = _read_zip(buffer, io.BytesIO(data), where, depth, notes)
+        check.wait()
+        return obj
     return _read_legacy(buffer, where, depth, notes)[0]
 
 
@@ -150,7 +171,8 @@ def _note_locations(storages: _Storages, notes: set) -> None:
         notes.add(f"storages saved on {', '.join(moved)} were imported to CPU")
 
 
-def _read_zip(buffer: memoryview, file, where: str, depth: int, notes: set) -> tuple[Any, dict]:
+def _read_zip(buffer: memoryview, file, where: str, depth: int, notes: set) -> tuple[Any, dict, _CrcCheck]:
+    """The archive's object, versions, and the CRC-32 check of its storages, started (wait on it)."""
     try:
         zf = zipfile.ZipFile(file)
     except (zipfile.BadZipFile, OSError, ValueError, EOFError) as exc:
@@ -205,9 +227,8 @@ def _read_zip(buffer: memoryview, file, where: str, depth: int, notes: set) -> t
                                       depth=depth, notes=notes).load_checked()
         except PickleError as exc:
             raise CheckpointError(f"{where}: {prefix}data.pkl: {exc}") from None
-        _check_crcs(used, where)
         _note_locations(storages, notes)
-    return obj, versions
+    return obj, versions, _CrcCheck(used, where)
 
 
 def _member_view(buffer: memoryview, zf: zipfile.ZipFile, info: zipfile.ZipInfo, where: str) -> memoryview:
@@ -229,26 +250,45 @@ def _member_view(buffer: memoryview, zf: zipfile.ZipFile, info: zipfile.ZipInfo,
     return buffer[begin:end]
 
 
-def _check_crcs(used: list[tuple[Storage, zipfile.ZipInfo]], where: str) -> None:
-    """Check every stored record's CRC-32 before anything is saved, records in parallel.
+class _CrcCheck:
+    """The CRC-32 check of every stored storage record, running on threads from construction.
 
     zlib releases the GIL, and cold reads overlap: one thread per core plus a few
-    more to keep the disk busy (a serial pass cost ~0.5x of a whole import).
+    more to keep the disk busy (a serial pass before the save cost ~0.5x of a whole
+    import; run beside it, it also pulls the pages in ahead of the save).
     """
-    stored = [(storage, info) for storage, info in used if info.compress_type == zipfile.ZIP_STORED]
-    with ThreadPoolExecutor(max_workers=8, thread_name_prefix="ckptfmt-crc") as pool:
-        crcs = list(pool.map(lambda item: _crc32(item[0].data), stored))
-    for (_, info), crc in zip(stored, crcs):
-        if crc != info.CRC:
-            raise CheckpointError(f"{where}: storage record {info.filename} is damaged (CRC-32 mismatch)")
 
+    WORKERS = 8
+    STEP = 64 << 20
 
-def _crc32(view: memoryview) -> int:
-    crc = 0
-    step = 64 << 20
-    for start in range(0, len(view), step):
-        crc = zlib.crc32(view[start:start + step], crc)
-    return crc
+    def __init__(self, used: list[tuple[Storage, zipfile.ZipInfo]], where: str):
+        self.where = where
+        self.stored = [(storage, info) for storage, info in used if info.compress_type == zipfile.ZIP_STORED]
+        self.cancelled = False
+        pool = ThreadPoolExecutor(max_workers=self.WORKERS, thread_name_prefix="ckptfmt-crc")
+        self.futures = [pool.submit(self._crc32, storage.data) for storage, _ in self.stored]
+        pool.shutdown(wait=False)  # its threads end once the records are done
+
+    def wait(self) -> None:
+        """Block until every record is checked; CheckpointError names the first damaged one."""
+        for (_, info), future in zip(self.stored, self.futures):
+            if future.result() != info.CRC:
+                self.cancel()
+                raise CheckpointError(f"{self.where}: storage record {info.filename} is damaged (CRC-32 mismatch)")
+
+    def cancel(self) -> None:
+        """Stop checking: the import failed already; records being read stop at their next step."""
+        self.cancelled = True
+        for future in self.futures:
+            future.cancel()
+
+    def _crc32(self, view: memoryview) -> int | None:
+        crc = 0
+        for start in range(0, len(view), self.STEP):
+            if self.cancelled:
+                return None
+            crc = zlib.crc32(view[start:start + self.STEP], crc)
+        return crc
 
 
 def _read_legacy(buffer: memoryview, where: str, depth: int, notes: set) -> tuple[Any, dict]:

@@ -253,6 +253,53 @@ def test_damaged_sources_fail_naming_the_file_and_commit_nothing(tmp_path):
         assert not repo.exists() or ckptfmt.Repository.open(repo).names() == [], name
 
 
+def _storage_damaged_late(tmp_path) -> str:
+    """A zip torch file whose last storage record fails its CRC-32 (the others are intact)."""
+    src = write({f"w{i}": torch.full((4096,), float(i)) for i in range(8)}, tmp_path / "late.pt", "zip")
+    with zipfile.ZipFile(src) as zf:
+        last = max((i for i in zf.infolist() if "/data/" in i.filename), key=lambda i: i.header_offset)
+    _damage(src, _data_offset(src, last) + 100, b"\x01\x02\x03")
+    return src
+
+
+def test_a_damaged_storage_found_while_saving_commits_nothing(tmp_path, monkeypatch):
+    """The CRC-32 check overlaps the save: its failure stops the save after the chunks, before the commit."""
+    src = _storage_damaged_late(tmp_path)
+    calls = []
+    real_save = ckptfmt.save
+
+    def spy(*args, before_commit=None, **kwargs):
+        calls.append(before_commit)
+        return real_save(*args, before_commit=before_commit, **kwargs)
+
+    monkeypatch.setattr(ckptfmt, "save", spy)
+    repo = tmp_path / "repo"
+    with pytest.raises(CheckpointError, match=r"late\.pt: storage record late/data/\d+ is damaged"):
+        import_checkpoint(src, repo / "x")
+    assert calls and calls[0] is not None  # the check really ran as the save's hook
+    assert any((repo / "chunks").rglob("*"))  # the chunks were written meanwhile ...
+    assert ckptfmt.Repository.open(repo).names() == []  # ... but never committed
+    with pytest.raises(CheckpointError, match="damaged"):  # read_source (and the readers built on
+        read_source(src)                                     # torch_format.read) check before returning
+
+
+def test_save_commits_only_after_before_commit_returns(tmp_path):
+    seen = []
+
+    def refuse():
+        seen.append(sorted(p.name for p in (tmp_path / "repo").rglob("*") if p.is_file()))
+        raise CheckpointError("refused")
+
+    with pytest.raises(CheckpointError, match="refused"):
+        ckptfmt.save({"w": torch.ones(1000)}, tmp_path / "repo" / "a", before_commit=refuse)
+    assert seen and seen[0]  # chunks were durable when it ran
+    assert ckptfmt.Repository.open(tmp_path / "repo").names() == []
+    url = ckptfmt.save({"w": torch.ones(1000)}, tmp_path / "repo" / "a", before_commit=lambda: None)
+    assert torch.equal(ckptfmt.load(url)["w"], torch.ones(1000))
+    with pytest.raises(TypeError, match="before_commit"):
+        ckptfmt.save({"w": torch.ones(1)}, tmp_path / "repo" / "b", before_commit="no")
+
+
 def test_absurd_storage_sizes_are_refused(tmp_path):
     class Ref:
         def __init__(self, numel):
