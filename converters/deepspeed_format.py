@@ -24,15 +24,22 @@ optimizer's per-element state (Adam's ``exp_avg``, ``exp_avg_sq``, ...) the same
 parameter name. Stage 1/2: each group's partitions, concatenated over ranks, are the group's
 parameters back to back (plus ``param_alignment_paddings``); stage 3: each parameter is split
 in ``ceil(numel / world)`` pieces, one per rank, the last padded. Files are read one rank at a
-time with ``torch_format.read`` (never ``torch.load``); each rank's pieces are copied into the
-result and its files released before the next rank's. The model-parallel ranks' results are
-then merged per name (``_TpMerge``): replicated tensors once, split ones as a
-``ckptfmt.Sharded`` with one shard per model-parallel rank; ``metadata["deepspeed"]["tp_merge"]``
+time with ``torch_format.read`` (never ``torch.load``), which maps them copy-on-write: the
+values are views of the ranks' mapped partitions, never copies of them (``_join``), so an
+import holds the files as reclaimable page cache, not as memory of its own (except stage 3's
+``fp32_flat_groups``: DeepSpeed pickles them with attributes, which the reader keeps opaque, with
+a copy of their bytes, so the fp32 weights take memory once). A parameter inside
+one rank's partition is a view; one split over ranks is a ``ckptfmt.Sharded`` of row ranges, one
+per rank (owner: data-parallel rank * mp_world_size + model-parallel rank), a row cut by a
+split copied as a shard of its own; a split 1-d parameter is copied. ``ckptfmt.save`` keeps
+the shards, ``ckptfmt.load`` assembles them. The model-parallel ranks' results are then merged
+per name (``_TpMerge``): replicated tensors once, split ones as a ``ckptfmt.Sharded`` of the
+model-parallel ranks' parts (their own shards, moved); ``metadata["deepspeed"]["tp_merge"]``
 records how each name merged. Pipeline-parallel and mixture-of-experts folders are refused.
 
 The imported state::
 
-    {"module": ..., "fp32": {name: tensor}, "optimizer": {"state": {name: {...}}, "param_groups": [...]},
+    {"module": ..., "fp32": {name: tensor or Sharded}, "optimizer": {"state": {name: {...}}, "param_groups": [...]},
      "lr_scheduler": ..., "client_state": {...}, "global_step": N, "deepspeed": {...}}
 """
 
@@ -42,6 +49,7 @@ import math
 import os
 import re
 from collections import OrderedDict
+from itertools import pairwise
 from typing import Any
 
 import numpy as np
@@ -252,7 +260,7 @@ def _read_mp_rank(folder: str, files: _Files, mp: int, model: dict, dp: int, opa
     else:
         optims = {d: n for (d, m), n in files.optims.items() if m == mp}
         zero3 = {d: n for (d, m), n in files.zero3.items() if m == mp}
-        builder = _Rebuild(folder, files.main(mp), model, dp, optims, zero3, opaque, notes)
+        builder = _Rebuild(folder, files.main(mp), model, dp, mp, optims, zero3, opaque, notes)
         stage = builder.run()
         state["fp32"] = builder.fp32
         state["optimizer"] = {"state": builder.moments, "param_groups": builder.param_groups}
@@ -323,13 +331,18 @@ def _numel(shape: Any, where: str) -> int:
 
 
 class _Rebuild:
-    """Whole parameters (fp32 and optimizer state) from the ranks' flat partitions, one rank at a time."""
+    """Each parameter's fp32 weight and optimizer state as views of the ranks' mapped flat partitions.
 
-    def __init__(self, folder, main, model, dp, optims, zero3_models, opaque, notes):
+    The ranks' files are read one at a time; each parameter's pieces in them are noted as
+    views (never copied), then joined per parameter by ``_join``.
+    """
+
+    def __init__(self, folder, main, model, dp, mp, optims, zero3_models, opaque, notes):
         self.folder, self.model, self.dp = folder, model, dp
+        self.mp, self.mp_size = mp, model.get("mp_world_size", 1)
         self.optims, self.zero3_models = optims, zero3_models
         self.opaque, self.notes = opaque, notes
-        self.fp32: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self.fp32: OrderedDict[str, torch.Tensor | Sharded] = OrderedDict()
         self.moments: dict[str, dict] = {}
         self.param_groups: list = []
         self.extras: dict = {}
@@ -348,7 +361,6 @@ class _Rebuild:
             if name in buffer_names and isinstance(value, torch.Tensor):
                 self.fp32[name] = value.float() if value.is_floating_point() else value
         stage = None
-        frozen_parts: dict[str, list] = {}
         for rank in range(self.dp):
             name = self.optims[rank]
             where = os.path.join(self.folder, name)
@@ -367,18 +379,24 @@ class _Rebuild:
                 if self.frozen:
                     rank_model = model if rank == 0 else _read_file(
                         self.folder, self.zero3_models[rank], "", self.opaque, self.notes)
-                    fragments = rank_model.get("frozen_param_fragments") or {}
-                    for fname in self.frozen:
-                        if fname not in fragments:
-                            raise CheckpointError(f"{os.path.join(self.folder, self.zero3_models[rank])}: "
-                                                  f"no frozen fragment of {fname!r}")
-                        frozen_parts.setdefault(fname, []).append(_tensor(fragments[fname], where).clone())
+                    self._frozen3(rank, rank_model.get("frozen_param_fragments") or {})
                     del rank_model
             else:
                 self._rank12(rank, osd, where)
             del sd, osd
-        self._finish(stage, frozen_parts)
+        self._finish(stage)
         return stage
+
+    def _owner(self, rank: int) -> int:
+        """A shard's owning rank: data-parallel rank ``rank`` of this model-parallel rank (Megatron's order)."""
+        return rank * self.mp_size + self.mp
+
+    def _add(self, key: str, name: str, start: int, flat: torch.Tensor, rank: int) -> None:
+        """Note ``flat`` (a view) as elements [start, start + len) of parameter ``name``'s ``key``."""
+        self.pieces.setdefault((key, name), []).append((start, flat, self._owner(rank)))
+        self.dtypes.setdefault(key, flat.dtype)
+        if key:
+            self.elem_keys.setdefault(key)
 
     def _stage(self, osd: dict, where: str) -> int:
         value = osd.get("zero_stage")
@@ -435,9 +453,10 @@ class _Rebuild:
                                           f"param_shapes has {len(self.groups)}")
                 group["params"] = [n for m in members for n, _, _ in self.groups[m]]
                 self.param_groups.append(group)
-        self.filled: dict[str, int] = {}
-        self.scalars: dict[str, dict] = {}
-        self.elem_keys: set[str] = set()
+        # (key, name) -> [(start, flat view, owning rank)]: key "" is the fp32 weight, else a moment
+        self.pieces: dict[tuple[str, str], list] = {}
+        self.dtypes: dict[str, torch.dtype] = {}
+        self.elem_keys: dict[str, None] = {}   # per-element state keys, in the files' order
         self.group_scalars: dict[int, dict] = {}
         if stage != 3:
             step = osd.get("base_optimizer_state_step")
@@ -470,38 +489,22 @@ class _Rebuild:
             part = _tensor(parts[g], f"{where}: single_partition_of_fp32_groups[{g}]").reshape(-1)
             start, length = self.offsets[g], part.numel()
             gstate = base.get(g, {}) if isinstance(base, dict) else {}
-            self._scatter(params, self.layout[g][0], start, length, {"": part}, gstate, g, where)
+            self._scatter(params, self.layout[g][0], start, length, {"": part}, gstate, g, rank)
             self.offsets[g] += length
 
-    def _scatter(self, params, spans, start, length, master, gstate, g, where):
-        """Copy the flat range [start, start+length) of group g into each parameter it overlaps."""
+    def _scatter(self, params, spans, start, length, master, gstate, g, rank):
+        """Note rank ``rank``'s flat range [start, start+length) of group g in each parameter it overlaps."""
         elem = {}
         for key, value in (gstate or {}).items():
             if isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() >= length and key != "step":
                 elem[key] = value.reshape(-1)[:length]
             elif g not in self.group_scalars or key not in self.group_scalars[g]:
-                # a copy: a view would keep the rank's whole mapped file alive
                 self.group_scalars.setdefault(g, {})[key] = value.clone() if isinstance(value, torch.Tensor) else value
         for key, flat in list(master.items()) + list(elem.items()):
-            self._copy(params, spans, start, length, key, flat)
-
-    def _copy(self, params, spans, start, length, key, flat):
-        for (name, shape, numel), begin in zip(params, spans):
-            lo, hi = max(begin, start), min(begin + numel, start + length)
-            if lo >= hi:
-                continue
-            target = self._target(name, shape, numel, key, flat.dtype)
-            target[lo - begin:hi - begin] = flat[lo - start:hi - start]
-            self.filled[f"{key}\0{name}"] = self.filled.get(f"{key}\0{name}", 0) + (hi - lo)
-
-    def _target(self, name, shape, numel, key, dtype) -> torch.Tensor:
-        store = self.fp32 if key == "" else self.moments.setdefault(name, {})
-        slot = name if key == "" else key
-        if slot not in store:
-            store[slot] = torch.empty(numel, dtype=dtype)
-            if key:
-                self.elem_keys.add(key)
-        return store[slot]
+            for (name, _, numel), begin in zip(params, spans):
+                lo, hi = max(begin, start), min(begin + numel, start + length)
+                if lo < hi:
+                    self._add(key, name, lo - begin, flat[lo - start:hi - start], rank)
 
     # ---------------------------------------------------------------- stage 3
 
@@ -529,7 +532,7 @@ class _Rebuild:
             starts.append(starts[-1] + flat.numel())
         params = [p for g in self.groups for p in g]
         offset = 0
-        for name, shape, numel in params:
+        for name, _, numel in params:
             piece = math.ceil(numel / self.dp)
             lo = rank * piece
             take = max(0, min(piece, numel - lo))
@@ -537,14 +540,10 @@ class _Rebuild:
                 raise CheckpointError(f"{where}: the flat partitions hold {starts[-1]} elements, "
                                       f"parameter {name!r} needs {offset + take}")
             for key, parts in sources.items():
-                target = self._target(name, shape, numel, key, parts[0].dtype)
-                done = 0
                 for i, part in enumerate(parts):  # the groups [offset, offset + take) falls in
                     a, b = max(offset, starts[i]), min(offset + take, starts[i + 1])
                     if a < b:
-                        target[lo + a - offset:lo + b - offset] = part[a - starts[i]:b - starts[i]]
-                        done += b - a
-                self.filled[f"{key}\0{name}"] = self.filled.get(f"{key}\0{name}", 0) + done
+                        self._add(key, name, lo + a - offset, part[a - starts[i]:b - starts[i]], rank)
             offset += piece
         if offset != starts[-1]:
             raise CheckpointError(f"{where}: consumed {offset} of the partitions' {starts[-1]} elements: "
@@ -552,7 +551,21 @@ class _Rebuild:
 
     # ---------------------------------------------------------------- assembly
 
-    def _finish(self, stage: int, frozen_parts: dict) -> None:
+    def _frozen3(self, rank: int, fragments: dict) -> None:
+        """Note stage-3 rank ``rank``'s piece of each frozen parameter (its valid prefix: the last is padded)."""
+        where = os.path.join(self.folder, self.zero3_models[rank])
+        for name in self.frozen:
+            if name not in fragments:
+                raise CheckpointError(f"{where}: no frozen fragment of {name!r}")
+            flat = _tensor(fragments[name], where).reshape(-1)
+            start = sum(piece.numel() for _, piece, _ in self.pieces.get(("", name), []))
+            take = max(0, min(flat.numel(), math.prod(self._frozen_shapes[name]) - start))
+            if take:
+                self._add("", name, start, flat[:take], rank)
+
+    # ---------------------------------------------------------------- assembly
+
+    def _finish(self, stage: int) -> None:
         if stage != 3:
             align = 2 * self.dp
             for g, (spans, end) in enumerate(self.layout):
@@ -560,24 +573,22 @@ class _Rebuild:
                     raise CheckpointError(f"{self.folder}: group {g}: the parameters need {end} elements, the "
                                           f"partitions hold {self.offsets[g]}: param_shapes do not match")
         params = [p for g in self.groups for p in g]
-        for name, shape, numel in params:
+        for name, shape, _ in params:
             for key in [""] + sorted(self.elem_keys):
-                if self.filled.get(f"{key}\0{name}", 0) != numel:
-                    raise CheckpointError(f"{self.folder}: {name!r}{' ' + key if key else ''}: the partitions "
-                                          f"cover {self.filled.get(f'{key}{chr(0)}{name}', 0)} of {numel} elements")
+                self._check_covered(key, name, shape)
         # zero_to_fp32's order: buffers, frozen parameters, trainable parameters, shared parameters
-        trainable = OrderedDict((name, self.fp32.pop(name).view(shape)) for name, shape, _ in params)
         if stage == 3:
             for name in self.frozen:
-                shape = self._frozen_shapes[name]
-                self.fp32[name] = torch.cat(frozen_parts[name], 0).narrow(0, 0, math.prod(shape)).view(shape)
+                self._check_covered("", name, self._frozen_shapes[name])
+                self.fp32[name] = self._value("", name, self._frozen_shapes[name])
         else:
             fragments = self.model.get("frozen_param_fragments") or {}
             for name, shape, _ in self.frozen:
                 if name not in fragments:
                     raise CheckpointError(f"{self.main}: no frozen fragment of {name!r}")
                 self.fp32[name] = _tensor(fragments[name], f"{self.main}: frozen_param_fragments")
-        self.fp32.update(trainable)
+        for name, shape, _ in params:
+            self.fp32[name] = self._value("", name, shape)
         for alias, target in (self.model.get("shared_params") or {}).items():
             if target in self.fp32:
                 self.fp32[alias] = self.fp32[target]
@@ -586,13 +597,53 @@ class _Rebuild:
             for name, _, _ in group:
                 group_of[name] = g
         for name, shape, _ in params:
-            moments = self.moments.setdefault(name, {})
-            for key in list(moments):
-                moments[key] = moments[key].view(shape)
+            moments = self.moments[name] = {key: self._value(key, name, shape) for key in self.elem_keys}
             scalars = self.group_scalars.get(group_of[name], {})
             scalars = {**scalars, **self.group_scalars.get(-1, {})}
             for key, value in scalars.items():
                 moments[key] = value.clone() if isinstance(value, torch.Tensor) else value
+
+    def _check_covered(self, key: str, name: str, shape: tuple) -> None:
+        got = sum(flat.numel() for _, flat, _ in self.pieces.get((key, name), []))
+        if got != math.prod(shape):
+            raise CheckpointError(f"{self.folder}: {name!r}{' ' + key if key else ''}: the partitions "
+                                  f"cover {got} of {math.prod(shape)} elements")
+
+    def _value(self, key: str, name: str, shape: tuple) -> torch.Tensor | Sharded:
+        """Parameter ``name``'s ``key`` ("": fp32 weight) from its pieces, which are then let go."""
+        return _join(shape, self.pieces.pop((key, name), []), self.dtypes.get(key, torch.float32))
+
+
+def _join(shape: tuple, pieces: list, dtype: torch.dtype) -> torch.Tensor | Sharded:
+    """A tensor from its flat pieces [(start, view, owning rank)], in order, which cover it exactly.
+
+    Copies as little as the pieces allow, so an import holds one rank's files (mapped) plus
+    small copies: one piece is that view, reshaped; a split tensor of 2+ dimensions is a
+    ``Sharded`` of row ranges, each a view of its rank's partition, a row that a split cuts
+    copied as a shard of its own; other split tensors (1-d: biases, norms) are copied whole.
+    """
+    if len(pieces) == 1:
+        return pieces[0][1].view(shape)
+    if not pieces:  # no elements
+        return torch.empty(shape, dtype=dtype)
+    if len(shape) < 2:
+        return torch.cat([flat for _, flat, _ in pieces]).view(shape)
+    row = math.prod(shape[1:])
+    shards = [_cut_row(pieces, r, row, shape) for r in sorted({s // row for s, _, _ in pieces[1:] if s % row})]
+    for start, flat, rank in pieces:
+        first, end = -(-start // row), (start + flat.numel()) // row
+        if first < end:
+            view = flat[first * row - start:end * row - start].view((end - first, *shape[1:]))
+            shards.append(Shard((first,) + (0,) * (len(shape) - 1), view, rank))
+    return Sharded(shape, sorted(shards, key=lambda shard: shard.offsets))
+
+
+def _cut_row(pieces: list, r: int, row: int, shape: tuple) -> Shard:
+    """Row ``r``, which a split cuts, copied from the pieces holding it; owned by its first element's rank."""
+    lo, hi = r * row, (r + 1) * row
+    held = [(start, flat, rank) for start, flat, rank in pieces if start < hi and start + flat.numel() > lo]
+    data = torch.cat([flat[max(lo - start, 0):hi - start] for start, flat, _ in held])
+    return Shard((r,) + (0,) * (len(shape) - 1), data.view((1, *shape[1:])), held[0][2])
 
 
 # ---------------------------------------------------------------- model-parallel ranks
@@ -614,7 +665,8 @@ class _TpMerge:
     ``tp_dims``, else the checkpoint's ``universal_checkpoint_info`` (as ds_to_universal reads
     it), else it is inferred: replicated when every tensor of the name is identical on every
     rank, otherwise concatenated on dim 0 (ds_to_universal's default). A concatenation is kept
-    as a ``ckptfmt.Sharded`` with one shard per rank, so the ranks' partitions stay as they were.
+    as a ``ckptfmt.Sharded`` of each rank's part (or of its data-parallel shards), so the ranks'
+    partitions stay as they were.
     """
 
     def __init__(self, folder: str, size: int, tp_dims: dict | None, model: dict):
@@ -665,7 +717,7 @@ class _TpMerge:
         if stage != 0:
             for name, moments in state["optimizer"]["state"].items():
                 for key, value in moments.items():
-                    if isinstance(value, torch.Tensor):
+                    if isinstance(value, (torch.Tensor, Sharded)):
                         yield ("optimizer", "state", name, key), name
 
     def _compare(self, path: tuple, name: str, value: Any, rank: int, where: str) -> None:
@@ -674,7 +726,7 @@ class _TpMerge:
             parts.append(parts[0])
             return
         how, source = self._rule(name)
-        if value.dim() == 0:
+        if len(value.shape) == 0:
             raise CheckpointError(f"{where}: {'/'.join(map(str, path))}: a scalar that differs from "
                                   "model-parallel rank 0's")
         if how is None and source is not None:
@@ -716,7 +768,7 @@ class _TpMerge:
                 how = 0 if self.shared.get(name, name) in self.differs else None
                 inferred.setdefault("replicated" if how is None else f"concatenated on dim {how}", []).append(name)
             parts = self.parts[path]
-            if how is None or parts[0].dim() == 0:  # a scalar (Adam's step) is the same on every rank
+            if how is None or len(parts[0].shape) == 0:  # a scalar (Adam's step) is the same on every rank
                 merged = parts[0]
             elif how == "average":
                 merged = self._average(path, name, parts)
@@ -750,6 +802,7 @@ class _TpMerge:
     def _average(self, path: tuple, name: str, parts: list) -> torch.Tensor:
         if all(p is parts[0] for p in parts):
             return parts[0]
+        parts = [_whole(p) for p in parts]  # one parameter's copy: averaging makes a new tensor anyway
         if not all(isinstance(p, torch.Tensor) and p.is_floating_point() and p.shape == parts[0].shape
                    and p.dtype == parts[0].dtype for p in parts):
             raise CheckpointError(f"{self.folder}: {name!r} ({'/'.join(map(str, path))}): cannot average "
@@ -757,18 +810,23 @@ class _TpMerge:
         return sum(parts) / len(parts)  # as ds_to_universal does
 
     def _concat(self, path: tuple, name: str, parts: list, dim: int):
+        """The ranks' parts as shards of their concatenation; a part that is itself sharded (over
+        data-parallel ranks) gives its shards, moved to the part's place."""
         shape = list(parts[0].shape)
-        if dim >= len(shape) or any(p.dtype != parts[0].dtype or p.dim() != len(shape) or
+        dtype = _dtype(parts[0])
+        if dim >= len(shape) or any(_dtype(p) != dtype or len(p.shape) != len(shape) or
                                     [n for i, n in enumerate(p.shape) if i != dim] !=
                                     [n for i, n in enumerate(shape) if i != dim] for p in parts):
             raise CheckpointError(f"{self.folder}: {name!r} ({'/'.join(map(str, path))}): cannot concatenate "
                                   f"on dim {dim} the model-parallel ranks' {[tuple(p.shape) for p in parts]} "
-                                  f"({', '.join(sorted({str(p.dtype) for p in parts}))})")
+                                  f"({', '.join(sorted({str(_dtype(p)) for p in parts}))})")
         shards, offset = [], 0
         for rank, part in enumerate(parts):
-            offsets = [0] * len(shape)
-            offsets[dim] = offset
-            shards.append(Shard(tuple(offsets), part.contiguous(), rank=rank))
+            pieces = part.shards if isinstance(part, Sharded) else [Shard((0,) * len(shape), part, rank)]
+            for piece in pieces:
+                offsets = list(piece.offsets)
+                offsets[dim] += offset
+                shards.append(Shard(tuple(offsets), piece.tensor.contiguous(), rank=piece.rank))
             offset += part.shape[dim]
         shape[dim] = offset
         return Sharded(tuple(shape), shards)
@@ -811,8 +869,46 @@ def _put(tree: Any, path: tuple, value: Any) -> None:
     _at(tree, path[:-1])[path[-1]] = value
 
 
+def _dtype(value: torch.Tensor | Sharded) -> torch.dtype:
+    return value.shards[0].tensor.dtype if isinstance(value, Sharded) else value.dtype
+
+
+def _whole(value: torch.Tensor | Sharded) -> torch.Tensor:
+    """A tensor, or a Sharded assembled into a new one."""
+    if isinstance(value, torch.Tensor):
+        return value
+    out = torch.empty(value.shape, dtype=_dtype(value))
+    for shard in value.shards:
+        out[tuple(slice(o, o + n) for o, n in zip(shard.offsets, shard.tensor.shape))] = shard.tensor
+    return out
+
+
+def _rows(value: torch.Tensor | Sharded) -> list[tuple[int, torch.Tensor]]:
+    """(first row, tensor) of a tensor whole, or of each shard of a Sharded cut in row ranges (``_join``'s)."""
+    if isinstance(value, torch.Tensor):
+        return [(0, value)]
+    return sorted(((shard.offsets[0], shard.tensor) for shard in value.shards), key=lambda r: r[0])
+
+
+def _same_rows(a: torch.Tensor | Sharded, b: torch.Tensor | Sharded) -> bool:
+    """Identical tensors, either given as row shards: compared range by range, neither assembled."""
+    if _dtype(a) != _dtype(b) or tuple(a.shape) != tuple(b.shape):
+        return False
+    rows_a, rows_b = _rows(a), _rows(b)
+    cuts = sorted({r for r, _ in rows_a} | {r for r, _ in rows_b} | {a.shape[0]})
+    for lo, hi in pairwise(cuts):
+        part_a, part_b = [next(t.narrow(0, lo - r, hi - lo) for r, t in reversed(rows) if r <= lo)
+                          for rows in (rows_a, rows_b)]
+        if not _same_bits(part_a, part_b):
+            return False
+    return True
+
+
 def _same_bits(a: Any, b: Any) -> bool:
     """Identical tensors, bit for bit (NaNs included), or equal plain values."""
+    if isinstance(a, Sharded) or isinstance(b, Sharded):
+        return isinstance(a, (torch.Tensor, Sharded)) and isinstance(b, (torch.Tensor, Sharded)) \
+            and _same_rows(a, b)
     if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
         return _same_tree(a, b)
     if a.dtype != b.dtype or a.shape != b.shape:

@@ -53,6 +53,16 @@ def assert_same(expected: Any, actual: Any, where: str = "state") -> None:
         assert expected == actual, f"{where}: {expected!r} != {actual!r}"
 
 
+def whole(value: Any) -> torch.Tensor:
+    """A tensor as is, or a ckptfmt.Sharded assembled into a new tensor (what ckptfmt.load returns)."""
+    if isinstance(value, torch.Tensor):
+        return value
+    out = torch.empty(value.shape, dtype=value.shards[0].tensor.dtype)
+    for shard in value.shards:
+        out[tuple(slice(o, o + n) for o, n in zip(shard.offsets, shard.tensor.shape))] = shard.tensor
+    return out
+
+
 def chunk_keys(repo_url: str, storage_options: dict | None = None) -> set[str]:
     """Every chunk object's key in a repository, on any backend."""
     storage = open_storage(repo_url, storage_options)

@@ -27,6 +27,7 @@ from ckptfmt.converters import import_checkpoint
 from ckptfmt.converters.deepspeed_export import _ZERO_STAGE_PICKLE
 from ckptfmt.converters.export import export_checkpoint
 from ckptfmt.converters.importer import read_source
+from helpers import whole
 
 import ckptfmt
 from ckptfmt import CheckpointError
@@ -79,7 +80,9 @@ def state(runs: Path, name: str) -> dict:
     return torch.load(runs / f"{name}.state.pt", weights_only=False)
 
 
-def assert_bits(a: torch.Tensor, b: torch.Tensor, where: str) -> None:
+def assert_bits(a, b, where: str) -> None:
+    """Bit-identical tensors, either given as a ckptfmt.Sharded (what read_source gives split parameters)."""
+    a, b = whole(a), whole(b)
     assert a.dtype == b.dtype and a.shape == b.shape, where
     assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), where
 
@@ -159,7 +162,7 @@ def test_reimport_of_the_export_is_the_same_checkpoint(runs):
         assert_bits(again["fp32"][param], tensor, param)
     for param, moments in first["optimizer"]["state"].items():
         for key, value in moments.items():
-            if isinstance(value, torch.Tensor):
+            if isinstance(value, (torch.Tensor, ckptfmt.Sharded)):
                 assert_bits(again["optimizer"]["state"][param][key], value, f"{param}/{key}")
 
 

@@ -24,6 +24,7 @@ deepspeed = pytest.importorskip("deepspeed", reason="DeepSpeed is not installed 
 
 from ckptfmt.converters import import_checkpoint
 from ckptfmt.converters.importer import detect_kind, read_source
+from helpers import whole
 
 import ckptfmt
 from ckptfmt import CheckpointError
@@ -57,7 +58,9 @@ def runs(tmp_path_factory) -> Path:
     return out
 
 
-def assert_bits(a: torch.Tensor, b: torch.Tensor) -> None:
+def assert_bits(a, b) -> None:
+    """Bit-identical tensors, either given as a ckptfmt.Sharded (assembled first)."""
+    a, b = whole(a), whole(b)
     assert a.dtype == b.dtype and a.shape == b.shape
     assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
 
@@ -102,7 +105,7 @@ def test_master_weights_and_moments_equal_the_engines(runs, name):
         moments = state["optimizer"]["state"][param]
         for key in ("exp_avg", "exp_avg_sq"):
             assert_bits(moments[key], want[key][param])
-            assert torch.isfinite(moments[key]).all()
+            assert torch.isfinite(whole(moments[key])).all()
         assert float(moments["step"]) == 3.0
     assert "frozen.weight" not in state["optimizer"]["state"]
     if name.endswith("-elastic"):  # an elastic checkpoint keeps no param_groups
@@ -136,6 +139,38 @@ def test_module_step_and_client_state(runs, name):
     assert meta["zero_stage"] == stage and meta["dp_world_size"] == world and meta["bf16"] == (dtype == "bf16")
     assert meta["config"]["zero_optimization"]["stage"] == stage
     assert imported.state["deepspeed"]["zero_stage"] == stage
+
+
+def is_view(tensor: torch.Tensor) -> bool:
+    """The tensor views a larger storage (a rank's mapped partition), not memory of its own."""
+    return tensor.untyped_storage().nbytes() > tensor.nbytes
+
+
+def test_partitions_stay_mapped_stage2(runs):
+    """ZeRO-2, 2 ranks: first.weight (7x5) is cut inside row 6 (rank 0 holds 34 of its 35 elements): rows 0-5
+    view rank 0's partition, row 6 is copied; parameters inside one partition are views of it."""
+    state = read_source(str(runs / "z2-fp32")).state
+    for value in (state["fp32"]["first.weight"], state["optimizer"]["state"]["first.weight"]["exp_avg"]):
+        assert isinstance(value, ckptfmt.Sharded) and value.shape == (7, 5)
+        assert [(s.offsets, tuple(s.tensor.shape), s.rank) for s in value.shards] == \
+            [((0, 0), (6, 5), 0), ((6, 0), (1, 5), 0)]
+        assert is_view(value.shards[0].tensor) and not is_view(value.shards[1].tensor)
+    for param in ("second.weight", "second.bias"):
+        assert isinstance(state["fp32"][param], torch.Tensor) and is_view(state["fp32"][param])
+        assert is_view(state["optimizer"]["state"][param]["exp_avg_sq"])
+
+
+@pytest.mark.parametrize("name, rows", [("z3-fp32", [(0, 3, 0), (3, 1, 0), (4, 3, 1)]),
+                                        ("ws3/z3-bf16", [(0, 2, 0), (2, 1, 0), (3, 1, 1), (4, 1, 1), (5, 2, 2)])])
+def test_partitions_stay_mapped_stage3(runs, name, rows):
+    """ZeRO-3 cuts first.weight (7x5) in ceil(35 / ranks) pieces: whole rows stay views of each rank's
+    partition, each row a cut goes through is copied (owned by its first element's rank); 1-d tensors are copied."""
+    state = read_source(str(runs / name)).state
+    for value in (state["fp32"]["first.weight"], state["optimizer"]["state"]["first.weight"]["exp_avg"],
+                  state["fp32"]["frozen.weight"]):
+        assert [(s.offsets[0], s.tensor.shape[0], s.rank) for s in value.shards] == rows
+        assert [is_view(s.tensor) for s in value.shards] == [i % 2 == 0 for i in range(len(rows))]
+    assert isinstance(state["fp32"]["first.bias"], torch.Tensor)
 
 
 def test_stage0_module_and_optimizer(runs):

@@ -24,6 +24,7 @@ deepspeed = pytest.importorskip("deepspeed", reason="DeepSpeed is not installed 
 from ckptfmt.cli import main as cli
 from ckptfmt.converters import import_checkpoint
 from ckptfmt.converters.importer import read_source
+from helpers import whole
 
 import ckptfmt
 from ckptfmt import CheckpointError
@@ -52,19 +53,11 @@ def runs(tmp_path_factory) -> Path:
     return out
 
 
-def assert_bits(a: torch.Tensor, b: torch.Tensor) -> None:
+def assert_bits(a, b) -> None:
+    """Bit-identical tensors, either given as a ckptfmt.Sharded (assembled first)."""
+    a, b = whole(a), whole(b)
     assert a.dtype == b.dtype and a.shape == b.shape
     assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
-
-
-def whole(value) -> torch.Tensor:
-    """A tensor, or a ckptfmt.Sharded assembled."""
-    if isinstance(value, torch.Tensor):
-        return value
-    out = torch.empty(value.shape, dtype=value.shards[0].tensor.dtype)
-    for shard in value.shards:
-        out[tuple(slice(o, o + n) for o, n in zip(shard.offsets, shard.tensor.shape))] = shard.tensor
-    return out
 
 
 def expected(runs: Path, name: str, key: str, param: str) -> torch.Tensor:
@@ -90,14 +83,18 @@ def test_user_dims_give_the_engines_values_as_shards(runs, name):
     imported = read_source(str(runs / name), options={"tp_dims": TP_DIMS})
     state = imported.state
     check_against_engines(runs, name, state)
-    for param, dim in DIMS.items():  # split parameters stay one shard per model-parallel rank
-        value = state["fp32"][param]
-        if dim is None:
-            assert isinstance(value, torch.Tensor)
+    for param, dim in DIMS.items():  # split parameters stay in each model-parallel rank's shards
+        shards = getattr(state["fp32"][param], "shards", [])
+        if dim is None:  # model-parallel rank 0's tensor, whole or as its data-parallel shards
+            assert all(shard.rank % 2 == 0 for shard in shards)
             continue
-        assert isinstance(value, ckptfmt.Sharded) and [s.rank for s in value.shards] == [0, 1]
-        for mp, shard in enumerate(value.shards):
-            assert_bits(shard.tensor, torch.load(runs / f"{name}.mp{mp}.expected.pt")["fp32"][param])
+        for mp in range(2):  # a shard's rank: data-parallel rank * 2 + model-parallel rank
+            want = torch.load(runs / f"{name}.mp{mp}.expected.pt")["fp32"][param]
+            mine = [s for s in shards if s.rank % 2 == mp]
+            start = min(s.offsets[dim] for s in mine)
+            moved = [ckptfmt.Shard(tuple(o - start * (d == dim) for d, o in enumerate(s.offsets)), s.tensor, s.rank)
+                     for s in mine]
+            assert_bits(ckptfmt.Sharded(want.shape, moved), want)
     assert state["fp32"]["head.weight"] is state["fp32"]["embed.weight"]  # tied, as zero_to_fp32 aliases it
     meta = imported.metadata["deepspeed"]
     assert meta["mp_world_size"] == 2 and meta["dp_world_size"] == 2
