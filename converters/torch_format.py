@@ -70,7 +70,7 @@ def detect(path: str) -> bool:
 
 def read(path: str) -> Imported:
     """Read a torch.save file as an import, every check done (raises CheckpointError naming the file)."""
-    imported = read_deferred(path)
+    imported = _read(path, _WAITED_CRC_THREADS)
     if imported.pending is not None:
         imported.pending.wait()
         imported.pending = None
@@ -83,13 +83,19 @@ def read_deferred(path: str) -> Imported:
     ``import_checkpoint`` waits for them just before its save commits, so the
     check and the save read the (cold) file once, together.
     """
+    return _read(path, _BACKGROUND_CRC_THREADS)
+
+
+def _read(path: str, crc_threads: int) -> Imported:
+    """The import, its CRC-32 checks started on ``crc_threads`` threads (in ``pending``)."""
     path = os.fspath(path)
     buffer = _map(path)
     notes: set[str] = set()
     check = None
     try:
         if bytes(buffer[:4]) == _ZIP_MAGIC:
-            obj, versions, check = _read_zip(buffer, path, path, 0, notes)
+            obj, versions, stored = _read_zip(buffer, path, path, 0, notes)
+            check = _CrcCheck(stored, path, crc_threads)
         else:
             obj, versions = _read_legacy(buffer, path, 0, notes)
         converted = to_value_tree(obj, path, notes)
@@ -110,8 +116,8 @@ def load_object(data: bytes, where: str, *, depth: int = 0, notes: set | None = 
     notes = notes if notes is not None else set()
     buffer = memoryview(bytearray(data))  # writable, so tensors over it are too
     if data[:4] == _ZIP_MAGIC:
-        obj, _, check = _read_zip(buffer, io.BytesIO(data), where, depth, notes)
-        check.wait()
+        obj, _, stored = _read_zip(buffer, io.BytesIO(data), where, depth, notes)
+        _CrcCheck(stored, where, _WAITED_CRC_THREADS).wait()
         return obj
     return _read_legacy(buffer, where, depth, notes)[0]
 
@@ -171,8 +177,9 @@ def _note_locations(storages: _Storages, notes: set) -> None:
         notes.add(f"storages saved on {', '.join(moved)} were imported to CPU")
 
 
-def _read_zip(buffer: memoryview, file, where: str, depth: int, notes: set) -> tuple[Any, dict, _CrcCheck]:
-    """The archive's object, versions, and the CRC-32 check of its storages, started (wait on it)."""
+def _read_zip(buffer: memoryview, file, where: str, depth: int,
+              notes: set) -> tuple[Any, dict, list[tuple[Storage, zipfile.ZipInfo]]]:
+    """The archive's object, its versions, and its storages with their records (CRC-32s unchecked)."""
     try:
         zf = zipfile.ZipFile(file)
     except (zipfile.BadZipFile, OSError, ValueError, EOFError) as exc:
@@ -228,7 +235,7 @@ def _read_zip(buffer: memoryview, file, where: str, depth: int, notes: set) -> t
         except PickleError as exc:
             raise CheckpointError(f"{where}: {prefix}data.pkl: {exc}") from None
         _note_locations(storages, notes)
-    return obj, versions, _CrcCheck(used, where)
+    return obj, versions, used
 
 
 def _member_view(buffer: memoryview, zf: zipfile.ZipFile, info: zipfile.ZipInfo, where: str) -> memoryview:
@@ -250,22 +257,26 @@ def _member_view(buffer: memoryview, zf: zipfile.ZipFile, info: zipfile.ZipInfo,
     return buffer[begin:end]
 
 
+#: CRC-32 threads when the caller waits for the check: zlib releases the GIL, and cold
+#: reads overlap, so one per core plus a few more keep the disk busy (a serial pass
+#: cost ~0.5x of a whole import).
+_WAITED_CRC_THREADS = 8
+#: Beside a save: one sequential reader, which also pulls the pages in ahead of the
+#: save's hashing. More threads faulting the same mapping cost system time (4 or 8:
+#: ~+0.6 s of a 1.34 GB import on 2 cores) and made the import slower, not faster.
+_BACKGROUND_CRC_THREADS = 1
+
+
 class _CrcCheck:
-    """The CRC-32 check of every stored storage record, running on threads from construction.
+    """The CRC-32 check of every stored storage record, running on threads from construction."""
 
-    zlib releases the GIL, and cold reads overlap: one thread per core plus a few
-    more to keep the disk busy (a serial pass before the save cost ~0.5x of a whole
-    import; run beside it, it also pulls the pages in ahead of the save).
-    """
-
-    WORKERS = 8
     STEP = 64 << 20
 
-    def __init__(self, used: list[tuple[Storage, zipfile.ZipInfo]], where: str):
+    def __init__(self, used: list[tuple[Storage, zipfile.ZipInfo]], where: str, threads: int):
         self.where = where
         self.stored = [(storage, info) for storage, info in used if info.compress_type == zipfile.ZIP_STORED]
         self.cancelled = False
-        pool = ThreadPoolExecutor(max_workers=self.WORKERS, thread_name_prefix="ckptfmt-crc")
+        pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ckptfmt-crc")
         self.futures = [pool.submit(self._crc32, storage.data) for storage, _ in self.stored]
         pool.shutdown(wait=False)  # its threads end once the records are done
 
