@@ -26,9 +26,9 @@ parameters back to back (plus ``param_alignment_paddings``); stage 3: each param
 in ``ceil(numel / world)`` pieces, one per rank, the last padded. Files are read one rank at a
 time with ``torch_format.read`` (never ``torch.load``), which maps them copy-on-write: the
 values are views of the ranks' mapped partitions, never copies of them (``_join``), so an
-import holds the files as reclaimable page cache, not as memory of its own (except stage 3's
-``fp32_flat_groups``: DeepSpeed pickles them with attributes, which the reader keeps opaque, with
-a copy of their bytes, so the fp32 weights take memory once). A parameter inside
+import holds the files as reclaimable page cache, not as memory of its own (tensors DeepSpeed
+pickles with attributes, such as stage 3's ``fp32_flat_groups``, are read as the plain tensors,
+the attributes dropped and noted). A parameter inside
 one rank's partition is a view; one split over ranks is a ``ckptfmt.Sharded`` of row ranges, one
 per rank (owner: data-parallel rank * mp_world_size + model-parallel rank), a row cut by a
 split copied as a shard of its own; a split 1-d parameter is copied. ``ckptfmt.save`` keeps
@@ -62,12 +62,8 @@ from ckptfmt.values import OpaqueObject
 from . import torch_format
 from .importer import Imported
 from .pickles import (
-    Builder,
     Node,
-    PendingTensor,
     PickleError,
-    RestrictedUnpickler,
-    Storage,
     restricted_loads,
 )
 
@@ -288,7 +284,7 @@ def _bf16(config: dict | None) -> bool:
 
 def _read_file(folder: str, name: str, key: str, opaque: list[str], notes: list[str]) -> Any:
     """One torch.save file, read without running its pickle; with ``key``, its opaque paths are recorded."""
-    part = torch_format.read(os.path.join(folder, name))
+    part = torch_format.read(os.path.join(folder, name), drop_tensor_attributes=True)
     if key == "model_states":  # where each top-level key ends up in the imported state
         for where in part.opaque:
             top = where.split("/", 1)[0]
@@ -304,24 +300,10 @@ def _read_file(folder: str, name: str, key: str, opaque: list[str], notes: list[
 
 
 def _tensor(value: Any, where: str) -> torch.Tensor:
-    """A tensor, also one DeepSpeed pickled with attributes (``ds_id``) that the reader kept opaque."""
-    if isinstance(value, torch.Tensor):
-        return value
-    if isinstance(value, OpaqueObject) and (value.module, value.qualname) == ("torch._tensor", "_rebuild_from_type_v2"):
-        try:
-            node = restricted_loads(value.pickle)
-        except PickleError as exc:
-            raise CheckpointError(f"{where}: {exc}") from None
-        if isinstance(node, Node) and node.name == ("torch._tensor", "_rebuild_from_type_v2") and len(node.args) == 4:
-            func, new_type, args, _attributes = node.args
-            if isinstance(func, Builder) and (func.module, func.qualname) == ("torch._utils", "_rebuild_tensor_v2") \
-                    and new_type in (RestrictedUnpickler.TENSOR_TYPE, RestrictedUnpickler.PARAMETER_TYPE) \
-                    and type(args) is tuple and len(args) >= 4 and isinstance(args[0], Storage):
-                try:
-                    return PendingTensor(args[0], args[1], args[2], args[3], False).materialize().detach()
-                except PickleError as exc:
-                    raise CheckpointError(f"{where}: {exc}") from None
-    raise CheckpointError(f"{where}: expected a tensor, found {type(value).__name__}")
+    """``value``, checked to be a tensor."""
+    if not isinstance(value, torch.Tensor):
+        raise CheckpointError(f"{where}: expected a tensor, found {type(value).__name__}")
+    return value
 
 
 def _numel(shape: Any, where: str) -> int:

@@ -357,6 +357,39 @@ def _rebuild_from_type_v2(u, func, new_type, args, state):
     return Node(u.placeholder("torch._tensor", "_rebuild_from_type_v2"), "reduce", (func, new_type, args, state))
 
 
+def attributed_tensor(node: "Node") -> tuple[PendingTensor, list[str]] | None:
+    """The plain tensor under one pickled with Python attributes, and their names; None for other nodes.
+
+    ``torch.save`` keeps a tensor's ``__dict__`` (DeepSpeed sets ``ds_id``, ``ds_shape``, ...)
+    through ``_rebuild_from_type_v2`` or ``_rebuild_parameter_with_state`` with a state, which
+    the reader keeps opaque (a copy of the bytes). A reader that has no use for the
+    attributes takes the tensor itself, over the mapped storage.
+    """
+    if not isinstance(node, Node) or node.kind != "reduce" or node.ops or len(node.args) != 4:
+        return None
+    if node.name == ("torch._tensor", "_rebuild_from_type_v2"):
+        func, new_type, args, state = node.args
+        if not (isinstance(func, Builder) and (func.module, func.qualname) == ("torch._utils", "_rebuild_tensor_v2")
+                and new_type in (RestrictedUnpickler.TENSOR_TYPE, RestrictedUnpickler.PARAMETER_TYPE)
+                and type(args) is tuple and len(args) >= 4):
+            return None
+        tensor = PendingTensor(*args[:4], False)
+        if new_type is RestrictedUnpickler.PARAMETER_TYPE:
+            tensor = _as_parameter(tensor, bool(len(args) > 4 and args[4] is True))
+    elif node.name == ("torch._utils", "_rebuild_parameter_with_state"):
+        data, requires_grad, _hooks, state = node.args
+        tensor = _as_parameter(data, requires_grad)
+    else:
+        return None
+    return tensor, _state_names(state)
+
+
+def _state_names(state: Any) -> list[str]:
+    """Attribute names in a pickled object state: a dict, or (dict, slots dict)."""
+    parts = state if type(state) is tuple else (state,)
+    return sorted(str(k) for part in parts if isinstance(part, dict) for k in part)
+
+
 def _pickle_loads(u, data, *rest):
     if type(data) not in (bytes, bytearray) or rest:
         raise PickleError("pickle.loads of something other than bytes")
@@ -796,11 +829,18 @@ class Converted:
         self.notes = notes
 
 
-def to_value_tree(obj: Any, where: str = "pickle", notes: set | None = None) -> Converted:
-    """Turn an unpickled result into ckptfmt values: tensors built, unknown objects opaque."""
+def to_value_tree(obj: Any, where: str = "pickle", notes: set | None = None, *,
+                  drop_tensor_attributes: bool = False) -> Converted:
+    """Turn an unpickled result into ckptfmt values: tensors built, unknown objects opaque.
+
+    ``drop_tensor_attributes``: a tensor pickled with Python attributes becomes the plain
+    tensor (a note names the attributes dropped) instead of an opaque object.
+    """
+    notes = notes if notes is not None else set()
     opaque: list[str] = []
     active: set[int] = set()
     tensors: dict[int, torch.Tensor] = {}
+    plain: dict[int, tuple] = {}  # id(node) -> (node, attributed_tensor(node))
 
     def convert(value: Any, path: tuple) -> Any:
         if len(path) > MAX_DEPTH:
@@ -816,6 +856,13 @@ def to_value_tree(obj: Any, where: str = "pickle", notes: set | None = None) -> 
             return value
         if kind in (Node, Global, Builder, StorageType) or value is RestrictedUnpickler.TENSOR_TYPE \
                 or value is RestrictedUnpickler.PARAMETER_TYPE:
+            if kind is Node and drop_tensor_attributes:
+                if id(value) not in plain:
+                    plain[id(value)] = (value, attributed_tensor(value))  # the node kept alive: ids stay unique
+                found = plain[id(value)][1]
+                if found is not None:
+                    notes.add(f"tensor attributes dropped ({', '.join(found[1]) or 'none'})")
+                    return convert(found[0], path)
             if kind is Node:
                 lifted = _lift_numpy(value)
                 if lifted is not None:
@@ -853,10 +900,10 @@ def to_value_tree(obj: Any, where: str = "pickle", notes: set | None = None) -> 
         raise PickleError(f"{where}: nested too deep") from None
     except TypeError as exc:  # unhashable key after conversion
         raise PickleError(f"{where}: {exc}") from None
-    return Converted(value, opaque, sorted(notes or ()))
+    return Converted(value, opaque, sorted(notes))
 
 
 __all__ = [
     "Global", "MAX_PICKLE_BYTES", "Node", "PendingTensor", "PickleError", "RestrictedUnpickler",
-    "Storage", "StorageType", "opaque_pickle", "restricted_loads", "to_value_tree",
+    "Storage", "StorageType", "attributed_tensor", "opaque_pickle", "restricted_loads", "to_value_tree",
 ]

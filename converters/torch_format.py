@@ -68,9 +68,13 @@ def detect(path: str) -> bool:
     return head[:1] == b"\x80" and b"\x8a\x0a" + LEGACY_MAGIC.to_bytes(10, "little") in head[:32]
 
 
-def read(path: str) -> Imported:
-    """Read a torch.save file as an import, every check done (raises CheckpointError naming the file)."""
-    imported = _read(path, _WAITED_CRC_THREADS)
+def read(path: str, *, drop_tensor_attributes: bool = False) -> Imported:
+    """Read a torch.save file as an import, every check done (raises CheckpointError naming the file).
+
+    ``drop_tensor_attributes``: tensors pickled with Python attributes come back as plain
+    tensors over the mapped file (see ``pickles.attributed_tensor``), not as opaque copies.
+    """
+    imported = _read(path, _WAITED_CRC_THREADS, drop_tensor_attributes)
     if imported.pending is not None:
         imported.pending.wait()
         imported.pending = None
@@ -86,7 +90,7 @@ def read_deferred(path: str) -> Imported:
     return _read(path, _BACKGROUND_CRC_THREADS)
 
 
-def _read(path: str, crc_threads: int) -> Imported:
+def _read(path: str, crc_threads: int, drop_tensor_attributes: bool = False) -> Imported:
     """The import, its CRC-32 checks started on ``crc_threads`` threads (in ``pending``)."""
     path = os.fspath(path)
     buffer = _map(path)
@@ -98,7 +102,7 @@ def _read(path: str, crc_threads: int) -> Imported:
             check = _CrcCheck(stored, path, crc_threads)
         else:
             obj, versions = _read_legacy(buffer, path, 0, notes)
-        converted = to_value_tree(obj, path, notes)
+        converted = to_value_tree(obj, path, notes, drop_tensor_attributes=drop_tensor_attributes)
     except BaseException as exc:
         if check is not None:
             check.cancel()

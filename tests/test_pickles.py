@@ -158,3 +158,23 @@ def test_named_modules_are_never_imported():
     assert "antigravity" not in sys.modules
     value = convert(b"cno_such_module_xyz\nThing\n.")  # a class used as a value, not called
     assert isinstance(value, OpaqueObject) and value.qualname == "Thing"
+
+
+def test_tensors_with_attributes_are_opaque_unless_dropped(tmp_path):
+    """DeepSpeed pickles tensors with attributes (ds_id, ...): kept opaque by default; plain on request."""
+    from ckptfmt.converters import torch_format
+
+    tensor, param = torch.arange(6.0).reshape(2, 3), torch.nn.Parameter(torch.ones(4))
+    tensor.ds_id, param.ds_shape = 7, (4,)
+    path = tmp_path / "attributed.pt"
+    torch.save({"t": tensor, "p": param, "plain": torch.zeros(2)}, path)
+
+    kept = torch_format.read(str(path))
+    assert sorted(kept.opaque) == ["p", "t"] and isinstance(kept.state["t"], OpaqueObject)
+
+    dropped = torch_format.read(str(path), drop_tensor_attributes=True)
+    assert dropped.opaque == []
+    assert torch.equal(dropped.state["t"], tensor) and not hasattr(dropped.state["t"], "ds_id")
+    assert isinstance(dropped.state["p"], torch.nn.Parameter) and torch.equal(dropped.state["p"], param)
+    assert any("tensor attributes dropped (ds_id)" in note for note in dropped.notes)
+    assert any("tensor attributes dropped (ds_shape)" in note for note in dropped.notes)
