@@ -3,24 +3,29 @@
 Usage (from the repository root)::
 
     python bench/import_torch.py [--size-gb 1.3] [--repeats 3] [--dir /path] [--json PATH]
+                                 [--source FILE]
 
 Writes the transformer-shaped fp32 state of ``bench/run.py`` with ``torch.save``
-once, then times, round-robin, median of ``--repeats``, each from a cold page
-cache into a fresh repository:
+once (``--source``: into FILE, kept and reused by later runs), then times,
+round-robin, median of ``--repeats``, each from a cold page cache into a fresh
+repository:
 
 * ``ckptfmt import``: ``ckptfmt.converters.import_checkpoint`` (restricted
   unpickler, storages memory-mapped, no pickled code run), and
 * the baseline it must stay within 1.2x of: ``torch.load(mmap=True)`` followed
   by ``ckptfmt.save`` of the result.
 
-Then the peak RSS of one import in a fresh process, against the target of the
-source file's size plus 256 MB.
+The disk is noisy, so the ratio is also taken per repeat (each repeat runs both,
+back to back): its median and spread are reported. Then the peak RSS of one
+import in a fresh process, against the target of the source file's size plus
+256 MB.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -48,11 +53,15 @@ def peak_child(source: str, dest: str) -> dict[str, int]:
     return {"rss_before": before, "peak_rss": status("VmHWM")}
 
 
-def run_all(size_gb: float, repeats: int, workdir: Path) -> dict:
-    state = build_state(size_gb)
-    source = workdir / "state.pt"
-    torch.save(state, source)
-    del state
+def write_source(size_gb: float, source: Path) -> None:
+    """torch.save the benchmark state to ``source`` unless a file is there already."""
+    if not source.exists():
+        torch.save(build_state(size_gb), source)
+
+
+def run_all(size_gb: float, repeats: int, workdir: Path, source: Path | None) -> dict:
+    source = source or workdir / "state.pt"
+    write_source(size_gb, source)
     scratch = Scratch(workdir)
 
     def competitor(name: str, run):
@@ -75,10 +84,13 @@ def run_all(size_gb: float, repeats: int, workdir: Path) -> dict:
         capture_output=True, text=True, check=True,
     )
     peak = json.loads(child.stdout.strip().splitlines()[-1])
+    times = {name: r.times for name, r in results.items()}
     return {
         "source_bytes": source.stat().st_size,
-        "times_s": {name: r.times for name, r in results.items()},
+        "times_s": times,
         "median_s": {name: r.median for name, r in results.items()},
+        "repeat_ratios": [ratio(a, b) for a, b in zip(times["ckptfmt import"],
+                                                      times["torch.load(mmap) + ckptfmt.save"])],
         "peak": peak,
     }
 
@@ -91,6 +103,9 @@ def report(result: dict) -> None:
     console.print(f"torch.save file: {size / GB:.2f} GB")
     console.print(f"ckptfmt import: {mine:.2f} s; torch.load(mmap) + ckptfmt.save: {base:.2f} s; "
                   f"ratio {fmt_ratio(ratio(mine, base))} (target <= {TARGET_RATIO}x)")
+    per_repeat = result["repeat_ratios"]
+    console.print(f"per-repeat ratio: median {fmt_ratio(statistics.median(per_repeat))}, "
+                  f"spread {fmt_ratio(min(per_repeat))} - {fmt_ratio(max(per_repeat))} ({len(per_repeat)} repeats)")
     console.print(f"import peak RSS above start: {peak_over / MiB:.0f} MiB "
                   f"(target <= file {size / MiB:.0f} MiB + {MEMORY_HEADROOM / MiB:.0f} MiB)")
 
@@ -101,6 +116,8 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dir", default=None)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--source", type=Path, default=None,
+                        help="torch.save file to import (written there first when missing, then kept)")
     parser.add_argument("--peak-child", nargs=2, metavar=("SOURCE", "DEST"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.peak_child:
@@ -108,7 +125,7 @@ def main() -> int:
         return 0
 
     def run(workdir: Path) -> dict:
-        result = run_all(args.size_gb, args.repeats, workdir)
+        result = run_all(args.size_gb, args.repeats, workdir, args.source)
         report(result)
         return result
 
