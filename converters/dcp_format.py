@@ -17,7 +17,8 @@ A DCP folder written by ``FileSystemWriter`` holds:
 unchanged: the DCP classes are not imported or called; they come back as recorded nodes
 (class name, BUILD state) and ``read_metadata`` rebuilds them here as plain dataclasses,
 accepting only the exact classes and field shapes listed in ``_DCP_CLASSES``. Every item is
-read through ``torch_format.load_object`` (the same restricted reader, CRC-checked).
+read through ``torch_format.load_object`` (the same restricted reader, CRC-checked) over
+the mapped file, so tensors are views of the files, not copies.
 
 A tensor with one chunk covering it becomes a plain tensor; a tensor in several chunks
 becomes ``ckptfmt.Sharded`` with one ``ckptfmt.Shard`` per chunk (its offsets, and the rank
@@ -292,7 +293,7 @@ class _Files:
         if end > len(view):
             raise CheckpointError(f"{where}: truncated: {what} needs bytes {info.offset}..{end}, "
                                   f"the file has {len(view)}")
-        return view[info.offset:end]  # load_object copies it once, into memory of its own
+        return view[info.offset:end]  # writable (copy-on-write): load_object builds its tensors over it
 
 
 def _load_item(files: _Files, info: StorageInfo, what: str, notes: set) -> tuple[Any, str]:

@@ -115,15 +115,50 @@ def _read(path: str, crc_threads: int, drop_tensor_attributes: bool = False) -> 
     return imported
 
 
-def load_object(data: bytes, where: str, *, depth: int = 0, notes: set | None = None) -> Any:
-    """The raw unpickled object of a torch file held in memory (torch.storage._load_from_bytes)."""
+def load_object(data: bytes | memoryview, where: str, *, depth: int = 0, notes: set | None = None) -> Any:
+    """The raw unpickled object of a torch file held in memory (torch.storage._load_from_bytes).
+
+    A writable memoryview (a slice of a copy-on-write file mapping) is used in place, so
+    its tensors stay views of the file; other bytes are copied once, to be writable.
+    """
     notes = notes if notes is not None else set()
-    buffer = memoryview(bytearray(data))  # writable, so tensors over it are too
-    if data[:4] == _ZIP_MAGIC:
-        obj, _, stored = _read_zip(buffer, io.BytesIO(data), where, depth, notes)
+    view = memoryview(data).cast("B")
+    buffer = view if not view.readonly else memoryview(bytearray(view))
+    if bytes(buffer[:4]) == _ZIP_MAGIC:
+        obj, _, stored = _read_zip(buffer, _ViewFile(buffer), where, depth, notes)
         _CrcCheck(stored, where, _WAITED_CRC_THREADS).wait()
         return obj
     return _read_legacy(buffer, where, depth, notes)[0]
+
+
+class _ViewFile(io.RawIOBase):
+    """A seekable read-only file over a memoryview, for zipfile (io.BytesIO would copy the bytes)."""
+
+    def __init__(self, view: memoryview):
+        super().__init__()
+        self._view, self._pos = view, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, target) -> int:
+        count = max(0, min(len(target), len(self._view) - self._pos))
+        target[:count] = self._view[self._pos:self._pos + count]
+        self._pos += count
+        return count
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
+        if base + offset < 0:
+            raise ValueError("negative seek position")
+        self._pos = base + offset
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
 
 
 def _map(path: str) -> memoryview:
