@@ -16,10 +16,13 @@ ranks, and writes the files DeepSpeed would have saved (``engine.save_checkpoint
   ``sub_group_size`` elements, one fp32 flat tensor and one optimizer state per sub-group; one
   model states file per rank, parameters empty, frozen parameters as the rank's pieces.
 
-``DEST/latest`` names the tag folder; ``DEST/pytorch_model.bin`` holds the consolidated fp32
-weights (what ``zero_to_fp32`` writes). The tag folder is written beside and renamed, so a
-failed export leaves no partial checkpoint. Files are written one rank at a time; tensors
-come memory-mapped from the checkpoint, so memory holds about one rank's files.
+``DEST/latest`` names the tag folder; ``DEST/model.safetensors`` (or 5 GB shards and an index)
+holds the consolidated fp32 weights, what ``zero_to_fp32 --safe_serialization`` writes. The tag
+folder is written beside and renamed, so a failed export leaves no partial checkpoint. Files
+are written one rank at a time, reading each tensor of the checkpoint when it is needed, so
+memory holds about one rank's files (plus, for stage 1/2, the module's weights rank 0 saves)
+and one parameter. A stage-3 rank needs a piece of every parameter: each rank reads them all
+again (cheap for tensors memory-mapped from local chunks, a copy for stored shards).
 """
 
 from __future__ import annotations
@@ -33,10 +36,12 @@ from typing import Any
 import torch
 
 import ckptfmt
+from ckptfmt.dtypes import dtype_from_name
 from ckptfmt.errors import CheckpointError
-from ckptfmt.values import OpaqueObject
+from ckptfmt.values import OpaqueObject, decode_tree
 
-from .export import ExportResult, restore_opaque, write_atomically
+from .export import DEFAULT_SHARD_SIZE, ExportResult, restore_opaque, safetensors_shards, write_atomically
+from .safetensors_format import OutTensor, write_file
 
 #: The DeepSpeed version whose save layout this module writes, when the source names none.
 LAYOUT_VERSION = "0.19.8"
@@ -48,14 +53,14 @@ _BIT16 = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 def to_deepspeed(reader: ckptfmt.CheckpointReader, dest: str, *, world_size: int | None = None,
                  zero_stage: int | None = None, ds_config: dict | None = None) -> ExportResult:
-    """Write ``DEST/latest``, ``DEST/TAG/`` (ZeRO files for ``world_size`` ranks) and ``DEST/pytorch_model.bin``.
+    """Write ``DEST/latest``, ``DEST/TAG/`` (ZeRO files for ``world_size`` ranks) and ``DEST/model.safetensors``.
 
     ``ds_config`` is the configuration the files will be loaded with (default: the one the
     checkpoint recorded); it decides bf16/fp16, ``sub_group_size`` and
     ``parameter_alignment``. ``zero_stage`` (1, 2 or 3) and ``world_size`` override its stage
     and the recorded data-parallel degree.
     """
-    state = reader.load_state()
+    state = decode_tree(reader.manifest.state, lambda index: _Lazy(reader, index))
     source = _Source(reader, state)
     config = dict(ds_config if ds_config is not None else source.config)
     zero = dict(config.get("zero_optimization") or {})
@@ -90,15 +95,39 @@ def to_deepspeed(reader: ckptfmt.CheckpointReader, dest: str, *, world_size: int
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     write_atomically(os.path.join(dest, "latest"), lambda path: _write_text(path, tag))
-    weights = os.path.join(dest, "pytorch_model.bin")
-    write_atomically(weights, lambda path: torch.save(source.consolidated(), path))
-    paths = [os.path.join(folder, f) for f in files] + [weights]
+    weights = source.write_consolidated(dest)
+    paths = [os.path.join(folder, f) for f in files] + weights
     notes = [f"ZeRO stage {stage} for {world} data-parallel rank(s), "
              f"{target.precision} ({'bf16_' if target.precision == 'bf16' else ''}zero_* files); "
              f"the source was stage {source.stage} on {source.dp} rank(s)"]
     notes.extend(target.notes)
     size = sum(os.path.getsize(p) for p in paths)
     return ExportResult(dest, len(source.fp32), size, notes, paths)
+
+
+class _Lazy:
+    """A tensor of the checkpoint, read only when used (one at a time, so memory holds about one)."""
+
+    def __init__(self, reader: ckptfmt.CheckpointReader, index: int):
+        entry = reader.manifest.tensors[index]
+        self.reader, self.key = reader, entry.key
+        self.shape = tuple(entry.shape)
+        self.dtype = dtype_from_name(entry.dtype)
+        self.numel = math.prod(self.shape)
+
+    def load(self) -> torch.Tensor:
+        return self.reader.get_tensor(self.key)
+
+
+def _materialize(value: Any) -> Any:
+    """``value`` with every lazy tensor read (for the small trees a file stores as they are)."""
+    if isinstance(value, _Lazy):
+        return value.load()
+    if type(value) in (dict, OrderedDict):
+        return type(value)((k, _materialize(v)) for k, v in value.items())
+    if type(value) in (list, tuple):
+        return type(value)(_materialize(v) for v in value)
+    return value
 
 
 def _write_text(path: str, text: str) -> None:
@@ -113,7 +142,8 @@ class _Source:
         where = reader.url
         ds = state.get("deepspeed") if isinstance(state, dict) else None
         if not isinstance(ds, dict) or not isinstance(ds.get("param_shapes"), list):
-            raise CheckpointError(f"{where}: not imported from a DeepSpeed ZeRO checkpoint (no deepspeed/param_shapes); "
+            raise CheckpointError(f"{where}: not imported from a DeepSpeed ZeRO checkpoint "
+                                  "(no deepspeed/param_shapes); "
                                   "export --format deepspeed rebuilds ZeRO files from one")
         self.stage, self.dp, self.tag = ds.get("zero_stage"), ds.get("dp_world_size"), ds.get("tag")
         if self.stage == 0 or "fp32" not in state:
@@ -141,7 +171,7 @@ class _Source:
         for group in self.groups:
             for name, shape in group:
                 tensor = self.fp32.get(name)
-                if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != shape:
+                if not isinstance(tensor, _Lazy) or tensor.shape != shape:
                     raise CheckpointError(f"{where}: fp32/{name}: missing or not of shape {shape}")
 
     def _groups(self, param_shapes: list, where: str) -> list[list[tuple[str, tuple]]]:
@@ -170,31 +200,40 @@ class _Source:
         if ds.get("frozen_param_shapes"):
             return OrderedDict((str(n), tuple(s)) for n, s in ds["frozen_param_shapes"].items())
         trainable = {n for group in self.groups for n, _ in group}
-        return OrderedDict((n, tuple(v.shape)) for n, v in self.module.items()
-                           if isinstance(v, torch.Tensor) and n not in trainable and n not in self.buffers
-                           and n not in self.shared and v.numel() > 0)
+        return OrderedDict((n, v.shape) for n, v in self.module.items()
+                           if isinstance(v, _Lazy) and n not in trainable and n not in self.buffers
+                           and n not in self.shared and v.numel > 0)
 
-    def consolidated(self) -> OrderedDict:
-        """The fp32 state dict zero_to_fp32 would write (buffers, frozen, trainable, shared), opaque-free."""
-        return OrderedDict((k, v) for k, v in self.fp32.items() if isinstance(v, torch.Tensor))
+    def write_consolidated(self, dest: str) -> list[str]:
+        """The fp32 weights zero_to_fp32 writes (buffers, frozen, trainable, shared), as its safe_serialization
+        does: ``model.safetensors``, or Hugging Face shards of 5 GB with an index; one tensor in memory at a time."""
+        tensors = [OutTensor(name, value.dtype, value.shape, value.load)
+                   for name, value in self.fp32.items() if isinstance(value, _Lazy)]
+        metadata = {"format": "pt"}
+        if sum(t.nbytes for t in tensors) <= DEFAULT_SHARD_SIZE:
+            path = os.path.join(dest, "model.safetensors")
+            write_atomically(path, lambda tmp: write_file(tmp, tensors, metadata))
+            return [path]
+        return safetensors_shards(dest, tensors, metadata, DEFAULT_SHARD_SIZE, []).files
 
     def group_scalars(self, g: int) -> dict:
         """Per-group optimizer values that are not per element (Adam's ``step``), from the group's first parameter."""
         name, shape = self.groups[g][0]
         return {k: v for k, v in self.moments.get(name, {}).items()
-                if not (isinstance(v, torch.Tensor) and tuple(v.shape) == shape and v.dim() > 0)}
+                if not (isinstance(v, _Lazy) and v.shape == shape and len(shape) > 0)}
 
     def element_keys(self, g: int) -> list[str]:
         """The optimizer's per-element state keys of group g (``exp_avg``, ``exp_avg_sq``), in a stable order."""
         name, shape = self.groups[g][0]
         return [k for k, v in self.moments.get(name, {}).items()
-                if isinstance(v, torch.Tensor) and tuple(v.shape) == shape and v.dim() > 0]
+                if isinstance(v, _Lazy) and v.shape == shape and len(shape) > 0]
 
-    def moment(self, name: str, key: str, where: str) -> torch.Tensor:
-        value = self.moments.get(name, {}).get(key)
-        if not isinstance(value, torch.Tensor):
-            raise CheckpointError(f"{where}: optimizer/state/{name}/{key} is missing")
-        return value
+    def flat(self, name: str, key: str = "") -> torch.Tensor:
+        """Parameter ``name``'s fp32 master weight (``key`` ""), or its optimizer state ``key``, flat, read now."""
+        value = self.fp32.get(name) if not key else self.moments.get(name, {}).get(key)
+        if not isinstance(value, _Lazy):
+            raise CheckpointError(f"{'fp32/' + name if not key else f'optimizer/state/{name}/{key}'} is missing")
+        return value.load().reshape(-1)
 
     def hyper_parameters(self, g: int) -> dict:
         group = dict(self.param_groups[g])
@@ -222,7 +261,8 @@ class _Target:
             self.notes.append("the source recorded no param_groups (elastic): written in DeepSpeed's elastic layout, "
                               "hyper-parameters come from the loading run")
         extras = source.extras
-        self.global_state = {k: extras[k] for k in ("loss_scaler", "dynamic_loss_scale", "overflow") if k in extras}
+        self.global_state = {k: _materialize(extras[k]) for k in ("loss_scaler", "dynamic_loss_scale", "overflow")
+                             if k in extras}
         if (self.precision == "fp16") != source.fp16:  # a static scaler of 1 must not replace fp16's dynamic one
             self.global_state = {}
             self.notes.append("the loss scaler is left to the loading run (the source was "
@@ -237,11 +277,11 @@ class _Target:
         """Every file of the tag folder, one rank at a time; returns their names."""
         names = []
         prefix = "bf16_" if self.precision == "bf16" else ""
-        for rank in range(self.world):
-            optim = self._optim_states_12(rank) if self.stage < 3 else self._optim_states_3(rank)
+        for rank in range(self.world):  # each file's tensors are built, saved and released before the next
             name = f"{prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
-            _save({"optimizer_state_dict": optim, "ds_config": self.config, "ds_version": self.source.version},
-                  os.path.join(folder, name))
+            optim = self._optim_states_12 if self.stage < 3 else self._optim_states_3
+            _save({"optimizer_state_dict": optim(rank),
+                   "ds_config": self.config, "ds_version": self.source.version}, os.path.join(folder, name))
             names.append(name)
             if self.stage == 3 or rank == 0:
                 name = (f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt" if self.stage == 3
@@ -264,9 +304,9 @@ class _Target:
             "frozen_param_shapes": frozen_shapes,
             "shared_params": src.shared,
             "frozen_param_fragments": frozen_fragments,
-            "lr_scheduler": src.state.get("lr_scheduler"),
-            "data_sampler": src.ds.get("data_sampler"),
-            "random_ltd": src.ds.get("random_ltd"),
+            "lr_scheduler": _materialize(src.state.get("lr_scheduler")),
+            "data_sampler": _materialize(src.ds.get("data_sampler")),
+            "random_ltd": _materialize(src.ds.get("random_ltd")),
             "skipped_steps": src.ds.get("skipped_steps") or 0,
             "global_steps": src.state.get("global_step") or 0,
             "global_samples": src.ds.get("global_samples") or 0,
@@ -276,7 +316,7 @@ class _Target:
             "ds_config": self.config,
             "ds_version": src.version,
         }
-        client = src.state.get("client_state") or {}
+        client = _materialize(src.state.get("client_state") or {})
         clash = sorted(set(client) & set(states))
         if clash:
             raise CheckpointError(f"client state key(s) {clash} would overwrite DeepSpeed's own")
@@ -298,29 +338,29 @@ class _Target:
         trainable = {n for group in src.groups for n, _ in group}
         module = OrderedDict()
         for name, value in src.module.items():
-            if name in src.buffers or not isinstance(value, torch.Tensor):
-                module[name] = value
+            if name in src.buffers or not isinstance(value, _Lazy):
+                module[name] = _materialize(value)
                 continue
             if self.stage == 3:
                 module[name] = torch.empty(0, dtype=self.bit16)
                 continue
             alias = src.shared.get(name, name)
-            whole = src.fp32.get(alias) if alias in trainable or value.numel() == 0 else value
-            if not isinstance(whole, torch.Tensor):
+            whole = src.fp32.get(alias) if alias in trainable or value.numel == 0 else value
+            if not isinstance(whole, _Lazy):
                 raise CheckpointError(f"module/{name}: no whole weight in the checkpoint (fp32/{alias} is missing)")
-            module[name] = whole.to(self.bit16).clone() if alias in trainable else whole
+            module[name] = whole.load().to(self.bit16, copy=True) if alias in trainable else whole.load()
         return module
 
     def _frozen_fragment(self, name: str, rank: int) -> torch.Tensor:
         src = self.source
         whole = src.fp32.get(name)
-        if not isinstance(whole, torch.Tensor):
+        if not isinstance(whole, _Lazy):
             whole = src.module.get(name)
-        if not isinstance(whole, torch.Tensor) or whole.numel() != math.prod(src.frozen[name]):
+        if not isinstance(whole, _Lazy) or whole.numel != math.prod(src.frozen[name]):
             raise CheckpointError(f"frozen parameter {name!r}: no whole value in the checkpoint")
-        whole = whole.to(self.bit16)
+        whole = whole.load().to(self.bit16, copy=True)
         if self.stage < 3:
-            return whole.clone()
+            return whole
         return _piece(whole.reshape(-1), rank, self.world)
 
     # ---------------------------------------------------------------- stage 1/2
@@ -355,13 +395,12 @@ class _Target:
                 lo, hi = max(begin, left), min(begin + math.prod(shape), left + size)
                 if lo >= hi:
                     continue
-                where = f"{name}[{lo - begin}:{hi - begin}]"
-                master[lo - left:hi - left] = src.fp32[name].reshape(-1)[lo - begin:hi - begin]
+                master[lo - left:hi - left] = src.flat(name)[lo - begin:hi - begin]
                 for key, flat in elems.items():
-                    flat[lo - left:hi - left] = src.moment(name, key, where).reshape(-1)[lo - begin:hi - begin]
-            partitions.append(master[:lean].clone())
+                    flat[lo - left:hi - left] = src.flat(name, key)[lo - begin:hi - begin]
+            partitions.append(master[:lean])  # a view: torch.save keeps it lean, with no copy made here
             group_state = {**_scalars(src.group_scalars(g)), **elems}
-            states[g] = group_state if src.param_groups else {k: (v[:lean].clone() if k in elems else v)
+            states[g] = group_state if src.param_groups else {k: (v[:lean] if k in elems else v)
                                                                  for k, v in group_state.items()}
             paddings_out.append(padding)
             layout_paddings.append(pads)
@@ -375,7 +414,7 @@ class _Target:
                 "param_groups": [{**src.hyper_parameters(g), "params": [g]} for g in range(len(src.groups))]}
         else:
             optim["base_optimizer_state"] = [states[g] for g in range(len(src.groups))]
-            step = src.group_scalars(0).get("step")
+            step = _scalars(src.group_scalars(0)).get("step")
             optim["base_optimizer_state_step"] = step.item() if isinstance(step, torch.Tensor) else step
         optim.update({
             "single_partition_of_fp32_groups": partitions,
@@ -409,13 +448,19 @@ class _Target:
         flats, states, param_groups = [], {}, []
         for g in range(len(src.groups)):
             indices = []
+            numel = {n: math.prod(shape) for n, shape in src.groups[g]}
             for names in self._sub_groups(g):
-                keys = src.element_keys(g)
-                master = torch.cat([_piece(src.fp32[n].reshape(-1), rank, self.world) for n in names])
+                sizes = [math.ceil(numel[n] / self.world) for n in names]
                 state = _scalars(src.group_scalars(g))
-                for key in keys:
-                    state[key] = torch.cat([_piece(src.moment(n, key, n).reshape(-1), rank, self.world)
-                                            for n in names])
+                master = torch.zeros(sum(sizes), dtype=torch.float32)
+                elems = {key: torch.zeros(sum(sizes), dtype=torch.float32) for key in src.element_keys(g)}
+                start = 0
+                for name, size in zip(names, sizes):  # each parameter's piece, written in place
+                    _copy_piece(master[start:start + size], src.flat(name), rank)
+                    for key, flat in elems.items():
+                        _copy_piece(flat[start:start + size], src.flat(name, key), rank)
+                    start += size
+                state.update(elems)
                 states[len(flats)] = state
                 indices.append(len(flats))
                 flats.append(master)
@@ -437,17 +482,22 @@ def _enabled(config: dict, section: str) -> bool:
 
 def _piece(flat: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     """Rank's stage-3 piece of a flat parameter: ceil(numel / world) elements, zero-padded past the end."""
-    size = math.ceil(flat.numel() / world)
-    out = torch.zeros(size, dtype=flat.dtype)
-    lo, hi = rank * size, min((rank + 1) * size, flat.numel())
-    if lo < hi:
-        out[:hi - lo] = flat[lo:hi]
+    out = torch.zeros(math.ceil(flat.numel() / world), dtype=flat.dtype)
+    _copy_piece(out, flat, rank)
     return out
 
 
+def _copy_piece(out: torch.Tensor, flat: torch.Tensor, rank: int) -> None:
+    """Copy rank's stage-3 piece of ``flat`` (``out.numel()`` elements from rank * that) into zeroed ``out``."""
+    size = out.numel()
+    lo, hi = rank * size, min((rank + 1) * size, flat.numel())
+    if lo < hi:
+        out[:hi - lo] = flat[lo:hi]
+
+
 def _scalars(values: dict) -> dict:
-    """Copies of per-group optimizer values (tensors cloned, so no file holds a view of another's)."""
-    return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in values.items()}
+    """Per-group optimizer values, read (tensors copied, so no file holds a view of another's)."""
+    return {k: v.load().clone() if isinstance(v, _Lazy) else v for k, v in values.items()}
 
 
 def _zero_stage(stage: int) -> OpaqueObject:

@@ -213,10 +213,10 @@ def _to_safetensors(reader: ckptfmt.CheckpointReader, dest: str, *, max_shard_si
     if max_shard_size is None and not (os.path.isdir(dest) or dest.endswith(("/", os.sep))):
         write_atomically(dest, lambda tmp: write_file(tmp, tensors, metadata))
         return ExportResult(dest, len(tensors), os.path.getsize(dest), notes, [dest])
-    return _safetensors_shards(dest, tensors, metadata, max_shard_size or DEFAULT_SHARD_SIZE, notes)
+    return safetensors_shards(dest, tensors, metadata, max_shard_size or DEFAULT_SHARD_SIZE, notes)
 
 
-def _safetensors_shards(folder: str, tensors: list, metadata: dict, limit: int, notes: list[str]) -> ExportResult:
+def safetensors_shards(folder: str, tensors: list, metadata: dict, limit: int, notes: list[str]) -> ExportResult:
     """Hugging Face layout: model-0000i-of-0000N.safetensors and model.safetensors.index.json."""
     from .safetensors_format import INDEX_NAME
 

@@ -23,6 +23,8 @@ import torch
 pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (a test-only dependency: "
                     "DS_BUILD_OPS=0 pip install -c constraints-dev.txt deepspeed)")
 
+from safetensors.torch import load_file
+
 from ckptfmt.converters import import_checkpoint
 from ckptfmt.converters.deepspeed_export import _ZERO_STAGE_PICKLE
 from ckptfmt.converters.export import export_checkpoint
@@ -122,15 +124,15 @@ def test_next_step_equals_deepspeeds_own_resume(runs):
 @pytest.mark.parametrize("name", ["z2-bf16-to-3", "z3-bf16-to-3", "z3-fp32-to-3-stage1"])
 def test_zero_to_fp32_reads_the_export(runs, name):
     """DeepSpeed's zero_to_fp32 rebuilds the same weights from the export as from the original folder,
-    and the consolidated pytorch_model.bin beside it is exactly that."""
+    and the consolidated model.safetensors beside it is exactly that."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     source = EXPORTS[name][0]
     with contextlib.redirect_stdout(io.StringIO()):
         reference = get_fp32_state_dict_from_zero_checkpoint(str(runs / source))
         rebuilt = get_fp32_state_dict_from_zero_checkpoint(str(runs / name))
-    consolidated = torch.load(runs / name / "pytorch_model.bin", weights_only=True)
-    assert list(consolidated) == list(reference)
+    consolidated = load_file(runs / name / "model.safetensors")
+    assert sorted(consolidated) == sorted(reference)
     stage = EXPORTS[name][2]
     for key, tensor in reference.items():
         assert_bits(consolidated[key], tensor, key)
