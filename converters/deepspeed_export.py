@@ -40,7 +40,13 @@ from ckptfmt.dtypes import dtype_from_name
 from ckptfmt.errors import CheckpointError
 from ckptfmt.values import OpaqueObject, decode_tree
 
-from .export import DEFAULT_SHARD_SIZE, ExportResult, restore_opaque, safetensors_shards, write_atomically
+from .export import (
+    DEFAULT_SHARD_SIZE,
+    ExportResult,
+    restore_opaque,
+    safetensors_shards,
+    write_atomically,
+)
 from .safetensors_format import OutTensor, write_file
 
 #: The DeepSpeed version whose save layout this module writes, when the source names none.
