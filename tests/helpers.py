@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import struct
+import subprocess
+import sys
 import threading
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -61,6 +65,32 @@ def whole(value: Any) -> torch.Tensor:
     for shard in value.shards:
         out[tuple(slice(o, o + n) for o, n in zip(shard.offsets, shard.tensor.shape))] = shard.tensor
     return out
+
+
+def assert_bits(a: Any, b: Any, where: str = "") -> None:
+    """Bit-identical tensors of one dtype and shape, either given as a ckptfmt.Sharded (assembled first)."""
+    a, b = whole(a), whole(b)
+    assert a.dtype == b.dtype and a.shape == b.shape, f"{where}: {a.dtype} {list(a.shape)} != {b.dtype} {list(b.shape)}"
+    assert torch.equal(raw_bytes(a), raw_bytes(b)), f"{where}: bytes differ"
+
+
+def deepspeed_torchrun(script: str, ranks: int, *args: str, timeout: int = 900) -> None:
+    """Run tests/``script`` on ``ranks`` CPU ranks under torchrun (DeepSpeed on CPU, gloo); fail with its output."""
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", DS_BUILD_OPS="0")
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
+         str(Path(__file__).resolve().parent / script), *args],
+        check=False, env=env, capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-8000:]
+
+
+def exit_without_teardown() -> None:
+    """End a torchrun test script whose files are all written, skipping C++ static destructors: one of
+    them (DeepSpeed's CPU shared-memory comm op or gloo's threads) now and then aborts with "terminate
+    called without an active exception" at interpreter exit, failing an otherwise complete run."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def chunk_keys(repo_url: str, storage_options: dict | None = None) -> set[str]:

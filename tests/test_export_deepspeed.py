@@ -29,12 +29,11 @@ from ckptfmt.converters import import_checkpoint
 from ckptfmt.converters.deepspeed_export import _ZERO_STAGE_PICKLE
 from ckptfmt.converters.export import export_checkpoint
 from ckptfmt.converters.importer import read_source
-from helpers import whole
+from helpers import assert_bits, deepspeed_torchrun
 
 import ckptfmt
 from ckptfmt import CheckpointError
 
-HERE = Path(__file__).resolve().parent
 SAVED = {"z1-fp32": (1, "fp32"), "z2-bf16": (2, "bf16"), "z3-fp32": (3, "fp32"), "z3-bf16": (3, "bf16"),
          "z2-elastic": (2, "fp32-elastic"), "z2-fp16": (2, "fp16")}
 #: export name -> (source, world size, stage, dtype the loading run uses)
@@ -52,20 +51,12 @@ EXPORTS = {
 }
 
 
-def torchrun(ranks: int, *args: str) -> None:
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", DS_BUILD_OPS="0")
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
-         str(HERE / "deepspeed_roundtrip.py"), *args],
-        check=False, env=env, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-8000:]
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
     """Saved by DeepSpeed on 2 ranks, imported, exported, and loaded back by DeepSpeed on 3, 2 and 1 ranks."""
     out = tmp_path_factory.mktemp("deepspeed-export")
-    torchrun(2, "save", str(out), *(f"{name}:{stage}:{dtype}" for name, (stage, dtype) in SAVED.items()))
+    deepspeed_torchrun("deepspeed_roundtrip.py", 2, "save", str(out),
+                       *(f"{name}:{stage}:{dtype}" for name, (stage, dtype) in SAVED.items()))
     for name in SAVED:
         import_checkpoint(out / name, out / "repo" / name)
     for name, (source, world, stage, _) in EXPORTS.items():
@@ -74,19 +65,12 @@ def runs(tmp_path_factory) -> Path:
         specs = [f"{name}:{stage}:{dtype}" for name, (_, w, stage, dtype) in EXPORTS.items() if w == world]
         if world == 2:
             specs.append("z2-bf16:2:bf16")  # DeepSpeed loading its own folder: the reference for the next step
-        torchrun(world, "load", str(out), *specs)
+        deepspeed_torchrun("deepspeed_roundtrip.py", world, "load", str(out), *specs)
     return out
 
 
 def state(runs: Path, name: str) -> dict:
     return torch.load(runs / f"{name}.state.pt", weights_only=False)
-
-
-def assert_bits(a, b, where: str) -> None:
-    """Bit-identical tensors, either given as a ckptfmt.Sharded (what read_source gives split parameters)."""
-    a, b = whole(a), whole(b)
-    assert a.dtype == b.dtype and a.shape == b.shape, where
-    assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), where
 
 
 @pytest.mark.parametrize("name", list(EXPORTS))

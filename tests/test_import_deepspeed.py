@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import os
 import shutil
 import subprocess
 import sys
@@ -24,12 +23,11 @@ deepspeed = pytest.importorskip("deepspeed", reason="DeepSpeed is not installed 
 
 from ckptfmt.converters import import_checkpoint
 from ckptfmt.converters.importer import detect_kind, read_source
-from helpers import whole
+from helpers import assert_bits, deepspeed_torchrun, whole
 
 import ckptfmt
 from ckptfmt import CheckpointError
 
-HERE = Path(__file__).resolve().parent
 CONFIGS = [(0, "fp32"), (1, "fp32"), (2, "fp32"), (3, "fp32"), (1, "bf16"), (2, "bf16"), (3, "bf16"),
            (2, "fp32-elastic"), (1, "bf16-fp32acc")]
 #: and with 3 ranks (odd: stage-3 pieces of ceil(numel / 3), stage-1/2 alignment to 6), in OUT/ws3/
@@ -47,22 +45,10 @@ def runs(tmp_path_factory) -> Path:
     """Every configuration's checkpoint folder: one torchrun of 2 CPU ranks, one of 3."""
     out = tmp_path_factory.mktemp("deepspeed")
     (out / "ws3").mkdir()
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", DS_BUILD_OPS="0")
     for ranks, folder, configs in ((2, out, CONFIGS), (3, out / "ws3", CONFIGS_3)):
-        args = [a for stage, dtype in configs for a in (str(stage), dtype)]
-        result = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
-             str(HERE / "deepspeed_train.py"), str(folder), *args],
-            check=False, env=env, capture_output=True, text=True, timeout=900)
-        assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-8000:]
+        deepspeed_torchrun("deepspeed_train.py", ranks, str(folder),
+                           *(a for stage, dtype in configs for a in (str(stage), dtype)))
     return out
-
-
-def assert_bits(a, b) -> None:
-    """Bit-identical tensors, either given as a ckptfmt.Sharded (assembled first)."""
-    a, b = whole(a), whole(b)
-    assert a.dtype == b.dtype and a.shape == b.shape
-    assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
 
 
 def expected(runs: Path, name: str) -> dict:

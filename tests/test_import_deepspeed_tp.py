@@ -10,10 +10,7 @@ bit for bit: with the dims given (tp_dims), inferred, or read from universal_che
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,12 +21,11 @@ deepspeed = pytest.importorskip("deepspeed", reason="DeepSpeed is not installed 
 from ckptfmt.cli import main as cli
 from ckptfmt.converters import import_checkpoint
 from ckptfmt.converters.importer import read_source
-from helpers import whole
+from helpers import assert_bits, deepspeed_torchrun, whole
 
 import ckptfmt
 from ckptfmt import CheckpointError
 
-HERE = Path(__file__).resolve().parent
 CONFIGS = [(0, "fp32"), (1, "bf16"), (2, "fp32-uci"), (3, "fp32"), (3, "bf16")]
 ZERO = [f"z{stage}-{dtype}" for stage, dtype in CONFIGS if stage > 0]
 #: how the model splits each parameter over the 2 model-parallel ranks (None: replicated)
@@ -43,21 +39,9 @@ GROUPS = [(["embed.weight", "col.weight", "row.weight"], 0.1), (["norm.weight", 
 def runs(tmp_path_factory) -> Path:
     """Every configuration's checkpoint folder, from one torchrun of 4 CPU ranks."""
     out = tmp_path_factory.mktemp("deepspeed-tp")
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", DS_BUILD_OPS="0")
-    args = [a for stage, dtype in CONFIGS for a in (str(stage), dtype)]
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
-         str(HERE / "deepspeed_train_tp.py"), str(out), *args],
-        check=False, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-8000:]
+    deepspeed_torchrun("deepspeed_train_tp.py", 4, str(out),
+                       *(a for stage, dtype in CONFIGS for a in (str(stage), dtype)), timeout=600)
     return out
-
-
-def assert_bits(a, b) -> None:
-    """Bit-identical tensors, either given as a ckptfmt.Sharded (assembled first)."""
-    a, b = whole(a), whole(b)
-    assert a.dtype == b.dtype and a.shape == b.shape
-    assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
 
 
 def expected(runs: Path, name: str, key: str, param: str) -> torch.Tensor:
