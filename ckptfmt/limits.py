@@ -29,10 +29,17 @@ HASH_PATTERN = re.compile(r"[0-9a-f]{64}")
 RESERVED_NAMES = frozenset({"chunks", "ckptfmt.json"})
 
 
+def is_valid_name(name: object) -> bool:
+    """Whether ``name`` may name a checkpoint (spec 4.2).
+
+    Reserved names compare case-insensitively: 'Chunks' is 'chunks' on macOS and Windows.
+    """
+    return isinstance(name, str) and NAME_PATTERN.fullmatch(name) is not None and name.lower() not in RESERVED_NAMES
+
+
 def check_name(name: object) -> str:
     """Return ``name`` if it is a valid checkpoint name, else raise InvalidNameError."""
-    # Reserved names compare case-insensitively: 'Chunks' is 'chunks' on macOS and Windows.
-    if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name) or name.lower() in RESERVED_NAMES:
+    if not is_valid_name(name):
         raise InvalidNameError(
             f"invalid checkpoint name {name!r}: use 1-{MAX_NAME_LENGTH} characters from "
             "A-Z a-z 0-9 . _ -, starting with a letter or digit, not 'chunks' or 'ckptfmt.json'"

@@ -16,7 +16,7 @@ from typing import Any
 from . import layout
 from .errors import CheckpointError, CheckpointNotFoundError, CorruptDataError, ManifestError
 from .hashing import check_chunk
-from .limits import MAX_COMMIT_BYTES, MAX_MANIFEST_BYTES, MAX_MARKER_BYTES, NAME_PATTERN, RESERVED_NAMES, check_hash, check_name
+from .limits import MAX_COMMIT_BYTES, MAX_MANIFEST_BYTES, MAX_MARKER_BYTES, check_hash, check_name, is_valid_name
 from .manifest import FORMAT_VERSION, Manifest, check_version
 from .storage import Storage, open_storage
 
@@ -84,6 +84,17 @@ class CommitRecord:
             raise ManifestError(f"{where}: malformed commit record ({type(exc).__name__}: {exc})") from None
 
 
+@dataclass(frozen=True)
+class Listing:
+    """A repository's top-level entries, sorted."""
+
+    #: Valid checkpoint names with a commit record.
+    checkpoints: list[str]
+    #: Everything else but the marker and the chunk store: foreign files and folders,
+    #: invalid names, unfinished saves (no commit record). Readers ignore them.
+    ignored: list[str]
+
+
 class Repository:
     """Access to one repository's checkpoints and chunks through a Storage."""
 
@@ -129,12 +140,19 @@ class Repository:
     # -- checkpoints ---------------------------------------------------------
     def names(self) -> list[str]:
         """Names with a commit record, sorted (whether each record is valid is checked on reading it)."""
-        names = []
+        return self.listing().checkpoints
+
+    def listing(self) -> "Listing":
+        """The repository's top-level entries: checkpoints, and what readers ignore (spec 4.1)."""
+        checkpoints, ignored = [], []
         for entry in self.storage.list(""):
-            if NAME_PATTERN.fullmatch(entry) and entry not in RESERVED_NAMES:
-                if self.storage.exists(layout.commit_key(entry)):
-                    names.append(entry)
-        return names
+            if entry in (layout.MARKER_KEY, layout.CHUNKS_DIR):
+                continue
+            if is_valid_name(entry) and self.storage.exists(layout.commit_key(entry)):
+                checkpoints.append(entry)
+            else:
+                ignored.append(entry)
+        return Listing(checkpoints, ignored)
 
     def commit(self, name: str) -> CommitRecord:
         key = layout.commit_key(name)

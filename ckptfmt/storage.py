@@ -14,6 +14,7 @@ from __future__ import annotations
 import errno
 import mmap
 import os
+import stat
 import uuid
 from typing import Any
 
@@ -23,6 +24,13 @@ from fsspec.implementations.local import LocalFileSystem
 from .errors import CheckpointError, CheckpointNotFoundError, CorruptDataError, StorageError
 
 
+def _file_kind(mode: int) -> str:
+    """What a non-regular file is, for messages."""
+    kinds = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+             (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+    return next((name for test, name in kinds if test(mode)), "not a file")
+
+
 def _storage_error(exc: Exception, what: str) -> CheckpointError:
     """Translate a backend exception into the ckptfmt hierarchy."""
     if isinstance(exc, CheckpointError):
@@ -30,8 +38,10 @@ def _storage_error(exc: Exception, what: str) -> CheckpointError:
     if isinstance(exc, FileNotFoundError):
         return CheckpointNotFoundError(f"{what}: not found")
     if isinstance(exc, PermissionError):
-        return StorageError(f"{what}: permission denied ({exc})")
-    return StorageError(f"{what}: {type(exc).__name__}: {exc}")
+        return StorageError(f"{what}: permission denied")
+    if isinstance(exc, OSError) and exc.strerror:  # "Not a directory", not "NotADirectoryError: [Errno 20] ..."
+        return StorageError(f"{what}: {exc.strerror}")
+    return StorageError(f"{what}: {exc}")
 
 
 class Storage:
@@ -60,16 +70,25 @@ class Storage:
         return type(self)(self.fs, self.path(key), self.describe(key))
 
     # -- reads --------------------------------------------------------------
-    def read(self, key: str, *, max_size: int | None = None) -> bytes:
-        """All bytes of ``key``; with ``max_size``, refuses larger objects before reading them."""
-        try:
-            if not max_size:  # (a zero-length range is an error on S3)
-                data = self.fs.cat_file(self.path(key))
-            else:  # one ranged GET: one byte past the limit tells an oversized object apart
-                data = self.fs.cat_file(self.path(key), start=0, end=max_size + 1)
+    def read(self, key: str, *, max_size: int) -> bytes:
+        """All bytes of ``key``, refusing objects larger than ``max_size`` (0 means: must be empty).
+
+        Every read is bounded, whatever the object or a manifest claims.
+        """
+        if max_size == 0:  # a zero-length range is an error on S3: ask for the size instead
+            size = self.size(key)
+            if size is None:
+                raise CheckpointNotFoundError(f"{self.describe(key)}: not found")
+            if size:
+                raise CorruptDataError(f"{self.describe(key)}: {size} bytes, over the limit of 0")
+            return b""
+        try:  # one ranged GET: one byte past the limit tells an oversized object apart
+            data = self.fs.cat_file(self.path(key), start=0, end=max_size + 1)
         except Exception as exc:
+            if isinstance(exc, OSError) and exc.errno == errno.EINVAL and self.size(key) == 0:
+                return b""  # S3 answers any range of an empty object with 416
             raise _storage_error(exc, self.describe(key)) from None
-        if max_size is not None and len(data) > max_size:
+        if len(data) > max_size:
             raise CorruptDataError(f"{self.describe(key)}: over the limit of {max_size} bytes")
         return data
 
@@ -84,10 +103,12 @@ class Storage:
         """A private (copy-on-write) memory map of ``key``, or None where mapping is not possible."""
         return None
 
-    def size(self, key: str) -> int:
-        """Size in bytes of ``key``."""
+    def size(self, key: str) -> int | None:
+        """Size in bytes of ``key``, or None when there is no such object."""
         try:
             return int(self.fs.size(self.path(key)))
+        except FileNotFoundError:
+            return None
         except Exception as exc:
             raise _storage_error(exc, self.describe(key)) from None
 
@@ -156,53 +177,87 @@ class LocalStorage(Storage):
         #: Folders this storage created: their entries in their parents need an fsync too.
         self._new_dirs: set[str] = set()
 
-    def read(self, key: str, *, max_size: int | None = None) -> bytes:
-        path = self.path(key)
+    def _open_regular(self, key: str) -> tuple[int, int]:
+        """An open descriptor on ``key`` and its size, refusing anything but a regular file.
+
+        O_NONBLOCK: opening a FIFO must not wait for a writer; devices, FIFOs,
+        sockets and folders are refused before a single byte is read.
+        """
+        where = self.describe(key)
         try:
-            with open(path, "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                if max_size is not None and size > max_size:
-                    raise CorruptDataError(f"{self.describe(key)}: {size} bytes, over the limit of {max_size}")
-                return f.read()
+            fd = os.open(self.path(key), os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError as exc:
+            if exc.errno == errno.ENXIO:  # a socket, or a FIFO-like device without a peer
+                raise CorruptDataError(f"{where}: not a regular file (a socket or device)") from None
+            raise _storage_error(exc, where) from None
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            os.close(fd)
+            raise CorruptDataError(f"{where}: not a regular file ({_file_kind(info.st_mode)})")
+        return fd, info.st_size
+
+    def read(self, key: str, *, max_size: int) -> bytes:
+        fd, size = self._open_regular(key)
+        where = self.describe(key)
+        if size > max_size:
+            os.close(fd)
+            raise CorruptDataError(f"{where}: {size} bytes, over the limit of {max_size}")
+        try:
+            with open(fd, "rb") as f:
+                # st_size is a hint, not a bound: read at most one byte past the limit.
+                data = f.read(size + 1)
+                if len(data) > size:
+                    data += f.read(max_size + 1 - len(data))
         except Exception as exc:
-            raise _storage_error(exc, self.describe(key)) from None
+            raise _storage_error(exc, where) from None
+        if len(data) > max_size:
+            raise CorruptDataError(f"{where}: over the limit of {max_size} bytes")
+        return data
 
     def read_into(self, key: str, buffer: memoryview) -> None:
-        path = self.path(key)
+        fd, size = self._open_regular(key)
+        where = self.describe(key)
         try:
-            with open(path, "rb", buffering=0) as f:
-                size = os.fstat(f.fileno()).st_size
+            with open(fd, "rb", buffering=0) as f:
                 if size != len(buffer):
-                    raise CorruptDataError(f"{self.describe(key)}: {size} bytes, expected {len(buffer)}")
+                    raise CorruptDataError(f"{where}: {size} bytes, expected {len(buffer)}")
                 view = buffer.cast("B")
                 while view:
                     n = f.readinto(view)
                     if not n:
-                        raise CorruptDataError(f"{self.describe(key)}: truncated while reading")
+                        raise CorruptDataError(f"{where}: truncated while reading")
                     view = view[n:]
+                if f.read(1):
+                    raise CorruptDataError(f"{where}: longer than the {len(buffer)} bytes expected")
         except Exception as exc:
-            raise _storage_error(exc, self.describe(key)) from None
+            raise _storage_error(exc, where) from None
 
     def map(self, key: str, size: int) -> mmap.mmap | None:
         if size == 0:
             return None
+        fd, actual = self._open_regular(key)
         try:
-            with open(self.path(key), "rb") as f:
-                actual = os.fstat(f.fileno()).st_size
-                if actual != size:
-                    raise CorruptDataError(f"{self.describe(key)}: {actual} bytes, expected {size}")
-                mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+            if actual != size:
+                raise CorruptDataError(f"{self.describe(key)}: {actual} bytes, expected {size}")
+            mapping = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
         except Exception as exc:
             raise _storage_error(exc, self.describe(key)) from None
+        finally:
+            os.close(fd)
         if hasattr(mapping, "madvise"):
             mapping.madvise(mmap.MADV_WILLNEED)  # start reading the whole file ahead of the hash
         return mapping
 
-    def size(self, key: str) -> int:
+    def size(self, key: str) -> int | None:
         try:
-            return os.stat(self.path(key)).st_size
+            info = os.stat(self.path(key))
+        except FileNotFoundError:
+            return None
         except Exception as exc:
             raise _storage_error(exc, self.describe(key)) from None
+        if not stat.S_ISREG(info.st_mode):
+            raise CorruptDataError(f"{self.describe(key)}: not a regular file ({_file_kind(info.st_mode)})")
+        return info.st_size
 
     def exists(self, key: str) -> bool:
         return os.path.exists(self.path(key))

@@ -44,6 +44,8 @@ class VerifyReport:
     bytes_checked: int = 0
     seconds: float = 0.0
     problems: list[Problem] = field(default_factory=list)
+    #: Things worth knowing that are not damage: entries of the repository that readers ignore.
+    warnings: list[str] = field(default_factory=list)
     cancelled: bool = False
 
     @property
@@ -62,14 +64,19 @@ def verify(url: str | os.PathLike, *, storage_options: dict | None = None,
     callback = callback or NoOpCallback()
     started = time.perf_counter()
     storage = open_storage(url, storage_options)
+    warnings = []
     if storage.exists(layout.MARKER_KEY):
         repo = Repository(storage)
         repo.check_marker()
-        names = repo.names()
+        listing = repo.listing()
+        names = listing.checkpoints
+        if listing.ignored:
+            warnings.append(f"ignored {len(listing.ignored)} entries that are not committed checkpoints "
+                            f"(foreign files, invalid names or unfinished saves): {', '.join(listing.ignored)}")
     else:
         repo, name = resolve(url, storage_options)
         names = [name]
-    report = VerifyReport(url=os.fspath(url), checkpoints=names)
+    report = VerifyReport(url=os.fspath(url), checkpoints=names, warnings=warnings)
     manifests: dict[str, Manifest] = {}
     for name in names:
         try:

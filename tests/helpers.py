@@ -17,6 +17,10 @@ from ckptfmt import layout
 from ckptfmt.storage import open_storage
 
 
+#: A size bound for tests that read whole objects back (``Storage.read`` always takes one).
+ANY_SIZE = 2**40
+
+
 def raw_bytes(t: torch.Tensor) -> torch.Tensor:
     """A tensor's bytes as a flat uint8 tensor (so NaNs and -0.0 compare bit for bit)."""
     return t.detach().contiguous().reshape(-1).view(torch.uint8)

@@ -11,7 +11,7 @@ import pytest
 from ckptfmt.errors import CheckpointError, CheckpointNotFoundError, CorruptDataError, StorageError
 from ckptfmt.storage import LocalStorage, Storage, open_storage
 
-from helpers import run_in_threads
+from helpers import ANY_SIZE, run_in_threads
 
 
 @pytest.fixture
@@ -26,7 +26,7 @@ def test_open_storage_picks_the_local_specialisation(backend, storage):
 
 def test_write_then_read(storage):
     storage.write("a/b/c.bin", b"hello world")
-    assert storage.read("a/b/c.bin") == b"hello world"
+    assert storage.read("a/b/c.bin", max_size=ANY_SIZE) == b"hello world"
     assert storage.size("a/b/c.bin") == 11
     assert storage.exists("a/b/c.bin")
 
@@ -35,14 +35,14 @@ def test_write_replaces_and_accepts_buffers(storage):
     storage.write("k", b"first version, longer")
     values = np.arange(10, dtype=np.float32)
     storage.write("k", memoryview(values))  # any buffer: the writer passes views of tensor memory
-    assert storage.read("k") == values.tobytes()
+    assert storage.read("k", max_size=ANY_SIZE) == values.tobytes()
     storage.write("k", bytearray(b"third"))
-    assert storage.read("k") == b"third"
+    assert storage.read("k", max_size=ANY_SIZE) == b"third"
 
 
 def test_empty_object(storage):
     storage.write("empty", b"")
-    assert storage.read("empty") == b""
+    assert storage.read("empty", max_size=ANY_SIZE) == b""
     assert storage.size("empty") == 0
     storage.read_into("empty", memoryview(bytearray()))
 
@@ -74,10 +74,10 @@ def test_read_max_size(storage):
 
 def test_missing_key(storage):
     for call in (
-        lambda: storage.read("no/such/key"),
+        lambda: storage.read("no/such/key", max_size=ANY_SIZE),
         lambda: storage.read("no/such/key", max_size=10),
         lambda: storage.read_into("no/such/key", memoryview(bytearray(4))),
-        lambda: storage.size("no/such/key"),
+        lambda: storage.read("no/such/key", max_size=0),
     ):
         with pytest.raises(CheckpointNotFoundError) as info:
             call()
@@ -85,6 +85,16 @@ def test_missing_key(storage):
         assert isinstance(info.value, FileNotFoundError)
         assert "no/such/key" in str(info.value)
     assert not storage.exists("no/such/key")
+    assert storage.size("no/such/key") is None
+
+
+def test_a_zero_bound_means_empty_not_unbounded(storage):
+    """max_size=0 reads only empty objects: a 0 in a manifest never turns into an unbounded read."""
+    storage.write("empty", b"")
+    storage.write("full", b"x" * 100_000)
+    assert storage.read("empty", max_size=0) == b""
+    with pytest.raises(CorruptDataError, match="full"):
+        storage.read("full", max_size=0)
 
 
 def test_list_names_direct_children_only(storage):
@@ -115,21 +125,21 @@ def test_delete(storage):
     assert not storage.exists("d/x")
     assert storage.list("d") == ["y"]
     with pytest.raises(CheckpointNotFoundError):
-        storage.read("d/x")
+        storage.read("d/x", max_size=ANY_SIZE)
     storage.delete("d/x")  # deleting what is gone is not an error
 
 
 def test_create_is_write_once(storage):
     storage.create("c/COMMIT", b"winner")
-    assert storage.read("c/COMMIT") == b"winner"
+    assert storage.read("c/COMMIT", max_size=ANY_SIZE) == b"winner"
     with pytest.raises(FileExistsError):
         storage.create("c/COMMIT", b"loser")
-    assert storage.read("c/COMMIT") == b"winner"
+    assert storage.read("c/COMMIT", max_size=ANY_SIZE) == b"winner"
     # A key written by plain write() counts as existing too.
     storage.write("c/other", b"x")
     with pytest.raises(FileExistsError):
         storage.create("c/other", b"y")
-    assert storage.read("c/other") == b"x"
+    assert storage.read("c/other", max_size=ANY_SIZE) == b"x"
 
 
 def test_create_on_s3_is_a_conditional_put(s3_bucket, monkeypatch):
@@ -147,7 +157,7 @@ def test_create_on_s3_is_a_conditional_put(s3_bucket, monkeypatch):
     with pytest.raises(FileExistsError):
         storage.create("name/COMMIT", b"second")
     monkeypatch.undo()
-    assert open_storage(f"{s3_bucket}/repo").read("name/COMMIT") == b"first"
+    assert open_storage(f"{s3_bucket}/repo").read("name/COMMIT", max_size=ANY_SIZE) == b"first"
 
 
 def test_local_create_race_has_one_winner(tmp_path):
@@ -165,7 +175,7 @@ def test_local_create_race_has_one_winner(tmp_path):
 
     run_in_threads(attempt, 8)
     assert len(winners) == 1 and len(losers) == 7
-    assert storage.read("race/COMMIT") == f"writer {winners[0]}".encode()
+    assert storage.read("race/COMMIT", max_size=ANY_SIZE) == f"writer {winners[0]}".encode()
     assert storage.list("race") == ["COMMIT"]  # no temp files left behind
 
 
@@ -182,7 +192,7 @@ def test_local_writes_leave_no_temp_files(tmp_path):
 def test_child_storage(storage):
     child = storage.child("sub")
     child.write("x", b"inner")
-    assert storage.read("sub/x") == b"inner"
+    assert storage.read("sub/x", max_size=ANY_SIZE) == b"inner"
     assert child.list("") == ["x"]
     assert child.describe("x") == storage.describe("sub/x")
 
