@@ -20,6 +20,9 @@ MAX_NESTING = 256
 MAX_TENSORS = 2_000_000
 MAX_CHUNKS = 10_000_000
 MAX_SHARDS_PER_TENSOR = 1_000_000
+#: Shards and pieces of all tensors together: what one manifest may ask a reader to check.
+MAX_SHARDS = 2**24
+MAX_PIECES = 2**24
 MAX_CHUNK_BYTES = 4 * 2**30
 MAX_TENSOR_BYTES = 2**48
 

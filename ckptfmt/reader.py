@@ -10,7 +10,7 @@ import torch
 
 from .chunkio import ChunkReader
 from .errors import CheckpointError, CheckpointNotFoundError, ManifestError
-from .manifest import Manifest, TensorEntry
+from .manifest import Manifest, Piece, TensorEntry
 from .repository import Repository, resolve
 from .rng import apply_rng
 from .dtypes import dtype_from_name, itemsize
@@ -162,29 +162,52 @@ class CheckpointReader:
         return raw.view(dtype_from_name(entry.dtype)).reshape(entry.shape)
 
     def _assemble(self, entry: TensorEntry, parallel: bool) -> torch.Tensor:
-        """The tensor in fresh memory, its shards and pieces read into place."""
+        """The tensor in fresh memory, its shards' pieces read into place.
+
+        Each chunk is read (and decoded) once for the whole tensor however many
+        pieces use it; a shard of a sharded tensor gets a buffer of its own
+        until its last piece arrives, then takes its place in the tensor.
+        """
         try:
             tensor = empty(entry.dtype, entry.shape)
         except RuntimeError as exc:
             raise CheckpointError(f"{self.url}: cannot allocate tensor {entry.key!r}: {exc}") from None
         whole = len(entry.shards) == 1
-        for shard in entry.shards:
-            target = tensor if whole else empty(entry.dtype, shard.shape)
-            self._fill(byte_view(target), shard.pieces, parallel)
-            if not whole:
-                tensor[tuple(slice(o, o + n) for o, n in zip(shard.offsets, shard.shape))] = target
+        buffers: dict[int, torch.Tensor] = {}
+        waiting = [len(shard.pieces) for shard in entry.shards]
+
+        def region(shard_index: int, position: int, length: int) -> memoryview:
+            if whole:
+                return byte_view(tensor)[position : position + length]
+            if shard_index not in buffers:
+                buffers[shard_index] = empty(entry.dtype, entry.shards[shard_index].shape)
+            return byte_view(buffers[shard_index])[position : position + length]
+
+        for index, uses in _uses_by_chunk(entry).items():
+            if len(uses) == 1 and self._chunks.can_read_into(index, uses[0][2].length):
+                shard_index, position, piece = uses[0]
+                self._chunks.read_into(index, region(shard_index, position, piece.length), parallel=parallel)
+            else:
+                data = memoryview(self._chunks.read(index, parallel=parallel))
+                for shard_index, position, piece in uses:
+                    region(shard_index, position, piece.length)[:] = data[piece.offset : piece.offset + piece.length]
+            for shard_index, _, _ in uses:
+                waiting[shard_index] -= 1
+                if not whole and not waiting[shard_index]:
+                    shard = entry.shards[shard_index]
+                    tensor[tuple(slice(o, o + n) for o, n in zip(shard.offsets, shard.shape))] = buffers.pop(shard_index)
         return tensor
 
-    def _fill(self, target: memoryview, pieces, parallel: bool) -> None:
+
+def _uses_by_chunk(entry: TensorEntry) -> dict[int, list[tuple[int, int, Piece]]]:
+    """Every piece of a tensor as (shard index, byte position in the shard, piece), grouped by chunk."""
+    uses: dict[int, list[tuple[int, int, Piece]]] = {}
+    for shard_index, shard in enumerate(entry.shards):
         position = 0
-        for piece in pieces:
-            region = target[position : position + piece.length]
-            if self._chunks.can_read_into(piece.chunk, piece.length):
-                self._chunks.read_into(piece.chunk, region, parallel=parallel)
-            else:
-                data = self._chunks.read(piece.chunk, parallel=parallel)
-                region[:] = memoryview(data)[piece.offset : piece.offset + piece.length]
+        for piece in shard.pieces:
+            uses.setdefault(piece.chunk, []).append((shard_index, position, piece))
             position += piece.length
+    return uses
 
 
 def open(url: str | os.PathLike, *, storage_options: dict | None = None,

@@ -19,6 +19,7 @@ from .hashing import check_chunk
 from .limits import MAX_COMMIT_BYTES, MAX_MANIFEST_BYTES, MAX_MARKER_BYTES, check_hash, check_name, is_valid_name
 from .manifest import FORMAT_VERSION, Manifest, check_version
 from .storage import Storage, open_storage
+from .values import unique_map
 
 REPO_FORMAT = "ckptfmt-repository"
 COMMIT_FORMAT = "ckptfmt-commit"
@@ -52,7 +53,7 @@ class CommitRecord:
     @classmethod
     def from_bytes(cls, data: bytes, where: str) -> "CommitRecord":
         try:
-            doc = json.loads(data)
+            doc = json.loads(data, object_pairs_hook=unique_map)
             if not isinstance(doc, dict) or doc.get("format") != COMMIT_FORMAT:
                 raise ManifestError("not a ckptfmt commit record")
             check_version(doc.get("version"), "commit record")
@@ -80,8 +81,10 @@ class CommitRecord:
             )
         except CheckpointError as exc:
             raise type(exc)(f"{where}: {exc}") from None
-        except (ValueError, KeyError, TypeError, RecursionError) as exc:  # RecursionError: deep JSON nesting
-            raise ManifestError(f"{where}: malformed commit record ({type(exc).__name__}: {exc})") from None
+        except KeyError as exc:
+            raise ManifestError(f"{where}: malformed commit record (missing field {exc})") from None
+        except (ValueError, TypeError, RecursionError) as exc:  # RecursionError: deep JSON nesting
+            raise ManifestError(f"{where}: malformed commit record ({exc})") from None
 
 
 @dataclass(frozen=True)
@@ -128,11 +131,13 @@ class Repository:
     def check_marker(self) -> None:
         where = self.storage.describe(layout.MARKER_KEY)
         try:
-            doc = json.loads(self.storage.read(layout.MARKER_KEY, max_size=MAX_MARKER_BYTES))
+            doc = json.loads(self.storage.read(layout.MARKER_KEY, max_size=MAX_MARKER_BYTES), object_pairs_hook=unique_map)
         except CheckpointError:
             raise
         except (ValueError, RecursionError):  # RecursionError: deep JSON nesting
             raise ManifestError(f"{where}: not valid JSON") from None
+        except ManifestError as exc:  # a duplicate key
+            raise ManifestError(f"{where}: {exc}") from None
         if not isinstance(doc, dict) or doc.get("format") != REPO_FORMAT:
             raise ManifestError(f"{where}: not a ckptfmt repository marker")
         check_version(doc.get("version"), where)

@@ -72,5 +72,7 @@ def apply_rng(entry: dict, where: str) -> None:
             random.setstate((python_state["version"], tuple(python_state["state"]), python_state["gauss_next"]))
     except CheckpointError:
         raise
-    except (KeyError, TypeError, ValueError, RuntimeError, OverflowError) as exc:
-        raise CheckpointError(f"{where}: malformed RNG state ({type(exc).__name__}: {exc})") from None
+    except KeyError as exc:
+        raise CheckpointError(f"{where}: malformed RNG state (missing field {exc})") from None
+    except (TypeError, ValueError, RuntimeError, OverflowError) as exc:
+        raise CheckpointError(f"{where}: malformed RNG state ({exc})") from None

@@ -157,6 +157,15 @@ def encode_tree(value: Any, on_tensor: OnTensor | None = None) -> bytes:
     return _packb(_Encoder(on_tensor).pack(value, ()))
 
 
+def unique_map(pairs: list[tuple]) -> dict:
+    """A msgpack map as a dict, refusing duplicate keys: readers must not differ on which one wins."""
+    value = dict(pairs)
+    if len(value) != len(pairs):
+        duplicate = next(k for i, (k, _) in enumerate(pairs) if any(k == other for other, _ in pairs[:i]))
+        raise ManifestError(f"map has the key {duplicate!r} twice")
+    return value
+
+
 class _Decoder:
     def __init__(self, resolve_tensor: Callable[[int], Any] | None):
         self.resolve_tensor = resolve_tensor
@@ -174,7 +183,7 @@ class _Decoder:
             # (a segfault). An Unpacker keeps that state on the heap. Its length limits default
             # to the buffer size, as unpackb's do to the input's length.
             unpacker = msgpack.Unpacker(raw=False, strict_map_key=False, ext_hook=self.ext_hook, use_list=True,
-                                        max_buffer_size=max(len(data), 1))
+                                        object_pairs_hook=unique_map, max_buffer_size=max(len(data), 1))
             unpacker.feed(data)
             value = unpacker.unpack()
             if unpacker.tell() != len(data):
@@ -185,7 +194,7 @@ class _Decoder:
         except TypeError as exc:  # unhashable map key
             raise ManifestError(f"value tree: invalid map key ({exc})") from None
         except Exception as exc:
-            raise ManifestError(f"value tree: malformed msgpack ({type(exc).__name__}: {exc})") from None
+            raise ManifestError(f"value tree: malformed msgpack ({exc})") from None
         finally:
             self.depth -= 1
 

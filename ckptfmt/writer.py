@@ -29,7 +29,8 @@ from .errors import (
 from .hashcache import DEFAULT_CACHE, HashCache
 from .hashing import chunk_hash
 from .limits import MAX_CHUNK_BYTES, MAX_KEY_BYTES, check_name
-from .manifest import Chunk, Manifest, Piece, Shard, TensorEntry, check_tiling
+from .manifest import Chunk, Manifest, Piece, Shard, TensorEntry
+from .tiling import check_tiling
 from .repository import CommitRecord, Repository, split_checkpoint_url
 from .rng import capture_rng
 from .sharded import Shard as ShardInput, Sharded
@@ -283,10 +284,10 @@ class _TensorCollector:
             raise UnsupportedValueError(f"{where}: shards have different dtypes {sorted(dtypes)}")
         boxes = tuple(Shard(offsets, self.sources[src].shape, rank, ()) for src, offsets, rank in shards)
         try:
-            check_tiling(where, value.shape, boxes)
             if any(len(b.offsets) != len(value.shape) or len(b.shape) != len(value.shape) or
                    any(o + n > d for o, n, d in zip(b.offsets, b.shape, value.shape)) for b in boxes):
                 raise ManifestError(f"{where}: a shard lies outside the global shape {list(value.shape)}")
+            check_tiling(where, value.shape, boxes)
         except ManifestError as exc:
             raise UnsupportedValueError(str(exc)) from None
         return {"key": key, "same_as": None, "dtype": dtypes.pop(), "shape": value.shape, "kind": "tensor",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import struct
 import subprocess
@@ -10,10 +11,12 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import numpy as np
 import torch
 
 from ckptfmt import layout
+from ckptfmt.hashing import chunk_hash
 from ckptfmt.storage import open_storage
 
 
@@ -126,3 +129,16 @@ def run_in_threads(target, count: int) -> None:
         thread.start()
     for thread in threads:
         thread.join()
+
+
+def rewrite_manifest(storage, name: str, change) -> None:
+    """Apply ``change`` to checkpoint ``name``'s manifest document and commit the result."""
+    commit = json.loads(storage.read(layout.commit_key(name), max_size=ANY_SIZE))
+    doc = msgpack.unpackb(storage.read(layout.manifest_key(name, commit["manifest"]), max_size=ANY_SIZE), raw=False,
+                          strict_map_key=False)
+    change(doc)
+    data = msgpack.packb(doc, use_bin_type=True)
+    digest = chunk_hash(data)
+    storage.write(layout.manifest_key(name, digest), data)
+    storage.write(layout.commit_key(name), json.dumps({**commit, "manifest": digest,
+                                                       "manifest_size": len(data)}).encode())

@@ -37,7 +37,7 @@ from ckptfmt.repository import CommitRecord, Repository
 from ckptfmt.storage import open_storage
 from ckptfmt.values import decode_tree, encode_tree
 
-from helpers import ANY_SIZE, assert_same
+from helpers import ANY_SIZE, assert_same, rewrite_manifest
 
 NAME = "victim"
 
@@ -644,19 +644,6 @@ def test_manifest_hash_pointing_elsewhere(committed):
 # -- versions --------------------------------------------------------------------------
 
 
-def rewrite_manifest(storage, name: str, change) -> None:
-    """Apply ``change`` to checkpoint ``name``'s manifest document and commit the result."""
-    commit = json.loads(storage.read(layout.commit_key(name), max_size=ANY_SIZE))
-    doc = msgpack.unpackb(storage.read(layout.manifest_key(name, commit["manifest"]), max_size=ANY_SIZE), raw=False,
-                          strict_map_key=False)
-    change(doc)
-    data = msgpack.packb(doc, use_bin_type=True)
-    digest = chunk_hash(data)
-    storage.write(layout.manifest_key(name, digest), data)
-    storage.write(layout.commit_key(name), json.dumps({**commit, "manifest": digest,
-                                                       "manifest_size": len(data)}).encode())
-
-
 def test_newer_major_versions_are_refused(repo_url):
     state = {"w": torch.arange(4)}
     ckptfmt.save(state, f"{repo_url}/a")
@@ -757,3 +744,19 @@ def test_consistent_but_hostile_manifests(victim, case):
             call_each_allowing_checkpoint_errors(entry_points.values())
     finally:
         install(repo_url, data, NAME)  # leave the module's victim intact
+
+
+# -- duplicate keys: two readers must never disagree on which value wins ------------------------
+
+
+def test_duplicate_map_keys_are_refused_everywhere(victim, base_bytes):
+    doc = msgpack.unpackb(base_bytes[1], raw=False, strict_map_key=False)
+    pairs = list(doc.items()) + [("name", "other")]
+    with pytest.raises(ManifestError, match="'name' twice"):
+        Manifest.from_bytes(msgpack.Packer(use_bin_type=True).pack_map_pairs(pairs), "m")
+    inner = msgpack.Packer().pack_map_pairs([("x", 1), ("x", 2)])
+    with pytest.raises(ManifestError, match="'x' twice"):
+        decode_tree(inner)
+    record = b'{"format": "ckptfmt-commit", "format": "ckptfmt-commit", "version": [1, 0]}'
+    with pytest.raises(ManifestError, match="'format' twice"):
+        CommitRecord.from_bytes(record, "COMMIT")

@@ -88,10 +88,16 @@ def test_missing_key(storage):
     assert storage.size("no/such/key") is None
 
 
-def test_a_zero_bound_means_empty_not_unbounded(storage):
+def test_a_zero_bound_means_empty_not_unbounded(storage, monkeypatch):
     """max_size=0 reads only empty objects: a 0 in a manifest never turns into an unbounded read."""
     storage.write("empty", b"")
     storage.write("full", b"x" * 100_000)
+    def no_unbounded_reads(path, start=None, end=None, **kwargs):
+        assert end is not None, "a read without a bound"
+        return real_cat(path, start=start, end=end, **kwargs)
+
+    real_cat = storage.fs.cat_file
+    monkeypatch.setattr(storage.fs, "cat_file", no_unbounded_reads)
     assert storage.read("empty", max_size=0) == b""
     with pytest.raises(CorruptDataError, match="full"):
         storage.read("full", max_size=0)
