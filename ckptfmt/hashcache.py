@@ -15,7 +15,6 @@ from collections import OrderedDict
 
 import xxhash
 
-from .hashing import chunk_hash
 
 _MAX_ENTRIES = 200_000
 
@@ -28,23 +27,28 @@ class HashCache:
         self._lock = threading.Lock()
         self._max = max_entries
 
-    def hash(self, data: memoryview, address: int | None) -> str:
-        """BLAKE3 of ``data``; reuses the last result for ``address`` if the bytes are unchanged."""
-        if address is None:
-            return chunk_hash(data)
+    def lookup(self, data: memoryview, address: int) -> tuple[bytes, str | None, bool]:
+        """(XXH3 fingerprint of ``data``, the digest remembered for these exact bytes or None,
+        whether ``address`` was remembered at all)."""
         fingerprint = xxhash.xxh3_128_digest(data)
-        key = (address, len(data))
         with self._lock:
-            known = self._entries.get(key)
+            known = self._entries.get((address, len(data)))
         if known is not None and known[0] == fingerprint:
-            return known[1]
-        digest = chunk_hash(data)
+            return fingerprint, known[1], True
+        return fingerprint, None, known is not None
+
+    def remember(self, address: int, length: int, fingerprint: bytes, digest: str) -> None:
+        """Record that the ``length`` bytes at ``address`` with this fingerprint hash to ``digest``.
+
+        Callers must have computed both over the same bytes (one private copy,
+        or a fingerprint taken again after hashing that came out equal).
+        """
+        key = (address, length)
         with self._lock:
             self._entries[key] = (fingerprint, digest)
             self._entries.move_to_end(key)
             while len(self._entries) > self._max:
                 self._entries.popitem(last=False)
-        return digest
 
 
 #: Shared by every save of this process.

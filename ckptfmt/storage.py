@@ -11,6 +11,7 @@ kinds: ``write`` (idempotent, for content-addressed chunks) and ``create``
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import mmap
 import os
@@ -158,11 +159,100 @@ class Storage:
         except Exception as exc:
             raise _storage_error(exc, self.describe(key)) from None
 
+    def stage(self, directory: str) -> "Staged":
+        """A new object written block by block, visible under no key until published.
+
+        Here the blocks gather in memory and publishing is one PUT; local disks
+        stream them to a temporary file in ``directory`` instead.
+        """
+        return Staged(self)
+
     def sync(self, keys: list[str]) -> None:
         """Make the named keys' directory entries durable (object stores already are)."""
 
+    def make_durable(self, keys: list[str]) -> None:
+        """Make objects this process found rather than wrote (a killed save's) as durable as its own."""
+
     def makedirs(self, key: str) -> None:
         """Create the folder ``key`` where folders exist (object stores have none)."""
+
+
+class Staged:
+    """An object being written that no key names yet: published under its key once complete, or discarded."""
+
+    def __init__(self, storage: Storage):
+        self._storage = storage
+        self._buffer = bytearray()
+
+    def write(self, block) -> None:
+        self._buffer += block
+
+    def publish(self, key: str) -> None:
+        self._storage.write(key, self._buffer)
+        self._buffer = bytearray()
+
+    def discard(self) -> None:
+        self._buffer = bytearray()
+
+
+def _write_all(fd: int, data) -> None:
+    """os.write until every byte of ``data`` is written."""
+    view = memoryview(data).cast("B")
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+class _StagedFile(Staged):
+    """A temporary file ``.<basename>.tmp-<12 hex>`` (spec 11.2): fsynced, then renamed or linked onto its key.
+
+    Every local write goes through one: a chunk streamed from memory that may
+    still change (basename ``staged``, its key known only once it is hashed),
+    a manifest, a commit record.
+    """
+
+    def __init__(self, storage: "LocalStorage", directory: str, basename: str = "staged"):
+        self._storage = storage
+        self._fd = -1
+        try:
+            storage.makedirs(directory)
+            self.path = os.path.join(storage.path(directory), f".{basename}.tmp-{uuid.uuid4().hex[:12]}")
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        except Exception as exc:
+            raise _storage_error(exc, storage.describe(directory)) from None
+
+    def write(self, block) -> None:
+        try:
+            _write_all(self._fd, block)
+        except Exception as exc:
+            self.discard()
+            raise _storage_error(exc, self.path) from None
+
+    def seal(self) -> str:
+        """fsync and close the file; returns its path."""
+        try:
+            os.fsync(self._fd)
+        except Exception as exc:
+            self.discard()
+            raise _storage_error(exc, self.path) from None
+        os.close(self._fd)
+        self._fd = -1
+        return self.path
+
+    def publish(self, key: str) -> None:
+        self.seal()
+        try:
+            self._storage.makedirs(os.path.dirname(key))
+            os.replace(self.path, self._storage.path(key))
+        except Exception as exc:
+            self.discard()
+            raise _storage_error(exc, self._storage.describe(key)) from None
+
+    def discard(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
 
 
 class LocalStorage(Storage):
@@ -286,37 +376,19 @@ class LocalStorage(Storage):
         self._known_dirs.add(path)
         self._new_dirs.update(missing)
 
-    def _write_temp(self, key: str, data) -> str:
-        """Write ``data`` durably to a temp file beside ``key``; returns its path."""
-        path = self.path(key)
-        directory, name = os.path.split(path)
-        self.makedirs(os.path.relpath(directory, self.root) if directory != self.root else "")
-        tmp = os.path.join(directory, f".{name}.tmp-{uuid.uuid4().hex[:12]}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            view = memoryview(data).cast("B")
-            while view:
-                view = view[os.write(fd, view) :]
-            os.fsync(fd)
-        except BaseException:
-            os.close(fd)
-            os.unlink(tmp)
-            raise
-        os.close(fd)
-        return tmp
+    def _staged(self, key: str, data) -> _StagedFile:
+        """``data`` in a temporary file beside ``key``, not yet sealed."""
+        directory, name = os.path.split(key)
+        staged = _StagedFile(self, directory, name)
+        staged.write(data)
+        return staged
 
     def write(self, key: str, data) -> None:
-        try:
-            tmp = self._write_temp(key, data)
-            os.replace(tmp, self.path(key))
-        except Exception as exc:
-            raise _storage_error(exc, self.describe(key)) from None
+        self._staged(key, data).publish(key)
 
     def create(self, key: str, data: bytes) -> None:
-        try:
-            tmp = self._write_temp(key, data)
-        except Exception as exc:
-            raise _storage_error(exc, self.describe(key)) from None
+        staged = self._staged(key, data)
+        tmp = staged.seal()
         try:
             os.link(tmp, self.path(key))  # atomic, and fails if the key exists
         except FileExistsError:
@@ -324,7 +396,7 @@ class LocalStorage(Storage):
         except Exception as exc:
             raise _storage_error(exc, self.describe(key)) from None
         finally:
-            os.unlink(tmp)
+            staged.discard()
         self.sync([key])
 
     def delete(self, key: str) -> None:
@@ -335,11 +407,40 @@ class LocalStorage(Storage):
         except Exception as exc:
             raise _storage_error(exc, self.describe(key)) from None
 
+    def stage(self, directory: str) -> Staged:
+        return _StagedFile(self, directory)
+
     def sync(self, keys: list[str]) -> None:
         directories = {os.path.dirname(self.path(k)) for k in keys}
         directories.update(os.path.dirname(d) for d in self._new_dirs)
         self._new_dirs.clear()
-        for directory in sorted(directories, key=len, reverse=True):
+        self._fsync_folders(directories)
+
+    def make_durable(self, keys: list[str]) -> None:
+        """fsync each file, then every folder from its own up to the root: a killed save may have
+        died before making any of these entries durable, even folders it created."""
+        folders = set()
+        for key in keys:
+            path = self.path(key)
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            except Exception as exc:
+                raise _storage_error(exc, self.describe(key)) from None
+            folder = os.path.dirname(path)
+            folders.add(folder)
+            while len(folder) > len(self.root):
+                folder = os.path.dirname(folder)
+                folders.add(folder)
+        self._fsync_folders(folders)
+
+    @staticmethod
+    def _fsync_folders(folders) -> None:
+        """fsync folders, deepest first (their entries in their parents come next)."""
+        for directory in sorted(folders, key=len, reverse=True):
             try:
                 fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
             except FileNotFoundError:

@@ -10,23 +10,21 @@ from __future__ import annotations
 
 import operator
 import os
-import threading
 import time
 import warnings
-from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import msgpack
 import torch
 
 from . import codecs, layout
-from .chunker import DEFAULT_CHUNK_SIZE, ChunkJob, ChunkPlanner, PieceRef
+from .chunker import DEFAULT_CHUNK_SIZE, ChunkPlanner, PieceRef
 from .environment import capture_environment
 from .errors import (
     CheckpointError, CheckpointExistsError, CheckpointNotFoundError, ManifestError, UnsupportedValueError,
 )
-from .hashcache import DEFAULT_CACHE, HashCache
+from .hashcache import DEFAULT_CACHE
+from .chunk_writer import ChunkWriter, StoredChunk
 from .hashing import chunk_hash
 from .limits import MAX_CHUNK_BYTES, MAX_KEY_BYTES, check_name
 from .manifest import Chunk, Manifest, Piece, Shard, TensorEntry
@@ -40,83 +38,6 @@ from .topology import capture_topology, current_rank
 from .values import encode_tree, format_key
 
 _LATEST = object()
-
-
-@dataclass
-class _StoredChunk:
-    chunk: Chunk
-    written: int
-
-
-class _ChunkWriter:
-    """Hashes, deduplicates and stores chunk jobs on a thread pool, with bounded memory."""
-
-    def __init__(self, repo: Repository, sources: list[TensorSource], compression: str | None,
-                 known: set[str], cache: HashCache, workers: int):
-        self.repo = repo
-        self.sources = sources
-        self.compression = compression
-        self.known = known
-        self.cache = cache
-        self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckptfmt-save")
-        # Jobs materialise their bytes only when they run (packs, compression, remote
-        # copies), so this bounds both the queue and the memory in flight.
-        self.slots = threading.BoundedSemaphore(workers)
-        self.futures: dict[int, Future] = {}
-        self.claimed: set[str] = set()
-        self.lock = threading.Lock()
-        self.written_keys: list[str] = []
-
-    def submit(self, job: ChunkJob) -> None:
-        self.slots.acquire()
-        future = self.pool.submit(self._store, job)
-        future.add_done_callback(lambda _: self.slots.release())
-        self.futures[job.index] = future
-
-    def results(self) -> dict[int, _StoredChunk]:
-        futures = list(self.futures.values())
-        done, _ = wait(futures, return_when=FIRST_EXCEPTION)
-        for future in done:
-            if future.exception() is not None:
-                self.close(cancel=True)
-                raise future.exception()
-        return {index: future.result() for index, future in self.futures.items()}
-
-    def close(self, cancel: bool = False) -> None:
-        self.pool.shutdown(wait=True, cancel_futures=cancel)
-
-    def _bytes(self, job: ChunkJob) -> tuple[memoryview, int | None]:
-        """The job's bytes, and a stable address for the hash cache when they are borrowed."""
-        if not job.packed:
-            source_index, start, length, _ = job.parts[0]
-            source = self.sources[source_index]
-            view = source.byte_view()[start : start + length]
-            address = source.tensor.data_ptr() + start if source.borrowed else None
-            return view, address
-        buffer = bytearray(job.size)
-        for source_index, start, length, offset in job.parts:
-            buffer[offset : offset + length] = self.sources[source_index].byte_view()[start : start + length]
-        return memoryview(buffer), None
-
-    def _store(self, job: ChunkJob) -> _StoredChunk:
-        data, address = self._bytes(job)
-        digest = self.cache.hash(data, address)
-        codec = codecs.codec_for(self.compression, job.itemsize)
-        key = layout.chunk_key(digest, codec)
-        with self.lock:
-            first = key not in self.claimed
-            self.claimed.add(key)
-        if not first:  # a twin job of this save stores it; _tables takes its stored size
-            return _StoredChunk(Chunk(digest, codec, job.size, -1), 0)
-        if key in self.known or self.repo.storage.exists(key):  # ``known`` is empty where exists() is cheap
-            stored_size = job.size if codec == codecs.NONE else self.repo.storage.size(key)
-            return _StoredChunk(Chunk(digest, codec, job.size, stored_size), 0)
-        encoded = codecs.encode(codec, data)
-        self.repo.storage.write(key, encoded)
-        with self.lock:
-            self.written_keys.append(key)
-        stored = len(memoryview(encoded).cast("B"))
-        return _StoredChunk(Chunk(digest, codec, job.size, stored), stored)
 
 
 def save(
@@ -164,7 +85,7 @@ def save(
         repo = Repository.open(repo_url, storage_options, create=True)
         if repo.storage.exists(layout.commit_key(name)):
             raise CheckpointExistsError(f"{repo.storage.describe(name)}: checkpoint already exists")
-        parent_name, known = _parent(repo, parent)
+        parent_name, parent_keys = _parent(repo, parent)
         sources: list[TensorSource] = []
         entries: list[dict] = []
         state_bytes = encode_tree(state, _TensorCollector(sources, entries))
@@ -172,7 +93,7 @@ def save(
         rng_entries = rng if rng is not None else [capture_rng(rank)]
     # 4 writers overlap hashing with other chunks' writes and fsyncs; on remote
     # storage each holds a copy of its chunk, so 4 x 64 MiB bounds the memory.
-    writer = _ChunkWriter(repo, sources, compression, known, DEFAULT_CACHE, workers or 4)
+    writer = ChunkWriter(repo, sources, compression, parent_keys, DEFAULT_CACHE, workers or 4)
     try:
         with timer.phase("write_chunks"):
             planner = ChunkPlanner(chunk_size or DEFAULT_CHUNK_SIZE)
@@ -186,7 +107,7 @@ def save(
                 writer.submit(job)
             stored = writer.results()
         with timer.phase("sync"):
-            repo.storage.sync(writer.written_keys)
+            writer.make_durable()
     finally:
         writer.close()
     with timer.phase("environment"):
@@ -295,11 +216,7 @@ class _TensorCollector:
 
 
 def _parent(repo: Repository, parent: Any) -> tuple[str | None, set[str]]:
-    """The parent's name, and on remote storage the chunk keys it proves present.
-
-    Trusting the parent saves one round trip per chunk on object stores; on
-    local disks a stat is cheap, so every chunk's presence is checked.
-    """
+    """The parent's name, and the keys of its chunks: committed, hence present and durable."""
     if parent is None:
         return None, set()
     if parent is _LATEST:
@@ -317,12 +234,10 @@ def _parent(repo: Repository, parent: Any) -> tuple[str | None, set[str]]:
             manifest = repo.manifest(check_name(parent))
         except CheckpointNotFoundError:
             raise CheckpointNotFoundError(f"parent checkpoint {parent!r} not found in {repo.url}") from None
-    if repo.storage.cheap_exists:
-        return parent, set()
     return parent, {layout.chunk_key(c.hash, c.codec) for c in manifest.chunks}
 
 
-def _tables(stored: dict[int, _StoredChunk], sources: list[TensorSource], entries: list[dict],
+def _tables(stored: dict[int, StoredChunk], sources: list[TensorSource], entries: list[dict],
             pieces: list[list[PieceRef]], rank: int) -> tuple[list[Chunk], list[TensorEntry]]:
     """The manifest's chunk table (one row per distinct chunk) and tensor table."""
     chunks: list[Chunk] = []

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import random
 import shutil
 import signal
@@ -19,6 +20,7 @@ import torch
 import ckptfmt
 from ckptfmt import CheckpointNotFoundError, StorageError, layout
 from ckptfmt.repository import Repository
+from ckptfmt import storage as storage_module
 from ckptfmt.storage import LocalStorage, open_storage
 
 from helpers import assert_same, chunk_keys
@@ -135,7 +137,7 @@ def fail_writes(monkeypatch, storage_url: str, where: str) -> list[str]:
     failed: list[str] = []
 
     def should_fail(path: str) -> bool:
-        name = path.rsplit("/", 1)[-1]
+        name = re.sub(r"^\.(.*)\.tmp-[0-9a-f]{12}$", r"\1", path.rsplit("/", 1)[-1])  # a local temp file's key
         return (f"/{layout.CHUNKS_DIR}/" in path if where == "chunk"
                 else name.startswith("manifest-") if where == "manifest" else name == layout.COMMIT_NAME)
 
@@ -143,14 +145,15 @@ def fail_writes(monkeypatch, storage_url: str, where: str) -> list[str]:
         failed.append(path)
         raise OSError(errno.ENOSPC, "No space left on device", path)
 
-    original_temp = LocalStorage._write_temp
+    original_write = storage_module._write_all
 
-    def write_temp(self, key, data):
-        if should_fail(self.path(key)):
-            disk_full(self.path(key))
-        return original_temp(self, key, data)
+    def write_all(fd, data):  # every local write, to a temporary file beside its key
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        if should_fail(path):
+            disk_full(path)
+        return original_write(fd, data)
 
-    monkeypatch.setattr(LocalStorage, "_write_temp", write_temp)
+    monkeypatch.setattr(storage_module, "_write_all", write_all)
     storage = open_storage(storage_url)
     if not isinstance(storage, LocalStorage):  # memory:// and S3 write through fsspec
         original_pipe = storage.fs.pipe_file
@@ -195,15 +198,15 @@ def test_failed_chunk_write_does_not_hang_with_many_chunks(tmp_path, monkeypatch
     """The writer's thread pool stops and reports the first error even with far more jobs than workers."""
     repo = tmp_path / "repo"
     calls = {"n": 0}
-    original = LocalStorage._write_temp
+    original = storage_module._write_all
 
-    def flaky(self, key, data):
+    def flaky(fd, data):
         calls["n"] += 1
         if calls["n"] == 5:
             raise OSError(errno.EIO, "I/O error")
-        return original(self, key, data)
+        return original(fd, data)
 
-    monkeypatch.setattr(LocalStorage, "_write_temp", flaky)
+    monkeypatch.setattr(storage_module, "_write_all", flaky)
     state = {f"t{i}": torch.full((70_000,), i, dtype=torch.int32) for i in range(40)}
     started = time.monotonic()
     with pytest.raises(StorageError, match="I/O error"):

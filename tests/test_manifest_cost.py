@@ -19,7 +19,6 @@ import ckptfmt
 from ckptfmt import ManifestError, codecs, layout
 from ckptfmt import manifest as manifest_module
 from ckptfmt.manifest import FORMAT_VERSION, MANIFEST_FORMAT, Manifest
-from ckptfmt.repository import Repository
 from ckptfmt.storage import open_storage
 from ckptfmt.tiling import check_tiling
 

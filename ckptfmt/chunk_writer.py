@@ -1,0 +1,209 @@
+"""Storing a save's chunks: hashed, deduplicated, and written exactly as hashed.
+
+A chunk that views the caller's tensor memory can change while it is being
+saved (a training step running beside an asynchronous save, a careless
+thread). Its name must be the hash of the bytes stored, or later saves would
+trust a chunk whose content is not what its name says. So such bytes are
+copied, block by block, into private memory; each block is hashed and written
+from that copy, and the chunk's name is the hash of what was written.
+
+The copy is skipped where nothing needs writing: when the bytes are unchanged
+since this process last saved them (the XXH3 fingerprint cache), or, on the
+first save after a restart, when they hash to a chunk the parent checkpoint
+already has.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+
+import blake3
+import xxhash
+
+from . import codecs, layout
+from .chunker import ChunkJob
+from .hashcache import HashCache
+from .hashing import chunk_hash
+from .manifest import Chunk
+from .repository import Repository
+from .tensors import TensorSource
+
+#: Bytes copied, hashed and written at a time from the caller's memory.
+BLOCK_BYTES = 2**20
+
+
+@dataclass
+class StoredChunk:
+    """A chunk row for the manifest, and how many bytes this save wrote for it."""
+
+    chunk: Chunk
+    written: int
+
+
+class ChunkWriter:
+    """Hashes, deduplicates and stores chunk jobs on a thread pool, with bounded memory.
+
+    ``parent_keys`` are the chunk keys of the parent checkpoint: committed, so
+    present and durable. Any other chunk found already stored (left by a killed
+    or concurrent save) is made durable before the save commits.
+    """
+
+    def __init__(self, repo: Repository, sources: list[TensorSource], compression: str | None,
+                 parent_keys: set[str], cache: HashCache, workers: int):
+        self.repo = repo
+        self.sources = sources
+        self.compression = compression
+        self.parent_keys = parent_keys
+        self.cache = cache
+        self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckptfmt-save")
+        # Jobs materialise their bytes only when they run (packs, compression, remote
+        # copies), so this bounds both the queue and the memory in flight.
+        self.slots = threading.BoundedSemaphore(workers)
+        self.futures: dict[int, Future] = {}
+        self.claimed: set[str] = set()
+        self.lock = threading.Lock()
+        #: Keys this save wrote, and keys it found stored but not in the parent.
+        self.written_keys: list[str] = []
+        self.found_keys: list[str] = []
+        self.blocks = threading.local()
+
+    def submit(self, job: ChunkJob) -> None:
+        self.slots.acquire()
+        future = self.pool.submit(self._store, job)
+        future.add_done_callback(lambda _: self.slots.release())
+        self.futures[job.index] = future
+
+    def results(self) -> dict[int, StoredChunk]:
+        futures = list(self.futures.values())
+        done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+        for future in done:
+            if future.exception() is not None:
+                self.close(cancel=True)
+                raise future.exception()
+        return {index: future.result() for index, future in self.futures.items()}
+
+    def close(self, cancel: bool = False) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=cancel)
+
+    def make_durable(self) -> None:
+        """Sync what this save wrote, and what it reused that no committed checkpoint vouches for."""
+        self.repo.storage.sync(self.written_keys)
+        self.repo.storage.make_durable(self.found_keys)
+
+    # -- one job -------------------------------------------------------------------
+    def _store(self, job: ChunkJob) -> StoredChunk:
+        codec = codecs.codec_for(self.compression, job.itemsize)
+        data, address = self._bytes(job)
+        if address is None:  # private bytes (a pack, a copy): hash and write them as they are
+            return self._put(job, codec, chunk_hash(data), lambda key: self._write(key, codec, data))
+        fingerprint, digest, seen = self.cache.lookup(data, address)
+        if digest is None and not seen and self.parent_keys:
+            digest = self._hash_unchanged(data, address, fingerprint)
+        if digest is not None:
+            stored = self._put(job, codec, digest, None)
+            if stored is not None:
+                return stored
+        return self._snapshot(job, codec, data, address)
+
+    def _bytes(self, job: ChunkJob) -> tuple[memoryview, int | None]:
+        """The job's bytes, and their address when they are the caller's memory (None: private)."""
+        if not job.packed:
+            source_index, start, length, _ = job.parts[0]
+            source = self.sources[source_index]
+            view = source.byte_view()[start : start + length]
+            address = source.tensor.data_ptr() + start if source.borrowed else None
+            return view, address
+        buffer = bytearray(job.size)
+        for source_index, start, length, offset in job.parts:
+            buffer[offset : offset + length] = self.sources[source_index].byte_view()[start : start + length]
+        return memoryview(buffer), None
+
+    def _hash_unchanged(self, data: memoryview, address: int, fingerprint: bytes) -> str | None:
+        """BLAKE3 of the caller's bytes, if they did not change while hashed (fingerprinted again)."""
+        digest = chunk_hash(data)
+        if xxhash.xxh3_128_digest(data) != fingerprint:
+            return None
+        self.cache.remember(address, len(data), fingerprint, digest)
+        return digest
+
+    def _snapshot(self, job: ChunkJob, codec: str, data: memoryview, address: int) -> StoredChunk:
+        """Copy the caller's bytes block by block, hashing and staging each copy; name the chunk after them."""
+        block = self._block_buffer()
+        hasher, fingerprint = blake3.blake3(), xxhash.xxh3_128()
+        staged = self.repo.storage.stage(layout.CHUNKS_DIR) if codec == codecs.NONE else None
+        copy = bytearray() if staged is None else None
+        try:
+            for start in range(0, len(data), BLOCK_BYTES):
+                piece = block[: min(BLOCK_BYTES, len(data) - start)]
+                piece[:] = data[start : start + len(piece)]
+                hasher.update(piece)
+                fingerprint.update(piece)
+                staged.write(piece) if staged is not None else copy.extend(piece)
+            digest = hasher.hexdigest()
+            self.cache.remember(address, len(data), fingerprint.digest(), digest)
+            result = self._put(job, codec, digest, self._publisher(staged, codec, copy, len(data)))
+        finally:
+            if staged is not None:
+                staged.discard()  # nothing left to remove once published
+        return result
+
+    def _put(self, job: ChunkJob, codec: str, digest: str, write) -> StoredChunk | None:
+        """The chunk row for ``digest``, storing it with ``write(key)`` unless it is stored already.
+
+        Without ``write``, returns None when the chunk is not stored.
+        """
+        key = layout.chunk_key(digest, codec)
+        stored_size = self._present(key, job.size, codec)
+        if stored_size is None and write is None:
+            return None
+        with self.lock:
+            twin = key in self.claimed
+            self.claimed.add(key)
+        if twin:  # another job of this save stores the same bytes; the manifest takes its stored size
+            return StoredChunk(Chunk(digest, codec, job.size, -1), 0)
+        if stored_size is not None:
+            if key not in self.parent_keys:
+                with self.lock:
+                    self.found_keys.append(key)
+            return StoredChunk(Chunk(digest, codec, job.size, stored_size), 0)
+        written = write(key)
+        with self.lock:
+            self.written_keys.append(key)
+        return StoredChunk(Chunk(digest, codec, job.size, written), written)
+
+    def _present(self, key: str, size: int, codec: str) -> int | None:
+        """The stored size of ``key`` if a usable copy is stored, else None.
+
+        The parent's chunks are trusted on object stores (one request saved per
+        chunk); on local disks a stat is cheap, so every chunk is checked.
+        """
+        if key in self.parent_keys and not self.repo.storage.cheap_exists and codec == codecs.NONE:
+            return size
+        stored = self.repo.storage.size(key)
+        if stored is None or (codec == codecs.NONE and stored != size):
+            return None  # absent, or a damaged copy that writing replaces
+        return stored
+
+    def _publisher(self, staged, codec: str, copy: bytearray | None, size: int):
+        """How a snapshot gets stored under its key: the staged object renamed, or the copy encoded."""
+        if staged is None:
+            return lambda key: self._write(key, codec, copy)
+
+        def publish(key: str) -> int:
+            staged.publish(key)
+            return size
+        return publish
+
+    def _write(self, key: str, codec: str, data) -> int:
+        encoded = codecs.encode(codec, memoryview(data))
+        self.repo.storage.write(key, encoded)
+        return len(memoryview(encoded).cast("B"))
+
+    def _block_buffer(self) -> memoryview:
+        """This thread's reusable copy buffer: fresh memory for every chunk would cost page faults."""
+        buffer = getattr(self.blocks, "buffer", None)
+        if buffer is None:
+            buffer = self.blocks.buffer = memoryview(bytearray(BLOCK_BYTES))
+        return buffer
