@@ -62,8 +62,9 @@ def _signature(entry: TensorEntry, manifest: Manifest) -> tuple:
     )
 
 
-def tensor_difference(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float, float]:
-    """(max |a-b|, ||a-b|| / ||a||, fraction of elements whose bits differ) for same-shape tensors."""
+def tensor_difference(a, b) -> tuple[float, float, float]:
+    """(max |a-b|, ||a-b|| / ||a||, fraction of elements whose bits differ) for same-shape tensors or arrays."""
+    a, b = torch.as_tensor(a), torch.as_tensor(b)
     if a.numel() == 0:
         return 0.0, 0.0, 0.0
     width = a.element_size()

@@ -17,6 +17,8 @@ MAX_DIMS = 64
 MAX_KEY_BYTES = 4096
 MAX_NAME_LENGTH = 128
 MAX_NESTING = 256
+#: Maps and arrays inside a manifest's run metadata (environment, rng, topology, timing, ...).
+MAX_METADATA_NESTING = 64
 MAX_TENSORS = 2_000_000
 MAX_CHUNKS = 10_000_000
 MAX_SHARDS_PER_TENSOR = 1_000_000

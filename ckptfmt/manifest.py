@@ -22,7 +22,7 @@ from .codecs import NONE, check_codec
 from .dtypes import itemsize
 from .errors import CheckpointError, ManifestError, UnsupportedVersionError
 from .limits import (
-    MAX_CHUNK_BYTES, MAX_CHUNKS, MAX_DIMS, MAX_KEY_BYTES, MAX_MANIFEST_BYTES, MAX_PIECES, MAX_SHARDS,
+    MAX_CHUNK_BYTES, MAX_CHUNKS, MAX_DIMS, MAX_KEY_BYTES, MAX_MANIFEST_BYTES, MAX_METADATA_NESTING, MAX_PIECES, MAX_SHARDS,
     MAX_SHARDS_PER_TENSOR, MAX_TENSOR_BYTES, MAX_TENSORS, check_hash, check_name,
 )
 from .tiling import check_tiling
@@ -266,6 +266,10 @@ def _parse(doc: Any) -> Manifest:
     rng = _get(doc, "rng", list, optional=True, default=[])
     if not all(isinstance(r, dict) for r in rng):
         raise ManifestError("rng entries must be maps")
+    extra = {k: v for k, v in doc.items() if k not in _KNOWN_FIELDS}
+    for name in ("rng", "environment", "topology", "timing", "stats", "provenance"):
+        _check_nesting(doc.get(name), name)
+    _check_nesting(extra, "unknown fields")
     return Manifest(
         name=check_name(_get(doc, "name", str)),
         step=_get(doc, "step", int, optional=True),
@@ -282,8 +286,19 @@ def _parse(doc: Any) -> Manifest:
         stats=_get(doc, "stats", dict, optional=True, default={}),
         provenance=_get(doc, "provenance", dict, optional=True),
         version=version,
-        extra={k: v for k, v in doc.items() if k not in _KNOWN_FIELDS},
+        extra=extra,
     )
+
+
+def _check_nesting(value: Any, what: str) -> None:
+    """Metadata nests at most MAX_METADATA_NESTING maps and arrays deep (every reader renders it)."""
+    stack = [(value, 0)] if isinstance(value, (dict, list)) else []
+    while stack:
+        node, depth = stack.pop()
+        children = node.values() if isinstance(node, dict) else node
+        if depth == MAX_METADATA_NESTING:
+            raise ManifestError(f"{what} nested deeper than {MAX_METADATA_NESTING} levels")
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
 
 
 def _parse_chunk(doc: Any, index: int) -> Chunk:

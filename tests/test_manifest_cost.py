@@ -12,11 +12,13 @@ import re
 import time
 
 import msgpack
+import numpy as np
 import pytest
 import torch
 
 import ckptfmt
 from ckptfmt import ManifestError, codecs, layout
+from ckptfmt.diff import diff
 from ckptfmt import manifest as manifest_module
 from ckptfmt.manifest import FORMAT_VERSION, MANIFEST_FORMAT, Manifest
 from ckptfmt.storage import open_storage
@@ -156,3 +158,28 @@ def test_rewritten_manifests_stay_readable(repo_url):
     rewrite_manifest(open_storage(repo_url), "a", lambda doc: None)
     assert_same(state, ckptfmt.load(url))
     assert ckptfmt.verify(url).ok
+
+
+def test_metadata_nested_too_deep_is_refused():
+    """Every reader renders metadata, most of them recursively: a deep environment must not reach them."""
+    deep: dict = {}
+    node = deep
+    for _ in range(500):
+        node["x"] = {}
+        node = node["x"]
+    doc = msgpack.unpackb(manifest_bytes([], []), raw=False)
+    with pytest.raises(ManifestError, match="environment nested deeper than 64"):
+        Manifest.from_bytes(msgpack.packb({**doc, "environment": deep}), "m")
+    packer = msgpack.Packer()
+    deeper = packer.pack_map_header(len(doc) + 1) + b"".join(packer.pack(k) + packer.pack(v) for k, v in doc.items())
+    with pytest.raises(ManifestError):  # 5000 arrays: deeper than msgpack's own stack
+        Manifest.from_bytes(deeper + packer.pack("environment") + b"\x91" * 5000 + b"\xc0", "m")
+    shallow = {"a": [{"b": [1, 2, {"c": None}]}]}
+    assert Manifest.from_bytes(msgpack.packb({**doc, "environment": shallow}), "m").environment == shallow
+
+
+def test_diff_measures_numpy_arrays(tmp_path):
+    a = ckptfmt.save({"x": np.arange(6.0)}, tmp_path / "repo" / "a")
+    b = ckptfmt.save({"x": np.arange(6.0) * 2}, tmp_path / "repo" / "b")
+    (item,) = diff(a, b).tensors
+    assert item.status == "changed" and item.max_abs_diff == 5.0
