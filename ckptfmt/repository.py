@@ -172,21 +172,29 @@ class Repository:
         return record
 
     def commits(self) -> list[CommitRecord]:
-        """Valid commit records, oldest first; damaged ones are skipped (verify reports them)."""
-        records = []
+        """Valid commit records, oldest first; damaged ones are skipped with a warning (verify reports them)."""
+        return self._commits()[0]
+
+    def latest(self) -> str:
+        """The newest checkpoint's name: greatest ``created_ns`` (stamped just before commit)."""
+        records, damaged = self._commits()
+        if records:
+            return records[-1].name
+        if damaged:
+            raise CheckpointNotFoundError(f"{self.url}: no readable checkpoint ({len(damaged)} with damaged "
+                                          f"commit records; the first: {damaged[0]})")
+        raise CheckpointNotFoundError(f"{self.url}: repository has no checkpoints")
+
+    def _commits(self) -> tuple[list[CommitRecord], list[str]]:
+        """Valid commit records, oldest first, and what was wrong with the others (each also warned)."""
+        records, damaged = [], []
         for name in self.names():
             try:
                 records.append(self.commit(name))
             except CheckpointError as exc:
-                warnings.warn(f"skipping checkpoint {name!r}: {exc}", stacklevel=2)
-        return sorted(records, key=lambda r: (r.created_ns, r.name))
-
-    def latest(self) -> str:
-        """The newest checkpoint's name: greatest ``created_ns`` (stamped just before commit)."""
-        records = self.commits()
-        if not records:
-            raise CheckpointNotFoundError(f"{self.url}: repository has no checkpoints")
-        return records[-1].name
+                damaged.append(str(exc))
+                warnings.warn(f"skipping checkpoint {name!r}: {exc}", stacklevel=3)
+        return sorted(records, key=lambda r: (r.created_ns, r.name)), damaged
 
     def manifest(self, name: str, record: CommitRecord | None = None) -> Manifest:
         """Read a committed checkpoint's manifest, checked against its commit record."""
