@@ -72,6 +72,9 @@ def bricks(target: int, dims: int = 64, rows: int = 16, columns: int = 16) -> by
     return document(chunks, [{"key": f"t{i}", **one} for i in range(max(1, target // size))])
 
 
+BUILDERS = {"ordinary": ordinary, "empty pieces": empty_pieces, "bricks": bricks}
+
+
 def parse(name: str, data: bytes) -> str:
     try:
         return f"{len(Manifest.from_bytes(data, name).tensors)} tensors"
@@ -79,27 +82,32 @@ def parse(name: str, data: bytes) -> str:
         return f"refused: {str(exc)[:70]}"
 
 
-def measure(name: str, data: bytes) -> None:
-    """Time one parse untraced, then trace a second one for its peak allocations."""
+def measure(name: str, data: bytes, memory: bool) -> None:
+    """Time one parse untraced, then (with ``memory``) trace a second one for its peak allocations."""
     started = time.perf_counter()
     outcome = parse(name, data)
     seconds = time.perf_counter() - started
-    tracemalloc.start()
-    parse(name, data)
-    peak = tracemalloc.get_traced_memory()[1]
-    tracemalloc.stop()
     mib = len(data) / 2**20
-    print(f"{name:14} {mib:7.1f} MiB  {seconds:7.2f} s  {seconds / mib * 1e3:7.1f} ms/MiB  "
-          f"peak {peak / 2**20:7.0f} MiB ({peak / len(data):4.1f} x)  {outcome}")
+    line = f"{name:14} {mib:7.1f} MiB  {seconds:7.2f} s  {seconds / mib * 1e3:7.1f} ms/MiB  "
+    if memory:
+        tracemalloc.start()
+        parse(name, data)
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        line += f"peak {peak / 2**20:7.0f} MiB ({peak / len(data):4.1f} x)  "
+    print(line + outcome, flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mib", type=float, default=16, help="size of each manifest (MiB)")
+    parser.add_argument("--only", choices=sorted(BUILDERS), help="measure one kind of manifest")
+    parser.add_argument("--no-memory", action="store_true", help="skip the (slow) traced second parse")
     args = parser.parse_args()
     target = int(args.mib * 2**20)
-    for name, build in (("ordinary", ordinary), ("empty pieces", empty_pieces), ("bricks", bricks)):
-        measure(name, build(target))
+    for name, build in BUILDERS.items():
+        if args.only in (None, name):
+            measure(name, build(target), not args.no_memory)
 
 
 if __name__ == "__main__":

@@ -41,43 +41,42 @@ def check_tiling(what: str, shape: tuple[int, ...], boxes: Sequence[Box]) -> Non
     if sum(volumes) != math.prod(shape):
         raise ManifestError(f"{what}: shards do not cover shape {list(shape)} exactly")
     solid = [b for b, volume in zip(boxes, volumes) if volume]  # empty boxes overlap nothing
-    if len(solid) <= 1 or _is_grid(shape, solid):
+    if len(solid) <= 1:
+        return
+    low = np.array([b.offsets for b in solid], dtype=np.int64)
+    high = low + np.array([b.shape for b in solid], dtype=np.int64)  # no overflow: inside a valid shape
+    if _is_grid(shape, low, high):
         return
     if len(solid) > PAIRWISE_LIMIT:
         raise ManifestError(f"{what}: more than {PAIRWISE_LIMIT} shards that do not form a grid")
-    _check_disjoint(what, solid)
+    _check_disjoint(what, low, high)
 
 
-def _is_grid(shape: tuple[int, ...], boxes: Sequence[Box]) -> bool:
-    """Whether the boxes are exactly the Cartesian product of per-dimension intervals tiling ``shape``."""
-    cells = {tuple(zip(b.offsets, b.shape)) for b in boxes}
-    if len(cells) != len(boxes):
+def _is_grid(shape: tuple[int, ...], low: np.ndarray, high: np.ndarray) -> bool:
+    """Whether the boxes [low, high) are exactly the Cartesian product of per-dimension intervals tiling ``shape``."""
+    count = len(low)
+    distinct = 1 + np.count_nonzero(np.diff(np.sort(low, axis=0), axis=0), axis=0)
+    if math.prod(distinct.tolist()) != count:  # cheap refusal of most layouts that are not grids
         return False
-    count = 1
     for dim, extent in enumerate(shape):
-        position = 0
-        intervals = sorted({cell[dim] for cell in cells})
-        for start, length in intervals:
-            if start != position:
-                return False
-            position += length
-        if position != extent:
-            return False
-        count *= len(intervals)
-    return count == len(cells)
+        starts, first = np.unique(low[:, dim], return_index=True)
+        ends = high[first, dim]
+        if starts[0] != 0 or ends[-1] != extent or np.any(starts[1:] != ends[:-1]):
+            return False  # a gap or an overlap between this dimension's intervals
+        if np.any(high[:, dim] != ends[np.searchsorted(starts, low[:, dim])]):
+            return False  # two boxes start together in this dimension but end apart
+    return len(np.unique(low, axis=0)) == count  # no cell twice
 
 
-def _check_disjoint(what: str, boxes: Sequence[Box]) -> None:
+def _check_disjoint(what: str, low: np.ndarray, high: np.ndarray) -> None:
     """Raise on the first two boxes that overlap; a sweep along the most spread dimension."""
-    low = np.array([b.offsets for b in boxes], dtype=np.int64)
-    high = low + np.array([b.shape for b in boxes], dtype=np.int64)  # no overflow: inside a valid shape
     spread = [len(np.unique(low[:, d])) for d in range(low.shape[1])]
     dim = int(np.argmax(spread))
     order = np.argsort(low[:, dim], kind="stable")
     low, high = low[order], high[order]
     # Box i can only overlap the boxes after it in sweep order that start before it ends.
     ends = np.searchsorted(low[:, dim], high[:, dim], side="left")
-    index = np.arange(len(boxes))
+    index = np.arange(len(low))
     counts = np.maximum(ends - index - 1, 0)
     first = np.repeat(index, counts)
     second = np.repeat(index + 1 - (np.cumsum(counts) - counts), counts) + np.arange(int(counts.sum()))
