@@ -1,0 +1,172 @@
+"""Every CLI command on every hostile repository: a clear outcome, never a traceback or a Python exception name.
+
+A command either works (stray entries are ignored), reports damage (verify
+exits 1 with its table), or fails with exit 2 and exactly one line on stderr
+that says what and where. The commands run in this process (fast) under a
+watchdog, so a hang fails its case instead of the run; ``ckptfmt tui`` is
+interactive and covered by its own tests (tests/test_tui.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+
+import ckptfmt
+from ckptfmt import layout
+from ckptfmt.cli import main
+from ckptfmt.repository import Repository
+
+from helpers import ANY_SIZE, rewrite_manifest
+from test_hostile_repository import within
+from ckptfmt.storage import open_storage
+
+EXCEPTION_NAME = re.compile(r"\b[A-Z][A-Za-z]*(Error|Exception|Warning)\b|Traceback")
+
+
+def good_repo(root: Path) -> Path:
+    repo = root / "repo"
+    torch.manual_seed(0)
+    ckptfmt.save({"w": torch.randn(300, 300), "b": torch.zeros(10), "step": 1}, repo / "a", step=1)
+    ckptfmt.save({"w": torch.randn(300, 300), "b": torch.ones(10), "step": 2}, repo / "b", step=2)
+    return repo
+
+
+def biggest_chunk(repo: Path) -> Path:
+    return max((p for p in (repo / layout.CHUNKS_DIR).rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+
+
+def manifest_file(repo: Path, name: str = "b") -> Path:
+    return repo / layout.manifest_key(name, Repository.open(repo).commit(name).manifest_hash)
+
+
+def replace(path: Path, how: str) -> None:
+    """Put something that is not the expected object where ``path`` was."""
+    path.unlink()
+    if how == "fifo":
+        os.mkfifo(path)
+    elif how == "/dev/zero":
+        path.symlink_to("/dev/zero")
+    elif how == "folder":
+        path.mkdir()
+    elif how == "socket":
+        server = socket.socket(socket.AF_UNIX)
+        cwd = os.getcwd()
+        os.chdir(path.parent)
+        try:
+            server.bind(path.name)
+        finally:
+            os.chdir(cwd)
+    elif how == "garbage":
+        path.write_bytes(b"\x00garbage\xff" * 10)
+    elif how == "truncated":
+        pass  # unlinked above: rewritten by the caller
+    else:
+        raise AssertionError(how)
+
+
+def damage(repo: Path, what: str) -> None:
+    if what == "strays":
+        for name in ("CHUNKS", "Chunks", "notes", "empty"):
+            (repo / name).mkdir()
+        (repo / ".DS_Store").write_bytes(b"\0\1")
+    elif what.startswith(("commit-", "manifest-", "chunk-", "marker-")):
+        target, how = what.split("-", 1)
+        path = {"commit": lambda: repo / "b" / layout.COMMIT_NAME, "manifest": lambda: manifest_file(repo),
+                "chunk": lambda: biggest_chunk(repo), "marker": lambda: repo / layout.MARKER_KEY}[target]()
+        if how == "missing":
+            path.unlink()
+        elif how == "truncated":
+            data = path.read_bytes()
+            path.write_bytes(data[: len(data) // 2])
+        elif how == "flipped":
+            data = bytearray(path.read_bytes())
+            data[len(data) // 2] ^= 0xFF
+            path.write_bytes(bytes(data))
+        else:
+            replace(path, how)
+    elif what == "newer-major":
+        (repo / layout.MARKER_KEY).write_text(json.dumps({"format": "ckptfmt-repository", "version": [9, 0]}))
+    elif what == "record-lies":
+        record = json.loads((repo / "b" / layout.COMMIT_NAME).read_text())
+        (repo / "b" / layout.COMMIT_NAME).write_text(json.dumps({**record, "manifest_size": 2**40, "name": "zz"}))
+    elif what == "odd-metadata":
+        rewrite_manifest(open_storage(repo), "b", lambda doc: doc.update(
+            environment={"os": "plan9", "cpu": [1], "gpus": ["x"], "torch": 3, "determinism": "on"},
+            topology={"world_size": "four", "ranks": {"0": 1}}, timing={"ranks": "fast", "steps": [None, "x"]},
+            rng=[{"rank": "zero", "torch_cpu": 5}], stats={"tensor_count": "many", "stored_bytes": [1]}))
+        record = json.loads((repo / "b" / layout.COMMIT_NAME).read_text())
+        (repo / "b" / layout.COMMIT_NAME).write_text(json.dumps({**record, "stats": {"stored_bytes": "lots"}}))
+    elif what == "chunks-dir-is-a-file":
+        shutil.rmtree(repo / layout.CHUNKS_DIR)
+        (repo / layout.CHUNKS_DIR).write_text("not a folder")
+    elif what == "all-damaged":
+        for name in ("a", "b"):
+            (repo / name / layout.COMMIT_NAME).write_text("{")
+    else:
+        raise AssertionError(what)
+
+
+DAMAGE = ["strays", "newer-major", "record-lies", "odd-metadata", "chunks-dir-is-a-file", "all-damaged"] + [
+    f"{target}-{how}" for target in ("commit", "manifest", "chunk", "marker")
+    for how in ("fifo", "/dev/zero", "folder", "socket", "garbage", "missing", "truncated")
+] + ["chunk-flipped"]
+
+
+def commands(repo: Path, out: Path, source: Path) -> list[list[str]]:
+    a, b = str(repo / "a"), str(repo / "b")
+    return [
+        ["ls", str(repo)], ["ls", str(repo), "--json"],
+        ["show", b], ["show", b, "--json"], ["show", str(repo)],
+        ["verify", str(repo)], ["verify", b], ["verify", str(repo), "--json"],
+        ["diff", a, b], ["diff", b, a, "--json"],
+        ["export", b, str(out / "x.pt"), "--format", "torch"],
+        ["export", b, str(out / "x.safetensors"), "--format", "safetensors"],
+        ["export", b, str(out / "dcp"), "--format", "dcp"],
+        ["export", b, str(out / "ds"), "--format", "deepspeed"],
+        ["import", str(source), str(repo / "imported")],
+    ]
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("source") / "model.pt"
+    torch.save({"w": torch.ones(4)}, path)
+    return path
+
+
+ODD_METADATA_PENDING = pytest.mark.xfail(strict=True, reason="show and ls do not tolerate odd metadata types yet")
+
+
+@pytest.mark.parametrize("what", [pytest.param(w, marks=ODD_METADATA_PENDING) if w == "odd-metadata" else w
+                                  for w in DAMAGE])
+def test_every_command_fails_cleanly_or_works(tmp_path, capsys, monkeypatch, source, what):
+    monkeypatch.setenv("COLUMNS", "100")
+    repo = good_repo(tmp_path)
+    damage(repo, what)
+    out = tmp_path / "out"
+    out.mkdir()
+    outcomes = {}
+    for argv in commands(repo, out, source):
+        code = within(60, lambda: main(argv))
+        captured = capsys.readouterr()
+        text = captured.out + captured.err
+        where = f"{what}: ckptfmt {' '.join(argv)} -> {code}\n{text[-2000:]}"
+        assert not EXCEPTION_NAME.search(text), where
+        assert code in (0, 1, 2), where
+        if code == 2:
+            lines = [line for line in captured.err.splitlines() if line.strip()]
+            assert len(lines) == 1 and lines[0].startswith("ckptfmt: error: "), where
+            assert "internal error" not in lines[0], where
+        if code == 1:
+            assert argv[0] == "verify" and not captured.err.strip(), where
+        outcomes[" ".join(argv)] = code
+    if what == "strays":  # everything works (a DeepSpeed export needs a checkpoint imported from DeepSpeed)
+        assert {argv: code for argv, code in outcomes.items() if code and "deepspeed" not in argv} == {}

@@ -1,0 +1,26 @@
+"""A quick subset of the structure-aware fuzzing of tests/fuzz_inputs.py (the whole run is ``make fuzz``).
+
+500 mutated manifests, commit records and markers, each read by open, load,
+restore_rng, verify, diff, show and ls: nothing but CheckpointError subclasses,
+each case within its time and memory bounds.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import fuzz_inputs
+
+
+@pytest.mark.xfail(strict=True, reason="show and ls do not tolerate odd metadata types yet")
+def test_quick_subset_of_fuzzed_inputs():
+    cases = fuzz_inputs.run(range(500), seed=1)
+    report = fuzz_inputs.summary(cases)
+    failures = [failure for case in cases for failure in case.failures]
+    assert not failures, f"{len(failures)} reads broke the contract; the first:\n{failures[0]}"
+    assert report["over_time"] == [] and report["over_memory"] == [], report
+    # The fuzzer really exercised the readers: every target and kind of mutation, refusals and successes.
+    assert set(report["by_target"]) == {"manifest", "commit", "marker"}
+    assert {"swap-type", "inflate-count", "duplicate-key", "deep-nesting", "damage-bytes"} <= set(report["mutations"])
+    outcomes = report["outcomes"]
+    assert outcomes.get("load: ok", 0) > 20 and outcomes.get("load: ManifestError", 0) > 100, outcomes
