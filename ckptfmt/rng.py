@@ -47,32 +47,57 @@ def _python_state() -> dict:
 
 
 def apply_rng(entry: dict, where: str) -> None:
-    """Set this process's generators to a captured entry; raises CheckpointError if malformed."""
+    """Set this process's generators to a captured entry, all of them or none.
+
+    A malformed entry raises CheckpointError and leaves every generator as it was.
+    """
+    saved = _current_states()
     try:
-        # Byte states must be bytes: bytearray(n) of a hostile integer would allocate n bytes.
-        if type(entry["torch_cpu"]) is not bytes or not all(type(s) is bytes for s in entry.get("cuda") or []):
-            raise TypeError("generator states must be bytes")
-        torch.set_rng_state(torch.frombuffer(bytearray(entry["torch_cpu"]), dtype=torch.uint8))
-        cuda_states = entry.get("cuda") or []
-        if cuda_states and torch.cuda.is_available():
-            if len(cuda_states) != torch.cuda.device_count():
-                raise CheckpointError(
-                    f"{where}: {len(cuda_states)} CUDA generator states saved, {torch.cuda.device_count()} devices here"
-                )
-            torch.cuda.set_rng_state_all([torch.frombuffer(bytearray(s), dtype=torch.uint8) for s in cuda_states])
-        numpy_state = entry.get("numpy")
-        if numpy_state:
-            keys = np.frombuffer(numpy_state["keys"], dtype="<u4").astype(np.uint32)
-            np.random.set_state((
-                numpy_state["bit_generator"], keys, numpy_state["pos"],
-                numpy_state["has_gauss"], numpy_state["cached_gaussian"],
-            ))
-        python_state = entry.get("python")
-        if python_state:
-            random.setstate((python_state["version"], tuple(python_state["state"]), python_state["gauss_next"]))
-    except CheckpointError:
+        _set_states(entry, where)
+    except BaseException as exc:
+        _restore(saved)
+        if isinstance(exc, CheckpointError):
+            raise
+        if isinstance(exc, KeyError):
+            raise CheckpointError(f"{where}: malformed RNG state (missing field {exc})") from None
+        if isinstance(exc, (TypeError, ValueError, RuntimeError, OverflowError, AttributeError)):
+            raise CheckpointError(f"{where}: malformed RNG state ({exc})") from None
         raise
-    except KeyError as exc:
-        raise CheckpointError(f"{where}: malformed RNG state (missing field {exc})") from None
-    except (TypeError, ValueError, RuntimeError, OverflowError) as exc:
-        raise CheckpointError(f"{where}: malformed RNG state ({exc})") from None
+
+
+def _set_states(entry: dict, where: str) -> None:
+    # Byte states must be bytes: bytearray(n) of a hostile integer would allocate n bytes.
+    if type(entry["torch_cpu"]) is not bytes or not all(type(s) is bytes for s in entry.get("cuda") or []):
+        raise TypeError("generator states must be bytes")
+    torch.set_rng_state(torch.frombuffer(bytearray(entry["torch_cpu"]), dtype=torch.uint8))
+    cuda_states = entry.get("cuda") or []
+    if cuda_states and torch.cuda.is_available():
+        if len(cuda_states) != torch.cuda.device_count():
+            raise CheckpointError(
+                f"{where}: {len(cuda_states)} CUDA generator states saved, {torch.cuda.device_count()} devices here"
+            )
+        torch.cuda.set_rng_state_all([torch.frombuffer(bytearray(s), dtype=torch.uint8) for s in cuda_states])
+    numpy_state = entry.get("numpy")
+    if numpy_state:
+        keys = np.frombuffer(numpy_state["keys"], dtype="<u4").astype(np.uint32)
+        np.random.set_state((
+            numpy_state["bit_generator"], keys, numpy_state["pos"],
+            numpy_state["has_gauss"], numpy_state["cached_gaussian"],
+        ))
+    python_state = entry.get("python")
+    if python_state:
+        random.setstate((python_state["version"], tuple(python_state["state"]), python_state["gauss_next"]))
+
+
+def _current_states() -> tuple:
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    return torch.get_rng_state(), cuda, np.random.get_state(), random.getstate()
+
+
+def _restore(saved: tuple) -> None:
+    torch_cpu, cuda, numpy_state, python_state = saved
+    torch.set_rng_state(torch_cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)
+    np.random.set_state(numpy_state)
+    random.setstate(python_state)

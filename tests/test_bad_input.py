@@ -760,3 +760,16 @@ def test_duplicate_map_keys_are_refused_everywhere(victim, base_bytes):
     record = b'{"format": "ckptfmt-commit", "format": "ckptfmt-commit", "version": [1, 0]}'
     with pytest.raises(ManifestError, match="'format' twice"):
         CommitRecord.from_bytes(record, "COMMIT")
+
+
+def test_a_malformed_rng_entry_leaves_every_generator_as_it_was(tmp_path):
+    """torch's state is valid and numpy's is not: restore_rng fails and torch's generator is untouched."""
+    ckptfmt.save({"w": torch.ones(2)}, tmp_path / "repo" / "a")
+    rewrite_manifest(open_storage(tmp_path / "repo"), "a",
+                     lambda d: d["rng"][0]["numpy"].update(keys=b"short"))
+    with generators_kept():
+        torch.manual_seed(123)
+        before = torch.get_rng_state()
+        with pytest.raises(CheckpointError, match="malformed RNG state"):
+            ckptfmt.restore_rng(tmp_path / "repo" / "a", rank=0)
+        assert torch.equal(torch.get_rng_state(), before)
