@@ -78,10 +78,9 @@ def decode(codec: str, stored: bytes, size: int, where: str) -> bytes | memoryvi
         declared = zstandard.frame_content_size(stored)
         if declared != size:
             raise CorruptDataError(f"{where}: zstd frame declares {declared} bytes, manifest says {size}")
-        decompressor = zstandard.ZstdDecompressor().decompressobj()
-        data = decompressor.decompress(stored)
-        if not decompressor.eof or decompressor.unused_data:
-            raise CorruptDataError(f"{where}: chunk is not exactly one complete zstd frame")
+        # One shot into a buffer of the declared size: a frame that holds more (a decompression
+        # bomb with a lying header) fails at once instead of growing the output without bound.
+        data = zstandard.ZstdDecompressor().decompress(stored, max_output_size=size, allow_extra_data=False)
     except zstandard.ZstdError as exc:
         raise CorruptDataError(f"{where}: cannot decompress chunk: {exc}") from None
     if len(data) != size:

@@ -15,6 +15,7 @@ import msgpack
 import numpy as np
 import pytest
 import torch
+import zstandard
 
 import ckptfmt
 from ckptfmt import ManifestError, codecs, layout
@@ -183,3 +184,17 @@ def test_diff_measures_numpy_arrays(tmp_path):
     b = ckptfmt.save({"x": np.arange(6.0) * 2}, tmp_path / "repo" / "b")
     (item,) = diff(a, b).tensors
     assert item.status == "changed" and item.max_abs_diff == 5.0
+
+
+def test_a_zstd_frame_holding_more_than_it_declares_is_refused_at_once():
+    """A decompression bomb: 1 GiB of zeros in a frame whose header says 1 MiB. Decoding it once grew
+    the output to the whole gigabyte (seconds, and that much memory) before failing."""
+    compressor = zstandard.ZstdCompressor(level=1).compressobj(size=2**30)
+    frame = b"".join(compressor.compress(bytes(2**20)) for _ in range(1024)) + compressor.flush()
+    assert zstandard.frame_content_size(frame) == 2**30
+    header = frame[:6]  # magic, frame header descriptor, window descriptor; then the 4-byte content size
+    forged = header + (2**20).to_bytes(4, "little") + frame[10:]
+    started = time.perf_counter()
+    with pytest.raises(ckptfmt.CorruptDataError, match="cannot decompress"):
+        codecs.decode("zstd", forged, 2**20, "bomb")
+    assert time.perf_counter() - started < 0.5
