@@ -40,6 +40,17 @@ class ChunkReader:
         chunk = self.chunks[index]
         return self.storage.zero_copy_reads and chunk.codec == codecs.NONE and chunk.size == length
 
+    def check_stored_size(self, index: int) -> None:
+        """Refuse a chunk whose stored object is not its row's ``stored_size``, without reading it."""
+        chunk = self.chunks[index]
+        key = layout.chunk_key(chunk.hash, chunk.codec)
+        actual = self.storage.size(key)
+        if actual is None:
+            raise CheckpointNotFoundError(f"{self.storage.describe(key)}: chunk is missing")
+        if actual != chunk.stored_size:
+            raise CorruptDataError(f"{self.storage.describe(key)}: {actual} bytes stored, manifest says "
+                                   f"{chunk.stored_size}")
+
     def read_into(self, index: int, target: memoryview, *, parallel: bool = False) -> None:
         """Read an uncompressed chunk straight into ``target`` (its exact size), then verify it."""
         chunk = self.chunks[index]

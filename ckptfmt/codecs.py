@@ -82,7 +82,7 @@ def decode(codec: str, stored: bytes, size: int, where: str) -> bytes | memoryvi
         # bomb with a lying header) fails at once instead of growing the output without bound.
         data = zstandard.ZstdDecompressor().decompress(stored, max_output_size=size, allow_extra_data=False)
     except zstandard.ZstdError as exc:
-        raise CorruptDataError(f"{where}: cannot decompress chunk: {exc}") from None
+        raise CorruptDataError(f"{where}: stored bytes are not one complete zstd frame ({exc})") from None
     if len(data) != size:
         raise CorruptDataError(f"{where}: decompressed to {len(data)} bytes, manifest says {size}")
     width = _shuffle_width(codec)

@@ -7,6 +7,7 @@ the chunk and every tensor that uses it. Progress goes to an fsspec
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -88,6 +89,33 @@ def verify(url: str | os.PathLike, *, storage_options: dict | None = None,
     return report
 
 
+#: Chunk bytes in memory at once across the verify threads (one bigger chunk runs alone), and the
+#: largest read buffer a thread keeps for the next chunk: 16 threads x 4 GiB chunks must not mean 64 GiB.
+_MEMORY_BUDGET = 2**30
+_REUSED_BUFFER = 64 * 2**20
+
+
+class _ByteBudget:
+    """Lets threads hold at most ``limit`` bytes at once; a request larger than that waits to run alone."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.used = 0
+        self.condition = threading.Condition()
+
+    @contextlib.contextmanager
+    def take(self, size: int):
+        with self.condition:
+            self.condition.wait_for(lambda: self.used == 0 or self.used + size <= self.limit)
+            self.used += size
+        try:
+            yield
+        finally:
+            with self.condition:
+                self.used -= size
+                self.condition.notify_all()
+
+
 def _check_chunks(repo: Repository, manifests: dict[str, Manifest], report: VerifyReport,
                   callback: Callback, workers: int, cancel: threading.Event | None) -> None:
     # Each distinct chunk once, remembering who uses it, to name the damage.
@@ -103,9 +131,12 @@ def _check_chunks(repo: Repository, manifests: dict[str, Manifest], report: Veri
             jobs.setdefault((chunk.hash, chunk.codec), (manifest, index))
     callback.set_size(sum(m.chunks[i].size for m, i in jobs.values()))
     lock = threading.Lock()
+    budget = _ByteBudget(_MEMORY_BUDGET)
     buffers = threading.local()  # one reusable read buffer per thread: fresh memory costs page faults
 
     def buffer(size: int) -> memoryview:
+        if size > _REUSED_BUFFER:  # rare, big chunks: held only while checked
+            return memoryview(bytearray(size))
         current = getattr(buffers, "data", None)
         if current is None or len(current) < size:
             current = buffers.data = bytearray(size)
@@ -118,10 +149,12 @@ def _check_chunks(repo: Repository, manifests: dict[str, Manifest], report: Veri
         reader = ChunkReader(repo.storage, manifest.chunks)
         chunk = manifest.chunks[index]
         try:
-            if reader.can_read_into(index, chunk.size):
-                reader.read_into(index, buffer(chunk.size))
-            else:
-                reader.read(index)
+            with budget.take(chunk.size):
+                if reader.can_read_into(index, chunk.size):
+                    reader.check_stored_size(index)  # before memory is set aside for what the manifest claims
+                    reader.read_into(index, buffer(chunk.size))
+                else:
+                    reader.read(index)
             problem = None
         except CheckpointNotFoundError as exc:
             problem = ("missing-chunk", str(exc))

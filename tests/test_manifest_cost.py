@@ -137,7 +137,7 @@ def test_a_chunk_row_of_zero_bytes_is_refused_by_its_size(repo_url):
         {"hash": HASH, "codec": "none", "size": 0, "stored_size": 0}))
     report = ckptfmt.verify(url)
     assert [p.kind for p in report.problems] == ["corrupt-chunk"]
-    assert re.search(r"(over the limit of 0|8000000 bytes, expected 0)", report.problems[0].message)
+    assert re.search(r"8000000 bytes(, over the limit of 0| stored, manifest says 0)", report.problems[0].message)
 
 
 def test_chunk_rows_are_distinct_and_agree_on_sizes():
@@ -195,6 +195,6 @@ def test_a_zstd_frame_holding_more_than_it_declares_is_refused_at_once():
     header = frame[:6]  # magic, frame header descriptor, window descriptor; then the 4-byte content size
     forged = header + (2**20).to_bytes(4, "little") + frame[10:]
     started = time.perf_counter()
-    with pytest.raises(ckptfmt.CorruptDataError, match="cannot decompress"):
+    with pytest.raises(ckptfmt.CorruptDataError, match="not one complete zstd frame"):
         codecs.decode("zstd", forged, 2**20, "bomb")
     assert time.perf_counter() - started < 0.5
