@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import warnings
 from dataclasses import dataclass
 from typing import Any
 
 from . import layout
-from .errors import CheckpointError, CheckpointNotFoundError, CorruptDataError, ManifestError
+from .errors import (
+    CheckpointError, CheckpointExistsError, CheckpointNotFoundError, CorruptDataError, ManifestError, StorageError,
+)
 from .hashing import check_chunk
 from .limits import MAX_COMMIT_BYTES, MAX_MANIFEST_BYTES, MAX_MARKER_BYTES, check_hash, check_name, is_valid_name
 from .manifest import FORMAT_VERSION, Manifest, check_version
@@ -23,6 +26,8 @@ from .values import unique_map
 
 REPO_FORMAT = "ckptfmt-repository"
 COMMIT_FORMAT = "ckptfmt-commit"
+#: Tries of reading a commit record back after its create (``Repository.create_commit``).
+_READ_BACK_TRIES = 4
 
 
 @dataclass(frozen=True)
@@ -171,6 +176,80 @@ class Repository:
             raise ManifestError(f"{where}: commit record names checkpoint {record.name!r}")
         return record
 
+    def create_commit(self, record: CommitRecord) -> None:
+        """Write ``record`` as its checkpoint's commit record, once; CheckpointExistsError if the name is taken.
+
+        Where the storage's create cannot be taken on trust (``create_settle_s``
+        is set: object stores), the record is read back, and again that long
+        after, and only our own bytes both times mean a commit (spec 11.3).
+        """
+        key = layout.commit_key(record.name)
+        where = self.storage.describe(record.name)
+        data = record.to_bytes()
+        trusted = self.storage.create_settle_s is None
+        if self.storage.exists(key):  # a long save leaves a window: check again just before the create
+            raise CheckpointExistsError(f"{where}: checkpoint already exists")
+        try:
+            self.storage.create(key, data)
+            outcome: str | StorageError = "created"
+        except FileExistsError:
+            if trusted:
+                raise CheckpointExistsError(f"{where}: checkpoint already exists") from None
+            outcome = "exists"
+        except StorageError as exc:  # the PUT may or may not have landed: the read-back tells
+            if trusted:
+                raise
+            outcome = exc
+        if not trusted:
+            self._confirm_commit(key, data, outcome, where)
+
+    def _confirm_commit(self, key: str, data: bytes, outcome: str | StorageError, where: str) -> None:
+        """Read the record back twice, ``create_settle_s`` apart; return only if both reads are ``data``.
+
+        ``outcome`` is what the create said. "exists" with our own bytes stored is
+        our own earlier attempt: its answer was lost and botocore's retry got 412.
+        A failed create (a StorageError) with our bytes stored landed after all.
+        Another writer's bytes at the first read mean we lost; after a create that
+        *succeeded*, or at the second read, they also mean the store ignored
+        ``If-None-Match`` (or checked without a lock, as moto does). The second
+        read only catches a rival PUT landing within the delay; without conditional
+        writes, one landing later replaces our record unseen (spec 11.5).
+        """
+        for check in range(2):
+            if check:
+                time.sleep(self.storage.create_settle_s)
+            stored = self._read_back(key, where)
+            if stored == data:
+                continue
+            if stored is None:
+                if isinstance(outcome, StorageError):
+                    raise outcome
+                raise StorageError(f"{where}: the commit record vanished after it was written")
+            if outcome == "created" or check:
+                raise CheckpointExistsError(
+                    f"{where}: another writer's commit record replaced this save's: the store did not honour "
+                    "the conditional create (If-None-Match), so both writes landed and the other one stands")
+            raise CheckpointExistsError(f"{where}: checkpoint already exists")
+
+    def _read_back(self, key: str, where: str) -> bytes | None:
+        """The bytes of commit record ``key``, or None when absent.
+
+        The commit's outcome hinges on this read, so it gets a few more tries than
+        other reads: the client retries most failures itself, but a truncated body
+        only once (s3fs), and an unknown outcome is worse than a slower save.
+        """
+        for attempt in range(_READ_BACK_TRIES):
+            if attempt:
+                time.sleep(0.2 * 2**attempt)
+            try:
+                return self.storage.read(key, max_size=MAX_COMMIT_BYTES)
+            except CheckpointNotFoundError:
+                return None
+            except StorageError as exc:
+                error = exc
+        raise StorageError(f"{where}: cannot read the commit record back, the checkpoint may or may not be "
+                           f"committed ({error})")
+
     def commits(self) -> list[CommitRecord]:
         """Valid commit records, oldest first; damaged ones are skipped with a warning (verify reports them)."""
         return self._commits()[0]
@@ -191,6 +270,8 @@ class Repository:
         for name in self.names():
             try:
                 records.append(self.commit(name))
+            except StorageError:  # unreadable now is not damaged: skipping it would change "latest"
+                raise
             except CheckpointError as exc:
                 damaged.append(str(exc))
                 warnings.warn(f"skipping checkpoint {name!r}: {exc}", stacklevel=3)

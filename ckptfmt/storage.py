@@ -15,12 +15,15 @@ import contextlib
 import errno
 import mmap
 import os
+import random
 import stat
+import time
 import uuid
 from typing import Any
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
+from fsspec.implementations.memory import MemoryFileSystem
 
 from .errors import CheckpointError, CheckpointNotFoundError, CorruptDataError, StorageError
 
@@ -38,11 +41,23 @@ def _storage_error(exc: Exception, what: str) -> CheckpointError:
         return exc
     if isinstance(exc, FileNotFoundError):
         return CheckpointNotFoundError(f"{what}: not found")
+    if isinstance(exc, NotADirectoryError):  # a folder on the way is a file: nothing can be at this key
+        return CheckpointNotFoundError(f"{what}: not found (a folder on its path is a file)")
     if isinstance(exc, PermissionError):
         return StorageError(f"{what}: permission denied")
     if isinstance(exc, OSError) and exc.strerror:  # "Not a directory", not "NotADirectoryError: [Errno 20] ..."
         return StorageError(f"{what}: {exc.strerror}")
     return StorageError(f"{what}: {exc}")
+
+
+#: Tries of a conditional create that S3 answers with 409 ConditionalRequestConflict.
+_CONFLICT_TRIES = 5
+
+
+def _conditional_conflict(exc: Exception) -> bool:
+    """Whether ``exc`` is S3's 409 ConditionalRequestConflict (s3fs chains botocore's error as the cause)."""
+    response = getattr(exc.__cause__, "response", None) or getattr(exc, "response", None)
+    return isinstance(response, dict) and response.get("Error", {}).get("Code") == "ConditionalRequestConflict"
 
 
 class Storage:
@@ -52,6 +67,8 @@ class Storage:
     zero_copy_reads = False
     #: Whether ``exists`` is cheap (a stat) rather than a network round trip.
     cheap_exists = False
+    #: None where ``create`` is trusted to be write-once (local link(), in-process memory).
+    create_settle_s: float | None = None
 
     def __init__(self, fs: fsspec.AbstractFileSystem, root: str, url: str):
         self.fs = fs
@@ -142,14 +159,22 @@ class Storage:
         """Store ``data`` at ``key`` only if nothing is there; raises FileExistsError otherwise.
 
         On S3 this is a conditional PUT (``If-None-Match: *``), so two writers
-        racing for one key cannot both succeed.
+        racing for one key cannot both succeed where the store honours it (see
+        ``ObjectStorage`` for those that do not).
         """
-        try:
-            self.fs.pipe_file(self.path(key), bytes(data), mode="create")
-        except FileExistsError:
-            raise
-        except Exception as exc:
-            raise _storage_error(exc, self.describe(key)) from None
+        for attempt in range(_CONFLICT_TRIES):
+            try:
+                self.fs.pipe_file(self.path(key), bytes(data), mode="create")
+                return
+            except FileExistsError:
+                raise
+            except Exception as exc:
+                # AWS answers 409 ConditionalRequestConflict when conditional writes to one
+                # key overlap, and asks the client to retry; neither botocore nor s3fs does.
+                # The retry gets 412 (the other write won: FileExistsError) or succeeds.
+                if attempt + 1 == _CONFLICT_TRIES or not _conditional_conflict(exc):
+                    raise _storage_error(exc, self.describe(key)) from None
+            time.sleep(0.05 * 2**attempt * (1 + random.random()))
 
     def delete(self, key: str) -> None:
         try:
@@ -253,6 +278,18 @@ class _StagedFile(Staged):
             self._fd = -1
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
+
+
+class ObjectStorage(Storage):
+    """Remote stores (S3 and other fsspec backends), whose conditional create cannot be taken on trust.
+
+    Some S3-compatible stores ignore ``If-None-Match`` and moto checks then writes
+    without a lock, so a commit record is read back after its create, and again
+    ``create_settle_s`` later (``Repository.create_commit``, spec 11.3).
+    """
+
+    #: Seconds between the two read-backs of a commit record.
+    create_settle_s: float | None = 0.25
 
 
 class LocalStorage(Storage):
@@ -457,19 +494,65 @@ class LocalStorage(Storage):
         return LocalStorage(self.fs, self.path(key), self.describe(key))
 
 
+#: botocore client settings for s3:// storages; each key of the caller's
+#: ``storage_options["config_kwargs"]`` replaces the one here.
+S3_CONFIG_DEFAULTS: dict[str, Any] = {
+    "connect_timeout": 10,
+    "read_timeout": 30,
+    "retries": {"mode": "standard", "total_max_attempts": 6},
+}
+#: The AWS environment variables that take precedence over the ``retries`` default, key by key.
+_RETRIES_ENVIRONMENT = {"mode": "AWS_RETRY_MODE", "total_max_attempts": "AWS_MAX_ATTEMPTS"}
+#: Tries of s3fs's own retry loop (its default is 5; it is a class attribute, not an option).
+S3FS_TRIES = 2
+
+
+def _s3_options(options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` over ckptfmt's S3 client defaults.
+
+    Retries live in botocore ("standard" mode: 500/502/503/504, SlowDown and other
+    throttling, connection errors and timeouts, with jittered exponential backoff
+    and a retry quota that stops retry storms), 6 attempts in all: a save makes
+    thousands of requests and one failed request fails it. Timeouts make every
+    attempt end: 10 s to connect, 30 s without a byte of the response (aiohttp
+    starts this clock once the request body is sent, so large uploads do not
+    trip it). s3fs wraps every call in its own retry loop, and whole-object reads
+    in a second one, around botocore's: at its default of 5 that multiplies the
+    attempts by 25. Two tries keep one s3fs retry for what botocore never sees,
+    an error while reading a GET body (e.g. a truncated body). Worst case per
+    request, with every attempt stalled: 2 (4 for whole-object reads) x 6 x 40 s
+    plus backoff; in practice botocore's retry quota cuts an outage much shorter.
+    ``AWS_RETRY_MODE`` and ``AWS_MAX_ATTEMPTS`` in the environment keep precedence
+    (botocore reads them for the keys missing from ``retries``).
+    """
+    retries = {key: value for key, value in S3_CONFIG_DEFAULTS["retries"].items()
+               if _RETRIES_ENVIRONMENT[key] not in os.environ}
+    defaults = {**S3_CONFIG_DEFAULTS, "retries": retries}
+    return {**options, "config_kwargs": {**defaults, **(options.get("config_kwargs") or {})}}
+
+
 def open_storage(url: str | os.PathLike, storage_options: dict[str, Any] | None = None) -> Storage:
     """The storage for a local path or fsspec URL (``s3://``, ``memory://``, ``file://``).
 
     S3 endpoint and credentials come from ``storage_options`` or, as in a user's
     shell, from the standard AWS environment variables (``AWS_ENDPOINT_URL``, ...).
+    s3:// storages get bounded timeouts and retries by default (``_s3_options``).
     """
     url = os.fspath(url)
+    options = dict(storage_options or {})
+    s3 = fsspec.core.split_protocol(url)[0] in ("s3", "s3a")
+    if s3:
+        options = _s3_options(options)
     try:
-        fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+        fs, root = fsspec.core.url_to_fs(url, **options)
     except ImportError as exc:
         raise StorageError(f"{url}: missing backend ({exc}); for s3:// install ckptfmt[s3]") from None
     except Exception as exc:
         raise _storage_error(exc, url) from None
     if isinstance(fs, LocalFileSystem):
         return LocalStorage(fs, root, url)
-    return Storage(fs, root, url)
+    if isinstance(fs, MemoryFileSystem):
+        return Storage(fs, root, url)
+    if s3:
+        fs.retries = S3FS_TRIES
+    return ObjectStorage(fs, root, url)

@@ -18,7 +18,7 @@ from fsspec.callbacks import Callback, NoOpCallback
 
 from . import layout
 from .chunkio import ChunkReader
-from .errors import CheckpointError, CheckpointNotFoundError
+from .errors import CheckpointError, CheckpointNotFoundError, StorageError
 from .manifest import Manifest
 from .repository import Repository, resolve
 from .storage import open_storage
@@ -82,6 +82,8 @@ def verify(url: str | os.PathLike, *, storage_options: dict | None = None,
     for name in names:
         try:
             manifests[name] = repo.manifest(name)
+        except StorageError:  # the store failed, not the data: no verdict
+            raise
         except CheckpointError as exc:
             report.problems.append(Problem("bad-checkpoint", name, str(exc)))
     _check_chunks(repo, manifests, report, callback, workers, cancel)
@@ -142,9 +144,11 @@ def _check_chunks(repo: Repository, manifests: dict[str, Manifest], report: Veri
             current = buffers.data = bytearray(size)
         return memoryview(current)[:size]
 
+    failed = threading.Event()  # a storage failure ends the run: the other jobs return at once
+
     def check(item) -> None:
         ident, (manifest, index) = item
-        if cancel is not None and cancel.is_set():
+        if failed.is_set() or (cancel is not None and cancel.is_set()):
             return
         reader = ChunkReader(repo.storage, manifest.chunks)
         chunk = manifest.chunks[index]
@@ -158,6 +162,9 @@ def _check_chunks(repo: Repository, manifests: dict[str, Manifest], report: Veri
             problem = None
         except CheckpointNotFoundError as exc:
             problem = ("missing-chunk", str(exc))
+        except StorageError:  # the store failed, not the data: no verdict
+            failed.set()
+            raise
         except CheckpointError as exc:
             problem = ("corrupt-chunk", str(exc))
         with lock:

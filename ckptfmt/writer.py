@@ -280,10 +280,7 @@ def _commit(repo: Repository, manifest: Manifest) -> None:
         name=manifest.name, manifest_hash=digest, manifest_size=len(data), step=manifest.step,
         created_ns=manifest.created_ns, parent=manifest.parent, stats=manifest.stats,
     )
-    try:
-        repo.storage.create(layout.commit_key(manifest.name), record.to_bytes())
-    except FileExistsError:
-        raise CheckpointExistsError(f"{repo.storage.describe(manifest.name)}: checkpoint already exists") from None
+    repo.create_commit(record)
 
 
 __all__ = ["save"]

@@ -121,3 +121,29 @@ def root_url(backend, request, tmp_path) -> str:
 def repo_url(root_url) -> str:
     """A repository URL (not yet created) on each backend: local, memory://, S3."""
     return f"{root_url}/repo"
+
+
+@pytest.fixture
+def make_s3_proxy(s3_server):
+    """A factory of fault-injecting proxies (tests/s3_fault_proxy.py) in front of the moto server.
+
+    Each call starts one on a free port with faults off; all are stopped after the test.
+    """
+    from s3_fault_proxy import FaultProxy
+
+    proxies = []
+
+    def make(seed: int = 0, stall_s: float = 1.0) -> FaultProxy:
+        proxy = FaultProxy(s3_server, seed=seed, stall_s=stall_s).start()
+        proxies.append(proxy)
+        return proxy
+
+    yield make
+    for proxy in proxies:
+        proxy.stop()
+
+
+@pytest.fixture
+def s3_proxy(make_s3_proxy):
+    """One fault-injecting proxy in front of the moto server, faults off until the test turns them on."""
+    return make_s3_proxy()
