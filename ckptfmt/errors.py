@@ -41,3 +41,10 @@ class UnsupportedValueError(CheckpointError, TypeError):
 
 class StorageError(CheckpointError, OSError):
     """The storage backend failed (permissions, network, credentials)."""
+
+
+class CheckpointWarning(UserWarning):
+    """Something worth knowing that did not stop the operation (a damaged checkpoint skipped when listing).
+
+    Filter it like any warning: ``warnings.simplefilter("ignore", ckptfmt.CheckpointWarning)``.
+    """

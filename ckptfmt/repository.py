@@ -16,7 +16,8 @@ from typing import Any
 
 from . import layout
 from .errors import (
-    CheckpointError, CheckpointExistsError, CheckpointNotFoundError, CorruptDataError, ManifestError, StorageError,
+    CheckpointError, CheckpointExistsError, CheckpointNotFoundError, CheckpointWarning, CorruptDataError, ManifestError,
+    StorageError,
 )
 from .hashing import check_chunk
 from .limits import MAX_COMMIT_BYTES, MAX_MANIFEST_BYTES, MAX_MARKER_BYTES, check_hash, check_name, is_valid_name
@@ -274,7 +275,7 @@ class Repository:
                 raise
             except CheckpointError as exc:
                 damaged.append(str(exc))
-                warnings.warn(f"skipping checkpoint {name!r}: {exc}", stacklevel=3)
+                warnings.warn(f"skipping checkpoint {name!r}: {exc}", stacklevel=3, category=CheckpointWarning)
         return sorted(records, key=lambda r: (r.created_ns, r.name)), damaged
 
     def manifest(self, name: str, record: CommitRecord | None = None) -> Manifest:

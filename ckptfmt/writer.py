@@ -21,7 +21,8 @@ from . import codecs, layout
 from .chunker import DEFAULT_CHUNK_SIZE, ChunkPlanner, PieceRef
 from .environment import capture_environment
 from .errors import (
-    CheckpointError, CheckpointExistsError, CheckpointNotFoundError, ManifestError, UnsupportedValueError,
+    CheckpointError, CheckpointExistsError, CheckpointNotFoundError, CheckpointWarning, ManifestError,
+    UnsupportedValueError,
 )
 from .hashcache import DEFAULT_CACHE
 from .chunk_writer import ChunkWriter, StoredChunk
@@ -227,7 +228,7 @@ def _parent(repo: Repository, parent: Any) -> tuple[str | None, set[str]]:
         try:
             manifest = repo.manifest(parent, records[-1])
         except CheckpointError as exc:  # a damaged latest checkpoint must not block new saves
-            warnings.warn(f"not using {parent!r} as parent: {exc}", stacklevel=3)
+            warnings.warn(f"not using {parent!r} as parent: {exc}", stacklevel=3, category=CheckpointWarning)
             return None, set()
     else:
         try:

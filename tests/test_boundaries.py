@@ -78,3 +78,64 @@ def test_every_package_directory_is_packaged():
             relative = init.parent.relative_to(ROOT / folder).parts
             found.add(".".join((package, *relative)))
     assert found == listed
+
+
+def _package_of(path: Path) -> list[str]:
+    """The package a file's relative imports start from: converters/cli.py -> ckptfmt.converters."""
+    mounted = {"converters": ["ckptfmt", "converters"], "tui": ["ckptfmt", "tui"]}
+    parts = path.relative_to(ROOT).parts
+    return mounted.get(parts[0], [parts[0]]) + list(parts[1:-1])
+
+
+def _imports(path: Path) -> list[str]:
+    """The absolute module names ``path`` imports, anywhere in it (lazy imports too)."""
+    import ast
+
+    package = _package_of(path)
+    names = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level:
+            base = ".".join(package[: len(package) - node.level + 1])
+            names += [f"{base}.{node.module}"] if node.module else [f"{base}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            names.append(node.module)
+    return names
+
+
+def _python_files(*folders: str) -> list[Path]:
+    return [path for folder in folders for path in sorted((ROOT / folder).rglob("*.py"))]
+
+
+def test_dependencies_point_toward_the_core():
+    """Statically, lazy imports included: the core (its CLI too) never imports the converters or the
+    TUI, which join the CLI through entry points; neither of them imports the CLI."""
+    offenders = []
+    for path in _python_files("ckptfmt"):
+        offenders += [(path.name, name) for name in _imports(path)
+                      if name.split(".")[0] in ("tui", "converters")
+                      or name.startswith(("ckptfmt.tui", "ckptfmt.converters"))]
+    for path in _python_files("tui", "converters"):
+        offenders += [(path.name, name) for name in _imports(path) if name.startswith("ckptfmt.cli")]
+    assert offenders == []
+
+
+def test_one_import_path_for_converters_and_tui():
+    """Everything imports ckptfmt.converters / ckptfmt.tui, never top-level converters / tui packages,
+    which would load a second copy of every module (two registries, two sets of classes)."""
+    offenders = [(str(path.relative_to(ROOT)), name)
+                 for path in _python_files("tests", "bench", "examples", "converters", "tui", "ckptfmt")
+                 for name in _imports(path) if name and name.split(".")[0] in ("tui", "converters")]
+    assert offenders == []
+
+
+def test_the_cli_finds_the_commands_of_the_converters_and_the_tui():
+    """export, import and tui come in through the ckptfmt.commands entry points of the installed package."""
+    from ckptfmt.cli import build_parser
+
+    parser = build_parser()
+    commands = next(a for a in parser._actions if a.dest == "command").choices
+    assert list(commands) == ["ls", "show", "verify", "diff", "export", "import", "tui"]
+    assert commands["tui"].get_default("run").__module__ == "ckptfmt.tui.cli"
+    assert commands["import"].get_default("run").__module__ == "ckptfmt.converters.cli"

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -171,3 +173,76 @@ def test_import_round_trips_a_torch_file(run, tmp_path):
     assert "torch" in result.stdout
     loaded = ckptfmt.load(tmp_path / "repo" / "imported")
     assert loaded["pair"] == (1, 2) and torch.equal(loaded["w"], state["w"])
+
+
+# -- names stay whole --------------------------------------------------------------------------------
+
+LONG_NAMES = [f"encoder.layers.{i}.self_attention.query_key_value.weight_with_a_rather_long_name[{i}]"
+              for i in range(3)]
+LONG_KEYS = [f"model/{name}" for name in LONG_NAMES]
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+
+@pytest.fixture(scope="module")
+def long_names(tmp_path_factory) -> Path:
+    """Two checkpoints whose keys are longer than a pipe's 80 columns (and hold '[', which is rich markup)."""
+    root = tmp_path_factory.mktemp("long") / "repo"
+    state = {"model": {name: torch.full((4, 4), float(i)) for i, name in enumerate(LONG_NAMES)}}
+    ckptfmt.save(state, root / "a", metadata={"note": "[bold]not markup[/bold] [/]"})
+    state["model"][LONG_NAMES[1]] = state["model"][LONG_NAMES[1]] + 1
+    ckptfmt.save(state, root / "b")
+    return root
+
+
+def whole_lines(output: str, names: list[str]) -> list[str]:
+    """The names that do not appear whole on one line of ``output``."""
+    lines = ANSI.sub("", output).splitlines()
+    return [name for name in names if not any(name in line for line in lines)]
+
+
+@pytest.mark.parametrize("command", ["show", "diff"])
+def test_names_stay_whole_in_a_pipe(long_names, command):
+    """Piped output (rich's 80 columns) used to fold keys over several lines."""
+    args = ["show", long_names / "b"] if command == "show" else ["diff", long_names / "a", long_names / "b"]
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "FORCE_COLOR")}
+    result = subprocess.run([*CLI, *map(str, args)], capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 0, result.stderr
+    assert whole_lines(result.stdout, LONG_KEYS if command == "show" else LONG_KEYS[1:2]) == []
+
+
+@pytest.mark.parametrize("command", ["show", "diff", "ls", "verify"])
+def test_names_stay_whole_in_a_narrow_terminal(long_names, run, monkeypatch, tmp_path, command):
+    """A 40-column terminal: names stay on one line (the terminal may wrap what is wider than it)."""
+    monkeypatch.setenv("COLUMNS", "40")
+    monkeypatch.setenv("FORCE_COLOR", "1")  # rich treats the captured output as a terminal
+    damaged = tmp_path / "repo"
+    if command == "verify":  # a damaged chunk: the table names the tensors that use it
+        shutil.copytree(long_names, damaged)
+        chunk = next(p for p in (damaged / "chunks").rglob("*") if p.is_file())
+        data = chunk.read_bytes()
+        chunk.write_bytes(bytes([data[0] ^ 0xFF]) + data[1:])
+    args = {"show": ["show", long_names / "b"], "diff": ["diff", long_names / "a", long_names / "b"],
+            "ls": ["ls", long_names], "verify": ["verify", damaged]}[command]
+    result = run(*args)
+    assert result.returncode == (1 if command == "verify" else 0), result.stderr
+    expected = {"show": LONG_KEYS, "diff": LONG_KEYS[1:2], "ls": ["a", "b"], "verify": LONG_KEYS}[command]
+    assert whole_lines(result.stdout, expected) == []
+    assert max(len(line) for line in ANSI.sub("", result.stdout).splitlines()) > 40  # the names are wider
+
+
+def test_metadata_is_never_read_as_markup(long_names, run):
+    result = run("show", long_names / "a")
+    assert result.returncode == 0, result.stderr
+    assert "[bold]not markup[/bold] [/]" in result.stdout
+
+
+def test_library_warnings_print_as_one_line_each(long_names, run):
+    """A stray entry in a repository: ls works and says what it ignored, as ckptfmt's warning, once."""
+    (long_names / "notes").mkdir(exist_ok=True)
+    result = run("verify", long_names)
+    assert result.returncode == 0
+    assert result.stderr.splitlines() == [
+        line for line in result.stderr.splitlines() if line.startswith("ckptfmt: warning: ")] != []
+    assert "notes" in result.stderr
+    report = json.loads(run("verify", long_names, "--json").stdout)
+    assert any("notes" in w for w in report["warnings"])

@@ -14,6 +14,7 @@ import os
 import re
 import shutil
 import socket
+import warnings
 from pathlib import Path
 
 import pytest
@@ -142,11 +143,7 @@ def source(tmp_path_factory) -> Path:
     return path
 
 
-ODD_METADATA_PENDING = pytest.mark.xfail(strict=True, reason="show and ls do not tolerate odd metadata types yet")
-
-
-@pytest.mark.parametrize("what", [pytest.param(w, marks=ODD_METADATA_PENDING) if w == "odd-metadata" else w
-                                  for w in DAMAGE])
+@pytest.mark.parametrize("what", DAMAGE)
 def test_every_command_fails_cleanly_or_works(tmp_path, capsys, monkeypatch, source, what):
     monkeypatch.setenv("COLUMNS", "100")
     repo = good_repo(tmp_path)
@@ -155,16 +152,21 @@ def test_every_command_fails_cleanly_or_works(tmp_path, capsys, monkeypatch, sou
     out.mkdir()
     outcomes = {}
     for argv in commands(repo, out, source):
-        code = within(60, lambda: main(argv))
+        with warnings.catch_warnings(record=True) as leaked:
+            warnings.simplefilter("always")
+            code = within(60, lambda: main(argv))
         captured = capsys.readouterr()
         text = captured.out + captured.err
         where = f"{what}: ckptfmt {' '.join(argv)} -> {code}\n{text[-2000:]}"
         assert not EXCEPTION_NAME.search(text), where
         assert code in (0, 1, 2), where
+        assert [str(w.message) for w in leaked] == [], where  # warnings reach the user as ckptfmt's lines
+        assert all(line.startswith("ckptfmt: warning: ") for line in captured.err.splitlines()
+                   if line.strip() and code == 0), where
         if code == 2:
             lines = [line for line in captured.err.splitlines() if line.strip()]
             assert len(lines) == 1 and lines[0].startswith("ckptfmt: error: "), where
-            assert "internal error" not in lines[0], where
+            assert "unexpected failure" not in lines[0], where
         if code == 1:
             assert argv[0] == "verify" and not captured.err.strip(), where
         outcomes[" ".join(argv)] = code

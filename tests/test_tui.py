@@ -32,8 +32,11 @@ from ckptfmt.tui.screens.verify import VerifyScreen
 from ckptfmt.tui.stats import tensor_statistics
 from ckptfmt.tui.widgets.formatting import split_key
 from ckptfmt.tui.widgets.tensor_tree import TensorTree
+from ckptfmt.storage import open_storage
 from ckptfmt.verify import VerifyReport
 from textual.worker import WorkerFailed
+
+from helpers import rewrite_manifest
 
 SIZE = (120, 40)
 
@@ -189,6 +192,31 @@ async def test_metadata_tabs(repo):
         assert "not imported" in seen["provenance"]
         await pilot.press("right_square_bracket")
         assert tabs.active == "tensors"
+
+
+ODD_METADATA = {  # what another writer (or a hostile one) may put where ckptfmt writes maps and lists
+    "environment": {"os": "plan9", "cpu": [1], "gpus": ["x", {"name": "[b]gpu"}], "torch": 3, "determinism": "on",
+                    "packages": ["numpy"]},
+    "topology": {"world_size": "four", "ranks": {"0": 1}, "parallelism": [2, 2]},
+    "timing": {"ranks": [{"rank": [0], "phases": "fast", "total_s": "slow"}], "steps": [None, "x", 0.5]},
+    "rng": [{"rank": "zero", "torch_cpu": 5}], "stats": {"tensor_count": "many", "stored_bytes": [1]},
+}
+
+
+@async_test
+async def test_metadata_tabs_show_odd_metadata_as_it_is(repo):
+    """Spec section 9: readers never fail on metadata. Every tab renders what is there."""
+    rewrite_manifest(open_storage(repo), "step-2", lambda doc: doc.update(ODD_METADATA))
+    app = create_app([f"{repo}/step-2"])
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        seen = {tab: text_of(app, f"#{tab}-body")
+                for tab in ("environment", "rng", "topology", "timing", "user", "provenance")}
+        assert "plan9" in seen["environment"] and "[b]gpu" in seen["environment"]
+        assert "zero" in seen["rng"]
+        assert "four" in seen["topology"]
+        assert "rank [0]" in seen["timing"] and "1 recorded" in seen["timing"]
+        assert "stored [1]" in text_of(app, "#summary")
 
 
 def find_node(tree, key: str):

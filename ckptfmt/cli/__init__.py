@@ -1,19 +1,29 @@
-"""The ``ckptfmt`` command: ls, show, verify, diff, export, import, and the ``tui``.
+"""The ``ckptfmt`` command: ls, show, verify, diff, and the commands other packages register.
+
+``export``/``import`` (ckptfmt.converters) and ``tui`` (ckptfmt.tui) come in
+through the ``ckptfmt.commands`` entry point group: each entry point names a
+``register(subparsers)`` function. The core never imports those packages.
 
 Errors print one line and exit non-zero (2; verify finding damage exits 1);
-``--debug`` shows the traceback. Commands that need the converters import them
-when run, so the core stays free of them.
+``--debug`` shows the traceback. ckptfmt's warnings (``CheckpointWarning``)
+print as ``ckptfmt: warning: ...`` lines once the command has succeeded; other
+libraries' warnings show only with ``--debug``.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import warnings
+from importlib.metadata import EntryPoint, entry_points
 
 from rich.console import Console
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, CheckpointWarning
 from . import commands
+
+#: The entry point group of commands that live outside the core.
+COMMANDS_GROUP = "ckptfmt.commands"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,45 +55,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=25, help="differing tensors to list (0: all)")
     p.set_defaults(run=commands.diff)
 
-    p = sub.add_parser("export", help="write a checkpoint in another format")
-    p.add_argument("checkpoint")
-    p.add_argument("dest", help="output file (or folder: sharded safetensors, dcp, deepspeed)")
-    p.add_argument("--format", required=True, choices=("torch", "safetensors", "dcp", "deepspeed"))
-    p.add_argument("--max-shard-size", metavar="SIZE",
-                   help="safetensors: write DEST as a folder of Hugging Face shards "
-                        "(model-0000i-of-0000N.safetensors + model.safetensors.index.json) of at most SIZE "
-                        "(bytes, or 5GB, 500MB, 2GiB)")
-    p.add_argument("--prefix", help="safetensors: export only the tensors under this key prefix, without it "
-                                    "(e.g. model/ gives layers.0.weight)")
-    p.add_argument("--world-size", type=int, metavar="N",
-                   help="deepspeed: data-parallel ranks the ZeRO files are for (default: the source's)")
-    p.add_argument("--zero-stage", type=int, choices=(1, 2, 3), help="deepspeed: ZeRO stage (default: the config's)")
-    p.add_argument("--ds-config", metavar="JSON",
-                   help="deepspeed: the DeepSpeed config file the run will load with (default: the recorded one)")
-    p.set_defaults(run=commands.export)
-
-    p = sub.add_parser("import", help="import a torch.save, safetensors, HF Trainer, Lightning, DCP or DeepSpeed checkpoint")
-    p.add_argument("src", help="the file or folder to import (pickles are never run: unknown objects are kept opaque)")
-    p.add_argument("dest", help="new checkpoint URL REPO/NAME")
-    p.add_argument("--from", dest="kind", metavar="KIND", help="source format: deepspeed, hf-trainer, lightning, dcp, torch, safetensors (default: detected)")
-    p.add_argument("--step", type=int, help="the checkpoint's step (default: found in the source, if any)")
-    p.add_argument("--tp-dim", action="append", metavar="REGEX=DIM",
-                   help="deepspeed: tensor-parallel ranks split the parameters whose name REGEX matches on DIM "
-                        "(or REGEX=replicated); repeatable, the first match wins (default: "
-                        "universal_checkpoint_info, else inferred)")
-    p.set_defaults(run=commands.import_)
-
-    p = sub.add_parser("tui", help="browse, verify and compare checkpoints in a terminal UI")
-    p.add_argument("targets", nargs="+", metavar="TARGET",
-                   help="a repository or checkpoint URL; give two checkpoints to open their diff")
-    p.set_defaults(run=commands.tui)
+    for plugin in sorted(entry_points(group=COMMANDS_GROUP), key=lambda ep: ep.name):
+        _register(plugin, sub)
     return parser
+
+
+def _register(plugin: EntryPoint, sub: argparse._SubParsersAction) -> None:
+    """Let an installed package add its commands; one that cannot load is left out, with a warning."""
+    try:
+        register = plugin.load()
+        register(sub)
+    except Exception as exc:  # a broken or partial install must not take ls/show/verify down with it
+        print(f"ckptfmt: warning: commands from {plugin.value} are unavailable: {exc}", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     console = Console()
     errors = Console(stderr=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        code = _run(args, console, errors)
+    _print_warnings(caught, errors, debug=args.debug, failed=code == 2)
+    return code
+
+
+def _run(args, console: Console, errors: Console) -> int:
+    """The command's exit code; an exception becomes one line on stderr (and code 2, or 130)."""
     try:
         return args.run(args, console) or 0
     except KeyboardInterrupt:
@@ -92,14 +90,32 @@ def main(argv: list[str] | None = None) -> int:
     except CheckpointError as exc:
         if args.debug:
             errors.print_exception()
-        errors.print(f"ckptfmt: error: {exc}", markup=False, highlight=False, soft_wrap=True)
+        _error_line(errors, str(exc))
         return 2
     except Exception as exc:  # a bug, or an environment problem we did not foresee
         if args.debug:
             errors.print_exception()
-        errors.print(f"ckptfmt: error: {type(exc).__name__}: {exc} (rerun with --debug for details)",
-                     markup=False, highlight=False, soft_wrap=True)
+        _error_line(errors, f"unexpected failure ({exc or 'no message'}); rerun with --debug for details")
         return 2
+
+
+def _error_line(errors: Console, message: str) -> None:
+    errors.print(f"ckptfmt: error: {message}", markup=False, highlight=False, soft_wrap=True)
+
+
+def _print_warnings(caught: list[warnings.WarningMessage], errors: Console, *, debug: bool, failed: bool) -> None:
+    """ckptfmt's warnings as one line each (each message once), unless the command failed: then the
+    error line is all the user sees. Other libraries' warnings only with --debug."""
+    seen = set()
+    for warning in caught:
+        if issubclass(warning.category, CheckpointWarning):
+            message = str(warning.message)
+            if not failed and message not in seen:
+                seen.add(message)
+                errors.print(f"ckptfmt: warning: {message}", markup=False, highlight=False, soft_wrap=True)
+        elif debug:
+            errors.print(warnings.formatwarning(warning.message, warning.category, warning.filename,
+                                                warning.lineno), markup=False, highlight=False, end="")
 
 
 if __name__ == "__main__":  # pragma: no cover

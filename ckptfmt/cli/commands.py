@@ -3,19 +3,24 @@
 from __future__ import annotations
 
 import json
+import warnings
 from typing import Any
 
 from fsspec.callbacks import Callback
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 from rich.table import Table
+from rich.text import Text
 
+from .. import describe
 from .. import diff as diff_module
-from ..errors import CheckpointError
+from ..describe import text
+from ..errors import CheckpointWarning
+from ..formatting import human_bytes, human_time, number, seconds, shape_text, short
 from ..reader import open as open_checkpoint
 from ..repository import Repository
 from ..verify import verify as verify_url
-from .render import human_bytes, human_time, new_table, number, shape_text
+from .render import add_name_column, add_row, new_table, print_table
 
 
 def ls(args, console: Console) -> int:
@@ -23,21 +28,19 @@ def ls(args, console: Console) -> int:
     records = repo.commits()
     if args.json:
         console.print_json(data=[{
-            "name": r.name, "step": r.step, "created_ns": r.created_ns, "parent": r.parent,
-            "manifest": r.manifest_hash, **r.stats,
+            **r.stats, "name": r.name, "step": r.step, "created_ns": r.created_ns, "parent": r.parent,
+            "manifest": r.manifest_hash,
         } for r in records])
         return 0
     table = new_table(f"{repo.url}: {len(records)} checkpoints")
-    for column in ("name", "step", "created", "size", "new bytes", "parent"):
-        numeric = column in ("step", "size", "new bytes")
-        table.add_column(column, justify="right" if numeric else "left", no_wrap=True, overflow="ellipsis")
+    add_name_column(table, "name", (r.name for r in records))
+    for column in ("step", "created", "size", "new bytes"):
+        table.add_column(column, justify="left" if column == "created" else "right", no_wrap=True)
+    add_name_column(table, "parent", (r.parent or "-" for r in records))
     for r in records:
-        table.add_row(
-            r.name, str(r.step) if r.step is not None else "-", human_time(r.created_ns),
-            human_bytes(r.stats.get("stored_bytes")),
-            human_bytes(r.stats.get("new_bytes")), r.parent or "-",
-        )
-    console.print(table)
+        add_row(table, r.name, text(r.step), human_time(r.created_ns), human_bytes(r.stats.get("stored_bytes")),
+                human_bytes(r.stats.get("new_bytes")), r.parent or "-")
+    print_table(console, table)
     return 0
 
 
@@ -52,67 +55,54 @@ def show(args, console: Console) -> int:
                              "shards": len(t.shards), "kind": t.kind} for t in tensors],
             }))
             return 0
-        _show_summary(console, ckpt.url, ckpt.id, meta)
+        _show_summary(console, describe.summary(meta, ckpt.url, ckpt.id))
         _show_tensors(console, tensors, args.limit)
         _show_metadata(console, meta)
     return 0
 
 
-def _show_summary(console: Console, url: str, ident: str, meta: dict) -> None:
-    stats = meta["stats"]
+def _show_summary(console: Console, rows: list[tuple[str, str]]) -> None:
     table = Table.grid(padding=(0, 2))
-    table.add_column(style="bold")
-    table.add_column()
-    rows = [
-        ("checkpoint", url), ("id", ident), ("step", str(meta["step"])), ("created", human_time(meta["created_ns"])),
-        ("parent", meta["parent"] or "-"), ("format", ".".join(map(str, meta["format_version"]))),
-        ("tensors", f"{stats.get('tensor_count')} ({human_bytes(stats.get('tensor_bytes'))})"),
-        ("stored", f"{human_bytes(stats.get('stored_bytes'))} in {stats.get('chunk_count')} chunks, "
-                   f"{human_bytes(stats.get('new_bytes'))} new"),
-    ]
+    table.add_column(style="bold", no_wrap=True)
+    table.add_column(no_wrap=True)
     for row in rows:
-        table.add_row(*row)
-    console.print(table)
+        add_row(table, *row)
+    print_table(console, table)
 
 
 def _show_tensors(console: Console, tensors: list, limit: int) -> None:
     shown = tensors if limit <= 0 else tensors[:limit]
     table = new_table(f"tensors ({len(shown)} of {len(tensors)})")
-    for column in ("key", "dtype", "shape", "size", "shards"):
-        numeric = column in ("size", "shards")
-        table.add_column(column, justify="right" if numeric else "left", no_wrap=numeric, overflow="fold")
+    add_name_column(table, "key", (t.key for t in shown))
+    table.add_column("dtype", no_wrap=True)
+    table.add_column("shape")
+    table.add_column("size", justify="right", no_wrap=True)
+    table.add_column("shards", justify="right", no_wrap=True)
     for t in shown:
-        table.add_row(t.key, t.dtype, shape_text(t.shape), human_bytes(t.nbytes), str(len(t.shards)))
-    console.print(table)
+        add_row(table, t.key, t.dtype, shape_text(t.shape), human_bytes(t.nbytes), str(len(t.shards)))
+    print_table(console, table)
 
 
 def _show_metadata(console: Console, meta: dict) -> None:
-    env = meta["environment"]
-    torch_info = env.get("torch", {})
-    git = env.get("git") or {}
+    """Environment, RNG, topology, timing and user metadata, whatever their types (spec section 9)."""
     table = new_table("metadata", show_header=False)
-    table.add_column(style="bold")
-    table.add_column()
-    table.add_row("host", f"{env.get('hostname')} ({env.get('os', {}).get('platform')})")
-    table.add_row("cpu / gpus", f"{env.get('cpu', {}).get('model')} / {[g['name'] for g in env.get('gpus', [])] or 'none'}")
-    table.add_row("python / torch", f"{env.get('python', {}).get('version')} / {torch_info.get('version')} "
-                                    f"(cuda {torch_info.get('cuda')}, cudnn {torch_info.get('cudnn')}, nccl {torch_info.get('nccl')})")
-    table.add_row("git", f"{git.get('commit', '-')}{' (dirty)' if git.get('dirty') else ''}" if git else "-")
-    determinism = env.get("determinism", {})
-    table.add_row("determinism", ", ".join(f"{k}={v}" for k, v in determinism.items() if k != "env"))
-    table.add_row("determinism env", ", ".join(f"{k}={v}" for k, v in determinism.get("env", {}).items()))
-    for entry in meta["rng"]:
-        generators = ["torch_cpu"] + (["cuda"] * bool(entry.get("cuda"))) + [g for g in ("numpy", "python") if entry.get(g)]
-        table.add_row(f"rng rank {entry.get('rank')}", f"{', '.join(generators)}; torch seed {entry.get('torch_initial_seed')}")
-    topo = meta["topology"]
-    hosts = ", ".join(f"{r.get('rank')}@{r.get('host')}" for r in topo.get("ranks", []))
-    table.add_row("topology", f"world size {topo.get('world_size')}, parallelism {topo.get('parallelism')}, ranks {hosts}")
-    for rank in meta["timing"].get("ranks", []):
-        phases = ", ".join(f"{p['name']} {p['duration_s'] * 1000:.0f} ms" for p in rank.get("phases", []))
-        table.add_row(f"save timing rank {rank.get('rank')}", f"{rank.get('total_s', 0) * 1000:.0f} ms: {phases}")
-    if meta["timing"].get("steps"):
-        table.add_row("step times", f"{len(meta['timing']['steps'])} recorded")
-    table.add_row("user", json.dumps(_jsonable(meta["user"]))[:500])
+    table.add_column(style="bold", no_wrap=True)
+    table.add_column(overflow="fold")
+    for label, value in describe.environment(meta):
+        add_row(table, label, value)
+    for row in describe.rng(meta):
+        add_row(table, f"rng rank {row.rank}", f"{row.generators}; torch seed {row.torch_seed}")
+    topology = dict(describe.topology(meta))
+    hosts = ", ".join(f"{r.rank}@{r.host}" for r in describe.ranks(meta)) or "-"
+    add_row(table, "topology", f"world size {topology['world size']}, parallelism {topology['parallelism']}, "
+                               f"ranks {hosts}")
+    for timing in describe.save_timing(meta):
+        phases = ", ".join(f"{name} {seconds(duration)}" for name, duration in timing.phases)
+        add_row(table, f"save timing rank {timing.rank}", f"{seconds(timing.total_s)}: {phases or '-'}")
+    steps = describe.step_summary(meta)
+    if steps:
+        add_row(table, "step times", steps)
+    add_row(table, "user", short(json.dumps(_jsonable(meta.get("user"))), 500))
     console.print(table)
 
 
@@ -129,10 +119,11 @@ class _RichCallback(Callback):
 
 
 def verify(args, console: Console) -> int:
+    errors = Console(stderr=True)
     progress = Progress(
         TextColumn("[progress.description]{task.description}"), BarColumn(), DownloadColumn(),
-        TransferSpeedColumn(), TimeRemainingColumn(), console=Console(stderr=True), transient=True,
-        disable=args.json,
+        TransferSpeedColumn(), TimeRemainingColumn(), console=errors, transient=True,
+        disable=args.json or not errors.is_terminal,  # a bar in a log file is noise
     )
     with progress:
         report = verify_url(args.url, callback=_RichCallback(progress))
@@ -141,20 +132,26 @@ def verify(args, console: Console) -> int:
             "ok": report.ok, "checkpoints": report.checkpoints, "chunks_checked": report.chunks_checked,
             "bytes_checked": report.bytes_checked, "seconds": report.seconds,
             "problems": [p.__dict__ | {"tensors": list(p.tensors)} for p in report.problems],
+            "warnings": report.warnings,
         })
         return 0 if report.ok else 1
+    for message in report.warnings:
+        warnings.warn(message, CheckpointWarning, stacklevel=1)
     rate = report.bytes_checked / report.seconds / 1e9 if report.seconds else 0.0
     summary = (f"{len(report.checkpoints)} checkpoint(s), {report.chunks_checked} chunks, "
                f"{human_bytes(report.bytes_checked)} in {report.seconds:.2f} s ({rate:.2f} GB/s)")
     if report.ok:
-        console.print(f"[green]OK[/green]: {summary}")
+        console.print(Text.assemble(("OK", "green"), f": {summary}"))
         return 0
-    table = new_table(f"[red]DAMAGED[/red]: {len(report.problems)} problem(s) in {summary}")
-    for column in ("checkpoint", "problem", "chunk", "tensors", "detail"):
-        table.add_column(column, overflow="fold")
+    table = new_table(f"DAMAGED: {len(report.problems)} problem(s) in {summary}")
+    add_name_column(table, "checkpoint", (p.checkpoint for p in report.problems))
+    table.add_column("problem", no_wrap=True)
+    table.add_column("chunk", no_wrap=True)
+    add_name_column(table, "tensors", (t for p in report.problems for t in p.tensors))
+    table.add_column("detail", overflow="fold")
     for p in report.problems:
-        table.add_row(p.checkpoint, p.kind, (p.chunk or "-")[:16], "\n".join(p.tensors) or "-", p.message)
-    console.print(table)
+        add_row(table, p.checkpoint, p.kind, (p.chunk or "-")[:16], "\n".join(p.tensors) or "-", p.message)
+    print_table(console, table)
     return 1
 
 
@@ -168,94 +165,38 @@ def diff(args, console: Console) -> int:
         }))
         return 0
     counts = {s: len(report.by_status(s)) for s in ("changed", "added", "removed", "unchanged")}
-    console.print(f"[bold]{report.a}[/bold] -> [bold]{report.b}[/bold]: "
-                  + ", ".join(f"{n} {s}" for s, n in counts.items()))
+    console.print(Text.assemble((report.a, "bold"), " -> ", (report.b, "bold"), ": ",
+                                ", ".join(f"{n} {s}" for s, n in counts.items())))
     moved = [t for t in report.tensors if t.status != "unchanged"]
     shown = moved if args.limit <= 0 else moved[: args.limit]
     if moved:
         table = new_table(f"tensors that differ, most moved first ({len(shown)} of {len(moved)})")
-        for column in ("key", "status", "dtype", "shape", "max |diff|", "rel L2", "changed"):
+        add_name_column(table, "key", (t.key for t in shown))
+        for column in ("status", "dtype", "shape", "max |diff|", "rel L2", "changed"):
             numeric = column in ("max |diff|", "rel L2", "changed")
-            table.add_column(column, justify="right" if numeric else "left", no_wrap=numeric, overflow="fold")
+            table.add_column(column, justify="right" if numeric else "left", no_wrap=column != "shape")
         for t in shown:
             dtype = t.dtype[0] if t.dtype[0] == t.dtype[1] else f"{t.dtype[0]} -> {t.dtype[1]}"
             shape = shape_text(t.shape[0]) if t.shape[0] == t.shape[1] else f"{shape_text(t.shape[0])} -> {shape_text(t.shape[1])}"
             changed = f"{t.frac_changed:.1%}" if t.frac_changed is not None else "-"
-            table.add_row(t.key, t.status, dtype, shape, number(t.max_abs_diff), number(t.rel_l2), changed)
-        console.print(table)
+            add_row(table, t.key, t.status, dtype, shape, number(t.max_abs_diff), number(t.rel_l2), changed)
+        print_table(console, table)
     interesting = [m for m in report.metadata if not m[0].startswith(("rng.", "environment.packages"))]
     if report.metadata:
         table = new_table(f"metadata that differs ({len(report.metadata)} fields; RNG states and packages summarised)")
-        for column in ("field", "A", "B"):
-            table.add_column(column, overflow="fold")
+        add_name_column(table, "field", (m[0] for m in interesting))
+        table.add_column("A", overflow="fold")
+        table.add_column("B", overflow="fold")
         for field, va, vb in interesting:
-            table.add_row(field, str(va), str(vb))
+            add_row(table, field, short(va), short(vb))
         rng_changed = sorted({m[0].split(".")[1] for m in report.metadata if m[0].startswith("rng.")})
         packages = [m for m in report.metadata if m[0].startswith("environment.packages")]
         if rng_changed:
-            table.add_row("rng", f"states differ for rank(s) {', '.join(rng_changed)}", "")
+            add_row(table, "rng", f"states differ for rank(s) {', '.join(rng_changed)}", "")
         if packages:
-            table.add_row("packages", f"{len(packages)} package version(s) differ", "")
-        console.print(table)
+            add_row(table, "packages", f"{len(packages)} package version(s) differ", "")
+        print_table(console, table)
     return 0
-
-
-def export(args, console: Console) -> int:
-    from ..converters.export import export_checkpoint  # converters stay out of the core's imports
-
-    result = export_checkpoint(args.checkpoint, args.dest, format=args.format,
-                               max_shard_size=args.max_shard_size, prefix=args.prefix, world_size=args.world_size,
-                               zero_stage=args.zero_stage, ds_config=_json_file(args.ds_config))
-    console.print(f"wrote {result.path} ({result.tensors} tensors, {human_bytes(result.bytes)})")
-    for note in result.notes:
-        console.print(f"note: {note}")
-    return 0
-
-
-def _json_file(path: str | None) -> dict | None:
-    """A JSON object from a file (e.g. a DeepSpeed config), or a CheckpointError naming the file."""
-    if path is None:
-        return None
-    try:
-        with open(path, encoding="utf-8") as f:
-            value = json.load(f)
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{path}: cannot read a JSON object: {exc}") from None
-    if not isinstance(value, dict):
-        raise CheckpointError(f"{path}: expected a JSON object, found {type(value).__name__}")
-    return value
-
-
-def _tp_dims(values: list[str] | None) -> dict | None:
-    """``--tp-dim REGEX=DIM`` options as the DeepSpeed reader's tp_dims (DIM a dimension, or replicated)."""
-    dims = {}
-    for value in values or []:
-        pattern, _, dim = value.rpartition("=")
-        if not pattern or not (dim == "replicated" or dim.isdigit()):
-            raise CheckpointError(f"--tp-dim {value!r}: expected REGEX=DIM, DIM a dimension or 'replicated'")
-        dims[pattern] = None if dim == "replicated" else int(dim)
-    return dims or None
-
-
-def import_(args, console: Console) -> int:
-    from ..converters.importer import import_checkpoint  # converters stay out of the core's imports
-
-    tp_dims = _tp_dims(args.tp_dim)
-    result = import_checkpoint(args.src, args.dest, kind=args.kind, step=args.step,
-                               options={"tp_dims": tp_dims} if tp_dims else None)
-    console.print(f"imported {args.src} ({result.kind}) as {result.url}: {result.tensors} tensors, "
-                  f"{len(result.opaque)} opaque objects, {result.seconds:.2f} s", markup=False, highlight=False)
-    for key in result.opaque:
-        console.print(f"opaque: {key}", markup=False, highlight=False)
-    for note in result.notes:
-        console.print(f"note: {note}", markup=False, highlight=False)
-    return 0
-
-
-def tui(args, console: Console) -> int:
-    from ..tui import main  # the TUI (textual) stays out of the core's imports
-
-    return main(args.targets)
 
 
 def _jsonable(value: Any) -> Any:

@@ -1,38 +1,57 @@
-"""Formatting helpers shared by the CLI commands (sizes, times, shapes)."""
+"""Rich output for the CLI commands: tables in one style, and names that are never cut or folded."""
 
 from __future__ import annotations
 
-import datetime
+from collections.abc import Iterable
 
 from rich import box
+from rich.cells import cell_len
+from rich.console import Console
+from rich.markup import escape
+from rich.measure import Measurement
 from rich.table import Table
+from rich.text import Text
 
-
-def human_bytes(n: int | float | None) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
-
-
-def human_time(created_ns: int | None) -> str:
-    if not created_ns:
-        return "-"
-    stamp = datetime.datetime.fromtimestamp(created_ns / 1e9).astimezone()
-    return stamp.strftime("%Y-%m-%d %H:%M:%S")
-
-
-def shape_text(shape) -> str:
-    return "(" + ", ".join(str(d) for d in shape) + ")" if shape is not None else "-"
-
-
-def number(value: float | None) -> str:
-    return "-" if value is None else f"{value:.4g}"
+#: Width used to measure what a table needs, whatever the console's width.
+_UNBOUNDED = 2**20
 
 
 def new_table(title: str, **options) -> Table:
-    """A table in the CLI's style: light borders, so more width goes to keys and names."""
-    return Table(title=title, box=box.SIMPLE_HEAD, title_justify="left", **options)
+    """A table in the CLI's style: light borders, so more width goes to keys and names.
+
+    ``title`` is plain text (a URL may hold '[').
+    """
+    return Table(title=escape(title), box=box.SIMPLE_HEAD, title_justify="left", **options)
+
+
+def add_name_column(table: Table, header: str, names: Iterable[str], **options) -> None:
+    """A column of names (tensor keys, checkpoints) that stay whole, on one line, at any width."""
+    widest = max((cell_len(name) for name in names), default=0)
+    table.add_column(header, no_wrap=True, min_width=max(widest, cell_len(header)), **options)
+
+
+def add_row(table: Table, *cells: str) -> None:
+    """A row of plain text: metadata and names are data, never rich markup."""
+    table.add_row(*(Text(cell) for cell in cells))
+
+
+def print_table(console: Console, table: Table) -> None:
+    """Print ``table`` without cutting or folding its name columns.
+
+    rich gives a pipe 80 columns and shrinks tables to the console's width,
+    folding names. Into a pipe the table is printed at its natural width (one
+    line per row, whatever its length); in a terminal narrower than the names,
+    at the least width that keeps them whole (other columns wrap, and the
+    terminal wraps what is wider than it).
+    """
+    needed = Measurement.get(console, console.options.update_width(_UNBOUNDED), table)
+    width = needed.minimum if console.is_terminal else needed.maximum
+    if width <= console.width:
+        console.print(table)
+        return
+    saved = console.width
+    console.width = width
+    try:
+        console.print(table)
+    finally:
+        console.width = saved

@@ -17,6 +17,7 @@ from textual.timer import Timer
 from textual.widgets import Footer, Header, Input, Static, TabbedContent, TabPane, Tree
 from textual.worker import get_current_worker
 
+from ... import describe
 from ...reader import CheckpointReader
 from ..stats import TensorStats, tensor_statistics
 from ..widgets import metadata
@@ -89,13 +90,14 @@ class CheckpointScreen(WorkerScreen):
 
     def _summary(self, shown: int | None = None, text: str = "") -> Text:
         """The line above the tabs: what this checkpoint is, or how many tensors the filter matches."""
-        stats = self.meta.get("stats") or {}
+        stats = describe.mapping(self.meta.get("stats"))
         if text:
             detail = f"filter '{text}': {shown} of {len(self.entries)} tensors"
         else:
             detail = (f"step {self.meta.get('step')}  {human_time(self.meta.get('created_ns'))}  "
                       f"{tensor_count(len(self.entries))}, {human_bytes(stats.get('tensor_bytes'))}; "
-                      f"stored {human_bytes(stats.get('stored_bytes'))} in {stats.get('chunk_count')} chunk(s)")
+                      f"stored {human_bytes(stats.get('stored_bytes'))} in {describe.text(stats.get('chunk_count'))} "
+                      "chunk(s)")
         return Text.assemble((self.url, "bold"), "  ", detail)
 
     def _render_tab(self, tab: str):

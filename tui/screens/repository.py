@@ -8,6 +8,7 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.widgets import DataTable, Footer, Header, Static
 
+from ... import describe
 from ...reader import CheckpointReader
 from ...repository import CommitRecord, Repository
 from ..widgets.formatting import human_bytes, human_time
@@ -21,8 +22,8 @@ SORT_KEYS = {
     "name": lambda r, _: r.name,
     "step": lambda r, _: (r.step is None, r.step or 0),
     "created": lambda r, _: r.created_ns,
-    "size": lambda r, _: r.stats.get("stored_bytes") or 0,
-    "new bytes": lambda r, _: r.stats.get("new_bytes") or 0,
+    "size": lambda r, _: describe.real(r.stats.get("stored_bytes")) or 0,  # stats are metadata: any type
+    "new bytes": lambda r, _: describe.real(r.stats.get("new_bytes")) or 0,
     "verified": lambda r, verified: verified or "",
 }
 VERIFIED_STYLE = {"ok": "green", "damaged": "bold red"}

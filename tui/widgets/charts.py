@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from rich.table import Table
 from rich.text import Text
 
-from ...cli.render import number
+from ckptfmt.formatting import number
 from ..stats import TensorStats
 
 _EIGHTHS = " ▏▎▍▌▋▊▉█"

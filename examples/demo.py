@@ -1,6 +1,6 @@
 """A small training run that checkpoints with ckptfmt every few steps (``make demo``).
 
-    python -m ckptfmt.demo REPO [--steps 30] [--every 10]
+    python examples/demo.py REPO [--steps 30] [--every 10]
 
 It trains a tiny transformer language model on synthetic tokens, saves model,
 optimizer, scheduler, counters and step timings, then resumes from the latest

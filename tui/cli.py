@@ -1,0 +1,28 @@
+"""The ``ckptfmt tui`` command, registered through the ``ckptfmt.commands`` entry point so that the
+core CLI never imports the TUI; textual is imported only when the command runs."""
+
+from __future__ import annotations
+
+import argparse
+
+from rich.console import Console
+
+from ckptfmt.errors import CheckpointError
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add ``tui`` to the ``ckptfmt`` command's subparsers."""
+    p = sub.add_parser("tui", help="browse, verify and compare checkpoints in a terminal UI")
+    p.add_argument("targets", nargs="+", metavar="TARGET",
+                   help="a repository or checkpoint URL; give two checkpoints to open their diff")
+    p.set_defaults(run=run)
+
+
+def run(args, console: Console) -> int:
+    try:
+        import textual  # noqa: F401 - only to tell a missing extra from a broken install
+    except ImportError:
+        raise CheckpointError("the terminal UI needs textual: pip install 'ckptfmt[tui]'") from None
+    from .app import main
+
+    return main(args.targets)
