@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import zstandard
 
-from .errors import CorruptDataError, ManifestError
+from .errors import CorruptDataError, ManifestError, quoted
 
 NONE = "none"
 ZSTD = "zstd"
@@ -25,7 +25,7 @@ ZSTD_LEVEL = 1
 def check_codec(codec: object) -> str:
     """Return ``codec`` if this reader knows it, else raise ManifestError."""
     if codec not in CODECS:
-        raise ManifestError(f"unknown chunk codec {codec!r}")
+        raise ManifestError(f"unknown chunk codec {quoted(codec)}")
     return codec  # type: ignore[return-value]
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .errors import CheckpointError, ManifestError, UnsupportedValueError
+from .errors import CheckpointError, ManifestError, UnsupportedValueError, quoted
 
 #: format dtype name -> bytes per element (format version 1.0).
 ITEMSIZES: dict[str, int] = {
@@ -46,7 +46,7 @@ def itemsize(name: str) -> int:
     try:
         return ITEMSIZES[name]
     except (KeyError, TypeError):
-        raise ManifestError(f"unknown dtype {name!r} (written by a newer ckptfmt?)") from None
+        raise ManifestError(f"unknown dtype {quoted(name)} (written by a newer ckptfmt?)") from None
 
 
 def dtype_from_name(name: str) -> torch.dtype:

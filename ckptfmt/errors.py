@@ -6,6 +6,8 @@ Subclasses also derive from the builtin they resemble (as zarr does), so that
 
 from __future__ import annotations
 
+import reprlib
+
 
 class CheckpointError(Exception):
     """Root of every error ckptfmt raises for bad input, missing or corrupt data."""
@@ -48,3 +50,13 @@ class CheckpointWarning(UserWarning):
 
     Filter it like any warning: ``warnings.simplefilter("ignore", ckptfmt.CheckpointWarning)``.
     """
+
+
+_QUOTE = reprlib.Repr()
+_QUOTE.maxlevel, _QUOTE.maxstring, _QUOTE.maxother = 3, 80, 80
+
+
+def quoted(value: object) -> str:
+    """``repr(value)`` for an error message, bounded in depth and length: a value read from a damaged or
+    hostile file may be nested thousands deep (plain ``repr`` would recurse out) or megabytes long."""
+    return _QUOTE.repr(value)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-from .errors import InvalidNameError
+from .errors import InvalidNameError, quoted
 
 MAX_MANIFEST_BYTES = 256 * 2**20
 MAX_COMMIT_BYTES = 64 * 2**10
@@ -46,7 +46,7 @@ def check_name(name: object) -> str:
     """Return ``name`` if it is a valid checkpoint name, else raise InvalidNameError."""
     if not is_valid_name(name):
         raise InvalidNameError(
-            f"invalid checkpoint name {name!r}: use 1-{MAX_NAME_LENGTH} characters from "
+            f"invalid checkpoint name {quoted(name)}: use 1-{MAX_NAME_LENGTH} characters from "
             "A-Z a-z 0-9 . _ -, starting with a letter or digit, not 'chunks' or 'ckptfmt.json'"
         )
     return name
@@ -55,5 +55,5 @@ def check_name(name: object) -> str:
 def check_hash(value: object) -> str:
     """Return ``value`` if it is a lowercase hex BLAKE3-256 digest, else raise InvalidNameError."""
     if not isinstance(value, str) or not HASH_PATTERN.fullmatch(value):
-        raise InvalidNameError(f"invalid chunk hash {value!r}: expected 64 lowercase hex digits")
+        raise InvalidNameError(f"invalid chunk hash {quoted(value)}: expected 64 lowercase hex digits")
     return value

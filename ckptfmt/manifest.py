@@ -20,7 +20,7 @@ import msgpack
 
 from .codecs import NONE, check_codec
 from .dtypes import itemsize
-from .errors import CheckpointError, ManifestError, UnsupportedVersionError
+from .errors import CheckpointError, ManifestError, UnsupportedVersionError, quoted
 from .limits import (
     MAX_CHUNK_BYTES, MAX_CHUNKS, MAX_DIMS, MAX_KEY_BYTES, MAX_MANIFEST_BYTES, MAX_METADATA_NESTING, MAX_PIECES, MAX_SHARDS,
     MAX_SHARDS_PER_TENSOR, MAX_TENSOR_BYTES, MAX_TENSORS, check_hash, check_name,
@@ -147,6 +147,8 @@ class Manifest:
                 return _parse(doc)
             except CheckpointError as exc:
                 raise type(exc)(f"{where}: {exc}") from None
+            except RecursionError:  # a safety net: nesting is bounded where values are parsed
+                raise ManifestError(f"{where}: malformed manifest (nested too deeply)") from None
             except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
                 raise ManifestError(f"{where}: malformed manifest ({exc})") from None
 
@@ -206,14 +208,14 @@ def _get(doc: dict, key: str, kind: type | tuple, *, optional: bool = False, def
 
 def _int(value: Any, what: str, low: int = 0, high: int = 2**63 - 1) -> int:
     if type(value) is not int or not low <= value <= high:
-        raise ManifestError(f"{what} must be an integer in [{low}, {high}], found {value!r}")
+        raise ManifestError(f"{what} must be an integer in [{low}, {high}], found {quoted(value)}")
     return value
 
 
 def check_version(version: Any, what: str) -> tuple[int, int]:
     """Accept any 1.x version (unknown fields of newer minors are ignored); refuse other majors."""
     if not isinstance(version, list) or len(version) != 2 or not all(type(v) is int for v in version):
-        raise ManifestError(f"{what}: malformed version {version!r}")
+        raise ManifestError(f"{what}: malformed version {quoted(version)}")
     if version[0] != FORMAT_VERSION[0]:
         raise UnsupportedVersionError(
             f"{what}: format version {version[0]}.{version[1]} is not readable by this ckptfmt "
@@ -248,7 +250,7 @@ def _parse(doc: Any) -> Manifest:
     if not isinstance(doc, dict):
         raise ManifestError("manifest is not a map")
     if doc.get("format") != MANIFEST_FORMAT:
-        raise ManifestError(f"not a ckptfmt manifest (format field {doc.get('format')!r})")
+        raise ManifestError(f"not a ckptfmt manifest (format field {quoted(doc.get('format'))})")
     version = check_version(doc.get("version"), "manifest")
     raw_chunks = _get(doc, "chunks", list)
     raw_tensors = _get(doc, "tensors", list)
@@ -358,7 +360,7 @@ def _parse_tensor(doc: Any, index: int, sizes: list[int], budget: _Budget) -> Te
         raise ManifestError(f"{what}: shape {list(shape)} is over the size limit")
     kind = doc.get("kind", "tensor")
     if kind not in TENSOR_KINDS:
-        raise ManifestError(f"{what}: unknown kind {kind!r}")
+        raise ManifestError(f"{what}: unknown kind {quoted(kind)}")
     requires_grad = doc.get("requires_grad", False)
     if type(requires_grad) is not bool:
         raise ManifestError(f"{what}: requires_grad is not a bool")

@@ -17,7 +17,7 @@ from typing import Any
 from . import layout
 from .errors import (
     CheckpointError, CheckpointExistsError, CheckpointNotFoundError, CheckpointWarning, CorruptDataError, ManifestError,
-    StorageError,
+    StorageError, quoted,
 )
 from .hashing import check_chunk
 from .limits import MAX_COMMIT_BYTES, MAX_MANIFEST_BYTES, MAX_MARKER_BYTES, check_hash, check_name, is_valid_name
@@ -67,7 +67,7 @@ class CommitRecord:
             step = doc.get("step")
             created = doc["created_ns"]
             if type(size) is not int or not 0 < size <= MAX_MANIFEST_BYTES:
-                raise ManifestError(f"manifest_size {size!r} is invalid")
+                raise ManifestError(f"manifest_size {quoted(size)} is invalid")
             if step is not None and type(step) is not int:
                 raise ManifestError("step is not an integer")
             if type(created) is not int or not 0 <= created < 2**63:

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from .dtypes import dtype_from_name, dtype_name
-from .errors import ManifestError, UnsupportedValueError
+from .errors import ManifestError, UnsupportedValueError, quoted
 from .limits import MAX_NESTING
 from .sharded import Sharded
 
@@ -162,7 +162,7 @@ def unique_map(pairs: list[tuple]) -> dict:
     value = dict(pairs)
     if len(value) != len(pairs):
         duplicate = next(k for i, (k, _) in enumerate(pairs) if any(k == other for other, _ in pairs[:i]))
-        raise ManifestError(f"map has the key {duplicate!r} twice")
+        raise ManifestError(f"map has the key {quoted(duplicate)} twice")
     return value
 
 

@@ -131,13 +131,16 @@ def run_in_threads(target, count: int) -> None:
         thread.join()
 
 
-def rewrite_manifest(storage, name: str, change) -> None:
-    """Apply ``change`` to checkpoint ``name``'s manifest document and commit the result."""
+def rewrite_manifest(storage, name: str, change, patch=None) -> None:
+    """Apply ``change`` to checkpoint ``name``'s manifest document (and ``patch`` to its encoded bytes,
+    for what msgpack's packer refuses to write) and commit the result."""
     commit = json.loads(storage.read(layout.commit_key(name), max_size=ANY_SIZE))
     doc = msgpack.unpackb(storage.read(layout.manifest_key(name, commit["manifest"]), max_size=ANY_SIZE), raw=False,
                           strict_map_key=False)
     change(doc)
     data = msgpack.packb(doc, use_bin_type=True)
+    if patch is not None:
+        data = patch(data)
     digest = chunk_hash(data)
     storage.write(layout.manifest_key(name, digest), data)
     storage.write(layout.commit_key(name), json.dumps({**commit, "manifest": digest,

@@ -773,3 +773,17 @@ def test_a_malformed_rng_entry_leaves_every_generator_as_it_was(tmp_path):
         with pytest.raises(CheckpointError, match="malformed RNG state"):
             ckptfmt.restore_rng(tmp_path / "repo" / "a", rank=0)
         assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_a_deeply_nested_value_where_a_string_belongs_is_quoted_briefly(tmp_path):
+    """A chunk row's hash that is a list nested 1000 deep, found by `make fuzz`: quoting it in
+    the error message with repr() recursed out (RecursionError) in every reader."""
+    url = ckptfmt.save({"w": torch.ones(4)}, tmp_path / "repo" / "a")
+    placeholder = "NESTED-VALUE-PLACEHOLDER"
+    nested = b"\x91" * 1000 + b"\xc0"  # [[[...[None]...]]], deeper than repr() can go
+    rewrite_manifest(open_storage(tmp_path / "repo"), "a",
+                     lambda doc: doc["chunks"][0].update(hash=placeholder),
+                     patch=lambda data: data.replace(msgpack.packb(placeholder), nested))
+    with pytest.raises(ckptfmt.CheckpointError, match=r"\[\[\[\[\.\.\.\]\]\]\]") as info:
+        ckptfmt.open(url)
+    assert len(str(info.value)) < 1000
