@@ -84,6 +84,28 @@ def test_show_repository_means_latest(repo, run):
     assert data["name"] == "step-2"
 
 
+def nested(depth: int) -> dict:
+    """User metadata as deep as a value tree may be (255 dicts inside one another)."""
+    value: dict = {"leaf": 1}
+    for _ in range(depth - 1):
+        value = {"inner": value}
+    return value
+
+
+def test_show_prints_user_metadata_of_any_allowed_depth(run, tmp_path):
+    """Found by `make fuzz`: show and show --json recursed out on a deep user value tree."""
+    url = ckptfmt.save({"w": torch.ones(2)}, tmp_path / "repo" / "deep", metadata={"run": nested(255)})
+    table = run("show", url)
+    assert table.returncode == 0, table.stderr
+    assert "inner" in table.stdout and "nested deeper than" in table.stdout
+    shown = run("show", url, "--json")
+    assert shown.returncode == 0, shown.stderr
+    user = json.loads(shown.stdout)["user"]["run"]  # at depth 2 of the document
+    for _ in range(29):
+        user = user["inner"]
+    assert user == {"inner": "<nested deeper than 32 levels>"}
+
+
 def test_verify_ok_and_damaged(repo, run, tmp_path):
     assert run("verify", repo).returncode == 0
     damaged = tmp_path / "damaged"

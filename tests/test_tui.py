@@ -219,6 +219,18 @@ async def test_metadata_tabs_show_odd_metadata_as_it_is(repo):
         assert "stored [1]" in text_of(app, "#summary")
 
 
+@async_test
+async def test_user_tab_shows_metadata_of_any_allowed_depth(tmp_path):
+    value: dict = {"leaf": 1}
+    for _ in range(254):  # a value tree may nest 256 levels
+        value = {"inner": value}
+    url = ckptfmt.save({"w": torch.ones(2)}, tmp_path / "repo" / "deep", metadata={"run": value})
+    app = create_app([url])
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        assert "inner" in text_of(app, "#user-body")
+
+
 def find_node(tree, key: str):
     """The tree node of tensor ``key`` among the nodes built so far."""
     pending = list(tree.root.children)

@@ -15,7 +15,7 @@ from rich.text import Text
 from .. import describe
 from .. import diff as diff_module
 from ..describe import text
-from ..errors import CheckpointWarning
+from ..errors import CheckpointWarning, quoted
 from ..formatting import human_bytes, human_time, number, seconds, shape_text, short
 from ..reader import open as open_checkpoint
 from ..repository import Repository
@@ -199,16 +199,22 @@ def diff(args, console: Console) -> int:
     return 0
 
 
-def _jsonable(value: Any) -> Any:
-    """Make metadata printable as JSON (bytes summarised, tuples as lists, keys as strings)."""
+#: Levels of metadata shown as JSON; deeper values (a user value tree may nest 256 deep) are elided.
+_JSON_DEPTH = 32
+
+
+def _jsonable(value: Any, depth: int = 0) -> Any:
+    """Make metadata printable as JSON (bytes summarised, tuples as lists, keys as strings, depth bounded)."""
+    if isinstance(value, (dict, list, tuple, set, frozenset)) and depth == _JSON_DEPTH:
+        return f"<nested deeper than {_JSON_DEPTH} levels>"
     if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
+        return {short(k, 200) if isinstance(k, str) else quoted(k): _jsonable(v, depth + 1) for k, v in value.items()}
     if isinstance(value, (list, tuple, set, frozenset)):
-        return [_jsonable(v) for v in value]
+        return [_jsonable(v, depth + 1) for v in value]
     if isinstance(value, bytes):
         return f"<{len(value)} bytes>"
     if isinstance(value, float) and (value != value or value in (float("inf"), float("-inf"))):
         return str(value)
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
-    return repr(value)
+    return quoted(value)

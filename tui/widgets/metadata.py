@@ -73,8 +73,8 @@ def timing(meta: dict) -> RenderGroup:
     return RenderGroup(*(parts or [Text("no timing recorded")]))
 
 
-#: Bounds on what a tree of metadata shows: items per container, characters per string.
-_PRETTY_LIMITS = {"max_length": 200, "max_string": 2000}
+#: Bounds on what a tree of metadata shows: items per container, characters per string, levels.
+_PRETTY_LIMITS = {"max_length": 200, "max_string": 2000, "max_depth": 32}
 
 
 def user(meta: dict) -> Pretty | Text:
