@@ -12,6 +12,7 @@ from .errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
     CheckpointWarning,
+    CollectiveError,
     CorruptDataError,
     InvalidNameError,
     ManifestError,
@@ -20,6 +21,7 @@ from .errors import (
     UnsupportedVersionError,
 )
 from .manifest import FORMAT_VERSION
+from .per_rank import PerRank, PerRankValues
 from .reader import CheckpointReader, load, open, restore_rng
 from .repository import Repository
 from .sharded import Shard, Sharded
@@ -35,11 +37,14 @@ __all__ = [
     "CheckpointNotFoundError",
     "CheckpointReader",
     "CheckpointWarning",
+    "CollectiveError",
     "CorruptDataError",
     "FORMAT_VERSION",
     "InvalidNameError",
     "ManifestError",
     "OpaqueObject",
+    "PerRank",
+    "PerRankValues",
     "Repository",
     "Shard",
     "Sharded",

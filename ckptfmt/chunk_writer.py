@@ -23,10 +23,10 @@ import blake3
 import xxhash
 
 from . import codecs, layout
-from .chunker import ChunkJob
+from .chunker import DEFAULT_CHUNK_SIZE, ChunkJob, ChunkPlanner, PieceRef
 from .hashcache import HashCache
 from .hashing import chunk_hash
-from .manifest import Chunk
+from .manifest import Chunk, Piece
 from .repository import Repository
 from .tensors import TensorSource
 
@@ -40,6 +40,66 @@ class StoredChunk:
 
     chunk: Chunk
     written: int
+
+
+@dataclass
+class StoredSources:
+    """What storing a list of sources produced: a chunk table, and each source's pieces in it."""
+
+    chunks: list[Chunk]
+    #: Per source, its pieces (chunk row, offset, length) in byte order.
+    pieces: list[tuple[Piece, ...]]
+    #: Stored bytes of the chunks this call wrote (not found already stored).
+    new_bytes: int
+    #: Rows of ``chunks`` that this call wrote.
+    written_rows: frozenset[int]
+
+
+def store_sources(repo: Repository, sources: list[TensorSource], *, compression: str | None, parent_keys: set[str],
+                  cache: HashCache, chunk_size: int | None, workers: int, timer) -> StoredSources:
+    """Cut ``sources`` into chunks, store them (durably) and return the chunk table and pieces.
+
+    ``timer`` gets the phases ``write_chunks`` and ``sync``.
+    """
+    writer = ChunkWriter(repo, sources, compression, parent_keys, cache, workers)
+    try:
+        with timer.phase("write_chunks"):
+            planner = ChunkPlanner(chunk_size or DEFAULT_CHUNK_SIZE)
+            refs: list[list[PieceRef]] = []
+            for index, source in enumerate(sources):
+                source_refs, ready = planner.add(index, source.nbytes, source.tensor.element_size())
+                refs.append(source_refs)
+                for job in ready:
+                    writer.submit(job)
+            for job in planner.finish():
+                writer.submit(job)
+            stored = writer.results()
+        with timer.phase("sync"):
+            writer.make_durable()
+    finally:
+        writer.close()
+    return _table(stored, refs)
+
+
+def _table(stored: dict[int, StoredChunk], refs: list[list[PieceRef]]) -> StoredSources:
+    """One chunk row per distinct chunk (twins take the row with a stored size); pieces point at rows."""
+    chunks: list[Chunk] = []
+    row_of: dict[tuple[str, str], int] = {}
+    job_row: dict[int, int] = {}
+    written: set[int] = set()
+    for job_index in sorted(stored):
+        chunk = stored[job_index].chunk
+        key = (chunk.hash, chunk.codec)
+        if key not in row_of:
+            row_of[key] = len(chunks)
+            chunks.append(chunk)
+        elif chunks[row_of[key]].stored_size < 0:
+            chunks[row_of[key]] = chunk
+        job_row[job_index] = row_of[key]
+        if stored[job_index].written:
+            written.add(row_of[key])
+    pieces = [tuple(Piece(job_row[p.job], p.offset, p.length) for p in source_refs) for source_refs in refs]
+    return StoredSources(chunks, pieces, sum(chunks[row].stored_size for row in written), frozenset(written))
 
 
 class ChunkWriter:

@@ -45,6 +45,11 @@ class StorageError(CheckpointError, OSError):
     """The storage backend failed (permissions, network, credentials)."""
 
 
+class CollectiveError(CheckpointError):
+    """A collective save or load could not finish on every rank (a rank failed, died or never
+    called it); nothing was committed."""
+
+
 class CheckpointWarning(UserWarning):
     """Something worth knowing that did not stop the operation (a damaged checkpoint skipped when listing).
 

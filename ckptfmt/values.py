@@ -17,6 +17,8 @@ Extension types carry the rest, each payload itself a msgpack document:
    12 opaque object      map {"module", "qualname", "pickle": bytes}: an object a
                          converter could not rebuild safely; its pickle is kept
                          verbatim and never unpickled by ckptfmt
+   13 per-rank value     map {rank (int): value}: a ``PerRank`` value, one per
+                         saving rank (format 1.1)
 
 Anything else is refused at save time with the path of the offending value.
 """
@@ -34,10 +36,12 @@ import torch
 from .dtypes import dtype_from_name, dtype_name
 from .errors import ManifestError, UnsupportedValueError, quoted
 from .limits import MAX_NESTING
+from .per_rank import PerRank, PerRankValues
 from .sharded import Sharded
 
 EXT_TENSOR, EXT_TUPLE, EXT_BIGINT, EXT_ODICT, EXT_SET, EXT_FROZENSET = 1, 2, 3, 4, 5, 6
 EXT_COMPLEX, EXT_DTYPE, EXT_SIZE, EXT_DEVICE, EXT_NUMPY_SCALAR, EXT_OPAQUE = 7, 8, 9, 10, 11, 12
+EXT_PER_RANK = 13
 
 _INT_MIN, _INT_MAX = -(2**63), 2**64 - 1
 _BIGINT_DIGITS = 4300  # the most digits a writer may store (spec 7.2)
@@ -46,6 +50,14 @@ _BIGINT_DIGITS = 4300  # the most digits a writer may store (spec 7.2)
 TensorLike = torch.Tensor | np.ndarray | Sharded
 #: Called for each tensor leaf with its key path; returns its tensor-table index.
 OnTensor = Callable[[tuple, TensorLike], int]
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """A tensor known by its key only: what a collective save's coordinator encodes in place of
+    tensors that live on other ranks (``on_tensor`` maps it to its tensor-table index)."""
+
+    key: str
 
 
 @dataclass(frozen=True)
@@ -77,9 +89,11 @@ def _where(path: tuple) -> str:
 
 
 class _Encoder:
-    def __init__(self, on_tensor: OnTensor | None):
+    def __init__(self, on_tensor: OnTensor | None, rank: int):
         self.on_tensor = on_tensor
+        self.rank = rank  # whose value a PerRank leaf is
         self.in_key = 0  # > 0 while packing a dict key or set item
+        self.in_per_rank = 0  # > 0 while packing a per-rank value
 
     def pack(self, value: Any, path: tuple) -> Any:
         """Turn ``value`` into msgpack-native data plus ExtTypes."""
@@ -107,12 +121,19 @@ class _Encoder:
             return self.ext(EXT_ODICT, body)
         if kind is tuple:
             return self.ext(EXT_TUPLE, [self.pack(item, (*path, i)) for i, item in enumerate(value)])
-        if isinstance(value, torch.Tensor) or kind in (np.ndarray, Sharded):
+        if isinstance(value, torch.Tensor) or kind in (np.ndarray, Sharded, TensorRef):
             if self.in_key:
                 raise UnsupportedValueError(f"{_where(path)}: tensors cannot be dict keys or set items (nor part of one)")
+            if self.in_per_rank:
+                raise UnsupportedValueError(f"{_where(path)}: tensors inside ckptfmt.PerRank are not supported; "
+                                            "save a per-rank tensor as a DTensor or under a key naming its rank")
             if self.on_tensor is None:
                 raise UnsupportedValueError(f"{_where(path)}: tensors are not allowed here")
             return self.ext(EXT_TENSOR, self.on_tensor(path, value))
+        if kind is PerRank:
+            return self.per_rank(PerRankValues({self.rank: value.value}), path)
+        if kind is PerRankValues:
+            return self.per_rank(value, path)
         if kind is torch.Size:
             return self.ext(EXT_SIZE, list(value))
         if kind in (set, frozenset):
@@ -141,6 +162,16 @@ class _Encoder:
         finally:
             self.in_key -= 1
 
+    def per_rank(self, values: PerRankValues, path: tuple) -> msgpack.ExtType:
+        if self.in_key:
+            raise UnsupportedValueError(f"{_where(path)}: a PerRank value cannot be a dict key or set item")
+        self.in_per_rank += 1
+        try:
+            body = {int(rank): self.pack(value, path) for rank, value in sorted(values.items())}
+        finally:
+            self.in_per_rank -= 1
+        return self.ext(EXT_PER_RANK, body)
+
     def ext(self, code: int, body: Any) -> msgpack.ExtType:
         return msgpack.ExtType(code, _packb(body))
 
@@ -152,9 +183,12 @@ def _packb(obj: Any) -> bytes:
         raise UnsupportedValueError(f"state holds a string that is not valid Unicode text: {exc}") from None
 
 
-def encode_tree(value: Any, on_tensor: OnTensor | None = None) -> bytes:
-    """The msgpack document of ``value``; tensors go to ``on_tensor`` (None forbids them)."""
-    return _packb(_Encoder(on_tensor).pack(value, ()))
+def encode_tree(value: Any, on_tensor: OnTensor | None = None, rank: int = 0) -> bytes:
+    """The msgpack document of ``value``; tensors go to ``on_tensor`` (None forbids them).
+
+    ``PerRank`` leaves are stored as ``rank``'s value.
+    """
+    return _packb(_Encoder(on_tensor, rank).pack(value, ()))
 
 
 def unique_map(pairs: list[tuple]) -> dict:
@@ -241,6 +275,11 @@ class _Decoder:
             if dtype.kind not in "biufc" or len(_expect(raw, bytes)) != dtype.itemsize:
                 raise ManifestError("value tree: malformed numpy scalar")
             return np.frombuffer(raw, dtype=dtype)[0]
+        if code == EXT_PER_RANK:
+            body = _expect(body, dict)
+            if not all(type(rank) is int and rank >= 0 for rank in body):
+                raise ManifestError("value tree: per-rank value keyed by something other than a rank")
+            return PerRankValues(body)
         if code == EXT_OPAQUE:
             body = _expect(body, dict)
             return OpaqueObject(_expect(body["module"], str), _expect(body["qualname"], str), _expect(body["pickle"], bytes))

@@ -18,19 +18,21 @@ import msgpack
 import torch
 
 from . import codecs, layout
-from .chunker import DEFAULT_CHUNK_SIZE, ChunkPlanner, PieceRef
 from .environment import capture_environment
 from .errors import (
     CheckpointError, CheckpointExistsError, CheckpointNotFoundError, CheckpointWarning, ManifestError,
     UnsupportedValueError,
 )
 from .hashcache import DEFAULT_CACHE
-from .chunk_writer import ChunkWriter, StoredChunk
+from .chunk_writer import store_sources
+from .collective_save import collective_save
+from .dtensors import is_dtensor, local_shard
 from .hashing import chunk_hash
 from .limits import MAX_CHUNK_BYTES, MAX_KEY_BYTES, check_name
-from .manifest import Chunk, Manifest, Piece, Shard, TensorEntry
+from .manifest import Manifest, Piece, Shard, TensorEntry
 from .tiling import check_tiling
 from .repository import CommitRecord, Repository, split_checkpoint_url
+from .process_group import distributed_group
 from .rng import capture_rng
 from .sharded import Shard as ShardInput, Sharded
 from .tensors import TensorSource, prepare
@@ -39,6 +41,8 @@ from .topology import capture_topology, current_rank
 from .values import encode_tree, format_key
 
 _LATEST = object()
+#: How long a collective save waits for every rank at each of its steps.
+DEFAULT_TIMEOUT_S = 600.0
 
 
 def save(
@@ -57,6 +61,9 @@ def save(
     rng: list[dict] | None = None,
     provenance: dict | None = None,
     before_commit: Callable[[], None] | None = None,
+    process_group: Any = None,
+    coordinated: bool | None = None,
+    timeout: float = DEFAULT_TIMEOUT_S,
 ) -> str:
     """Save ``state`` (nested dicts/lists/tuples of tensors and plain values) as checkpoint ``url``.
 
@@ -75,10 +82,32 @@ def save(
     and the exception propagates, leaving no checkpoint (only orphan chunks,
     spec 11.6). Converters use it to finish checking their source while the
     chunks are written, instead of before.
+
+    Under torch.distributed (a default process group of more than one process,
+    or ``process_group``) the save is collective, like
+    ``torch.distributed.checkpoint.save``: every rank calls it with its own
+    state and one checkpoint holds them all (replicated values stored once,
+    DTensors as their shards, ``ckptfmt.PerRank`` values per rank). It fails
+    on every rank, committing nothing, if any rank fails or does not answer
+    within ``timeout`` seconds. ``coordinated=False`` saves this process's
+    state alone, as a single-process save.
     """
-    step = _check_arguments(step, chunk_size, compression, step_times, parallelism, rng, provenance)
+    step = check_arguments(step, chunk_size, compression, step_times, parallelism, rng, provenance)
     if before_commit is not None and not callable(before_commit):
         raise TypeError("before_commit must be a callable or None")
+    group = None if coordinated is False else distributed_group(process_group)
+    if group is None and coordinated:
+        raise ValueError("coordinated=True needs an initialised torch.distributed process group")
+    if group is not None:
+        if before_commit is not None:
+            raise ValueError("before_commit is for single-process saves")
+        if not timeout > 0:
+            raise ValueError("timeout must be a positive number of seconds")
+        return collective_save(
+            state, url, group, timeout=timeout, step=step, metadata=metadata, storage_options=storage_options,
+            parent=parent, chunk_size=chunk_size, compression=compression, step_times=step_times,
+            parallelism=parallelism, workers=workers, rng=rng, provenance=provenance,
+        )
     timer = PhaseTimer()
     repo_url, name = split_checkpoint_url(url)
     rank, _ = current_rank()
@@ -86,55 +115,40 @@ def save(
         repo = Repository.open(repo_url, storage_options, create=True)
         if repo.storage.exists(layout.commit_key(name)):
             raise CheckpointExistsError(f"{repo.storage.describe(name)}: checkpoint already exists")
-        parent_name, parent_keys = _parent(repo, parent)
+        parent_name, parent_keys = resolve_parent(repo, parent)
         sources: list[TensorSource] = []
         entries: list[dict] = []
-        state_bytes = encode_tree(state, _TensorCollector(sources, entries))
+        state_bytes = encode_tree(state, TensorCollector(sources, entries), rank=rank)
         user_bytes = encode_tree({} if metadata is None else metadata, None)
         rng_entries = rng if rng is not None else [capture_rng(rank)]
     # 4 writers overlap hashing with other chunks' writes and fsyncs; on remote
     # storage each holds a copy of its chunk, so 4 x 64 MiB bounds the memory.
-    writer = ChunkWriter(repo, sources, compression, parent_keys, DEFAULT_CACHE, workers or 4)
-    try:
-        with timer.phase("write_chunks"):
-            planner = ChunkPlanner(chunk_size or DEFAULT_CHUNK_SIZE)
-            pieces: list[list[PieceRef]] = []
-            for index, source in enumerate(sources):
-                refs, ready = planner.add(index, source.nbytes, source.tensor.element_size())
-                pieces.append(refs)
-                for job in ready:
-                    writer.submit(job)
-            for job in planner.finish():
-                writer.submit(job)
-            stored = writer.results()
-        with timer.phase("sync"):
-            writer.make_durable()
-    finally:
-        writer.close()
+    stored = store_sources(repo, sources, compression=compression, parent_keys=parent_keys, cache=DEFAULT_CACHE,
+                           chunk_size=chunk_size, workers=workers or 4, timer=timer)
     with timer.phase("environment"):
         environment = capture_environment()
-    chunks, tensors = _tables(stored, sources, entries, pieces, rank)
+    tensors = tensor_table(entries, [s.shape for s in sources], stored.pieces, rank)
     stats = {
         "tensor_count": len(tensors),
         "tensor_bytes": sum(s.nbytes for s in sources),
-        "chunk_count": len(chunks),
-        "stored_bytes": sum(c.stored_size for c in chunks),
-        "new_bytes": sum(s.written for s in stored.values()),
+        "chunk_count": len(stored.chunks),
+        "stored_bytes": sum(c.stored_size for c in stored.chunks),
+        "new_bytes": stored.new_bytes,
     }
     manifest = Manifest(
         name=name, step=step, created_ns=time.time_ns(), parent=parent_name,
-        chunks=chunks, tensors=tensors, state=state_bytes, user=user_bytes, rng=rng_entries,
+        chunks=stored.chunks, tensors=tensors, state=state_bytes, user=user_bytes, rng=rng_entries,
         environment=environment, topology=capture_topology(parallelism),
         timing={"ranks": [timer.record(rank)], "steps": list(step_times or [])},
         stats=stats, provenance=provenance,
     )
     if before_commit is not None:
         before_commit()
-    _commit(repo, manifest)
+    commit_manifest(repo, manifest)
     return repo.storage.describe(name)
 
 
-def _check_arguments(step, chunk_size, compression, step_times, parallelism, rng, provenance) -> int | None:
+def check_arguments(step, chunk_size, compression, step_times, parallelism, rng, provenance) -> int | None:
     """Refuse bad arguments before anything is written; returns ``step`` as a plain int."""
     if step is not None:
         if isinstance(step, bool) or not hasattr(step, "__index__"):
@@ -154,12 +168,18 @@ def _check_arguments(step, chunk_size, compression, step_times, parallelism, rng
     return step
 
 
-class _TensorCollector:
-    """The value tree's tensor hook: prepares each leaf and numbers it (same object, same entry)."""
+class TensorCollector:
+    """The value tree's tensor hook: prepares each leaf and numbers it (same object, same entry).
 
-    def __init__(self, sources: list[TensorSource], entries: list[dict]):
+    In a collective save (``collective``), a DTensor becomes its local shard, at its offsets in
+    the global tensor; the meshes met are kept in ``meshes``.
+    """
+
+    def __init__(self, sources: list[TensorSource], entries: list[dict], collective: bool = False):
         self.sources = sources
         self.entries = entries
+        self.collective = collective
+        self.meshes: list[dict] = []
         self.seen: dict[int, int] = {}
         self.keys: set[str] = set()
 
@@ -182,6 +202,9 @@ class _TensorCollector:
         if type(value) is Sharded:
             self.entries.append(self._sharded(key, value, where))
             return index
+        if is_dtensor(value):
+            self.entries.append(self._dtensor(key, value, where))
+            return index
         source = prepare(value, where)
         self.entries.append({
             "key": key, "same_as": None, "dtype": source.dtype, "shape": source.shape, "kind": source.kind,
@@ -189,6 +212,22 @@ class _TensorCollector:
         })
         self.sources.append(source)
         return index
+
+    def _dtensor(self, key: str, value, where: str) -> dict:
+        """An entry for this rank's shard of a DTensor (the other ranks add theirs)."""
+        if not self.collective:
+            raise UnsupportedValueError(
+                f"{where}: a DTensor is saved by a collective save: call ckptfmt.save on every rank of its "
+                "process group (a save with coordinated=False stores plain tensors only)"
+            )
+        shard = local_shard(value, where)
+        if shard.mesh not in self.meshes:
+            self.meshes.append(shard.mesh)
+        source = prepare(shard.tensor, where)
+        self.sources.append(source)
+        return {"key": key, "same_as": None, "dtype": source.dtype, "shape": shard.global_shape,
+                "kind": "parameter" if isinstance(value, torch.nn.Parameter) else "tensor",
+                "requires_grad": bool(value.requires_grad), "shards": [(len(self.sources) - 1, shard.offsets, None)]}
 
     def _sharded(self, key: str, value: Sharded, where: str) -> dict:
         """An entry whose shards are separate sources; refuses layouts readers would refuse."""
@@ -216,7 +255,7 @@ class _TensorCollector:
                 "requires_grad": False, "shards": shards}
 
 
-def _parent(repo: Repository, parent: Any) -> tuple[str | None, set[str]]:
+def resolve_parent(repo: Repository, parent: Any) -> tuple[str | None, set[str]]:
     """The parent's name, and the keys of its chunks: committed, hence present and durable."""
     if parent is None:
         return None, set()
@@ -238,38 +277,24 @@ def _parent(repo: Repository, parent: Any) -> tuple[str | None, set[str]]:
     return parent, {layout.chunk_key(c.hash, c.codec) for c in manifest.chunks}
 
 
-def _tables(stored: dict[int, StoredChunk], sources: list[TensorSource], entries: list[dict],
-            pieces: list[list[PieceRef]], rank: int) -> tuple[list[Chunk], list[TensorEntry]]:
-    """The manifest's chunk table (one row per distinct chunk) and tensor table."""
-    chunks: list[Chunk] = []
-    row_of: dict[tuple[str, str], int] = {}
-    job_row: dict[int, int] = {}
-    for job_index in sorted(stored):
-        chunk = stored[job_index].chunk
-        key = (chunk.hash, chunk.codec)
-        if key not in row_of:
-            row_of[key] = len(chunks)
-            chunks.append(chunk)
-        elif chunks[row_of[key]].stored_size < 0:
-            chunks[row_of[key]] = chunk
-        job_row[job_index] = row_of[key]
-    tensors = []
-    for entry in entries:
-        shards = tuple(
-            Shard(
-                offsets=offsets, shape=sources[src].shape, rank=rank if shard_rank is None else shard_rank,
-                pieces=tuple(Piece(job_row[p.job], p.offset, p.length) for p in pieces[src]),
-            )
-            for src, offsets, shard_rank in entry["shards"]
+def tensor_table(entries: list[dict], shapes: list[tuple[int, ...]], pieces: list[tuple[Piece, ...]],
+                 rank: int) -> list[TensorEntry]:
+    """The manifest's tensor table: each entry's shards, with the pieces of the sources they came from."""
+    return [
+        TensorEntry(
+            key=entry["key"], dtype=entry["dtype"], shape=entry["shape"], kind=entry["kind"],
+            requires_grad=entry["requires_grad"], same_as=entry["same_as"],
+            shards=tuple(
+                Shard(offsets=offsets, shape=shapes[src], rank=rank if shard_rank is None else shard_rank,
+                      pieces=pieces[src])
+                for src, offsets, shard_rank in entry["shards"]
+            ),
         )
-        tensors.append(TensorEntry(
-            key=entry["key"], dtype=entry["dtype"], shape=entry["shape"], shards=shards,
-            kind=entry["kind"], requires_grad=entry["requires_grad"], same_as=entry["same_as"],
-        ))
-    return chunks, tensors
+        for entry in entries
+    ]
 
 
-def _commit(repo: Repository, manifest: Manifest) -> None:
+def commit_manifest(repo: Repository, manifest: Manifest) -> None:
     """Write the manifest, then the commit record that makes the checkpoint exist."""
     data = manifest.to_bytes()
     Manifest.from_bytes(data, repo.storage.describe(manifest.name))  # never commit what readers refuse

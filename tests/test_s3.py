@@ -94,13 +94,13 @@ def test_racing_writers_one_commit_wins(s3_bucket, monkeypatch):
     url = f"{s3_bucket}/race"
     ckptfmt.save({"x": 0}, f"{url}/base")
     barrier = threading.Barrier(2, timeout=60)
-    original_commit = writer._commit
+    original_commit = writer.commit_manifest
 
     def commit_together(repo, manifest):
         barrier.wait()  # both saves have written chunks and manifests: now race for the commit
         original_commit(repo, manifest)
 
-    monkeypatch.setattr(writer, "_commit", commit_together)
+    monkeypatch.setattr(writer, "commit_manifest", commit_together)
     outcomes: dict[int, object] = {}
 
     def save(seed: int) -> None:

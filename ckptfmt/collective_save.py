@@ -1,0 +1,379 @@
+"""The collective save: every rank of a process group saves its part of one checkpoint.
+
+Protocol (spec section 11.7), with the coordinator as rank 0 of the group:
+
+1. plan: every rank encodes its own state (tensors become sources: plain
+   tensors whole, DTensors as their local shard at its offsets) and sends the
+   coordinator its value tree and tensor table. The coordinator merges the value
+   trees, checks that ranks agree on every tensor's dtype and shape, and gives
+   each box of each tensor one writer among the ranks that hold it, balancing
+   bytes (a replicated tensor is stored once; a sharded one by its owners).
+2. write: every rank stores the boxes it was given, in parallel, durably, and
+   reports its chunk table, RNG state, environment, topology and timing.
+3. commit: once every rank has reported, the coordinator writes the manifest
+   and the commit record, and tells every rank the outcome.
+
+Any failure (an exception on a rank, a rank that never answers within the
+timeout) means no commit, and a ``CollectiveError`` on every rank naming the
+rank and its error. Tensor bytes never pass between ranks.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import torch
+
+from . import layout
+from .chunk_writer import StoredSources, store_sources
+from .environment import capture_environment
+from .errors import CheckpointError, CheckpointExistsError, CheckpointWarning
+from .hashcache import DEFAULT_CACHE
+from .manifest import Chunk, Manifest, Piece, Shard, TensorEntry
+from .process_group import CollectiveError, RankGroup
+from .repository import Repository, split_checkpoint_url
+from .rng import capture_rng
+from .state_merge import MAX_REPORTED, merge_states
+from .tensors import TensorSource
+from .timing import PhaseTimer
+from .values import TensorRef, decode_tree, encode_tree
+
+def collective_save(state: Any, url: str, group, *, timeout: float, step: int | None, metadata: dict | None,
+                    storage_options: dict | None, parent: Any, chunk_size: int | None, compression: str | None,
+                    step_times: list | None, parallelism: dict | None, workers: int | None, rng: list | None,
+                    provenance: dict | None) -> str:
+    """``ckptfmt.save`` over a process group (arguments checked by ``save``); returns the checkpoint URL."""
+    from .writer import TensorCollector, commit_manifest, resolve_parent
+
+    timer = PhaseTimer()
+    repo_url, name = split_checkpoint_url(url)
+    with timer.phase("join"):
+        try:
+            ranks = RankGroup(group, timeout, f"collective save of {url}")
+            ranks.join()
+        except CollectiveError as exc:
+            raise CollectiveError(
+                f"{exc}. Every rank of the process group must call ckptfmt.save, each with its own state; "
+                "to save this rank's state alone (the 'if rank == 0' habit), pass coordinated=False"
+            ) from None
+
+    with timer.phase("prepare"):
+        sources: list[TensorSource] = []
+        entries: list[dict] = []
+        collector = TensorCollector(sources, entries, collective=True)
+        plan, own_failure = _attempt(lambda: {
+            "state": encode_tree(state, collector, rank=ranks.rank), "entries": entries,
+            "shapes": [s.shape for s in sources], "nbytes": [s.nbytes for s in sources], "meshes": collector.meshes,
+        })
+    with timer.phase("plan"):  # mostly waiting for the other ranks to encode theirs
+        plans = ranks.gather(_report(plan, own_failure, ranks.rank))
+        decision, failure = _coordinate(plans, ranks, lambda oks: _decide(
+            oks, repo_url, name, storage_options, parent, metadata, resolve_parent))
+        decision = ranks.broadcast(decision)
+    _raise_failures(decision, url, own_failure or failure)
+    agreed: Plan = decision["ok"]
+    if ranks.is_coordinator and agreed.differences:
+        warnings.warn(_differences_message(agreed.differences), CheckpointWarning, stacklevel=3)
+
+    def write() -> dict:
+        repo = agreed.repo or Repository.open(repo_url, storage_options)
+        mine = [sources[i] for i in agreed.assigned[ranks.rank]]
+        stored = store_sources(repo, mine, compression=compression, parent_keys=agreed.parent_keys,
+                               cache=DEFAULT_CACHE, chunk_size=chunk_size, workers=workers or 4, timer=timer)
+        with timer.phase("environment"):
+            environment = capture_environment()
+        return {"stored": stored, "environment": environment, "rng": capture_rng(ranks.rank),
+                "topology": _rank_topology(ranks), "timing": timer.record(ranks.rank)}
+    written, own_failure = _attempt(write)
+    with timer.phase("wait_ranks"):
+        results = ranks.gather(_report(written, own_failure, ranks.rank))
+
+    def commit(reports: list[dict]) -> str:
+        reports[0]["timing"] = timer.record(ranks.rank)  # the coordinator's, with its wait for every rank
+        manifest = _manifest(agreed, reports, ranks, name=name, step=step, rng=rng, step_times=step_times,
+                             parallelism=parallelism, provenance=provenance)
+        commit_manifest(agreed.repo, manifest)
+        return agreed.repo.storage.describe(name)
+    outcome, failure = _coordinate(results, ranks, commit)
+    outcome = ranks.broadcast(outcome)
+    _raise_failures(outcome, url, own_failure or failure)
+    return outcome["ok"]
+
+
+# -- messages between ranks --------------------------------------------------------------
+#: What a rank keeps of its own failure: the text every rank is told, and the exception to chain.
+Failure = tuple[str, BaseException]
+
+
+def _attempt(run) -> tuple[Any, Failure | None]:
+    """Run a step of this rank's part; a failure is kept to be reported to every rank, not raised yet."""
+    try:
+        return run(), None
+    except CollectiveError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - every rank must learn of it, then it is raised
+        text = str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
+        return None, (" ".join(text.split())[:2000], exc)
+
+
+def _report(value: Any, failure: Failure | None, rank: int) -> dict:
+    """The message a rank sends: ``{"ok": value}`` or ``{"errors": [(rank, text)]}``."""
+    return {"ok": value} if failure is None else {"errors": [(rank, failure[0])]}
+
+
+def _coordinate(reports: list[dict] | None, ranks: RankGroup, step) -> tuple[dict | None, Failure | None]:
+    """On the coordinator: every rank's failures, or ``step`` run on their values. None elsewhere."""
+    if not ranks.is_coordinator:
+        return None, None
+    errors = [error for report in reports for error in report.get("errors", ())]
+    if errors:
+        return {"errors": errors}, None
+    value, failure = _attempt(lambda: step([report["ok"] for report in reports]))
+    return _report(value, failure, ranks.rank), failure
+
+
+def _raise_failures(message: dict, url: str, failure: Failure | None) -> None:
+    """On every rank, raise the failures the coordinator reported (chained to this rank's own)."""
+    errors = message.get("errors")
+    if not errors:
+        return
+    rank, text = errors[0]
+    more = f" (rank {', '.join(str(r) for r, _ in errors[1:])} failed too)" if len(errors) > 1 else ""
+    error = CollectiveError(f"collective save of {url} failed, nothing was committed: rank {rank}: {text}{more}")
+    raise error from (failure[1] if failure else None)
+
+
+def _differences_message(differences: list[str]) -> str:
+    shown = "; ".join(differences[:MAX_REPORTED])
+    more = f"; and {len(differences) - MAX_REPORTED} more" if len(differences) > MAX_REPORTED else ""
+    return (f"ranks saved different values, the checkpoint keeps the lowest rank's: {shown}{more}; "
+            "wrap values that differ by design in ckptfmt.PerRank to keep every rank's")
+
+
+# -- the coordinator's plan ------------------------------------------------------------------
+@dataclass
+class _Box:
+    """One box of a tensor's data, the ranks holding it (rank, source index) and the one writing it."""
+
+    offsets: tuple[int, ...]
+    shape: tuple[int, ...]
+    nbytes: int
+    holders: list[tuple[int, int]]
+    writer: tuple[int, int] = (-1, -1)  # (rank, position in that rank's assigned sources)
+
+
+@dataclass
+class _Tensor:
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    kind: str
+    requires_grad: bool
+    same_as: int | None
+    boxes: list[_Box] = field(default_factory=list)
+
+
+@dataclass
+class Plan:
+    """What the coordinator decided: the value tree, the tensors, who writes what."""
+
+    repo: Repository | None  # the coordinator's; other ranks open their own
+    parent_name: str | None
+    parent_keys: set[str]
+    state: bytes
+    user: bytes
+    tensors: list[_Tensor]
+    #: Per rank, the indices of its sources it writes.
+    assigned: list[list[int]]
+    meshes: list[dict]
+    differences: list[str]
+
+    def __getstate__(self) -> dict:  # what the broadcast sends: everything but the coordinator's repository
+        return {**self.__dict__, "repo": None}
+
+
+def _decide(plans: list[dict], repo_url: str, name: str, storage_options, parent, metadata, resolve_parent) -> Plan:
+    repo = Repository.open(repo_url, storage_options, create=True)
+    if repo.storage.exists(layout.commit_key(name)):
+        raise CheckpointExistsError(f"{repo.storage.describe(name)}: checkpoint already exists")
+    parent_name, parent_keys = resolve_parent(repo, parent)
+    trees = []
+    for rank, plan in enumerate(plans):
+        keys = [entry["key"] for entry in plan["entries"]]
+        trees.append((rank, decode_tree(plan["state"], lambda index, keys=keys: TensorRef(keys[index]))))
+    merged, differences = merge_states(trees)
+    order: dict[str, int] = {}
+    state = encode_tree(merged, lambda path, ref: order.setdefault(ref.key, len(order)))
+    tensors = _tensors(plans, list(order))
+    assigned = _assign(tensors, len(plans))
+    meshes = [mesh for plan in plans for mesh in plan["meshes"]]
+    return Plan(repo, parent_name, parent_keys, state, encode_tree({} if metadata is None else metadata),
+                tensors, assigned, [m for i, m in enumerate(meshes) if m not in meshes[:i]], differences)
+
+
+def _tensors(plans: list[dict], order: list[str]) -> list[_Tensor]:
+    """The tensor table in state order: each key's dtype and shape (ranks must agree) and data boxes."""
+    holding: dict[str, list[tuple[int, dict]]] = {}
+    for rank, plan in enumerate(plans):
+        for entry in plan["entries"]:
+            holding.setdefault(entry["key"], []).append((rank, entry))
+    disagreements = []
+    for key in order:
+        first_rank, first = holding[key][0]
+        for rank, entry in holding[key][1:]:
+            if (entry["dtype"], tuple(entry["shape"])) != (first["dtype"], tuple(first["shape"])):
+                disagreements.append(f"{key!r} is {first['dtype']} {list(first['shape'])} on rank {first_rank}, "
+                                     f"{entry['dtype']} {list(entry['shape'])} on rank {rank}")
+                break
+    if disagreements:
+        raise CheckpointError(f"ranks disagree on {len(disagreements)} tensor(s): " + "; ".join(disagreements[:8]))
+
+    def data_key(key: str) -> str:
+        """The key whose boxes hold this tensor's data: an alias (same_as) on its first rank points elsewhere."""
+        rank, entry = holding[key][0]
+        return key if entry["same_as"] is None else plans[rank]["entries"][entry["same_as"]]["key"]
+
+    tensors: list[_Tensor] = []
+    primary: dict[str, int] = {}
+    for key in order:
+        rank, entry = holding[key][0]
+        source_key = data_key(key)
+        alias_of = primary.get(source_key)
+        tensor = _Tensor(key, entry["dtype"], tuple(entry["shape"]), entry["kind"], entry["requires_grad"], alias_of)
+        if alias_of is None:
+            primary[source_key] = len(tensors)
+            tensor.boxes = _boxes(plans, holding[source_key], key)
+        tensors.append(tensor)
+    return tensors
+
+
+def _boxes(plans: list[dict], holders: list[tuple[int, dict]], key: str) -> list[_Box]:
+    boxes: dict[tuple[int, ...], _Box] = {}
+    for rank, entry in holders:
+        if entry["same_as"] is not None:
+            continue
+        for source, offsets, _ in entry["shards"]:
+            shape = tuple(plans[rank]["shapes"][source])
+            box = boxes.setdefault(tuple(offsets), _Box(tuple(offsets), shape, plans[rank]["nbytes"][source], []))
+            if box.shape != shape:
+                raise CheckpointError(f"tensor {key!r}: ranks hold boxes at offsets {list(offsets)} of different "
+                                      f"shapes ({list(box.shape)} and {list(shape)})")
+            box.holders.append((rank, source))
+    return [boxes[offsets] for offsets in sorted(boxes)]
+
+
+def _assign(tensors: list[_Tensor], world: int) -> list[list[int]]:
+    """One writer per box: boxes only one rank holds go to it; shared ones, largest first, to the least loaded."""
+    load = [0] * world
+    assigned: list[list[int]] = [[] for _ in range(world)]
+    boxes = [box for tensor in tensors for box in tensor.boxes]
+
+    def give(box: _Box, rank: int, source: int) -> None:
+        box.writer = (rank, len(assigned[rank]))
+        assigned[rank].append(source)
+        load[rank] += box.nbytes
+    for box in boxes:
+        if len(box.holders) == 1:
+            give(box, *box.holders[0])
+    for box in sorted((b for b in boxes if len(b.holders) > 1), key=lambda b: -b.nbytes):
+        rank, source = min(box.holders, key=lambda holder: (load[holder[0]], holder[0]))
+        give(box, rank, source)
+    return assigned
+
+
+# -- the coordinator's manifest --------------------------------------------------------------
+def _manifest(plan: Plan, reports: list[dict], ranks: RankGroup, *, name: str, step, rng, step_times, parallelism,
+              provenance) -> Manifest:
+    chunks, rows, new_rows = _chunk_table([r["stored"] for r in reports])
+    tensors = []
+    for tensor in plan.tensors:
+        shards = []
+        for box in tensor.boxes:
+            rank, position = box.writer
+            pieces = tuple(Piece(rows[rank][p.chunk], p.offset, p.length)
+                           for p in reports[rank]["stored"].pieces[position])
+            shards.append(Shard(box.offsets, box.shape, rank, pieces))
+        tensors.append(TensorEntry(key=tensor.key, dtype=tensor.dtype, shape=tensor.shape, shards=tuple(shards),
+                                   kind=tensor.kind, requires_grad=tensor.requires_grad, same_as=tensor.same_as))
+    stats = {
+        "tensor_count": len(tensors),
+        "tensor_bytes": sum(box.nbytes for tensor in plan.tensors for box in tensor.boxes),
+        "chunk_count": len(chunks),
+        "stored_bytes": sum(c.stored_size for c in chunks),
+        "new_bytes": sum(chunks[row].stored_size for row in new_rows),
+    }
+    return Manifest(
+        name=name, step=step, created_ns=time.time_ns(), parent=plan.parent_name, chunks=chunks, tensors=tensors,
+        state=plan.state, user=plan.user, rng=rng if rng is not None else [r["rng"] for r in reports],
+        environment=_environments([r["environment"] for r in reports]),
+        topology=_topology(ranks, reports, plan, parallelism),
+        timing={"ranks": [r["timing"] for r in reports], "steps": list(step_times or [])},
+        stats=stats, provenance=provenance,
+    )
+
+
+def _chunk_table(stored: list[StoredSources]) -> tuple[list[Chunk], list[list[int]], set[int]]:
+    """One chunk table from every rank's: rows deduplicated by hash and codec; per rank, local row -> row."""
+    chunks: list[Chunk] = []
+    row_of: dict[tuple[str, str], int] = {}
+    rows: list[list[int]] = []
+    new_rows: set[int] = set()
+    for table in stored:
+        local = []
+        for index, chunk in enumerate(table.chunks):
+            row = row_of.setdefault((chunk.hash, chunk.codec), len(chunks))
+            if row == len(chunks):
+                chunks.append(chunk)
+            elif chunks[row].stored_size < 0:
+                chunks[row] = chunk
+            if index in table.written_rows:
+                new_rows.add(row)  # two ranks writing the same new chunk count it once
+            local.append(row)
+        rows.append(local)
+    return chunks, rows, new_rows
+
+
+def _environments(environments: list[dict]) -> dict:
+    """The coordinator's environment, the ranks that share it, and each other distinct one with its ranks."""
+    distinct: list[tuple[bytes, dict, list[int]]] = []
+    for rank, environment in enumerate(environments):
+        encoded = msgpack.packb(environment, use_bin_type=True)
+        match = next((d for d in distinct if d[0] == encoded), None)
+        if match is None:
+            distinct.append((encoded, environment, [rank]))
+        else:
+            match[2].append(rank)
+    (_, first, first_ranks), others = distinct[0], distinct[1:]
+    result = {**first, "ranks": first_ranks}
+    if others:
+        result["others"] = [{**environment, "ranks": ranks} for _, environment, ranks in others]
+    return result
+
+
+def _rank_topology(ranks: RankGroup) -> dict:
+    device = "cpu"
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        device = f"cuda:{torch.cuda.current_device()}"
+    return {"rank": ranks.rank, "global_rank": ranks.global_ranks[ranks.rank], "host": socket.gethostname(),
+            "local_rank": int(os.environ.get("LOCAL_RANK", 0)), "pid": os.getpid(), "device": device}
+
+
+def _topology(ranks: RankGroup, reports: list[dict], plan: Plan, parallelism: dict | None) -> dict:
+    writers = sorted({tensor_box.writer[0] for tensor in plan.tensors for tensor_box in tensor.boxes})
+    topology = {
+        "world_size": ranks.size,
+        "writer_ranks": writers,
+        "ranks": [r["topology"] for r in reports],
+        "backend": ranks.backend,
+        "parallelism": dict(parallelism) if parallelism else {"dp": ranks.size},
+    }
+    if plan.meshes:
+        topology["meshes"] = plan.meshes
+    return topology
+

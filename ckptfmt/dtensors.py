@@ -1,0 +1,56 @@
+"""DTensors in a collective save: each rank's local shard as a box of the global tensor.
+
+``torch.distributed.tensor`` is imported only when a state holds a DTensor, so
+single-process saves never pay for it. A box is where the local shard lies in
+the global tensor (offsets and shape, from torch's own placement arithmetic);
+ranks that replicate a shard (``Replicate`` on some mesh dimension) hold the
+same box, and the collective save stores it once.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from .errors import UnsupportedValueError
+
+
+@dataclass(frozen=True)
+class LocalShard:
+    """This rank's part of a DTensor: its data and where it lies in the global tensor."""
+
+    tensor: torch.Tensor
+    offsets: tuple[int, ...]
+    global_shape: tuple[int, ...]
+    #: ``{"shape": [...], "dim_names": [...] or None}`` of the DTensor's device mesh.
+    mesh: dict
+
+
+def is_dtensor(value: object) -> bool:
+    """Whether ``value`` is a DTensor (without importing torch.distributed.tensor when unused)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(value, module.DTensor)
+
+
+def local_shard(value, where: str) -> LocalShard:
+    """This rank's shard of DTensor ``value`` and its box; Partial placements are refused."""
+    from torch.distributed.tensor import Partial
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if any(isinstance(p, Partial) for p in value.placements):
+        raise UnsupportedValueError(
+            f"{where}: a DTensor with a Partial placement holds unreduced values; redistribute it to "
+            "Shard or Replicate placements before saving"
+        )
+    mesh = value.device_mesh
+    local = value.to_local()
+    shape, offsets = compute_local_shape_and_global_offset(value.shape, mesh, value.placements)
+    if tuple(local.shape) != tuple(shape):
+        raise UnsupportedValueError(
+            f"{where}: the DTensor's local tensor has shape {list(local.shape)}, its placements say {list(shape)}"
+        )
+    names = mesh.mesh_dim_names
+    return LocalShard(local, tuple(int(o) for o in offsets), tuple(int(d) for d in value.shape),
+                      {"shape": list(mesh.shape), "dim_names": list(names) if names else None})

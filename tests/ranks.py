@@ -1,0 +1,73 @@
+"""Real multi-process torch.distributed runs for the tests: N spawned ranks on gloo.
+
+``run_ranks(scenario, world, folder, **kwargs)`` starts ``world`` processes, each
+joining a gloo process group through a FileStore in ``folder`` (no ports to
+pick), runs ``scenario(rank, world, folder, **kwargs)`` (a function of an
+importable test module) and returns what each rank returned, or the text of
+the exception it raised, as ``RankOutcome``. Every launch has a timeout: a
+hang kills the ranks and fails the one test.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+@dataclass
+class RankOutcome:
+    """What one rank's scenario returned, or the exception it raised (type name, message, traceback)."""
+
+    value: Any = None
+    error_type: str | None = None
+    error: str | None = None
+    trace: str | None = None
+
+    def unwrap(self) -> Any:
+        assert self.error_type is None, f"{self.error_type}: {self.error}\n{self.trace}"
+        return self.value
+
+
+def run_ranks(scenario: Callable, world: int, folder: Path, *, timeout: float = 180,
+              **kwargs) -> list[RankOutcome | None]:
+    """Run ``scenario`` on ``world`` ranks; a rank that died without an outcome gives None."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    context = mp.start_processes(_rank_main, args=(world, str(folder), scenario, kwargs), nprocs=world,
+                                 join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout
+    for process in context.processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+    alive = [p for p in context.processes if p.is_alive()]
+    for process in alive:
+        process.kill()
+        process.join()
+    assert not alive, f"{len(alive)} rank(s) still running after {timeout} s: killed"
+    return [_outcome(folder, rank) for rank in range(world)]
+
+
+def _outcome(folder: Path, rank: int) -> RankOutcome | None:
+    path = folder / f"outcome-{rank}.pkl"
+    return pickle.loads(path.read_bytes()) if path.exists() else None
+
+
+def _rank_main(rank: int, world: int, folder: str, scenario: Callable, kwargs: dict) -> None:
+    os.environ.update(OMP_NUM_THREADS="1", RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=120))
+    try:
+        outcome = RankOutcome(value=scenario(rank, world, Path(folder), **kwargs))
+    except Exception as exc:  # noqa: BLE001 - the test asserts on it
+        outcome = RankOutcome(error_type=type(exc).__name__, error=str(exc), trace=traceback.format_exc())
+    Path(folder, f"outcome-{rank}.pkl").write_bytes(pickle.dumps(outcome))
+    # Skip teardown: gloo's threads now and then abort at interpreter exit once peers are gone.
+    os._exit(0)

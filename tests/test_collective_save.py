@@ -1,0 +1,202 @@
+"""Collective saves on real multi-process torch.distributed runs (gloo, 4 ranks, CPU).
+
+Each scenario below runs on every rank (tests/ranks.py spawns them); the tests
+then read the checkpoint in this process, without a process group.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import ckptfmt
+from ckptfmt import collective_save
+
+from ranks import run_ranks
+
+WORLD = 4
+
+
+def _mixed_state(rank: int, world: int) -> tuple[dict, dict]:
+    """Replicated tensors, DTensors on 1-D and 2-D meshes (uneven, replicated on one dim), per-rank and
+    differing values. Returns the state and the full tensors the DTensors were cut from."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    torch.manual_seed(0)  # every rank builds the same full tensors
+    full = {"row": torch.randn(10, 3), "grid": torch.randn(6, 8), "half": torch.randn(7, 5)}
+    layers = [torch.randn(64, 1024) for _ in range(8)]
+    flat = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    grid = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
+    state = {
+        "model": {
+            "layers": layers,
+            "bias": torch.arange(10.0),
+            "row": distribute_tensor(full["row"], flat, [Shard(0)]),
+            "grid": distribute_tensor(full["grid"], grid, [Shard(0), Shard(1)]),
+            "half": distribute_tensor(full["half"], grid, [Replicate(), Shard(0)]),
+        },
+        "step": 7,
+        "loader": ckptfmt.PerRank({"position": 100 * rank}),
+        "seen_by": f"rank-{rank}",  # differs by mistake: reported, rank 0's kept
+    }
+    return state, {**full, "layers": layers, "bias": torch.arange(10.0)}
+
+
+def save_mixed_state(rank: int, world: int, folder: Path, repo: str) -> dict:
+    state, full = _mixed_state(rank, world)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        url = ckptfmt.save(state, f"{repo}/step-7", step=7, parallelism={"dp": 2, "tp": 2}, timeout=60)
+    return {"url": url, "full": full, "warnings": [str(w.message) for w in caught]}
+
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("mixed")
+    outcomes = run_ranks(save_mixed_state, WORLD, folder, repo=str(folder / "repo"))
+    results = [o.unwrap() for o in outcomes]
+    return results, ckptfmt.open(results[0]["url"])
+
+
+def test_every_rank_gets_the_committed_checkpoint(mixed):
+    results, reader = mixed
+    assert {r["url"] for r in results} == {reader.url}
+    assert ckptfmt.verify(reader.url).ok
+
+
+def test_replicated_tensors_are_stored_once_and_dtensors_as_their_shards(mixed):
+    results, reader = mixed
+    full = results[0]["full"]
+    state = ckptfmt.load(reader.url)
+    for i, layer in enumerate(full["layers"]):
+        assert torch.equal(state["model"]["layers"][i], layer)
+        assert len(reader.tensor_info(f"model/layers/{i}").shards) == 1
+    for key in ("row", "grid", "half"):
+        assert torch.equal(state["model"][key], full[key]), key
+    shards = {key: reader.tensor_info(f"model/{key}").shards for key in ("row", "grid", "half")}
+    assert [s.shape for s in shards["row"]] == [(3, 3), (3, 3), (3, 3), (1, 3)]  # uneven, as torch cuts it
+    assert sorted(s.rank for s in shards["row"]) == [0, 1, 2, 3]  # each rank wrote its own shard
+    assert len(shards["grid"]) == 4
+    assert [s.offsets for s in shards["half"]] == [(0, 0), (4, 0)]  # replicated over dp: each box once
+
+
+def test_replicated_bytes_are_spread_over_the_ranks(mixed):
+    _, reader = mixed
+    written = [0] * WORLD
+    for key in reader.keys():
+        for shard in reader.tensor_info(key).shards:
+            written[shard.rank] += sum(p.length for p in shard.pieces)
+    layer = 64 * 1024 * 4
+    assert max(written) - min(written) <= layer, written  # 8 layers over 4 ranks: 2 each, give or take one
+    assert reader.metadata["topology"]["writer_ranks"] == [0, 1, 2, 3]
+
+
+def test_plain_values_come_from_the_coordinator_and_differences_are_reported(mixed):
+    results, reader = mixed
+    state = ckptfmt.load(reader.url)
+    assert state["step"] == 7 and state["seen_by"] == "rank-0"
+    assert state["loader"] == ckptfmt.PerRankValues({r: {"position": 100 * r} for r in range(WORLD)})
+    reported = [w for w in results[0]["warnings"] if "differ" in w]
+    assert len(reported) == 1 and "state['seen_by']" in reported[0] and "ckptfmt.PerRank" in reported[0]
+
+
+def test_metadata_records_every_rank(mixed):
+    _, reader = mixed
+    meta = reader.metadata
+    topology = meta["topology"]
+    assert topology["world_size"] == WORLD and topology["backend"] == "gloo"
+    assert [r["rank"] for r in topology["ranks"]] == [0, 1, 2, 3]
+    assert len({r["pid"] for r in topology["ranks"]}) == WORLD
+    assert {"shape": [2, 2], "dim_names": ["dp", "tp"]} in topology["meshes"]
+    assert topology["parallelism"] == {"dp": 2, "tp": 2}
+    assert [e["rank"] for e in meta["rng"]] == [0, 1, 2, 3]
+    assert meta["environment"]["ranks"] == [0, 1, 2, 3]  # one host, one environment
+    timing = meta["timing"]["ranks"]
+    assert [t["rank"] for t in timing] == [0, 1, 2, 3]
+    for record in timing:
+        names = [p["name"] for p in record["phases"]]
+        assert names[:5] == ["join", "prepare", "plan", "write_chunks", "sync"], names
+    assert "wait_ranks" in [p["name"] for p in timing[0]["phases"]]  # the coordinator's wait for all
+    stats = meta["stats"]
+    assert stats["new_bytes"] == stats["stored_bytes"] > 8 * 64 * 1024 * 4
+
+
+# -- failures --------------------------------------------------------------------------------
+def fail_on_one_rank(rank: int, world: int, folder: Path, repo: str, where: str) -> str:
+    """Save a base checkpoint together, then a second one in which one rank fails."""
+    ckptfmt.save({"w": torch.ones(1000) * rank, "n": 1}, f"{repo}/base", timeout=60)
+    state = {"w": torch.ones(1000) * rank, "n": 2}
+    if where == "plan" and rank == 1:
+        state["bad"] = object()  # refused while encoding this rank's state
+    if where == "write" and rank == 2:
+        def store_fails(*args, **kwargs):
+            raise OSError(28, "No space left on device")
+        collective_save.store_sources = store_fails
+    ckptfmt.save(state, f"{repo}/next", timeout=60)
+    return "committed"
+
+
+@pytest.mark.parametrize(("where", "failing", "message"), [
+    ("plan", 1, "state['bad']: cannot store a builtins.object"),
+    ("write", 2, "No space left on device"),
+])
+def test_a_failing_rank_fails_every_rank_and_commits_nothing(tmp_path, where, failing, message):
+    repo = tmp_path / "repo"
+    outcomes = run_ranks(fail_on_one_rank, WORLD, tmp_path, repo=str(repo), where=where)
+    for rank, outcome in enumerate(outcomes):
+        assert outcome.error_type == "CollectiveError", (rank, outcome)
+        assert f"rank {failing}: " in outcome.error and message in outcome.error, outcome.error
+        assert "nothing was committed" in outcome.error
+    assert ckptfmt.Repository.open(repo).names() == ["base"]
+    assert ckptfmt.verify(str(repo)).ok
+
+
+def save_on_rank_zero_only(rank: int, world: int, folder: Path, repo: str) -> dict:
+    """The old habit: only rank 0 saves. It must fail clearly, and coordinated=False must work."""
+    if rank != 0:
+        return {}
+    start = time.monotonic()
+    try:
+        ckptfmt.save({"w": torch.ones(3)}, f"{repo}/a", timeout=3)
+    except ckptfmt.CollectiveError as exc:
+        error = str(exc)
+    waited = time.monotonic() - start
+    url = ckptfmt.save({"w": torch.ones(3)}, f"{repo}/a", coordinated=False)
+    return {"error": error, "waited": waited, "url": url}
+
+
+def test_a_save_called_on_rank_zero_only_says_what_to_do(tmp_path):
+    outcomes = run_ranks(save_on_rank_zero_only, WORLD, tmp_path, repo=str(tmp_path / "repo"))
+    result = outcomes[0].unwrap()
+    assert "coordinated=False" in result["error"] and "every rank" in result["error"].lower()
+    assert result["waited"] < 30
+    assert torch.equal(ckptfmt.load(result["url"])["w"], torch.ones(3))
+    assert ckptfmt.open(result["url"]).metadata["topology"]["world_size"] == WORLD
+
+
+# -- per-rank values in one process ------------------------------------------------------------
+def test_a_per_rank_value_saved_by_one_process_loads_as_its_rank(tmp_path):
+    url = ckptfmt.save({"loader": ckptfmt.PerRank({"position": 3}), "step": 1}, tmp_path / "repo" / "a")
+    state = ckptfmt.load(url)
+    assert state == {"loader": ckptfmt.PerRankValues({0: {"position": 3}}), "step": 1}
+    assert type(state["loader"]) is ckptfmt.PerRankValues
+
+
+def test_tensors_inside_a_per_rank_value_are_refused_with_their_path(tmp_path):
+    with pytest.raises(ckptfmt.UnsupportedValueError, match=r"state\['rng'\]\[0\]: tensors inside ckptfmt.PerRank"):
+        ckptfmt.save({"rng": ckptfmt.PerRank([torch.get_rng_state()])}, tmp_path / "repo" / "a")
+
+
+def test_a_per_rank_value_keyed_by_something_else_than_a_rank_is_refused(tmp_path):
+    import msgpack
+
+    from ckptfmt.values import EXT_PER_RANK, decode_tree
+
+    data = msgpack.packb(msgpack.ExtType(EXT_PER_RANK, msgpack.packb({"zero": 1})))
+    with pytest.raises(ckptfmt.ManifestError, match="per-rank value keyed by something other than a rank"):
+        decode_tree(data)
