@@ -10,6 +10,7 @@ import torch
 
 from .chunkio import ChunkReader
 from .errors import CheckpointError, CheckpointNotFoundError, ManifestError
+from .load_into import load_into
 from .manifest import Manifest, Piece, TensorEntry
 from .repository import Repository, resolve
 from .rng import apply_rng
@@ -106,6 +107,56 @@ class CheckpointReader:
     def get_tensor(self, key: str):
         """Read one tensor (only its chunks), verified, on ``map_location``."""
         return self._read(self._lookup(key), parallel=True)
+
+    def read_box(self, key: str, offsets: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
+        """The box of tensor ``key`` that starts at ``offsets`` and has ``shape``, verified, on CPU.
+
+        Only the chunks holding bytes of the box are read, whatever the shards it
+        was saved as: this is how a rank loads its shard at another world size.
+        Within each overlapping shard, the box's rows form one span of the
+        shard's bytes; the pieces covering that span are read, then the box is
+        copied out of it.
+        """
+        entry = self.manifest.tensors[self._lookup(key)]
+        if entry.same_as is not None:
+            entry = self.manifest.tensors[entry.same_as]
+        offsets, shape = tuple(int(o) for o in offsets), tuple(int(n) for n in shape)
+        if len(offsets) != len(entry.shape) or len(shape) != len(entry.shape) or any(
+                o < 0 or n < 0 or o + n > d for o, n, d in zip(offsets, shape, entry.shape)):
+            raise CheckpointError(f"{self.url}: box at {list(offsets)} of shape {list(shape)} is not inside "
+                                  f"tensor {key!r} of shape {list(entry.shape)}")
+        out = empty(entry.dtype, shape)
+        if out.numel() == 0:
+            return out
+        for shard in entry.shards:
+            low = [max(o, s) for o, s in zip(offsets, shard.offsets)]
+            high = [min(o + n, s + m) for o, n, s, m in zip(offsets, shape, shard.offsets, shard.shape)]
+            if any(lo >= hi for lo, hi in zip(low, high)):
+                continue
+            out[tuple(slice(lo - o, hi - o) for lo, hi, o in zip(low, high, offsets))] = self._shard_part(
+                entry, shard, [lo - s for lo, s in zip(low, shard.offsets)], [hi - lo for lo, hi in zip(low, high)])
+        return out
+
+    def _shard_part(self, entry: TensorEntry, shard, start: list[int], size: list[int]) -> torch.Tensor:
+        """The part of ``shard`` at ``start`` (in the shard) of ``size``, read from the span that holds it."""
+        width = itemsize(entry.dtype)
+        strides = [1] * len(shard.shape)
+        for dim in range(len(shard.shape) - 2, -1, -1):
+            strides[dim] = strides[dim + 1] * shard.shape[dim + 1]
+        first = sum(i * s for i, s in zip(start, strides))
+        last = sum((i + n - 1) * s for i, n, s in zip(start, size, strides))
+        span = bytearray((last - first + 1) * width)
+        begin, end = first * width, (last + 1) * width
+        position = 0
+        for piece in shard.pieces:
+            if position < end and begin < position + piece.length:
+                lo, hi = max(begin, position), min(end, position + piece.length)
+                data = memoryview(self._chunks.read(piece.chunk))
+                at = piece.offset + lo - position
+                span[lo - begin : hi - begin] = data[at : at + hi - lo]
+            position += piece.length
+        flat = torch.frombuffer(span, dtype=dtype_from_name(entry.dtype))
+        return flat.as_strided(size, strides, 0)
 
     def load_state(self, *, workers: int = 16) -> Any:
         """The whole saved state, type-exact, every chunk verified.
@@ -217,7 +268,7 @@ def open(url: str | os.PathLike, *, storage_options: dict | None = None,
 
 
 def load(url: str | os.PathLike, *, map_location: str | torch.device | None = "cpu",
-         storage_options: dict | None = None, mmap: bool = True) -> Any:
+         storage_options: dict | None = None, mmap: bool = True, into: Any = None, strict: bool = True) -> Any:
     """Load a checkpoint's whole state, type-exact, with every chunk verified against its hash.
 
     On local disks, tensors that lie whole in one uncompressed chunk are, by
@@ -225,8 +276,16 @@ def load(url: str | os.PathLike, *, map_location: str | torch.device | None = "c
     file, verified when mapped: no copy into fresh memory, as
     ``torch.load(mmap=True)`` does. Writes to them stay private to the process.
     ``mmap=False`` reads every tensor into memory of its own.
+
+    ``into=state`` fills ``state`` in place instead and returns it: each tensor
+    gets its saved value (a DTensor its own shard, at any world size or mesh),
+    plain values and this rank's ``PerRank`` values are replaced. Missing or
+    unexpected entries and shape or dtype mismatches raise a CheckpointError
+    listing them before anything changes; ``strict=False`` loads what matches.
     """
     with open(url, storage_options=storage_options, map_location=map_location, mmap=mmap) as reader:
+        if into is not None:
+            return load_into(reader, into, strict=strict, rank=current_rank()[0])
         return reader.load_state()
 
 

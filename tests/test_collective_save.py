@@ -126,6 +126,49 @@ def test_metadata_records_every_rank(mixed):
     assert stats["new_bytes"] == stats["stored_bytes"] > 8 * 64 * 1024 * 4
 
 
+# -- loading at another world size -------------------------------------------------------------
+def load_resharded(rank: int, world: int, folder: Path, url: str) -> dict:
+    """Load the 4-rank checkpoint into DTensors on a 1-D mesh of this world size (uneven shards)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    state = {
+        "model": {
+            "layers": [torch.zeros(64, 1024) for _ in range(8)],
+            "bias": torch.zeros(10),
+            "row": distribute_tensor(torch.zeros(10, 3), mesh, [Shard(0)]),
+            "grid": distribute_tensor(torch.zeros(6, 8), mesh, [Shard(1)]),
+            "half": distribute_tensor(torch.zeros(7, 5), mesh, [Shard(0)]),
+        },
+        "step": 0, "loader": None, "seen_by": None,
+    }
+    loaded = ckptfmt.load(url, into=state)
+    assert loaded is state
+    model = state["model"]
+    return {"full": {key: model[key].full_tensor() for key in ("row", "grid", "half")},
+            "local_shapes": [tuple(model[key].to_local().shape) for key in ("row", "grid", "half")],
+            "layers": model["layers"], "bias": model["bias"],
+            "step": state["step"], "loader": state["loader"], "seen_by": state["seen_by"]}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_checkpoint_saved_on_4_ranks_loads_into_dtensors_on_fewer(mixed, tmp_path, world):
+    results, reader = mixed
+    full = results[0]["full"]
+    outcomes = [o.unwrap() for o in run_ranks(load_resharded, world, tmp_path, url=reader.url)]
+    for rank, loaded in enumerate(outcomes):
+        for key in ("row", "grid", "half"):
+            assert torch.equal(loaded["full"][key], full[key]), (rank, key)
+        for got, want in zip(loaded["layers"], full["layers"]):
+            assert torch.equal(got, want)
+        assert torch.equal(loaded["bias"], full["bias"])
+        assert (loaded["step"], loaded["seen_by"]) == (7, "rank-0")
+        assert loaded["loader"] == {"position": 100 * rank}  # this rank's own
+    if world == 3:
+        assert [o["local_shapes"][0] for o in outcomes] == [(4, 3), (4, 3), (2, 3)]  # uneven
+
+
 # -- failures --------------------------------------------------------------------------------
 def fail_on_one_rank(rank: int, world: int, folder: Path, repo: str, where: str) -> str:
     """Save a base checkpoint together, then a second one in which one rank fails."""

@@ -1,0 +1,165 @@
+"""``load(url, into=state)``: fill a training state in place from a checkpoint, resharding as needed.
+
+Each tensor of ``state`` receives its saved value: a plain tensor the whole
+tensor, a DTensor its local shard for its own mesh and placements, read with
+``CheckpointReader.read_box`` (only the chunks overlapping it), whatever world
+size and layout the checkpoint was saved with. Plain values are replaced by
+the saved ones, and a ``PerRank`` value by this rank's. Reading needs no
+collective: every rank reads what it needs by itself.
+"""
+
+from __future__ import annotations
+
+import copy
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from .dtensors import is_dtensor, local_shard
+from .dtypes import dtype_from_name
+from .errors import CheckpointError
+from .per_rank import PerRankValues
+from .values import TensorRef, decode_tree, format_key
+
+#: Names listed per kind of problem in the error, at most.
+_LISTED = 20
+
+
+class _Fill:
+    """One walk over the target state: checks it against the saved state, collects the reads to do."""
+
+    def __init__(self, reader, rank: int):
+        self.reader = reader
+        self.rank = rank
+        self.reads: list[Callable[[], None]] = []
+        self.problems: dict[str, list[str]] = {"missing from the checkpoint": [], "not in the state": [],
+                                               "different": []}
+
+    def fill(self, target: Any, saved: Any, path: tuple) -> Any:
+        """``target`` with the saved value in place where it can be (tensors, lists, dicts), else the new value."""
+        if isinstance(saved, PerRankValues):
+            if self.rank not in saved:
+                self.problems["missing from the checkpoint"].append(f"{format_key(path)} (no value for rank {self.rank})")
+                return target
+            saved = saved[self.rank]
+        if isinstance(target, (torch.Tensor, np.ndarray)):
+            if not isinstance(saved, TensorRef):
+                self.problems["different"].append(f"{format_key(path)} (a tensor in the state, a "
+                                                  f"{type(saved).__name__} in the checkpoint)")
+                return target
+            self._tensor(target, saved.key)
+            return target
+        if isinstance(saved, TensorRef):
+            self.problems["not in the state" if target is None else "different"].append(saved.key)
+            return target
+        if isinstance(target, dict) and isinstance(saved, dict):
+            for key in target:
+                if key in saved:
+                    target[key] = self.fill(target[key], saved[key], (*path, key))
+                else:
+                    self.problems["missing from the checkpoint"].append(format_key((*path, key)))
+            for key in saved:
+                if key not in target:
+                    self._unexpected(saved[key], (*path, key))
+            return target
+        if isinstance(target, (list, tuple)) and type(saved) is type(target) and len(saved) == len(target):
+            items = [self.fill(t, s, (*path, i)) for i, (t, s) in enumerate(zip(target, saved))]
+            if isinstance(target, list):
+                target[:] = items
+                return target
+            return type(target)(items)
+        if isinstance(target, (dict, list, tuple)) and _holds_tensors(target):
+            self.problems["different"].append(f"{format_key(path)} (a {type(target).__name__} in the state, a "
+                                              f"{type(saved).__name__} in the checkpoint)")
+            return target
+        return saved
+
+    def _unexpected(self, saved: Any, path: tuple) -> None:
+        refs = _tensor_refs(saved)
+        self.problems["not in the state"].extend(refs if refs else [format_key(path)])
+
+    def _tensor(self, target, key: str) -> None:
+        info = self.reader.tensor_info(key)
+        if is_dtensor(target):
+            shard = local_shard(target, format_key((key,)))
+            offsets, shape, local, global_shape = shard.offsets, tuple(shard.tensor.shape), shard.tensor, shard.global_shape
+        else:
+            offsets, shape, local, global_shape = (0,) * target.ndim, tuple(target.shape), target, tuple(target.shape)
+        saved_dtype = dtype_from_name(info.dtype)
+        target_dtype = local.dtype if isinstance(local, torch.Tensor) else torch.from_numpy(np.empty(0, local.dtype)).dtype
+        if global_shape != tuple(info.shape) or target_dtype != saved_dtype:
+            self.problems["different"].append(
+                f"{key} (saved {info.dtype} {list(info.shape)}, state {str(target_dtype).removeprefix('torch.')} "
+                f"{list(global_shape)})")
+            return
+
+        def read() -> None:
+            data = self.reader.read_box(key, offsets, shape)
+            if isinstance(local, np.ndarray):
+                np.copyto(local, data.numpy())
+            else:
+                with torch.no_grad():
+                    local.copy_(data)
+        self.reads.append(read)
+
+    def error(self) -> str | None:
+        parts = [f"{len(names)} {kind}: {', '.join(names[:_LISTED])}{', ...' if len(names) > _LISTED else ''}"
+                 for kind, names in self.problems.items() if names]
+        return "; ".join(parts) or None
+
+
+def _holds_tensors(value: Any) -> bool:
+    if isinstance(value, (torch.Tensor, np.ndarray)):
+        return True
+    if isinstance(value, dict):
+        return any(_holds_tensors(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_holds_tensors(v) for v in value)
+    return False
+
+
+def _tensor_refs(value: Any) -> list[str]:
+    if isinstance(value, TensorRef):
+        return [value.key]
+    if isinstance(value, dict):
+        return [key for v in value.values() for key in _tensor_refs(v)]
+    if isinstance(value, (list, tuple)):
+        return [key for v in value for key in _tensor_refs(v)]
+    return []
+
+
+def load_into(reader, into: Any, *, strict: bool, rank: int, workers: int = 16) -> Any:
+    """Fill ``into`` from ``reader``'s checkpoint; returns it (a new object only where ``into`` is a tuple).
+
+    With ``strict``, any missing or unexpected tensor or value, or a tensor of another shape or dtype,
+    raises a CheckpointError listing them before anything is changed; without it, what matches is loaded.
+    """
+    keys = reader.keys()
+    saved = decode_tree(reader.manifest.state, lambda index: TensorRef(keys[index]))
+    walk = _Fill(reader, rank)
+    if strict:
+        dry = _Fill(reader, rank)  # a dry run first: nothing changes on error
+        dry.fill(_shadow(into), saved, ())
+        if dry.error():
+            raise CheckpointError(f"{reader.url}: the state does not match the checkpoint: {dry.error()}")
+    result = walk.fill(into, saved, ())
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckptfmt-load") as pool:
+        for future in [pool.submit(read) for read in walk.reads]:
+            future.result()
+    return result
+
+
+def _shadow(value: Any) -> Any:
+    """A copy of the containers of ``value`` (tensors shared) for a dry run that must not change it."""
+    if isinstance(value, dict):
+        shadow = copy.copy(value)
+        for key, item in value.items():
+            shadow[key] = _shadow(item)
+        return shadow
+    if isinstance(value, list):
+        return [_shadow(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_shadow(v) for v in value)
+    return value
