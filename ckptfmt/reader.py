@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 
 from .chunkio import ChunkReader
-from .errors import CheckpointError, CheckpointNotFoundError, ManifestError
+from .errors import CheckpointError, CheckpointNotFoundError, CheckpointWarning, ManifestError
 from .load_into import load_into
 from .manifest import Manifest, Piece, TensorEntry
 from .repository import Repository, resolve
@@ -291,12 +292,33 @@ def load(url: str | os.PathLike, *, map_location: str | torch.device | None = "c
 
 def restore_rng(url_or_reader: str | os.PathLike | CheckpointReader, *, rank: int | None = None,
                 storage_options: dict | None = None) -> None:
-    """Restore the torch, CUDA, numpy and Python RNG states this rank had at save."""
+    """Restore the torch, CUDA, numpy and Python RNG states rank ``rank`` (default: this rank) had at save.
+
+    Resuming at another world size, a rank the checkpoint has no state for gets
+    an error naming the ranks it has; with fewer ranks than saved, a warning
+    says which saved states no rank restores.
+    """
     reader = url_or_reader if isinstance(url_or_reader, CheckpointReader) else open(
         url_or_reader, storage_options=storage_options
     )
-    rank = current_rank()[0] if rank is None else rank
+    this_rank, world_size = current_rank()
+    rank = this_rank if rank is None else rank
+    saved = sorted({e["rank"] for e in reader.manifest.rng if isinstance(e, dict) and type(e.get("rank")) is int})
     entries = [e for e in reader.manifest.rng if e.get("rank") == rank]
     if not entries:
-        raise CheckpointNotFoundError(f"{reader.url}: no RNG state recorded for rank {rank}")
+        raise CheckpointNotFoundError(
+            f"{reader.url}: no RNG state recorded for rank {rank}; the checkpoint has states for "
+            f"{_ranks_text(saved) if saved else 'no rank'}"
+        )
+    unused = [r for r in saved if r >= world_size]
+    if unused and rank == this_rank == 0:
+        warnings.warn(f"{reader.url}: saved with RNG states for {_ranks_text(saved)}; resuming on {world_size} "
+                      f"rank(s), the states of {_ranks_text(unused)} are not restored", CheckpointWarning,
+                      stacklevel=2)
     apply_rng(entries[0], reader.url)
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"ranks {ranks[0]}-{ranks[-1]}"
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks[:16])) + (", ..." if len(ranks) > 16 else "")

@@ -6,6 +6,7 @@ then read the checkpoint in this process, without a process group.
 
 from __future__ import annotations
 
+import random
 import time
 import warnings
 from pathlib import Path
@@ -49,10 +50,11 @@ def _mixed_state(rank: int, world: int) -> tuple[dict, dict]:
 
 def save_mixed_state(rank: int, world: int, folder: Path, repo: str) -> dict:
     state, full = _mixed_state(rank, world)
+    random.seed(rank)  # each rank's own Python RNG stream
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         url = ckptfmt.save(state, f"{repo}/step-7", step=7, parallelism={"dp": 2, "tp": 2}, timeout=60)
-    return {"url": url, "full": full, "warnings": [str(w.message) for w in caught]}
+    return {"url": url, "full": full, "warnings": [str(w.message) for w in caught], "next_random": random.random()}
 
 
 @pytest.fixture(scope="module")
@@ -145,8 +147,11 @@ def load_resharded(rank: int, world: int, folder: Path, url: str) -> dict:
     }
     loaded = ckptfmt.load(url, into=state)
     assert loaded is state
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ckptfmt.restore_rng(url)
     model = state["model"]
-    return {"full": {key: model[key].full_tensor() for key in ("row", "grid", "half")},
+    return {"next_random": random.random(), "warnings": [str(w.message) for w in caught],"full": {key: model[key].full_tensor() for key in ("row", "grid", "half")},
             "local_shapes": [tuple(model[key].to_local().shape) for key in ("row", "grid", "half")],
             "layers": model["layers"], "bias": model["bias"],
             "step": state["step"], "loader": state["loader"], "seen_by": state["seen_by"]}
@@ -165,8 +170,19 @@ def test_a_checkpoint_saved_on_4_ranks_loads_into_dtensors_on_fewer(mixed, tmp_p
         assert torch.equal(loaded["bias"], full["bias"])
         assert (loaded["step"], loaded["seen_by"]) == (7, "rank-0")
         assert loaded["loader"] == {"position": 100 * rank}  # this rank's own
+        assert loaded["next_random"] == results[rank]["next_random"]  # this rank's RNG restored
+    assert outcomes[0]["warnings"] == [f"{reader.url}: saved with RNG states for ranks 0-3; resuming on {world} "
+                                       f"rank(s), the states of {'ranks 2, 3' if world == 2 else 'rank 3'} are "
+                                       "not restored"]
     if world == 3:
         assert [o["local_shapes"][0] for o in outcomes] == [(4, 3), (4, 3), (2, 3)]  # uneven
+
+
+def test_restoring_rng_for_a_rank_the_checkpoint_lacks_names_the_ranks_it_has(mixed):
+    _, reader = mixed
+    with pytest.raises(ckptfmt.CheckpointNotFoundError, match="no RNG state recorded for rank 7; the checkpoint "
+                                                              "has states for ranks 0-3"):
+        ckptfmt.restore_rng(reader.url, rank=7)
 
 
 # -- failures --------------------------------------------------------------------------------
