@@ -7,6 +7,7 @@
     ckptfmt.verify("s3://bucket/runs/exp1").ok
 """
 
+from .asynchronous import async_save
 from .errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -32,6 +33,7 @@ from .writer import save
 __version__ = "0.1.0"
 
 __all__ = [
+    "async_save",
     "CheckpointError",
     "CheckpointExistsError",
     "CheckpointNotFoundError",

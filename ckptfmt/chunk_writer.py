@@ -10,7 +10,8 @@ from that copy, and the chunk's name is the hash of what was written.
 The copy is skipped where nothing needs writing: when the bytes are unchanged
 since this process last saved them (the XXH3 fingerprint cache), or, on the
 first save after a restart, when they hash to a chunk the parent checkpoint
-already has.
+already has; and for an asynchronous save's staging buffers, which nothing
+changes until the save ends (sources marked ``frozen``).
 """
 
 from __future__ import annotations
@@ -159,6 +160,11 @@ class ChunkWriter:
         if address is None:  # private bytes (a pack, a copy): hash and write them as they are
             return self._put(job, codec, chunk_hash(data), lambda key: self._write(key, codec, data))
         fingerprint, digest, seen = self.cache.lookup(data, address)
+        if self.sources[job.parts[0][0]].frozen:  # staged memory: hashed and written as it is, no copy
+            if digest is None:
+                digest = chunk_hash(data)
+                self.cache.remember(address, len(data), fingerprint, digest)
+            return self._put(job, codec, digest, lambda key: self._write(key, codec, data))
         if digest is None and not seen and self.parent_keys:
             digest = self._hash_unchanged(data, address, fingerprint)
         if digest is not None:

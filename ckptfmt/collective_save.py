@@ -47,7 +47,7 @@ from .values import TensorRef, decode_tree, encode_tree
 def collective_save(state: Any, url: str, group, *, timeout: float, step: int | None, metadata: dict | None,
                     storage_options: dict | None, parent: Any, chunk_size: int | None, compression: str | None,
                     step_times: list | None, parallelism: dict | None, workers: int | None, rng: list | None,
-                    provenance: dict | None) -> str:
+                    provenance: dict | None, frozen: bool) -> str:
     """``ckptfmt.save`` over a process group (arguments checked by ``save``); returns the checkpoint URL."""
     from .writer import TensorCollector, commit_manifest, resolve_parent
 
@@ -66,7 +66,7 @@ def collective_save(state: Any, url: str, group, *, timeout: float, step: int | 
     with timer.phase("prepare"):
         sources: list[TensorSource] = []
         entries: list[dict] = []
-        collector = TensorCollector(sources, entries, collective=True)
+        collector = TensorCollector(sources, entries, collective=True, frozen=frozen)
         plan, own_failure = _attempt(lambda: {
             "state": encode_tree(state, collector, rank=ranks.rank), "entries": entries,
             "shapes": [s.shape for s in sources], "nbytes": [s.nbytes for s in sources], "meshes": collector.meshes,

@@ -26,6 +26,12 @@ class LocalShard:
     global_shape: tuple[int, ...]
     #: ``{"shape": [...], "dim_names": [...] or None}`` of the DTensor's device mesh.
     mesh: dict
+    kind: str = "tensor"
+    requires_grad: bool = False
+
+    def with_tensor(self, tensor: torch.Tensor) -> "LocalShard":
+        """The same box holding other data (a staged copy)."""
+        return LocalShard(tensor, self.offsets, self.global_shape, self.mesh, self.kind, self.requires_grad)
 
 
 def is_dtensor(value: object) -> bool:
@@ -53,4 +59,5 @@ def local_shard(value, where: str) -> LocalShard:
         )
     names = mesh.mesh_dim_names
     return LocalShard(local, tuple(int(o) for o in offsets), tuple(int(d) for d in value.shape),
-                      {"shape": list(mesh.shape), "dim_names": list(names) if names else None})
+                      {"shape": list(mesh.shape), "dim_names": list(names) if names else None},
+                      "parameter" if isinstance(value, torch.nn.Parameter) else "tensor", bool(value.requires_grad))

@@ -30,6 +30,8 @@ class TensorSource:
     requires_grad: bool
     #: True when ``tensor`` views the caller's memory (stable address across saves).
     borrowed: bool
+    #: True when that memory cannot change until the save ends (an asynchronous save's staging buffers).
+    frozen: bool = False
 
     @property
     def nbytes(self) -> int:

@@ -33,6 +33,7 @@ import msgpack
 import numpy as np
 import torch
 
+from .dtensors import LocalShard
 from .dtypes import dtype_from_name, dtype_name
 from .errors import ManifestError, UnsupportedValueError, quoted
 from .limits import MAX_NESTING
@@ -121,7 +122,7 @@ class _Encoder:
             return self.ext(EXT_ODICT, body)
         if kind is tuple:
             return self.ext(EXT_TUPLE, [self.pack(item, (*path, i)) for i, item in enumerate(value)])
-        if isinstance(value, torch.Tensor) or kind in (np.ndarray, Sharded, TensorRef):
+        if isinstance(value, torch.Tensor) or kind in (np.ndarray, Sharded, TensorRef, LocalShard):
             if self.in_key:
                 raise UnsupportedValueError(f"{_where(path)}: tensors cannot be dict keys or set items (nor part of one)")
             if self.in_per_rank:

@@ -17,7 +17,7 @@ from typing import Any, Callable
 import msgpack
 import torch
 
-from . import codecs, layout
+from . import codecs, in_flight, layout
 from .environment import capture_environment
 from .errors import (
     CheckpointError, CheckpointExistsError, CheckpointNotFoundError, CheckpointWarning, ManifestError,
@@ -26,7 +26,7 @@ from .errors import (
 from .hashcache import DEFAULT_CACHE
 from .chunk_writer import store_sources
 from .collective_save import collective_save
-from .dtensors import is_dtensor, local_shard
+from .dtensors import LocalShard, is_dtensor, local_shard
 from .hashing import chunk_hash
 from .limits import MAX_CHUNK_BYTES, MAX_KEY_BYTES, check_name
 from .manifest import Manifest, Piece, Shard, TensorEntry
@@ -91,7 +91,20 @@ def save(
     on every rank, committing nothing, if any rank fails or does not answer
     within ``timeout`` seconds. ``coordinated=False`` saves this process's
     state alone, as a single-process save.
+
+    An asynchronous save of the same repository still running in this process
+    is waited for first (its error, if it failed, is raised here).
     """
+    options = dict(locals())
+    del options["state"], options["url"]
+    in_flight.wait_for_previous(url)
+    return save_state(state, url, frozen=False, **options)
+
+
+def save_state(state: Any, url: str | os.PathLike, *, frozen: bool, step, metadata, storage_options, parent,
+               chunk_size, compression, step_times, parallelism, workers, rng, provenance, before_commit,
+               process_group, coordinated, timeout) -> str:
+    """``save``'s work; ``frozen``: the state is staged memory that nothing changes until this returns."""
     step = check_arguments(step, chunk_size, compression, step_times, parallelism, rng, provenance)
     if before_commit is not None and not callable(before_commit):
         raise TypeError("before_commit must be a callable or None")
@@ -106,7 +119,7 @@ def save(
         return collective_save(
             state, url, group, timeout=timeout, step=step, metadata=metadata, storage_options=storage_options,
             parent=parent, chunk_size=chunk_size, compression=compression, step_times=step_times,
-            parallelism=parallelism, workers=workers, rng=rng, provenance=provenance,
+            parallelism=parallelism, workers=workers, rng=rng, provenance=provenance, frozen=frozen,
         )
     timer = PhaseTimer()
     repo_url, name = split_checkpoint_url(url)
@@ -118,7 +131,7 @@ def save(
         parent_name, parent_keys = resolve_parent(repo, parent)
         sources: list[TensorSource] = []
         entries: list[dict] = []
-        state_bytes = encode_tree(state, TensorCollector(sources, entries), rank=rank)
+        state_bytes = encode_tree(state, TensorCollector(sources, entries, frozen=frozen), rank=rank)
         user_bytes = encode_tree({} if metadata is None else metadata, None)
         rng_entries = rng if rng is not None else [capture_rng(rank)]
     # 4 writers overlap hashing with other chunks' writes and fsyncs; on remote
@@ -172,13 +185,16 @@ class TensorCollector:
     """The value tree's tensor hook: prepares each leaf and numbers it (same object, same entry).
 
     In a collective save (``collective``), a DTensor becomes its local shard, at its offsets in
-    the global tensor; the meshes met are kept in ``meshes``.
+    the global tensor; the meshes met are kept in ``meshes``. ``frozen``: the state is staged
+    memory (an asynchronous save's) that stays unchanged until the save ends.
     """
 
-    def __init__(self, sources: list[TensorSource], entries: list[dict], collective: bool = False):
+    def __init__(self, sources: list[TensorSource], entries: list[dict], *, collective: bool = False,
+                 frozen: bool = False):
         self.sources = sources
         self.entries = entries
         self.collective = collective
+        self.frozen = frozen
         self.meshes: list[dict] = []
         self.seen: dict[int, int] = {}
         self.keys: set[str] = set()
@@ -202,32 +218,37 @@ class TensorCollector:
         if type(value) is Sharded:
             self.entries.append(self._sharded(key, value, where))
             return index
-        if is_dtensor(value):
+        if is_dtensor(value) or type(value) is LocalShard:
             self.entries.append(self._dtensor(key, value, where))
             return index
-        source = prepare(value, where)
+        source = self._source(value, where)
         self.entries.append({
             "key": key, "same_as": None, "dtype": source.dtype, "shape": source.shape, "kind": source.kind,
-            "requires_grad": source.requires_grad, "shards": [(len(self.sources), (0,) * len(source.shape), None)],
+            "requires_grad": source.requires_grad, "shards": [(len(self.sources) - 1, (0,) * len(source.shape), None)],
         })
-        self.sources.append(source)
         return index
 
     def _dtensor(self, key: str, value, where: str) -> dict:
-        """An entry for this rank's shard of a DTensor (the other ranks add theirs)."""
+        """An entry for this rank's shard of a DTensor, or of a staged one (the other ranks add theirs)."""
         if not self.collective:
             raise UnsupportedValueError(
                 f"{where}: a DTensor is saved by a collective save: call ckptfmt.save on every rank of its "
                 "process group (a save with coordinated=False stores plain tensors only)"
             )
-        shard = local_shard(value, where)
+        shard = value if type(value) is LocalShard else local_shard(value, where)
         if shard.mesh not in self.meshes:
             self.meshes.append(shard.mesh)
-        source = prepare(shard.tensor, where)
-        self.sources.append(source)
+        source = self._source(shard.tensor, where)
         return {"key": key, "same_as": None, "dtype": source.dtype, "shape": shard.global_shape,
-                "kind": "parameter" if isinstance(value, torch.nn.Parameter) else "tensor",
-                "requires_grad": bool(value.requires_grad), "shards": [(len(self.sources) - 1, shard.offsets, None)]}
+                "kind": shard.kind, "requires_grad": shard.requires_grad,
+                "shards": [(len(self.sources) - 1, shard.offsets, None)]}
+
+    def _source(self, value, where: str) -> TensorSource:
+        """A new source for ``value`` (frozen: staged memory that nothing changes during the save)."""
+        source = prepare(value, where)
+        source.frozen = self.frozen and source.borrowed
+        self.sources.append(source)
+        return source
 
     def _sharded(self, key: str, value: Sharded, where: str) -> dict:
         """An entry whose shards are separate sources; refuses layouts readers would refuse."""
@@ -237,10 +258,9 @@ class TensorCollector:
         for shard in value.shards:
             if not isinstance(shard, ShardInput) or not isinstance(shard.tensor, torch.Tensor):
                 raise UnsupportedValueError(f"{where}: shards must be ckptfmt.Shard(offsets, tensor, rank)")
-            source = prepare(shard.tensor, where)
+            source = self._source(shard.tensor, where)
             dtypes.add(source.dtype)
-            shards.append((len(self.sources), tuple(int(o) for o in shard.offsets), int(shard.rank)))
-            self.sources.append(source)
+            shards.append((len(self.sources) - 1, tuple(int(o) for o in shard.offsets), int(shard.rank)))
         if len(dtypes) != 1:
             raise UnsupportedValueError(f"{where}: shards have different dtypes {sorted(dtypes)}")
         boxes = tuple(Shard(offsets, self.sources[src].shape, rank, ()) for src, offsets, rank in shards)

@@ -185,6 +185,33 @@ def test_restoring_rng_for_a_rank_the_checkpoint_lacks_names_the_ranks_it_has(mi
         ckptfmt.restore_rng(reader.url, rank=7)
 
 
+def async_save_then_train(rank: int, world: int, folder: Path, repo: str) -> dict:
+    """async_save returns once staged; the state changes at once; the checkpoint has the state at the call."""
+    state, full = _mixed_state(rank, world)
+    full["layers"] = [layer.clone() for layer in full["layers"]]  # the state's own are changed below
+    future = ckptfmt.async_save(state, f"{repo}/step-7", step=7, timeout=60)
+    model = state["model"]
+    with torch.no_grad():
+        for layer in model["layers"]:
+            layer.add_(1.0)
+        for key in ("row", "grid", "half"):
+            model[key].to_local().add_(1.0)
+    state["step"] = 8
+    return {"url": future.result(timeout=120), "full": full}
+
+
+def test_a_collective_async_save_keeps_the_state_at_the_call(tmp_path):
+    results = [o.unwrap() for o in run_ranks(async_save_then_train, WORLD, tmp_path, repo=str(tmp_path / "repo"))]
+    full = results[0]["full"]
+    loaded = ckptfmt.load(results[0]["url"])
+    assert loaded["step"] == 7
+    for key in ("row", "grid", "half", "bias"):
+        assert torch.equal(loaded["model"][key], full[key]), key
+    for got, want in zip(loaded["model"]["layers"], full["layers"]):
+        assert torch.equal(got, want)
+    assert ckptfmt.verify(results[0]["url"]).ok
+
+
 # -- failures --------------------------------------------------------------------------------
 def fail_on_one_rank(rank: int, world: int, folder: Path, repo: str, where: str) -> str:
     """Save a base checkpoint together, then a second one in which one rank fails."""
