@@ -51,8 +51,10 @@ from ckptfmt.diff import diff
 from ckptfmt.hashing import chunk_hash
 from ckptfmt.values import OpaqueObject
 
-#: What one case may cost (the issue's bounds), checked by the quick test and reported by the script.
+#: What one case may cost (the issue's bounds), checked by the quick test and reported by the script:
+#: CPU seconds (the work a case costs, whatever else the machine runs), and wall seconds against a hang.
 CASE_SECONDS = 1.0
+CASE_WALL_SECONDS = 10.0
 CASE_BYTES = 256 * 2**20
 #: Mutations never grow a document past this, so that a case tests the reader, not the disk.
 MAX_DOCUMENT_BYTES = 4 * 2**20
@@ -340,6 +342,7 @@ class Case:
     target: str  # "manifest", "commit" or "marker"
     mutations: list[str]
     seconds: float = 0.0
+    cpu_seconds: float = 0.0
     extra_bytes: int = 0
     outcomes: dict = field(default_factory=dict)  # reader -> "ok" or the CheckpointError subclass name
     failures: list[str] = field(default_factory=list)
@@ -440,7 +443,7 @@ def run_case(base: Base, index: int, seed: int) -> Case:
     case, cleanup = make_case(base, index, seed)
     try:
         baseline = _rss_and_reset()
-        started = time.perf_counter()
+        started, started_cpu = time.perf_counter(), time.process_time()
         for name, read in readers(base, case).items():
             try:
                 with contextlib.redirect_stderr(io.StringIO()), _quiet_warnings():
@@ -452,6 +455,7 @@ def run_case(base: Base, index: int, seed: int) -> Case:
                 case.outcomes[name] = "FAILED"
                 case.failures.append(f"{name}: {traceback.format_exc(limit=6)}")
         case.seconds = time.perf_counter() - started
+        case.cpu_seconds = time.process_time() - started_cpu
         case.extra_bytes = max(0, _peak_rss() - baseline)
     finally:
         cleanup()
@@ -503,6 +507,7 @@ def run(cases: range, seed: int, progress: Callable[[Case], None] | None = None)
 
 def summary(cases: list[Case]) -> dict:
     seconds = sorted(c.seconds for c in cases)
+    cpu = sorted(c.cpu_seconds for c in cases)
     memory = sorted(c.extra_bytes for c in cases)
     outcomes = Counter(f"{reader}: {outcome}" for c in cases for reader, outcome in c.outcomes.items())
     return {
@@ -511,10 +516,11 @@ def summary(cases: list[Case]) -> dict:
         "mutations": dict(Counter(m for c in cases for m in c.mutations).most_common()),
         "reads": sum(len(c.outcomes) for c in cases),
         "failed_cases": [c.index for c in cases if c.failures],
-        "over_time": [c.index for c in cases if c.seconds > CASE_SECONDS],
+        "over_time": [c.index for c in cases if c.cpu_seconds > CASE_SECONDS or c.seconds > CASE_WALL_SECONDS],
         "over_memory": [c.index for c in cases if c.extra_bytes > CASE_BYTES],
         "seconds": {"median": statistics.median(seconds), "p99": seconds[int(len(seconds) * 0.99)],
                     "max": seconds[-1], "total": sum(seconds)},
+        "cpu_seconds": {"median": statistics.median(cpu), "p99": cpu[int(len(cpu) * 0.99)], "max": cpu[-1]},
         "extra_mib": {"median": statistics.median(memory) / 2**20, "p99": memory[int(len(memory) * 0.99)] / 2**20,
                       "max": memory[-1] / 2**20},
         "outcomes": dict(sorted(outcomes.items())),
