@@ -5,7 +5,8 @@ joining a gloo process group through a FileStore in ``folder`` (no ports to
 pick), runs ``scenario(rank, world, folder, **kwargs)`` (a function of an
 importable test module) and returns what each rank returned, or the text of
 the exception it raised, as ``RankOutcome``. Every launch has a timeout: a
-hang kills the ranks and fails the one test.
+hang kills the ranks and fails the one test. ``mixed_state`` is the state the
+distributed tests save: replicated tensors, DTensors on two meshes, per-rank values.
 """
 
 from __future__ import annotations
@@ -19,8 +20,11 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+import ckptfmt
 
 
 @dataclass
@@ -71,3 +75,29 @@ def _rank_main(rank: int, world: int, folder: str, scenario: Callable, kwargs: d
     Path(folder, f"outcome-{rank}.pkl").write_bytes(pickle.dumps(outcome))
     # Skip teardown: gloo's threads now and then abort at interpreter exit once peers are gone.
     os._exit(0)
+
+
+def mixed_state(rank: int, world: int) -> tuple[dict, dict]:
+    """Replicated tensors, DTensors on 1-D and 2-D meshes (uneven, replicated on one dim), per-rank and
+    differing values. Returns the state and the full tensors the DTensors were cut from."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    torch.manual_seed(0)  # every rank builds the same full tensors
+    full = {"row": torch.randn(10, 3), "grid": torch.randn(6, 8), "half": torch.randn(7, 5)}
+    layers = [torch.randn(64, 1024) for _ in range(8)]
+    flat = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    grid = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
+    state = {
+        "model": {
+            "layers": layers,
+            "bias": torch.arange(10.0),
+            "row": distribute_tensor(full["row"], flat, [Shard(0)]),
+            "grid": distribute_tensor(full["grid"], grid, [Shard(0), Shard(1)]),
+            "half": distribute_tensor(full["half"], grid, [Replicate(), Shard(0)]),
+        },
+        "step": 7,
+        "loader": ckptfmt.PerRank({"position": 100 * rank}),
+        "seen_by": f"rank-{rank}",  # differs by mistake: reported, rank 0's kept
+    }
+    return state, {**full, "layers": layers, "bias": torch.arange(10.0)}

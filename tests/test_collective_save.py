@@ -17,39 +17,13 @@ import torch
 import ckptfmt
 from ckptfmt import collective_save
 
-from ranks import run_ranks
+from ranks import mixed_state, run_ranks
 
 WORLD = 4
 
 
-def _mixed_state(rank: int, world: int) -> tuple[dict, dict]:
-    """Replicated tensors, DTensors on 1-D and 2-D meshes (uneven, replicated on one dim), per-rank and
-    differing values. Returns the state and the full tensors the DTensors were cut from."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
-
-    torch.manual_seed(0)  # every rank builds the same full tensors
-    full = {"row": torch.randn(10, 3), "grid": torch.randn(6, 8), "half": torch.randn(7, 5)}
-    layers = [torch.randn(64, 1024) for _ in range(8)]
-    flat = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
-    grid = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
-    state = {
-        "model": {
-            "layers": layers,
-            "bias": torch.arange(10.0),
-            "row": distribute_tensor(full["row"], flat, [Shard(0)]),
-            "grid": distribute_tensor(full["grid"], grid, [Shard(0), Shard(1)]),
-            "half": distribute_tensor(full["half"], grid, [Replicate(), Shard(0)]),
-        },
-        "step": 7,
-        "loader": ckptfmt.PerRank({"position": 100 * rank}),
-        "seen_by": f"rank-{rank}",  # differs by mistake: reported, rank 0's kept
-    }
-    return state, {**full, "layers": layers, "bias": torch.arange(10.0)}
-
-
 def save_mixed_state(rank: int, world: int, folder: Path, repo: str) -> dict:
-    state, full = _mixed_state(rank, world)
+    state, full = mixed_state(rank, world)
     random.seed(rank)  # each rank's own Python RNG stream
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -187,7 +161,7 @@ def test_restoring_rng_for_a_rank_the_checkpoint_lacks_names_the_ranks_it_has(mi
 
 def async_save_then_train(rank: int, world: int, folder: Path, repo: str) -> dict:
     """async_save returns once staged; the state changes at once; the checkpoint has the state at the call."""
-    state, full = _mixed_state(rank, world)
+    state, full = mixed_state(rank, world)
     full["layers"] = [layer.clone() for layer in full["layers"]]  # the state's own are changed below
     future = ckptfmt.async_save(state, f"{repo}/step-7", step=7, timeout=60)
     model = state["model"]

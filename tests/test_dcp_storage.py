@@ -1,0 +1,145 @@
+"""ckptfmt.dcp: torch.distributed.checkpoint saving and loading ckptfmt checkpoints, both ways.
+
+Multi-rank runs use 4 (save) and 2 (load) real gloo ranks with DTensors; the
+single-process cases cover a model with its AdamW state.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+import ckptfmt
+from ckptfmt.dcp import StorageReader, StorageWriter
+
+from ranks import mixed_state, run_ranks
+
+#: DCP warns that it saves "in a single process" when no process group is initialised.
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
+
+def trained(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 300), torch.nn.ReLU(), torch.nn.Linear(300, 10))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(8, 64)).sum().backward()
+    optimizer.step()
+    return model, optimizer
+
+
+def test_a_dcp_save_is_a_normal_ckptfmt_checkpoint_and_loads_back_through_dcp(tmp_path):
+    model, optimizer = trained(0)
+    url = str(tmp_path / "repo" / "step-5")
+    dcp.save({"model": model.state_dict(), "optim": optimizer.state_dict(), "step": 5},
+             storage_writer=StorageWriter(url, step=5))
+    assert ckptfmt.verify(url).ok
+    with ckptfmt.open(url) as reader:
+        assert reader.keys()[0] == "model/0.weight"  # nesting and state order kept
+        assert reader.metadata["step"] == 5 and reader.metadata["provenance"]["source_kind"] == "dcp"
+        assert b"pickle" not in reader.manifest.state and reader.manifest.chunks
+    loaded = ckptfmt.load(url)
+    assert loaded["step"] == 5 and torch.equal(loaded["model"]["0.weight"], model[0].weight.detach())
+
+    fresh, fresh_optimizer = trained(1)
+    state = {"model": fresh.state_dict(), "optim": fresh_optimizer.state_dict(), "step": 0}
+    dcp.load(state, storage_reader=StorageReader(url))
+    fresh.load_state_dict(state["model"])
+    fresh_optimizer.load_state_dict(state["optim"])
+    assert state["step"] == 5
+    for saved, restored in zip(model.parameters(), fresh.parameters()):
+        assert torch.equal(saved, restored)
+    expected = optimizer.state_dict()["state"]
+    for index, values in fresh_optimizer.state_dict()["state"].items():
+        assert torch.equal(values["exp_avg"], expected[index]["exp_avg"])
+    assert fresh_optimizer.param_groups[0]["lr"] == 1e-3
+
+
+def test_a_ckptfmt_save_loads_through_dcp(tmp_path):
+    model, optimizer = trained(0)
+    url = ckptfmt.save({"model": model.state_dict(), "optim": optimizer.state_dict(), "step": 3},
+                       tmp_path / "repo" / "a")
+    fresh, fresh_optimizer = trained(1)
+    state = {"model": fresh.state_dict(), "optim": fresh_optimizer.state_dict(), "step": 0}
+    dcp.load(state, storage_reader=StorageReader(url))
+    assert state["step"] == 3
+    assert torch.equal(state["model"]["2.bias"], model[2].bias.detach())
+
+
+def test_a_dcp_save_to_a_taken_name_fails_and_keeps_the_checkpoint(tmp_path):
+    url = str(tmp_path / "repo" / "a")
+    dcp.save({"w": torch.ones(3)}, storage_writer=StorageWriter(url))
+    with pytest.raises(CheckpointException) as info:  # DCP gathers every rank's error into one
+        dcp.save({"w": torch.zeros(3)}, storage_writer=StorageWriter(url))
+    assert [type(error) for error, _ in info.value.failures.values()] == [ckptfmt.CheckpointExistsError]
+    assert torch.equal(ckptfmt.load(url)["w"], torch.ones(3))
+
+
+def test_checkpoint_ids_are_checked():
+    assert StorageWriter.validate_checkpoint_id("runs/a/step-1")
+    assert not StorageWriter.validate_checkpoint_id("runs/a/chunks")  # a reserved name
+
+
+# -- 4 ranks save through DCP, 2 ranks load through DCP ---------------------------------------------
+def dcp_save_on_ranks(rank: int, world: int, folder: Path, url: str, asynchronous: bool) -> dict:
+    state, full = mixed_state(rank, world)
+    del state["loader"], state["seen_by"]  # plain per-rank values are ckptfmt.save's business
+    if asynchronous:
+        dcp.async_save(state, storage_writer=StorageWriter(url)).result(timeout=120)
+    else:
+        dcp.save(state, storage_writer=StorageWriter(url))
+    return full
+
+
+def dcp_load_on_ranks(rank: int, world: int, folder: Path, url: str) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    state = {"model": {
+        "layers": [torch.zeros(64, 1024) for _ in range(8)], "bias": torch.zeros(10),
+        "row": distribute_tensor(torch.zeros(10, 3), mesh, [Shard(0)]),
+        "grid": distribute_tensor(torch.zeros(6, 8), mesh, [Shard(1)]),
+        "half": distribute_tensor(torch.zeros(7, 5), mesh, [Shard(0)]),
+    }, "step": 0}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(state, storage_reader=StorageReader(url))
+    model = state["model"]
+    return {"step": state["step"], "layers": model["layers"],
+            **{key: model[key].full_tensor() for key in ("row", "grid", "half")}}
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["save", "async_save"])
+def test_dcp_on_4_ranks_then_dcp_load_on_2(tmp_path, asynchronous):
+    url = str(tmp_path / "repo" / "step-7")
+    saved = run_ranks(dcp_save_on_ranks, 4, tmp_path / "save", url=url, asynchronous=asynchronous)
+    full = saved[0].unwrap()
+    assert ckptfmt.verify(url).ok
+    with ckptfmt.open(url) as reader:
+        assert len(reader.tensor_info("model/row").shards) == 4  # each rank's shard, as DCP planned it
+    loaded = ckptfmt.load(url)
+    for key in ("row", "grid", "half"):
+        assert torch.equal(loaded["model"][key], full[key]), key
+    for outcome in run_ranks(dcp_load_on_ranks, 2, tmp_path / "load", url=url):
+        result = outcome.unwrap()
+        assert result["step"] == 7
+        for key in ("row", "grid", "half"):
+            assert torch.equal(result[key], full[key]), key
+        assert all(torch.equal(a, b) for a, b in zip(result["layers"], full["layers"]))
+
+
+def test_a_collective_ckptfmt_save_loads_through_dcp_on_2_ranks(tmp_path):
+    from test_collective_save import save_mixed_state
+
+    run_ranks(save_mixed_state, 4, tmp_path / "save", repo=str(tmp_path / "repo"))[0].unwrap()
+    url = str(tmp_path / "repo" / "step-7")
+    full = ckptfmt.load(url)["model"]
+    for outcome in run_ranks(dcp_load_on_ranks, 2, tmp_path / "load", url=url):
+        result = outcome.unwrap()
+        for key in ("row", "grid", "half"):
+            assert torch.equal(result[key], full[key]), key
