@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DEMO_REPO := demo-runs/repo
 
-.PHONY: setup demo test fuzz bench clean
+.PHONY: setup demo test test-exhaustive fuzz bench clean
 
 setup: $(STAMP)
 
@@ -28,6 +28,10 @@ demo: setup
 
 test: setup
 	$(BIN)/python -m pytest -q
+
+# What make test leaves out for time (32 kill points of collective saves): .ci/run runs it too.
+test-exhaustive: setup
+	$(BIN)/python -m pytest -q -m exhaustive
 
 # The whole fuzzing run (make test runs a 500-case subset): 10,000 mutated manifests, commit records
 # and markers, each read by every reader; prints failures, outcome counts, time and memory per case.

@@ -101,7 +101,15 @@ def collective_save(state: Any, url: str, group, *, timeout: float, step: int | 
         commit_manifest(agreed.repo, manifest)
         return agreed.repo.storage.describe(name)
     outcome, failure = _coordinate(results, ranks, commit)
-    outcome = ranks.broadcast(outcome)
+    try:
+        outcome = ranks.broadcast(outcome)
+    except CollectiveError as exc:
+        if ranks.is_coordinator and "ok" in outcome:
+            return outcome["ok"]  # committed; a rank went away after reporting its chunks durable
+        if not ranks.is_coordinator and own_failure is None:
+            raise CollectiveError(f"{exc}; the coordinator had every rank's chunks and may have committed "
+                                  f"{url}: ckptfmt ls shows whether it did") from None
+        raise
     _raise_failures(outcome, url, own_failure or failure)
     return outcome["ok"]
 
