@@ -25,8 +25,10 @@ import xxhash
 
 from . import codecs, layout
 from .chunker import DEFAULT_CHUNK_SIZE, ChunkJob, ChunkPlanner, PieceRef
+from .errors import CheckpointError
 from .hashcache import HashCache
 from .hashing import chunk_hash
+from .limits import MAX_CHUNK_BYTES
 from .manifest import Chunk, Piece
 from .repository import Repository
 from .tensors import TensorSource
@@ -149,7 +151,9 @@ class ChunkWriter:
         self.pool.shutdown(wait=True, cancel_futures=cancel)
 
     def make_durable(self) -> None:
-        """Sync what this save wrote, and what it reused that no committed checkpoint vouches for."""
+        """Sync what this save wrote (each file, then the folders: one pass over them all, which is
+        faster than an fsync per chunk as it is written), and what it reused that no committed
+        checkpoint vouches for."""
         self.repo.storage.sync(self.written_keys)
         self.repo.storage.make_durable(self.found_keys)
 
@@ -221,7 +225,7 @@ class ChunkWriter:
         Without ``write``, returns None when the chunk is not stored.
         """
         key = layout.chunk_key(digest, codec)
-        stored_size = self._present(key, job.size, codec)
+        stored_size = self._present(key, digest, job.size, codec)
         if stored_size is None and write is None:
             return None
         with self.lock:
@@ -239,18 +243,30 @@ class ChunkWriter:
             self.written_keys.append(key)
         return StoredChunk(Chunk(digest, codec, job.size, written), written)
 
-    def _present(self, key: str, size: int, codec: str) -> int | None:
+    def _present(self, key: str, digest: str, size: int, codec: str) -> int | None:
         """The stored size of ``key`` if a usable copy is stored, else None.
 
         The parent's chunks are trusted on object stores (one request saved per
-        chunk); on local disks a stat is cheap, so every chunk is checked.
+        chunk); on local disks a stat is cheap, so every chunk is checked. A
+        local chunk no committed checkpoint vouches for may come from a killed
+        save that renamed it before its bytes reached the disk (spec 11.2): it
+        is read and hashed before it is reused.
         """
         if key in self.parent_keys and not self.repo.storage.cheap_exists and codec == codecs.NONE:
             return size
         stored = self.repo.storage.size(key)
         if stored is None or (codec == codecs.NONE and stored != size):
             return None  # absent, or a damaged copy that writing replaces
+        if key not in self.parent_keys and self.repo.storage.cheap_exists and not self._intact(key, digest, size, codec):
+            return None
         return stored
+
+    def _intact(self, key: str, digest: str, size: int, codec: str) -> bool:
+        try:
+            stored = self.repo.storage.read(key, max_size=MAX_CHUNK_BYTES)
+            return chunk_hash(codecs.decode(codec, stored, size, self.repo.storage.describe(key))) == digest
+        except CheckpointError:
+            return False
 
     def _publisher(self, staged, codec: str, copy: bytearray | None, size: int):
         """How a snapshot gets stored under its key: the staged object renamed, or the copy encoded."""
@@ -258,13 +274,13 @@ class ChunkWriter:
             return lambda key: self._write(key, codec, copy)
 
         def publish(key: str) -> int:
-            staged.publish(key)
+            staged.publish(key, durable=False)  # made durable with the others in make_durable
             return size
         return publish
 
     def _write(self, key: str, codec: str, data) -> int:
         encoded = codecs.encode(codec, memoryview(data))
-        self.repo.storage.write(key, encoded)
+        self.repo.storage.write(key, encoded, durable=False)  # made durable with the others in make_durable
         return len(memoryview(encoded).cast("B"))
 
     def _block_buffer(self) -> memoryview:

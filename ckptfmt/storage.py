@@ -148,8 +148,12 @@ class Storage:
         return sorted({e.rstrip("/").rsplit("/", 1)[-1] for e in entries})
 
     # -- writes -------------------------------------------------------------
-    def write(self, key: str, data) -> None:
-        """Store ``data`` at ``key``, replacing any object there, atomically for readers."""
+    def write(self, key: str, data, *, durable: bool = True) -> None:
+        """Store ``data`` at ``key``, replacing any object there, atomically for readers.
+
+        ``durable=False``: on a local disk the file may reach the disk later; ``sync``
+        makes it durable (a save writes its chunks so, and syncs them all at once).
+        """
         try:
             self.fs.pipe_file(self.path(key), bytes(data))
         except Exception as exc:
@@ -193,7 +197,7 @@ class Storage:
         return Staged(self)
 
     def sync(self, keys: list[str]) -> None:
-        """Make the named keys' directory entries durable (object stores already are)."""
+        """Make the named keys durable, contents and directory entries (object stores already are)."""
 
     def make_durable(self, keys: list[str]) -> None:
         """Make objects this process found rather than wrote (a killed save's) as durable as its own."""
@@ -212,8 +216,8 @@ class Staged:
     def write(self, block) -> None:
         self._buffer += block
 
-    def publish(self, key: str) -> None:
-        self._storage.write(key, self._buffer)
+    def publish(self, key: str, *, durable: bool = True) -> None:
+        self._storage.write(key, self._buffer, durable=durable)
         self._buffer = bytearray()
 
     def discard(self) -> None:
@@ -252,10 +256,11 @@ class _StagedFile(Staged):
             self.discard()
             raise _storage_error(exc, self.path) from None
 
-    def seal(self) -> str:
-        """fsync and close the file; returns its path."""
+    def seal(self, durable: bool = True) -> str:
+        """fsync (if ``durable``) and close the file; returns its path."""
         try:
-            os.fsync(self._fd)
+            if durable:
+                os.fsync(self._fd)
         except Exception as exc:
             self.discard()
             raise _storage_error(exc, self.path) from None
@@ -263,8 +268,8 @@ class _StagedFile(Staged):
         self._fd = -1
         return self.path
 
-    def publish(self, key: str) -> None:
-        self.seal()
+    def publish(self, key: str, *, durable: bool = True) -> None:
+        self.seal(durable)
         try:
             self._storage.makedirs(os.path.dirname(key))
             os.replace(self.path, self._storage.path(key))
@@ -420,8 +425,8 @@ class LocalStorage(Storage):
         staged.write(data)
         return staged
 
-    def write(self, key: str, data) -> None:
-        self._staged(key, data).publish(key)
+    def write(self, key: str, data, *, durable: bool = True) -> None:
+        self._staged(key, data).publish(key, durable=durable)
 
     def create(self, key: str, data: bytes) -> None:
         staged = self._staged(key, data)
@@ -448,26 +453,32 @@ class LocalStorage(Storage):
         return _StagedFile(self, directory)
 
     def sync(self, keys: list[str]) -> None:
+        """fsync each file (one written with ``durable=False`` reaches the disk now), then the folders
+        that received entries, and the parents of folders this storage created."""
+        for key in keys:
+            self._fsync_file(key)
         directories = {os.path.dirname(self.path(k)) for k in keys}
         directories.update(os.path.dirname(d) for d in self._new_dirs)
         self._new_dirs.clear()
         self._fsync_folders(directories)
+
+    def _fsync_file(self, key: str) -> None:
+        try:
+            fd = os.open(self.path(key), os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except Exception as exc:
+            raise _storage_error(exc, self.describe(key)) from None
 
     def make_durable(self, keys: list[str]) -> None:
         """fsync each file, then every folder from its own up to the root: a killed save may have
         died before making any of these entries durable, even folders it created."""
         folders = set()
         for key in keys:
-            path = self.path(key)
-            try:
-                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-            except Exception as exc:
-                raise _storage_error(exc, self.describe(key)) from None
-            folder = os.path.dirname(path)
+            self._fsync_file(key)
+            folder = os.path.dirname(self.path(key))
             folders.add(folder)
             while len(folder) > len(self.root):
                 folder = os.path.dirname(folder)

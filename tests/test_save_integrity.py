@@ -89,6 +89,35 @@ def test_chunks_left_by_a_killed_save_are_made_durable_when_reused(tmp_path, fsy
     assert_same(state, ckptfmt.load(repo / "b"))
 
 
+def test_a_leftover_chunk_whose_bytes_never_reached_the_disk_is_written_again(tmp_path):
+    """Chunks are renamed into place before their fsync (all are synced before the manifest): a save
+    killed in between, then a power loss, can leave a chunk of the right size whose bytes are not its
+    name's. A save must not reuse it on trust."""
+    repo = tmp_path / "repo"
+    state = {"w": torch.randn(300_000)}
+    ckptfmt.save(state, repo / "a")
+    shutil.rmtree(repo / "a")  # never committed
+    (leftover,) = chunk_files(repo)
+    with open(leftover, "r+b") as file:
+        file.write(bytes(4096))  # a block lost in the crash
+    ckptfmt.save(state, repo / "b")
+    assert ckptfmt.open(repo / "b").manifest.stats["new_bytes"] == 300_000 * 4  # written again
+    assert ckptfmt.verify(str(repo / "b")).ok
+    assert_same(state, ckptfmt.load(repo / "b"))
+
+
+def test_chunks_are_synced_once_all_are_written(tmp_path, fsyncs):
+    """One pass of fsyncs after the writes (faster than one per chunk as it is written), before the manifest."""
+    repo = tmp_path / "repo"
+    ckptfmt.save({f"w{i}": torch.randn(2**18) for i in range(6)}, repo / "a", chunk_size=2**20)
+    chunks = chunk_files(repo)
+    first_sync = min(i for i, path in enumerate(fsyncs) if path in chunks)
+    store = str(repo / layout.CHUNKS_DIR)
+    assert not [path for path in fsyncs[:first_sync] if path.startswith(store)]  # none while writing
+    manifest = next(i for i, path in enumerate(fsyncs) if "manifest-" in path)
+    assert all(fsyncs.index(path) < manifest for path in chunks)
+
+
 def test_chunks_of_a_committed_parent_are_not_synced_again(tmp_path, fsyncs):
     repo = tmp_path / "repo"
     state = {"w": torch.randn(300_000), "v": torch.arange(100_000)}
