@@ -285,9 +285,12 @@ class StorageReader(dcp_storage.StorageReader):
                 planner.load_bytes(request, buffer)
                 continue
             offsets = [s + o for s, o in zip(request.storage_index.offset, request.storage_offsets)]
-            data = reader.read_box(what, offsets, list(request.lengths))
             target = planner.resolve_tensor(request).detach()
-            target.copy_(data)
+            if target.device.type == "cpu" and target.is_contiguous() and \
+                    target.dtype == dtype_from_name(reader.tensor_info(what).dtype):
+                reader.read_box(what, offsets, list(request.lengths), out=target)  # straight into place
+            else:
+                target.copy_(reader.read_box(what, offsets, list(request.lengths)))
             planner.commit_tensor(request, target)
         future: Future = Future()
         future.set_result(None)

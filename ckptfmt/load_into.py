@@ -96,6 +96,10 @@ class _Fill:
             return
 
         def read() -> None:
+            if isinstance(local, torch.Tensor) and local.device.type == "cpu" and local.is_contiguous():
+                with torch.no_grad():
+                    self.reader.read_box(key, offsets, shape, out=local.detach())  # straight into place
+                return
             data = self.reader.read_box(key, offsets, shape)
             if isinstance(local, np.ndarray):
                 np.copyto(local, data.numpy())

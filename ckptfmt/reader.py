@@ -109,14 +109,16 @@ class CheckpointReader:
         """Read one tensor (only its chunks), verified, on ``map_location``."""
         return self._read(self._lookup(key), parallel=True)
 
-    def read_box(self, key: str, offsets: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
+    def read_box(self, key: str, offsets: tuple[int, ...], shape: tuple[int, ...], *,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
         """The box of tensor ``key`` that starts at ``offsets`` and has ``shape``, verified, on CPU.
 
         Only the chunks holding bytes of the box are read, whatever the shards it
         was saved as: this is how a rank loads its shard at another world size.
         Within each overlapping shard, the box's rows form one span of the
-        shard's bytes; the pieces covering that span are read, then the box is
-        copied out of it.
+        shard's bytes, read from the pieces covering it. ``out`` (a contiguous
+        CPU tensor of the box's shape and the tensor's dtype) receives the box
+        in place; a span that is a whole uncompressed chunk is read straight into it.
         """
         entry = self.manifest.tensors[self._lookup(key)]
         if entry.same_as is not None:
@@ -126,7 +128,11 @@ class CheckpointReader:
                 o < 0 or n < 0 or o + n > d for o, n, d in zip(offsets, shape, entry.shape)):
             raise CheckpointError(f"{self.url}: box at {list(offsets)} of shape {list(shape)} is not inside "
                                   f"tensor {key!r} of shape {list(entry.shape)}")
-        out = empty(entry.dtype, shape)
+        dtype = dtype_from_name(entry.dtype)
+        if out is None:
+            out = empty(entry.dtype, shape)
+        elif tuple(out.shape) != shape or out.dtype != dtype or out.device.type != "cpu" or not out.is_contiguous():
+            raise ValueError(f"out must be a contiguous CPU {dtype} tensor of shape {list(shape)}")
         if out.numel() == 0:
             return out
         for shard in entry.shards:
@@ -134,30 +140,45 @@ class CheckpointReader:
             high = [min(o + n, s + m) for o, n, s, m in zip(offsets, shape, shard.offsets, shard.shape)]
             if any(lo >= hi for lo, hi in zip(low, high)):
                 continue
-            out[tuple(slice(lo - o, hi - o) for lo, hi, o in zip(low, high, offsets))] = self._shard_part(
-                entry, shard, [lo - s for lo, s in zip(low, shard.offsets)], [hi - lo for lo, hi in zip(low, high)])
+            target = out[tuple(slice(lo - o, hi - o) for lo, hi, o in zip(low, high, offsets))]
+            self._read_part(entry, shard, [lo - s for lo, s in zip(low, shard.offsets)],
+                            [hi - lo for lo, hi in zip(low, high)], target)
         return out
 
-    def _shard_part(self, entry: TensorEntry, shard, start: list[int], size: list[int]) -> torch.Tensor:
-        """The part of ``shard`` at ``start`` (in the shard) of ``size``, read from the span that holds it."""
+    def _read_part(self, entry: TensorEntry, shard, start: list[int], size: list[int], target: torch.Tensor) -> None:
+        """Copy the part of ``shard`` at ``start`` (in the shard) of ``size`` into ``target``."""
         width = itemsize(entry.dtype)
         strides = [1] * len(shard.shape)
         for dim in range(len(shard.shape) - 2, -1, -1):
             strides[dim] = strides[dim + 1] * shard.shape[dim + 1]
         first = sum(i * s for i, s in zip(start, strides))
         last = sum((i + n - 1) * s for i, n, s in zip(start, size, strides))
-        span = bytearray((last - first + 1) * width)
         begin, end = first * width, (last + 1) * width
-        position = 0
+        covering, position = [], 0
         for piece in shard.pieces:
             if position < end and begin < position + piece.length:
+                covering.append((position, piece))
+            position += piece.length
+        whole_rows = target.is_contiguous() and (end - begin) == target.numel() * width
+        if whole_rows and len(covering) == 1 and covering[0][0] == begin and covering[0][1].offset == 0 \
+                and self._chunks.can_read_into(covering[0][1].chunk, end - begin):
+            self._chunks.read_into(covering[0][1].chunk, byte_view(target))  # no copy at all
+            return
+        if len(covering) == 1:  # the span lies in one chunk: view it there
+            position, piece = covering[0]
+            at = piece.offset + begin - position
+            span = memoryview(self._chunks.read(piece.chunk))[at : at + end - begin]
+        else:
+            span = bytearray(end - begin)
+            for position, piece in covering:
                 lo, hi = max(begin, position), min(end, position + piece.length)
                 data = memoryview(self._chunks.read(piece.chunk))
                 at = piece.offset + lo - position
                 span[lo - begin : hi - begin] = data[at : at + hi - lo]
-            position += piece.length
-        flat = torch.frombuffer(span, dtype=dtype_from_name(entry.dtype))
-        return flat.as_strided(size, strides, 0)
+        with warnings.catch_warnings():  # a read-only view of the chunk: only read, then copied
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.frombuffer(span, dtype=target.dtype)
+        target.copy_(flat.as_strided(size, strides, 0))
 
     def load_state(self, *, workers: int = 16) -> Any:
         """The whole saved state, type-exact, every chunk verified.
