@@ -4,7 +4,7 @@ Usage (from the repository root)::
 
     python bench/distributed.py [--size-gb 1.3] [--repeats 3] [--dir /path] [--json PATH]
 
-A state of ``--size-gb`` fp32 (20 tensors of 4096 x N) held as DTensors sharded
+After one untimed warm-up round of each, a state of ``--size-gb`` fp32 (20 tensors of 4096 x N) held as DTensors sharded
 (Shard(0)) over 4 ranks started by torchrun. Each repeat, in rotating order,
 with new content every time (untimed ``add_`` on every shard):
 
@@ -180,16 +180,24 @@ def role_save(args) -> int:
         times["ckptfmt async total"].append(stall + _slowest(dist, time.perf_counter() - start))
         times["loop idle"].append(_loop_step())
 
+    # DCP's background thread runs collectives: on a group of its own, as DCP advises, or they
+    # interleave with the timing collectives of the main thread on the default group (a hang).
+    async_group = dist.new_group(backend="gloo")
+
     def dcp_async(rep: int) -> None:
         handle = []
         writer = dcp.FileSystemWriter(root / "dcp" / f"a{rep}", thread_count=2)
         times["dcp async stall"].append(_timed(dist, lambda: handle.append(
-            dcp.async_save(state, storage_writer=writer))))
+            dcp.async_save(state, storage_writer=writer, process_group=async_group))))
         start = time.perf_counter()
         handle[0].result()
         times["dcp async total"].append(times["dcp async stall"][-1] + _slowest(dist, time.perf_counter() - start))
 
     competitors = [ckptfmt_save, dcp_save, bare_copy, ckptfmt_async, dcp_async]
+    for competitor in competitors:  # warm-up, untimed: thread pools, process groups, first-touch buffers
+        competitor(-1)
+    for values in times.values():
+        values.clear()
     for rep in range(args.repeats):
         with torch.no_grad():
             for shard in shards:
