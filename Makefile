@@ -4,6 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DEMO_REPO := demo-runs/repo
+DIST_REPO := demo-runs/distributed
 
 .PHONY: setup demo test test-exhaustive fuzz bench clean
 
@@ -25,6 +26,13 @@ demo: setup
 	$(BIN)/ckptfmt show $(DEMO_REPO)/step-000030 --limit 12
 	$(BIN)/ckptfmt verify $(DEMO_REPO)
 	$(BIN)/ckptfmt diff $(DEMO_REPO)/step-000020 $(DEMO_REPO)/step-000030
+	rm -rf $(DIST_REPO)
+	OMP_NUM_THREADS=1 $(BIN)/python -m torch.distributed.run --standalone --nproc_per_node 4 \
+		examples/distributed_demo.py $(DIST_REPO) --steps 20 --every 5
+	OMP_NUM_THREADS=1 $(BIN)/python -m torch.distributed.run --standalone --nproc_per_node 2 \
+		examples/distributed_demo.py $(DIST_REPO) --steps 30 --every 5 --resume
+	$(BIN)/ckptfmt ls $(DIST_REPO)
+	$(BIN)/ckptfmt verify $(DIST_REPO)
 
 test: setup
 	$(BIN)/python -m pytest -q
