@@ -1,7 +1,9 @@
 """A rank killed (SIGKILL) during a collective save, sync or async, the coordinator in its commit included.
 
 Each case: 4 gloo ranks save ``base`` together, then ``next`` while one rank is
-killed, after a random delay or at a chosen step of the coordinator's commit.
+killed at a chosen step of the protocol (before joining, at each exchange, while
+storing its chunks, while syncing them, in the coordinator's commit) or after a
+random delay.
 Afterwards ``base`` verifies, ``next`` is either absent or complete (a kill
 after the commit record), and every surviving rank raised a CollectiveError
 within the save's timeout unless the save had committed.
@@ -23,6 +25,8 @@ import torch
 
 import ckptfmt
 from ckptfmt import writer
+from ckptfmt.chunk_writer import ChunkWriter
+from ckptfmt.process_group import RankGroup
 from ckptfmt.repository import Repository
 
 from ranks import run_ranks
@@ -35,28 +39,55 @@ def _kill_me() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _die_on_call(owner, name: str, call: int, after: bool = False) -> None:
+    """Replace ``owner.name`` so that this process dies at its ``call``-th call (before it runs, or after)."""
+    original, calls = getattr(owner, name), [0]
+
+    def dying(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == call and not after:
+            _kill_me()
+        result = original(*args, **kwargs)
+        if calls[0] == call and after:
+            _kill_me()
+        return result
+    setattr(owner, name, dying)
+
+
 def _arm(point: str) -> None:
-    """Make this rank die at ``point``: 'delay:S' seconds from now, or a step of the coordinator's commit."""
+    """Make this rank die at ``point`` of its save:
+
+    delay:S         S seconds from now
+    join            before joining (it never calls in)
+    gather:N        at its N-th gather (1: the plans, 2: the write reports)
+    broadcast:N     at its N-th broadcast (1: the plan, 2: the outcome)
+    chunk:N         while storing its N-th chunk
+    sync            when making its chunks durable
+    commit:STEP     the coordinator, before its manifest, before or after its commit record
+    """
     kind, _, value = point.partition(":")
     if kind == "delay":
         threading.Timer(float(value), _kill_me).start()
+    elif kind == "join":
+        _die_on_call(RankGroup, "join", 1)
+    elif kind in ("gather", "broadcast"):
+        _die_on_call(RankGroup, kind, int(value))
+    elif kind == "chunk":
+        _die_on_call(ChunkWriter, "_put", int(value))
+    elif kind == "sync":
+        _die_on_call(ChunkWriter, "make_durable", 1)
     elif value == "before_manifest":
-        writer.commit_manifest = lambda repo, manifest: _kill_me()
+        _die_on_call(writer, "commit_manifest", 1)
     elif value == "before_record":
-        Repository.create_commit = lambda self, record: _kill_me()
+        _die_on_call(Repository, "create_commit", 1)
     elif value == "after_record":
-        create = Repository.create_commit
-
-        def create_then_die(self, record):
-            create(self, record)
-            _kill_me()
-        Repository.create_commit = create_then_die
+        _die_on_call(Repository, "create_commit", 1, after=True)
 
 
 def save_while_one_dies(rank: int, world: int, folder: Path, repo: str, mode: str, victim: int, point: str) -> dict:
     ckptfmt.save({"w": torch.full((1000,), float(rank)), "step": 1}, f"{repo}/base", timeout=TIMEOUT_S)
     torch.manual_seed(rank)
-    state = {"layers": [torch.randn(2**20) for _ in range(6)], "step": 2}  # 24 MiB per rank
+    state = {"layers": {f"rank{rank}": [torch.randn(2**20) for _ in range(6)]}, "step": 2}  # 6 chunks of its own
     if rank == victim:
         _arm(point)
     start = time.monotonic()
@@ -69,22 +100,25 @@ def save_while_one_dies(rank: int, world: int, folder: Path, repo: str, mode: st
     except ckptfmt.CollectiveError as exc:
         outcome = f"raised: {exc}"
     if rank == victim:
-        time.sleep(30)  # the kill is still to come: never report
+        time.sleep(30)  # a delay that has not run out yet: the kill is still to come
     return {"outcome": outcome, "seconds": time.monotonic() - start}
 
 
 def kill_points(count: int, seed: int = 0) -> list[tuple[str, int, str]]:
-    """(mode, victim rank, point): random delays over the save's span, and every step of the commit."""
+    """(mode, victim rank, point): every step of the protocol on some rank, then random delays."""
     rng = random.Random(seed)
+    steps = ["join", "gather:1", "broadcast:1", "chunk:1", "chunk:3", "chunk:6", "sync", "gather:2",
+             "broadcast:2"]
     points = [(mode, 0, f"commit:{step}") for mode in ("sync", "async")
               for step in ("before_manifest", "before_record", "after_record")]
+    points += [(mode, rng.randrange(WORLD), step) for step in steps for mode in ("sync", "async")]
     while len(points) < count:
-        points.append((rng.choice(["sync", "async"]), rng.randrange(WORLD), f"delay:{rng.uniform(0.0, 1.2):.3f}"))
+        points.append((rng.choice(["sync", "async"]), rng.randrange(WORLD), f"delay:{rng.uniform(0.0, 0.1):.3f}"))
     return points
 
 
 ALL = kill_points(32)
-QUICK = {ALL[0], ALL[4], ALL[6], ALL[7]}  # sync before the manifest, async before the record, two delays
+QUICK = {ALL[0], ALL[4], ALL[12], ALL[15]}  # sync before the manifest, async before the record, two chunks
 
 
 @pytest.mark.parametrize(("mode", "victim", "point"), [
