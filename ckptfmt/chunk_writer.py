@@ -29,7 +29,7 @@ from .errors import CheckpointError
 from .hashcache import HashCache
 from .hashing import chunk_hash
 from .limits import MAX_CHUNK_BYTES
-from .manifest import Chunk, Piece
+from .manifest import Chunk, Piece, TensorEntry
 from .repository import Repository
 from .tensors import TensorSource
 
@@ -84,25 +84,56 @@ def store_sources(repo: Repository, sources: list[TensorSource], *, compression:
     return _table(stored, refs)
 
 
+class ChunkTable:
+    """A manifest's chunk table being built: one row per distinct chunk, whoever stored it.
+
+    A chunk met twice (two jobs, or two ranks, with equal bytes) keeps one row,
+    the one with a known stored size; rows some writer stored are remembered
+    for ``new_bytes``.
+    """
+
+    def __init__(self):
+        self.chunks: list[Chunk] = []
+        self.written: set[int] = set()
+        self._rows: dict[tuple[str, str], int] = {}
+
+    def add(self, chunk: Chunk, written: bool) -> int:
+        """The row of ``chunk``; ``written``: this writer stored it (it was not stored before)."""
+        row = self._rows.setdefault((chunk.hash, chunk.codec), len(self.chunks))
+        if row == len(self.chunks):
+            self.chunks.append(chunk)
+        elif self.chunks[row].stored_size < 0:
+            self.chunks[row] = chunk
+        if written:
+            self.written.add(row)
+        return row
+
+    @property
+    def new_bytes(self) -> int:
+        return sum(self.chunks[row].stored_size for row in self.written)
+
+    def stats(self, tensors: list[TensorEntry]) -> dict:
+        """The manifest's ``stats`` for ``tensors`` stored in this table."""
+        return checkpoint_stats(tensors, self.chunks, self.new_bytes)
+
+
+def checkpoint_stats(tensors: list[TensorEntry], chunks: list[Chunk], new_bytes: int) -> dict:
+    """The manifest's ``stats`` (spec 9.5): what the tensors hold, what the chunks occupy, what was new."""
+    return {
+        "tensor_count": len(tensors),
+        "tensor_bytes": sum(t.nbytes for t in tensors if t.same_as is None),
+        "chunk_count": len(chunks),
+        "stored_bytes": sum(c.stored_size for c in chunks),
+        "new_bytes": new_bytes,
+    }
+
+
 def _table(stored: dict[int, StoredChunk], refs: list[list[PieceRef]]) -> StoredSources:
     """One chunk row per distinct chunk (twins take the row with a stored size); pieces point at rows."""
-    chunks: list[Chunk] = []
-    row_of: dict[tuple[str, str], int] = {}
-    job_row: dict[int, int] = {}
-    written: set[int] = set()
-    for job_index in sorted(stored):
-        chunk = stored[job_index].chunk
-        key = (chunk.hash, chunk.codec)
-        if key not in row_of:
-            row_of[key] = len(chunks)
-            chunks.append(chunk)
-        elif chunks[row_of[key]].stored_size < 0:
-            chunks[row_of[key]] = chunk
-        job_row[job_index] = row_of[key]
-        if stored[job_index].written:
-            written.add(row_of[key])
+    table = ChunkTable()
+    job_row = {index: table.add(stored[index].chunk, stored[index].written > 0) for index in sorted(stored)}
     pieces = [tuple(Piece(job_row[p.job], p.offset, p.length) for p in source_refs) for source_refs in refs]
-    return StoredSources(chunks, pieces, sum(chunks[row].stored_size for row in written), frozenset(written))
+    return StoredSources(table.chunks, pieces, table.new_bytes, frozenset(table.written))
 
 
 class ChunkWriter:

@@ -20,29 +20,28 @@ rank and its error. Tensor bytes never pass between ranks.
 
 from __future__ import annotations
 
-import os
-import socket
 import time
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
-import torch
 
 from . import layout
-from .chunk_writer import StoredSources, store_sources
+from .chunk_writer import ChunkTable, store_sources
 from .environment import capture_environment
 from .errors import CheckpointError, CheckpointExistsError, CheckpointWarning
 from .hashcache import DEFAULT_CACHE
-from .manifest import Chunk, Manifest, Piece, Shard, TensorEntry
+from .manifest import Manifest, Piece, Shard, TensorEntry
 from .process_group import CollectiveError, RankGroup
 from .repository import Repository, split_checkpoint_url
 from .rng import capture_rng
 from .state_merge import MAX_REPORTED, merge_states
 from .tensors import TensorSource
 from .timing import PhaseTimer
+from .topology import rank_entry
 from .values import TensorRef, decode_tree, encode_tree
+
 
 def collective_save(state: Any, url: str, group, *, timeout: float, step: int | None, metadata: dict | None,
                     storage_options: dict | None, parent: Any, chunk_size: int | None, compression: str | None,
@@ -298,7 +297,9 @@ def _assign(tensors: list[_Tensor], world: int) -> list[list[int]]:
 # -- the coordinator's manifest --------------------------------------------------------------
 def _manifest(plan: Plan, reports: list[dict], ranks: RankGroup, *, name: str, step, rng, step_times, parallelism,
               provenance) -> Manifest:
-    chunks, rows, new_rows = _chunk_table([r["stored"] for r in reports])
+    table = ChunkTable()
+    rows = [[table.add(chunk, index in stored.written_rows) for index, chunk in enumerate(stored.chunks)]
+            for stored in (report["stored"] for report in reports)]
     tensors = []
     for tensor in plan.tensors:
         shards = []
@@ -309,42 +310,14 @@ def _manifest(plan: Plan, reports: list[dict], ranks: RankGroup, *, name: str, s
             shards.append(Shard(box.offsets, box.shape, rank, pieces))
         tensors.append(TensorEntry(key=tensor.key, dtype=tensor.dtype, shape=tensor.shape, shards=tuple(shards),
                                    kind=tensor.kind, requires_grad=tensor.requires_grad, same_as=tensor.same_as))
-    stats = {
-        "tensor_count": len(tensors),
-        "tensor_bytes": sum(box.nbytes for tensor in plan.tensors for box in tensor.boxes),
-        "chunk_count": len(chunks),
-        "stored_bytes": sum(c.stored_size for c in chunks),
-        "new_bytes": sum(chunks[row].stored_size for row in new_rows),
-    }
     return Manifest(
-        name=name, step=step, created_ns=time.time_ns(), parent=plan.parent_name, chunks=chunks, tensors=tensors,
+        name=name, step=step, created_ns=time.time_ns(), parent=plan.parent_name, chunks=table.chunks, tensors=tensors,
         state=plan.state, user=plan.user, rng=rng if rng is not None else [r["rng"] for r in reports],
         environment=_environments([r["environment"] for r in reports]),
         topology=_topology(ranks, reports, plan, parallelism),
         timing={"ranks": [r["timing"] for r in reports], "steps": list(step_times or [])},
-        stats=stats, provenance=provenance,
+        stats=table.stats(tensors), provenance=provenance,
     )
-
-
-def _chunk_table(stored: list[StoredSources]) -> tuple[list[Chunk], list[list[int]], set[int]]:
-    """One chunk table from every rank's: rows deduplicated by hash and codec; per rank, local row -> row."""
-    chunks: list[Chunk] = []
-    row_of: dict[tuple[str, str], int] = {}
-    rows: list[list[int]] = []
-    new_rows: set[int] = set()
-    for table in stored:
-        local = []
-        for index, chunk in enumerate(table.chunks):
-            row = row_of.setdefault((chunk.hash, chunk.codec), len(chunks))
-            if row == len(chunks):
-                chunks.append(chunk)
-            elif chunks[row].stored_size < 0:
-                chunks[row] = chunk
-            if index in table.written_rows:
-                new_rows.add(row)  # two ranks writing the same new chunk count it once
-            local.append(row)
-        rows.append(local)
-    return chunks, rows, new_rows
 
 
 def _environments(environments: list[dict]) -> dict:
@@ -365,11 +338,7 @@ def _environments(environments: list[dict]) -> dict:
 
 
 def _rank_topology(ranks: RankGroup) -> dict:
-    device = "cpu"
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        device = f"cuda:{torch.cuda.current_device()}"
-    return {"rank": ranks.rank, "global_rank": ranks.global_ranks[ranks.rank], "host": socket.gethostname(),
-            "local_rank": int(os.environ.get("LOCAL_RANK", 0)), "pid": os.getpid(), "device": device}
+    return {**rank_entry(ranks.rank), "global_rank": ranks.global_ranks[ranks.rank]}
 
 
 def _topology(ranks: RankGroup, reports: list[dict], plan: Plan, parallelism: dict | None) -> dict:

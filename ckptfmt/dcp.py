@@ -30,7 +30,7 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict, unflat
 from torch.futures import Future
 
 from . import layout
-from .chunk_writer import store_sources
+from .chunk_writer import ChunkTable, store_sources
 from .dtypes import dtype_from_name, dtype_name
 from .environment import capture_environment
 from .errors import CheckpointError, CheckpointExistsError, UnsupportedValueError
@@ -129,7 +129,7 @@ class StorageWriter(dcp_storage.StorageWriter):
 
         repo_url, name = split_checkpoint_url(self.url)
         repo = Repository.open(repo_url, self.storage_options)
-        gathered, shards_of, chunks, new_rows = _gather(metadata, results)
+        gathered, shards_of, table = _gather(metadata, results)
         flat = {fqn: gathered[fqn] for fqn in metadata.state_dict_metadata if fqn in gathered}  # state order
         mappings = metadata.planner_data
         state = unflatten_state_dict(flat, mappings) if _is_mapping_table(mappings, flat) else flat
@@ -152,13 +152,9 @@ class StorageWriter(dcp_storage.StorageWriter):
         topology = capture_topology()
         topology.update(world_size=len(results), writer_ranks=sorted({s.rank for t in tensors for s in t.shards}))
         manifest = Manifest(
-            name=name, step=self.step, created_ns=time.time_ns(), parent=None, chunks=chunks, tensors=tensors,
+            name=name, step=self.step, created_ns=time.time_ns(), parent=None, chunks=table.chunks, tensors=tensors,
             state=state_bytes, user=encode_tree({}), rng=[capture_rng(0)], environment=environment,
-            topology=topology, timing={"ranks": [self.timer.record(0)], "steps": []},
-            stats={"tensor_count": len(tensors),
-                   "tensor_bytes": sum(t.nbytes for t in tensors),
-                   "chunk_count": len(chunks), "stored_bytes": sum(c.stored_size for c in chunks),
-                   "new_bytes": sum(chunks[row].stored_size for row in new_rows)},
+            topology=topology, timing={"ranks": [self.timer.record(0)], "steps": []}, stats=table.stats(tensors),
             provenance={"source_kind": "dcp", "writer": "ckptfmt.dcp.StorageWriter"},
         )
         commit_manifest(repo, manifest)
@@ -182,9 +178,7 @@ def _gather(metadata: dcp_metadata.Metadata, results: list[list[dcp_storage.Writ
     """Every rank's results as: fqn -> value (TensorRef for tensors), fqn -> shards, one chunk table."""
     flat: dict[str, Any] = {}
     shards_of: dict[str, list[Shard]] = {}
-    chunks: list[Chunk] = []
-    row_of: dict[tuple[str, str], int] = {}
-    new_rows: set[int] = set()
+    table = ChunkTable()
     for rank, rank_results in enumerate(results):
         for result in rank_results:
             fqn = result.index.fqn
@@ -194,21 +188,13 @@ def _gather(metadata: dcp_metadata.Metadata, results: list[list[dcp_storage.Writ
             md = metadata.state_dict_metadata[fqn]
             offsets = tuple(result.index.offset) if result.index.offset is not None else (0,) * len(md.size)
             sizes = next(tuple(c.sizes) for c in md.chunks if tuple(c.offsets) == offsets)
-            pieces = []
-            for hash_, codec, size, stored_size, offset, length, written in result.storage_data["pieces"]:
-                row = row_of.setdefault((hash_, codec), len(chunks))
-                if row == len(chunks):
-                    chunks.append(Chunk(hash_, codec, size, stored_size))
-                elif chunks[row].stored_size < 0:
-                    chunks[row] = Chunk(hash_, codec, size, stored_size)
-                if written:
-                    new_rows.add(row)
-                pieces.append(Piece(row, offset, length))
+            pieces = [Piece(table.add(Chunk(hash_, codec, size, stored_size), written), offset, length)
+                      for hash_, codec, size, stored_size, offset, length, written in result.storage_data["pieces"]]
             flat[fqn] = TensorRef(fqn)
             shards_of.setdefault(fqn, []).append(Shard(offsets, sizes, rank, tuple(pieces)))
     for shards in shards_of.values():
         shards.sort(key=lambda s: s.offsets)
-    return flat, shards_of, chunks, new_rows
+    return flat, shards_of, table
 
 
 class StorageReader(dcp_storage.StorageReader):

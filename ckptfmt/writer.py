@@ -24,7 +24,7 @@ from .errors import (
     UnsupportedValueError,
 )
 from .hashcache import DEFAULT_CACHE
-from .chunk_writer import store_sources
+from .chunk_writer import checkpoint_stats, store_sources
 from .collective_save import collective_save
 from .dtensors import LocalShard, is_dtensor, local_shard
 from .hashing import chunk_hash
@@ -141,19 +141,12 @@ def save_state(state: Any, url: str | os.PathLike, *, frozen: bool, step, metada
     with timer.phase("environment"):
         environment = capture_environment()
     tensors = tensor_table(entries, [s.shape for s in sources], stored.pieces, rank)
-    stats = {
-        "tensor_count": len(tensors),
-        "tensor_bytes": sum(s.nbytes for s in sources),
-        "chunk_count": len(stored.chunks),
-        "stored_bytes": sum(c.stored_size for c in stored.chunks),
-        "new_bytes": stored.new_bytes,
-    }
     manifest = Manifest(
         name=name, step=step, created_ns=time.time_ns(), parent=parent_name,
         chunks=stored.chunks, tensors=tensors, state=state_bytes, user=user_bytes, rng=rng_entries,
         environment=environment, topology=capture_topology(parallelism),
         timing={"ranks": [timer.record(rank)], "steps": list(step_times or [])},
-        stats=stats, provenance=provenance,
+        stats=checkpoint_stats(tensors, stored.chunks, stored.new_bytes), provenance=provenance,
     )
     if before_commit is not None:
         before_commit()
