@@ -6,21 +6,24 @@ Usage (from the repository root)::
 
 After one untimed warm-up round of each, a state of ``--size-gb`` fp32 (20 tensors of 4096 x N) held as DTensors sharded
 (Shard(0)) over 4 ranks started by torchrun. Each repeat, in rotating order,
-with new content every time (untimed ``add_`` on every shard):
+with new content before every save (an untimed ``add_`` on every shard: ckptfmt's saves share a repository,
+and a save whose bytes an earlier one stored writes nothing, which would time deduplication, not saving):
 
 1. durable collective save: ``ckptfmt.save`` vs ``dcp.save`` with
    ``FileSystemWriter`` (fsync on, 2 threads per rank, as bench/run.py);
 2. the async stall (how long the call blocks the training loop):
    ``ckptfmt.async_save`` vs ``dcp.async_save`` vs a bare ``copy_`` of every
-   shard into preallocated buffers; and the background time until committed,
-   compared with the synchronous save;
-3. the training loop during a background save: 20 single-thread matmuls timed
-   while ckptfmt's background thread saves vs while nothing does.
+   shard into preallocated buffers; and the background time (from the call's return
+   until committed; also from the call) compared with the synchronous save;
+3. the training loop during a background save: 20 single-thread matmuls, then a
+   pure-Python loop (it holds the GIL throughout), timed while ckptfmt's background
+   thread saves vs while nothing does: whether a thread is enough or a process is needed.
 
 Then 2 ranks load the last checkpoint of each into DTensors on a 2-rank mesh
 (resharding 4 -> 2), page cache evicted before each: ``ckptfmt.load(into=)``
 vs ``dcp.load`` with ``FileSystemReader``. Times are the slowest rank's,
-medians over the repeats; ratios are ckptfmt / competitor.
+medians over the repeats; ratios are ckptfmt / competitor within each repeat,
+their median and range (this disk's speed drifts by 2-3x between repeats).
 """
 
 from __future__ import annotations
@@ -82,21 +85,27 @@ def report(figures: dict, size_gb: float) -> None:
     def median(name: str) -> float:
         return statistics.median(figures[name])
 
-    table = Table(title=f"4 gloo ranks, {size_gb:g} GB state (slowest rank, median of {len(figures['ckptfmt save'])})",
-                  title_justify="left")
-    for column in ("measure", "ckptfmt", "competitor", "ratio", "target"):
+    table = Table(title=f"4 gloo ranks, {size_gb:g} GB state (slowest rank; medians of {len(figures['ckptfmt save'])} "
+                        "repeats; ratio: median of the per-repeat ratios, min-max)", title_justify="left")
+    for column in ("measure", "ckptfmt", "competitor", "ratio", "range", "target"):
         table.add_column(column, justify="left" if column == "measure" else "right")
     rows = [
         ("durable save", "ckptfmt save", "dcp save", "<= 1.0x"),
         ("load resharded 4 -> 2", "ckptfmt load", "dcp load", "<= 1.0x"),
         ("async stall vs bare copy_", "ckptfmt async stall", "bare copy", "<= 1.5x"),
         ("async stall vs dcp.async_save", "ckptfmt async stall", "dcp async stall", "<= 1.0x"),
-        ("async background vs sync save", "ckptfmt async total", "ckptfmt save", "<= 1.2x"),
-        ("loop step during a background save", "loop during save", "loop idle", "-"),
+        ("async background (return to commit) vs sync save", "ckptfmt async background", "ckptfmt save",
+         "<= 1.2x"),
+        ("async call to commit vs sync save", "ckptfmt async total", "ckptfmt save", "-"),
+        ("loop step (matmuls) during a background save", "loop during save", "loop idle", "-"),
+        ("pure-Python step during a background save", "python during save", "python idle", "-"),
     ]
     for label, ours, theirs, target in rows:
+        # Competitors of one repeat run back to back: their ratio is spared the disk's slow drifts.
+        ratios = [a / b for a, b in zip(figures[ours], figures[theirs])]
         table.add_row(label, fmt_time(median(ours)), f"{fmt_time(median(theirs))} ({theirs})",
-                      fmt_ratio(median(ours) / median(theirs)), target)
+                      fmt_ratio(statistics.median(ratios)), f"{fmt_ratio(min(ratios))}-{fmt_ratio(max(ratios))}",
+                      target)
     console.print(table)
     console.print(f"dcp async total (until committed): {fmt_time(median('dcp async total'))}")
 
@@ -136,11 +145,21 @@ def _timed(dist, run) -> float:
 
 
 def _loop_step() -> float:
-    """A stand-in for a training step on this rank's thread: 20 single-thread matmuls."""
+    """A stand-in for a training step on this rank's thread: 20 single-thread matmuls (they release the GIL)."""
     a = torch.randn(384, 384)
     start = time.perf_counter()
     for _ in range(20):
         a = torch.tanh(a @ a)
+    return time.perf_counter() - start
+
+
+def _python_step() -> float:
+    """Pure-Python work on this rank's thread (a data loader's collate, a logger): it needs the GIL
+    throughout, so it shows what a background thread holding the GIL would cost the loop."""
+    start = time.perf_counter()
+    total = 0
+    for i in range(300_000):
+        total += i * i
     return time.perf_counter() - start
 
 
@@ -156,11 +175,23 @@ def role_save(args) -> int:
     buffers = [torch.empty_like(t) for t in shards]
     root = Path(args.dir)
     times: dict[str, list[float]] = {name: [] for name in (
-        "ckptfmt save", "dcp save", "bare copy", "ckptfmt async stall", "ckptfmt async total", "dcp async stall",
-        "dcp async total", "loop during save", "loop idle")}
+        "ckptfmt save", "dcp save", "bare copy", "ckptfmt async stall", "ckptfmt async background",
+        "ckptfmt async total", "dcp async stall",
+        "dcp async total", "loop during save", "loop idle", "python during save", "python idle")}
+
+    state_bytes = sum(t.numel() * t.element_size() for t in state["model"].values())
+
+    def wrote_everything(url: Path) -> None:
+        """Refuse a timing whose save stored less than the state: it would time deduplication."""
+        if rank == 0:
+            new_bytes = ckptfmt.open(url).metadata["stats"]["new_bytes"]
+            if new_bytes < state_bytes:
+                raise SystemExit(f"{url} wrote {new_bytes} of {state_bytes} bytes: the timing is not of a full save")
 
     def ckptfmt_save(rep: int) -> None:
-        times["ckptfmt save"].append(_timed(dist, lambda: ckptfmt.save(state, root / "ckptfmt" / f"s{rep}")))
+        url = root / "ckptfmt" / f"s{rep}"
+        times["ckptfmt save"].append(_timed(dist, lambda: ckptfmt.save(state, url)))
+        wrote_everything(url)
 
     def dcp_save(rep: int) -> None:
         writer = dcp.FileSystemWriter(root / "dcp" / f"s{rep}", thread_count=2)
@@ -171,14 +202,22 @@ def role_save(args) -> int:
 
     def ckptfmt_async(rep: int) -> None:
         handle = []
-        times["ckptfmt async stall"].append(_timed(dist, lambda: handle.append(
-            ckptfmt.async_save(state, root / "ckptfmt" / f"a{rep}"))))
-        start = time.perf_counter()
+
+        def call() -> None:
+            handle.append(time.perf_counter())
+            handle.append(ckptfmt.async_save(state, root / "ckptfmt" / f"a{rep}"))
+            handle.append(time.perf_counter())  # returned: the background part starts
+        times["ckptfmt async stall"].append(_timed(dist, call))
+        called, future, returned = handle
         times["loop during save"].append(_loop_step())
-        handle[0].result()
-        stall = times["ckptfmt async stall"][-1]
-        times["ckptfmt async total"].append(stall + _slowest(dist, time.perf_counter() - start))
+        times["python during save"].append(_python_step())
+        future.result()
+        committed = time.perf_counter()
+        times["ckptfmt async background"].append(_slowest(dist, committed - returned))
+        times["ckptfmt async total"].append(_slowest(dist, committed - called))
         times["loop idle"].append(_loop_step())
+        times["python idle"].append(_python_step())
+        wrote_everything(root / "ckptfmt" / f"a{rep}")
 
     # DCP's background thread runs collectives: on a group of its own, as DCP advises, or they
     # interleave with the timing collectives of the main thread on the default group (a hang).
@@ -193,18 +232,21 @@ def role_save(args) -> int:
         handle[0].result()
         times["dcp async total"].append(times["dcp async stall"][-1] + _slowest(dist, time.perf_counter() - start))
 
-    competitors = [ckptfmt_save, dcp_save, bare_copy, ckptfmt_async, dcp_async]
-    for competitor in competitors:  # warm-up, untimed: thread pools, process groups, first-touch buffers
-        competitor(-1)
-    for values in times.values():
-        values.clear()
-    for rep in range(args.repeats):
+    def fresh(competitor, rep: int) -> None:
         with torch.no_grad():
             for shard in shards:
                 shard.add_(1.0)  # new content: every save writes every byte
+        competitor(rep)
+
+    competitors = [ckptfmt_save, dcp_save, bare_copy, ckptfmt_async, dcp_async]
+    for competitor in competitors:  # warm-up, untimed: thread pools, process groups, first-touch buffers
+        fresh(competitor, -1)
+    for values in times.values():
+        values.clear()
+    for rep in range(args.repeats):
         shift = rep % len(competitors)
         for competitor in competitors[shift:] + competitors[:shift]:
-            competitor(rep)
+            fresh(competitor, rep)
         if rank == 0:
             _prune(root, keep=rep == args.repeats - 1)
         dist.barrier()

@@ -11,7 +11,8 @@ The copy is skipped where nothing needs writing: when the bytes are unchanged
 since this process last saved them (the XXH3 fingerprint cache), or, on the
 first save after a restart, when they hash to a chunk the parent checkpoint
 already has; and for an asynchronous save's staging buffers, which nothing
-changes until the save ends (sources marked ``frozen``).
+changes until the save ends (sources marked ``frozen``): those are hashed and
+written block by block straight from the buffer.
 """
 
 from __future__ import annotations
@@ -195,18 +196,13 @@ class ChunkWriter:
         if address is None:  # private bytes (a pack, a copy): hash and write them as they are
             return self._put(job, codec, chunk_hash(data), lambda key: self._write(key, codec, data))
         fingerprint, digest, seen = self.cache.lookup(data, address)
-        if self.sources[job.parts[0][0]].frozen:  # staged memory: hashed and written as it is, no copy
-            if digest is None:
-                digest = chunk_hash(data)
-                self.cache.remember(address, len(data), fingerprint, digest)
-            return self._put(job, codec, digest, lambda key: self._write(key, codec, data))
         if digest is None and not seen and self.parent_keys:
             digest = self._hash_unchanged(data, address, fingerprint)
         if digest is not None:
             stored = self._put(job, codec, digest, None)
             if stored is not None:
                 return stored
-        return self._snapshot(job, codec, data, address)
+        return self._snapshot(job, codec, data, address, copy=not self.sources[job.parts[0][0]].frozen)
 
     def _bytes(self, job: ChunkJob) -> tuple[memoryview, int | None]:
         """The job's bytes, and their address when they are the caller's memory (None: private)."""
@@ -229,22 +225,29 @@ class ChunkWriter:
         self.cache.remember(address, len(data), fingerprint, digest)
         return digest
 
-    def _snapshot(self, job: ChunkJob, codec: str, data: memoryview, address: int) -> StoredChunk:
-        """Copy the caller's bytes block by block, hashing and staging each copy; name the chunk after them."""
-        block = self._block_buffer()
+    def _snapshot(self, job: ChunkJob, codec: str, data: memoryview, address: int, copy: bool) -> StoredChunk:
+        """Hash and stage the caller's bytes block by block (each block read from memory once, then
+        hashed, fingerprinted and written while in the CPU's cache); name the chunk after them.
+
+        ``copy``: each block is first copied into private memory and everything
+        done from the copy, since the caller's memory may change meanwhile.
+        """
+        block = self._block_buffer() if copy else None
         hasher, fingerprint = blake3.blake3(), xxhash.xxh3_128()
         staged = self.repo.storage.stage(layout.CHUNKS_DIR) if codec == codecs.NONE else None
-        copy = bytearray() if staged is None else None
+        kept = bytearray() if staged is None else None
         try:
             for start in range(0, len(data), BLOCK_BYTES):
-                piece = block[: min(BLOCK_BYTES, len(data) - start)]
-                piece[:] = data[start : start + len(piece)]
+                piece = data[start : start + BLOCK_BYTES]
+                if block is not None:
+                    piece = block[: len(piece)]
+                    piece[:] = data[start : start + len(piece)]
                 hasher.update(piece)
                 fingerprint.update(piece)
-                staged.write(piece) if staged is not None else copy.extend(piece)
+                staged.write(piece) if staged is not None else kept.extend(piece)
             digest = hasher.hexdigest()
             self.cache.remember(address, len(data), fingerprint.digest(), digest)
-            result = self._put(job, codec, digest, self._publisher(staged, codec, copy, len(data)))
+            result = self._put(job, codec, digest, self._publisher(staged, codec, kept, len(data)))
         finally:
             if staged is not None:
                 staged.discard()  # nothing left to remove once published
@@ -299,10 +302,10 @@ class ChunkWriter:
         except CheckpointError:
             return False
 
-    def _publisher(self, staged, codec: str, copy: bytearray | None, size: int):
-        """How a snapshot gets stored under its key: the staged object renamed, or the copy encoded."""
+    def _publisher(self, staged, codec: str, kept: bytearray | None, size: int):
+        """How a snapshot gets stored under its key: the staged object renamed, or the kept bytes encoded."""
         if staged is None:
-            return lambda key: self._write(key, codec, copy)
+            return lambda key: self._write(key, codec, kept)
 
         def publish(key: str) -> int:
             staged.publish(key, durable=False)  # made durable with the others in make_durable

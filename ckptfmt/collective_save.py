@@ -25,11 +25,9 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgpack
-
 from . import layout
 from .chunk_writer import ChunkTable, store_sources
-from .environment import capture_environment
+from .environment import capture_environment, merge_environments
 from .errors import CheckpointError, CheckpointExistsError, CheckpointWarning
 from .hashcache import DEFAULT_CACHE
 from .manifest import Manifest, Piece, Shard, TensorEntry
@@ -313,28 +311,11 @@ def _manifest(plan: Plan, reports: list[dict], ranks: RankGroup, *, name: str, s
     return Manifest(
         name=name, step=step, created_ns=time.time_ns(), parent=plan.parent_name, chunks=table.chunks, tensors=tensors,
         state=plan.state, user=plan.user, rng=rng if rng is not None else [r["rng"] for r in reports],
-        environment=_environments([r["environment"] for r in reports]),
+        environment=merge_environments([r["environment"] for r in reports]),
         topology=_topology(ranks, reports, plan, parallelism),
         timing={"ranks": [r["timing"] for r in reports], "steps": list(step_times or [])},
         stats=table.stats(tensors), provenance=provenance,
     )
-
-
-def _environments(environments: list[dict]) -> dict:
-    """The coordinator's environment, the ranks that share it, and each other distinct one with its ranks."""
-    distinct: list[tuple[bytes, dict, list[int]]] = []
-    for rank, environment in enumerate(environments):
-        encoded = msgpack.packb(environment, use_bin_type=True)
-        match = next((d for d in distinct if d[0] == encoded), None)
-        if match is None:
-            distinct.append((encoded, environment, [rank]))
-        else:
-            match[2].append(rank)
-    (_, first, first_ranks), others = distinct[0], distinct[1:]
-    result = {**first, "ranks": first_ranks}
-    if others:
-        result["others"] = [{**environment, "ranks": ranks} for _, environment, ranks in others]
-    return result
 
 
 def _rank_topology(ranks: RankGroup) -> dict:

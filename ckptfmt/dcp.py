@@ -7,7 +7,9 @@ BLAKE3-named chunks, a msgpack manifest, no pickle, every byte verified on
 read. What DCP hands over as pickled bytes (plain values: steps, learning
 rates) is stored as the original object in the value tree instead.
 
-Writing: every rank stores the chunks of its write items (``write_data``);
+Writing: every rank stores the chunks of its write items (``write_data``) and
+adds to its results one record of its own (RNG state, environment, topology
+entry, phase timings: DCP passes nothing else from the ranks to ``finish``);
 the coordinator's ``finish`` builds the manifest from DCP's metadata and every
 rank's results, rebuilds the state's nesting from the planner's mappings, and
 commits. Reading: ``read_metadata`` describes any ckptfmt checkpoint in DCP's
@@ -32,7 +34,7 @@ from torch.futures import Future
 from . import layout
 from .chunk_writer import ChunkTable, store_sources
 from .dtypes import dtype_from_name, dtype_name
-from .environment import capture_environment
+from .environment import capture_environment, merge_environments
 from .errors import CheckpointError, CheckpointExistsError, UnsupportedValueError
 from .hashcache import DEFAULT_CACHE
 from .manifest import Chunk, Manifest, Piece, Shard, TensorEntry
@@ -41,8 +43,12 @@ from .repository import Repository, split_checkpoint_url
 from .rng import capture_rng
 from .tensors import prepare
 from .timing import PhaseTimer
-from .topology import capture_topology
+from .topology import current_rank, rank_entry
 from .values import TensorRef, decode_tree, encode_tree, format_key
+
+
+#: The index of the write result that carries a rank's own record: no state key can be this fqn.
+RANK_RECORD = dcp_metadata.MetadataIndex("\x00ckptfmt: rank record")
 
 
 def _checkpoint_url(checkpoint_id: str | os.PathLike | None, default: str | None) -> str:
@@ -81,8 +87,10 @@ class StorageWriter(dcp_storage.StorageWriter):
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         return _valid_url(checkpoint_id)
 
-    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, rank: int | None = None,
+                              **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
+        self.rank = current_rank()[0] if rank is None else rank
 
     def storage_meta(self) -> dcp_metadata.StorageMeta | None:
         return dcp_metadata.StorageMeta(checkpoint_id=self.url)
@@ -119,9 +127,21 @@ class StorageWriter(dcp_storage.StorageWriter):
         for item, source, pieces in zip(items, sources, stored.pieces):
             rows = [(*stored.chunks[p.chunk], p.offset, p.length, p.chunk in stored.written_rows) for p in pieces]
             results.append(dcp_storage.WriteResult(item.index, source.nbytes, {"pieces": rows}))
+        results.append(dcp_storage.WriteResult(RANK_RECORD, 0, {"rank_record": self._rank_record()}))
         future: Future = Future()
         future.set_result(results)
         return future
+
+    def _rank_record(self) -> dict:
+        """This rank's RNG state, environment, topology entry and timing, for the coordinator's manifest.
+
+        Under ``dcp.async_save`` DCP plans and writes on its background thread, so
+        the RNG state is the one when that thread got here.
+        """
+        with self.timer.phase("environment"):
+            environment = capture_environment()
+        return {"rng": capture_rng(self.rank), "environment": environment, "topology": rank_entry(self.rank),
+                "timing": self.timer.record(self.rank)}
 
     def finish(self, metadata: dcp_metadata.Metadata, results: list[list[dcp_storage.WriteResult]]) -> None:
         """On the coordinator, once every rank has written: the manifest, then the commit record."""
@@ -129,7 +149,7 @@ class StorageWriter(dcp_storage.StorageWriter):
 
         repo_url, name = split_checkpoint_url(self.url)
         repo = Repository.open(repo_url, self.storage_options)
-        gathered, shards_of, table = _gather(metadata, results)
+        gathered, shards_of, table, records = _gather(metadata, results)
         flat = {fqn: gathered[fqn] for fqn in metadata.state_dict_metadata if fqn in gathered}  # state order
         mappings = metadata.planner_data
         state = unflatten_state_dict(flat, mappings) if _is_mapping_table(mappings, flat) else flat
@@ -147,14 +167,13 @@ class StorageWriter(dcp_storage.StorageWriter):
             md = metadata.state_dict_metadata[fqn]
             tensors.append(TensorEntry(key=key, dtype=dtype_name(md.properties.dtype), shape=tuple(md.size),
                                        shards=tuple(shards_of[fqn])))
-        with self.timer.phase("environment"):
-            environment = capture_environment()
-        topology = capture_topology()
-        topology.update(world_size=len(results), writer_ranks=sorted({s.rank for t in tensors for s in t.shards}))
+        topology = {"world_size": len(results), "writer_ranks": sorted({s.rank for t in tensors for s in t.shards}),
+                    "ranks": [r["topology"] for r in records], "parallelism": {"dp": len(results)}}
         manifest = Manifest(
             name=name, step=self.step, created_ns=time.time_ns(), parent=None, chunks=table.chunks, tensors=tensors,
-            state=state_bytes, user=encode_tree({}), rng=[capture_rng(0)], environment=environment,
-            topology=topology, timing={"ranks": [self.timer.record(0)], "steps": []}, stats=table.stats(tensors),
+            state=state_bytes, user=encode_tree({}), rng=[r["rng"] for r in records],
+            environment=merge_environments([r["environment"] for r in records]), topology=topology,
+            timing={"ranks": [r["timing"] for r in records], "steps": []}, stats=table.stats(tensors),
             provenance={"source_kind": "dcp", "writer": "ckptfmt.dcp.StorageWriter"},
         )
         commit_manifest(repo, manifest)
@@ -175,13 +194,18 @@ def _is_mapping_table(mappings: Any, flat: dict) -> bool:
 
 
 def _gather(metadata: dcp_metadata.Metadata, results: list[list[dcp_storage.WriteResult]]):
-    """Every rank's results as: fqn -> value (TensorRef for tensors), fqn -> shards, one chunk table."""
+    """Every rank's results as: fqn -> value (TensorRef for tensors), fqn -> shards, one chunk table,
+    and each rank's own record."""
     flat: dict[str, Any] = {}
     shards_of: dict[str, list[Shard]] = {}
     table = ChunkTable()
+    records = []
     for rank, rank_results in enumerate(results):
         for result in rank_results:
             fqn = result.index.fqn
+            if result.index == RANK_RECORD:
+                records.append(result.storage_data["rank_record"])
+                continue
             if "value" in result.storage_data:
                 flat[fqn] = decode_tree(result.storage_data["value"])
                 continue
@@ -194,7 +218,10 @@ def _gather(metadata: dcp_metadata.Metadata, results: list[list[dcp_storage.Writ
             shards_of.setdefault(fqn, []).append(Shard(offsets, sizes, rank, tuple(pieces)))
     for shards in shards_of.values():
         shards.sort(key=lambda s: s.offsets)
-    return flat, shards_of, table
+    if len(records) != len(results):
+        raise CheckpointError(f"{len(results) - len(records)} of {len(results)} ranks sent no rank record: "
+                              "every rank must save through ckptfmt.dcp.StorageWriter")
+    return flat, shards_of, table, records
 
 
 class StorageReader(dcp_storage.StorageReader):

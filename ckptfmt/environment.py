@@ -13,7 +13,7 @@ import platform
 import socket
 import subprocess
 
-
+import msgpack
 import torch
 
 _DETERMINISM_ENV = ("CUBLAS_WORKSPACE_CONFIG", "PYTHONHASHSEED", "CUDA_LAUNCH_BLOCKING", "OMP_NUM_THREADS")
@@ -32,6 +32,24 @@ def capture_environment() -> dict:
         "git": _git_state(os.getcwd()),
         "determinism": capture_determinism(),
     }
+
+
+def merge_environments(environments: list[dict]) -> dict:
+    """The manifest's environment record for several ranks (spec 9.3): the first rank's environment and
+    the ranks that share it, then each other distinct environment with its ranks."""
+    distinct: list[tuple[bytes, dict, list[int]]] = []
+    for rank, environment in enumerate(environments):
+        encoded = msgpack.packb(environment, use_bin_type=True)
+        match = next((d for d in distinct if d[0] == encoded), None)
+        if match is None:
+            distinct.append((encoded, environment, [rank]))
+        else:
+            match[2].append(rank)
+    (_, first, first_ranks), others = distinct[0], distinct[1:]
+    result = {**first, "ranks": first_ranks}
+    if others:
+        result["others"] = [{**environment, "ranks": ranks} for _, environment, ranks in others]
+    return result
 
 
 def capture_determinism() -> dict:

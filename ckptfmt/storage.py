@@ -12,6 +12,7 @@ kinds: ``write`` (idempotent, for content-addressed chunks) and ``create``
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import mmap
 import os
@@ -224,6 +225,33 @@ class Staged:
         self._buffer = bytearray()
 
 
+def _load_sync_file_range():
+    """libc's ``sync_file_range`` (Linux), or None where there is none."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        function = libc.sync_file_range
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    function.restype = ctypes.c_int
+    return function
+
+
+_SYNC_FILE_RANGE = _load_sync_file_range()
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+def _start_writeback(fd: int) -> None:
+    """Ask the kernel to start writing the file's dirty pages now, without waiting for them.
+
+    A save writes its chunks without fsync and syncs them all at the end; started
+    early, the disk works while the save hashes and writes the next chunks, and
+    the final fsyncs find little left to do. Only a hint: durability is still the fsync's.
+    """
+    if _SYNC_FILE_RANGE is not None:
+        _SYNC_FILE_RANGE(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)
+
+
 def _write_all(fd: int, data) -> None:
     """os.write until every byte of ``data`` is written."""
     view = memoryview(data).cast("B")
@@ -261,6 +289,8 @@ class _StagedFile(Staged):
         try:
             if durable:
                 os.fsync(self._fd)
+            else:
+                _start_writeback(self._fd)
         except Exception as exc:
             self.discard()
             raise _storage_error(exc, self.path) from None

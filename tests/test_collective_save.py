@@ -186,6 +186,38 @@ def test_a_collective_async_save_keeps_the_state_at_the_call(tmp_path):
     assert ckptfmt.verify(results[0]["url"]).ok
 
 
+# -- over a subgroup ------------------------------------------------------------------------------
+def save_in_pairs(rank: int, world: int, folder: Path, repo: str) -> str:
+    """Ranks {0, 1} and {2, 3} each save their own checkpoint into one repository, at the same time,
+    over their own subgroup (pair 1 asynchronously); the pairs never wait for each other."""
+    import torch.distributed as dist
+
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    pair = rank // 2
+    state = {"w": torch.full((64, 256), float(pair)), "mine": ckptfmt.PerRank(rank), "pair": pair}
+    url = f"{repo}/pair-{pair}"
+    if pair == 0:
+        return ckptfmt.save(state, url, process_group=pairs[pair], timeout=60)
+    return ckptfmt.async_save(state, url, process_group=pairs[pair], timeout=60).result(timeout=120)
+
+
+def test_a_save_over_a_subgroup_involves_only_its_ranks(tmp_path):
+    repo = tmp_path / "repo"
+    outcomes = [o.unwrap() for o in run_ranks(save_in_pairs, WORLD, tmp_path / "ranks", repo=str(repo))]
+    assert outcomes[0] == outcomes[1] != outcomes[2] == outcomes[3]
+    for pair in (0, 1):
+        url = str(repo / f"pair-{pair}")
+        with ckptfmt.open(url) as reader:
+            topology = reader.metadata["topology"]
+        assert topology["world_size"] == 2
+        assert [r["rank"] for r in topology["ranks"]] == [0, 1]  # the group's ranks, as in shard fields
+        assert [r["global_rank"] for r in topology["ranks"]] == [2 * pair, 2 * pair + 1]
+        loaded = ckptfmt.load(url)
+        assert loaded["pair"] == pair and torch.equal(loaded["w"], torch.full((64, 256), float(pair)))
+        assert loaded["mine"] == {0: 2 * pair, 1: 2 * pair + 1}  # by group rank
+    assert ckptfmt.verify(str(repo)).ok
+
+
 # -- failures --------------------------------------------------------------------------------
 def fail_on_one_rank(rank: int, world: int, folder: Path, repo: str, where: str) -> str:
     """Save a base checkpoint together, then a second one in which one rank fails."""

@@ -88,6 +88,7 @@ def test_checkpoint_ids_are_checked():
 def dcp_save_on_ranks(rank: int, world: int, folder: Path, url: str, asynchronous: bool) -> dict:
     state, full = mixed_state(rank, world)
     del state["loader"], state["seen_by"]  # plain per-rank values are ckptfmt.save's business
+    torch.manual_seed(100 + rank)  # each rank's own RNG state, recorded per rank
     if asynchronous:
         dcp.async_save(state, storage_writer=StorageWriter(url)).result(timeout=120)
     else:
@@ -122,6 +123,16 @@ def test_dcp_on_4_ranks_then_dcp_load_on_2(tmp_path, asynchronous):
     assert ckptfmt.verify(url).ok
     with ckptfmt.open(url) as reader:
         assert len(reader.tensor_info("model/row").shards) == 4  # each rank's shard, as DCP planned it
+        meta = reader.metadata
+    # Every rank's own record, though DCP hands finish() only the write results.
+    assert [e["rank"] for e in meta["rng"]] == [0, 1, 2, 3]
+    assert len({bytes(e["torch_cpu"]) for e in meta["rng"]}) == 4  # each rank seeded its own generator
+    assert [r["rank"] for r in meta["topology"]["ranks"]] == [0, 1, 2, 3]
+    assert len({r["pid"] for r in meta["topology"]["ranks"]}) == 4
+    assert meta["environment"]["ranks"] == [0, 1, 2, 3]
+    timing = meta["timing"]["ranks"]
+    assert [t["rank"] for t in timing] == [0, 1, 2, 3]
+    assert all("write_chunks" in [p["name"] for p in t["phases"]] for t in timing)
     loaded = ckptfmt.load(url)
     for key in ("row", "grid", "half"):
         assert torch.equal(loaded["model"][key], full[key]), key
