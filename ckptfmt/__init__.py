@@ -26,6 +26,7 @@ from .per_rank import PerRank, PerRankValues
 from .reader import CheckpointReader, load, open, restore_rng
 from .repository import Repository
 from .sharded import Shard, Sharded
+from .step_timer import StepTimer
 from .values import OpaqueObject
 from .verify import VerifyReport, verify
 from .writer import save
@@ -38,6 +39,7 @@ __all__ = [
     "CheckpointExistsError",
     "CheckpointNotFoundError",
     "CheckpointReader",
+    "StepTimer",
     "CheckpointWarning",
     "CollectiveError",
     "CorruptDataError",

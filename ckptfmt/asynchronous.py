@@ -22,7 +22,7 @@ from typing import Any
 
 from . import in_flight
 from .staging import StagingArea
-from .writer import save, save_state
+from .writer import save, save_state, step_records
 
 _executor: ThreadPoolExecutor | None = None
 _areas: dict[str, StagingArea] = {}
@@ -42,13 +42,23 @@ def async_save(state: Any, url: str | os.PathLike, **options: Any) -> Future:
     bound.apply_defaults()
     arguments = dict(bound.arguments)
     del arguments["state"], arguments["url"]
+    timer = arguments.pop("timer")
     if arguments["before_commit"] is not None:
         raise ValueError("before_commit is for synchronous saves")
     in_flight.wait_for_previous(url)  # also: the staging buffers are free again
+    steps = step_records(timer)  # the steps up to the call, as the state is
     staged = _area(url).stage(state)
-    future = _background().submit(save_state, staged, url, frozen=True, **arguments)
+    future = _background().submit(_save_staged, staged, url, timer, steps, arguments)
     in_flight.register(url, future)
     return future
+
+
+def _save_staged(staged: Any, url: str | os.PathLike, timer, steps: dict | None, arguments: dict) -> str:
+    """The background part; the timer's steps it stored leave the timer before the future is done."""
+    committed = save_state(staged, url, frozen=True, steps=steps, **arguments)
+    if timer is not None:
+        timer.forget(len(steps["step"]))
+    return committed
 
 
 def _area(url: str | os.PathLike) -> StagingArea:

@@ -44,7 +44,7 @@ from .values import TensorRef, decode_tree, encode_tree
 def collective_save(state: Any, url: str, group, *, timeout: float, step: int | None, metadata: dict | None,
                     storage_options: dict | None, parent: Any, chunk_size: int | None, compression: str | None,
                     step_times: list | None, parallelism: dict | None, workers: int | None, rng: list | None,
-                    provenance: dict | None, frozen: bool) -> str:
+                    provenance: dict | None, frozen: bool, steps: dict | None) -> str:
     """``ckptfmt.save`` over a process group (arguments checked by ``save``); returns the checkpoint URL."""
     from .writer import TensorCollector, commit_manifest, resolve_parent
 
@@ -86,13 +86,13 @@ def collective_save(state: Any, url: str, group, *, timeout: float, step: int | 
         with timer.phase("environment"):
             environment = capture_environment()
         return {"stored": stored, "environment": environment, "rng": capture_rng(ranks.rank),
-                "topology": _rank_topology(ranks), "timing": timer.record(ranks.rank)}
+                "topology": _rank_topology(ranks), "timing": timer.record(ranks.rank, steps)}
     written, own_failure = _attempt(write)
     with timer.phase("wait_ranks"):
         results = ranks.gather(_report(written, own_failure, ranks.rank))
 
     def commit(reports: list[dict]) -> str:
-        reports[0]["timing"] = timer.record(ranks.rank)  # the coordinator's, with its wait for every rank
+        reports[0]["timing"] = timer.record(ranks.rank, steps)  # the coordinator's, with its wait for every rank
         manifest = _manifest(agreed, reports, ranks, name=name, step=step, rng=rng, step_times=step_times,
                              parallelism=parallelism, provenance=provenance)
         commit_manifest(agreed.repo, manifest)

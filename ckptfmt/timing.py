@@ -26,12 +26,15 @@ class PhaseTimer:
     def elapsed(self) -> float:
         return time.perf_counter() - self._start
 
-    def record(self, rank: int) -> dict:
-        """This rank's entry of the manifest's ``timing.ranks``."""
-        return {
+    def record(self, rank: int, steps: dict | None = None) -> dict:
+        """This rank's entry of the manifest's ``timing.ranks``, with its training steps if recorded."""
+        record = {
             "rank": rank,
             "host": socket.gethostname(),
             "start_ns": self.start_ns,
             "phases": list(self.phases),
             "total_s": self.elapsed(),
         }
+        if steps is not None:
+            record["steps"] = steps
+        return record

@@ -36,6 +36,7 @@ from .process_group import distributed_group
 from .rng import capture_rng
 from .sharded import Shard as ShardInput, Sharded
 from .tensors import TensorSource, prepare
+from .step_timer import StepTimer
 from .timing import PhaseTimer
 from .topology import capture_topology, current_rank
 from .values import encode_tree, format_key
@@ -64,6 +65,7 @@ def save(
     process_group: Any = None,
     coordinated: bool | None = None,
     timeout: float = DEFAULT_TIMEOUT_S,
+    timer: StepTimer | None = None,
 ) -> str:
     """Save ``state`` (nested dicts/lists/tuples of tensors and plain values) as checkpoint ``url``.
 
@@ -92,19 +94,37 @@ def save(
     within ``timeout`` seconds. ``coordinated=False`` saves this process's
     state alone, as a single-process save.
 
+    ``timer`` (a ``ckptfmt.StepTimer``): its steps not yet in a checkpoint are
+    stored with this one, every rank's (spec 9.4), and leave the timer once it
+    is committed.
+
     An asynchronous save of the same repository still running in this process
     is waited for first (its error, if it failed, is raised here).
     """
     options = dict(locals())
-    del options["state"], options["url"]
+    del options["state"], options["url"], options["timer"]
     in_flight.wait_for_previous(url)
-    return save_state(state, url, frozen=False, **options)
+    steps = step_records(timer)
+    committed = save_state(state, url, frozen=False, steps=steps, **options)
+    if timer is not None:
+        timer.forget(len(steps["step"]))
+    return committed
+
+
+def step_records(timer: StepTimer | None) -> dict | None:
+    """The timer's steps not yet stored (a copy), or None without a timer."""
+    if timer is None:
+        return None
+    if not isinstance(timer, StepTimer):
+        raise TypeError(f"timer must be a ckptfmt.StepTimer, not {type(timer).__name__}")
+    return timer.snapshot()
 
 
 def save_state(state: Any, url: str | os.PathLike, *, frozen: bool, step, metadata, storage_options, parent,
                chunk_size, compression, step_times, parallelism, workers, rng, provenance, before_commit,
-               process_group, coordinated, timeout) -> str:
-    """``save``'s work; ``frozen``: the state is staged memory that nothing changes until this returns."""
+               process_group, coordinated, timeout, steps: dict | None) -> str:
+    """``save``'s work; ``frozen``: the state is staged memory that nothing changes until this returns;
+    ``steps``: this rank's step records (``StepTimer.snapshot``) or None."""
     step = check_arguments(step, chunk_size, compression, step_times, parallelism, rng, provenance)
     if before_commit is not None and not callable(before_commit):
         raise TypeError("before_commit must be a callable or None")
@@ -119,7 +139,7 @@ def save_state(state: Any, url: str | os.PathLike, *, frozen: bool, step, metada
         return collective_save(
             state, url, group, timeout=timeout, step=step, metadata=metadata, storage_options=storage_options,
             parent=parent, chunk_size=chunk_size, compression=compression, step_times=step_times,
-            parallelism=parallelism, workers=workers, rng=rng, provenance=provenance, frozen=frozen,
+            parallelism=parallelism, workers=workers, rng=rng, provenance=provenance, frozen=frozen, steps=steps,
         )
     timer = PhaseTimer()
     repo_url, name = split_checkpoint_url(url)
@@ -145,7 +165,7 @@ def save_state(state: Any, url: str | os.PathLike, *, frozen: bool, step, metada
         name=name, step=step, created_ns=time.time_ns(), parent=parent_name,
         chunks=stored.chunks, tensors=tensors, state=state_bytes, user=user_bytes, rng=rng_entries,
         environment=environment, topology=capture_topology(parallelism),
-        timing={"ranks": [timer.record(rank)], "steps": list(step_times or [])},
+        timing={"ranks": [timer.record(rank, steps)], "steps": list(step_times or [])},
         stats=checkpoint_stats(tensors, stored.chunks, stored.new_bytes), provenance=provenance,
     )
     if before_commit is not None:

@@ -25,9 +25,14 @@ WORLD = 4
 def save_mixed_state(rank: int, world: int, folder: Path, repo: str) -> dict:
     state, full = mixed_state(rank, world)
     random.seed(rank)  # each rank's own Python RNG stream
+    timer = ckptfmt.StepTimer()
+    for step in range(rank + 1):  # each rank its own number of steps and its own samples
+        with timer.step(step):
+            timer.batch([world * step + rank])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        url = ckptfmt.save(state, f"{repo}/step-7", step=7, parallelism={"dp": 2, "tp": 2}, timeout=60)
+        url = ckptfmt.save(state, f"{repo}/step-7", step=7, parallelism={"dp": 2, "tp": 2}, timeout=60,
+                           timer=timer)
     return {"url": url, "full": full, "warnings": [str(w.message) for w in caught], "next_random": random.random()}
 
 
@@ -98,6 +103,10 @@ def test_metadata_records_every_rank(mixed):
         names = [p["name"] for p in record["phases"]]
         assert names[:5] == ["join", "prepare", "plan", "write_chunks", "sync"], names
     assert "wait_ranks" in [p["name"] for p in timing[0]["phases"]]  # the coordinator's wait for all
+    for rank, record in enumerate(timing):  # every rank's training steps, gathered by the save
+        assert record["steps"]["step"] == list(range(rank + 1))
+        assert record["steps"]["batch_size"] == [1] * (rank + 1)
+    assert len({bytes(r["steps"]["batch"][0]) for r in timing}) == WORLD
     stats = meta["stats"]
     assert stats["new_bytes"] == stats["stored_bytes"] > 8 * 64 * 1024 * 4
 

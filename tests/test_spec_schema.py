@@ -125,7 +125,18 @@ def saved(tmp_path_factory):
     """A repository with two checkpoints: 'plain' (codec none) and 'packed-z' (shuffle-zstd)."""
     repo = tmp_path_factory.mktemp("spec") / "repo"
     state = _state()
-    ckptfmt.save(state, f"{repo}/plain", step=3, chunk_size=CHUNK_SIZE, metadata={"lr": 0.001, 7: "seven"})
+    timer = ckptfmt.StepTimer()
+    for step in range(3):
+        with timer.step(step):
+            timer.batch(torch.arange(4 * step, 4 * step + 4))
+            with timer.phase("forward"):
+                pass
+            if step:
+                with timer.phase("backward"):
+                    pass
+        timer.metrics(loss=1.0 / (step + 1))
+    ckptfmt.save(state, f"{repo}/plain", step=3, chunk_size=CHUNK_SIZE, metadata={"lr": 0.001, 7: "seven"},
+                 timer=timer)
     ckptfmt.save(state, f"{repo}/packed-z", step=4, chunk_size=CHUNK_SIZE, compression="shuffle-zstd")
     return repo, state
 
@@ -159,6 +170,11 @@ def test_real_checkpoint_matches_schemas(saved, name):
     assert any(t.get("same_as") is not None for t in manifest["tensors"])
     codecs = {c["codec"] for c in manifest["chunks"]}
     assert codecs == ({"none"} if name == "plain" else {"zstd", "shuffle2-zstd", "shuffle4-zstd"})
+    steps = manifest["timing"]["ranks"][0].get("steps")
+    if name == "plain":  # the step records of spec 9.4, with a phase that starts at the second step
+        assert steps["step"] == [0, 1, 2] and steps["phases"]["backward"][0] is None
+    else:
+        assert steps is None
 
 
 def test_schema_vocabulary_and_limits_match_the_implementation():

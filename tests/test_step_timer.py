@@ -1,0 +1,125 @@
+"""ckptfmt.StepTimer: per-rank step records (spec 9.4), stored by the save that follows them."""
+
+from __future__ import annotations
+
+import time
+
+import blake3
+import numpy as np
+import pytest
+import torch
+
+import ckptfmt
+
+
+def run_steps(timer: ckptfmt.StepTimer, steps, *, sleep_in: dict | None = None) -> None:
+    """Steps with data/forward phases (and backward from step 2 on), a batch and a loss each."""
+    for step in steps:
+        with timer.step(step):
+            timer.batch(torch.arange(step * 8, step * 8 + 8))
+            with timer.phase("data"):
+                time.sleep((sleep_in or {}).get(step, 0))
+            with timer.phase("forward"):
+                pass
+            if step >= 2:
+                with timer.phase("backward"):
+                    pass
+        timer.metrics(loss=10.0 - step)
+
+
+def steps_of(url: str, rank: int = 0) -> dict:
+    with ckptfmt.open(url) as reader:
+        return reader.metadata["timing"]["ranks"][rank]["steps"]
+
+
+def test_steps_are_recorded_in_columns():
+    timer = ckptfmt.StepTimer()
+    run_steps(timer, range(4), sleep_in={1: 0.02})
+    columns = timer.snapshot()
+    assert columns["step"] == [0, 1, 2, 3] and len(timer) == 4
+    assert columns["phases"]["data"][1] >= 0.02 > columns["phases"]["data"][0]
+    assert columns["phases"]["backward"][:2] == [None, None]  # a phase first met at step 2
+    assert all(d >= p for d, p in zip(columns["duration_s"], columns["phases"]["data"]))
+    assert columns["metrics"]["loss"] == [10.0, 9.0, 8.0, 7.0]
+    expected = blake3.blake3(np.arange(8, 16, dtype="<i8").tobytes()).digest(16)
+    assert columns["batch"][1] == expected and columns["batch_size"] == [8, 8, 8, 8]
+    starts = columns["start_ns"]
+    assert starts == sorted(starts) and abs(starts[0] - time.time_ns()) < 60e9
+
+
+def test_time_in_phases_of_one_name_adds_up_and_batches_digest_together():
+    timer = ckptfmt.StepTimer()
+    with timer.step(0):
+        for _ in range(2):
+            with timer.phase("data"):
+                time.sleep(0.01)
+        timer.batch([1, 2])
+        timer.batch(np.array([3], dtype=np.int32))
+    columns = timer.snapshot()
+    assert columns["phases"]["data"][0] >= 0.02
+    assert columns["batch"][0] == blake3.blake3(np.array([1, 2, 3], dtype="<i8").tobytes()).digest(16)
+    assert columns["batch_size"] == [3]
+
+
+@pytest.mark.parametrize(("call", "message"), [
+    (lambda t: t.phase("data").__enter__(), "outside a step"),
+    (lambda t: t.batch([1]), "outside a step"),
+    (lambda t: t.metrics(loss=1.0), "no step"),
+    (lambda t: t.step("three"), "an int"),
+])
+def test_misuse_gets_a_clear_error(call, message):
+    with pytest.raises(ValueError, match=message):
+        call(ckptfmt.StepTimer())
+
+
+def test_bad_batches_and_metrics_and_nested_steps_are_refused():
+    timer = ckptfmt.StepTimer()
+    with timer.step(0):
+        with pytest.raises(ValueError, match="integer indices"):
+            timer.batch(torch.rand(3))
+        with pytest.raises(ValueError, match="integer indices"):
+            timer.batch(["a", "b"])
+        with pytest.raises(ValueError, match="a number is needed"):
+            timer.metrics(loss="low")
+        with pytest.raises(ValueError, match="do not nest"):
+            timer.step(1)
+
+
+def test_each_checkpoint_stores_the_steps_since_the_previous_one(tmp_path):
+    timer = ckptfmt.StepTimer()
+    state = {"w": torch.ones(10)}
+    run_steps(timer, range(0, 3))
+    first = ckptfmt.save(state, tmp_path / "repo" / "a", step=2, timer=timer)
+    run_steps(timer, range(3, 5))
+    second = ckptfmt.save(state, tmp_path / "repo" / "b", step=4, timer=timer)
+    assert steps_of(first)["step"] == [0, 1, 2]
+    assert steps_of(second)["step"] == [3, 4] and steps_of(second)["metrics"]["loss"] == [7.0, 6.0]
+    assert len(timer) == 0
+
+
+def test_a_failed_save_keeps_the_steps_for_the_next_one(tmp_path):
+    timer = ckptfmt.StepTimer()
+    state = {"w": torch.ones(10)}
+    ckptfmt.save(state, tmp_path / "repo" / "a")
+    run_steps(timer, range(3))
+    with pytest.raises(ckptfmt.CheckpointExistsError):
+        ckptfmt.save(state, tmp_path / "repo" / "a", timer=timer)
+    assert len(timer) == 3
+    url = ckptfmt.save(state, tmp_path / "repo" / "b", timer=timer)
+    assert steps_of(url)["step"] == [0, 1, 2]
+
+
+def test_an_async_save_stores_the_steps_up_to_its_call(tmp_path):
+    timer = ckptfmt.StepTimer()
+    state = {"w": torch.ones(1000)}
+    run_steps(timer, range(3))
+    future = ckptfmt.async_save(state, tmp_path / "repo" / "a", timer=timer)
+    run_steps(timer, range(3, 6))  # while it saves
+    url = future.result(timeout=60)
+    assert steps_of(url)["step"] == [0, 1, 2]
+    assert timer.snapshot()["step"] == [3, 4, 5]  # the stored ones left the timer before result() returned
+
+
+def test_save_refuses_something_else_as_timer(tmp_path):
+    with pytest.raises(TypeError, match="StepTimer"):
+        ckptfmt.save({"w": torch.ones(1)}, tmp_path / "repo" / "a", timer={"steps": []})
