@@ -57,7 +57,7 @@ def _save_staged(staged: Any, url: str | os.PathLike, timer, steps: dict | None,
     """The background part; the timer's steps it stored leave the timer before the future is done."""
     committed = save_state(staged, url, frozen=True, steps=steps, **arguments)
     if timer is not None:
-        timer.forget(len(steps["step"]))
+        timer.forget(steps["count"])
     return committed
 
 

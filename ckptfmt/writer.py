@@ -107,7 +107,7 @@ def save(
     steps = step_records(timer)
     committed = save_state(state, url, frozen=False, steps=steps, **options)
     if timer is not None:
-        timer.forget(len(steps["step"]))
+        timer.forget(steps["count"])
     return committed
 
 

@@ -16,6 +16,7 @@ import torch
 
 import ckptfmt
 from ckptfmt import collective_save
+from ckptfmt.step_timer import decode_steps
 
 from ranks import mixed_state, run_ranks
 
@@ -103,10 +104,10 @@ def test_metadata_records_every_rank(mixed):
         names = [p["name"] for p in record["phases"]]
         assert names[:5] == ["join", "prepare", "plan", "write_chunks", "sync"], names
     assert "wait_ranks" in [p["name"] for p in timing[0]["phases"]]  # the coordinator's wait for all
-    for rank, record in enumerate(timing):  # every rank's training steps, gathered by the save
-        assert record["steps"]["step"] == list(range(rank + 1))
-        assert record["steps"]["batch_size"] == [1] * (rank + 1)
-    assert len({bytes(r["steps"]["batch"][0]) for r in timing}) == WORLD
+    steps = [decode_steps(record["steps"], f"rank {rank}") for rank, record in enumerate(timing)]
+    for rank, columns in enumerate(steps):  # every rank's training steps, gathered by the save
+        assert columns.step.tolist() == list(range(rank + 1)) and columns.batch_size.tolist() == [1] * (rank + 1)
+    assert len({columns.batch[0].tobytes() for columns in steps}) == WORLD
     stats = meta["stats"]
     assert stats["new_bytes"] == stats["stored_bytes"] > 8 * 64 * 1024 * 4
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import ckptfmt
+from ckptfmt.step_timer import decode_steps
 
 
 def run_steps(timer: ckptfmt.StepTimer, steps, *, sleep_in: dict | None = None) -> None:
@@ -27,23 +28,27 @@ def run_steps(timer: ckptfmt.StepTimer, steps, *, sleep_in: dict | None = None) 
         timer.metrics(loss=10.0 - step)
 
 
-def steps_of(url: str, rank: int = 0) -> dict:
+def steps_of(url: str, rank: int = 0):
     with ckptfmt.open(url) as reader:
-        return reader.metadata["timing"]["ranks"][rank]["steps"]
+        return decode_steps(reader.metadata["timing"]["ranks"][rank]["steps"], url)
+
+
+def taken(timer: ckptfmt.StepTimer):
+    return decode_steps(timer.snapshot(), "the timer")
 
 
 def test_steps_are_recorded_in_columns():
     timer = ckptfmt.StepTimer()
     run_steps(timer, range(4), sleep_in={1: 0.02})
-    columns = timer.snapshot()
-    assert columns["step"] == [0, 1, 2, 3] and len(timer) == 4
-    assert columns["phases"]["data"][1] >= 0.02 > columns["phases"]["data"][0]
-    assert columns["phases"]["backward"][:2] == [None, None]  # a phase first met at step 2
-    assert all(d >= p for d, p in zip(columns["duration_s"], columns["phases"]["data"]))
-    assert columns["metrics"]["loss"] == [10.0, 9.0, 8.0, 7.0]
+    columns = taken(timer)
+    assert columns.count == 4 and columns.step.tolist() == [0, 1, 2, 3] and len(timer) == 4
+    assert columns.phases["data"][1] >= 0.02 > columns.phases["data"][0]
+    assert np.isnan(columns.phases["backward"][:2]).all()  # a phase first met at step 2
+    assert (columns.duration_s >= columns.phases["data"]).all()
+    assert columns.metrics["loss"].tolist() == [10.0, 9.0, 8.0, 7.0] and columns.metrics_missing == {}
     expected = blake3.blake3(np.arange(8, 16, dtype="<i8").tobytes()).digest(16)
-    assert columns["batch"][1] == expected and columns["batch_size"] == [8, 8, 8, 8]
-    starts = columns["start_ns"]
+    assert columns.batch[1].tobytes() == expected and columns.batch_size.tolist() == [8, 8, 8, 8]
+    starts = columns.start_ns.tolist()
     assert starts == sorted(starts) and abs(starts[0] - time.time_ns()) < 60e9
 
 
@@ -55,10 +60,13 @@ def test_time_in_phases_of_one_name_adds_up_and_batches_digest_together():
                 time.sleep(0.01)
         timer.batch([1, 2])
         timer.batch(np.array([3], dtype=np.int32))
-    columns = timer.snapshot()
-    assert columns["phases"]["data"][0] >= 0.02
-    assert columns["batch"][0] == blake3.blake3(np.array([1, 2, 3], dtype="<i8").tobytes()).digest(16)
-    assert columns["batch_size"] == [3]
+    with timer.step(1):  # no batch, and a metric the first step lacks
+        timer.metrics(lr=0.1)
+    columns = taken(timer)
+    assert columns.phases["data"][0] >= 0.02
+    assert columns.batch[0].tobytes() == blake3.blake3(np.array([1, 2, 3], dtype="<i8").tobytes()).digest(16)
+    assert columns.batch_size.tolist() == [3, -1] and not columns.batch[1].any()
+    assert columns.metrics_missing["lr"].tolist() == [True, False] and columns.metrics["lr"][1] == 0.1
 
 
 @pytest.mark.parametrize(("call", "message"), [
@@ -92,8 +100,8 @@ def test_each_checkpoint_stores_the_steps_since_the_previous_one(tmp_path):
     first = ckptfmt.save(state, tmp_path / "repo" / "a", step=2, timer=timer)
     run_steps(timer, range(3, 5))
     second = ckptfmt.save(state, tmp_path / "repo" / "b", step=4, timer=timer)
-    assert steps_of(first)["step"] == [0, 1, 2]
-    assert steps_of(second)["step"] == [3, 4] and steps_of(second)["metrics"]["loss"] == [7.0, 6.0]
+    assert steps_of(first).step.tolist() == [0, 1, 2]
+    assert steps_of(second).step.tolist() == [3, 4] and steps_of(second).metrics["loss"].tolist() == [7.0, 6.0]
     assert len(timer) == 0
 
 
@@ -106,7 +114,7 @@ def test_a_failed_save_keeps_the_steps_for_the_next_one(tmp_path):
         ckptfmt.save(state, tmp_path / "repo" / "a", timer=timer)
     assert len(timer) == 3
     url = ckptfmt.save(state, tmp_path / "repo" / "b", timer=timer)
-    assert steps_of(url)["step"] == [0, 1, 2]
+    assert steps_of(url).step.tolist() == [0, 1, 2]
 
 
 def test_an_async_save_stores_the_steps_up_to_its_call(tmp_path):
@@ -116,8 +124,24 @@ def test_an_async_save_stores_the_steps_up_to_its_call(tmp_path):
     future = ckptfmt.async_save(state, tmp_path / "repo" / "a", timer=timer)
     run_steps(timer, range(3, 6))  # while it saves
     url = future.result(timeout=60)
-    assert steps_of(url)["step"] == [0, 1, 2]
-    assert timer.snapshot()["step"] == [3, 4, 5]  # the stored ones left the timer before result() returned
+    assert steps_of(url).step.tolist() == [0, 1, 2]
+    assert taken(timer).step.tolist() == [3, 4, 5]  # the stored ones left the timer before result() returned
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (lambda r: r.update(count=-1), "count"),
+    (lambda r: r.update(step=r["step"][:-1]), "step is not 3 int64 values"),
+    (lambda r: r.update(batch=[1, 2]), "batch is not 48 uint8 values"),
+    (lambda r: r["phases"].update(data="fast"), "phases.data is not 3 float64"),
+    (lambda r: r.update(metrics=[1.0]), "metrics is not a map"),
+])
+def test_a_damaged_step_record_is_refused_naming_the_column(change, message):
+    timer = ckptfmt.StepTimer()
+    run_steps(timer, range(3))
+    record = timer.snapshot()
+    change(record)
+    with pytest.raises(ckptfmt.ManifestError, match=message):
+        decode_steps(record, "step-3 rank 0")
 
 
 def test_save_refuses_something_else_as_timer(tmp_path):
