@@ -278,8 +278,10 @@ class Repository:
                 warnings.warn(f"skipping checkpoint {name!r}: {exc}", stacklevel=3, category=CheckpointWarning)
         return sorted(records, key=lambda r: (r.created_ns, r.name)), damaged
 
-    def manifest(self, name: str, record: CommitRecord | None = None) -> Manifest:
-        """Read a committed checkpoint's manifest, checked against its commit record."""
+    def manifest(self, name: str, record: CommitRecord | None = None, *,
+                 skip: frozenset[str] = frozenset()) -> Manifest:
+        """Read a committed checkpoint's manifest, checked against its commit record (``skip``: top-level
+        fields not needed, see ``Manifest.from_bytes``)."""
         record = record or self.commit(name)
         key = layout.manifest_key(name, record.manifest_hash)
         where = self.storage.describe(key)
@@ -287,7 +289,7 @@ class Repository:
         if len(data) != record.manifest_size:
             raise CorruptDataError(f"{where}: {len(data)} bytes, commit record says {record.manifest_size}")
         check_chunk(data, record.manifest_hash, where)
-        manifest = Manifest.from_bytes(data, where)
+        manifest = Manifest.from_bytes(data, where, skip=skip)
         if (manifest.name, manifest.step, manifest.created_ns, manifest.parent) != (
             name, record.step, record.created_ns, record.parent
         ):

@@ -1,4 +1,5 @@
-"""Import boundaries: the core library never drags in the TUI, the converters or the S3 stack."""
+"""Import boundaries: the core library never drags in the TUI, the converters, the S3 stack or Arrow
+(only ckptfmt.analytics, an optional part, uses pyarrow)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from pathlib import Path
 import ckptfmt
 
 ROOT = Path(__file__).resolve().parents[1]
-FORBIDDEN = ["textual", "ckptfmt.tui", "ckptfmt.converters", "s3fs", "boto3", "botocore", "aiobotocore"]
+FORBIDDEN = ["textual", "ckptfmt.tui", "ckptfmt.converters", "s3fs", "boto3", "botocore", "aiobotocore", "pyarrow",
+             "ckptfmt.analytics"]
 
 PROBE = textwrap.dedent(
     """
@@ -25,7 +27,7 @@ PROBE = textwrap.dedent(
     report = {{}}
     import ckptfmt
     report["ckptfmt"] = loaded()
-    modules = sorted(m.name for m in pkgutil.iter_modules(ckptfmt.__path__) if m.name != "cli")
+    modules = sorted(m.name for m in pkgutil.iter_modules(ckptfmt.__path__) if m.name not in ("cli", "analytics"))
     report["modules"] = modules
     for name in modules:
         importlib.import_module("ckptfmt." + name)
@@ -136,6 +138,6 @@ def test_the_cli_finds_the_commands_of_the_converters_and_the_tui():
 
     parser = build_parser()
     commands = next(a for a in parser._actions if a.dest == "command").choices
-    assert list(commands) == ["ls", "show", "verify", "diff", "export", "import", "tui"]
+    assert list(commands) == ["ls", "show", "verify", "diff", "analytics", "export", "import", "tui"]
     assert commands["tui"].get_default("run").__module__ == "ckptfmt.tui.cli"
     assert commands["import"].get_default("run").__module__ == "ckptfmt.converters.cli"

@@ -55,6 +55,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=25, help="differing tensors to list (0: all)")
     p.set_defaults(run=commands.diff)
 
+    p = sub.add_parser("analytics", help="a run's metadata as tables (needs ckptfmt[analytics])")
+    actions = p.add_subparsers(dest="action", required=True, metavar="ACTION")
+    e = actions.add_parser("export", help="write the tables of spec/ANALYTICS.md as Parquet or CSV files")
+    e.add_argument("repo", help="repository URL")
+    e.add_argument("out", help="folder for checkpoints.parquet, saves.parquet, steps.parquet, ...")
+    e.add_argument("--format", choices=["parquet", "csv"], default="parquet")
+    e.set_defaults(run=commands.analytics_export)
+
     for plugin in sorted(entry_points(group=COMMANDS_GROUP), key=lambda ep: ep.name):
         _register(plugin, sub)
     return parser

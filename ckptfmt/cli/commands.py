@@ -15,7 +15,7 @@ from rich.text import Text
 from .. import describe
 from .. import diff as diff_module
 from ..describe import text
-from ..errors import CheckpointWarning, quoted
+from ..errors import CheckpointError, CheckpointWarning, quoted
 from ..formatting import human_bytes, human_time, number, seconds, shape_text, short
 from ..reader import open as open_checkpoint
 from ..repository import Repository
@@ -201,6 +201,28 @@ def diff(args, console: Console) -> int:
 
 #: Levels of metadata shown as JSON; deeper values (a user value tree may nest 256 deep) are elided.
 _JSON_DEPTH = 32
+
+
+def analytics_export(args, console: Console) -> int:
+    analytics = _analytics()
+    built = analytics.tables(args.repo)
+    paths = analytics.export(built, args.out, args.format)
+    table = new_table(f"{args.repo}: {built['checkpoints'].num_rows} checkpoints")
+    for column in ("table", "rows", "columns", "file"):
+        table.add_column(column, justify="right" if column in ("rows", "columns") else "left")
+    for (name, data), path in zip(built.items(), paths):
+        table.add_row(name, number(data.num_rows), number(data.num_columns), str(path))
+    print_table(console, table)
+    return 0
+
+
+def _analytics():
+    """ckptfmt.analytics, or a one-line error naming the extra that brings pyarrow."""
+    try:
+        from .. import analytics
+    except ImportError as exc:
+        raise CheckpointError(f"ckptfmt analytics needs pyarrow ({exc}): pip install 'ckptfmt[analytics]'") from None
+    return analytics
 
 
 def _jsonable(value: Any, depth: int = 0) -> Any:

@@ -1,0 +1,146 @@
+"""How fast ``ckptfmt.analytics.tables`` turns a big run's metadata into Arrow tables, and in how much memory.
+
+Usage (from the repository root)::
+
+    python bench/analytics.py [--checkpoints 1000] [--ranks 64] [--steps 100] [--repeats 3] [--dir /path]
+
+Writes a simulated repository: manifests as a collective save on ``--ranks``
+ranks writes them (per-rank save phases, one shared environment, and
+``--steps`` step records per rank with 4 phases, a batch digest and a loss),
+each with one small tensor, committed by ckptfmt's own writer. Then, in a
+fresh process per repeat, times ``tables(repo)`` and reads its peak RSS above
+the process's RSS before the call. Prints the median time and rows per table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import console  # noqa: E402
+
+PHASES = ("data", "forward", "backward", "optimizer")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--checkpoints", type=int, default=1000)
+    parser.add_argument("--ranks", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dir", default=None, help="scratch folder (default: a temporary one)")
+    parser.add_argument("--measure", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.measure:
+        return measure(args.measure)
+    root = Path(tempfile.mkdtemp(prefix="ckptfmt-analytics-bench-", dir=args.dir))
+    try:
+        repo = str(root / "run")
+        start = time.perf_counter()
+        manifest_bytes = simulate(repo, args.checkpoints, args.ranks, args.steps)
+        console.print(f"simulated {args.checkpoints} checkpoints x {args.ranks} ranks x {args.steps} steps in "
+                      f"{time.perf_counter() - start:.1f} s ({manifest_bytes / 2**20:.0f} MiB of manifests)")
+        runs = []
+        for _ in range(args.repeats):
+            out = subprocess.run([sys.executable, __file__, "--measure", repo], capture_output=True, text=True,
+                                 timeout=3600)
+            if out.returncode:
+                raise SystemExit(f"the measuring process failed:\n{out.stderr[-3000:]}")
+            runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+        seconds = statistics.median(r["seconds"] for r in runs)
+        peak = statistics.median(r["peak_mib"] for r in runs)
+        each = ", ".join(f"{r['seconds']:.2f}" for r in runs)
+        console.print(f"tables(): median {seconds:.2f} s over {args.repeats} runs ({each} s); "
+                      f"peak RSS above start {peak:.0f} MiB")
+        for name, rows in runs[0]["rows"].items():
+            console.print(f"  {name}: {rows:,} rows, {runs[0]['arrow_mib'][name]:.0f} MiB in Arrow")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+def simulate(repo_url: str, checkpoints: int, ranks: int, steps: int) -> int:
+    """Commit ``checkpoints`` manifests shaped like a ``ranks``-rank collective save with a StepTimer."""
+    from ckptfmt.environment import capture_environment
+    from ckptfmt.manifest import Chunk, Manifest, Piece, Shard, TensorEntry
+    from ckptfmt.repository import Repository
+    from ckptfmt.rng import capture_rng
+    from ckptfmt.step_timer import encode_steps
+    from ckptfmt.values import TensorRef, encode_tree
+    from ckptfmt.writer import commit_manifest
+
+    repo = Repository.open(repo_url, create=True)
+    environment = {**capture_environment(), "ranks": list(range(ranks))}
+    rng = [capture_rng(r) for r in range(ranks)]
+    chunk_hash = "0" * 64  # the manifests are what is measured: no chunk is read
+    state = encode_tree({"w": TensorRef("w")}, lambda path, ref: 0)
+    jitter = random.Random(0)
+    total = 0
+    now = time.time_ns()
+    for index in range(checkpoints):
+        first = index * steps
+        records = []
+        for rank in range(ranks):
+            durations = [0.1 + jitter.random() * 0.01 for _ in range(steps)]
+            records.append({
+                "rank": rank, "host": f"node{rank // 8}", "start_ns": now, "total_s": 1.0,
+                "phases": [{"name": p, "start_ns": now, "duration_s": 0.1} for p in
+                           ("join", "prepare", "plan", "write_chunks", "sync", "environment")],
+                "steps": encode_steps({
+                    "step": list(range(first, first + steps)),
+                    "start_ns": [now + int(i * 1e8) for i in range(steps)],
+                    "duration_s": durations,
+                    "phases": {p: [d / 4 for d in durations] for p in PHASES},
+                    "batch": [jitter.randbytes(16) for _ in range(steps)],
+                    "batch_size": [32] * steps,
+                    "metrics": {"loss": [1.0 / (first + i + 1) for i in range(steps)]},
+                }),
+            })
+        step = first + steps
+        manifest = Manifest(
+            name=f"step-{step:07d}", step=step, created_ns=now + index, parent=None,
+            chunks=[Chunk(chunk_hash, "none", 4, 4)],
+            tensors=[TensorEntry(key="w", dtype="float32", shape=(1,), shards=(Shard((0,), (1,), 0, (Piece(0, 0, 4),)),))],
+            state=state, user=encode_tree({}), rng=rng, environment=environment,
+            topology={"world_size": ranks, "writer_ranks": [0], "ranks": [{"rank": r} for r in range(ranks)]},
+            timing={"ranks": records, "steps": []},
+            stats={"tensor_count": 1, "tensor_bytes": 4, "chunk_count": 1, "stored_bytes": 4, "new_bytes": 4},
+        )
+        total += len(manifest.to_bytes())
+        commit_manifest(repo, manifest)
+    return total
+
+
+def measure(repo: str) -> int:
+    """One timed ``tables(repo)`` in this fresh process: seconds, peak RSS above start, rows per table."""
+    from ckptfmt import analytics
+
+    baseline = _status_kib("VmRSS")
+    start = time.perf_counter()
+    built = analytics.tables(repo)
+    seconds = time.perf_counter() - start
+    peak = _status_kib("VmHWM")
+    print(json.dumps({"seconds": seconds, "peak_mib": (peak - baseline) / 1024,
+                      "rows": {name: table.num_rows for name, table in built.items()},
+                      "arrow_mib": {name: table.nbytes / 2**20 for name, table in built.items()}}))
+    return 0
+
+
+def _status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,475 @@
+"""A run's metadata as Arrow tables: checkpoints, saves, steps, tensors, environment (spec/ANALYTICS.md).
+
+``tables(repos)`` reads every committed checkpoint's commit record and manifest
+(several at a time: remote stores answer slowly, and the window of manifests
+in flight is bounded) and appends each to five column builders. Columns are
+built as Python lists and converted once at the end; a value of the wrong type
+in a hostile manifest is found then and named with its checkpoint and rank.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import json
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Mapping
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.csv as pa_csv
+import pyarrow.parquet as pq
+
+from ..errors import ManifestError, quoted
+from ..manifest import Manifest
+from ..repository import CommitRecord, Repository
+from ..step_timer import decode_steps
+
+TABLE_NAMES = ("checkpoints", "saves", "steps", "tensors", "environment")
+#: Manifests read at once from remote stores (and so the most held in memory before they are added).
+#: Local disks answer at once: parsing is the work there, and threads only contend for the GIL.
+READ_WORKERS, LOCAL_READ_WORKERS = 16, 2
+#: Flattened environment values longer than this are cut (a hostile manifest's megabyte string).
+MAX_VALUE_CHARS = 4096
+#: Wall-clock times: microseconds (a nanosecond timestamp becomes no Python datetime without pandas).
+_TIME = pa.timestamp("us", tz="UTC")
+#: Manifest fields no table uses: RNG states are most of a many-rank manifest's parse time.
+_NOT_NEEDED = frozenset({"rng"})
+
+
+def tables(repos: str | os.PathLike | Iterable | Mapping[str, str | os.PathLike], *,
+           storage_options: dict | None = None, workers: int | None = None) -> dict[str, pa.Table]:
+    """The metadata of every committed checkpoint of ``repos`` as Arrow tables, by name (``TABLE_NAMES``).
+
+    ``repos``: one repository URL, several, or a mapping of run label -> URL
+    (without labels, a run is labelled by its URL). Checkpoints come in commit order.
+    ``workers``: manifests read at once (default: 16 from remote stores, 2 from local disks).
+    """
+    builders = [Checkpoints(), Saves(), Steps(), Tensors(), Environment()]
+    for run, url in _runs(repos):
+        repo = Repository.open(url, storage_options)
+        readers = workers or (LOCAL_READ_WORKERS if repo.storage.cheap_exists else READ_WORKERS)
+        for record, manifest in _manifests(repo, readers):
+            where = repo.storage.describe(record.name)
+            for builder in builders:
+                builder.add(run, record, manifest, where)
+                builder.flush()
+    return {name: builder.table() for name, builder in zip(TABLE_NAMES, builders)}
+
+
+def export(built: Mapping[str, pa.Table], out: str | os.PathLike, fmt: str = "parquet") -> list[Path]:
+    """Write each table as ``OUT/<name>.parquet`` or ``.csv`` (lists and bytes become text in CSV)."""
+    if fmt not in ("parquet", "csv"):
+        raise ValueError(f"format must be parquet or csv, not {fmt!r}")
+    folder = Path(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name, table in built.items():
+        path = folder / f"{name}.{fmt}"
+        if fmt == "parquet":
+            pq.write_table(table, path)
+        else:
+            pa_csv.write_csv(_flat_for_csv(table), path)
+        paths.append(path)
+    return paths
+
+
+# -- reading -----------------------------------------------------------------------------------
+def _runs(repos) -> list[tuple[str, str]]:
+    if isinstance(repos, (str, os.PathLike)):
+        return [(os.fspath(repos), os.fspath(repos))]
+    if isinstance(repos, Mapping):
+        return [(str(label), os.fspath(url)) for label, url in repos.items()]
+    return [(os.fspath(url), os.fspath(url)) for url in repos]
+
+
+def _manifests(repo: Repository, workers: int) -> Iterator[tuple[CommitRecord, Manifest]]:
+    """Every committed checkpoint's record and manifest, in commit order, ``workers`` read at a time."""
+    records = repo.commits()
+    with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="ckptfmt-analytics") as pool:
+        pending = iter(records)
+        def read(record: CommitRecord) -> Manifest:
+            return repo.manifest(record.name, record, skip=_NOT_NEEDED)
+        window = [pool.submit(read, r) for r in itertools.islice(pending, workers)]
+        for record in records:
+            manifest = window.pop(0).result()
+            following = next(pending, None)
+            if following is not None:
+                window.append(pool.submit(read, following))
+            yield record, manifest
+
+
+# -- building columns --------------------------------------------------------------------------
+class _Builder:
+    """A table built one manifest at a time: its rows are gathered as Python lists, then converted to
+    Arrow arrays at once (so memory holds Arrow's compact columns, plus one manifest's lists), where a
+    value of the wrong type is named with its checkpoint."""
+
+    #: (column, Arrow type) of the columns, in table order.
+    fields: tuple[tuple[str, pa.DataType], ...] = ()
+
+    def __init__(self):
+        self.batches: list[dict[str, pa.Array]] = []
+        self._start()
+
+    def _start(self) -> None:
+        self.columns: dict[str, list] = {name: [] for name, _ in self.fields}
+        self.origins: list[tuple[int, str]] = []  # (first row, where) within this manifest's rows
+        self.rows = 0
+
+    def origin(self, where: str) -> None:
+        self.origins.append((self.rows, where))
+
+    def flush(self) -> None:
+        """Convert the current manifest's rows to Arrow arrays."""
+        if self.rows:
+            self.batches.append({name: self._array(name, type_, self.columns[name]) for name, type_ in self.fields})
+        self._start()
+
+    def table(self) -> pa.Table:
+        columns = []
+        for name, type_ in self.fields:
+            if type_ == _TIME:  # nanoseconds as int64 until now: one conversion for the whole column
+                nanoseconds = pa.chunked_array([b[name] for b in self.batches], pa.int64()).combine_chunks()
+                columns.append(pc.divide(nanoseconds, 1000).view(_TIME))
+            else:
+                columns.append(pa.chunked_array([b[name] for b in self.batches], type_))
+        return pa.Table.from_arrays(columns, names=[name for name, _ in self.fields])
+
+    def _array(self, name: str, type_: pa.DataType, values: list) -> pa.Array:
+        type_ = pa.int64() if type_ == _TIME else type_
+        try:
+            return pa.array(values, type=type_)
+        except (pa.ArrowException, TypeError, ValueError, OverflowError):
+            row = _first_bad(values, type_)
+            index = bisect.bisect_right([start for start, _ in self.origins], row) - 1
+            where = self.origins[max(index, 0)][1]
+            raise ManifestError(f"{where}: {name} holds {quoted(values[row])}, not a {type_}") from None
+
+
+def _first_bad(values: list, type_: pa.DataType) -> int:
+    for row, value in enumerate(values):
+        try:
+            pa.array([value], type=type_)
+        except (pa.ArrowException, TypeError, ValueError, OverflowError):
+            return row
+    return 0
+
+
+def _map(value: Any, where: str, what: str) -> dict:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ManifestError(f"{where}: {what} is a {type(value).__name__}, not a map")
+    return value
+
+
+def _list(value: Any, where: str, what: str) -> list:
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise ManifestError(f"{where}: {what} is a {type(value).__name__}, not an array")
+    return value
+
+
+def _rank_records(manifest: Manifest, where: str) -> list[dict]:
+    records = _list(_map(manifest.timing, where, "timing").get("ranks"), where, "timing.ranks")
+    for index, record in enumerate(records):
+        _map(record, where, f"timing.ranks[{index}]")
+    return records
+
+
+# -- the tables --------------------------------------------------------------------------------
+class Checkpoints(_Builder):
+    """One row per checkpoint."""
+
+    fields = (("run", pa.string()), ("name", pa.string()), ("step", pa.int64()), ("created", _TIME),
+              ("parent", pa.string()), ("world_size", pa.int64()), ("tensor_count", pa.int64()),
+              ("tensor_bytes", pa.int64()), ("chunk_count", pa.int64()), ("stored_bytes", pa.int64()),
+              ("new_bytes", pa.int64()), ("manifest_bytes", pa.int64()), ("save_s", pa.float64()),
+              ("format_version", pa.string()))
+
+    def add(self, run: str, record: CommitRecord, manifest: Manifest, where: str) -> None:
+        self.origin(where)
+        stats = _map(manifest.stats, where, "stats")
+        totals = [r.get("total_s") for r in _rank_records(manifest, where)]
+        totals = [t for t in totals if isinstance(t, (int, float)) and not isinstance(t, bool)]
+        topology = _map(manifest.topology, where, "topology")
+        row = {
+            "run": run, "name": record.name, "step": record.step, "created": record.created_ns,
+            "parent": record.parent, "world_size": topology.get("world_size"),
+            **{k: stats.get(k) for k in ("tensor_count", "tensor_bytes", "chunk_count", "stored_bytes", "new_bytes")},
+            "manifest_bytes": record.manifest_size, "save_s": max(totals, default=None),
+            "format_version": ".".join(map(str, manifest.version)),
+        }
+        for name, column in self.columns.items():
+            column.append(row[name])
+        self.rows += 1
+
+
+class Saves(_Builder):
+    """One row per checkpoint, rank and save phase."""
+
+    fields = (("run", pa.string()), ("name", pa.string()), ("step", pa.int64()), ("rank", pa.int64()),
+              ("host", pa.string()), ("phase", pa.string()), ("start", _TIME), ("duration_s", pa.float64()),
+              ("rank_total_s", pa.float64()))
+
+    def add(self, run: str, record: CommitRecord, manifest: Manifest, where: str) -> None:
+        self.origin(where)
+        columns = self.columns
+        for index, rank_record in enumerate(_rank_records(manifest, where)):
+            phases = [_map(phase, where, f"timing.ranks[{index}].phases[{position}]") for position, phase
+                      in enumerate(_list(rank_record.get("phases"), where, f"timing.ranks[{index}].phases"))]
+            count = len(phases)
+            for name, value in (("run", run), ("name", record.name), ("step", record.step),
+                                ("rank", rank_record.get("rank")), ("host", rank_record.get("host")),
+                                ("rank_total_s", rank_record.get("total_s"))):
+                columns[name].extend([value] * count)
+            for name, field in (("phase", "name"), ("start", "start_ns"), ("duration_s", "duration_s")):
+                columns[name].extend([phase.get(field) for phase in phases])
+            self.rows += count
+
+
+class Steps:
+    """One row per training step of a rank (spec 9.4), with a column per phase (``phase_<name>``) and per
+    metric (``metric_<name>``) met anywhere in the run.
+
+    Step records are bins of little-endian numbers: each becomes a numpy view,
+    and the table is built from whole arrays, not Python values. Every
+    ``WINDOW_ROWS`` rows the views become Arrow arrays (a chunk of each column),
+    so the manifests' bytes are let go as the table grows; strings are
+    dictionary-encoded (a run's millions of steps share a few names and hosts).
+    """
+
+    WINDOW_ROWS = 2**20
+
+    def __init__(self):
+        self.words = _Words()
+        self.chunks: list[tuple[int, dict[str, pa.Array]]] = []  # (rows, arrays; string columns as ids)
+        self._start_window()
+
+    def _start_window(self) -> None:
+        self.parts: dict[str, list[np.ndarray]] = {name: [] for name in _STEP_PARTS}
+        #: (run, checkpoint, rank, host, rows) per rank record: constant over its rows, expanded at the end.
+        self.repeats: list[tuple[int, int, int, int, int]] = []
+        self.named: dict[str, list[tuple[int, np.ndarray, np.ndarray | None]]] = {}  # (first row, values, missing)
+        self.rows = 0
+
+    def add(self, run: str, record: CommitRecord, manifest: Manifest, where: str) -> None:
+        for index, rank_record in enumerate(_rank_records(manifest, where)):
+            if rank_record.get("steps") is None:
+                continue
+            columns = decode_steps(rank_record["steps"], f"{where}: timing.ranks[{index}].steps")
+            count = columns.count
+            rank = rank_record.get("rank")
+            if type(rank) is not int:
+                raise ManifestError(f"{where}: timing.ranks[{index}].rank is not an int")
+            self.repeats.append((self.words.id(run), self.words.id(record.name), rank,
+                                 self.words.id(str(rank_record.get("host"))), count))
+            for name in _STEP_PARTS:
+                self.parts[name].append(getattr(columns, name))
+            for name, values in columns.phases.items():
+                self.named.setdefault(f"phase_{name}", []).append((self.rows, values, np.isnan(values)))
+            for name, values in columns.metrics.items():
+                self.named.setdefault(f"metric_{name}", []).append((self.rows, values,
+                                                                    columns.metrics_missing.get(name)))
+            self.rows += count
+
+    def flush(self) -> None:
+        if self.rows >= self.WINDOW_ROWS:
+            self._close_window()
+
+    def _close_window(self) -> None:
+        if not self.rows:
+            return
+        parts = {name: np.concatenate(p) for name, p in self.parts.items()}
+        repeats = np.array(self.repeats, dtype=np.int64).reshape(-1, 5)
+        no_batch = parts["batch_size"] < 0
+        arrays = {name: pa.array(np.repeat(repeats[:, column], repeats[:, 4]), pa.int32())
+                  for column, name in ((0, "run"), (1, "checkpoint"), (3, "host"))}
+        arrays.update({
+            "rank": pa.array(np.repeat(repeats[:, 2], repeats[:, 4])), "step": pa.array(parts["step"]),
+            "start": pa.array(parts["start_ns"] // 1000).view(_TIME), "duration_s": pa.array(parts["duration_s"]),
+            "batch": pa.Array.from_buffers(pa.binary(16), self.rows,
+                                           [_validity(~no_batch), pa.py_buffer(parts["batch"].tobytes())]),
+            "batch_size": pa.array(parts["batch_size"], mask=no_batch),
+        })
+        for name, pieces in self.named.items():
+            values, missing = np.full(self.rows, np.nan), np.ones(self.rows, bool)
+            for start, piece, piece_missing in pieces:
+                values[start:start + len(piece)] = piece
+                missing[start:start + len(piece)] = False if piece_missing is None else piece_missing
+            arrays[name] = pa.array(values, mask=missing)
+        self.chunks.append((self.rows, arrays))
+        self._start_window()
+
+    def table(self) -> pa.Table:
+        self._close_window()
+        names = ["run", "checkpoint", "rank", "host", "step", "start", "duration_s", "batch", "batch_size"]
+        names += sorted({name for _, arrays in self.chunks for name in arrays} - set(names))
+        dictionary = pa.array(list(self.words.ids), pa.string())
+        types = {"run": _WORDS, "checkpoint": _WORDS, "host": _WORDS, "rank": pa.int64(), "step": pa.int64(),
+                 "start": _TIME, "duration_s": pa.float64(), "batch": pa.binary(16), "batch_size": pa.int64()}
+        columns = {}
+        for name in names:
+            type_ = types.get(name, pa.float64())
+            pieces = []
+            for rows, arrays in self.chunks:
+                array = arrays.get(name)
+                if array is None:
+                    array = pa.nulls(rows, type_)
+                elif type_ == _WORDS:
+                    array = pa.DictionaryArray.from_arrays(array, dictionary)
+                pieces.append(array)
+            columns[name] = pa.chunked_array(pieces, type=type_)
+        return pa.table(columns)
+
+
+#: The arrays a steps table takes from each step record (StepColumns fields).
+_STEP_PARTS = ("step", "start_ns", "duration_s", "batch", "batch_size")
+_WORDS = pa.dictionary(pa.int32(), pa.string())
+
+
+def _validity(valid: np.ndarray) -> pa.Buffer:
+    """An Arrow validity bitmap (bit i set: row i is not null)."""
+    return pa.py_buffer(np.packbits(valid, bitorder="little").tobytes())
+
+
+class _Words:
+    """Strings interned as int32 ids, for dictionary-encoded columns."""
+
+    def __init__(self):
+        self.ids: dict[str, int] = {}
+
+    def id(self, word: str) -> int:
+        return self.ids.setdefault(word, len(self.ids))
+
+    def encode(self, ids: np.ndarray) -> pa.DictionaryArray:
+        return pa.DictionaryArray.from_arrays(pa.array(ids, pa.int32()), pa.array(list(self.ids), pa.string()))
+
+
+class Tensors(_Builder):
+    """One row per checkpoint and tensor: dtype, shape, bytes, shards, and the chunks holding it."""
+
+    fields = (("run", pa.string()), ("name", pa.string()), ("step", pa.int64()), ("key", pa.string()),
+              ("dtype", pa.string()), ("shape", pa.list_(pa.int64())), ("nbytes", pa.int64()),
+              ("kind", pa.string()), ("shards", pa.int64()), ("same_as", pa.string()),
+              ("chunks", pa.list_(pa.string())))
+
+    def add(self, run: str, record: CommitRecord, manifest: Manifest, where: str) -> None:
+        self.origin(where)
+        chunks = manifest.chunks
+        columns = self.columns
+        for tensor in manifest.tensors:
+            hashes = list(dict.fromkeys(chunks[p.chunk].hash for shard in tensor.shards for p in shard.pieces))
+            same_as = None if tensor.same_as is None else manifest.tensors[tensor.same_as].key
+            for name, value in (("run", run), ("name", record.name), ("step", record.step), ("key", tensor.key),
+                                ("dtype", tensor.dtype), ("shape", list(tensor.shape)), ("nbytes", tensor.nbytes),
+                                ("kind", tensor.kind), ("shards", len(tensor.shards)), ("same_as", same_as),
+                                ("chunks", hashes)):
+                columns[name].append(value)
+            self.rows += 1
+
+
+class Environment:
+    """One row per checkpoint, rank and environment field (dotted path) -> value, as text.
+
+    Ranks of one checkpoint share their environment record (spec 9.2), so a
+    record is flattened once and its rows repeated per rank, as dictionary-encoded
+    columns: a thousand checkpoints of 64 ranks stay small.
+    """
+
+    fields = (("run", pa.string()), ("name", pa.string()), ("step", pa.int64()), ("rank", pa.int64()),
+              ("field", pa.string()), ("value", pa.string()))
+
+    def __init__(self):
+        self.words = _Words()  # every run, name, field and value
+        self.parts: dict[str, list[np.ndarray]] = {name: [] for name in [*dict(self.fields), "no_step"]}
+        self.last: tuple[dict, np.ndarray, np.ndarray] | None = None  # the last environment flattened
+
+    def add(self, run: str, record: CommitRecord, manifest: Manifest, where: str) -> None:
+        environment = _map(manifest.environment, where, "environment")
+        groups = [environment] + [_map(e, where, "environment.others[]")
+                                  for e in _list(environment.get("others"), where, "environment.others")]
+        for group in groups:
+            ranks = group.get("ranks", [0])
+            if not isinstance(ranks, list) or not all(type(r) is int for r in ranks):
+                raise ManifestError(f"{where}: environment.ranks is not an array of ints")
+            fields, values = self._flat_ids({k: v for k, v in group.items() if k not in ("ranks", "others")})
+            count = len(ranks) * len(fields)
+            self._extend(run=np.full(count, self.words.id(run), np.int32),
+                         name=np.full(count, self.words.id(record.name), np.int32),
+                         step=np.full(count, record.step or 0, np.int64),
+                         no_step=np.full(count, record.step is None),
+                         rank=np.repeat(np.array(ranks, dtype=np.int64), len(fields)),
+                         field=np.tile(fields, len(ranks)), value=np.tile(values, len(ranks)))
+
+    def flush(self) -> None:
+        """Rows are arrays already."""
+
+    def _flat_ids(self, environment: dict) -> tuple[np.ndarray, np.ndarray]:
+        """The ids of an environment's fields and values; a run's checkpoints mostly repeat the last one."""
+        if self.last is None or self.last[0] != environment:
+            flat = list(_flatten(environment))
+            self.last = (environment, np.array([self.words.id(f) for f, _ in flat], dtype=np.int32),
+                         np.array([self.words.id(v) for _, v in flat], dtype=np.int32))
+        return self.last[1], self.last[2]
+
+    def _extend(self, **parts: np.ndarray) -> None:
+        for name, part in parts.items():
+            self.parts[name].append(part)
+
+    def table(self) -> pa.Table:
+        parts = {name: np.concatenate(p) if p else np.array([], np.int32) for name, p in self.parts.items()}
+        arrays = []
+        for name, type_ in self.fields:
+            part = parts[name]
+            if type_ == pa.string():
+                arrays.append(self.words.encode(part))
+            elif name == "step":
+                arrays.append(pa.array(part, pa.int64(), mask=parts["no_step"].astype(bool)))
+            else:
+                arrays.append(pa.array(part, type_))
+        return pa.Table.from_arrays(arrays, names=[name for name, _ in self.fields])
+
+
+def _flatten(value: Any, prefix: str = "") -> Iterator[tuple[str, str]]:
+    """(dotted field, value as text) for every leaf of a metadata map; lists are indexed (gpus.0.name)."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            yield from _flatten(item, f"{prefix}.{key}" if prefix else str(key))
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            yield from _flatten(item, f"{prefix}.{index}" if prefix else str(index))
+    else:
+        yield prefix, _text(value)
+
+
+def _text(value: Any) -> str:
+    if isinstance(value, str):
+        text = value
+    elif isinstance(value, bytes):
+        text = value.hex()
+    else:
+        text = json.dumps(value)
+    return text[:MAX_VALUE_CHARS]
+
+
+def _flat_for_csv(table: pa.Table) -> pa.Table:
+    """CSV holds no lists or bytes: lists become JSON text, bytes hex."""
+    for index, field in enumerate(table.schema):
+        column = table.column(index)
+        if pa.types.is_list(field.type):
+            text = pa.array([None if v is None else json.dumps(v) for v in column.to_pylist()], pa.string())
+        elif pa.types.is_binary(field.type) or pa.types.is_fixed_size_binary(field.type):
+            text = pa.array([None if v is None else v.hex() for v in column.to_pylist()], pa.string())
+        elif pa.types.is_dictionary(field.type):
+            text = column.cast(pa.string())
+        else:
+            continue
+        table = table.set_column(index, field.name, text)
+    return table
+
