@@ -63,6 +63,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--format", choices=["parquet", "csv"], default="parquet")
     e.set_defaults(run=commands.analytics_export)
 
+    p = sub.add_parser("stragglers", help="ranks that delayed the others, and slow saves (needs ckptfmt[analytics])")
+    p.add_argument("repo", help="repository URL of one run")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(run=commands.stragglers)
+
     for plugin in sorted(entry_points(group=COMMANDS_GROUP), key=lambda ep: ep.name):
         _register(plugin, sub)
     return parser

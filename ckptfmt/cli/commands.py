@@ -216,6 +216,58 @@ def analytics_export(args, console: Console) -> int:
     return 0
 
 
+def stragglers(args, console: Console) -> int:
+    report = _analytics().stragglers(args.repo)
+    if args.json:
+        console.print_json(data=report)
+        return 0
+    console.print(f"{args.repo}: {report['steps']} steps of {report['ranks']} ranks")
+    table = new_table(f"{len(report['stragglers'])} stragglers (delays in a rank's own phases, beyond the jitter)")
+    for column in ("rank", "host", "kind", "steps", "phase", "delay", "worst", "x median"):
+        table.add_column(column, justify="right" if column in ("rank", "delay", "worst", "x median") else "left")
+    for s in report["stragglers"]:
+        table.add_row(str(s["rank"]), text(s["host"]), s["kind"], _episodes_text(s["episodes"]), s["phase"],
+                      seconds(s["delay_s"]), seconds(s["max_delay_s"]), _times(s["ratio"]))
+    print_table(console, table)
+    if report["hosts"]:
+        hosts = new_table("hosts with several slow ranks at once")
+        for column in ("host", "slow ranks", "steps", "delay"):
+            hosts.add_column(column)
+        for h in report["hosts"]:
+            hosts.add_row(text(h["host"]), f"{', '.join(map(str, h['ranks']))} of {h['of_ranks']}",
+                          _ranges(h["steps"]), seconds(h["delay_s"]))
+        print_table(console, hosts)
+    if report["slow_saves"]:
+        saves = new_table("slow saves (a rank's own save phases lagging the others')")
+        for column in ("rank", "host", "checkpoints", "phases", "delay", "x median"):
+            saves.add_column(column)
+        for e in report["slow_saves"]:
+            saves.add_row(str(e["rank"]), text(e["host"]), ", ".join(e["checkpoints"]),
+                          ", ".join(sorted(set(e["phases"]))), seconds(e["delay_s"]), _times(e["ratio"]))
+        print_table(console, saves)
+    return 0
+
+
+def _episodes_text(episodes: list[dict]) -> str:
+    return ", ".join(str(e["first_step"]) if e["first_step"] == e["last_step"] else f"{e['first_step']}-{e['last_step']}"
+                     for e in episodes)
+
+
+def _ranges(steps: list[int]) -> str:
+    """Step numbers as ranges: 3, 5-9."""
+    runs: list[list[int]] = []
+    for step in steps:
+        if runs and step == runs[-1][1] + 1:
+            runs[-1][1] = step
+        else:
+            runs.append([step, step])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def _times(ratio: float | None) -> str:
+    return "-" if ratio is None else f"{ratio:.1f}x"
+
+
 def _analytics():
     """ckptfmt.analytics, or a one-line error naming the extra that brings pyarrow."""
     try:
