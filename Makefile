@@ -5,6 +5,8 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DEMO_REPO := demo-runs/repo
 DIST_REPO := demo-runs/distributed
+DIST_REPO_B := demo-runs/distributed-reordered
+REPORT := demo-runs/report.html
 
 .PHONY: setup demo test test-exhaustive fuzz bench clean
 
@@ -28,11 +30,18 @@ demo: setup
 	$(BIN)/ckptfmt diff $(DEMO_REPO)/step-000020 $(DEMO_REPO)/step-000030
 	rm -rf $(DIST_REPO)
 	OMP_NUM_THREADS=1 $(BIN)/python -m torch.distributed.run --standalone --nproc_per_node 4 \
-		examples/distributed_demo.py $(DIST_REPO) --steps 20 --every 5
+		examples/distributed_demo.py $(DIST_REPO) --steps 20 --every 5 --slow-rank 2 --slow-steps 8-10
 	OMP_NUM_THREADS=1 $(BIN)/python -m torch.distributed.run --standalone --nproc_per_node 2 \
 		examples/distributed_demo.py $(DIST_REPO) --steps 30 --every 5 --resume
 	$(BIN)/ckptfmt ls $(DIST_REPO)
 	$(BIN)/ckptfmt verify $(DIST_REPO)
+	$(BIN)/ckptfmt stragglers $(DIST_REPO)
+	rm -rf $(DIST_REPO_B)
+	OMP_NUM_THREADS=1 $(BIN)/python -m torch.distributed.run --standalone --nproc_per_node 4 \
+		examples/distributed_demo.py $(DIST_REPO_B) --steps 20 --every 5 --reorder-from 12
+	$(BIN)/ckptfmt compare $(DIST_REPO) $(DIST_REPO_B)
+	$(BIN)/ckptfmt report $(DIST_REPO) --compare $(DIST_REPO_B) --html $(REPORT)
+	@echo "the run's report: $(abspath $(REPORT))"
 
 test: setup
 	$(BIN)/python -m pytest -q

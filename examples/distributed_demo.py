@@ -5,10 +5,14 @@
 
 A small MLP language model sharded with FSDP2 (``fully_shard``) trains on a
 synthetic global batch that is the same whatever the world size (each rank
-takes its slice). Every ``--every`` steps every rank calls
-``ckptfmt.async_save``: the state is staged and training goes on while the
-checkpoint is written in the background. ``--resume`` loads the latest
-checkpoint into this run's own shards (any world size) and carries on.
+takes its slice). A ``ckptfmt.StepTimer`` records each step's phases, the
+samples each rank consumed and the loss. Every ``--every`` steps every rank
+calls ``ckptfmt.async_save`` with the timer: the state is staged and training
+goes on while the checkpoint is written in the background. ``--resume`` loads
+the latest checkpoint into this run's own shards (any world size) and carries
+on. ``--slow-rank R --slow-steps A-B`` makes rank R sleep in its data phase in
+those steps, for ``ckptfmt stragglers`` to find; ``--reorder-from S`` draws the
+batches of step S on from another stream, for ``ckptfmt compare`` to explain.
 """
 
 from __future__ import annotations
@@ -36,12 +40,23 @@ def build_model() -> nn.Module:
     return fully_shard(model)
 
 
-def batch(step: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's slice of the step's global batch (the same global batch at any world size)."""
-    generator = torch.Generator().manual_seed(step)
+def batch(step: int, rank: int, world: int, stream: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """This rank's slice of the step's global batch (the same global batch at any world size), and the
+    indices of its samples in the data set (``stream`` 1: another data order)."""
+    sample = stream * 1_000_000 + step
+    generator = torch.Generator().manual_seed(sample)
     tokens = torch.randint(0, VOCAB, (GLOBAL_BATCH, CONTEXT + 1), generator=generator)
     mine = tokens.chunk(world)[rank]
-    return mine[:, :-1], mine[:, -1]
+    indices = (sample * GLOBAL_BATCH + torch.arange(GLOBAL_BATCH)).chunk(world)[rank]
+    return mine[:, :-1], mine[:, -1], indices
+
+
+def step_range(text: str) -> range:
+    """Steps A to B from "A-B" (none from "")."""
+    if not text:
+        return range(0)
+    first, last = text.split("-")
+    return range(int(first), int(last) + 1)
 
 
 def main() -> None:
@@ -50,7 +65,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--every", type=int, default=5)
     parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--slow-rank", type=int, default=None, help="a rank that sleeps in its data phase")
+    parser.add_argument("--slow-steps", default="", help="the steps it sleeps in, as A-B")
+    parser.add_argument("--reorder-from", type=int, default=None, help="another data order from this step on")
     args = parser.parse_args()
+    slow = step_range(args.slow_steps)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build_model()
@@ -66,20 +85,31 @@ def main() -> None:
             print(f"resumed {ckptfmt.Repository.open(args.repo).latest()} (step {start}) on {world} ranks; "
                   f"saved by {ckptfmt.open(args.repo).metadata['topology']['world_size']} ranks")
     pending = None
+    timer = ckptfmt.StepTimer()
     for step in range(start + 1, args.steps + 1):
         began = time.perf_counter()
-        inputs, targets = batch(step, rank, world)
-        loss = nn.functional.cross_entropy(model(inputs), targets)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
+        with timer.step(step):
+            with timer.phase("data"):
+                stream = int(args.reorder_from is not None and step >= args.reorder_from)
+                inputs, targets, indices = batch(step, rank, world, stream)
+                timer.batch(indices)
+                if rank == args.slow_rank and step in slow:
+                    time.sleep(0.3)
+            with timer.phase("forward"):  # FSDP2 all-gathers parameters here: the others wait for a straggler
+                loss = nn.functional.cross_entropy(model(inputs), targets)
+            with timer.phase("backward"):
+                loss.backward()
+            with timer.phase("optimizer"):
+                optimizer.step()
+                optimizer.zero_grad()
+        timer.metrics(loss=loss.item())
         if step % args.every == 0:
             model_state, optimizer_state = get_state_dict(model, optimizer)
             state = {"model": model_state, "optim": optimizer_state, "step": step,
                      "samples_seen": ckptfmt.PerRank(step * GLOBAL_BATCH // world)}
             stall = time.perf_counter()
             pending = ckptfmt.async_save(state, f"{args.repo}/step-{step:06d}", step=step,
-                                         parallelism={"fsdp": world}, timeout=120)
+                                         parallelism={"fsdp": world}, timeout=120, timer=timer)
             stall = time.perf_counter() - stall
             if rank == 0:
                 print(f"step {step:3d}  loss {loss.item():.4f}  saving step-{step:06d} in the background "

@@ -14,7 +14,7 @@ import ckptfmt
 
 ROOT = Path(__file__).resolve().parents[1]
 FORBIDDEN = ["textual", "ckptfmt.tui", "ckptfmt.converters", "s3fs", "boto3", "botocore", "aiobotocore", "pyarrow",
-             "ckptfmt.analytics"]
+             "ckptfmt.analytics", "matplotlib"]
 
 PROBE = textwrap.dedent(
     """
@@ -138,6 +138,6 @@ def test_the_cli_finds_the_commands_of_the_converters_and_the_tui():
 
     parser = build_parser()
     commands = next(a for a in parser._actions if a.dest == "command").choices
-    assert list(commands) == ["ls", "show", "verify", "diff", "analytics", "stragglers", "export", "import", "tui"]
+    assert list(commands) == ["ls", "show", "verify", "diff", "analytics", "stragglers", "compare", "report", "export", "import", "tui"]
     assert commands["tui"].get_default("run").__module__ == "ckptfmt.tui.cli"
     assert commands["import"].get_default("run").__module__ == "ckptfmt.converters.cli"

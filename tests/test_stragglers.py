@@ -158,7 +158,7 @@ def simulated(ranks: int = 64, steps: int = 200, seed: int = 0, hosts_of: int = 
 def empty_saves() -> pa.Table:
     return pa.table({"name": pa.array([], pa.string()), "rank": pa.array([], pa.int64()),
                      "host": pa.array([], pa.string()), "phase": pa.array([], pa.string()),
-                     "duration_s": pa.array([], pa.float64())})
+                     "duration_s": pa.array([], pa.float64()), "rank_total_s": pa.array([], pa.float64())})
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -197,7 +197,10 @@ def test_slow_saves_name_the_rank_and_phase():
                     seconds = 3.0
                 rows.append({"name": checkpoint, "rank": rank, "host": f"h{rank // 4}", "phase": phase,
                              "duration_s": seconds * (1 + 0.01 * ((rank * 7 + len(phase)) % 5))})
-    saves = pa.Table.from_pylist(rows)
+    totals = {}
+    for row in rows:
+        totals[row["name"], row["rank"]] = totals.get((row["name"], row["rank"]), 0.0) + row["duration_s"]
+    saves = pa.Table.from_pylist([{**row, "rank_total_s": totals[row["name"], row["rank"]]} for row in rows])
     report = stragglers({"steps": simulated()[0].slice(0, 0), "saves": saves})
     assert [(s["rank"], s["checkpoints"], s["phases"]) for s in report["slow_saves"]] == [(5, ["b"], ["write_chunks"])]
     assert report["slow_saves"][0]["ratio"] > 2.5  # rank 3's short join is the others' wait: not reported

@@ -21,6 +21,7 @@ from .screens.checkpoint import CheckpointScreen
 from .screens.diff import DiffScreen
 from .screens.help import HelpScreen
 from .screens.repository import RepositoryScreen
+from .screens.run import RunScreen
 
 
 class OpenScreen(WorkerScreen):
@@ -56,6 +57,8 @@ class OpenScreen(WorkerScreen):
             self.app.call_from_thread(self.app.push_screen, CheckpointScreen(reader, target))
         else:
             self.app.call_from_thread(self.app.push_screen, RepositoryScreen(target))
+            if self.app.compare_with is not None:  # ckptfmt tui RUN --compare RUN_B: straight to the comparison
+                self.app.call_from_thread(self.app.push_screen, RunScreen(target, self.app.compare_with))
 
 
 class CheckpointApp(App):
@@ -68,12 +71,16 @@ class CheckpointApp(App):
         Binding("escape", "back", "Back"),
     ]
 
-    def __init__(self, targets: list[str], storage_options: dict | None = None) -> None:
+    def __init__(self, targets: list[str], storage_options: dict | None = None,
+                 compare_with: str | None = None) -> None:
         if len(targets) not in (1, 2):
             raise ValueError(f"give one target (a repository or checkpoint) or two to compare, not {len(targets)}")
+        if compare_with is not None and len(targets) != 1:
+            raise ValueError("--compare takes one run (a repository) to compare with the target run")
         super().__init__()
         self.targets = list(targets)
         self.storage_options = storage_options
+        self.compare_with = compare_with
         self.verified: dict[str, str] = {}  # checkpoint URL -> "ok" or "damaged", from verifies run in this session
 
     def get_default_screen(self) -> OpenScreen:
@@ -93,15 +100,17 @@ class CheckpointApp(App):
             self.pop_screen()
 
 
-def create_app(targets: list[str], storage_options: dict | None = None) -> CheckpointApp:
-    """The app for ``targets``: one repository or checkpoint URL, or two checkpoints to diff."""
-    return CheckpointApp(targets, storage_options)
+def create_app(targets: list[str], storage_options: dict | None = None,
+               compare_with: str | None = None) -> CheckpointApp:
+    """The app for ``targets``: one repository or checkpoint URL, or two checkpoints to diff; with
+    ``compare_with``, the run screen comparing the target run with that one."""
+    return CheckpointApp(targets, storage_options, compare_with)
 
 
-def main(targets: list[str], storage_options: dict | None = None) -> int:
+def main(targets: list[str], storage_options: dict | None = None, compare_with: str | None = None) -> int:
     """Run the TUI until the user quits; returns the exit code (2 for bad arguments)."""
     try:
-        app = create_app(targets, storage_options)
+        app = create_app(targets, storage_options, compare_with)
     except ValueError as exc:
         print(f"ckptfmt tui: {exc}")
         return 2

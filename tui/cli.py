@@ -15,6 +15,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("tui", help="browse, verify and compare checkpoints in a terminal UI")
     p.add_argument("targets", nargs="+", metavar="TARGET",
                    help="a repository or checkpoint URL; give two checkpoints to open their diff")
+    p.add_argument("--compare", metavar="RUN_B", default=None,
+                   help="open the run screen comparing the TARGET run (a repository) with this one")
     p.set_defaults(run=run)
 
 
@@ -25,4 +27,4 @@ def run(args, console: Console) -> int:
         raise CheckpointError("the terminal UI needs textual: pip install 'ckptfmt[tui]'") from None
     from .app import main
 
-    return main(args.targets)
+    return main(args.targets, compare_with=args.compare)

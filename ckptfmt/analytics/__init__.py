@@ -1,10 +1,13 @@
 """Run analytics: what a run's checkpoints record about it, as Arrow tables (spec/ANALYTICS.md).
 
-Built from commit records and manifests only, never tensor bytes. Needs
-pyarrow (``pip install ckptfmt[analytics]``); the rest of ckptfmt does not.
+Built from commit records and manifests only (``compare`` reads tensor bytes
+only where chunk hashes differ). Needs pyarrow, and matplotlib for the report
+(``ckptfmt.analytics.report``): ``pip install ckptfmt[analytics]``; the rest of
+ckptfmt needs neither.
 """
 
-from .stragglers import Thresholds, stragglers
+from .compare import compare
+from .stragglers import Thresholds, episode_ranges, stragglers
 from .tables import TABLE_NAMES, export, tables
 
-__all__ = ["TABLE_NAMES", "Thresholds", "export", "stragglers", "tables"]
+__all__ = ["TABLE_NAMES", "Thresholds", "compare", "episode_ranges", "export", "stragglers", "tables"]

@@ -45,7 +45,7 @@ class Thresholds:
     k: float = 4.5
     #: Share of the phase's median at that step.
     share: float = 0.25
-    #: Share of the median step duration at that step.
+    #: Share of the median step duration at that step (of the median save, for save phases).
     step_share: float = 0.05
     #: Seconds, whatever the phase's noise.
     floor_s: float = 0.01
@@ -168,6 +168,12 @@ def _episode(delays: Delays, column: int, rows: np.ndarray) -> dict:
             "ratio": _finite(np.median(delays.ratio[rows, column])), "phase": max(set(phases), key=phases.count)}
 
 
+def episode_ranges(episodes: list[dict]) -> str:
+    """A straggler's episodes as text: ``4-7, 12``."""
+    return ", ".join(str(e["first_step"]) if e["first_step"] == e["last_step"] else f"{e['first_step']}-{e['last_step']}"
+                     for e in episodes)
+
+
 def _finite(value: float) -> float | None:
     """A ratio for the report: None where the median was 0 (JSON has no infinity)."""
     return float(value) if np.isfinite(value) else None
@@ -204,12 +210,17 @@ def _slow_saves(saves: pa.Table, thresholds: Thresholds) -> list[dict]:
     hosts = dict(zip(rank_numbers.tolist(), saves.column("host").to_pylist()))
     phase_names = np.asarray(saves.column("phase").to_pylist(), dtype=object)
     durations = saves.column("duration_s").to_numpy(zero_copy_only=False).astype(np.float64)
+    totals = np.full((len(checkpoints), ranks.size), np.nan)
+    totals[name_index, rank_index] = saves.column("rank_total_s").to_numpy(zero_copy_only=False).astype(np.float64)
+    with np.errstate(all="ignore"):  # as for steps: a share of the checkpoint's median save, at least floor_s
+        floor = np.maximum(thresholds.step_share * np.nanmedian(totals, axis=1, keepdims=True), thresholds.floor_s)
+    floor = np.where(np.isfinite(floor), floor, thresholds.floor_s)
     found: dict[int, dict] = {}
     for phase in sorted({p for p in phase_names.tolist() if isinstance(p, str)} - SAVE_WAITS):
         chosen = phase_names == phase
         values = np.full((len(checkpoints), ranks.size), np.nan)
         values[name_index[chosen], rank_index[chosen]] = durations[chosen]
-        excess, times = _excess(values, thresholds, thresholds.floor_s)
+        excess, times = _excess(values, thresholds, floor)
         for row, column in zip(*np.nonzero(excess > 0)):
             rank = int(ranks[column])
             entry = found.setdefault(rank, {"rank": rank, "host": hosts.get(rank), "checkpoints": [], "phases": [],

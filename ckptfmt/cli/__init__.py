@@ -68,6 +68,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(run=commands.stragglers)
 
+    p = sub.add_parser("compare", help="compare two runs: identical? where they diverge, and why (needs "
+                                       "ckptfmt[analytics])")
+    p.add_argument("a", help="repository URL of one run")
+    p.add_argument("b", help="repository URL of the other")
+    p.add_argument("--atol", type=float, default=0.0, help="absolute tolerance for equal tensors")
+    p.add_argument("--rtol", type=float, default=0.0, help="relative tolerance for equal tensors")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(run=commands.compare)
+
+    p = sub.add_parser("report", help="a run's figures and tables as one self-contained HTML file and/or PNGs "
+                                      "(needs ckptfmt[analytics])")
+    p.add_argument("repo", help="repository URL of the run")
+    p.add_argument("--compare", metavar="REPO_B", default=None, help="a second run to compare it with")
+    p.add_argument("--html", metavar="OUT.html", default=None, help="write the page here")
+    p.add_argument("--png", metavar="DIR", default=None, help="write each figure as DIR/<figure>.png")
+    p.set_defaults(run=commands.report)
+
     for plugin in sorted(entry_points(group=COMMANDS_GROUP), key=lambda ep: ep.name):
         _register(plugin, sub)
     return parser

@@ -217,7 +217,8 @@ def analytics_export(args, console: Console) -> int:
 
 
 def stragglers(args, console: Console) -> int:
-    report = _analytics().stragglers(args.repo)
+    analytics = _analytics()
+    report = analytics.stragglers(args.repo)
     if args.json:
         console.print_json(data=report)
         return 0
@@ -226,7 +227,7 @@ def stragglers(args, console: Console) -> int:
     for column in ("rank", "host", "kind", "steps", "phase", "delay", "worst", "x median"):
         table.add_column(column, justify="right" if column in ("rank", "delay", "worst", "x median") else "left")
     for s in report["stragglers"]:
-        table.add_row(str(s["rank"]), text(s["host"]), s["kind"], _episodes_text(s["episodes"]), s["phase"],
+        table.add_row(str(s["rank"]), text(s["host"]), s["kind"], analytics.episode_ranges(s["episodes"]), s["phase"],
                       seconds(s["delay_s"]), seconds(s["max_delay_s"]), _times(s["ratio"]))
     print_table(console, table)
     if report["hosts"]:
@@ -248,9 +249,49 @@ def stragglers(args, console: Console) -> int:
     return 0
 
 
-def _episodes_text(episodes: list[dict]) -> str:
-    return ", ".join(str(e["first_step"]) if e["first_step"] == e["last_step"] else f"{e['first_step']}-{e['last_step']}"
-                     for e in episodes)
+def report(args, console: Console) -> int:
+    if args.html is None and args.png is None:
+        raise CheckpointError("say where the report goes: --html OUT.html and/or --png DIR")
+    _analytics()
+    try:
+        from ..analytics.report import report as write_report
+    except ImportError as exc:
+        raise CheckpointError(f"ckptfmt report needs matplotlib ({exc}): pip install 'ckptfmt[analytics]'") from None
+    made = write_report(args.repo, html_path=args.html, png_dir=args.png, compare_with=args.compare)
+    for where in (args.html, args.png):
+        if where is not None:
+            console.print(f"wrote {where} ({len(made['figures'])} figures: {', '.join(made['figures'])})",
+                          markup=False, highlight=False)
+    return 0
+
+
+def compare(args, console: Console) -> int:
+    report = _analytics().compare(args.a, args.b, atol=args.atol, rtol=args.rtol)
+    if args.json:
+        console.print_json(data=report)
+        return 0
+    tolerance = f" within atol {args.atol:g}, rtol {args.rtol:g}" if args.atol or args.rtol else " bit for bit"
+    steps = len(report["checkpoints"])
+    verdict = "identical" + tolerance if report["identical"] else "different"
+    console.print(f"{args.a} vs {args.b}: {steps} checkpoints at common steps; the runs are {verdict}")
+    for side, key in (("a", "steps_only_in_a"), ("b", "steps_only_in_b")):
+        if report[key]:
+            console.print(f"steps saved only in {side}: {_ranges(report[key])}")
+    divergence = report["first_divergence"]
+    if divergence:
+        amount = "" if divergence["max_abs"] is None else \
+            f": max abs difference {divergence['max_abs']:.3g}, max relative {divergence['max_rel']:.3g}"
+        console.print(f"first divergence: step {divergence['step']} ({divergence['checkpoint']}), tensor "
+                      f"{divergence['tensor']}{amount}", markup=False, highlight=False)
+    if report["differences"]:
+        table = new_table(f"{len(report['differences'])} recorded differences that could explain it")
+        for column in ("kind", "field", "rank", "a", "b", "from step"):
+            table.add_column(column)
+        for d in report["differences"]:
+            table.add_row(d["kind"], d["field"], text(d.get("rank")), short(text(d["a"]), 40),
+                          short(text(d["b"]), 40), text(d["first_step"]))
+        print_table(console, table)
+    return 0
 
 
 def _ranges(steps: list[int]) -> str:

@@ -15,6 +15,7 @@ from ..widgets.formatting import human_bytes, human_time
 from .base import ErrorPanel, WorkerScreen
 from .checkpoint import CheckpointScreen
 from .diff import DiffScreen
+from .run import RunScreen
 from .verify import VerifyScreen
 
 # column label -> sort key of a commit record (the verified column sorts by its text)
@@ -34,7 +35,8 @@ class RepositoryScreen(WorkerScreen):
 
     HELP = ("Enter opens the checkpoint under the cursor. Space marks it; with two marked, d compares them "
             "(older as A). s sorts by the next column, or click a header; again reverses. v verifies every "
-            "checkpoint and fills the verified column.")
+            "checkpoint and fills the verified column. a opens the run's analytics: step times per rank, "
+            "stragglers, save timeline.")
 
     DEFAULT_CSS = """
     RepositoryScreen #summary { padding: 0 1; }
@@ -45,6 +47,7 @@ class RepositoryScreen(WorkerScreen):
         Binding("d", "diff", "Diff marked"),
         Binding("v", "verify", "Verify all"),
         Binding("s", "sort", "Sort"),
+        Binding("a", "analytics", "Run analytics"),
     ]
 
     def __init__(self, url: str) -> None:
@@ -160,6 +163,9 @@ class RepositoryScreen(WorkerScreen):
         created = {r.name: r.created_ns for r in self.records}
         older, newer = sorted(self.marked, key=lambda n: created.get(n, 0))
         self.app.push_screen(DiffScreen(self.checkpoint_url(older), self.checkpoint_url(newer)))
+
+    def action_analytics(self) -> None:
+        self.app.push_screen(RunScreen(self.url))
 
     def action_verify(self) -> None:
         names = [r.name for r in self.records]

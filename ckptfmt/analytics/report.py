@@ -1,0 +1,256 @@
+"""A run's report: figures and tables in one self-contained HTML file (and the figures as PNG files).
+
+The page embeds its figures as inline SVG and its style inline: it opens from
+a file, offline, in any browser. Figures (matplotlib, drawn off-screen):
+step time per rank over steps with the stragglers marked, the delay each rank
+added, save phases per checkpoint, checkpoint size and new bytes over time,
+metrics over steps, and with a second run, the tensors that differ per
+checkpoint and tensor group. Tables: stragglers, slow saves, and the recorded
+differences between the runs.
+"""
+
+from __future__ import annotations
+
+import html
+import io
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")  # no display: figures are files
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pyarrow as pa  # noqa: E402
+
+from .compare import compare  # noqa: E402
+from .stragglers import episode_ranges, step_delays, stragglers  # noqa: E402
+from .tables import tables  # noqa: E402
+
+
+@dataclass
+class Figure:
+    """One figure of the report: its id (a file name), title, caption and the matplotlib figure."""
+
+    id: str
+    title: str
+    caption: str
+    figure: Any
+
+
+def report(repo: str | os.PathLike, *, html_path: str | os.PathLike | None = None,
+           png_dir: str | os.PathLike | None = None, compare_with: str | os.PathLike | None = None,
+           storage_options: dict | None = None) -> dict:
+    """Write the report of run ``repo`` (compared with run ``compare_with`` if given) as ``html_path``
+    and/or PNG files in ``png_dir``; returns what went in: figure ids, stragglers, the comparison."""
+    built = tables(repo, storage_options=storage_options)
+    found = stragglers(built)
+    comparison = compare(repo, compare_with, storage_options=storage_options) if compare_with else None
+    figures = [f for f in (_step_heatmap(built["steps"], found), _delay_heatmap(built["steps"]),
+                           _save_phases(built["saves"]), _sizes(built["checkpoints"]), _metrics(built["steps"]),
+                           _divergence(comparison)) if f is not None]
+    try:
+        if png_dir is not None:
+            folder = Path(png_dir)
+            folder.mkdir(parents=True, exist_ok=True)
+            for figure in figures:
+                figure.figure.savefig(folder / f"{figure.id}.png", dpi=110, bbox_inches="tight")
+        if html_path is not None:
+            Path(html_path).write_text(_page(os.fspath(repo), built, found, comparison, compare_with, figures),
+                                       encoding="utf-8")
+    finally:
+        for figure in figures:
+            plt.close(figure.figure)
+    return {"figures": [f.id for f in figures], "stragglers": found, "comparison": comparison}
+
+
+# -- figures ---------------------------------------------------------------------------------------
+def _grid(steps: pa.Table, column: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(step numbers, ranks, ranks x steps values) of one steps column."""
+    step_numbers = steps.column("step").to_numpy(zero_copy_only=False)
+    rank_numbers = steps.column("rank").to_numpy(zero_copy_only=False)
+    all_steps, step_index = np.unique(step_numbers, return_inverse=True)
+    all_ranks, rank_index = np.unique(rank_numbers, return_inverse=True)
+    values = np.full((all_ranks.size, all_steps.size), np.nan)
+    values[rank_index, step_index] = steps.column(column).to_numpy(zero_copy_only=False).astype(float)
+    return all_steps, all_ranks, values
+
+
+def _heatmap(title: str, steps: np.ndarray, ranks: np.ndarray, values: np.ndarray, label: str):
+    figure, axes = plt.subplots(figsize=(10, max(2.5, min(8, 0.25 * ranks.size + 1.5))))
+    image = axes.imshow(values, aspect="auto", interpolation="nearest", cmap="viridis",
+                        extent=(steps[0] - 0.5, steps[-1] + 0.5, ranks[-1] + 0.5, ranks[0] - 0.5))
+    figure.colorbar(image, ax=axes, label=label)
+    axes.set_xlabel("step")
+    axes.set_ylabel("rank")
+    axes.set_title(title)
+    return figure, axes
+
+
+def _step_heatmap(steps: pa.Table, found: dict) -> Figure | None:
+    if steps.num_rows == 0:
+        return None
+    step_numbers, ranks, values = _grid(steps, "duration_s")
+    figure, axes = _heatmap("Step time per rank", step_numbers, ranks, values, "seconds")
+    marks = [(step, s["rank"]) for s in found["stragglers"] for step in s["steps"]]
+    if marks:
+        axes.scatter([m[0] for m in marks], [m[1] for m in marks], marker="x", color="red", s=30,
+                     label="straggler (delayed the others)")
+        axes.legend(loc="upper right", fontsize="small")
+    return Figure("step-time", "Step time per rank",
+                  "In synchronous training every rank's step lasts as long as the slowest rank's, so the rows "
+                  "look alike; the red crosses mark the ranks that delayed the others, found from the phases of "
+                  "their own work.", figure)
+
+
+def _delay_heatmap(steps: pa.Table) -> Figure | None:
+    if steps.num_rows == 0 or not any(c.startswith("phase_") for c in steps.column_names):
+        return None
+    delays = step_delays(steps)
+    figure, _ = _heatmap("Delay each rank added", delays.steps, delays.ranks, delays.delay_s.T, "seconds")
+    return Figure("delays", "Delay each rank added",
+                  "Seconds a rank spent in a phase of its own work beyond the other ranks' median, where that "
+                  "exceeds the run's jitter (0 elsewhere).", figure)
+
+
+def _save_phases(saves: pa.Table) -> Figure | None:
+    if saves.num_rows == 0:
+        return None
+    rows = saves.select(["name", "rank", "phase", "duration_s"]).to_pylist()
+    names = list(dict.fromkeys(r["name"] for r in rows))
+    phases = list(dict.fromkeys(r["phase"] for r in rows))
+    slowest = np.zeros((len(phases), len(names)))  # the slowest rank's time in each phase
+    for r in rows:
+        i, j = phases.index(r["phase"]), names.index(r["name"])
+        slowest[i, j] = max(slowest[i, j], r["duration_s"] or 0.0)
+    figure, axes = plt.subplots(figsize=(10, 4))
+    bottom = np.zeros(len(names))
+    for i, phase in enumerate(phases):
+        axes.bar(range(len(names)), slowest[i], bottom=bottom, label=phase)
+        bottom += slowest[i]
+    axes.set_xticks(range(len(names)), names, rotation=45, ha="right", fontsize="small")
+    axes.set_ylabel("seconds (slowest rank per phase)")
+    axes.set_title("Save phases per checkpoint")
+    axes.legend(fontsize="small", ncol=4)
+    return Figure("save-phases", "Save phases per checkpoint",
+                  "Each phase of the save as its slowest rank spent it; join, plan and wait_ranks are waits "
+                  "for the other ranks.", figure)
+
+
+def _sizes(checkpoints: pa.Table) -> Figure | None:
+    if checkpoints.num_rows == 0:
+        return None
+    rows = checkpoints.to_pylist()
+    x = [r["step"] if r["step"] is not None else i for i, r in enumerate(rows)]
+    figure, axes = plt.subplots(figsize=(10, 3.5))
+    axes.plot(x, [(r["stored_bytes"] or 0) / 2**20 for r in rows], marker="o", label="checkpoint size")
+    axes.bar(x, [(r["new_bytes"] or 0) / 2**20 for r in rows], width=max(1, (max(x) - min(x)) / 60 or 1),
+             color="orange", label="new bytes (not shared with earlier checkpoints)")
+    axes.set_xlabel("step")
+    axes.set_ylabel("MiB")
+    axes.set_title("Checkpoint size and new bytes")
+    axes.legend(fontsize="small")
+    return Figure("sizes", "Checkpoint size and new bytes",
+                  "What each checkpoint holds, and what it added to storage: unchanged chunks are stored once.",
+                  figure)
+
+
+def _metrics(steps: pa.Table) -> Figure | None:
+    names = [c for c in steps.column_names if c.startswith("metric_")]
+    if steps.num_rows == 0 or not names:
+        return None
+    figure, axes = plt.subplots(figsize=(10, 3.5))
+    for name in names:
+        step_numbers, _, values = _grid(steps, name)
+        with np.errstate(all="ignore"):
+            axes.plot(step_numbers, np.nanmean(values, axis=0), label=name[len("metric_"):])
+    axes.set_xlabel("step")
+    axes.set_title("Metrics (mean over ranks)")
+    axes.legend(fontsize="small")
+    return Figure("metrics", "Metrics", "The scalars the training loop recorded, averaged over ranks.", figure)
+
+
+def _divergence(comparison: dict | None) -> Figure | None:
+    if not comparison or not comparison["checkpoints"]:
+        return None
+    entries = comparison["checkpoints"]
+    groups = sorted({g for e in entries for g in e["groups_differing"]}) or ["(none)"]
+    counts = np.array([[e["groups_differing"].get(g, 0) for e in entries] for g in groups], dtype=float)
+    figure, axes = plt.subplots(figsize=(10, max(2.5, 0.4 * len(groups) + 1.5)))
+    image = axes.imshow(counts, aspect="auto", interpolation="nearest", cmap="Reds", vmin=0)
+    figure.colorbar(image, ax=axes, label="tensors whose bytes differ")
+    axes.set_xticks(range(len(entries)), [str(e["step"]) for e in entries], fontsize="small")
+    axes.set_yticks(range(len(groups)), groups)
+    axes.set_xlabel("step")
+    axes.set_title("Divergence per checkpoint and tensor group")
+    return Figure("divergence", "Divergence per checkpoint and tensor group",
+                  "Tensors whose chunk hashes differ between the two runs' checkpoints of a step, by the first "
+                  "segment of their key.", figure)
+
+
+# -- the page --------------------------------------------------------------------------------------
+_STYLE = """
+body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 70em; color: #222; }
+h1 { font-size: 1.5em; } h2 { font-size: 1.2em; margin-top: 2em; }
+figure { margin: 1em 0; } figcaption { color: #555; font-size: 0.9em; }
+table { border-collapse: collapse; font-size: 0.9em; } td, th { border: 1px solid #ccc; padding: 0.2em 0.6em; }
+th { background: #f3f3f3; text-align: left; } .verdict { font-size: 1.1em; font-weight: bold; }
+svg { max-width: 100%; height: auto; }
+"""
+
+
+def _page(repo: str, built: dict, found: dict, comparison: dict | None, other, figures: list[Figure]) -> str:
+    e = html.escape
+    checkpoints = built["checkpoints"]
+    parts = [f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>ckptfmt report: {e(repo)}</title>"
+             f"<style>{_STYLE}</style></head><body>",
+             f"<h1>Run report: {e(repo)}</h1>",
+             f"<p>{checkpoints.num_rows} checkpoints, {found['steps']} recorded steps on {found['ranks']} ranks.</p>"]
+    if comparison is not None:
+        divergence = comparison["first_divergence"]
+        verdict = "identical" if comparison["identical"] else "different"
+        parts.append(f"<h2>Compared with {e(os.fspath(other))}</h2><p class='verdict' id='verdict'>The runs are "
+                     f"{verdict}.</p>")
+        if divergence:
+            parts.append(f"<p>First divergence: step {divergence['step']} ({e(divergence['checkpoint'])}), "
+                         f"tensor <code>{e(divergence['tensor'])}</code>, max abs difference "
+                         f"{e(str(divergence['max_abs']))}.</p>")
+        parts.append(_table("differences", ["kind", "field", "rank", "a", "b", "first step"],
+                            [[d["kind"], d["field"], d.get("rank"), d["a"], d["b"], d["first_step"]]
+                             for d in comparison["differences"]]))
+    parts.append("<h2>Stragglers</h2>")
+    parts.append(_table("stragglers", ["rank", "host", "kind", "steps", "phase", "delay (s)", "x median"],
+                        [[s["rank"], s["host"], s["kind"], episode_ranges(s["episodes"]), s["phase"],
+                          f"{s['delay_s']:.3f}", "-" if s["ratio"] is None else f"{s['ratio']:.1f}"]
+                         for s in found["stragglers"]]))
+    if found["slow_saves"]:
+        parts.append("<h2>Slow saves</h2>")
+        parts.append(_table("slow-saves", ["rank", "host", "checkpoints", "phases", "delay (s)"],
+                            [[s["rank"], s["host"], ", ".join(s["checkpoints"]), ", ".join(sorted(set(s["phases"]))),
+                              f"{s['delay_s']:.3f}"] for s in found["slow_saves"]]))
+    for figure in figures:
+        parts.append(f"<h2>{e(figure.title)}</h2><figure id='figure-{figure.id}'>{_svg(figure.figure)}"
+                     f"<figcaption>{e(figure.caption)}</figcaption></figure>")
+    parts.append("</body></html>")
+    return "\n".join(parts)
+
+
+def _table(table_id: str, header: list[str], rows: list[list]) -> str:
+    if not rows:
+        return f"<p id='{table_id}'>None.</p>"
+    e = html.escape
+    head = "".join(f"<th>{e(h)}</th>" for h in header)
+    body = "".join("<tr>" + "".join(f"<td>{e('' if v is None else str(v))}</td>" for v in row) + "</tr>"
+                   for row in rows)
+    return f"<table id='{table_id}'><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def _svg(figure) -> str:
+    """The figure as inline SVG markup (the XML prolog and doctype left out)."""
+    buffer = io.StringIO()
+    figure.savefig(buffer, format="svg", bbox_inches="tight")
+    text = buffer.getvalue()
+    return re.sub(r"^.*?(<svg\b)", r"\1", text, count=1, flags=re.S)

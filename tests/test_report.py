@@ -1,0 +1,106 @@
+"""`ckptfmt report`: one self-contained HTML page (and PNGs) of a run, rendered by a real headless Chromium.
+
+The runs are the 4-rank DDP runs of test_stragglers (with their injected
+stragglers) and a second one whose data order changes, to compare with.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ckptfmt.analytics.report import report
+
+from ranks import run_ranks
+from test_stragglers import SLEEPS, ddp_training
+
+FIGURES = ["step-time", "delays", "save-phases", "sizes", "metrics", "divergence"]
+
+
+@pytest.fixture(scope="module")
+def two_runs(tmp_path_factory) -> tuple[str, str]:
+    folder = tmp_path_factory.mktemp("report")
+    urls = []
+    for name in ("a", "b"):
+        url = str(folder / name)
+        for outcome in run_ranks(ddp_training, 4, folder / f"ranks-{name}", repo=url, steps=16):
+            outcome.unwrap()
+        urls.append(url)
+    return urls[0], urls[1]
+
+
+@pytest.fixture(scope="module")
+def page(two_runs, tmp_path_factory) -> tuple[Path, dict]:
+    out = tmp_path_factory.mktemp("page")
+    made = report(two_runs[0], html_path=out / "report.html", png_dir=out / "png", compare_with=two_runs[1])
+    return out, made
+
+
+def test_the_page_holds_every_figure_and_table_and_needs_no_network(page):
+    out, made = page
+    assert made["figures"] == FIGURES
+    text = (out / "report.html").read_text()
+    for figure in FIGURES:
+        assert re.search(rf"<figure id='figure-{figure}'><svg\b", text), figure
+    assert "id='stragglers'" in text and "id='differences'" in text
+    references = re.findall(r"""(?:src|href)\s*=\s*["']([^"']*)["']""", text)
+    assert all(r.startswith("#") or r.startswith("data:") for r in references), references[:5]
+    assert "<script" not in text and "@import" not in text
+    slept = {s["rank"] for s in made["stragglers"]["stragglers"]}
+    assert slept == {rank for rank, first, last, _ in SLEEPS if first < 16}
+
+
+def test_the_figures_are_written_as_png_files(page):
+    out, _ = page
+    for figure in FIGURES:
+        data = (out / "png" / f"{figure}.png").read_bytes()
+        assert data.startswith(b"\x89PNG") and len(data) > 5000, figure
+
+
+def test_the_cli_writes_the_page_and_refuses_to_write_nothing(two_runs, tmp_path):
+    html = tmp_path / "cli.html"
+    result = subprocess.run([sys.executable, "-m", "ckptfmt.cli", "report", two_runs[0], "--html", str(html)],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert html.stat().st_size > 10_000 and "divergence" not in result.stdout  # nothing to compare with
+    refused = subprocess.run([sys.executable, "-m", "ckptfmt.cli", "report", two_runs[0]], capture_output=True,
+                             text=True, timeout=300)
+    assert refused.returncode == 2 and "--html" in refused.stderr and refused.stderr.count("\n") == 1
+
+
+CHROMIUM = next((shutil.which(name) for name in ("chromium", "chromium-browser", "google-chrome")
+                 if shutil.which(name)), None)
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="no Chromium (.ci/run installs it)")
+def test_a_headless_browser_renders_the_page_with_its_figures(page, tmp_path):
+    out, _ = page
+    url = (out / "report.html").resolve().as_uri()
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--hide-scrollbars",
+             f"--user-data-dir={tmp_path / 'profile'}"]
+    dom = subprocess.run([CHROMIUM, *flags, "--dump-dom", url], capture_output=True, text=True, timeout=120)
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    for figure in FIGURES:  # parsed into the document, each with its drawing
+        assert re.search(rf'<figure id="figure-{figure}"><svg\b', dom.stdout), figure
+    # Drawn rows of the page, against the same page with its drawings taken out: the figures render.
+    bare = tmp_path / "bare.html"
+    bare.write_text(re.sub(r"<svg\b.*?</svg>", "", (out / "report.html").read_text(), flags=re.S))
+    assert drawn_rows(CHROMIUM, flags, url, tmp_path / "page.png") > drawn_rows(
+        CHROMIUM, flags, bare.resolve().as_uri(), tmp_path / "bare.png") + 6 * 150
+
+
+def drawn_rows(chromium: str, flags: list[str], url: str, shot: Path) -> int:
+    """Rows of a 1200 x 6000 screenshot of ``url`` with ink across at least 5% of their width."""
+    from PIL import Image
+
+    subprocess.run([chromium, *flags, "--window-size=1200,6000", f"--screenshot={shot}", url], capture_output=True,
+                   timeout=120, check=True)
+    pixels = np.asarray(Image.open(shot).convert("L"), dtype=float)
+    assert pixels.shape == (6000, 1200)
+    return int(((pixels < 200).mean(axis=1) > 0.05).sum())

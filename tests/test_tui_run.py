@@ -1,0 +1,74 @@
+"""The TUI's run screen (Textual Pilot): step times per rank with the stragglers, the save timeline, and
+the comparison of two runs, on a real 4-rank DDP run with injected sleeps and two single-process runs."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("textual")
+
+from ckptfmt.tui.app import create_app  # noqa: E402
+from ckptfmt.tui.screens.repository import RepositoryScreen  # noqa: E402
+from ckptfmt.tui.screens.run import RunScreen  # noqa: E402
+
+from ranks import run_ranks  # noqa: E402
+from test_compare import train  # noqa: E402
+from test_stragglers import ddp_training  # noqa: E402
+from test_tui import SIZE, async_test, cells, settle, text_of  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def ddp_run(tmp_path_factory) -> str:
+    folder = tmp_path_factory.mktemp("tui-ddp")
+    repo = str(folder / "run")
+    for outcome in run_ranks(ddp_training, 4, folder / "ranks", repo=repo, steps=16):
+        outcome.unwrap()
+    return repo
+
+
+@async_test
+async def test_the_run_screen_shows_stragglers_and_the_save_timeline(ddp_run):
+    app = create_app([ddp_run])
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        assert isinstance(app.screen, RepositoryScreen)
+        await pilot.press("a")
+        await settle(app, pilot)
+        screen = app.screen
+        assert isinstance(screen, RunScreen)
+        assert "16 steps recorded on 4 ranks" in text_of(app, "#summary")
+        rows = {row[0]: row for row in cells(screen.query_one("#stragglers"))}
+        assert rows["1"][3] == "4-7" and rows["1"][4] == "data"  # rank 1 slept in data, steps 4-7
+        assert rows["2"][3] == "15" and rows["2"][4] == "forward"
+        heatmap = text_of(app, "#heatmap").splitlines()
+        rank_1 = next(line for line in heatmap if line.strip().startswith("rank 1"))
+        assert rank_1.count("x") == 4 and "x" not in next(line for line in heatmap if "rank 0" in line)
+        await pilot.press("right_square_bracket")
+        await settle(app, pilot)
+        timeline = text_of(app, "#timeline")
+        assert "step-0007" in timeline and "step-0015" in timeline and "write_chunks" in timeline
+        await pilot.press("escape")
+        assert isinstance(app.screen, RepositoryScreen)
+
+
+@async_test
+async def test_the_run_screen_compares_two_runs(tmp_path):
+    base, reordered = str(tmp_path / "base"), str(tmp_path / "reordered")
+    train(base)
+    train(reordered, shuffle_from=6)
+    app = create_app([base], compare_with=reordered)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        screen = app.screen
+        assert isinstance(screen, RunScreen)
+        screen.query_one("#run-tabs").active = "compare-tab"
+        await pilot.pause()
+        verdict = text_of(app, "#verdict")
+        assert "the runs are different" in verdict and "first divergence: step 7" in verdict
+        differences = cells(screen.query_one("#differences"))
+        assert [(d[0], d[1], d[5]) for d in differences] == [("data_order", "batch", "6")]
+
+
+def test_compare_needs_one_target():
+    with pytest.raises(ValueError, match="--compare takes one run"):
+        create_app(["a", "b"], compare_with="c")

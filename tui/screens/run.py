@@ -1,0 +1,177 @@
+"""The run screen: a run's step times per rank with its stragglers, the save timeline, and a comparison.
+
+Built from ckptfmt.analytics (pyarrow) in a worker thread. The heatmap is text:
+one row per rank, one column per step (or per group of steps when they do not
+fit), shaded by step time, with a red x where the rank delayed the others.
+"""
+
+from __future__ import annotations
+
+import math
+
+from rich.table import Table
+from rich.text import Text
+from textual import work
+from textual.app import ComposeResult
+from textual.containers import VerticalScroll
+from textual.widgets import DataTable, Footer, Header, Static, TabbedContent, TabPane
+
+from ...errors import CheckpointError
+from ...formatting import seconds
+from .base import TAB_BINDINGS, ErrorPanel, WorkerScreen
+
+#: Heatmap columns at most; more steps are grouped, each column showing its group's longest step.
+HEATMAP_COLUMNS = 96
+#: Ranks shown at most in the heatmap (the straggler table lists them all).
+HEATMAP_RANKS = 64
+_SHADES = " ░▒▓█"
+_PHASE_STYLES = ["cyan", "green", "yellow", "magenta", "blue", "red", "bright_cyan", "bright_green", "white"]
+
+
+class RunScreen(WorkerScreen):
+    """Analytics of one run (a repository), optionally compared with a second run."""
+
+    HELP = ("Steps: each rank's step time over the steps (darker: longer), a red x where the rank delayed the "
+            "others, and the stragglers found. Saves: each checkpoint's save phases, as its slowest rank spent "
+            "them. Compare (with ckptfmt tui RUN --compare RUN_B): whether the runs are identical, where they "
+            "first diverge, and every recorded difference. [ and ] switch tabs.")
+    BINDINGS = TAB_BINDINGS
+    DEFAULT_CSS = """
+    RunScreen #summary { padding: 0 1; }
+    RunScreen #stragglers, RunScreen #differences { height: auto; max-height: 20; }
+    """
+
+    def __init__(self, url: str, compare_with: str | None = None) -> None:
+        super().__init__()
+        self.url, self.compare_with = url.rstrip("/"), compare_with
+
+    def compose(self) -> ComposeResult:
+        yield Header()
+        yield Static(f"Run {self.url}: reading its manifests ...", id="summary", markup=False)
+        yield ErrorPanel()
+        with TabbedContent(id="run-tabs"):
+            with TabPane("Steps", id="steps-tab"), VerticalScroll():
+                yield Static("", id="heatmap")
+                yield DataTable(id="stragglers", cursor_type="row", zebra_stripes=True)
+            with TabPane("Saves", id="saves-tab"), VerticalScroll():
+                yield Static("", id="timeline")
+            if self.compare_with:
+                with TabPane("Compare", id="compare-tab"), VerticalScroll():
+                    yield Static("comparing ...", id="verdict", markup=False)
+                    yield DataTable(id="differences", cursor_type="row", zebra_stripes=True)
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.load()
+
+    @work(thread=True, exclusive=True, exit_on_error=False)
+    def load(self) -> None:
+        try:
+            from ckptfmt import analytics
+        except ImportError as exc:
+            raise CheckpointError(f"the run screen needs pyarrow ({exc}): pip install 'ckptfmt[analytics]'") from None
+        options = self.app.storage_options
+        built = analytics.tables(self.url, storage_options=options)
+        found = analytics.stragglers(built)
+        comparison = analytics.compare(self.url, self.compare_with, storage_options=options) \
+            if self.compare_with else None
+        self.app.call_from_thread(self._show, built, found, comparison)
+
+    def _show(self, built: dict, found: dict, comparison: dict | None) -> None:
+        from ckptfmt.analytics import episode_ranges
+
+        self.query_one("#summary", Static).update(Text(
+            f"Run {self.url}: {built['checkpoints'].num_rows} checkpoints, {found['steps']} steps recorded on "
+            f"{found['ranks']} ranks, {len(found['stragglers'])} stragglers, {len(found['slow_saves'])} slow saves"))
+        self.query_one("#heatmap", Static).update(heatmap(built["steps"], found))
+        table = self.query_one("#stragglers", DataTable)
+        for column in ("rank", "host", "kind", "steps", "phase", "delay", "x median"):
+            table.add_column(column, key=column)
+        for s in found["stragglers"]:
+            table.add_row(str(s["rank"]), str(s["host"]), s["kind"], episode_ranges(s["episodes"]), s["phase"],
+                          seconds(s["delay_s"]), "-" if s["ratio"] is None else f"{s['ratio']:.1f}x")
+        self.query_one("#timeline", Static).update(timeline(built["saves"]))
+        if comparison is not None:
+            self._show_comparison(comparison)
+
+    def _show_comparison(self, comparison: dict) -> None:
+        divergence = comparison["first_divergence"]
+        lines = [f"{self.url} vs {self.compare_with}: the runs are "
+                 f"{'identical' if comparison['identical'] else 'different'}"]
+        if divergence:
+            lines.append(f"first divergence: step {divergence['step']} ({divergence['checkpoint']}), tensor "
+                         f"{divergence['tensor']}, max abs difference {divergence['max_abs']}")
+        self.query_one("#verdict", Static).update(Text("\n".join(lines)))
+        table = self.query_one("#differences", DataTable)
+        for column in ("kind", "field", "rank", "a", "b", "from step"):
+            table.add_column(column, key=column)
+        for d in comparison["differences"]:
+            table.add_row(d["kind"], d["field"], str(d.get("rank", "")), str(d["a"])[:40], str(d["b"])[:40],
+                          str(d["first_step"]))
+
+
+def heatmap(steps, found: dict) -> Table | Text:
+    """Ranks x steps as text: shades of step time, a red x where the rank delayed the others."""
+    if steps.num_rows == 0:
+        return Text("No step records: save with timer=ckptfmt.StepTimer() to record them.")
+    step_numbers = steps.column("step").to_pylist()
+    rank_numbers = steps.column("rank").to_pylist()
+    durations = steps.column("duration_s").to_pylist()
+    all_steps = sorted(set(step_numbers))
+    ranks = sorted(set(rank_numbers))[:HEATMAP_RANKS]
+    group = max(1, math.ceil(len(all_steps) / HEATMAP_COLUMNS))
+    column_of = {step: index // group for index, step in enumerate(all_steps)}
+    columns = math.ceil(len(all_steps) / group)
+    longest = {}
+    for step, rank, duration in zip(step_numbers, rank_numbers, durations):
+        key = (rank, column_of[step])
+        if duration is not None and duration > longest.get(key, 0.0):
+            longest[key] = duration
+    slow = {(s["rank"], column_of[step]) for s in found["stragglers"] for step in s["steps"] if step in column_of}
+    top = max(longest.values(), default=0.0) or 1.0
+    grid = Table.grid(padding=(0, 1))
+    grid.add_column(justify="right", no_wrap=True)
+    grid.add_column(no_wrap=True)
+    for rank in ranks:
+        row = Text()
+        for column in range(columns):
+            if (rank, column) in slow:
+                row.append("x", style="bold red")
+            else:
+                value = longest.get((rank, column))
+                shade = " " if value is None else _SHADES[min(len(_SHADES) - 1, 1 + int(3.999 * value / top))]
+                row.append(shade, style="blue")
+        grid.add_row(f"rank {rank}", row)
+    steps_per = f", {group} steps a column (the longest shown)" if group > 1 else ""
+    grid.add_row("", Text(f"steps {all_steps[0]}-{all_steps[-1]}{steps_per}; longest step {seconds(top)}",
+                          style="dim"))
+    return grid
+
+
+def timeline(saves) -> Table | Text:
+    """Each checkpoint's save as a bar of its phases (the slowest rank's time in each)."""
+    if saves.num_rows == 0:
+        return Text("No save timings.")
+    slowest: dict[str, dict[str, float]] = {}
+    for row in saves.select(["name", "phase", "duration_s"]).to_pylist():
+        phases = slowest.setdefault(row["name"], {})
+        phases[row["phase"]] = max(phases.get(row["phase"], 0.0), row["duration_s"] or 0.0)
+    names = list(slowest)
+    phase_names = list(dict.fromkeys(p for phases in slowest.values() for p in phases))
+    style = {p: _PHASE_STYLES[i % len(_PHASE_STYLES)] for i, p in enumerate(phase_names)}
+    top = max(sum(phases.values()) for phases in slowest.values()) or 1.0
+    grid = Table.grid(padding=(0, 1))
+    grid.add_column(no_wrap=True)
+    grid.add_column(no_wrap=True, width=60)
+    grid.add_column(justify="right", no_wrap=True)
+    for name in names:
+        bar = Text()
+        for phase, value in slowest[name].items():
+            bar.append("█" * round(60 * value / top), style=style[phase])
+        grid.add_row(name, bar, seconds(sum(slowest[name].values())))
+    legend = Text("  ".join(f"█ {p}" for p in phase_names))
+    for phase in phase_names:
+        start = legend.plain.index(f"█ {phase}")
+        legend.stylize(style[phase], start, start + 1)
+    grid.add_row("", legend, "")
+    return grid
