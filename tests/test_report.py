@@ -17,22 +17,14 @@ import pytest
 
 from ckptfmt.analytics.report import report
 
-from ranks import run_ranks
-from test_stragglers import SLEEPS, ddp_training
+from test_stragglers import SLEEPS, ddp_run_in
 
 FIGURES = ["step-time", "delays", "save-phases", "sizes", "metrics", "divergence"]
 
 
 @pytest.fixture(scope="module")
 def two_runs(tmp_path_factory) -> tuple[str, str]:
-    folder = tmp_path_factory.mktemp("report")
-    urls = []
-    for name in ("a", "b"):
-        url = str(folder / name)
-        for outcome in run_ranks(ddp_training, 4, folder / f"ranks-{name}", repo=url, steps=16):
-            outcome.unwrap()
-        urls.append(url)
-    return urls[0], urls[1]
+    return tuple(ddp_run_in(tmp_path_factory.mktemp(f"report-{name}"), steps=16) for name in ("a", "b"))
 
 
 @pytest.fixture(scope="module")

@@ -74,13 +74,17 @@ def ddp_training(rank: int, world: int, folder: Path, repo: str, steps: int) -> 
     return url
 
 
-@pytest.fixture(scope="module")
-def ddp_run(tmp_path_factory) -> str:
-    folder = tmp_path_factory.mktemp("ddp")
+def ddp_run_in(folder: Path, steps: int) -> str:
+    """A 4-rank DDP run of ``steps`` steps with the SLEEPS injected; returns its repository URL."""
     repo = str(folder / "run")
-    for outcome in run_ranks(ddp_training, 4, folder / "ranks", repo=repo, steps=24):
+    for outcome in run_ranks(ddp_training, 4, folder / "ranks", repo=repo, steps=steps):
         outcome.unwrap()
     return repo
+
+
+@pytest.fixture(scope="module")
+def ddp_run(tmp_path_factory) -> str:
+    return ddp_run_in(tmp_path_factory.mktemp("ddp"), steps=24)
 
 
 def test_the_ranks_that_slept_are_found_in_the_steps_they_slept(ddp_run):

@@ -11,19 +11,14 @@ from ckptfmt.tui.app import create_app  # noqa: E402
 from ckptfmt.tui.screens.repository import RepositoryScreen  # noqa: E402
 from ckptfmt.tui.screens.run import RunScreen  # noqa: E402
 
-from ranks import run_ranks  # noqa: E402
 from test_compare import train  # noqa: E402
-from test_stragglers import ddp_training  # noqa: E402
+from test_stragglers import ddp_run_in  # noqa: E402
 from test_tui import SIZE, async_test, cells, settle, text_of  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def ddp_run(tmp_path_factory) -> str:
-    folder = tmp_path_factory.mktemp("tui-ddp")
-    repo = str(folder / "run")
-    for outcome in run_ranks(ddp_training, 4, folder / "ranks", repo=repo, steps=16):
-        outcome.unwrap()
-    return repo
+    return ddp_run_in(tmp_path_factory.mktemp("tui-ddp"), steps=16)
 
 
 @async_test
