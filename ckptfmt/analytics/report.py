@@ -27,6 +27,7 @@ import numpy as np  # noqa: E402
 import pyarrow as pa  # noqa: E402
 
 from .compare import compare  # noqa: E402
+from .grids import StepGrid, slowest_save_phases  # noqa: E402
 from .stragglers import episode_ranges, step_delays, stragglers  # noqa: E402
 from .tables import tables  # noqa: E402
 
@@ -68,17 +69,6 @@ def report(repo: str | os.PathLike, *, html_path: str | os.PathLike | None = Non
 
 
 # -- figures ---------------------------------------------------------------------------------------
-def _grid(steps: pa.Table, column: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(step numbers, ranks, ranks x steps values) of one steps column."""
-    step_numbers = steps.column("step").to_numpy(zero_copy_only=False)
-    rank_numbers = steps.column("rank").to_numpy(zero_copy_only=False)
-    all_steps, step_index = np.unique(step_numbers, return_inverse=True)
-    all_ranks, rank_index = np.unique(rank_numbers, return_inverse=True)
-    values = np.full((all_ranks.size, all_steps.size), np.nan)
-    values[rank_index, step_index] = steps.column(column).to_numpy(zero_copy_only=False).astype(float)
-    return all_steps, all_ranks, values
-
-
 def _heatmap(title: str, steps: np.ndarray, ranks: np.ndarray, values: np.ndarray, label: str):
     figure, axes = plt.subplots(figsize=(10, max(2.5, min(8, 0.25 * ranks.size + 1.5))))
     image = axes.imshow(values, aspect="auto", interpolation="nearest", cmap="viridis",
@@ -93,8 +83,8 @@ def _heatmap(title: str, steps: np.ndarray, ranks: np.ndarray, values: np.ndarra
 def _step_heatmap(steps: pa.Table, found: dict) -> Figure | None:
     if steps.num_rows == 0:
         return None
-    step_numbers, ranks, values = _grid(steps, "duration_s")
-    figure, axes = _heatmap("Step time per rank", step_numbers, ranks, values, "seconds")
+    grid = StepGrid(steps)
+    figure, axes = _heatmap("Step time per rank", grid.steps, grid.ranks, grid.values("duration_s").T, "seconds")
     marks = [(step, s["rank"]) for s in found["stragglers"] for step in s["steps"]]
     if marks:
         axes.scatter([m[0] for m in marks], [m[1] for m in marks], marker="x", color="red", s=30,
@@ -119,13 +109,7 @@ def _delay_heatmap(steps: pa.Table) -> Figure | None:
 def _save_phases(saves: pa.Table) -> Figure | None:
     if saves.num_rows == 0:
         return None
-    rows = saves.select(["name", "rank", "phase", "duration_s"]).to_pylist()
-    names = list(dict.fromkeys(r["name"] for r in rows))
-    phases = list(dict.fromkeys(r["phase"] for r in rows))
-    slowest = np.zeros((len(phases), len(names)))  # the slowest rank's time in each phase
-    for r in rows:
-        i, j = phases.index(r["phase"]), names.index(r["name"])
-        slowest[i, j] = max(slowest[i, j], r["duration_s"] or 0.0)
+    names, phases, slowest = slowest_save_phases(saves)
     figure, axes = plt.subplots(figsize=(10, 4))
     bottom = np.zeros(len(names))
     for i, phase in enumerate(phases):
@@ -162,11 +146,11 @@ def _metrics(steps: pa.Table) -> Figure | None:
     names = [c for c in steps.column_names if c.startswith("metric_")]
     if steps.num_rows == 0 or not names:
         return None
+    grid = StepGrid(steps)
     figure, axes = plt.subplots(figsize=(10, 3.5))
     for name in names:
-        step_numbers, _, values = _grid(steps, name)
         with np.errstate(all="ignore"):
-            axes.plot(step_numbers, np.nanmean(values, axis=0), label=name[len("metric_"):])
+            axes.plot(grid.steps, np.nanmean(grid.values(name), axis=1), label=name[len("metric_"):])
     axes.set_xlabel("step")
     axes.set_title("Metrics (mean over ranks)")
     axes.legend(fontsize="small")

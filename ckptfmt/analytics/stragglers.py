@@ -31,6 +31,7 @@ from typing import Any, Mapping
 import numpy as np
 import pyarrow as pa
 
+from .grids import StepGrid
 from .tables import tables
 
 #: Phases of a collective save that are waits for other ranks, not a rank's own work.
@@ -93,28 +94,18 @@ class Delays:
 
 def step_delays(steps: pa.Table, thresholds: Thresholds = Thresholds()) -> Delays:
     """Judge every (step, rank) of a steps table (one run) phase by phase against the other ranks."""
-    step_numbers = np.asarray(steps.column("step").to_numpy(zero_copy_only=False), dtype=np.int64)
-    rank_numbers = np.asarray(steps.column("rank").to_numpy(zero_copy_only=False), dtype=np.int64)
-    all_steps, step_index = np.unique(step_numbers, return_inverse=True)
-    all_ranks, rank_index = np.unique(rank_numbers, return_inverse=True)
-    hosts = dict(zip(rank_numbers.tolist(), steps.column("host").to_pylist()))
-    shape = (all_steps.size, all_ranks.size)
+    grid = StepGrid(steps)
+    shape = (grid.steps.size, grid.ranks.size)
     delay, ratio = np.zeros(shape), np.ones(shape)
     phase = np.full(shape, None, dtype=object)
-
-    def grid(name: str) -> np.ndarray:
-        values = np.full(shape, np.nan)
-        # A step recorded twice (a run resumed from an earlier checkpoint): the last record wins.
-        values[step_index, rank_index] = steps.column(name).to_numpy(zero_copy_only=False).astype(np.float64)
-        return values
     with np.errstate(all="ignore"):
-        step_floor = np.maximum(thresholds.step_share * np.nanmedian(grid("duration_s"), axis=1, keepdims=True),
+        step_floor = np.maximum(thresholds.step_share * np.nanmedian(grid.values("duration_s"), axis=1, keepdims=True),
                                 thresholds.floor_s)
     for name in [c for c in steps.column_names if c.startswith("phase_")]:
-        excess, times = _excess(grid(name), thresholds, step_floor)
+        excess, times = _excess(grid.values(name), thresholds, step_floor)
         better = excess > delay
         delay[better], ratio[better], phase[better] = excess[better], times[better], name[len("phase_"):]
-    return Delays(all_steps, all_ranks, hosts, delay, ratio, phase)
+    return Delays(grid.steps, grid.ranks, grid.hosts, delay, ratio, phase)
 
 
 def _excess(values: np.ndarray, thresholds: Thresholds, floor: np.ndarray | float) -> tuple[np.ndarray, np.ndarray]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 from rich.table import Table
 from rich.text import Text
 from textual import work
@@ -114,32 +115,30 @@ def heatmap(steps, found: dict) -> Table | Text:
     """Ranks x steps as text: shades of step time, a red x where the rank delayed the others."""
     if steps.num_rows == 0:
         return Text("No step records: save with timer=ckptfmt.StepTimer() to record them.")
-    step_numbers = steps.column("step").to_pylist()
-    rank_numbers = steps.column("rank").to_pylist()
-    durations = steps.column("duration_s").to_pylist()
-    all_steps = sorted(set(step_numbers))
-    ranks = sorted(set(rank_numbers))[:HEATMAP_RANKS]
+    from ckptfmt.analytics.grids import StepGrid
+
+    step_grid = StepGrid(steps)
+    all_steps, ranks = step_grid.steps.tolist(), step_grid.ranks.tolist()[:HEATMAP_RANKS]
     group = max(1, math.ceil(len(all_steps) / HEATMAP_COLUMNS))
-    column_of = {step: index // group for index, step in enumerate(all_steps)}
     columns = math.ceil(len(all_steps) / group)
-    longest = {}
-    for step, rank, duration in zip(step_numbers, rank_numbers, durations):
-        key = (rank, column_of[step])
-        if duration is not None and duration > longest.get(key, 0.0):
-            longest[key] = duration
+    durations = np.full((columns * group, len(step_grid.ranks)), np.nan)
+    durations[:len(all_steps)] = step_grid.values("duration_s")
+    with np.errstate(all="ignore"):  # each column: its group's longest step, per rank (NaN: none recorded)
+        longest = np.nanmax(durations.reshape(columns, group, -1), axis=1)
+    column_of = {step: index // group for index, step in enumerate(all_steps)}
     slow = {(s["rank"], column_of[step]) for s in found["stragglers"] for step in s["steps"] if step in column_of}
-    top = max(longest.values(), default=0.0) or 1.0
+    top = (float(np.nanmax(longest)) if np.isfinite(longest).any() else 0.0) or 1.0
     grid = Table.grid(padding=(0, 1))
     grid.add_column(justify="right", no_wrap=True)
     grid.add_column(no_wrap=True)
-    for rank in ranks:
+    for position, rank in enumerate(ranks):
         row = Text()
         for column in range(columns):
             if (rank, column) in slow:
                 row.append("x", style="bold red")
             else:
-                value = longest.get((rank, column))
-                shade = " " if value is None else _SHADES[min(len(_SHADES) - 1, 1 + int(3.999 * value / top))]
+                value = longest[column, position]
+                shade = " " if np.isnan(value) else _SHADES[min(len(_SHADES) - 1, 1 + int(3.999 * value / top))]
                 row.append(shade, style="blue")
         grid.add_row(f"rank {rank}", row)
     steps_per = f", {group} steps a column (the longest shown)" if group > 1 else ""
@@ -152,23 +151,21 @@ def timeline(saves) -> Table | Text:
     """Each checkpoint's save as a bar of its phases (the slowest rank's time in each)."""
     if saves.num_rows == 0:
         return Text("No save timings.")
-    slowest: dict[str, dict[str, float]] = {}
-    for row in saves.select(["name", "phase", "duration_s"]).to_pylist():
-        phases = slowest.setdefault(row["name"], {})
-        phases[row["phase"]] = max(phases.get(row["phase"], 0.0), row["duration_s"] or 0.0)
-    names = list(slowest)
-    phase_names = list(dict.fromkeys(p for phases in slowest.values() for p in phases))
+    from ckptfmt.analytics.grids import slowest_save_phases
+
+    names, phase_names, slowest = slowest_save_phases(saves)
     style = {p: _PHASE_STYLES[i % len(_PHASE_STYLES)] for i, p in enumerate(phase_names)}
-    top = max(sum(phases.values()) for phases in slowest.values()) or 1.0
+    totals = slowest.sum(axis=0)
+    top = float(totals.max()) or 1.0
     grid = Table.grid(padding=(0, 1))
     grid.add_column(no_wrap=True)
     grid.add_column(no_wrap=True, width=60)
     grid.add_column(justify="right", no_wrap=True)
-    for name in names:
+    for j, name in enumerate(names):
         bar = Text()
-        for phase, value in slowest[name].items():
-            bar.append("█" * round(60 * value / top), style=style[phase])
-        grid.add_row(name, bar, seconds(sum(slowest[name].values())))
+        for i, phase in enumerate(phase_names):
+            bar.append("█" * round(60 * slowest[i, j] / top), style=style[phase])
+        grid.add_row(name, bar, seconds(float(totals[j])))
     legend = Text("  ".join(f"█ {p}" for p in phase_names))
     for phase in phase_names:
         start = legend.plain.index(f"█ {phase}")
