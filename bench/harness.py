@@ -13,6 +13,8 @@ import math
 import os
 import re
 import shutil
+import socket
+import subprocess
 import statistics
 import sys
 import tempfile
@@ -339,3 +341,35 @@ def run_in_scratch(parent: str | None, prefix: str, run: Callable[[Path], dict],
         Path(json_path).write_text(json.dumps(report, indent=2))
         console.print(f"results written to {json_path}")
     return 0
+
+
+MOTO_SERVER = """
+import logging, sys, time
+from moto.server import ThreadedMotoServer
+logging.getLogger("werkzeug").setLevel(logging.ERROR)
+ThreadedMotoServer(ip_address="127.0.0.1", port=int(sys.argv[1]), verbose=False).start()
+while True:
+    time.sleep(3600)
+"""
+
+
+def start_moto() -> tuple[subprocess.Popen, str]:
+    """A moto S3 server in a child process (its CPU apart from the client's GIL), with this process's
+    AWS settings pointed at it; returns the process and the endpoint URL."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-c", MOTO_SERVER, str(port)])
+    endpoint = f"http://127.0.0.1:{port}"
+    os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1",
+                      AWS_ENDPOINT_URL=endpoint)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return server, endpoint
+        except OSError:
+            if time.monotonic() > deadline:
+                server.kill()
+                raise
+            time.sleep(0.1)

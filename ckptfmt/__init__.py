@@ -24,7 +24,9 @@ from .errors import (
 from .manifest import FORMAT_VERSION
 from .per_rank import PerRank, PerRankValues
 from .reader import CheckpointReader, load, open, restore_rng
+from .replicate import ReplicationReport, replicate
 from .repository import Repository
+from .retention import Retention
 from .sharded import Shard, Sharded
 from .step_timer import StepTimer
 from .values import OpaqueObject
@@ -49,7 +51,9 @@ __all__ = [
     "OpaqueObject",
     "PerRank",
     "PerRankValues",
+    "ReplicationReport",
     "Repository",
+    "Retention",
     "Shard",
     "Sharded",
     "StorageError",
@@ -58,6 +62,7 @@ __all__ = [
     "VerifyReport",
     "load",
     "open",
+    "replicate",
     "restore_rng",
     "save",
     "verify",

@@ -17,6 +17,7 @@ from __future__ import annotations
 import inspect
 import os
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -47,7 +48,9 @@ def async_save(state: Any, url: str | os.PathLike, **options: Any) -> Future:
         raise ValueError("before_commit is for synchronous saves")
     in_flight.wait_for_previous(url)  # also: the staging buffers are free again
     steps = step_records(timer)  # the steps up to the call, as the state is
+    start_ns, start = time.time_ns(), time.perf_counter()
     staged = _area(url).stage(state)
+    arguments["staged"] = (start_ns, time.perf_counter() - start)  # the stall: recorded as phase "stage"
     future = _background().submit(_save_staged, staged, url, timer, steps, arguments)
     in_flight.register(url, future)
     return future

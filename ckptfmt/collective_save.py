@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import time
 import warnings
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +31,7 @@ from .chunk_writer import ChunkTable, store_sources
 from .environment import capture_environment, merge_environments
 from .errors import CheckpointError, CheckpointExistsError, CheckpointWarning
 from .hashcache import DEFAULT_CACHE
+from .leases import Lease, hold_save_lease
 from .manifest import Manifest, Piece, Shard, TensorEntry
 from .process_group import CollectiveError, RankGroup
 from .repository import Repository, split_checkpoint_url
@@ -44,11 +46,12 @@ from .values import TensorRef, decode_tree, encode_tree
 def collective_save(state: Any, url: str, group, *, timeout: float, step: int | None, metadata: dict | None,
                     storage_options: dict | None, parent: Any, chunk_size: int | None, compression: str | None,
                     step_times: list | None, parallelism: dict | None, workers: int | None, rng: list | None,
-                    provenance: dict | None, frozen: bool, steps: dict | None) -> str:
+                    provenance: dict | None, frozen: bool, steps: dict | None,
+                    staged: tuple[int, float] | None) -> str:
     """``ckptfmt.save`` over a process group (arguments checked by ``save``); returns the checkpoint URL."""
-    from .writer import TensorCollector, commit_manifest, resolve_parent
+    from .writer import TensorCollector, resolve_parent
 
-    timer = PhaseTimer()
+    timer = PhaseTimer(staged)
     repo_url, name = split_checkpoint_url(url)
     with timer.phase("join"):
         try:
@@ -68,12 +71,27 @@ def collective_save(state: Any, url: str, group, *, timeout: float, step: int | 
             "state": encode_tree(state, collector, rank=ranks.rank), "entries": entries,
             "shapes": [s.shape for s in sources], "nbytes": [s.nbytes for s in sources], "meshes": collector.meshes,
         })
-    with timer.phase("plan"):  # mostly waiting for the other ranks to encode theirs
-        plans = ranks.gather(_report(plan, own_failure, ranks.rank))
-        decision, failure = _coordinate(plans, ranks, lambda oks: _decide(
-            oks, repo_url, name, storage_options, parent, metadata, resolve_parent))
-        decision = ranks.broadcast(decision)
-    _raise_failures(decision, url, own_failure or failure)
+    with ExitStack() as held:
+        with timer.phase("plan"):  # mostly waiting for the other ranks to encode theirs
+            plans = ranks.gather(_report(plan, own_failure, ranks.rank))
+            decision, failure = _coordinate(plans, ranks, lambda oks: _decide(
+                oks, repo_url, name, storage_options, parent, metadata, resolve_parent))
+            if decision and "ok" in decision:  # the coordinator holds the save lease until the outcome
+                held.callback(decision["ok"].lease.release)
+            decision = ranks.broadcast(decision)
+        return _write_and_commit(decision, own_failure or failure, url, name, repo_url, sources, timer, ranks,
+                                 storage_options=storage_options, step=step, rng=rng, step_times=step_times,
+                                 parallelism=parallelism, provenance=provenance, compression=compression,
+                                 chunk_size=chunk_size, workers=workers, steps=steps)
+
+
+def _write_and_commit(decision: dict, failure: Failure | None, url: str, name: str, repo_url: str,
+                      sources: list[TensorSource], timer: PhaseTimer, ranks: RankGroup, *, storage_options, step,
+                      rng, step_times, parallelism, provenance, compression, chunk_size, workers, steps) -> str:
+    """Steps 2 and 3 of the protocol, once the plan is broadcast."""
+    from .writer import commit_manifest
+
+    _raise_failures(decision, url, failure)
     agreed: Plan = decision["ok"]
     if ranks.is_coordinator and agreed.differences:
         warnings.warn(_differences_message(agreed.differences), CheckpointWarning, stacklevel=3)
@@ -95,7 +113,7 @@ def collective_save(state: Any, url: str, group, *, timeout: float, step: int | 
         reports[0]["timing"] = timer.record(ranks.rank, steps)  # the coordinator's, with its wait for every rank
         manifest = _manifest(agreed, reports, ranks, name=name, step=step, rng=rng, step_times=step_times,
                              parallelism=parallelism, provenance=provenance)
-        commit_manifest(agreed.repo, manifest)
+        commit_manifest(agreed.repo, manifest, agreed.lease)
         return agreed.repo.storage.describe(name)
     outcome, failure = _coordinate(results, ranks, commit)
     try:
@@ -189,6 +207,7 @@ class Plan:
     """What the coordinator decided: the value tree, the tensors, who writes what."""
 
     repo: Repository | None  # the coordinator's; other ranks open their own
+    lease: Lease | None  # the coordinator's save lease (spec 11.6)
     parent_name: str | None
     parent_keys: set[str]
     state: bytes
@@ -200,11 +219,21 @@ class Plan:
     differences: list[str]
 
     def __getstate__(self) -> dict:  # what the broadcast sends: everything but the coordinator's repository
-        return {**self.__dict__, "repo": None}
+        return {**self.__dict__, "repo": None, "lease": None}
 
 
 def _decide(plans: list[dict], repo_url: str, name: str, storage_options, parent, metadata, resolve_parent) -> Plan:
+    """The coordinator's plan, made under the save lease it holds until the outcome (released on failure)."""
     repo = Repository.open(repo_url, storage_options, create=True)
+    lease = hold_save_lease(repo)
+    try:
+        return _plan(plans, repo, lease, name, parent, metadata, resolve_parent)
+    except BaseException:
+        lease.release()
+        raise
+
+
+def _plan(plans: list[dict], repo: Repository, lease: Lease, name: str, parent, metadata, resolve_parent) -> Plan:
     if repo.storage.exists(layout.commit_key(name)):
         raise CheckpointExistsError(f"{repo.storage.describe(name)}: checkpoint already exists")
     parent_name, parent_keys = resolve_parent(repo, parent)
@@ -218,7 +247,7 @@ def _decide(plans: list[dict], repo_url: str, name: str, storage_options, parent
     tensors = _tensors(plans, list(order))
     assigned = _assign(tensors, len(plans))
     meshes = [mesh for plan in plans for mesh in plan["meshes"]]
-    return Plan(repo, parent_name, parent_keys, state, encode_tree({} if metadata is None else metadata),
+    return Plan(repo, lease, parent_name, parent_keys, state, encode_tree({} if metadata is None else metadata),
                 tensors, assigned, [m for i, m in enumerate(meshes) if m not in meshes[:i]], differences)
 
 

@@ -33,6 +33,7 @@ from torch.futures import Future
 
 from . import layout
 from .chunk_writer import ChunkTable, store_sources
+from .leases import Lease, hold_save_lease
 from .dtypes import dtype_from_name, dtype_name
 from .environment import capture_environment, merge_environments
 from .errors import CheckpointError, CheckpointExistsError, UnsupportedValueError
@@ -67,6 +68,10 @@ def _valid_url(checkpoint_id: str | os.PathLike) -> bool:
     return True
 
 
+#: DCP tells a coordinator nothing when another rank fails: its lease is renewed this long at most.
+DCP_MAX_HOLD_S = 3600.0
+
+
 class StorageWriter(dcp_storage.StorageWriter):
     """Writes a DCP save as the ckptfmt checkpoint ``url`` (``REPO/NAME``; the repository is created if needed)."""
 
@@ -78,10 +83,18 @@ class StorageWriter(dcp_storage.StorageWriter):
         self.storage_options = storage_options
         self.compression, self.chunk_size, self.workers, self.step = compression, chunk_size, workers, step
         self.timer = PhaseTimer()
+        #: The coordinator's save lease (spec 11.6), from the global plan to ``finish``.
+        self.lease: Lease | None = None
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        self._release_lease()  # a save that failed on some rank never reached finish()
         self.url = _checkpoint_url(checkpoint_id, self.url)
         self.timer = PhaseTimer()
+
+    def _release_lease(self) -> None:
+        if self.lease is not None:
+            self.lease.release()
+            self.lease = None
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
@@ -102,7 +115,10 @@ class StorageWriter(dcp_storage.StorageWriter):
         """On the coordinator, before any rank writes: create the repository, refuse a taken name."""
         repo_url, name = split_checkpoint_url(self.url)
         repo = Repository.open(repo_url, self.storage_options, create=True)
+        self._release_lease()
+        self.lease = hold_save_lease(repo, max_hold_s=DCP_MAX_HOLD_S)
         if repo.storage.exists(layout.commit_key(name)):
+            self._release_lease()
             raise CheckpointExistsError(f"{repo.storage.describe(name)}: checkpoint already exists")
         return plans
 
@@ -176,7 +192,10 @@ class StorageWriter(dcp_storage.StorageWriter):
             timing={"ranks": [r["timing"] for r in records], "steps": []}, stats=table.stats(tensors),
             provenance={"source_kind": "dcp", "writer": "ckptfmt.dcp.StorageWriter"},
         )
-        commit_manifest(repo, manifest)
+        try:
+            commit_manifest(repo, manifest, self.lease)
+        finally:
+            self._release_lease()
 
 
 def _original_object(planner: dcp_planner.SavePlanner, item: dcp_planner.WriteItem) -> Any:

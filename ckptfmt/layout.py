@@ -4,6 +4,8 @@
     REPO/chunks/<h[0:2]>/<h>[.<codec>]         content-addressed chunks
     REPO/NAME/manifest-<manifest hash>.msgpack one checkpoint's manifest
     REPO/NAME/COMMIT                           its commit record, written last
+    REPO/_index/...                            the commit index (index.py)
+    REPO/_leases/...                           leases of running saves and collectors (leases.py)
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from .limits import check_hash, check_name
 MARKER_KEY = "ckptfmt.json"
 CHUNKS_DIR = "chunks"
 COMMIT_NAME = "COMMIT"
+#: Save and gc leases (spec 11.6); not a valid checkpoint name, like the commit index's ``_index``.
+LEASES_DIR = "_leases"
 
 
 def chunk_key(digest: str, codec: str) -> str:

@@ -13,6 +13,8 @@ from .errors import InvalidNameError, quoted
 MAX_MANIFEST_BYTES = 256 * 2**20
 MAX_COMMIT_BYTES = 64 * 2**10
 MAX_MARKER_BYTES = 64 * 2**10
+#: One pack of the commit index (spec 4.4): about 40,000 commit records.
+MAX_INDEX_PACK_BYTES = 16 * 2**20
 MAX_DIMS = 64
 MAX_KEY_BYTES = 4096
 MAX_NAME_LENGTH = 128

@@ -28,7 +28,7 @@ from .limits import (
 from .tiling import check_tiling
 from .values import unique_map
 
-FORMAT_VERSION = (1, 2)
+FORMAT_VERSION = (1, 3)
 MANIFEST_FORMAT = "ckptfmt-manifest"
 TENSOR_KINDS = ("tensor", "parameter", "numpy")
 

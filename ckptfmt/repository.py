@@ -15,82 +15,23 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import layout
+from .commit_record import CommitRecord
 from .errors import (
     CheckpointError, CheckpointExistsError, CheckpointNotFoundError, CheckpointWarning, CorruptDataError, ManifestError,
-    StorageError, quoted,
+    StorageError, UnsupportedVersionError, quoted,
 )
 from .hashing import check_chunk
-from .limits import MAX_COMMIT_BYTES, MAX_MANIFEST_BYTES, MAX_MARKER_BYTES, check_hash, check_name, is_valid_name
+from .index import INDEX_DIR, CommitIndex, IndexDamagedError, read_each
+from .limits import MAX_COMMIT_BYTES, MAX_MARKER_BYTES, check_name, is_valid_name
 from .manifest import FORMAT_VERSION, Manifest, check_version
 from .storage import Storage, open_storage
 from .values import unique_map
 
 REPO_FORMAT = "ckptfmt-repository"
-COMMIT_FORMAT = "ckptfmt-commit"
+#: The version of the commit index (spec 4.4) that this ckptfmt reads and keeps: the marker's ``index``.
+INDEX_VERSION = 1
 #: Tries of reading a commit record back after its create (``Repository.create_commit``).
 _READ_BACK_TRIES = 4
-
-
-@dataclass(frozen=True)
-class CommitRecord:
-    """The small record that makes a checkpoint exist: its manifest's hash plus a summary."""
-
-    name: str
-    manifest_hash: str
-    manifest_size: int
-    step: int | None
-    created_ns: int
-    parent: str | None
-    stats: dict
-
-    def to_bytes(self) -> bytes:
-        return json.dumps({
-            "format": COMMIT_FORMAT,
-            "version": list(FORMAT_VERSION),
-            "name": self.name,
-            "manifest": self.manifest_hash,
-            "manifest_size": self.manifest_size,
-            "step": self.step,
-            "created_ns": self.created_ns,
-            "parent": self.parent,
-            "stats": self.stats,
-        }, indent=1).encode()
-
-    @classmethod
-    def from_bytes(cls, data: bytes, where: str) -> "CommitRecord":
-        try:
-            doc = json.loads(data, object_pairs_hook=unique_map)
-            if not isinstance(doc, dict) or doc.get("format") != COMMIT_FORMAT:
-                raise ManifestError("not a ckptfmt commit record")
-            check_version(doc.get("version"), "commit record")
-            size = doc["manifest_size"]
-            step = doc.get("step")
-            created = doc["created_ns"]
-            if type(size) is not int or not 0 < size <= MAX_MANIFEST_BYTES:
-                raise ManifestError(f"manifest_size {quoted(size)} is invalid")
-            if step is not None and type(step) is not int:
-                raise ManifestError("step is not an integer")
-            if type(created) is not int or not 0 <= created < 2**63:
-                raise ManifestError("created_ns is not an integer in [0, 2**63)")
-            parent = doc.get("parent")
-            stats = doc.get("stats") or {}
-            if not isinstance(stats, dict):
-                raise ManifestError("stats is not a map")
-            return cls(
-                name=check_name(doc["name"]),
-                manifest_hash=check_hash(doc["manifest"]),
-                manifest_size=size,
-                step=step,
-                created_ns=created,
-                parent=check_name(parent) if parent is not None else None,
-                stats=stats,
-            )
-        except CheckpointError as exc:
-            raise type(exc)(f"{where}: {exc}") from None
-        except KeyError as exc:
-            raise ManifestError(f"{where}: malformed commit record (missing field {exc})") from None
-        except (ValueError, TypeError, RecursionError) as exc:  # RecursionError: deep JSON nesting
-            raise ManifestError(f"{where}: malformed commit record ({exc})") from None
 
 
 @dataclass(frozen=True)
@@ -109,6 +50,17 @@ class Repository:
 
     def __init__(self, storage: Storage):
         self.storage = storage
+        #: The marker's ``index`` (spec 4.4), known once ``check_marker`` has read it: None without an index.
+        self.index_version: int | None = None
+
+    @property
+    def indexed(self) -> bool:
+        """Whether readers may use the commit index, and writers must keep it (the marker says so)."""
+        return self.index_version == INDEX_VERSION
+
+    @property
+    def index(self) -> CommitIndex:
+        return CommitIndex(self.storage, self.commit)
 
     @property
     def url(self) -> str:
@@ -124,6 +76,7 @@ class Repository:
             repo.storage.makedirs("")
             try:
                 repo.storage.create(layout.MARKER_KEY, repo._marker_bytes())
+                repo.index_version = INDEX_VERSION
             except FileExistsError:  # another writer created it first
                 repo.check_marker()
         else:
@@ -132,9 +85,15 @@ class Repository:
 
     @staticmethod
     def _marker_bytes() -> bytes:
-        return json.dumps({"format": REPO_FORMAT, "version": list(FORMAT_VERSION)}, indent=1).encode()
+        """A new repository's marker: new repositories keep a commit index (spec 4.4)."""
+        return json.dumps({"format": REPO_FORMAT, "version": list(FORMAT_VERSION), "index": INDEX_VERSION},
+                          indent=1).encode()
 
     def check_marker(self) -> None:
+        self._read_marker()
+
+    def _read_marker(self) -> dict:
+        """The marker, checked (spec 10.2); notes whether the repository keeps a commit index (spec 4.4)."""
         where = self.storage.describe(layout.MARKER_KEY)
         try:
             doc = json.loads(self.storage.read(layout.MARKER_KEY, max_size=MAX_MARKER_BYTES), object_pairs_hook=unique_map)
@@ -147,23 +106,55 @@ class Repository:
         if not isinstance(doc, dict) or doc.get("format") != REPO_FORMAT:
             raise ManifestError(f"{where}: not a ckptfmt repository marker")
         check_version(doc.get("version"), where)
+        index = doc.get("index")
+        if index is not None and (type(index) is not int or index < 1):
+            raise ManifestError(f"{where}: index {quoted(index)} is not a positive integer")
+        self.index_version = index
+        return doc
 
     # -- checkpoints ---------------------------------------------------------
     def names(self) -> list[str]:
         """Names with a commit record, sorted (whether each record is valid is checked on reading it)."""
+        if self.indexed:
+            return [name for name, found in self._catalog() if found is not None]
         return self.listing().checkpoints
 
     def listing(self) -> "Listing":
-        """The repository's top-level entries: checkpoints, and what readers ignore (spec 4.1)."""
+        """The repository's top-level entries: checkpoints, and what readers ignore (spec 4.1).
+
+        The authority, whatever the index says: one existence check per entry.
+        """
         checkpoints, ignored = [], []
         for entry in self.storage.list(""):
-            if entry in (layout.MARKER_KEY, layout.CHUNKS_DIR):
+            if entry in (layout.MARKER_KEY, layout.CHUNKS_DIR, INDEX_DIR, layout.LEASES_DIR):
                 continue
             if is_valid_name(entry) and self.storage.exists(layout.commit_key(entry)):
                 checkpoints.append(entry)
             else:
                 ignored.append(entry)
         return Listing(checkpoints, ignored)
+
+    def _catalog(self) -> list[tuple[str, CommitRecord | CheckpointError | None]]:
+        """Each valid top-level name, sorted, with its commit record, the error reading it (damaged), or None
+        (no commit record). Records the index vouches for are taken from its packs, the rest are read:
+        one listing of the repository, a few of the index, about COMPACT_AT reads (spec 4.4)."""
+        names = [entry for entry in self.storage.list("") if is_valid_name(entry)]
+        vouched = self.index.vouched(set(names))
+        unread = [name for name in names if name not in vouched]
+        read = dict(zip(unread, read_each(self.storage, self._commit_or_error, unread)))
+        return [(name, vouched.get(name) or read[name]) for name in names]
+
+    def _commit_or_error(self, name: str) -> CommitRecord | CheckpointError | None:
+        """``commit(name)``; None where there is none, the error where it is damaged. A store failure raises:
+        unreadable now is not damaged, and skipping it would change "latest"."""
+        try:
+            return self.commit(name)
+        except CheckpointNotFoundError:
+            return None
+        except StorageError:
+            raise
+        except CheckpointError as exc:
+            return exc
 
     def commit(self, name: str) -> CommitRecord:
         key = layout.commit_key(name)
@@ -180,16 +171,38 @@ class Repository:
     def create_commit(self, record: CommitRecord) -> None:
         """Write ``record`` as its checkpoint's commit record, once; CheckpointExistsError if the name is taken.
 
-        Where the storage's create cannot be taken on trust (``create_settle_s``
-        is set: object stores), the record is read back, and again that long
-        after, and only our own bytes both times mean a commit (spec 11.3).
+        In an indexed repository the record's index entry is written first, so
+        no commit goes unindexed, and deleted again if the save loses; once
+        committed, the index is compacted when due (spec 4.4).
         """
         key = layout.commit_key(record.name)
         where = self.storage.describe(record.name)
-        data = record.to_bytes()
-        trusted = self.storage.create_settle_s is None
+        if self.index_version is not None and not self.indexed:
+            raise UnsupportedVersionError(f"{self.url}: the repository keeps a commit index of version "
+                                          f"{self.index_version}, which this ckptfmt cannot keep; upgrade ckptfmt")
         if self.storage.exists(key):  # a long save leaves a window: check again just before the create
             raise CheckpointExistsError(f"{where}: checkpoint already exists")
+        if not self.indexed:
+            self._create_record(key, record.to_bytes(), where)
+            return
+        index = self.index
+        index.add(record)
+        try:
+            self._create_record(key, record.to_bytes(), where)
+        except CheckpointExistsError:
+            index.discard(record)
+            raise
+        try:
+            index.after_commit(record)
+        except CheckpointError as exc:  # committed all the same: the next save or a rebuild compacts
+            warnings.warn(f"{where}: committed, but the commit index was not compacted: {exc}", stacklevel=3,
+                          category=CheckpointWarning)
+
+    def _create_record(self, key: str, data: bytes, where: str) -> None:
+        """Create commit record ``key``. Where the storage's create cannot be taken on trust
+        (``create_settle_s`` is set: object stores), the record is read back, and again that long after,
+        and only our own bytes both times mean a commit (spec 11.3)."""
+        trusted = self.storage.create_settle_s is None
         try:
             self.storage.create(key, data)
             outcome: str | StorageError = "created"
@@ -251,32 +264,85 @@ class Repository:
         raise StorageError(f"{where}: cannot read the commit record back, the checkpoint may or may not be "
                            f"committed ({error})")
 
-    def commits(self) -> list[CommitRecord]:
-        """Valid commit records, oldest first; damaged ones are skipped with a warning (verify reports them)."""
-        return self._commits()[0]
+    def commits(self, *, authority: bool = False) -> list[CommitRecord]:
+        """Valid commit records, oldest first; damaged ones are skipped with a warning (verify reports them).
+
+        ``authority``: read every commit record, whatever the index holds: a request per checkpoint, for
+        what must not trust a cache (the garbage collector: a stale or forged pack must not cost chunks).
+        """
+        return self._commits(authority=authority)[0]
 
     def latest(self) -> str:
         """The newest checkpoint's name: greatest ``created_ns`` (stamped just before commit)."""
-        records, damaged = self._commits()
-        if records:
-            return records[-1].name
+        record, damaged = self._latest()
+        if record is not None:
+            return record.name
         if damaged:
             raise CheckpointNotFoundError(f"{self.url}: no readable checkpoint ({len(damaged)} with damaged "
                                           f"commit records; the first: {damaged[0]})")
         raise CheckpointNotFoundError(f"{self.url}: repository has no checkpoints")
 
-    def _commits(self) -> tuple[list[CommitRecord], list[str]]:
-        """Valid commit records, oldest first, and what was wrong with the others (each also warned)."""
-        records, damaged = [], []
-        for name in self.names():
+    def latest_record(self) -> CommitRecord | None:
+        """The newest checkpoint's commit record, None in a repository without a readable checkpoint (a
+        save's default parent). With the index, a few requests whatever the number of checkpoints."""
+        return self._latest()[0]
+
+    def _latest(self) -> tuple[CommitRecord | None, list[str]]:
+        """The newest valid commit record and what was wrong with the damaged ones met (each also warned)."""
+        if self.indexed:
             try:
-                records.append(self.commit(name))
-            except StorageError:  # unreadable now is not damaged: skipping it would change "latest"
-                raise
-            except CheckpointError as exc:
-                damaged.append(str(exc))
-                warnings.warn(f"skipping checkpoint {name!r}: {exc}", stacklevel=3, category=CheckpointWarning)
+                record, errors = self.index.latest()
+            except IndexDamagedError as exc:
+                warnings.warn(f"ignoring the commit index: {exc}", stacklevel=3, category=CheckpointWarning)
+            else:
+                for error in errors:
+                    warnings.warn(f"skipping a checkpoint: {error}", stacklevel=3, category=CheckpointWarning)
+                return record, [str(e) for e in errors]
+        records, damaged = self._commits(authority=True)
+        return (records[-1] if records else None), damaged
+
+    def _commits(self, *, authority: bool = False) -> tuple[list[CommitRecord], list[str]]:
+        """Valid commit records, oldest first, and what was wrong with the others (each also warned).
+        ``authority``: every commit record read, whatever the index holds."""
+        if self.indexed and not authority:
+            found = self._catalog()
+        else:
+            names = [entry for entry in self.storage.list("") if is_valid_name(entry)]
+            found = list(zip(names, read_each(self.storage, self._commit_or_error, names)))
+        records, damaged = [], []
+        for name, outcome in found:
+            if isinstance(outcome, CommitRecord):
+                records.append(outcome)
+            elif outcome is not None:
+                damaged.append(str(outcome))
+                warnings.warn(f"skipping checkpoint {name!r}: {outcome}", stacklevel=3, category=CheckpointWarning)
         return sorted(records, key=lambda r: (r.created_ns, r.name)), damaged
+
+    def remove(self, name: str) -> None:
+        """Delete checkpoint ``name``: its commit record first, so that it is never seen half deleted, then
+        the rest of its folder (manifests, a failed save's leftovers). Its chunks stay for the collector.
+        Packed index records of it are then ignored by readers: its name is gone from the listing."""
+        key = layout.commit_key(check_name(name))
+        if not self.storage.exists(key):
+            raise CheckpointNotFoundError(f"{self.storage.describe(name)}: no such checkpoint (no commit record)")
+        self.storage.delete(key)
+        self.storage.delete_many([f"{name}/{entry}" for entry in self.storage.list(name)])
+        self.storage.remove_folder(name)
+
+    def rebuild_index(self) -> int:
+        """Rebuild the commit index from the commit records, every one read, and mark the repository as
+        indexed; returns the number of checkpoints indexed. For repair and for repositories made before
+        the index, and only while no save runs: an entry of a save about to commit would be lost."""
+        marker = self._read_marker()
+        if self.index_version is not None and not self.indexed:
+            raise UnsupportedVersionError(f"{self.url}: the repository keeps a commit index of version "
+                                          f"{self.index_version}, which this ckptfmt cannot rebuild; upgrade ckptfmt")
+        records, _ = self._commits(authority=True)
+        self.index.rebuild(records)
+        if not self.indexed:
+            self.storage.write(layout.MARKER_KEY, json.dumps({**marker, "index": INDEX_VERSION}, indent=1).encode())
+            self.index_version = INDEX_VERSION
+        return len(records)
 
     def manifest(self, name: str, record: CommitRecord | None = None, *,
                  skip: frozenset[str] = frozenset()) -> Manifest:

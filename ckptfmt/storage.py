@@ -148,6 +148,34 @@ class Storage:
             raise _storage_error(exc, self.describe(key)) from None
         return sorted({e.rstrip("/").rsplit("/", 1)[-1] for e in entries})
 
+    def find(self, key: str) -> dict[str, int]:
+        """Every object below ``key`` (recursively), as {key relative to the storage: size}.
+
+        One paginated listing on object stores (1,000 keys per request), a walk on local disks.
+        """
+        try:
+            self.fs.invalidate_cache(self.path(key))
+            found = self.fs.find(self.path(key), detail=True)
+        except FileNotFoundError:
+            return {}
+        except Exception as exc:
+            raise _storage_error(exc, self.describe(key)) from None
+        finally:
+            self._forget_listings(self.path(key))
+        start = len(self.root) + 1
+        return {path[start:]: int(info.get("size") or 0) for path, info in found.items()
+                if info.get("type") != "directory"}
+
+    def _forget_listings(self, path: str) -> None:
+        """Drop cached listings of ``path`` and below: s3fs answers ``exists`` from them, blind to
+        objects written since (``invalidate_cache`` forgets the path and its parents only)."""
+        self.fs.invalidate_cache(path)
+        cache = getattr(self.fs, "dircache", None)
+        if cache:
+            prefix = self.fs._strip_protocol(path).rstrip("/") + "/"
+            for cached in [k for k in list(cache) if k.startswith(prefix)]:
+                cache.pop(cached, None)
+
     # -- writes -------------------------------------------------------------
     def write(self, key: str, data, *, durable: bool = True) -> None:
         """Store ``data`` at ``key``, replacing any object there, atomically for readers.
@@ -189,6 +217,17 @@ class Storage:
         except Exception as exc:
             raise _storage_error(exc, self.describe(key)) from None
 
+    def delete_many(self, keys: list[str]) -> None:
+        """Delete ``keys`` (absent ones are no error); object stores batch them (1,000 per request)."""
+        if not keys:
+            return
+        try:
+            self.fs.rm([self.path(k) for k in keys])
+        except FileNotFoundError:
+            pass
+        except Exception as exc:
+            raise _storage_error(exc, self.describe(keys[0])) from None
+
     def stage(self, directory: str) -> "Staged":
         """A new object written block by block, visible under no key until published.
 
@@ -205,6 +244,9 @@ class Storage:
 
     def makedirs(self, key: str) -> None:
         """Create the folder ``key`` where folders exist (object stores have none)."""
+
+    def remove_folder(self, key: str) -> None:
+        """Remove the folder ``key`` if it is empty, where folders exist (object stores have none)."""
 
 
 class Staged:
@@ -478,6 +520,17 @@ class LocalStorage(Storage):
             pass
         except Exception as exc:
             raise _storage_error(exc, self.describe(key)) from None
+
+    def delete_many(self, keys: list[str]) -> None:
+        for key in keys:
+            self.delete(key)
+
+    def remove_folder(self, key: str) -> None:
+        """Remove the folder ``key`` if it is empty (object stores have no folders)."""
+        try:
+            os.rmdir(self.path(key))
+        except (FileNotFoundError, OSError):
+            pass
 
     def stage(self, directory: str) -> Staged:
         return _StagedFile(self, directory)

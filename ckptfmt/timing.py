@@ -10,10 +10,15 @@ import time
 class PhaseTimer:
     """Records named phases as {name, start_ns (wall clock), duration_s (monotonic)}."""
 
-    def __init__(self):
+    def __init__(self, staged: tuple[int, float] | None = None):
+        """``staged``: (start_ns, duration_s) of an asynchronous save's staging copy, made in the
+        caller's thread before the background part this timer measures: its first phase, ``stage``
+        (not counted in ``total_s``)."""
         self.phases: list[dict] = []
         self.start_ns = time.time_ns()
         self._start = time.perf_counter()
+        if staged is not None:
+            self.phases.append({"name": "stage", "start_ns": staged[0], "duration_s": staged[1]})
 
     @contextlib.contextmanager
     def phase(self, name: str):

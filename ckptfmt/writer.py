@@ -28,6 +28,7 @@ from .chunk_writer import checkpoint_stats, store_sources
 from .collective_save import collective_save
 from .dtensors import LocalShard, is_dtensor, local_shard
 from .hashing import chunk_hash
+from .leases import Lease, hold_save_lease
 from .limits import MAX_CHUNK_BYTES, MAX_KEY_BYTES, check_name
 from .manifest import Manifest, Piece, Shard, TensorEntry
 from .tiling import check_tiling
@@ -122,9 +123,10 @@ def step_records(timer: StepTimer | None) -> dict | None:
 
 def save_state(state: Any, url: str | os.PathLike, *, frozen: bool, step, metadata, storage_options, parent,
                chunk_size, compression, step_times, parallelism, workers, rng, provenance, before_commit,
-               process_group, coordinated, timeout, steps: dict | None) -> str:
+               process_group, coordinated, timeout, steps: dict | None, staged: tuple[int, float] | None = None) -> str:
     """``save``'s work; ``frozen``: the state is staged memory that nothing changes until this returns;
-    ``steps``: this rank's step records (``StepTimer.snapshot``) or None."""
+    ``steps``: this rank's step records (``StepTimer.snapshot``) or None; ``staged``: when and how
+    long an asynchronous save's staging took (its ``stage`` phase)."""
     step = check_arguments(step, chunk_size, compression, step_times, parallelism, rng, provenance)
     if before_commit is not None and not callable(before_commit):
         raise TypeError("before_commit must be a callable or None")
@@ -140,12 +142,28 @@ def save_state(state: Any, url: str | os.PathLike, *, frozen: bool, step, metada
             state, url, group, timeout=timeout, step=step, metadata=metadata, storage_options=storage_options,
             parent=parent, chunk_size=chunk_size, compression=compression, step_times=step_times,
             parallelism=parallelism, workers=workers, rng=rng, provenance=provenance, frozen=frozen, steps=steps,
+            staged=staged,
         )
-    timer = PhaseTimer()
     repo_url, name = split_checkpoint_url(url)
+    timer = PhaseTimer(staged)
+    with timer.phase("lease"):  # the repository, and the lease that keeps a garbage collector away (spec 11.6)
+        repo = Repository.open(repo_url, storage_options, create=True)
+        lease = hold_save_lease(repo)
+    try:
+        return _save_leased(repo, name, state, timer, lease, frozen=frozen, step=step, metadata=metadata,
+                            parent=parent, chunk_size=chunk_size, compression=compression, step_times=step_times,
+                            parallelism=parallelism, workers=workers, rng=rng, provenance=provenance,
+                            before_commit=before_commit, steps=steps)
+    finally:
+        lease.release()
+
+
+def _save_leased(repo: Repository, name: str, state: Any, timer: PhaseTimer, lease: Lease, *, frozen: bool, step,
+                 metadata, parent, chunk_size, compression, step_times, parallelism, workers, rng, provenance,
+                 before_commit, steps) -> str:
+    """A single-process save, from the name check to the commit, under its save lease."""
     rank, _ = current_rank()
     with timer.phase("prepare"):
-        repo = Repository.open(repo_url, storage_options, create=True)
         if repo.storage.exists(layout.commit_key(name)):
             raise CheckpointExistsError(f"{repo.storage.describe(name)}: checkpoint already exists")
         parent_name, parent_keys = resolve_parent(repo, parent)
@@ -170,7 +188,7 @@ def save_state(state: Any, url: str | os.PathLike, *, frozen: bool, step, metada
     )
     if before_commit is not None:
         before_commit()
-    commit_manifest(repo, manifest)
+    commit_manifest(repo, manifest, lease)
     return repo.storage.describe(name)
 
 
@@ -293,12 +311,12 @@ def resolve_parent(repo: Repository, parent: Any) -> tuple[str | None, set[str]]
     if parent is None:
         return None, set()
     if parent is _LATEST:
-        records = repo.commits()
-        if not records:
+        latest = repo.latest_record()  # through the commit index: a few requests whatever the repository holds
+        if latest is None:
             return None, set()
-        parent = records[-1].name
+        parent = latest.name
         try:
-            manifest = repo.manifest(parent, records[-1])
+            manifest = repo.manifest(parent, latest)
         except CheckpointError as exc:  # a damaged latest checkpoint must not block new saves
             warnings.warn(f"not using {parent!r} as parent: {exc}", stacklevel=3, category=CheckpointWarning)
             return None, set()
@@ -327,8 +345,9 @@ def tensor_table(entries: list[dict], shapes: list[tuple[int, ...]], pieces: lis
     ]
 
 
-def commit_manifest(repo: Repository, manifest: Manifest) -> None:
-    """Write the manifest, then the commit record that makes the checkpoint exist."""
+def commit_manifest(repo: Repository, manifest: Manifest, lease: Lease) -> None:
+    """Write the manifest, then the commit record that makes the checkpoint exist, unless the save's
+    lease has run out (a collector may have swept a chunk it reuses)."""
     data = manifest.to_bytes()
     Manifest.from_bytes(data, repo.storage.describe(manifest.name))  # never commit what readers refuse
     digest = chunk_hash(data)
@@ -339,6 +358,7 @@ def commit_manifest(repo: Repository, manifest: Manifest) -> None:
         name=manifest.name, manifest_hash=digest, manifest_size=len(data), step=manifest.step,
         created_ns=manifest.created_ns, parent=manifest.parent, stats=manifest.stats,
     )
+    lease.check("writing the commit record")
     repo.create_commit(record)
 
 

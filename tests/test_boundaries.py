@@ -138,6 +138,7 @@ def test_the_cli_finds_the_commands_of_the_converters_and_the_tui():
 
     parser = build_parser()
     commands = next(a for a in parser._actions if a.dest == "command").choices
-    assert list(commands) == ["ls", "show", "verify", "diff", "analytics", "stragglers", "compare", "report", "export", "import", "tui"]
+    assert list(commands) == ["ls", "show", "verify", "diff", "analytics", "stragglers", "compare", "report", "rm", "gc",
+                             "sync", "advise", "export", "import", "tui"]
     assert commands["tui"].get_default("run").__module__ == "ckptfmt.tui.cli"
     assert commands["import"].get_default("run").__module__ == "ckptfmt.converters.cli"

@@ -96,9 +96,9 @@ def test_racing_writers_one_commit_wins(s3_bucket, monkeypatch):
     barrier = threading.Barrier(2, timeout=60)
     original_commit = writer.commit_manifest
 
-    def commit_together(repo, manifest):
+    def commit_together(repo, manifest, lease):
         barrier.wait()  # both saves have written chunks and manifests: now race for the commit
-        original_commit(repo, manifest)
+        original_commit(repo, manifest, lease)
 
     monkeypatch.setattr(writer, "commit_manifest", commit_together)
     outcomes: dict[int, object] = {}

@@ -1,4 +1,5 @@
-"""The ``ckptfmt`` command: ls, show, verify, diff, and the commands other packages register.
+"""The ``ckptfmt`` command: ls, show, verify, diff, the analytics and lifecycle commands (rm, gc, sync,
+advise), and the commands other packages register.
 
 ``export``/``import`` (ckptfmt.converters) and ``tui`` (ckptfmt.tui) come in
 through the ``ckptfmt.commands`` entry point group: each entry point names a
@@ -20,7 +21,7 @@ from importlib.metadata import EntryPoint, entry_points
 from rich.console import Console
 
 from ..errors import CheckpointError, CheckpointWarning
-from . import commands
+from . import advise, commands, lifecycle, sync
 
 #: The entry point group of commands that live outside the core.
 COMMANDS_GROUP = "ckptfmt.commands"
@@ -84,6 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--html", metavar="OUT.html", default=None, help="write the page here")
     p.add_argument("--png", metavar="DIR", default=None, help="write each figure as DIR/<figure>.png")
     p.set_defaults(run=commands.report)
+
+    lifecycle.register(sub)
+    sync.register(sub)
+    advise.register(sub)
 
     for plugin in sorted(entry_points(group=COMMANDS_GROUP), key=lambda ep: ep.name):
         _register(plugin, sub)

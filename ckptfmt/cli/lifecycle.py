@@ -1,0 +1,89 @@
+"""``ckptfmt rm REPO/NAME...`` and ``ckptfmt gc REPO``: delete checkpoints, reclaim their space."""
+
+from __future__ import annotations
+
+import argparse
+from datetime import timedelta
+
+from rich.console import Console
+
+from ..errors import CheckpointError
+from ..formatting import human_bytes
+from ..gc import GcReport, collect, remove
+from ..repository import Repository, split_checkpoint_url
+from ..retention import Retention, metrics_reader
+from .advise import parse_duration
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("rm", help="delete checkpoints (their chunks go at the next gc)")
+    p.add_argument("checkpoints", nargs="+", metavar="REPO/NAME", help="checkpoint URLs, all in one repository")
+    p.set_defaults(run=rm_command)
+
+    p = subparsers.add_parser("gc", help="apply retention rules, then reclaim what no checkpoint references; "
+                                         "safe while saves run")
+    p.add_argument("repo", help="repository URL")
+    p.add_argument("--dry-run", action="store_true", help="report what would be deleted, delete nothing")
+    p.add_argument("--keep-last", type=int, metavar="N", help="keep the newest N checkpoints")
+    p.add_argument("--keep-every", type=int, metavar="K", help="keep checkpoints whose step is a multiple of K")
+    p.add_argument("--keep-best", metavar="METRIC:min|max:N",
+                   help="keep the N best checkpoints by a metric the manager stored (e.g. val_loss:min:3)")
+    p.add_argument("--keep-within", type=parse_duration, metavar="DURATION",
+                   help="keep checkpoints younger than this (90s, 30m, 8h, 2d)")
+    p.add_argument("--wait", type=parse_duration, default=60.0, metavar="DURATION",
+                   help="how long to wait for running saves before giving up the sweep (default 60s)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(run=gc_command)
+
+
+def rm_command(args, console: Console) -> int:
+    parts = [split_checkpoint_url(url) for url in args.checkpoints]
+    repos = {repo for repo, _ in parts}
+    if len(repos) > 1:
+        raise CheckpointError(f"rm takes checkpoints of one repository at a time, got {len(repos)}: "
+                              f"{', '.join(sorted(repos))}")
+    repo = Repository.open(repos.pop())
+    removed = remove(repo, [name for _, name in parts])
+    console.print(f"{repo.url}: removed {len(removed)} checkpoint(s): {', '.join(removed)}; "
+                  "run ckptfmt gc to reclaim their chunks", markup=False, highlight=False, soft_wrap=True)
+    return 0
+
+
+def gc_command(args, console: Console) -> int:
+    repo = Repository.open(args.repo)
+    retention = Retention(keep_last=args.keep_last, keep_every=args.keep_every, keep_best=_best(args.keep_best),
+                          keep_within=None if args.keep_within is None else timedelta(seconds=args.keep_within))
+    doomed = [r.name for r in retention.to_delete(repo.commits(), metrics_reader(repo))]
+    if doomed and not args.dry_run:
+        remove(repo, doomed)
+    report = collect(repo, dry_run=args.dry_run, wait_s=args.wait,
+                     assume_removed=frozenset(doomed) if args.dry_run else frozenset())
+    if args.json:
+        console.print_json(data={"checkpoints": doomed, **report.to_dict()})
+    else:
+        console.print(_summary(repo, doomed, report), markup=False, highlight=False, soft_wrap=True)
+    return 0 if report.swept or args.dry_run else 1
+
+
+def _best(text: str | None) -> tuple[str, str, int] | None:
+    if text is None:
+        return None
+    metric, _, rest = text.rpartition(":")
+    metric, _, mode = metric.rpartition(":")
+    try:
+        return Retention(keep_best=(metric, mode, int(rest))).keep_best
+    except ValueError:
+        raise CheckpointError(f"--keep-best {text!r}: expected METRIC:min|max:N, e.g. val_loss:min:3") from None
+
+
+def _summary(repo: Repository, doomed: list[str], report: GcReport) -> str:
+    verb = "would free" if report.dry_run else "freed"
+    removed = f"{'would remove' if report.dry_run else 'removed'} {len(doomed)} checkpoint(s)" + (
+        f" ({', '.join(doomed[:5])}{', ...' if len(doomed) > 5 else ''})" if doomed else "")
+    if report.busy:
+        return (f"{repo.url}: {removed}; no chunk deleted: {len(report.busy)} save(s) still running after the wait "
+                f"({report.busy[0]}); run gc again later")
+    freed = (f"{verb} {human_bytes(report.chunk_bytes + report.other_bytes)}: {report.chunks} unreferenced chunk(s) "
+             f"and {report.other} other file(s) (manifests and leftovers of removed or failed saves)")
+    return (f"{repo.url}: {removed}; {freed}; {report.kept_chunks} chunk(s), {human_bytes(report.kept_bytes)} "
+            f"kept for the remaining checkpoints")

@@ -1,0 +1,61 @@
+"""``ckptfmt sync SRC DST [--name NAME ...] [--json] [--no-verify]``: copy checkpoints to another repository."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from fsspec.callbacks import Callback
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
+from ..formatting import human_bytes
+from ..replicate import replicate
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the ``sync`` command to the ``ckptfmt`` parser."""
+    p = subparsers.add_parser("sync", help="copy checkpoints to another repository: only the chunks it lacks, "
+                                           "each checked, every checkpoint committed last")
+    p.add_argument("src", help="source repository URL")
+    p.add_argument("dst", help="destination repository URL (created if missing)")
+    p.add_argument("--name", action="append", metavar="NAME",
+                   help="a checkpoint to copy (repeatable; default: every one the destination lacks)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--no-verify", dest="verify", action="store_false",
+                   help="do not read each chunk back from the destination (the source's copy is still checked)")
+    p.set_defaults(run=sync_command)
+
+
+class _BarCallback(Callback):
+    """Feeds replicate's progress (bytes) into a rich progress bar."""
+
+    def __init__(self, progress: Progress):
+        super().__init__()
+        self.progress = progress
+        self.task = progress.add_task("copying", total=None)
+
+    def call(self, *args, **kwargs):
+        self.progress.update(self.task, total=self.size, completed=self.value)
+
+
+def sync_command(args, console: Console) -> int:
+    """Replicate ``args.src`` to ``args.dst``; print a one-line summary, or JSON with ``args.json``."""
+    errors = Console(stderr=True)
+    progress = Progress(
+        TextColumn("[progress.description]{task.description}"), BarColumn(), DownloadColumn(),
+        TransferSpeedColumn(), TimeRemainingColumn(), console=errors, transient=True,
+        disable=args.json or not errors.is_terminal,  # a bar in a log file is noise
+    )
+    with progress:
+        report = replicate(args.src, args.dst, args.name, verify=args.verify, progress=_BarCallback(progress))
+    if args.json:
+        console.print_json(data=dataclasses.asdict(report))
+        return 0
+    rate = report.bytes_copied / report.seconds / 1e6 if report.seconds else 0.0
+    console.print(f"{report.destination}: copied {len(report.copied)} checkpoint(s), {len(report.present)} already "
+                  f"there; {report.chunks_copied} chunks, {human_bytes(report.bytes_copied)} in "
+                  f"{report.seconds:.2f} s ({rate:.1f} MB/s); {report.chunks_skipped} chunks "
+                  f"({human_bytes(report.bytes_skipped)}) were there already",
+                  markup=False, highlight=False, soft_wrap=True)
+    return 0

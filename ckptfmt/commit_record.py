@@ -1,0 +1,91 @@
+"""The commit record (spec 10.1): the small JSON object whose existence at NAME/COMMIT makes a checkpoint exist.
+
+Its own module because the repository and the commit index (spec 4.4) both read and write it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from .errors import CheckpointError, ManifestError, quoted
+from .limits import MAX_MANIFEST_BYTES, check_hash, check_name
+from .manifest import FORMAT_VERSION, check_version
+from .values import unique_map
+
+COMMIT_FORMAT = "ckptfmt-commit"
+
+
+@dataclass(frozen=True)
+class CommitRecord:
+    """The small record that makes a checkpoint exist: its manifest's hash plus a summary."""
+
+    name: str
+    manifest_hash: str
+    manifest_size: int
+    step: int | None
+    created_ns: int
+    parent: str | None
+    stats: dict
+
+    def to_dict(self) -> dict:
+        return {
+            "format": COMMIT_FORMAT,
+            "version": list(FORMAT_VERSION),
+            "name": self.name,
+            "manifest": self.manifest_hash,
+            "manifest_size": self.manifest_size,
+            "step": self.step,
+            "created_ns": self.created_ns,
+            "parent": self.parent,
+            "stats": self.stats,
+        }
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(self.to_dict(), indent=1).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes, where: str) -> "CommitRecord":
+        try:
+            doc = json.loads(data, object_pairs_hook=unique_map)
+        except CheckpointError as exc:  # a duplicate key
+            raise type(exc)(f"{where}: {exc}") from None
+        except (ValueError, TypeError, RecursionError) as exc:  # RecursionError: deep JSON nesting
+            raise ManifestError(f"{where}: malformed commit record ({exc})") from None
+        return cls.from_dict(doc, where)
+
+    @classmethod
+    def from_dict(cls, doc: object, where: str) -> "CommitRecord":
+        """The record in a parsed JSON object, every field checked (spec 10.1)."""
+        try:
+            if not isinstance(doc, dict) or doc.get("format") != COMMIT_FORMAT:
+                raise ManifestError("not a ckptfmt commit record")
+            check_version(doc.get("version"), "commit record")
+            size = doc["manifest_size"]
+            step = doc.get("step")
+            created = doc["created_ns"]
+            if type(size) is not int or not 0 < size <= MAX_MANIFEST_BYTES:
+                raise ManifestError(f"manifest_size {quoted(size)} is invalid")
+            if step is not None and type(step) is not int:
+                raise ManifestError("step is not an integer")
+            if type(created) is not int or not 0 <= created < 2**63:
+                raise ManifestError("created_ns is not an integer in [0, 2**63)")
+            parent = doc.get("parent")
+            stats = doc.get("stats") or {}
+            if not isinstance(stats, dict):
+                raise ManifestError("stats is not a map")
+            return cls(
+                name=check_name(doc["name"]),
+                manifest_hash=check_hash(doc["manifest"]),
+                manifest_size=size,
+                step=step,
+                created_ns=created,
+                parent=check_name(parent) if parent is not None else None,
+                stats=stats,
+            )
+        except CheckpointError as exc:
+            raise type(exc)(f"{where}: {exc}") from None
+        except KeyError as exc:
+            raise ManifestError(f"{where}: malformed commit record (missing field {exc})") from None
+        except (ValueError, TypeError) as exc:
+            raise ManifestError(f"{where}: malformed commit record ({exc})") from None

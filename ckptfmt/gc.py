@@ -1,0 +1,205 @@
+"""Deleting checkpoints and collecting the garbage they leave, safely while saves run (spec 11.6).
+
+``remove`` deletes checkpoints: the commit record first, so a checkpoint half
+deleted is never visible as complete; their chunks stay (others may share them).
+``collect`` reclaims what no committed checkpoint references:
+
+1. **mark**, without any lock: one listing of the repository and every committed
+   manifest give the candidates (unreferenced chunks, manifests no commit record
+   names, folders of saves that never committed, temporary files);
+2. **sweep**, under a gc lease taken only while no save holds a lease
+   (``leases.try_gc_lease``): checkpoints committed since the mark are read and
+   their chunks spared, then the candidates are deleted.
+
+No save runs during a sweep, so a chunk a save reuses or writes is either
+referenced by a commit the sweep reads, or not yet looked at by any save.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import asdict, dataclass, field
+
+from . import layout
+from .errors import CheckpointError, CheckpointNotFoundError
+from .leases import Lease, try_gc_lease
+from .limits import is_valid_name
+from .repository import CommitRecord, Repository
+
+#: Manifest fields a collector never needs (the chunk table is what it reads).
+_SKIP = frozenset({"rng", "environment", "topology", "timing", "provenance"})
+_CHUNK_NAME = re.compile(r"[0-9a-f]{64}(\.[a-z0-9-]+)?")
+#: Deletions per batch; the gc lease is checked before each.
+_BATCH = 1000
+
+
+@dataclass
+class GcReport:
+    """What a collection freed (or, with ``dry_run``, would free)."""
+
+    dry_run: bool
+    #: Unreferenced chunks, and their stored bytes.
+    chunks: int = 0
+    chunk_bytes: int = 0
+    #: Uncommitted manifests and folders, temporary files.
+    other: int = 0
+    other_bytes: int = 0
+    #: Chunks that committed checkpoints still reference.
+    kept_chunks: int = 0
+    kept_bytes: int = 0
+    #: Live save leases that kept the sweep from running (nothing was deleted then).
+    busy: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def swept(self) -> bool:
+        return not self.dry_run and not self.busy
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "swept": self.swept}
+
+
+@dataclass
+class _Mark:
+    """The mark phase's findings."""
+
+    #: Each committed checkpoint's commit record.
+    records: dict[str, CommitRecord]
+    referenced: set[str]
+    chunks: dict[str, int]
+    other: dict[str, int]
+    kept_bytes: int
+
+
+def remove(repo: Repository, names: list[str]) -> list[str]:
+    """Delete the checkpoints ``names`` (``Repository.remove``: the commit record first).
+
+    Chunks stay until ``collect``. Raises CheckpointNotFoundError for a name
+    without a commit record, before deleting anything.
+    """
+    for name in names:
+        if not repo.storage.exists(layout.commit_key(name)):
+            raise CheckpointNotFoundError(f"{repo.storage.describe(name)}: no such checkpoint (no commit record)")
+    for name in names:
+        repo.remove(name)
+    return list(names)
+
+
+def collect(repo: Repository, *, dry_run: bool = False, wait_s: float = 0.0,
+            assume_removed: frozenset[str] = frozenset(), known: dict[str, frozenset[str]] | None = None) -> GcReport:
+    """Reclaim everything no committed checkpoint references (see the module docstring).
+
+    While saves hold leases the sweep waits for them, up to ``wait_s`` seconds
+    (holding new saves back meanwhile), then gives up deleting nothing
+    (``report.busy`` names them). A damaged commit record or manifest stops the
+    collection: its chunks cannot be known. ``assume_removed``: for a dry run,
+    checkpoints to count as already removed (what ``gc --keep-...`` would remove).
+    ``known``: manifest hash -> chunk keys, kept by a caller that collects
+    often (the manager), so that each manifest is read once.
+    """
+    if assume_removed and not dry_run:
+        raise ValueError("assume_removed is for dry runs: remove() the checkpoints first")
+    started = time.perf_counter()
+    known = {} if known is None else known
+    mark = _mark(repo, assume_removed, known)
+    report = GcReport(dry_run=dry_run, kept_chunks=len(mark.referenced), kept_bytes=mark.kept_bytes)
+    if not dry_run:
+        lease, report.busy = try_gc_lease(repo, drain_s=wait_s)
+        if lease is None:
+            report.seconds = time.perf_counter() - started
+            return report
+        try:
+            _spare_new_commits(repo, mark, known)
+            _sweep(repo, mark, lease)
+        finally:
+            lease.release()
+    report.chunks, report.chunk_bytes = len(mark.chunks), sum(mark.chunks.values())
+    report.other, report.other_bytes = len(mark.other), sum(mark.other.values())
+    report.seconds = time.perf_counter() - started
+    return report
+
+
+def _mark(repo: Repository, assume_removed: frozenset[str], known: dict[str, frozenset[str]]) -> _Mark:
+    """Everything stored, split into what committed checkpoints use and the candidates."""
+    objects = repo.storage.find("")  # one listing: it also tells which checkpoints are committed
+    committed = {key.partition("/")[0] for key in objects
+                 if key.endswith(f"/{layout.COMMIT_NAME}") and is_valid_name(key.partition("/")[0])
+                 and key.count("/") == 1} - assume_removed
+    records = _records(repo, committed)
+    referenced: set[str] = set()
+    for record in records.values():
+        referenced.update(_chunk_keys(repo, record, known))
+    manifests = {layout.manifest_key(r.name, r.manifest_hash) for r in records.values()}
+    chunks, other, kept_bytes = {}, {}, 0
+    for key, size in objects.items():
+        top, _, rest = key.partition("/")
+        if top == layout.CHUNKS_DIR and rest:
+            if key in referenced:
+                kept_bytes += size
+            elif _CHUNK_NAME.fullmatch(key.rsplit("/", 1)[-1]) or _is_temporary(key):
+                chunks[key] = size
+        elif is_valid_name(top) and rest and key not in manifests and key != layout.commit_key(top):
+            if top not in records or rest.startswith("manifest-") or _is_temporary(key):
+                other[key] = size
+        elif top in assume_removed and rest:
+            other[key] = size
+    return _Mark(records, referenced, chunks, other, kept_bytes)
+
+
+def _records(repo: Repository, names: set[str]) -> dict[str, CommitRecord]:
+    """The commit records of ``names``, each read (never from the commit index: a stale or forged pack
+    must not cost a chunk). One that cannot be read stops the collection; one removed meanwhile is left out."""
+    records = {r.name: r for r in repo.commits(authority=True) if r.name in names}
+    for name in sorted(names - set(records)):
+        try:
+            records[name] = repo.commit(name)
+        except CheckpointNotFoundError:  # removed since the listing
+            continue
+        except CheckpointError as exc:
+            raise CheckpointError(f"cannot collect garbage: {exc}; the chunks of {name!r} are unknown, so none "
+                                  "can be deleted safely (remove or repair that checkpoint first)") from None
+    return records
+
+
+def _chunk_keys(repo: Repository, record: CommitRecord, known: dict[str, frozenset[str]]) -> frozenset[str]:
+    if record.manifest_hash not in known:
+        try:
+            manifest = repo.manifest(record.name, record, skip=_SKIP)
+        except CheckpointError as exc:
+            raise CheckpointError(f"cannot collect garbage: {exc}; the chunks of {record.name!r} are unknown, so "
+                                  "none can be deleted safely (remove or repair that checkpoint first)") from None
+        known[record.manifest_hash] = frozenset(layout.chunk_key(c.hash, c.codec) for c in manifest.chunks)
+    return known[record.manifest_hash]
+
+
+def _is_temporary(key: str) -> bool:
+    base = key.rsplit("/", 1)[-1]
+    return base.startswith(".") and ".tmp-" in base
+
+
+def _spare_new_commits(repo: Repository, mark: _Mark, known: dict[str, frozenset[str]]) -> None:
+    """Under the gc lease: keep what checkpoints committed since the mark use (a name removed and saved
+    again has another manifest), and take the records of now for the index rebuild."""
+    now = {r.name: r for r in repo.commits(authority=True)}
+    for name, record in now.items():
+        if name in mark.records and mark.records[name].manifest_hash == record.manifest_hash:
+            continue
+        for key in _chunk_keys(repo, record, known):
+            mark.chunks.pop(key, None)
+        for key in [k for k in mark.other if k.startswith(f"{name}/")]:
+            del mark.other[key]
+    mark.records = now
+
+
+def _sweep(repo: Repository, mark: _Mark, lease: Lease) -> None:
+    """Delete the candidates in batches, each after checking that the gc lease still holds."""
+    keys = sorted(mark.chunks) + sorted(mark.other)
+    for start in range(0, len(keys), _BATCH):
+        lease.check("deleting garbage")
+        repo.storage.delete_many(keys[start : start + _BATCH])
+    for folder in sorted({k.split("/", 1)[0] for k in mark.other} - set(mark.records)):
+        repo.storage.remove_folder(folder)
+    if repo.indexed:  # no save runs: entries of failed saves and records of removed checkpoints go (spec 4.4)
+        lease.check("rebuilding the commit index")
+        repo.index.rebuild(sorted(mark.records.values(), key=lambda r: (r.created_ns, r.name)))

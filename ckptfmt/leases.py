@@ -1,0 +1,232 @@
+"""Leases: how saves and the garbage collector keep out of each other's way (spec 11.6).
+
+A save may reuse any chunk it finds stored, so a collector that deleted an
+unreferenced chunk while a save ran could delete one the save is about to
+commit a reference to. Saves therefore hold a **save lease** from before they
+look at the repository until they have committed, and the collector deletes
+only while it holds a **gc lease** and no live save lease exists:
+
+- a save writes its lease, *then* reads the gc leases, and waits while a live
+  one exists;
+- the collector writes its lease, *then* reads the save leases, and gives up
+  (deleting nothing) if a live one exists.
+
+Each side writes before it reads the other's, so on a store with read-after-
+write consistency (local disks, S3) at least one of them sees the other: a save
+and a sweep never overlap. Leases expire, so a killed process blocks the other
+side only until its lease's ``expires_ns`` (kept in the future by a heartbeat
+while the holder runs) plus the allowed clock skew. A holder whose own lease
+may have expired (paused, or its heartbeat failed) stops before acting on it:
+a save before its commit, the collector before each deletion batch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import socket
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator
+
+from .errors import CheckpointError, StorageError
+from .layout import LEASES_DIR
+from .manifest import FORMAT_VERSION
+from .repository import Repository
+from .values import unique_map
+
+LEASE_FORMAT = "ckptfmt-lease"
+SAVE, GC = "save", "gc"
+#: A lease is valid this long after its holder last renewed it.
+LEASE_TTL_S = 60.0
+#: Leases are renewed this often (a quarter of their lifetime: three renewals may fail first).
+RENEW_EVERY_S = LEASE_TTL_S / 4
+#: How far apart writers' clocks may be; another process's lease counts as live this long past its expiry.
+CLOCK_SKEW_S = 30.0
+#: A holder stops trusting its own lease this long before it expires (by its own clock).
+SAFETY_MARGIN_S = 10.0
+MAX_LEASE_BYTES = 4096
+
+
+class LeaseLostError(StorageError):
+    """This process's lease expired or could not be renewed: acting on it could break a checkpoint."""
+
+
+@dataclass(frozen=True)
+class LeaseRecord:
+    """A lease as stored: who holds it, and until when (the holder's wall clock)."""
+
+    key: str
+    kind: str
+    holder: str
+    expires_ns: int
+
+    def live(self, now_ns: int) -> bool:
+        return now_ns <= self.expires_ns + int(CLOCK_SKEW_S * 1e9)
+
+
+class Lease:
+    """One lease object, renewed by a daemon thread until released."""
+
+    def __init__(self, repo: Repository, kind: str, ttl_s: float = LEASE_TTL_S, max_hold_s: float | None = None):
+        self.repo = repo
+        self.kind = kind
+        self.ttl_s = ttl_s
+        #: Renewals stop after this long (a holder that may never be told to release: it then expires).
+        self.max_hold_s = max_hold_s
+        self.key = f"{LEASES_DIR}/{kind}-{secrets.token_hex(8)}.json"
+        self.holder = f"{socket.gethostname()}:{os.getpid()}"
+        self._valid_until_ns = 0
+        self._renew_error: Exception | None = None
+        self._stop = threading.Event()
+        self._renewer: threading.Thread | None = None
+
+    def acquire(self) -> "Lease":
+        """Write the lease (durable) and start renewing it."""
+        self._write()
+        self._renewer = threading.Thread(target=self._renew_loop, name=f"ckptfmt-lease-{self.kind}", daemon=True)
+        self._renewer.start()
+        return self
+
+    def release(self) -> None:
+        """Stop renewing and delete the lease (best effort: an undeleted lease just expires)."""
+        self._stop.set()
+        if self._renewer is not None:
+            self._renewer.join()
+        try:
+            self.repo.storage.delete(self.key)
+        except CheckpointError:
+            pass
+
+    def check(self, what: str) -> None:
+        """Raise LeaseLostError unless the lease holds for at least the safety margin more."""
+        remaining_s = (self._valid_until_ns - time.time_ns()) / 1e9
+        if remaining_s < SAFETY_MARGIN_S:
+            cause = f": renewing it failed ({self._renew_error})" if self._renew_error else ""
+            raise LeaseLostError(f"{self.repo.storage.describe(self.key)}: this process's {self.kind} lease "
+                                 f"has expired or is about to{cause}; stopping before {what}")
+
+    def _write(self) -> None:
+        now = time.time_ns()
+        expires = now + int(self.ttl_s * 1e9)
+        record = {"format": LEASE_FORMAT, "version": list(FORMAT_VERSION), "kind": self.kind,
+                  "holder": self.holder, "created_ns": now, "expires_ns": expires}
+        self.repo.storage.write(self.key, json.dumps(record).encode())
+        self._valid_until_ns = expires
+
+    def _renew_loop(self) -> None:
+        give_up = None if self.max_hold_s is None else time.monotonic() + self.max_hold_s
+        while not self._stop.wait(min(RENEW_EVERY_S, self.ttl_s / 4)):
+            if give_up is not None and time.monotonic() > give_up:
+                return
+            try:
+                self._write()
+                self._renew_error = None
+            except Exception as exc:  # keep trying; check() refuses to act once the lease runs out
+                self._renew_error = exc
+
+
+def read_leases(repo: Repository) -> tuple[list[LeaseRecord], list[str]]:
+    """The repository's leases, and the keys of those that cannot be read as one (garbage, too big).
+
+    An unreadable lease counts as live to whoever reads it (fail safe): it is reported, never ignored.
+    """
+    records, unreadable = [], []
+    for entry in repo.storage.list(LEASES_DIR):
+        key = f"{LEASES_DIR}/{entry}"
+        if entry.startswith("."):  # a local temporary file of a lease being written
+            continue
+        try:
+            records.append(_parse(repo.storage.read(key, max_size=MAX_LEASE_BYTES), key))
+        except FileNotFoundError:  # released between the listing and the read
+            continue
+        except StorageError:
+            raise
+        except (CheckpointError, ValueError, KeyError, TypeError):
+            unreadable.append(key)
+    return records, unreadable
+
+
+def _parse(data: bytes, key: str) -> LeaseRecord:
+    doc = json.loads(data, object_pairs_hook=unique_map)
+    if not isinstance(doc, dict) or doc.get("format") != LEASE_FORMAT or doc.get("kind") not in (SAVE, GC):
+        raise ValueError("not a ckptfmt lease")
+    expires = doc["expires_ns"]
+    if type(expires) is not int:
+        raise TypeError("expires_ns is not an integer")
+    return LeaseRecord(key=key, kind=doc["kind"], holder=str(doc.get("holder", "?")), expires_ns=expires)
+
+
+def live_leases(repo: Repository, kind: str) -> list[str]:
+    """Descriptions of the live leases of ``kind``.
+
+    Unreadable leases count as save leases: they stop the collector (which is
+    what failing safe means for deletion) but never a save, since a collector
+    only sweeps behind a lease it wrote whole.
+    """
+    records, unreadable = read_leases(repo)
+    now = time.time_ns()
+    live = [f"{r.key} ({r.holder})" for r in records if r.kind == kind and r.live(now)]
+    return live + [f"{key} (unreadable)" for key in unreadable] if kind == SAVE else live
+
+
+@contextmanager
+def save_lease(repo: Repository, *, timeout_s: float = 2 * (LEASE_TTL_S + CLOCK_SKEW_S),
+               ttl_s: float = LEASE_TTL_S) -> Iterator[Lease]:
+    """Hold a save lease for the block: taken before the save looks at the repository, released after
+    its commit (or failure). Waits, up to ``timeout_s``, while a garbage collector is sweeping."""
+    lease = hold_save_lease(repo, timeout_s=timeout_s, ttl_s=ttl_s)
+    try:
+        yield lease
+    finally:
+        lease.release()
+
+
+def hold_save_lease(repo: Repository, *, timeout_s: float = 2 * (LEASE_TTL_S + CLOCK_SKEW_S),
+                    ttl_s: float = LEASE_TTL_S, max_hold_s: float | None = None) -> Lease:
+    """``save_lease`` for holders whose save spans several calls (a collective save's coordinator):
+    the caller releases it.
+
+    A save that finds a collector holding the repository withdraws its lease while
+    it waits (the collector may be waiting for save leases to go), then tries again.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        lease = Lease(repo, SAVE, ttl_s, max_hold_s).acquire()
+        sweeping = live_leases(repo, GC)
+        if not sweeping:
+            return lease
+        lease.release()
+        _wait_for_sweeps(repo, deadline)
+
+
+def _wait_for_sweeps(repo: Repository, deadline: float) -> None:
+    pause = 0.02
+    while sweeping := live_leases(repo, GC):
+        if time.monotonic() > deadline:
+            raise StorageError(f"{repo.url}: a garbage collector has held the repository too long ({sweeping[0]}); "
+                               "if none is running, delete that lease")
+        time.sleep(pause)
+        pause = min(pause * 2, 0.5)
+
+
+def try_gc_lease(repo: Repository, drain_s: float = 0.0) -> tuple[Lease | None, list[str]]:
+    """A gc lease once no save holds one: (lease, []), or (None, the live save leases).
+
+    With ``drain_s``, the gc lease is held while running saves finish, up to that
+    long: saves that start meanwhile wait for the sweep, so a busy repository
+    still gets collected (at the cost of holding those saves up to ``drain_s``).
+    """
+    lease = Lease(repo, GC).acquire()
+    deadline = time.monotonic() + drain_s
+    pause = 0.01
+    while saving := live_leases(repo, SAVE):
+        if time.monotonic() >= deadline:
+            lease.release()
+            return None, saving
+        time.sleep(pause)
+        pause = min(pause * 2, 0.5)
+    return lease, []

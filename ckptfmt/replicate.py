@@ -1,0 +1,304 @@
+"""replicate(): copy checkpoints to another repository (a tier), only the chunks it lacks.
+
+Each checkpoint is copied in the order of the commit protocol (spec 11.1):
+the chunks the destination lacks, then the manifest, then the commit record,
+last. The copy is byte for byte the same checkpoint (same manifest hash), so
+verify and compare see one checkpoint on both sides. A replication killed at
+any point leaves no checkpoint on the destination, only chunks; chunks are
+content-addressed, so the next run finds them and copies only the rest.
+
+Every chunk is checked against its name (decoded and hashed) before it is
+written, so damage in the source is reported, never propagated; by default it
+is also read back from the destination and its hash compared once it has
+arrived (``verify=False`` skips that read, which doubles the traffic on an
+object store).
+
+The destination's chunks are listed once per call (a paginated listing on
+object stores rather than a request per chunk), under a save lease held until
+the last commit, so that a garbage collector cannot delete a chunk between the
+listing and the commit that references it (spec 11.6).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Iterable
+
+from fsspec.callbacks import Callback, NoOpCallback
+
+from . import codecs, layout
+from .chunker import DEFAULT_CHUNK_SIZE
+from .errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError, CorruptDataError
+from .hashing import chunk_hash, check_chunk
+from .leases import Lease, save_lease
+from .limits import check_name
+from .manifest import Chunk
+from .repository import CommitRecord, Repository
+from .storage import Storage
+from .verify import _ByteBudget
+
+#: Manifest fields a copy does not need parsed (it copies the manifest's bytes as they are).
+_UNUSED_FIELDS = frozenset({"rng", "environment", "topology", "timing", "stats", "provenance"})
+
+
+@dataclass(frozen=True)
+class ReplicationReport:
+    """What one ``replicate`` call did."""
+
+    source: str
+    destination: str
+    #: Checkpoints this call committed on the destination, oldest first.
+    copied: tuple[str, ...]
+    #: Checkpoints the destination already had (the same manifest), left as they were.
+    present: tuple[str, ...]
+    #: Chunks written to the destination, and chunks the copied checkpoints needed that it already had.
+    chunks_copied: int
+    chunks_skipped: int
+    #: Bytes written to the destination (chunks as stored, and manifests), and stored bytes of skipped chunks.
+    bytes_copied: int
+    bytes_skipped: int
+    seconds: float
+
+
+def replicate(src: str | os.PathLike | Repository, dst: str | os.PathLike | Repository,
+              name: str | Iterable[str] | None = None, *, storage_options: dict | None = None,
+              dst_storage_options: dict | None = None, workers: int = 8, verify: bool = True,
+              progress: Callback | None = None) -> ReplicationReport:
+    """Copy checkpoints of repository ``src`` to repository ``dst`` (created if missing).
+
+    ``name``: a checkpoint name or several; None copies every committed
+    checkpoint of ``src`` that ``dst`` lacks. Checkpoints are copied oldest
+    first (``created_ns``). One that ``dst`` has with the same manifest is
+    skipped; one it has with a different manifest raises CheckpointExistsError.
+    Damage in the source (a missing or corrupt chunk) raises before that
+    checkpoint's commit, naming the chunk. ``workers`` chunks are copied at a
+    time; ``verify`` reads each one back from ``dst`` after writing it;
+    ``progress`` (an fsspec Callback) counts the stored bytes to copy or check.
+    """
+    if not (isinstance(workers, int) and workers >= 1):
+        raise ValueError("workers must be a positive integer")
+    started = time.perf_counter()
+    source = _repository(src, storage_options, create=False)
+    target = _repository(dst, dst_storage_options, create=True)
+    copied, present, missing = [], [], []
+    for record in _records(source, name):
+        if _on_target(source, target, record):
+            present.append(record.name)
+        else:
+            missing.append(record)
+    copier = _Copier(source, target, workers, verify, progress or NoOpCallback())
+    if missing:
+        with save_lease(target) as lease:  # before the listing: a collector must not delete what it finds
+            copier.stored = target.storage.find(layout.CHUNKS_DIR)
+            for record in missing:
+                (copied if copier.copy(record, lease) else present).append(record.name)
+    return ReplicationReport(
+        source=source.url, destination=target.url, copied=tuple(copied), present=tuple(present),
+        chunks_copied=copier.chunks_copied, chunks_skipped=copier.chunks_skipped,
+        bytes_copied=copier.bytes_copied, bytes_skipped=copier.bytes_skipped,
+        seconds=time.perf_counter() - started,
+    )
+
+
+def _repository(repo: str | os.PathLike | Repository, options: dict | None, *, create: bool) -> Repository:
+    if isinstance(repo, Repository):
+        if options:
+            raise ValueError("storage options apply to repository URLs, not to Repository objects")
+        return repo
+    return Repository.open(repo, options, create=create)
+
+
+def _records(source: Repository, name: str | Iterable[str] | None) -> list[CommitRecord]:
+    """The source's commit records to copy, oldest first (so parents come before their children)."""
+    if name is None:
+        return source.commits()  # damaged records are skipped with a warning
+    names = [name] if isinstance(name, str) else list(name)
+    records = [source.commit(check_name(n)) for n in dict.fromkeys(names)]
+    return sorted(records, key=lambda r: (r.created_ns, r.name))
+
+
+def _on_target(source: Repository, target: Repository, record: CommitRecord) -> bool:
+    """Whether ``target`` has this checkpoint already; CheckpointExistsError if it has another of that name."""
+    try:
+        theirs = target.commit(record.name)
+    except CheckpointNotFoundError:
+        return False
+    if theirs.manifest_hash != record.manifest_hash:
+        raise CheckpointExistsError(
+            f"{target.storage.describe(record.name)}: a different checkpoint of that name exists (manifest "
+            f"{theirs.manifest_hash[:16]}...); {source.storage.describe(record.name)} has manifest "
+            f"{record.manifest_hash[:16]}...")
+    return True
+
+
+def read_verified(storage: Storage, chunk: Chunk) -> bytes:
+    """The stored bytes of ``chunk``, after checking their size, encoding and hash (spec 5.4)."""
+    key = layout.chunk_key(chunk.hash, chunk.codec)
+    where = storage.describe(key)
+    try:
+        stored = storage.read(key, max_size=chunk.stored_size)
+    except CheckpointNotFoundError:
+        raise CheckpointNotFoundError(f"{where}: chunk is missing") from None
+    if len(stored) != chunk.stored_size:
+        raise CorruptDataError(f"{where}: {len(stored)} bytes stored, manifest says {chunk.stored_size}")
+    check_chunk(codecs.decode(chunk.codec, stored, chunk.size, where), chunk.hash, where)
+    return stored
+
+
+class _Copier:
+    """Copies checkpoints' chunks, manifests and commit records to the target; counts what it did."""
+
+    def __init__(self, source: Repository, target: Repository, workers: int, verify: bool, progress: Callback):
+        self.source = source
+        self.target = target
+        self.workers = workers
+        self.verify = verify
+        self.progress = progress
+        #: The target's chunk keys and sizes, as listed once under the lease.
+        self.stored: dict[str, int] = {}
+        #: Chunk keys known intact and durable on the target: copied or checked by this call, or committed.
+        self.good: set[str] = set()
+        # A larger chunk runs alone; a compressed one also holds its decoded bytes while checked.
+        self.budget = _ByteBudget(workers * DEFAULT_CHUNK_SIZE)
+        self.lock = threading.Lock()
+        self.chunks_copied = self.chunks_skipped = self.bytes_copied = self.bytes_skipped = 0
+        self.total = 0
+
+    def copy(self, record: CommitRecord, lease: Lease) -> bool:
+        """Copy one checkpoint, committing it last; False if another writer committed it meanwhile."""
+        manifest = self.source.manifest(record.name, record, skip=_UNUSED_FIELDS)
+        chunks = list({layout.chunk_key(c.hash, c.codec): c for c in manifest.chunks}.items())
+        local = self.target.storage.cheap_exists
+        trusted = self._parent_chunks(manifest.parent) if local else set()
+        jobs = []
+        for key, chunk in chunks:
+            size = self.stored.get(key)
+            if key in self.good or (size == chunk.stored_size and (key in trusted or not local)):
+                self._skipped(chunk)
+            else:  # absent, damaged, or on a local disk vouched for by no commit (spec 11.2): checked first
+                jobs.append((key, chunk, size))
+        self.total += sum(chunk.stored_size for _, chunk, _ in jobs)
+        self.progress.set_size(self.total)
+        written, found = self._run(jobs, record.name)
+        self.target.storage.sync(written)
+        self.target.storage.make_durable(found)  # left by a killed run, which may not have made them durable
+        committed = self._commit(record, lease)
+        self.good.update(key for key, _ in chunks)
+        return committed
+
+    def _parent_chunks(self, parent: str | None) -> set[str]:
+        """Chunk keys of the target's copy of ``parent``: committed there, so present and durable."""
+        if parent is None:
+            return set()
+        try:
+            return {layout.chunk_key(c.hash, c.codec)
+                    for c in self.target.manifest(parent, skip=_UNUSED_FIELDS).chunks}
+        except CheckpointError:  # absent or unreadable: its chunks are checked like any other
+            return set()
+
+    def _run(self, jobs: list[tuple[str, Chunk, int | None]], name: str) -> tuple[list[str], list[str]]:
+        """Transfer the jobs' chunks, ``workers`` at a time; the keys written, and those found intact."""
+        written, found, failures = [], [], []
+        slots = threading.BoundedSemaphore(2 * self.workers)  # bounds the queue, not just the threads
+
+        def done(future: Future, key: str) -> None:
+            slots.release()
+            if future.cancelled():
+                return
+            if future.exception() is not None:
+                failures.append(future.exception())
+            else:
+                (written if future.result() else found).append(key)
+
+        with ThreadPoolExecutor(self.workers, thread_name_prefix="ckptfmt-replicate") as pool:
+            for key, chunk, size in jobs:
+                slots.acquire()
+                if failures:
+                    slots.release()
+                    break
+                future = pool.submit(self._transfer, key, chunk, size)
+                future.add_done_callback(lambda f, key=key: done(f, key))
+            pool.shutdown(cancel_futures=bool(failures))
+        if failures:
+            error = failures[0]
+            if isinstance(error, CheckpointError):
+                raise type(error)(f"{error} (checkpoint {name!r} not replicated)") from None
+            raise error
+        return written, found
+
+    def _transfer(self, key: str, chunk: Chunk, size: int | None) -> bool:
+        """Make ``key`` hold ``chunk`` intact on the target; True if it had to be written."""
+        footprint = chunk.size + (chunk.stored_size if chunk.codec != codecs.NONE else 0)
+        with self.budget.take(footprint):
+            if size is not None and self._intact(chunk, size):
+                self._skipped(chunk, progress=True)
+                return False
+            stored = read_verified(self.source.storage, chunk)  # damage in the source stops here
+            digest = chunk.hash if chunk.codec == codecs.NONE else chunk_hash(stored)
+            self.target.storage.write(key, stored, durable=False)  # synced with the others before the manifest
+            del stored
+            if self.verify:
+                self._check_arrival(key, chunk, digest)
+        with self.lock:
+            self.chunks_copied += 1
+            self.bytes_copied += chunk.stored_size
+            self.progress.relative_update(chunk.stored_size)
+        return True
+
+    def _intact(self, chunk: Chunk, size: int) -> bool:
+        """Whether the target's existing copy of ``chunk`` checks out; a damaged one is written again.
+
+        A compressed chunk can be stored intact under another size (another
+        encoder's frame): other checkpoints there use it as it is, and this one's
+        manifest cannot be made to, so that is an error rather than a rewrite.
+        """
+        if size != chunk.stored_size and (chunk.codec == codecs.NONE or size > chunk.size + chunk.stored_size):
+            return False  # damaged (read no further than its budget)
+        try:
+            read_verified(self.target.storage, chunk._replace(stored_size=size))
+        except (CorruptDataError, CheckpointNotFoundError):
+            return False
+        if size != chunk.stored_size:
+            key = layout.chunk_key(chunk.hash, chunk.codec)
+            raise CheckpointExistsError(
+                f"{self.target.storage.describe(key)}: stored with another encoding ({size} bytes, the source's "
+                f"manifest says {chunk.stored_size}): the checkpoint cannot be copied byte for byte")
+        return True
+
+    def _check_arrival(self, key: str, chunk: Chunk, digest: str) -> None:
+        """Read the copy back from the target and compare its hash with what was sent."""
+        where = self.target.storage.describe(key)
+        arrived = self.target.storage.read(key, max_size=chunk.stored_size)
+        if len(arrived) == chunk.stored_size and chunk_hash(arrived) == digest:
+            return
+        self.target.storage.delete(key)  # so that a later run writes it again rather than trusting it
+        raise CorruptDataError(f"{where}: the copy read back differs from the bytes written (removed)")
+
+    def _skipped(self, chunk: Chunk, progress: bool = False) -> None:
+        with self.lock:
+            self.chunks_skipped += 1
+            self.bytes_skipped += chunk.stored_size
+            if progress:
+                self.progress.relative_update(chunk.stored_size)
+
+    def _commit(self, record: CommitRecord, lease: Lease) -> bool:
+        """Write the source's manifest bytes, then the commit record (spec 11.1 steps 3 and 4)."""
+        key = layout.manifest_key(record.name, record.manifest_hash)
+        data = self.source.storage.read(key, max_size=record.manifest_size)
+        check_chunk(data, record.manifest_hash, self.source.storage.describe(key))  # what was parsed, exactly
+        self.target.storage.write(key, data)
+        self.target.storage.sync([key])
+        with self.lock:
+            self.bytes_copied += len(data)
+        lease.check("writing the commit record")
+        try:
+            self.target.create_commit(record)
+        except CheckpointExistsError:  # a rival replication of the same checkpoint is fine; another is not
+            if not _on_target(self.source, self.target, record):
+                raise
+            return False
+        return True
