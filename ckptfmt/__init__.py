@@ -22,6 +22,7 @@ from .errors import (
     UnsupportedVersionError,
 )
 from .manifest import FORMAT_VERSION
+from .manager import CheckpointManager, Tier
 from .per_rank import PerRank, PerRankValues
 from .reader import CheckpointReader, load, open, restore_rng
 from .replicate import ReplicationReport, replicate
@@ -39,6 +40,7 @@ __all__ = [
     "async_save",
     "CheckpointError",
     "CheckpointExistsError",
+    "CheckpointManager",
     "CheckpointNotFoundError",
     "CheckpointReader",
     "StepTimer",
@@ -57,6 +59,7 @@ __all__ = [
     "Shard",
     "Sharded",
     "StorageError",
+    "Tier",
     "UnsupportedValueError",
     "UnsupportedVersionError",
     "VerifyReport",

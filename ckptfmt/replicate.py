@@ -26,7 +26,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Callable, Iterable
 
 from fsspec.callbacks import Callback, NoOpCallback
 
@@ -67,7 +67,7 @@ class ReplicationReport:
 def replicate(src: str | os.PathLike | Repository, dst: str | os.PathLike | Repository,
               name: str | Iterable[str] | None = None, *, storage_options: dict | None = None,
               dst_storage_options: dict | None = None, workers: int = 8, verify: bool = True,
-              progress: Callback | None = None) -> ReplicationReport:
+              progress: Callback | None = None, yield_to: Callable[[], None] | None = None) -> ReplicationReport:
     """Copy checkpoints of repository ``src`` to repository ``dst`` (created if missing).
 
     ``name``: a checkpoint name or several; None copies every committed
@@ -78,6 +78,8 @@ def replicate(src: str | os.PathLike | Repository, dst: str | os.PathLike | Repo
     checkpoint's commit, naming the chunk. ``workers`` chunks are copied at a
     time; ``verify`` reads each one back from ``dst`` after writing it;
     ``progress`` (an fsspec Callback) counts the stored bytes to copy or check.
+    ``yield_to`` is called before each chunk is queued and may block: the
+    checkpoint manager pauses replication while the training loop saves.
     """
     if not (isinstance(workers, int) and workers >= 1):
         raise ValueError("workers must be a positive integer")
@@ -90,7 +92,7 @@ def replicate(src: str | os.PathLike | Repository, dst: str | os.PathLike | Repo
             present.append(record.name)
         else:
             missing.append(record)
-    copier = _Copier(source, target, workers, verify, progress or NoOpCallback())
+    copier = _Copier(source, target, workers, verify, progress or NoOpCallback(), yield_to)
     if missing:
         with save_lease(target) as lease:  # before the listing: a collector must not delete what it finds
             copier.stored = target.storage.find(layout.CHUNKS_DIR)
@@ -152,7 +154,9 @@ def read_verified(storage: Storage, chunk: Chunk) -> bytes:
 class _Copier:
     """Copies checkpoints' chunks, manifests and commit records to the target; counts what it did."""
 
-    def __init__(self, source: Repository, target: Repository, workers: int, verify: bool, progress: Callback):
+    def __init__(self, source: Repository, target: Repository, workers: int, verify: bool, progress: Callback,
+                 yield_to: Callable[[], None] | None = None):
+        self.yield_to = yield_to
         self.source = source
         self.target = target
         self.workers = workers
@@ -216,6 +220,8 @@ class _Copier:
 
         with ThreadPoolExecutor(self.workers, thread_name_prefix="ckptfmt-replicate") as pool:
             for key, chunk, size in jobs:
+                if self.yield_to is not None:
+                    self.yield_to()
                 slots.acquire()
                 if failures:
                     slots.release()

@@ -1,0 +1,166 @@
+"""CheckpointManager: retention after each save, tiers, restore, interval="auto", collective use."""
+
+from __future__ import annotations
+
+import time
+import warnings
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+
+import ckptfmt
+from ckptfmt import CheckpointManager, Retention, Tier, layout
+from ckptfmt.repository import Repository
+
+from ranks import run_ranks
+
+
+def model_state(step: int) -> dict:
+    """256 KiB tensors (one chunk each): 'frozen' never changes, 'w' changes every step."""
+    return {"frozen": torch.arange(65536, dtype=torch.float32), "w": torch.full((65536,), float(step)),
+            "step": step}
+
+
+def stored_chunks(url: str, options: dict | None = None) -> set[str]:
+    repo = Repository.open(url, options)
+    return {k for k in repo.storage.find(layout.CHUNKS_DIR) if not k.rsplit("/", 1)[-1].startswith(".")}
+
+
+def referenced_chunks(url: str, options: dict | None = None) -> set[str]:
+    repo = Repository.open(url, options)
+    return {layout.chunk_key(c.hash, c.codec) for n in repo.names() for c in repo.manifest(n).chunks}
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_keep_last_deletes_old_checkpoints_and_their_chunks(tmp_path, async_save):
+    url = str(tmp_path / "run")
+    with CheckpointManager(url, keep_last=2, async_save=async_save) as manager:
+        for step in range(8):
+            assert manager.save(step, model_state(step))
+        manager.wait()
+        assert manager.steps() == [6, 7] and manager.latest() == 7
+        restored = manager.restore()
+    assert restored["step"] == 7 and torch.equal(restored["w"], torch.full((65536,), 7.0))
+    assert ckptfmt.verify(url).ok
+    assert stored_chunks(url) == referenced_chunks(url)  # 'frozen' once, and the two kept 'w's
+
+
+def test_keep_every_and_keep_best_combine(tmp_path):
+    url = str(tmp_path / "run")
+    losses = {0: 5.0, 1: 4.0, 2: 1.0, 3: 3.0, 4: 2.5, 5: None, 6: 2.0, 7: 4.5, 8: 6.0}
+    with CheckpointManager(url, keep_every=4, keep_best=("val_loss", "min", 2)) as manager:
+        for step, loss in losses.items():
+            manager.save(step, model_state(step), metrics=None if loss is None else {"val_loss": loss})
+    # multiples of 4; the two best (2: 1.0, 6: 2.0); 5 has no metric; 8 is the newest
+    assert CheckpointManager(url).steps() == [0, 2, 4, 5, 6, 8]
+    restored = CheckpointManager(url).restore(step=2)
+    assert restored["step"] == 2
+
+
+def test_interval_saves_only_when_due(tmp_path):
+    url = str(tmp_path / "run")
+    with CheckpointManager(url, interval=3) as manager:
+        saved = [step for step in range(1, 10) if manager.save(step, model_state(step))]
+        assert manager.save(10, model_state(10), force=True)
+    assert saved == [3, 6, 9]
+    assert CheckpointManager(url).steps() == [3, 6, 9, 10]
+
+
+def test_restore_into_a_state_in_place(tmp_path):
+    url = str(tmp_path / "run")
+    with CheckpointManager(url) as manager:
+        manager.save(5, model_state(5))
+        target = model_state(0)
+        assert manager.restore(into=target) is target
+    assert torch.equal(target["w"], torch.full((65536,), 5.0)) and target["step"] == 5
+
+
+def test_housekeeping_stays_off_the_training_loop(tmp_path, monkeypatch):
+    """A slow retention pass does not slow save() down: it runs on the manager's thread."""
+    from ckptfmt import manager as manager_module
+    real_remove = manager_module.remove
+
+    def slow_remove(repo, names):
+        time.sleep(1.0)
+        return real_remove(repo, names)
+    monkeypatch.setattr(manager_module, "remove", slow_remove)
+    url = str(tmp_path / "run")
+    with CheckpointManager(url, keep_last=1) as manager:
+        manager.save(0, model_state(0))
+        started = time.perf_counter()
+        manager.save(1, model_state(1))
+        manager.save(2, model_state(2))
+        assert time.perf_counter() - started < 0.9
+        manager.wait()
+        assert manager.steps() == [2]
+
+
+def test_tiers_local_then_s3_each_with_its_retention(tmp_path, s3_bucket):
+    local, remote = str(tmp_path / "nvme"), f"{s3_bucket}/run"
+    tiers = [local, Tier(remote, Retention(keep_every=4))]
+    with CheckpointManager(tiers=tiers, keep_last=2, async_save=True) as manager:
+        for step in range(10):
+            manager.save(step, model_state(step))
+        manager.wait()
+        assert CheckpointManager(local).steps() == [8, 9]
+        assert CheckpointManager(remote).steps() == [0, 4, 8]  # only what S3 keeps was uploaded
+        assert manager.steps() == [0, 4, 8, 9] and manager.restore()["step"] == 9
+    assert ckptfmt.verify(remote).ok
+    assert stored_chunks(remote) == referenced_chunks(remote)
+    assert stored_chunks(local) == referenced_chunks(local)
+
+    # the local disk is lost: restore falls back to S3's newest
+    for name in Repository.open(local).names():
+        ckptfmt.gc.remove(Repository.open(local), [name])
+    manager = CheckpointManager(tiers=tiers, keep_last=2)
+    assert manager.latest() == 8 and torch.equal(manager.restore()["w"], torch.full((65536,), 8.0))
+
+
+def test_restore_reads_the_next_tier_when_the_fast_copy_is_damaged(tmp_path):
+    fast, slow = str(tmp_path / "fast"), str(tmp_path / "slow")
+    with CheckpointManager(tiers=[fast, slow]) as manager:
+        manager.save(1, model_state(1))
+    repo = Repository.open(fast)
+    key = next(k for k in repo.storage.find(layout.CHUNKS_DIR))
+    path = Path(fast) / key
+    data = bytearray(path.read_bytes())
+    data[100] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.warns(ckptfmt.CheckpointWarning, match="from the next tier"):
+        restored = CheckpointManager(tiers=[fast, slow]).restore(mmap=False)
+    assert restored["step"] == 1 and torch.equal(restored["frozen"], torch.arange(65536, dtype=torch.float32))
+
+
+def test_auto_interval_follows_the_measured_stall_and_mtbf(tmp_path):
+    """Steps of 20 ms and a save stall of some ms: with an MTBF of 2 s Daly's interval is a few dozen
+    steps at most, so the run saves several times; with 1 h it is hundreds, so only the first save
+    (which measures the stall) happens in 60 steps."""
+    saved, planned = {}, {}
+    for mtbf in (timedelta(seconds=2), timedelta(hours=1)):
+        with CheckpointManager(str(tmp_path / f"run-{mtbf.seconds}"), interval="auto", mtbf=mtbf) as manager:
+            saved[mtbf] = [step for step in range(60)
+                           if time.sleep(0.02) or manager.save(step, {"w": torch.randn(2**20), "step": step})]
+            planned[mtbf] = manager.planned_interval
+    short, long = timedelta(seconds=2), timedelta(hours=1)
+    assert saved[long] == [0] and planned[long] > 60
+    assert len(saved[short]) >= 2 and saved[short][0] == 0 and 1 <= planned[short] < planned[long]
+    assert all(b - a >= min(planned[short], 5) for a, b in zip(saved[short], saved[short][1:]))
+
+
+def manager_ranks(rank: int, world: int, folder: str, url: str) -> list[int]:
+    with CheckpointManager(url, keep_last=2, interval=2) as manager:
+        for step in range(1, 9):
+            manager.save(step, {"w": torch.full((65536,), float(step)), "rank": ckptfmt.PerRank(rank)})
+        manager.wait()
+        return manager.steps()
+
+
+def test_collective_manager_keeps_the_last_two(tmp_path):
+    url = str(tmp_path / "run")
+    outcomes = [o.unwrap() for o in run_ranks(manager_ranks, 2, tmp_path / "pg", url=url)]
+    assert CheckpointManager(url).steps() == [6, 8]
+    assert all(steps[-1] == 8 for steps in outcomes)
+    assert ckptfmt.verify(url).ok
+    assert stored_chunks(url) == referenced_chunks(url)
