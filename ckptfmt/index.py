@@ -145,9 +145,10 @@ def read_each(storage: Storage, function: Callable[[T], R], items: Iterable[T]) 
 
 
 class CommitIndex:
-    """The index of one repository; ``read_commit(name)`` reads the authority, a checkpoint's commit record."""
+    """The index of one repository; ``read_commit(name)`` reads the authority, a checkpoint's commit record:
+    the record, the error reading a damaged one, or None when there is none (store failures raise)."""
 
-    def __init__(self, storage: Storage, read_commit: Callable[[str], CommitRecord]):
+    def __init__(self, storage: Storage, read_commit: Callable[[str], CommitRecord | CheckpointError | None]):
         self.storage = storage
         self.read_commit = read_commit
 
@@ -177,15 +178,10 @@ class CommitIndex:
     def confirm(self, entry: Entry) -> CommitRecord | CheckpointError | None:
         """What the authority says of ``entry``: its commit record, the error reading a damaged one, or None
         when no commit record names this manifest (an unfinished or failed save, or a removed checkpoint)."""
-        try:
-            record = self.read_commit(entry.name)
-        except CheckpointNotFoundError:
-            return None
-        except StorageError:
-            raise
-        except CheckpointError as exc:
-            return exc
-        return record if entry.matches(record) else None
+        outcome = self.read_commit(entry.name)
+        if isinstance(outcome, CommitRecord):
+            return outcome if entry.matches(outcome) else None
+        return outcome
 
     # -- readers ------------------------------------------------------------
     def vouched(self, names: set[str]) -> dict[str, CommitRecord]:

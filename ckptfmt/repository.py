@@ -60,7 +60,7 @@ class Repository:
 
     @property
     def index(self) -> CommitIndex:
-        return CommitIndex(self.storage, self.commit)
+        return CommitIndex(self.storage, self._commit_or_error)
 
     @property
     def url(self) -> str:

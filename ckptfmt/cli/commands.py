@@ -6,9 +6,7 @@ import json
 import warnings
 from typing import Any
 
-from fsspec.callbacks import Callback
 from rich.console import Console
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 from rich.table import Table
 from rich.text import Text
 
@@ -20,7 +18,7 @@ from ..formatting import human_bytes, human_time, number, seconds, shape_text, s
 from ..reader import open as open_checkpoint
 from ..repository import Repository
 from ..verify import verify as verify_url
-from .render import add_name_column, add_row, new_table, print_table
+from .render import ByteProgress, add_name_column, add_row, new_table, print_table
 
 
 def ls(args, console: Console) -> int:
@@ -106,27 +104,9 @@ def _show_metadata(console: Console, meta: dict) -> None:
     console.print(table)
 
 
-class _RichCallback(Callback):
-    """Feeds fsspec progress (bytes) into a rich progress bar."""
-
-    def __init__(self, progress: Progress):
-        super().__init__()
-        self.progress = progress
-        self.task = progress.add_task("verifying", total=None)
-
-    def call(self, *args, **kwargs):
-        self.progress.update(self.task, total=self.size, completed=self.value)
-
-
 def verify(args, console: Console) -> int:
-    errors = Console(stderr=True)
-    progress = Progress(
-        TextColumn("[progress.description]{task.description}"), BarColumn(), DownloadColumn(),
-        TransferSpeedColumn(), TimeRemainingColumn(), console=errors, transient=True,
-        disable=args.json or not errors.is_terminal,  # a bar in a log file is noise
-    )
-    with progress:
-        report = verify_url(args.url, callback=_RichCallback(progress))
+    with ByteProgress("verifying", quiet=args.json) as progress:
+        report = verify_url(args.url, callback=progress)
     if args.json:
         console.print_json(data={
             "ok": report.ok, "checkpoints": report.checkpoints, "chunks_checked": report.chunks_checked,

@@ -5,12 +5,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from fsspec.callbacks import Callback
 from rich.console import Console
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
 from ..formatting import human_bytes
 from ..replicate import replicate
+from .render import ByteProgress
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -27,28 +26,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(run=sync_command)
 
 
-class _BarCallback(Callback):
-    """Feeds replicate's progress (bytes) into a rich progress bar."""
-
-    def __init__(self, progress: Progress):
-        super().__init__()
-        self.progress = progress
-        self.task = progress.add_task("copying", total=None)
-
-    def call(self, *args, **kwargs):
-        self.progress.update(self.task, total=self.size, completed=self.value)
-
-
 def sync_command(args, console: Console) -> int:
     """Replicate ``args.src`` to ``args.dst``; print a one-line summary, or JSON with ``args.json``."""
-    errors = Console(stderr=True)
-    progress = Progress(
-        TextColumn("[progress.description]{task.description}"), BarColumn(), DownloadColumn(),
-        TransferSpeedColumn(), TimeRemainingColumn(), console=errors, transient=True,
-        disable=args.json or not errors.is_terminal,  # a bar in a log file is noise
-    )
-    with progress:
-        report = replicate(args.src, args.dst, args.name, verify=args.verify, progress=_BarCallback(progress))
+    with ByteProgress("copying", quiet=args.json) as progress:
+        report = replicate(args.src, args.dst, args.name, verify=args.verify, progress=progress)
     if args.json:
         console.print_json(data=dataclasses.asdict(report))
         return 0
