@@ -114,7 +114,8 @@ class Lease:
         expires = now + int(self.ttl_s * 1e9)
         record = {"format": LEASE_FORMAT, "version": list(FORMAT_VERSION), "kind": self.kind,
                   "holder": self.holder, "created_ns": now, "expires_ns": expires}
-        self.repo.storage.write(self.key, json.dumps(record).encode())
+        # Visible to other processes is enough: a crash that loses the lease ends its holder too.
+        self.repo.storage.write(self.key, json.dumps(record).encode(), durable=False)
         self._valid_until_ns = expires
 
     def _renew_loop(self) -> None:
