@@ -74,11 +74,11 @@ def ls_json(url: str, capsys) -> list[dict]:
 
 
 def test_ls_latest_and_parent_lookup_make_bounded_requests(s3_bucket, capsys):
-    """At 20 and 400 checkpoints: latest and the parent lookup cost the same few requests, ls one listing
+    """At 20 and 200 checkpoints: latest and the parent lookup cost the same few requests, ls one listing
     page per 1,000 checkpoints, one read per pack and at most COMPACT_AT commit records; without the
     index, each costs two requests per checkpoint."""
     counts = {}
-    for n in (20, 400):
+    for n in (20, 200):
         url = f"{s3_bucket}/n{n}"
         repo = seeded(url)
         repo.storage.create_settle_s = 0  # the read-backs still run; only their pause goes
