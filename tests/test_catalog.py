@@ -74,11 +74,11 @@ def ls_json(url: str, capsys) -> list[dict]:
 
 
 def test_ls_latest_and_parent_lookup_make_bounded_requests(s3_bucket, capsys):
-    """At 20 and 200 checkpoints: latest and the parent lookup cost the same few requests, ls one listing
+    """At 20 and 120 checkpoints: latest and the parent lookup cost the same few requests, ls one listing
     page per 1,000 checkpoints, one read per pack and at most COMPACT_AT commit records; without the
     index, each costs two requests per checkpoint."""
     counts = {}
-    for n in (20, 200):
+    for n in (20, 120):
         url = f"{s3_bucket}/n{n}"
         repo = seeded(url)
         repo.storage.create_settle_s = 0  # the read-backs still run; only their pause goes
@@ -116,6 +116,7 @@ def test_ls_latest_and_parent_lookup_make_bounded_requests(s3_bucket, capsys):
 # -- behaviour on every backend ------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("backend", ["local", "memory", pytest.param("s3", marks=pytest.mark.exhaustive)])
 def test_a_new_repository_is_indexed_and_lists_like_the_authority(repo_url, capsys):
     repo = seeded(repo_url)
     assert repo.indexed
@@ -133,6 +134,7 @@ def test_a_new_repository_is_indexed_and_lists_like_the_authority(repo_url, caps
     assert report.ok and not any(INDEX_DIR in warning for warning in report.warnings)
 
 
+@pytest.mark.parametrize("backend", ["local", "memory", pytest.param("s3", marks=pytest.mark.exhaustive)])
 def test_removed_checkpoints_disappear(repo_url, capsys):
     repo = seeded(repo_url)
     names = [f"c{i:03d}" for i in range(COMPACT_AT + 2)]

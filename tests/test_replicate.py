@@ -273,7 +273,7 @@ print("finished")
 """
 
 
-@pytest.mark.parametrize("destination", ["local", "s3"])
+@pytest.mark.parametrize("destination", ["local", pytest.param("s3", marks=pytest.mark.exhaustive)])
 def test_resumes_after_kill(destination, request, tmp_path):
     src = tmp_path / "src"
     dst = make_root(destination, request, tmp_path) + "/dst"
