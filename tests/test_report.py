@@ -17,7 +17,7 @@ import pytest
 
 from ckptfmt.analytics.report import report
 
-from test_stragglers import SLEEPS, ddp_run_in
+from test_stragglers import NOISY_MACHINE, SLEEPS, ddp_run_in
 
 FIGURES = ["step-time", "delays", "save-phases", "sizes", "metrics", "divergence"]
 
@@ -30,7 +30,8 @@ def two_runs(tmp_path_factory) -> tuple[str, str]:
 @pytest.fixture(scope="module")
 def page(two_runs, tmp_path_factory) -> tuple[Path, dict]:
     out = tmp_path_factory.mktemp("page")
-    made = report(two_runs[0], html_path=out / "report.html", png_dir=out / "png", compare_with=two_runs[1])
+    made = report(two_runs[0], html_path=out / "report.html", png_dir=out / "png", compare_with=two_runs[1],
+                  thresholds=NOISY_MACHINE)
     return out, made
 
 

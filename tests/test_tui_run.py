@@ -12,7 +12,7 @@ from ckptfmt.tui.screens.repository import RepositoryScreen  # noqa: E402
 from ckptfmt.tui.screens.run import RunScreen  # noqa: E402
 
 from test_compare import train  # noqa: E402
-from test_stragglers import ddp_run_in  # noqa: E402
+from test_stragglers import MIN_DELAY_S, ddp_run_in  # noqa: E402
 from test_tui import SIZE, async_test, cells, settle, text_of  # noqa: E402
 
 
@@ -23,7 +23,7 @@ def ddp_run(tmp_path_factory) -> str:
 
 @async_test
 async def test_the_run_screen_shows_stragglers_and_the_save_timeline(ddp_run):
-    app = create_app([ddp_run])
+    app = create_app([ddp_run], min_delay=MIN_DELAY_S)
     async with app.run_test(size=SIZE) as pilot:
         await settle(app, pilot)
         assert isinstance(app.screen, RepositoryScreen)
@@ -67,3 +67,8 @@ async def test_the_run_screen_compares_two_runs(tmp_path):
 def test_compare_needs_one_target():
     with pytest.raises(ValueError, match="--compare takes one run"):
         create_app(["a", "b"], compare_with="c")
+
+
+def test_a_negative_least_delay_is_refused():
+    with pytest.raises(ValueError, match="--min-delay must be 0 or more"):
+        create_app(["a"], min_delay=-0.5)

@@ -72,15 +72,18 @@ class CheckpointApp(App):
     ]
 
     def __init__(self, targets: list[str], storage_options: dict | None = None,
-                 compare_with: str | None = None) -> None:
+                 compare_with: str | None = None, min_delay: float | None = None) -> None:
         if len(targets) not in (1, 2):
             raise ValueError(f"give one target (a repository or checkpoint) or two to compare, not {len(targets)}")
         if compare_with is not None and len(targets) != 1:
             raise ValueError("--compare takes one run (a repository) to compare with the target run")
+        if min_delay is not None and not min_delay >= 0:
+            raise ValueError(f"--min-delay must be 0 or more seconds, not {min_delay}")
         super().__init__()
         self.targets = list(targets)
         self.storage_options = storage_options
         self.compare_with = compare_with
+        self.min_delay = min_delay  # the run screen's least reported straggler delay (None: the default)
         self.verified: dict[str, str] = {}  # checkpoint URL -> "ok" or "damaged", from verifies run in this session
 
     def get_default_screen(self) -> OpenScreen:
@@ -101,16 +104,18 @@ class CheckpointApp(App):
 
 
 def create_app(targets: list[str], storage_options: dict | None = None,
-               compare_with: str | None = None) -> CheckpointApp:
+               compare_with: str | None = None, min_delay: float | None = None) -> CheckpointApp:
     """The app for ``targets``: one repository or checkpoint URL, or two checkpoints to diff; with
-    ``compare_with``, the run screen comparing the target run with that one."""
-    return CheckpointApp(targets, storage_options, compare_with)
+    ``compare_with``, the run screen comparing the target run with that one; ``min_delay``: the least
+    straggler delay the run screen reports, in seconds."""
+    return CheckpointApp(targets, storage_options, compare_with, min_delay)
 
 
-def main(targets: list[str], storage_options: dict | None = None, compare_with: str | None = None) -> int:
+def main(targets: list[str], storage_options: dict | None = None, compare_with: str | None = None,
+         min_delay: float | None = None) -> int:
     """Run the TUI until the user quits; returns the exit code (2 for bad arguments)."""
     try:
-        app = create_app(targets, storage_options, compare_with)
+        app = create_app(targets, storage_options, compare_with, min_delay)
     except ValueError as exc:
         print(f"ckptfmt tui: {exc}")
         return 2

@@ -17,6 +17,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="a repository or checkpoint URL; give two checkpoints to open their diff")
     p.add_argument("--compare", metavar="RUN_B", default=None,
                    help="open the run screen comparing the TARGET run (a repository) with this one")
+    p.add_argument("--min-delay", type=float, default=None, metavar="SECONDS",
+                   help="the run screen reports no straggler delay shorter than this (default 0.01)")
     p.set_defaults(run=run)
 
 
@@ -27,4 +29,4 @@ def run(args, console: Console) -> int:
         raise CheckpointError("the terminal UI needs textual: pip install 'ckptfmt[tui]'") from None
     from .app import main
 
-    return main(args.targets, compare_with=args.compare)
+    return main(args.targets, compare_with=args.compare, min_delay=args.min_delay)

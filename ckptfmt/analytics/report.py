@@ -28,7 +28,7 @@ import pyarrow as pa  # noqa: E402
 
 from .compare import compare  # noqa: E402
 from .grids import StepGrid, slowest_save_phases  # noqa: E402
-from .stragglers import episode_ranges, step_delays, stragglers  # noqa: E402
+from .stragglers import Thresholds, episode_ranges, step_delays, stragglers  # noqa: E402
 from .tables import tables  # noqa: E402
 
 
@@ -44,11 +44,12 @@ class Figure:
 
 def report(repo: str | os.PathLike, *, html_path: str | os.PathLike | None = None,
            png_dir: str | os.PathLike | None = None, compare_with: str | os.PathLike | None = None,
-           storage_options: dict | None = None) -> dict:
+           thresholds: Thresholds = Thresholds(), storage_options: dict | None = None) -> dict:
     """Write the report of run ``repo`` (compared with run ``compare_with`` if given) as ``html_path``
-    and/or PNG files in ``png_dir``; returns what went in: figure ids, stragglers, the comparison."""
+    and/or PNG files in ``png_dir``; returns what went in: figure ids, stragglers (judged by
+    ``thresholds``), the comparison."""
     built = tables(repo, storage_options=storage_options)
-    found = stragglers(built)
+    found = stragglers(built, thresholds=thresholds)
     comparison = compare(repo, compare_with, storage_options=storage_options) if compare_with else None
     figures = [f for f in (_step_heatmap(built["steps"], found), _delay_heatmap(built["steps"]),
                            _save_phases(built["saves"]), _sizes(built["checkpoints"]), _metrics(built["steps"]),

@@ -66,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("stragglers", help="ranks that delayed the others, and slow saves (needs ckptfmt[analytics])")
     p.add_argument("repo", help="repository URL of one run")
+    _min_delay_option(p)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(run=commands.stragglers)
 
@@ -84,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compare", metavar="REPO_B", default=None, help="a second run to compare it with")
     p.add_argument("--html", metavar="OUT.html", default=None, help="write the page here")
     p.add_argument("--png", metavar="DIR", default=None, help="write each figure as DIR/<figure>.png")
+    _min_delay_option(p)
     p.set_defaults(run=commands.report)
 
     lifecycle.register(sub)
@@ -93,6 +95,12 @@ def build_parser() -> argparse.ArgumentParser:
     for plugin in sorted(entry_points(group=COMMANDS_GROUP), key=lambda ep: ep.name):
         _register(plugin, sub)
     return parser
+
+
+def _min_delay_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--min-delay", type=float, default=None, metavar="SECONDS",
+                        help="report no delay shorter than this (default 0.01; raise it where the OS deschedules "
+                             "ranks for longer, as on oversubscribed machines)")
 
 
 def _register(plugin: EntryPoint, sub: argparse._SubParsersAction) -> None:

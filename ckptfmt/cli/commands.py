@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import warnings
 from typing import Any
@@ -198,7 +199,7 @@ def analytics_export(args, console: Console) -> int:
 
 def stragglers(args, console: Console) -> int:
     analytics = _analytics()
-    report = analytics.stragglers(args.repo)
+    report = analytics.stragglers(args.repo, thresholds=_thresholds(args))
     if args.json:
         console.print_json(data=report)
         return 0
@@ -229,6 +230,16 @@ def stragglers(args, console: Console) -> int:
     return 0
 
 
+def _thresholds(args):
+    """The straggler thresholds the command line asks for."""
+    thresholds = _analytics().Thresholds()
+    if args.min_delay is None:
+        return thresholds
+    if not args.min_delay >= 0:
+        raise CheckpointError(f"--min-delay must be 0 or more seconds, not {args.min_delay}")
+    return dataclasses.replace(thresholds, floor_s=args.min_delay)
+
+
 def report(args, console: Console) -> int:
     if args.html is None and args.png is None:
         raise CheckpointError("say where the report goes: --html OUT.html and/or --png DIR")
@@ -237,7 +248,8 @@ def report(args, console: Console) -> int:
         from ..analytics.report import report as write_report
     except ImportError as exc:
         raise CheckpointError(f"ckptfmt report needs matplotlib ({exc}): pip install 'ckptfmt[analytics]'") from None
-    made = write_report(args.repo, html_path=args.html, png_dir=args.png, compare_with=args.compare)
+    made = write_report(args.repo, html_path=args.html, png_dir=args.png, compare_with=args.compare,
+                        thresholds=_thresholds(args))
     for where in (args.html, args.png):
         if where is not None:
             console.print(f"wrote {where} ({len(made['figures'])} figures: {', '.join(made['figures'])})",

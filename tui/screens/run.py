@@ -73,7 +73,9 @@ class RunScreen(WorkerScreen):
             raise CheckpointError(f"the run screen needs pyarrow ({exc}): pip install 'ckptfmt[analytics]'") from None
         options = self.app.storage_options
         built = analytics.tables(self.url, storage_options=options)
-        found = analytics.stragglers(built)
+        thresholds = analytics.Thresholds() if self.app.min_delay is None \
+            else analytics.Thresholds(floor_s=self.app.min_delay)
+        found = analytics.stragglers(built, thresholds=thresholds)
         comparison = analytics.compare(self.url, self.compare_with, storage_options=options) \
             if self.compare_with else None
         self.app.call_from_thread(self._show, built, found, comparison)
