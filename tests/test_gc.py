@@ -217,9 +217,13 @@ def test_gc_and_retention_race_two_saving_processes(backend, rounds, tmp_path, r
     retention, pause = Retention(keep_last=3), random.Random(0)
     rounds_wanted, rounds = rounds, 0
     swept = removed = freed = 0
+    seen: set[str] = set()  # checkpoint names committed meanwhile, "w{writer}-{step}"
+
+    def racing() -> bool:  # until the rounds are done and each saver has committed 5 checkpoints during them
+        return rounds < rounds_wanted or min(sum(n.startswith(f"w{w}-") for n in seen) for w in (0, 1)) < 5
     try:
-        deadline = time.monotonic() + 4 * rounds_wanted
-        while rounds < rounds_wanted:
+        deadline = time.monotonic() + 4 * rounds_wanted + 60
+        while racing():
             assert time.monotonic() < deadline, f"only {rounds} rounds"
             assert all(p.poll() is None for p in savers), [p.communicate() for p in savers]
             try:
@@ -227,7 +231,9 @@ def test_gc_and_retention_race_two_saving_processes(backend, rounds, tmp_path, r
             except ckptfmt.CheckpointNotFoundError:  # not created yet
                 time.sleep(0.05)
                 continue
-            removed += len(remove(repo, [r.name for r in retention.to_delete(repo.commits())]))
+            records = repo.commits()
+            seen.update(r.name for r in records)
+            removed += len(remove(repo, [r.name for r in retention.to_delete(records)]))
             report = collect(repo, wait_s=drain_s)
             swept += report.swept
             freed += report.chunks if report.swept else 0
