@@ -353,13 +353,16 @@ while True:
 """
 
 
-def start_moto() -> tuple[subprocess.Popen, str]:
+def start_moto(nice: int = 0) -> tuple[subprocess.Popen, str]:
     """A moto S3 server in a child process (its CPU apart from the client's GIL), with this process's
-    AWS settings pointed at it; returns the process and the endpoint URL."""
+    AWS settings pointed at it; returns the process and the endpoint URL. ``nice``: the server's CPU
+    priority (19: it takes only the CPU time the client leaves, as a server on other machines would)."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     server = subprocess.Popen([sys.executable, "-c", MOTO_SERVER, str(port)])
+    if nice:  # before the server starts its request threads, which inherit it
+        os.setpriority(os.PRIO_PROCESS, server.pid, nice)
     endpoint = f"http://127.0.0.1:{port}"
     os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1",
                       AWS_ENDPOINT_URL=endpoint)

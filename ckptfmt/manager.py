@@ -10,23 +10,24 @@ checkpoints, copy them to slower durable tiers, restore the newest.
     manager.wait()
 
 Only the save itself is on the training loop's path: replication to the next
-tiers, retention and garbage collection run afterwards on one background
-thread (on the group's rank 0 under torch.distributed), never deleting a
-checkpoint before a newer one is committed or before the next tier has the
-copy it wants. Replication pauses while a save writes the first tier, so that
-copying to S3 does not slow the local save the loop may wait for next.
+tiers, retention and garbage collection (``housekeeping``) run after each commit
+on rank 0 of the group, never deleting a checkpoint before a newer one is
+committed or before the next tier has the copy it wants. Copying pauses while a
+save writes the first tier; on Linux it runs in a child process at the lowest
+CPU priority, stopped meanwhile, so that uploads take neither the loop's GIL
+nor its cores (``housekeeping_process``).
 """
 
 from __future__ import annotations
 
 import os
 import statistics
+import sys
 import threading
 import time
 import warnings
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -35,30 +36,18 @@ import torch
 from .advise import auto_interval
 from .asynchronous import async_save as start_async_save
 from .errors import CheckpointError, CheckpointNotFoundError, CheckpointWarning
-from .gc import collect, remove
+from .housekeeping import Housekeeper, Tier, tier_records
+from .housekeeping_process import SUPPORTED as PROCESS_SUPPORTED, HousekeepingProcess
 from .process_group import distributed_group
 from .reader import load
-from .replicate import replicate
-from .repository import CommitRecord, Repository
-from .retention import METRICS_KEY, Retention, metrics_reader
+from .retention import METRICS_KEY, Retention
+from .storage import in_process_memory
 from .writer import save
 
 #: Steps after a save at which ``interval="auto"`` plans the next one (from the steps timed meanwhile).
 PLAN_AFTER_STEPS = 5
 #: How many recent measurements the automatic interval takes the median of.
 WINDOW = 32
-#: Chunks copied to the next tier at a time: few, so that a save starting meanwhile soon has the machine
-#: back (replication pauses for it, but what is already queued finishes).
-REPLICATION_WORKERS = 2
-
-
-@dataclass(frozen=True)
-class Tier:
-    """One storage tier: a repository URL, its own retention (None: the manager's rules) and options."""
-
-    url: str
-    retention: Retention | None = None
-    storage_options: dict | None = field(default=None, hash=False)
 
 
 class CheckpointManager:
@@ -68,8 +57,12 @@ class CheckpointManager:
     a string uses the ``keep_*`` rules, a ``Tier`` its own. ``interval``: None
     saves at every ``save`` call, an int N at steps divisible by N, ``"auto"``
     as often as Daly's formula advises for the measured stall, step time and
-    ``mtbf`` (``ckptfmt advise``). Other keyword arguments (``compression``,
-    ``chunk_size``, ``parallelism``, ...) go to ``ckptfmt.save``.
+    ``mtbf`` (``ckptfmt advise``). ``housekeeping``: where copies to the
+    next tiers run: ``"process"`` (a child process, Linux), ``"thread"`` (the
+    manager's thread, with retention and collection), ``"auto"`` (the process
+    where available, unless a tier is in this process's memory). Other keyword
+    arguments (``compression``, ``chunk_size``, ``parallelism``, ...) go to
+    ``ckptfmt.save``.
     """
 
     def __init__(self, repo: str | os.PathLike | None = None, *, keep_last: int | None = None,
@@ -78,7 +71,7 @@ class CheckpointManager:
                  async_save: bool = False, interval: int | str | None = None,
                  mtbf: timedelta | float = timedelta(hours=8), name_format: str = "step-{step:09d}",
                  storage_options: dict | None = None, process_group: Any = None, gc_wait_s: float = 1.0,
-                 **save_options: Any):
+                 housekeeping: str = "auto", **save_options: Any):
         if (repo is None) == (tiers is None):
             raise ValueError("give either repo or tiers (fastest first)")
         default = Retention(keep_last=keep_last, keep_every=keep_every, keep_best=keep_best, keep_within=keep_within)
@@ -92,23 +85,21 @@ class CheckpointManager:
         self.mtbf_s = mtbf.total_seconds() if isinstance(mtbf, timedelta) else float(mtbf)
         if not self.mtbf_s > 0:
             raise ValueError("mtbf must be positive")
+        if housekeeping not in ("auto", "thread", "process"):
+            raise ValueError(f"housekeeping must be 'auto', 'thread' or 'process', not {housekeeping!r}")
         self.async_save = async_save
         self.name_format = name_format
-        self.gc_wait_s = gc_wait_s
         self.save_options = save_options
         self.group = distributed_group(process_group)
         self.is_coordinator = self.group is None or torch.distributed.get_rank(self.group) == 0
-        self._housekeeper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptfmt-manager")
+        #: Replication, retention and collection; only the group's rank 0 has one.
+        self.housekeeper = _housekeeper(self.tiers, gc_wait_s, housekeeping) if self.is_coordinator else None
+        self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptfmt-manager")
         self._tasks: list[Future] = []
         self._save: Future | None = None
-        self._metrics: dict[str, dict] = {}
-        self._garbage = [False] * len(self.tiers)
-        #: Per tier, manifest hash -> chunk keys: each collection reads only manifests it has not seen.
-        self._known: list[dict[str, frozenset[str]]] = [{} for _ in self.tiers]
+        #: Metrics of the saves since the last housekeeping run, which hands them over.
+        self._new_metrics: dict[str, dict] = {}
         self._lock = threading.Lock()
-        #: Clear while a save writes the first tier: replication to the next ones waits meanwhile.
-        self._not_saving = threading.Event()
-        self._not_saving.set()
         self._last_saved: int | None = None
         self._next_save: int | None = None
         self._plan_at: int | None = None
@@ -146,11 +137,14 @@ class CheckpointManager:
         user = dict(metadata or {})
         if metrics is not None:
             user[METRICS_KEY] = dict(metrics)
-            self._metrics[name] = dict(metrics)
+            if self.housekeeper is not None:
+                with self._lock:
+                    self._new_metrics[name] = dict(metrics)
         options = dict(step=step, metadata=user or None, timer=timer, storage_options=self.tiers[0].storage_options,
                        process_group=self.group, **self.save_options)
         started = time.perf_counter()
-        self._not_saving.clear()
+        if self.housekeeper is not None:  # copying to the next tiers waits while the loop saves
+            self.housekeeper.pause()
         try:
             if self.async_save:
                 self._save = start_async_save(state, url, **options)
@@ -160,7 +154,7 @@ class CheckpointManager:
                 save(state, url, **options)
                 self._committed(None, name, None)
         except BaseException:
-            self._not_saving.set()
+            self._resume_housekeeping()
             raise
         self._stall_s.append(time.perf_counter() - started)
         self._last_saved, self._next_save = step, None
@@ -181,8 +175,12 @@ class CheckpointManager:
                 task.result()
 
     def close(self) -> None:
-        self.wait()
-        self._housekeeper.shutdown(wait=True)
+        try:
+            self.wait()
+        finally:
+            if self.housekeeper is not None:
+                self.housekeeper.close()
+            self._background.shutdown(wait=True)
 
     def __enter__(self) -> "CheckpointManager":
         return self
@@ -193,7 +191,7 @@ class CheckpointManager:
     # -- reading -----------------------------------------------------------------------------
     def steps(self) -> list[int]:
         """The steps of every committed checkpoint, on any tier, ascending."""
-        return sorted({r.step for tier in self.tiers for r in self._records(tier) if r.step is not None})
+        return sorted({r.step for tier in self.tiers for r in tier_records(tier) if r.step is not None})
 
     def latest(self) -> int | None:
         """The newest step committed on any tier, or None."""
@@ -212,7 +210,7 @@ class CheckpointManager:
             raise CheckpointNotFoundError(f"{self.tiers[0].url}: no checkpoint on any tier")
         failures = []
         for tier in self.tiers:
-            record = next((r for r in self._records(tier) if r.step == step), None)
+            record = next((r for r in tier_records(tier) if r.step == step), None)
             if record is None:
                 continue
             try:
@@ -224,65 +222,27 @@ class CheckpointManager:
         raise CheckpointNotFoundError(f"step {step}: no tier has a readable copy"
                                       + (f" ({'; '.join(failures)})" if failures else ""))
 
-    def _records(self, tier: Tier) -> list[CommitRecord]:
-        try:
-            return Repository.open(tier.url, tier.storage_options).commits()
-        except CheckpointNotFoundError:  # nothing saved there yet
-            return []
-
     # -- after a commit, in the background -----------------------------------------------------
     def _committed(self, future: Future | None, name: str, returned: float | None) -> None:
-        self._not_saving.set()
+        self._resume_housekeeping()
         if future is not None:
             if future.exception() is not None:
                 return  # the next save, or wait(), raises it
             self._background_s.append(time.perf_counter() - returned)
-        if self.is_coordinator:
+        if self.housekeeper is not None:
             with self._lock:
-                self._tasks.append(self._housekeeper.submit(self._housekeep))
+                self._tasks.append(self._background.submit(self._housekeep))
+
+    def _resume_housekeeping(self) -> None:
+        if self.housekeeper is not None:
+            self.housekeeper.resume()
 
     def _housekeep(self) -> None:
-        """Copy to the next tiers what they keep, then apply each tier's retention and collect."""
-        for source, target in zip(self.tiers, self.tiers[1:]):
-            self._guard(f"replicating to {target.url}", lambda: replicate(
-                source.url, target.url, self._wanted(source, target), storage_options=source.storage_options,
-                dst_storage_options=target.storage_options, workers=REPLICATION_WORKERS,
-                yield_to=self._not_saving.wait))
-        for index, tier in enumerate(self.tiers):
-            following = self.tiers[index + 1] if index + 1 < len(self.tiers) else None
-            self._guard(f"retention on {tier.url}", lambda: self._retain(index, tier, following))
-
-    def _guard(self, what: str, work) -> None:
-        """Background failures warn and leave the work for the next save; training goes on."""
-        try:
-            work()
-        except CheckpointError as exc:
-            warnings.warn(f"checkpoint manager: {what} failed, will retry after the next save: {exc}",
-                          CheckpointWarning, stacklevel=2)
-
-    def _wanted(self, source: Tier, target: Tier) -> list[str]:
-        """Checkpoints of ``source`` that ``target`` lacks and its retention would keep."""
-        held = self._records(target)
-        present = {r.name for r in held}
-        candidates = [r for r in self._records(source) if r.name not in present]
-        kept = target.retention.kept(held + candidates, self._metrics_of(source))
-        return [r.name for r in candidates if r.name in kept]
-
-    def _retain(self, index: int, tier: Tier, following: Tier | None) -> None:
-        repo = Repository.open(tier.url, tier.storage_options)
-        records = repo.commits()
-        doomed = {r.name for r in tier.retention.to_delete(records, self._metrics_of(tier))}
-        if following is not None:  # never before the next tier has the copy it wants
-            doomed -= set(self._wanted(tier, following))
-        if doomed:
-            remove(repo, sorted(doomed))
-            self._garbage[index] = True
-        if self._garbage[index]:
-            self._garbage[index] = not collect(repo, wait_s=self.gc_wait_s, known=self._known[index]).swept
-
-    def _metrics_of(self, tier: Tier):
-        stored = metrics_reader(Repository.open(tier.url, tier.storage_options))
-        return lambda record: self._metrics.get(record.name) or stored(record)
+        """One housekeeping run; storage failures warn and are retried after the next save."""
+        with self._lock:
+            metrics, self._new_metrics = self._new_metrics, {}
+        for problem in self.housekeeper.run(metrics):
+            warnings.warn(f"checkpoint manager: {problem}", CheckpointWarning, stacklevel=2)
 
     # -- interval="auto" -----------------------------------------------------------------------
     def _time_step(self, step: int) -> None:
@@ -308,6 +268,19 @@ class CheckpointManager:
             next_save = shared[0]
         self._next_save = next_save
         self._plan_at = None if next_save is not None else step + PLAN_AFTER_STEPS
+
+
+def _housekeeper(tiers: list[Tier], gc_wait_s: float, where: str) -> Housekeeper | HousekeepingProcess:
+    """The housekeeper ``where`` asks for ("auto": a process if there is a tier to copy to)."""
+    in_memory = [t.url for t in tiers if in_process_memory(t.url)]
+    if where == "process" and in_memory:
+        raise ValueError(f"housekeeping='process' cannot reach {in_memory[0]}: it lives in this process's memory")
+    if where == "process" and not PROCESS_SUPPORTED:
+        raise ValueError(f"housekeeping='process' needs Linux (a stopped child must end with its parent); "
+                         f"this is {sys.platform}")
+    if where == "process" or (where == "auto" and PROCESS_SUPPORTED and len(tiers) > 1 and not in_memory):
+        return HousekeepingProcess(tiers, gc_wait_s)
+    return Housekeeper(tiers, gc_wait_s)
 
 
 def _tier(tier: str | os.PathLike | Tier, default: Retention, storage_options: dict | None) -> Tier:

@@ -650,3 +650,8 @@ def open_storage(url: str | os.PathLike, storage_options: dict[str, Any] | None 
     if s3:
         fs.retries = S3FS_TRIES
     return ObjectStorage(fs, root, url)
+
+
+def in_process_memory(url: str | os.PathLike) -> bool:
+    """Whether ``url`` names storage that lives in this process's memory (memory://), out of another's reach."""
+    return fsspec.core.split_protocol(os.fspath(url))[0] == "memory"

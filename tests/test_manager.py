@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import time
+import uuid
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
 
@@ -12,6 +16,8 @@ import torch
 
 import ckptfmt
 from ckptfmt import CheckpointManager, Retention, Tier, layout
+from ckptfmt.housekeeping import Housekeeper
+from ckptfmt.housekeeping_process import CHILD_NICE, HousekeepingProcess
 from ckptfmt.repository import Repository
 
 from ranks import run_ranks
@@ -79,13 +85,13 @@ def test_restore_into_a_state_in_place(tmp_path):
 
 def test_housekeeping_stays_off_the_training_loop(tmp_path, monkeypatch):
     """A slow retention pass does not slow save() down: it runs on the manager's thread."""
-    from ckptfmt import manager as manager_module
-    real_remove = manager_module.remove
+    from ckptfmt import housekeeping
+    real_remove = housekeeping.remove
 
     def slow_remove(repo, names):
         time.sleep(1.0)
         return real_remove(repo, names)
-    monkeypatch.setattr(manager_module, "remove", slow_remove)
+    monkeypatch.setattr(housekeeping, "remove", slow_remove)
     url = str(tmp_path / "run")
     with CheckpointManager(url, keep_last=1) as manager:
         manager.save(0, model_state(0))
@@ -95,6 +101,76 @@ def test_housekeeping_stays_off_the_training_loop(tmp_path, monkeypatch):
         assert time.perf_counter() - started < 0.9
         manager.wait()
         assert manager.steps() == [2]
+
+
+def nice_of(pid: int) -> int:
+    """A process's nice value, from /proc (field 19 of its stat line)."""
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[16])
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads nice values from /proc")
+def test_replication_runs_in_a_child_process_at_the_lowest_priority(tmp_path):
+    """Copies to the next tier take neither the loop's GIL nor its CPU priority; the child goes with the
+    manager."""
+    fast, slow = str(tmp_path / "fast"), str(tmp_path / "slow")
+    loop_nice = nice_of(os.getpid())
+    with CheckpointManager(tiers=[fast, slow]) as manager:
+        manager.save(1, model_state(1))
+        manager.wait()
+        child = manager.housekeeper.pid
+        assert child is not None and child != os.getpid()
+        assert nice_of(child) == CHILD_NICE
+        assert CheckpointManager(slow).steps() == [1]
+    assert nice_of(os.getpid()) == loop_nice
+    assert not Path(f"/proc/{child}").exists()  # ended and reaped by close()
+
+
+def test_a_killed_housekeeping_process_is_replaced_and_catches_up(tmp_path):
+    fast, slow = str(tmp_path / "fast"), str(tmp_path / "slow")
+    with CheckpointManager(tiers=[fast, slow]) as manager:
+        manager.save(1, model_state(1))
+        manager.wait()
+        os.kill(manager.housekeeper.pid, signal.SIGKILL)
+        with pytest.warns(ckptfmt.CheckpointWarning, match="replication process ended"):
+            manager.save(2, model_state(2))
+            manager.wait()
+        manager.save(3, model_state(3))
+        manager.wait()
+        assert CheckpointManager(slow).steps() == [1, 2, 3]
+    assert ckptfmt.verify(slow).ok
+
+
+@pytest.mark.parametrize("keeper_class", [Housekeeper, HousekeepingProcess])
+def test_copying_to_the_next_tier_waits_while_paused(tmp_path, keeper_class):
+    fast, slow = Tier(str(tmp_path / "fast"), Retention()), Tier(str(tmp_path / "slow"), Retention())
+    keeper = keeper_class([fast, slow], 0.0)
+    try:
+        ckptfmt.save(model_state(0), f"{fast.url}/step-0", step=0)
+        assert keeper.run({}) == []  # the child, if any, is up, and step 0 copied
+        copied = stored_chunks(slow.url)
+        ckptfmt.save(model_state(1), f"{fast.url}/step-1", step=1)
+        keeper.pause()  # as the manager does while the loop saves
+        with ThreadPoolExecutor(1) as pool:
+            run = pool.submit(keeper.run, {})
+            time.sleep(1.5)
+            assert not run.done() and stored_chunks(slow.url) == copied
+            keeper.resume()
+            assert run.result(timeout=60) == []
+        assert CheckpointManager(slow.url).steps() == [0, 1]
+    finally:
+        keeper.close()
+
+
+def test_tiers_in_process_memory_keep_house_on_a_thread():
+    tiers = [f"memory://{uuid.uuid4().hex}/fast", f"memory://{uuid.uuid4().hex}/slow"]
+    with pytest.raises(ValueError, match="this process's memory"):
+        CheckpointManager(tiers=tiers, housekeeping="process")
+    with CheckpointManager(tiers=tiers, keep_last=1) as manager:
+        assert isinstance(manager.housekeeper, Housekeeper)
+        for step in range(3):
+            manager.save(step, model_state(step))
+        manager.wait()
+        assert CheckpointManager(tiers[0]).steps() == [2] and CheckpointManager(tiers[1]).steps() == [2]
 
 
 def test_tiers_local_then_s3_each_with_its_retention(tmp_path, s3_bucket):

@@ -1,0 +1,128 @@
+"""What the checkpoint manager does after each commit: copy to the next tiers the checkpoints they
+keep, apply each tier's retention, collect the garbage.
+
+A ``Housekeeper`` runs on the manager's background thread; a
+``HousekeepingProcess`` (``housekeeping_process``) hands the copying to a child
+process, where uploading to a slower tier cannot compete with the training loop
+for the GIL and the cores. Neither deletes a checkpoint before a newer one is
+committed (retention's rule) or before the next tier has the copy its rules
+want, and both pause copying while the loop saves to the first tier.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+from .errors import CheckpointError, CheckpointNotFoundError
+from .gc import collect, remove
+from .replicate import replicate
+from .repository import CommitRecord, Repository
+from .retention import Retention, metrics_reader
+
+#: Chunks copied to the next tier at a time: few, so that a save starting meanwhile soon has the machine
+#: back (copying pauses for it, but what is already queued finishes).
+REPLICATION_WORKERS = 2
+
+
+@dataclass(frozen=True)
+class Tier:
+    """One storage tier: a repository URL, its own retention (None: the manager's rules) and options."""
+
+    url: str
+    retention: Retention | None = None
+    storage_options: dict | None = field(default=None, hash=False)
+
+
+def tier_records(tier: Tier) -> list[CommitRecord]:
+    """The tier's committed checkpoints, oldest first; none where nothing was saved yet."""
+    try:
+        return Repository.open(tier.url, tier.storage_options).commits()
+    except CheckpointNotFoundError:
+        return []
+
+
+class Housekeeper:
+    """Replication, retention and garbage collection over the tiers (fastest first), one pass per ``run``.
+
+    ``pause`` and ``resume`` may be called from any thread: copying waits
+    between chunks while paused. Between runs it remembers what it learnt: the
+    metrics of saves, which tiers may hold garbage, and the chunk keys of the
+    manifests each collection has read.
+    """
+
+    def __init__(self, tiers: list[Tier], gc_wait_s: float):
+        self.tiers = tiers
+        self.gc_wait_s = gc_wait_s
+        self._running = threading.Event()
+        self._running.set()
+        #: Checkpoint name -> the metrics its save was given (the rest are read from the checkpoints).
+        self._metrics: dict[str, dict] = {}
+        self._garbage = [False] * len(tiers)
+        #: Per tier, manifest hash -> chunk keys: each collection reads only manifests it has not seen.
+        self._known: list[dict[str, frozenset[str]]] = [{} for _ in tiers]
+
+    def pause(self) -> None:
+        self._running.clear()
+
+    def resume(self) -> None:
+        self._running.set()
+
+    def close(self) -> None:
+        """Nothing to release (a ``HousekeepingProcess`` ends its child here)."""
+
+    def run(self, metrics: dict[str, dict]) -> list[str]:
+        """One pass, given the metrics of the checkpoints saved since the last; returns what failed, in
+        words (storage trouble: the next pass tries again), and raises only what is not a CheckpointError.
+        Copies come first: retention deletes nothing the next tier still wants."""
+        return self.replicate(metrics) + self.retain()
+
+    def replicate(self, metrics: dict[str, dict]) -> list[str]:
+        """Copy to each next tier the checkpoints it lacks and keeps; what failed, in words."""
+        self._metrics.update(metrics)
+        problems: list[str] = []
+        for source, target in zip(self.tiers, self.tiers[1:]):
+            self._attempt(problems, f"replicating to {target.url}", lambda: replicate(
+                source.url, target.url, self._wanted(source, target), storage_options=source.storage_options,
+                dst_storage_options=target.storage_options, workers=REPLICATION_WORKERS,
+                yield_to=self._running.wait))
+        return problems
+
+    def retain(self) -> list[str]:
+        """Apply each tier's retention and collect its garbage; what failed, in words."""
+        problems: list[str] = []
+        for index, tier in enumerate(self.tiers):
+            following = self.tiers[index + 1] if index + 1 < len(self.tiers) else None
+            self._attempt(problems, f"retention on {tier.url}", lambda: self._retain(index, tier, following))
+        return problems
+
+    @staticmethod
+    def _attempt(problems: list[str], what: str, work) -> None:
+        try:
+            work()
+        except CheckpointError as exc:
+            problems.append(f"{what} failed, will retry after the next save: {exc}")
+
+    def _wanted(self, source: Tier, target: Tier) -> list[str]:
+        """Checkpoints of ``source`` that ``target`` lacks and its retention would keep."""
+        held = tier_records(target)
+        present = {r.name for r in held}
+        candidates = [r for r in tier_records(source) if r.name not in present]
+        kept = target.retention.kept(held + candidates, self._metrics_of(source))
+        return [r.name for r in candidates if r.name in kept]
+
+    def _retain(self, index: int, tier: Tier, following: Tier | None) -> None:
+        repo = Repository.open(tier.url, tier.storage_options)
+        records = repo.commits()
+        doomed = {r.name for r in tier.retention.to_delete(records, self._metrics_of(tier))}
+        if following is not None:  # never before the next tier has the copy it wants
+            doomed -= set(self._wanted(tier, following))
+        if doomed:
+            remove(repo, sorted(doomed))
+            self._garbage[index] = True
+        if self._garbage[index]:
+            self._garbage[index] = not collect(repo, wait_s=self.gc_wait_s, known=self._known[index]).swept
+
+    def _metrics_of(self, tier: Tier):
+        stored = metrics_reader(Repository.open(tier.url, tier.storage_options))
+        return lambda record: self._metrics.get(record.name) or stored(record)

@@ -1,0 +1,182 @@
+"""Replication to the next tiers in a child process of its own, stopped while the training loop saves.
+
+Uploading to S3 is mostly Python (s3fs's event loop, aiohttp, hashing the
+copies): on a thread of the training process it takes the GIL from the
+training loop, and on any thread or process it takes cores from the staging
+copy of the next async save (which uses all of them: on two cores even a niced
+busy loop beside it makes it a third slower). So the copies run in a child
+process at the lowest CPU priority, and the manager stops that process
+(SIGSTOP) from the moment a save starts until it has committed, then lets it go
+on (SIGCONT): transfers in flight wait too, where a pause between chunks would
+let them finish. Retention and garbage collection stay on the manager's
+thread: the collector holds a gc lease that saves wait for (spec 11.6), and a
+stopped holder would make them wait for it to expire. The child only ever
+holds save leases on the tiers it copies to, which hold up no save.
+
+The child is ``python -c "...main(sys.argv)" FD PID``, not a
+multiprocessing worker: spawn and forkserver would import the training script
+again in the child, and fork is unsafe in a process with threads. It asks the
+kernel to kill it when the manager's thread that started it ends
+(PR_SET_PDEATHSIG; Linux only, hence process mode only there), which also
+ends a child left stopped by a training process that died; and it ends as soon
+as the manager closes its end of the socket pair. A copy cut short either way
+is safe: replication resumes, leases expire. Messages
+(``multiprocessing.connection`` framing):
+
+    manager -> child   ("start", tiers), then ("replicate", metrics) per run
+    child -> manager   ("done", problems) | ("failed", exception), one per run
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import traceback
+from multiprocessing.connection import Connection
+
+from .errors import CheckpointError
+from .housekeeping import Housekeeper, Tier
+
+#: Whether process mode is available: it needs the kernel to end an orphaned, possibly stopped child.
+SUPPORTED = sys.platform.startswith("linux")
+#: The child's nice value: the highest, so that it runs on what the training loop leaves.
+CHILD_NICE = 19
+#: How long ``close`` waits for the child to go before killing it.
+CLOSE_TIMEOUT_S = 30.0
+_PR_SET_PDEATHSIG = 1
+#: The child's program (not ``-m``: the package imports this module before runpy would run it).
+_CHILD = f"import sys; from {__name__} import main; main(sys.argv)"
+
+
+class HousekeepingProcess(Housekeeper):
+    """A Housekeeper whose copies run in a child process (started by the first run), stopped while paused.
+
+    ``pause`` and ``resume`` come from the training loop and the save's
+    thread, runs from the manager's thread. A child that died is reported by
+    the run that finds it, as a problem; the next run starts another.
+    """
+
+    def __init__(self, tiers: list[Tier], gc_wait_s: float):
+        super().__init__(tiers, gc_wait_s)
+        self._lock = threading.Lock()
+        self._paused = False
+        self._child: subprocess.Popen | None = None
+        self._connection: Connection | None = None
+
+    @property
+    def pid(self) -> int | None:
+        """The child's process id, None while none runs."""
+        return None if self._child is None else self._child.pid
+
+    def pause(self) -> None:
+        with self._lock:
+            self._paused = True
+            self._signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        with self._lock:
+            self._paused = False
+            self._signal(signal.SIGCONT)
+
+    def replicate(self, metrics: dict[str, dict]) -> list[str]:
+        self._metrics.update(metrics)  # for retention, here
+        with self._lock:
+            if self._connection is None:
+                self._start()
+            connection = self._connection
+        try:
+            connection.send(("replicate", metrics))
+            outcome, payload = connection.recv()
+        except (EOFError, OSError):
+            status = self._stop()
+            return [f"the replication process ended (exit status {status}); a new one takes over after the "
+                    "next save"]
+        if outcome == "failed":
+            raise payload
+        return payload
+
+    def close(self) -> None:
+        self._stop()
+
+    def _start(self) -> None:
+        """Start the child (under the lock), stopped at once if a save is running."""
+        ours, theirs = socket.socketpair()
+        package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
+        with theirs:
+            self._child = subprocess.Popen(
+                [sys.executable, "-c", _CHILD, str(theirs.fileno()), str(os.getpid())],
+                pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL,
+                start_new_session=True)  # the terminal's Ctrl-C is the manager's to handle
+        self._connection = Connection(ours.detach())
+        self._connection.send(("start", self.tiers))
+        if self._paused:
+            self._signal(signal.SIGSTOP)
+
+    def _signal(self, signum: int) -> None:
+        if self._child is not None:
+            self._child.send_signal(signum)  # does nothing once the child has been reaped
+
+    def _stop(self) -> int | None:
+        """Close the connection (the child ends on it), reap the child; its exit status."""
+        with self._lock:
+            connection, child = self._connection, self._child
+            self._connection = self._child = None
+        if child is None:
+            return None
+        connection.close()
+        child.send_signal(signal.SIGCONT)  # a stopped child cannot see the connection close
+        try:
+            return child.wait(timeout=CLOSE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            return child.wait()
+
+
+def _serve(connection: Connection) -> None:
+    """The child: the runs it is sent, in order; it ends when the manager's end closes."""
+    _, tiers = connection.recv()
+    keeper = Housekeeper(tiers, gc_wait_s=0.0)
+    while True:
+        try:
+            _, metrics = connection.recv()
+        except (EOFError, OSError):
+            return
+        try:
+            reply = ("done", keeper.replicate(metrics))
+        except Exception as exc:  # noqa: BLE001 - the manager raises it, as it would on its own thread
+            reply = ("failed", _portable(exc))
+        try:
+            connection.send(reply)
+        except OSError:
+            return
+
+
+def _portable(exc: Exception) -> Exception:
+    """``exc`` with the child's traceback as a note, or a RuntimeError saying the same if it cannot be pickled."""
+    where = "".join(traceback.format_exception(exc))
+    exc.add_note(f"in the checkpoint manager's replication process:\n{where}")
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:  # noqa: BLE001 - any failure to pickle
+        return RuntimeError(f"the checkpoint manager's replication process failed:\n{where}")
+
+
+def main(argv: list[str]) -> None:
+    fd, manager_pid = int(argv[1]), int(argv[2])
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != manager_pid:  # the manager died before the line above
+        return
+    try:
+        os.nice(CHILD_NICE)  # before any thread starts: every thread of the child inherits it
+    except OSError:  # a sandbox may forbid it: the child then merely competes
+        pass
+    _serve(Connection(fd))
+
