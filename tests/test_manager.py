@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 import uuid
 import warnings
@@ -17,7 +19,7 @@ import torch
 import ckptfmt
 from ckptfmt import CheckpointManager, Retention, Tier, layout
 from ckptfmt.housekeeping import Housekeeper
-from ckptfmt.housekeeping_process import CHILD_NICE, HousekeepingProcess
+from ckptfmt.housekeeping_process import CHILD_NICE, SUPPORTED as PROCESS_SUPPORTED, HousekeepingProcess
 from ckptfmt.repository import Repository
 
 from ranks import run_ranks
@@ -103,12 +105,28 @@ def test_housekeeping_stays_off_the_training_loop(tmp_path, monkeypatch):
         assert manager.steps() == [2]
 
 
+def proc_stat(pid: int) -> list[str]:
+    """The fields of /proc/PID/stat after the command's name: [0] the state (field 3), [16] nice (19)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
 def nice_of(pid: int) -> int:
-    """A process's nice value, from /proc (field 19 of its stat line)."""
-    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[16])
+    return int(proc_stat(pid)[16])
 
 
-@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads nice values from /proc")
+def running(pid: int) -> bool:
+    """Whether the process exists and has not died (a zombie waits only to be reaped)."""
+    try:
+        return proc_stat(pid)[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+#: The child process that copies to the next tiers is Linux's (the kernel ends it with its parent).
+process_mode = pytest.mark.skipif(not PROCESS_SUPPORTED, reason="housekeeping in a child process needs Linux")
+
+
+@process_mode
 def test_replication_runs_in_a_child_process_at_the_lowest_priority(tmp_path):
     """Copies to the next tier take neither the loop's GIL nor its CPU priority; the child goes with the
     manager."""
@@ -122,9 +140,10 @@ def test_replication_runs_in_a_child_process_at_the_lowest_priority(tmp_path):
         assert nice_of(child) == CHILD_NICE
         assert CheckpointManager(slow).steps() == [1]
     assert nice_of(os.getpid()) == loop_nice
-    assert not Path(f"/proc/{child}").exists()  # ended and reaped by close()
+    assert not Path(f"/proc/{child}").exists()  # ended, and reaped by close()
 
 
+@process_mode
 def test_a_killed_housekeeping_process_is_replaced_and_catches_up(tmp_path):
     fast, slow = str(tmp_path / "fast"), str(tmp_path / "slow")
     with CheckpointManager(tiers=[fast, slow]) as manager:
@@ -140,7 +159,34 @@ def test_a_killed_housekeeping_process_is_replaced_and_catches_up(tmp_path):
     assert ckptfmt.verify(slow).ok
 
 
-@pytest.mark.parametrize("keeper_class", [Housekeeper, HousekeepingProcess])
+TRAINER_KILLED_WHILE_SAVING = """
+import os, sys, time, torch, ckptfmt
+manager = ckptfmt.CheckpointManager(tiers=[sys.argv[1], sys.argv[2]])
+manager.save(1, {"w": torch.zeros(1000)})
+manager.wait()
+manager.housekeeper.pause()  # as at the start of a save: the child is stopped
+print(manager.housekeeper.pid, flush=True)
+time.sleep(600)
+"""
+
+
+@process_mode
+def test_the_child_ends_with_a_training_process_killed_while_it_was_stopped(tmp_path):
+    trainer = subprocess.Popen([sys.executable, "-c", TRAINER_KILLED_WHILE_SAVING, str(tmp_path / "fast"),
+                                str(tmp_path / "slow")], stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(trainer.stdout.readline())
+        assert proc_stat(child)[0] == "T"  # stopped
+    finally:
+        trainer.kill()
+        trainer.wait()
+    deadline = time.monotonic() + 10
+    while running(child):
+        assert time.monotonic() < deadline, "the replication process outlived the training process"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("keeper_class", [Housekeeper, pytest.param(HousekeepingProcess, marks=process_mode)])
 def test_copying_to_the_next_tier_waits_while_paused(tmp_path, keeper_class):
     fast, slow = Tier(str(tmp_path / "fast"), Retention()), Tier(str(tmp_path / "slow"), Retention())
     keeper = keeper_class([fast, slow], 0.0)
