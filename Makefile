@@ -4,6 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DEMO_REPO := demo-runs/repo
+DEMO_DURABLE := demo-runs/durable
 DIST_REPO := demo-runs/distributed
 DIST_REPO_B := demo-runs/distributed-reordered
 REPORT := demo-runs/report.html
@@ -22,9 +23,10 @@ $(STAMP): pyproject.toml constraints-dev.txt
 	touch $(STAMP)
 
 demo: setup
-	rm -rf $(DEMO_REPO)
-	$(BIN)/python examples/demo.py $(DEMO_REPO) --steps 30 --every 10
+	rm -rf $(DEMO_REPO) $(DEMO_DURABLE)
+	$(BIN)/python examples/demo.py $(DEMO_REPO) --durable $(DEMO_DURABLE) --steps 30 --every 10
 	$(BIN)/ckptfmt ls $(DEMO_REPO)
+	$(BIN)/ckptfmt ls $(DEMO_DURABLE)
 	$(BIN)/ckptfmt show $(DEMO_REPO)/step-000030 --limit 12
 	$(BIN)/ckptfmt verify $(DEMO_REPO)
 	$(BIN)/ckptfmt diff $(DEMO_REPO)/step-000020 $(DEMO_REPO)/step-000030
@@ -36,6 +38,8 @@ demo: setup
 	$(BIN)/ckptfmt ls $(DIST_REPO)
 	$(BIN)/ckptfmt verify $(DIST_REPO)
 	$(BIN)/ckptfmt stragglers $(DIST_REPO)
+	$(BIN)/ckptfmt advise $(DIST_REPO) --mtbf 8h
+	$(BIN)/ckptfmt gc $(DIST_REPO) --keep-last 2 --dry-run
 	rm -rf $(DIST_REPO_B)
 	OMP_NUM_THREADS=1 $(BIN)/python -m torch.distributed.run --standalone --nproc_per_node 4 \
 		examples/distributed_demo.py $(DIST_REPO_B) --steps 20 --every 5 --reorder-from 12

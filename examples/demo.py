@@ -1,10 +1,14 @@
 """A small training run that checkpoints with ckptfmt every few steps (``make demo``).
 
-    python examples/demo.py REPO [--steps 30] [--every 10]
+    python examples/demo.py REPO [--steps 30] [--every 10] [--durable URL]
 
-It trains a tiny transformer language model on synthetic tokens, saves model,
-optimizer, scheduler, counters and step timings, then resumes from the latest
-checkpoint and checks that training continues bit-for-bit identically.
+It trains a tiny transformer language model on synthetic tokens. A
+``ckptfmt.CheckpointManager`` saves model, optimizer, scheduler, counters, the
+loss and the step timings asynchronously every ``--every`` steps to REPO (the
+fast tier: it keeps the last 2 and the best loss), and copies every 20th step
+to ``--durable`` (another folder here, ``s3://bucket/run`` in a real run) in
+the background. Then it resumes from the latest checkpoint and checks that
+training continues bit-for-bit identically.
 """
 
 from __future__ import annotations
@@ -64,22 +68,26 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("repo")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--every", type=int, default=10)
+    parser.add_argument("--durable", default=None, help="the second tier (default: REPO-durable)")
     args = parser.parse_args(argv)
+    durable = ckptfmt.Tier(args.durable or f"{args.repo}-durable", ckptfmt.Retention(keep_every=20))
 
     model, optimizer, scheduler = make_run()
     losses: list[float] = []
-    step_times: list[float] = []
-    for step in range(1, args.steps + 1):
-        started = time.perf_counter()
-        losses.append(train_step(model, optimizer, scheduler))
-        step_times.append(time.perf_counter() - started)
-        if step % args.every == 0:
-            url = ckptfmt.save(
-                training_state(model, optimizer, scheduler, step, losses), f"{args.repo}/step-{step:06d}",
-                step=step, metadata={"run": "demo", "loss": losses[-1]}, step_times=step_times,
-            )
-            step_times = []
-            print(f"step {step:4d}  loss {losses[-1]:.4f}  saved {url}")
+    timer = ckptfmt.StepTimer()
+    with ckptfmt.CheckpointManager(tiers=[args.repo, durable], keep_last=2, keep_best=("loss", "min", 1),
+                                   async_save=True, interval=args.every, name_format="step-{step:06d}") as manager:
+        for step in range(1, args.steps + 1):
+            with timer.step(step):
+                losses.append(train_step(model, optimizer, scheduler))
+            timer.metrics(loss=losses[-1])
+            started = time.perf_counter()
+            state = training_state(model, optimizer, scheduler, step, losses)
+            if manager.save(step, state, metrics={"loss": losses[-1]}, timer=timer, metadata={"run": "demo"}):
+                print(f"step {step:4d}  loss {losses[-1]:.4f}  saving step-{step:06d} in the background "
+                      f"(training blocked {(time.perf_counter() - started) * 1e3:.1f} ms)")
+    print(f"{args.repo} keeps steps {ckptfmt.CheckpointManager(args.repo).steps()}, "
+          f"{durable.url} keeps steps {ckptfmt.CheckpointManager(durable.url).steps()}")
 
     # Resume from the latest checkpoint into a fresh run and check it continues identically.
     expected = [train_step(model, optimizer, scheduler) for _ in range(3)]
