@@ -18,12 +18,13 @@ multiprocessing worker: spawn and forkserver would import the training script
 again in the child, and fork is unsafe in a process with threads. It asks the
 kernel to kill it when the manager's thread that started it ends
 (PR_SET_PDEATHSIG; Linux only, hence process mode only there), which also
-ends a child left stopped by a training process that died; and it ends as soon
-as the manager closes its end of the socket pair. A copy cut short either way
-is safe: replication resumes, leases expire. Messages
+ends a child left stopped by a training process that died; and it ends when
+the manager closes (told so: the manager's end of the socket pair may live on
+in processes forked from it, such as DataLoader workers). A copy cut short is
+safe: replication resumes, leases expire. Messages
 (``multiprocessing.connection`` framing):
 
-    manager -> child   ("start", tiers), then ("replicate", metrics) per run
+    manager -> child   ("start", tiers), then ("replicate", metrics) per run, ("stop", None) last
     child -> manager   ("done", problems) | ("failed", exception), one per run
 """
 
@@ -124,14 +125,18 @@ class HousekeepingProcess(Housekeeper):
             self._child.send_signal(signum)  # does nothing once the child has been reaped
 
     def _stop(self) -> int | None:
-        """Close the connection (the child ends on it), reap the child; its exit status."""
+        """Tell the child to end and reap it; its exit status."""
         with self._lock:
             connection, child = self._connection, self._child
             self._connection = self._child = None
         if child is None:
             return None
+        try:
+            connection.send(("stop", None))
+        except OSError:  # it has ended already
+            pass
         connection.close()
-        child.send_signal(signal.SIGCONT)  # a stopped child cannot see the connection close
+        child.send_signal(signal.SIGCONT)  # a stopped child cannot read it
         try:
             return child.wait(timeout=CLOSE_TIMEOUT_S)
         except subprocess.TimeoutExpired:
@@ -140,13 +145,15 @@ class HousekeepingProcess(Housekeeper):
 
 
 def _serve(connection: Connection) -> None:
-    """The child: the runs it is sent, in order; it ends when the manager's end closes."""
+    """The child: the runs it is sent, in order, until told to stop (or the manager's end closes)."""
     _, tiers = connection.recv()
     keeper = Housekeeper(tiers, gc_wait_s=0.0)
     while True:
         try:
-            _, metrics = connection.recv()
+            kind, metrics = connection.recv()
         except (EOFError, OSError):
+            return
+        if kind == "stop":
             return
         try:
             reply = ("done", keeper.replicate(metrics))

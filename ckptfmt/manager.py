@@ -149,13 +149,16 @@ class CheckpointManager:
             if self.async_save:
                 self._save = start_async_save(state, url, **options)
                 returned = time.perf_counter()
-                self._save.add_done_callback(lambda future: self._committed(future, name, returned))
+                self._save.add_done_callback(lambda future: self._saved(future, returned))
             else:
                 save(state, url, **options)
-                self._committed(None, name, None)
+                self._saved(None, None)
         except BaseException:
             self._resume_housekeeping()
             raise
+        if self.housekeeper is not None:  # queued now, so that a wait() from here on waits for it too
+            with self._lock:
+                self._tasks.append(self._background.submit(self._housekeep, self._save if self.async_save else None))
         self._stall_s.append(time.perf_counter() - started)
         self._last_saved, self._next_save = step, None
         self._plan_at = step + PLAN_AFTER_STEPS
@@ -223,22 +226,22 @@ class CheckpointManager:
                                       + (f" ({'; '.join(failures)})" if failures else ""))
 
     # -- after a commit, in the background -----------------------------------------------------
-    def _committed(self, future: Future | None, name: str, returned: float | None) -> None:
+    def _saved(self, future: Future | None, returned: float | None) -> None:
+        """The save has ended (an async one: on its thread, at once): copying goes on, and the
+        background part of a successful async save joins the measurements."""
         self._resume_housekeeping()
-        if future is not None:
-            if future.exception() is not None:
-                return  # the next save, or wait(), raises it
+        if future is not None and future.exception() is None:
             self._background_s.append(time.perf_counter() - returned)
-        if self.housekeeper is not None:
-            with self._lock:
-                self._tasks.append(self._background.submit(self._housekeep))
 
     def _resume_housekeeping(self) -> None:
         if self.housekeeper is not None:
             self.housekeeper.resume()
 
-    def _housekeep(self) -> None:
-        """One housekeeping run; storage failures warn and are retried after the next save."""
+    def _housekeep(self, save: Future | None) -> None:
+        """One housekeeping run once ``save`` (an async save's future) has committed; storage failures
+        warn and are retried after the next save."""
+        if save is not None and save.exception() is not None:
+            return  # nothing new is committed; the next save, or wait(), raises the error
         with self._lock:
             metrics, self._new_metrics = self._new_metrics, {}
         for problem in self.housekeeper.run(metrics):

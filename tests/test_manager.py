@@ -186,6 +186,47 @@ def test_the_child_ends_with_a_training_process_killed_while_it_was_stopped(tmp_
         time.sleep(0.05)
 
 
+def test_wait_after_an_async_save_waits_for_its_copy_to_the_next_tier(tmp_path, monkeypatch):
+    """wait() returns only once the housekeeping after the last save is done, even when the save's
+    completion callbacks run late (they run on the save's thread, after its future is done)."""
+    from ckptfmt import manager as manager_module
+    real = manager_module.start_async_save
+
+    def late_callbacks(*args, **kwargs):
+        future = real(*args, **kwargs)
+        add = future.add_done_callback
+        future.add_done_callback = lambda callback: add(lambda done: (time.sleep(0.5), callback(done)))
+        return future
+    monkeypatch.setattr(manager_module, "start_async_save", late_callbacks)
+    fast, slow = str(tmp_path / "fast"), str(tmp_path / "slow")
+    with CheckpointManager(tiers=[fast, slow], async_save=True, housekeeping="thread") as manager:
+        manager.save(1, model_state(1))
+        manager.wait()
+        assert CheckpointManager(slow).steps() == [1]
+
+
+@process_mode
+def test_closing_ends_the_child_though_a_forked_process_holds_the_connection(tmp_path):
+    """A DataLoader worker forked from the training process keeps a copy of the manager's socket: the
+    child is told to stop rather than left waiting for the connection to close."""
+    fast, slow = str(tmp_path / "fast"), str(tmp_path / "slow")
+    manager = CheckpointManager(tiers=[fast, slow])
+    manager.save(1, model_state(1))
+    manager.wait()
+    child = manager.housekeeper.pid
+    worker = os.fork()
+    if worker == 0:  # the "DataLoader worker": holds every descriptor of the training process
+        time.sleep(60)
+        os._exit(0)
+    try:
+        started = time.perf_counter()
+        manager.close()
+        assert time.perf_counter() - started < 10 and not running(child)
+    finally:
+        os.kill(worker, signal.SIGKILL)
+        os.waitpid(worker, 0)
+
+
 @pytest.mark.parametrize("keeper_class", [Housekeeper, pytest.param(HousekeepingProcess, marks=process_mode)])
 def test_copying_to_the_next_tier_waits_while_paused(tmp_path, keeper_class):
     fast, slow = Tier(str(tmp_path / "fast"), Retention()), Tier(str(tmp_path / "slow"), Retention())
