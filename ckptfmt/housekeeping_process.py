@@ -41,7 +41,6 @@ import threading
 import traceback
 from multiprocessing.connection import Connection
 
-from .errors import CheckpointError
 from .housekeeping import Housekeeper, Tier
 
 #: Whether process mode is available: it needs the kernel to end an orphaned, possibly stopped child.
@@ -51,8 +50,13 @@ CHILD_NICE = 19
 #: How long ``close`` waits for the child to go before killing it.
 CLOSE_TIMEOUT_S = 30.0
 _PR_SET_PDEATHSIG = 1
-#: The child's program (not ``-m``: the package imports this module before runpy would run it).
-_CHILD = f"import sys; from {__name__} import main; main(sys.argv)"
+#: The folder this package was imported from: the child imports the same one.
+_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: The child's program (not ``-m``: the package imports this module before runpy would run it). The
+#: package's folder goes first on its path unless it is there already (site-packages stays after the
+#: standard library).
+_CHILD = (f"import sys; root = {_PACKAGE_ROOT!r}; root in sys.path or sys.path.insert(0, root); "
+          f"from {__name__} import main; main(sys.argv)")
 
 
 class HousekeepingProcess(Housekeeper):
@@ -108,12 +112,10 @@ class HousekeepingProcess(Housekeeper):
     def _start(self) -> None:
         """Start the child (under the lock), stopped at once if a save is running."""
         ours, theirs = socket.socketpair()
-        package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
         with theirs:
             self._child = subprocess.Popen(
                 [sys.executable, "-c", _CHILD, str(theirs.fileno()), str(os.getpid())],
-                pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL,
+                pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
                 start_new_session=True)  # the terminal's Ctrl-C is the manager's to handle
         self._connection = Connection(ours.detach())
         self._connection.send(("start", self.tiers))
