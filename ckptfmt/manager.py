@@ -157,7 +157,8 @@ class CheckpointManager:
             self._resume_housekeeping()
             raise
         if self.housekeeper is not None:  # queued now, so that a wait() from here on waits for it too
-            with self._lock:
+            with self._lock:  # (those done well need no waiting: a long run without wait() keeps few)
+                self._tasks = [t for t in self._tasks if not t.done() or t.exception() is not None]
                 self._tasks.append(self._background.submit(self._housekeep, self._save if self.async_save else None))
         self._stall_s.append(time.perf_counter() - started)
         self._last_saved, self._next_save = step, None
