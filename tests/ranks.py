@@ -68,6 +68,9 @@ def _rank_main(rank: int, world: int, folder: str, scenario: Callable, kwargs: d
     os.environ.update(OMP_NUM_THREADS="1", RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=world,
                             timeout=timedelta(seconds=120))
+    # gloo connects the ranks pairwise during init; a rank whose scenario returns at once and exits
+    # can close its side before a slower peer has finished connecting, failing that peer's init.
+    dist.barrier()
     try:
         outcome = RankOutcome(value=scenario(rank, world, Path(folder), **kwargs))
     except Exception as exc:  # noqa: BLE001 - the test asserts on it
