@@ -72,4 +72,9 @@ def seconds(value: object) -> str:
     return f"{real * 1000:.1f} ms" if real < 10 else f"{real:.1f} s"
 
 
-__all__ = ["human_bytes", "human_time", "number", "seconds", "shape_text", "short"]
+def counted(n: int, noun: str) -> str:
+    """'1 checkpoint', '3 checkpoints': a count with its noun, plural unless it is one."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+__all__ = ["counted", "human_bytes", "human_time", "number", "seconds", "shape_text", "short"]

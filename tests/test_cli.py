@@ -66,7 +66,15 @@ def test_ls_lists_checkpoints_with_step_and_sizes(repo, run):
     assert rows[0]["new_bytes"] == rows[0]["stored_bytes"] > 2 * 512 * 256 * 4
     assert 512 * 256 * 4 < rows[1]["new_bytes"] < 2 * 512 * 256 * 4  # "big" is unchanged: shared
     table = run("ls", repo)
-    assert "step-1" in table.stdout and "step-2" in table.stdout
+    assert "step-1" in table.stdout and "step-2" in table.stdout and "2 checkpoints" in table.stdout
+
+
+def test_ls_of_a_repository_with_one_checkpoint_says_checkpoint(run):
+    url = "memory://ls-one/repo"
+    ckptfmt.save({"w": torch.ones(2)}, f"{url}/only", step=1)
+    table = run("ls", url)
+    assert table.returncode == 0, table.stderr
+    assert table.stdout.splitlines()[0].split() == [f"{url}:", "1", "checkpoint"]
 
 
 def test_show_prints_tensors_and_metadata(repo, run):

@@ -15,7 +15,7 @@ from .. import describe
 from .. import diff as diff_module
 from ..describe import text
 from ..errors import CheckpointError, CheckpointWarning, quoted
-from ..formatting import human_bytes, human_time, number, seconds, shape_text, short
+from ..formatting import counted, human_bytes, human_time, number, seconds, shape_text, short
 from ..reader import open as open_checkpoint
 from ..repository import Repository
 from ..verify import verify as verify_url
@@ -31,7 +31,7 @@ def ls(args, console: Console) -> int:
             "manifest": r.manifest_hash,
         } for r in records], indent=1) + "\n")
         return 0
-    table = new_table(f"{repo.url}: {len(records)} checkpoints")
+    table = new_table(f"{repo.url}: {counted(len(records), 'checkpoint')}")
     add_name_column(table, "name", (r.name for r in records))
     for column in ("step", "created", "size", "new bytes"):
         table.add_column(column, justify="left" if column == "created" else "right", no_wrap=True)
@@ -188,7 +188,7 @@ def analytics_export(args, console: Console) -> int:
     analytics = _analytics()
     built = analytics.tables(args.repo)
     paths = analytics.export(built, args.out, args.format)
-    table = new_table(f"{args.repo}: {built['checkpoints'].num_rows} checkpoints")
+    table = new_table(f"{args.repo}: {counted(built['checkpoints'].num_rows, 'checkpoint')}")
     for column in ("table", "rows", "columns", "file"):
         table.add_column(column, justify="right" if column in ("rows", "columns") else "left")
     for (name, data), path in zip(built.items(), paths):
