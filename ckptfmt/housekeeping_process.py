@@ -25,7 +25,11 @@ safe: replication resumes, leases expire. Messages
 (``multiprocessing.connection`` framing):
 
     manager -> child   ("start", tiers), then ("replicate", metrics) per run, ("stop", None) last
-    child -> manager   ("done", problems) | ("failed", exception), one per run
+    child -> manager   ("done", (problems, warned)) | ("failed", exception), one per run
+
+where ``warned`` is the warnings the run raised, as (message, category): the
+manager raises them again, so that its own warning filters and handlers (a
+logger, pytest) see them rather than the child's stderr.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ import subprocess
 import sys
 import threading
 import traceback
+import warnings
 from multiprocessing.connection import Connection
 
 from .housekeeping import Housekeeper, Tier
@@ -104,7 +109,10 @@ class HousekeepingProcess(Housekeeper):
                     "next save"]
         if outcome == "failed":
             raise payload
-        return payload
+        problems, warned = payload
+        for message, category in warned:
+            warnings.warn(f"checkpoint manager's replication process: {message}", category, stacklevel=2)
+        return problems
 
     def close(self) -> None:
         self._stop()
@@ -158,7 +166,10 @@ def _serve(connection: Connection) -> None:
         if kind == "stop":
             return
         try:
-            reply = ("done", keeper.replicate(metrics))
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")  # the manager's filters decide
+                problems = keeper.replicate(metrics)
+            reply = ("done", (problems, [(str(w.message), _portable_category(w.category)) for w in caught]))
         except Exception as exc:  # noqa: BLE001 - the manager raises it, as it would on its own thread
             reply = ("failed", _portable(exc))
         try:
@@ -176,6 +187,15 @@ def _portable(exc: Exception) -> Exception:
         return exc
     except Exception:  # noqa: BLE001 - any failure to pickle
         return RuntimeError(f"the checkpoint manager's replication process failed:\n{where}")
+
+
+def _portable_category(category: type[Warning]) -> type[Warning]:
+    """``category``, or UserWarning where the manager could not unpickle it (a class it cannot import)."""
+    try:
+        pickle.loads(pickle.dumps(category))
+        return category
+    except Exception:  # noqa: BLE001 - any failure to pickle
+        return UserWarning
 
 
 def main(argv: list[str]) -> None:

@@ -159,6 +159,22 @@ def test_a_killed_housekeeping_process_is_replaced_and_catches_up(tmp_path):
     assert ckptfmt.verify(slow).ok
 
 
+@process_mode
+@pytest.mark.filterwarnings("ignore:skipping checkpoint 'junk'")  # the same, met by retention in this process
+def test_warnings_in_the_child_are_raised_in_the_training_process(tmp_path):
+    fast, slow = tmp_path / "fast", tmp_path / "slow"
+    with CheckpointManager(tiers=[str(fast), str(slow)]) as manager:
+        manager.save(1, model_state(1))
+        manager.wait()
+        (fast / "junk").mkdir()
+        (fast / "junk" / "COMMIT").write_bytes(b"\xff not a commit record")
+        with pytest.warns(ckptfmt.CheckpointWarning,
+                          match=r"replication process: skipping checkpoint 'junk'"):
+            manager.save(2, model_state(2))
+            manager.wait()
+        assert CheckpointManager(str(slow)).steps() == [1, 2]
+
+
 TRAINER_KILLED_WHILE_SAVING = """
 import os, sys, time, torch, ckptfmt
 manager = ckptfmt.CheckpointManager(tiers=[sys.argv[1], sys.argv[2]])
