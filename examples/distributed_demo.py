@@ -18,6 +18,7 @@ batches of step S on from another stream, for ``ckptfmt compare`` to explain.
 from __future__ import annotations
 
 import argparse
+import random
 import time
 
 import torch
@@ -29,6 +30,17 @@ from torch.distributed.fsdp import fully_shard
 import ckptfmt
 
 VOCAB, DIM, CONTEXT, GLOBAL_BATCH = 256, 96, 16, 32
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python's and NumPy's generators too, as training scripts do: ckptfmt records their states, and
+    unseeded they would differ between any two runs."""
+    random.seed(seed)
+    try:
+        import numpy
+    except ImportError:
+        return
+    numpy.random.seed(seed)
 
 
 def build_model() -> nn.Module:
@@ -72,6 +84,7 @@ def main() -> None:
     slow = step_range(args.slow_steps)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    seed_everything(rank)
     model = build_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     start = 0
