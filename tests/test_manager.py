@@ -192,7 +192,10 @@ def test_the_child_ends_with_a_training_process_killed_while_it_was_stopped(tmp_
                                 str(tmp_path / "slow")], stdout=subprocess.PIPE, text=True)
     try:
         child = int(trainer.stdout.readline())
-        assert proc_stat(child)[0] == "T"  # stopped
+        deadline = time.monotonic() + 10
+        while proc_stat(child)[0] != "T":  # SIGSTOP takes effect when the kernel next schedules the child
+            assert time.monotonic() < deadline, f"the child was not stopped: state {proc_stat(child)[0]}"
+            time.sleep(0.01)
     finally:
         trainer.kill()
         trainer.wait()
