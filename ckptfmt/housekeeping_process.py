@@ -182,20 +182,22 @@ def _portable(exc: Exception) -> Exception:
     """``exc`` with the child's traceback as a note, or a RuntimeError saying the same if it cannot be pickled."""
     where = "".join(traceback.format_exception(exc))
     exc.add_note(f"in the checkpoint manager's replication process:\n{where}")
-    try:
-        pickle.loads(pickle.dumps(exc))
-        return exc
-    except Exception:  # noqa: BLE001 - any failure to pickle
-        return RuntimeError(f"the checkpoint manager's replication process failed:\n{where}")
+    return exc if _survives_pickling(exc) else RuntimeError(
+        f"the checkpoint manager's replication process failed:\n{where}")
 
 
 def _portable_category(category: type[Warning]) -> type[Warning]:
     """``category``, or UserWarning where the manager could not unpickle it (a class it cannot import)."""
+    return category if _survives_pickling(category) else UserWarning
+
+
+def _survives_pickling(value: object) -> bool:
+    """Whether ``value`` pickles and unpickles here, as the manager will need to."""
     try:
-        pickle.loads(pickle.dumps(category))
-        return category
+        pickle.loads(pickle.dumps(value))
+        return True
     except Exception:  # noqa: BLE001 - any failure to pickle
-        return UserWarning
+        return False
 
 
 def main(argv: list[str]) -> None:
