@@ -17,6 +17,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 import ckptfmt
 from ckptfmt.dcp import StorageReader, StorageWriter
 
+from helpers import assert_same
 from ranks import mixed_state, run_ranks
 
 #: DCP warns that it saves "in a single process" when no process group is initialised.
@@ -32,42 +33,60 @@ def trained(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     return model, optimizer
 
 
+def tensors_by_key(tree, prefix: str = "") -> dict[str, torch.Tensor]:
+    """Every tensor of a state under its ckptfmt key ('model/0.weight', 'optim/state/0/exp_avg')."""
+    if isinstance(tree, torch.Tensor):
+        return {prefix: tree}
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, (list, tuple)) else ()
+    return {key: tensor for name, value in items
+            for key, tensor in tensors_by_key(value, f"{prefix}/{name}" if prefix else str(name)).items()}
+
+
+def unlike_any_saved(state: dict) -> dict:
+    """``state`` with every tensor filled with -1 and every hyperparameter changed: a value DCP leaves
+    unloaded shows (a fresh AdamW's ``step`` and settings would equal the saved ones)."""
+    for tensor in tensors_by_key(state).values():
+        tensor.fill_(-1)
+    for group in state["optim"]["param_groups"]:
+        group.update(lr=0.5, betas=(0.5, 0.5), eps=0.5, weight_decay=0.5)
+    return state
+
+
 def test_a_dcp_save_is_a_normal_ckptfmt_checkpoint_and_loads_back_through_dcp(tmp_path):
     model, optimizer = trained(0)
     url = str(tmp_path / "repo" / "step-5")
-    dcp.save({"model": model.state_dict(), "optim": optimizer.state_dict(), "step": 5},
-             storage_writer=StorageWriter(url, step=5))
+    saved = {"model": model.state_dict(), "optim": optimizer.state_dict(), "step": 5}
+    dcp.save(saved, storage_writer=StorageWriter(url, step=5))
     assert ckptfmt.verify(url).ok
     with ckptfmt.open(url) as reader:
         assert reader.keys()[0] == "model/0.weight"  # nesting and state order kept
         assert reader.metadata["step"] == 5 and reader.metadata["provenance"]["source_kind"] == "dcp"
         assert b"pickle" not in reader.manifest.state and reader.manifest.chunks
+        expected = tensors_by_key(saved)  # DCP hands over flattened keys: the state's containers are not kept
+        assert reader.keys() == list(expected)
+        for key, tensor in expected.items():
+            assert_same(tensor, reader.get_tensor(key), key)
     loaded = ckptfmt.load(url)
-    assert loaded["step"] == 5 and torch.equal(loaded["model"]["0.weight"], model[0].weight.detach())
+    assert_same((saved["step"], saved["optim"]["param_groups"]), (loaded["step"], loaded["optim"]["param_groups"]))
 
     fresh, fresh_optimizer = trained(1)
-    state = {"model": fresh.state_dict(), "optim": fresh_optimizer.state_dict(), "step": 0}
+    state = unlike_any_saved({"model": fresh.state_dict(), "optim": fresh_optimizer.state_dict(), "step": 0})
     dcp.load(state, storage_reader=StorageReader(url))
+    assert_same(saved, state)
     fresh.load_state_dict(state["model"])
     fresh_optimizer.load_state_dict(state["optim"])
-    assert state["step"] == 5
-    for saved, restored in zip(model.parameters(), fresh.parameters()):
-        assert torch.equal(saved, restored)
-    expected = optimizer.state_dict()["state"]
-    for index, values in fresh_optimizer.state_dict()["state"].items():
-        assert torch.equal(values["exp_avg"], expected[index]["exp_avg"])
-    assert fresh_optimizer.param_groups[0]["lr"] == 1e-3
+    assert_same(saved, {"model": fresh.state_dict(), "optim": fresh_optimizer.state_dict(), "step": state["step"]})
 
 
 def test_a_ckptfmt_save_loads_through_dcp(tmp_path):
+    """Every tensor and plain value DCP loads is the saved one, bit for bit (hyperparameters included)."""
     model, optimizer = trained(0)
-    url = ckptfmt.save({"model": model.state_dict(), "optim": optimizer.state_dict(), "step": 3},
-                       tmp_path / "repo" / "a")
+    saved = {"model": model.state_dict(), "optim": optimizer.state_dict(), "step": 3}
+    url = ckptfmt.save(saved, tmp_path / "repo" / "a")
     fresh, fresh_optimizer = trained(1)
-    state = {"model": fresh.state_dict(), "optim": fresh_optimizer.state_dict(), "step": 0}
+    state = unlike_any_saved({"model": fresh.state_dict(), "optim": fresh_optimizer.state_dict(), "step": 0})
     dcp.load(state, storage_reader=StorageReader(url))
-    assert state["step"] == 3
-    assert torch.equal(state["model"]["2.bias"], model[2].bias.detach())
+    assert_same(saved, state)
 
 
 def test_a_dcp_save_to_a_taken_name_fails_and_keeps_the_checkpoint(tmp_path):
@@ -111,8 +130,13 @@ def dcp_load_on_ranks(rank: int, world: int, folder: Path, url: str) -> dict:
         warnings.simplefilter("ignore")
         dcp.load(state, storage_reader=StorageReader(url))
     model = state["model"]
-    return {"step": state["step"], "layers": model["layers"],
+    return {"step": state["step"], "layers": model["layers"], "bias": model["bias"],
             **{key: model[key].full_tensor() for key in ("row", "grid", "half")}}
+
+
+def loaded_through_dcp(full: dict) -> dict:
+    """What ``dcp_load_on_ranks`` returns when every value loaded is the saved one."""
+    return {"step": 7, **{key: full[key] for key in ("layers", "bias", "row", "grid", "half")}}
 
 
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["save", "async_save"])
@@ -133,15 +157,14 @@ def test_dcp_on_4_ranks_then_dcp_load_on_2(tmp_path, asynchronous):
     timing = meta["timing"]["ranks"]
     assert [t["rank"] for t in timing] == [0, 1, 2, 3]
     assert all("write_chunks" in [p["name"] for p in t["phases"]] for t in timing)
-    loaded = ckptfmt.load(url)
-    for key in ("row", "grid", "half"):
-        assert torch.equal(loaded["model"][key], full[key]), key
+    with ckptfmt.open(url) as reader:  # DCP hands over flattened keys: the list of layers is not kept
+        expected = {f"model/{key}": tensor for key, tensor in tensors_by_key(full).items()}
+        assert sorted(reader.keys()) == sorted(expected)
+        for key, tensor in expected.items():
+            assert_same(tensor, reader.get_tensor(key), key)
+    assert ckptfmt.load(url)["step"] == 7
     for outcome in run_ranks(dcp_load_on_ranks, 2, tmp_path / "load", url=url):
-        result = outcome.unwrap()
-        assert result["step"] == 7
-        for key in ("row", "grid", "half"):
-            assert torch.equal(result[key], full[key]), key
-        assert all(torch.equal(a, b) for a, b in zip(result["layers"], full["layers"]))
+        assert_same(loaded_through_dcp(full), outcome.unwrap())
 
 
 def test_a_collective_ckptfmt_save_loads_through_dcp_on_2_ranks(tmp_path):
@@ -151,6 +174,4 @@ def test_a_collective_ckptfmt_save_loads_through_dcp_on_2_ranks(tmp_path):
     url = str(tmp_path / "repo" / "step-7")
     full = ckptfmt.load(url)["model"]
     for outcome in run_ranks(dcp_load_on_ranks, 2, tmp_path / "load", url=url):
-        result = outcome.unwrap()
-        for key in ("row", "grid", "half"):
-            assert torch.equal(result[key], full[key]), key
+        assert_same(loaded_through_dcp(full), outcome.unwrap())
