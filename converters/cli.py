@@ -7,10 +7,10 @@ import argparse
 import json
 
 from rich.console import Console
-from rich.text import Text
 
+from ckptfmt.cli.render import Output
 from ckptfmt.errors import CheckpointError
-from ckptfmt.formatting import human_bytes
+from ckptfmt.formatting import counted, human_bytes
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -52,9 +52,10 @@ def export(args, console: Console) -> int:
     result = export_checkpoint(args.checkpoint, args.dest, format=args.format,
                                max_shard_size=args.max_shard_size, prefix=args.prefix, world_size=args.world_size,
                                zero_stage=args.zero_stage, ds_config=_json_file(args.ds_config))
-    console.print(Text(f"wrote {result.path} ({result.tensors} tensors, {human_bytes(result.bytes)})"))
+    out = Output(console)
+    out.line(f"wrote {result.path} ({counted(result.tensors, 'tensor')}, {human_bytes(result.bytes)})")
     for note in result.notes:
-        console.print(Text(f"note: {note}"))
+        out.line(f"note: {note}")
     return 0
 
 
@@ -89,10 +90,11 @@ def import_(args, console: Console) -> int:
     tp_dims = _tp_dims(args.tp_dim)
     result = import_checkpoint(args.src, args.dest, kind=args.kind, step=args.step,
                                options={"tp_dims": tp_dims} if tp_dims else None)
-    console.print(Text(f"imported {args.src} ({result.kind}) as {result.url}: {result.tensors} tensors, "
-                       f"{len(result.opaque)} opaque objects, {result.seconds:.2f} s"))
+    out = Output(console)
+    out.line(f"imported {args.src} ({result.kind}) as {result.url}: {counted(result.tensors, 'tensor')}, "
+             f"{counted(len(result.opaque), 'opaque object')}, {result.seconds:.2f} s")
     for key in result.opaque:
-        console.print(Text(f"opaque: {key}"))
+        out.line(f"opaque: {key}")
     for note in result.notes:
-        console.print(Text(f"note: {note}"))
+        out.line(f"note: {note}")
     return 0

@@ -332,7 +332,7 @@ def test_cli_import_and_one_line_errors(tmp_path, capsys, monkeypatch):
     src = write({"w": torch.ones(3), "cfg": Config("x", torch.zeros(1), {})}, tmp_path / "cli.pt", "legacy")
     assert main(["import", src, str(tmp_path / "repo" / "one")]) == 0
     out = capsys.readouterr().out
-    assert "(torch)" in out and ": 1 tensors" in out and "1 opaque" in out and "opaque: cfg" in out
+    assert "(torch)" in out and ": 1 tensor," in out and "1 opaque" in out and "opaque: cfg" in out
     assert main(["import", src, str(tmp_path / "repo" / "two"), "--from", "torch", "--step", "9"]) == 0
     capsys.readouterr()
     assert ckptfmt.open(tmp_path / "repo" / "two").manifest.step == 9

@@ -4,6 +4,7 @@ core CLI never imports the TUI; textual is imported only when the command runs."
 from __future__ import annotations
 
 import argparse
+import sys
 
 from rich.console import Console
 
@@ -23,6 +24,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args, console: Console) -> int:
+    if not _is_terminal(sys.stdout) or not _is_terminal(sys.stdin):
+        raise CheckpointError("ckptfmt tui needs a terminal, and its input or output is a pipe or a file: "
+                              "use ckptfmt ls, show or diff there")
     try:
         import textual  # noqa: F401 - only to tell a missing extra from a broken install
     except ImportError:
@@ -30,3 +34,11 @@ def run(args, console: Console) -> int:
     from .app import main
 
     return main(args.targets, compare_with=args.compare, min_delay=args.min_delay)
+
+
+def _is_terminal(stream) -> bool:
+    """Whether ``stream`` is a terminal; a closed or replaced stream (None, no ``isatty``) is not."""
+    try:
+        return bool(stream is not None and stream.isatty())
+    except (AttributeError, ValueError):
+        return False

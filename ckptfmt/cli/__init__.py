@@ -20,7 +20,9 @@ from importlib.metadata import EntryPoint, entry_points
 
 from rich.console import Console
 
+from .. import __version__
 from ..errors import CheckpointError, CheckpointWarning
+from ..manifest import FORMAT_VERSION
 from . import advise, commands, lifecycle, sync
 
 #: The entry point group of commands that live outside the core.
@@ -30,6 +32,8 @@ COMMANDS_GROUP = "ckptfmt.commands"
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ckptfmt", description="Inspect, verify and convert ckptfmt checkpoints.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    parser.add_argument("--version", action="version", version=_version(),
+                        help="show the package version and the format version it writes, and exit")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("ls", help="list a repository's checkpoints")
@@ -95,6 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
     for plugin in sorted(entry_points(group=COMMANDS_GROUP), key=lambda ep: ep.name):
         _register(plugin, sub)
     return parser
+
+
+def _version() -> str:
+    return f"ckptfmt {__version__} (writes format {'.'.join(map(str, FORMAT_VERSION))})"
 
 
 def _min_delay_option(parser: argparse.ArgumentParser) -> None:

@@ -9,7 +9,7 @@ import re
 from rich.console import Console
 
 from ..advise import Plan, advise
-from .render import add_row, new_table, print_table
+from .render import Column, Output
 
 #: Seconds per duration unit; a bare number is seconds.
 _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -43,19 +43,19 @@ def advise_command(args, console: Console) -> int:
         console.print_json(data=advice.to_dict())
         return 0
     background = f", background write {duration(advice.background_s)}" if advice.asynchronous else ""
-    plain = {"markup": False, "highlight": False, "soft_wrap": True}  # URLs and numbers as they are, unwrapped
-    console.print(f"{advice.repo}: {advice.saves} saves measured ({advice.asynchronous} asynchronous), "
-                  f"MTBF {duration(advice.mtbf_s)}", **plain)
-    console.print(f"save stall {duration(advice.stall_s)} (median, slowest rank){background}; step time "
-                  f"{duration(advice.step_s)} (from {advice.step_source})", **plain)
-    table = new_table("checkpoint interval")
-    for column in ("interval", "steps", "time", "overhead", "lost per failure"):
-        table.add_column(column, justify="left" if column == "interval" else "right", no_wrap=True)
-    for label, plan in (("actual", advice.actual), ("Young", advice.young), ("Daly (advice)", advice.daly)):
-        add_row(table, label, *_cells(plan))
-    print_table(console, table)
-    console.print(f"Save every {advice.daly.steps} steps (Daly): {_ratio(advice.checkpoints_ratio)}; expected "
-                  f"overhead {_percent(advice.actual.overhead)} -> {_percent(advice.daly.overhead)}.", **plain)
+    out = Output(console)
+    out.line(f"{advice.repo}: {advice.saves} saves measured ({advice.asynchronous} asynchronous), "
+             f"MTBF {duration(advice.mtbf_s)}")
+    out.line(f"save stall {duration(advice.stall_s)} (median, slowest rank){background}; step time "
+             f"{duration(advice.step_s)} (from {advice.step_source})")
+    columns = [Column("interval"), *(Column(header, right=True)
+                                     for header in ("steps", "time", "overhead", "lost per failure"))]
+    out.table("checkpoint interval", columns, (
+        (label, *_cells(plan)) for label, plan in (("actual", advice.actual), ("Young", advice.young),
+                                                   ("Daly (advice)", advice.daly))))
+    out.line()
+    out.line(f"Save every {advice.daly.steps} steps (Daly): {_ratio(advice.checkpoints_ratio)}; expected "
+             f"overhead {_percent(advice.actual.overhead)} -> {_percent(advice.daly.overhead)}.")
     return 0
 
 

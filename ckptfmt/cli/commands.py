@@ -8,7 +8,6 @@ import warnings
 from typing import Any
 
 from rich.console import Console
-from rich.table import Table
 from rich.text import Text
 
 from .. import describe
@@ -19,7 +18,7 @@ from ..formatting import counted, human_bytes, human_time, number, seconds, shap
 from ..reader import open as open_checkpoint
 from ..repository import Repository
 from ..verify import verify as verify_url
-from .render import ByteProgress, add_name_column, add_row, new_table, print_table
+from .render import KEY, NAME, TEXT, ByteProgress, Column, Output
 
 
 def ls(args, console: Console) -> int:
@@ -31,15 +30,11 @@ def ls(args, console: Console) -> int:
             "manifest": r.manifest_hash,
         } for r in records], indent=1) + "\n")
         return 0
-    table = new_table(f"{repo.url}: {counted(len(records), 'checkpoint')}")
-    add_name_column(table, "name", (r.name for r in records))
-    for column in ("step", "created", "size", "new bytes"):
-        table.add_column(column, justify="left" if column == "created" else "right", no_wrap=True)
-    add_name_column(table, "parent", (r.parent or "-" for r in records))
-    for r in records:
-        add_row(table, r.name, text(r.step), human_time(r.created_ns), human_bytes(r.stats.get("stored_bytes")),
-                human_bytes(r.stats.get("new_bytes")), r.parent or "-")
-    print_table(console, table)
+    columns = [Column("name", KEY), Column("step", right=True), Column("created"), Column("size", right=True),
+               Column("new bytes", right=True), Column("parent", NAME)]
+    Output(console).table(f"{repo.url}: {counted(len(records), 'checkpoint')}", columns, (
+        (r.name, text(r.step), human_time(r.created_ns), human_bytes(r.stats.get("stored_bytes")),
+         human_bytes(r.stats.get("new_bytes")), r.parent or "-") for r in records))
     return 0
 
 
@@ -54,55 +49,41 @@ def show(args, console: Console) -> int:
                              "shards": len(t.shards), "kind": t.kind} for t in tensors],
             }))
             return 0
-        _show_summary(console, describe.summary(meta, ckpt.url, ckpt.id))
-        _show_tensors(console, tensors, args.limit)
-        _show_metadata(console, meta)
+        out = Output(console)
+        out.table(None, _LABELLED, describe.summary(meta, ckpt.url, ckpt.id), header=False)
+        _show_tensors(out, tensors, args.limit)
+        out.table("metadata", _LABELLED, _metadata_rows(meta), header=False)
     return 0
 
 
-def _show_summary(console: Console, rows: list[tuple[str, str]]) -> None:
-    table = Table.grid(padding=(0, 2))
-    table.add_column(style="bold", no_wrap=True)
-    table.add_column(no_wrap=True)
-    for row in rows:
-        add_row(table, *row)
-    print_table(console, table)
+#: Label and value: the summary and metadata of ``show``.
+_LABELLED = (Column("label", style="bold"), Column("value", TEXT))
 
 
-def _show_tensors(console: Console, tensors: list, limit: int) -> None:
+def _show_tensors(out: Output, tensors: list, limit: int) -> None:
     shown = tensors if limit <= 0 else tensors[:limit]
-    table = new_table(f"tensors ({len(shown)} of {len(tensors)})")
-    add_name_column(table, "key", (t.key for t in shown))
-    table.add_column("dtype", no_wrap=True)
-    table.add_column("shape")
-    table.add_column("size", justify="right", no_wrap=True)
-    table.add_column("shards", justify="right", no_wrap=True)
-    for t in shown:
-        add_row(table, t.key, t.dtype, shape_text(t.shape), human_bytes(t.nbytes), str(len(t.shards)))
-    print_table(console, table)
+    columns = [Column("key", KEY), Column("dtype"), Column("shape"), Column("size", right=True),
+               Column("shards", right=True)]
+    out.table(f"tensors ({len(shown)} of {len(tensors)})", columns, (
+        (t.key, t.dtype, shape_text(t.shape), human_bytes(t.nbytes), str(len(t.shards))) for t in shown))
 
 
-def _show_metadata(console: Console, meta: dict) -> None:
+def _metadata_rows(meta: dict) -> list[tuple[str, str]]:
     """Environment, RNG, topology, timing and user metadata, whatever their types (spec section 9)."""
-    table = new_table("metadata", show_header=False)
-    table.add_column(style="bold", no_wrap=True)
-    table.add_column(overflow="fold")
-    for label, value in describe.environment(meta):
-        add_row(table, label, value)
-    for row in describe.rng(meta):
-        add_row(table, f"rng rank {row.rank}", f"{row.generators}; torch seed {row.torch_seed}")
+    rows = describe.environment(meta)
+    rows += [(f"rng rank {row.rank}", f"{row.generators}; torch seed {row.torch_seed}") for row in describe.rng(meta)]
     topology = dict(describe.topology(meta))
     hosts = ", ".join(f"{r.rank}@{r.host}" for r in describe.ranks(meta)) or "-"
-    add_row(table, "topology", f"world size {topology['world size']}, parallelism {topology['parallelism']}, "
-                               f"ranks {hosts}")
+    rows.append(("topology", f"world size {topology['world size']}, parallelism {topology['parallelism']}, "
+                             f"ranks {hosts}"))
     for timing in describe.save_timing(meta):
         phases = ", ".join(f"{name} {seconds(duration)}" for name, duration in timing.phases)
-        add_row(table, f"save timing rank {timing.rank}", f"{seconds(timing.total_s)}: {phases or '-'}")
+        rows.append((f"save timing rank {timing.rank}", f"{seconds(timing.total_s)}: {phases or '-'}"))
     steps = describe.step_summary(meta)
     if steps:
-        add_row(table, "step times", steps)
-    add_row(table, "user", short(json.dumps(_jsonable(meta.get("user"))), 500))
-    console.print(table)
+        rows.append(("step times", steps))
+    rows.append(("user", short(json.dumps(_jsonable(meta.get("user"))), 500)))
+    return rows
 
 
 def verify(args, console: Console) -> int:
@@ -119,20 +100,17 @@ def verify(args, console: Console) -> int:
     for message in report.warnings:
         warnings.warn(message, CheckpointWarning, stacklevel=1)
     rate = report.bytes_checked / report.seconds / 1e9 if report.seconds else 0.0
-    summary = (f"{len(report.checkpoints)} checkpoint(s), {report.chunks_checked} chunks, "
+    summary = (f"{counted(len(report.checkpoints), 'checkpoint')}, {counted(report.chunks_checked, 'chunk')}, "
                f"{human_bytes(report.bytes_checked)} in {report.seconds:.2f} s ({rate:.2f} GB/s)")
+    out = Output(console)
     if report.ok:
-        console.print(Text.assemble(("OK", "green"), f": {summary}"))
+        out.line(Text.assemble(("OK", "green"), f": {summary}"))
         return 0
-    table = new_table(f"DAMAGED: {len(report.problems)} problem(s) in {summary}")
-    add_name_column(table, "checkpoint", (p.checkpoint for p in report.problems))
-    table.add_column("problem", no_wrap=True)
-    table.add_column("chunk", no_wrap=True)
-    add_name_column(table, "tensors", (t for p in report.problems for t in p.tensors))
-    table.add_column("detail", overflow="fold")
-    for p in report.problems:
-        add_row(table, p.checkpoint, p.kind, (p.chunk or "-")[:16], "\n".join(p.tensors) or "-", p.message)
-    print_table(console, table)
+    out.line(Text.assemble(("DAMAGED", "bold red"), f": {counted(len(report.problems), 'problem')} in {summary}"))
+    columns = [Column("checkpoint", KEY), Column("problem"), Column("chunk"), Column("tensors", NAME),
+               Column("detail", TEXT)]
+    out.table(None, columns, ((p.checkpoint, p.kind, (p.chunk or "-")[:16], "\n".join(p.tensors) or "-", p.message)
+                              for p in report.problems))
     return 1
 
 
@@ -145,39 +123,43 @@ def diff(args, console: Console) -> int:
             "metadata": [{"field": f, "a": va, "b": vb} for f, va, vb in report.metadata],
         }))
         return 0
+    out = Output(console)
     counts = {s: len(report.by_status(s)) for s in ("changed", "added", "removed", "unchanged")}
-    console.print(Text.assemble((report.a, "bold"), " -> ", (report.b, "bold"), ": ",
-                                ", ".join(f"{n} {s}" for s, n in counts.items())))
+    out.line(Text.assemble((report.a, "bold"), " -> ", (report.b, "bold"), ": ",
+                           ", ".join(f"{n} {s}" for s, n in counts.items())))
     moved = [t for t in report.tensors if t.status != "unchanged"]
     shown = moved if args.limit <= 0 else moved[: args.limit]
     if moved:
-        table = new_table(f"tensors that differ, most moved first ({len(shown)} of {len(moved)})")
-        add_name_column(table, "key", (t.key for t in shown))
-        for column in ("status", "dtype", "shape", "max |diff|", "rel L2", "changed"):
-            numeric = column in ("max |diff|", "rel L2", "changed")
-            table.add_column(column, justify="right" if numeric else "left", no_wrap=column != "shape")
-        for t in shown:
-            dtype = t.dtype[0] if t.dtype[0] == t.dtype[1] else f"{t.dtype[0]} -> {t.dtype[1]}"
-            shape = shape_text(t.shape[0]) if t.shape[0] == t.shape[1] else f"{shape_text(t.shape[0])} -> {shape_text(t.shape[1])}"
-            changed = f"{t.frac_changed:.1%}" if t.frac_changed is not None else "-"
-            add_row(table, t.key, t.status, dtype, shape, number(t.max_abs_diff), number(t.rel_l2), changed)
-        print_table(console, table)
-    interesting = [m for m in report.metadata if not m[0].startswith(("rng.", "environment.packages"))]
+        columns = [Column("key", KEY), Column("status"), Column("dtype"), Column("shape"),
+                   *(Column(header, right=True) for header in ("max |diff|", "rel L2", "changed"))]
+        out.table(f"tensors that differ, most moved first ({len(shown)} of {len(moved)})", columns,
+                  map(_tensor_difference, shown))
     if report.metadata:
-        table = new_table(f"metadata that differs ({len(report.metadata)} fields; RNG states and packages summarised)")
-        add_name_column(table, "field", (m[0] for m in interesting))
-        table.add_column("A", overflow="fold")
-        table.add_column("B", overflow="fold")
-        for field, va, vb in interesting:
-            add_row(table, field, short(va), short(vb))
-        rng_changed = sorted({m[0].split(".")[1] for m in report.metadata if m[0].startswith("rng.")})
-        packages = [m for m in report.metadata if m[0].startswith("environment.packages")]
-        if rng_changed:
-            add_row(table, "rng", f"states differ for rank(s) {', '.join(rng_changed)}", "")
-        if packages:
-            add_row(table, "packages", f"{len(packages)} package version(s) differ", "")
-        print_table(console, table)
+        out.table(f"metadata that differs ({len(report.metadata)} fields; RNG states and packages summarised)",
+                  [Column("field", KEY), Column("A", TEXT), Column("B", TEXT)], _metadata_differences(report.metadata))
     return 0
+
+
+def _tensor_difference(t) -> tuple[str, ...]:
+    """A row of diff's tensor table: key, status, dtype and shape (A -> B where they changed), how far it moved."""
+    dtype = t.dtype[0] if t.dtype[0] == t.dtype[1] else f"{t.dtype[0]} -> {t.dtype[1]}"
+    shape = shape_text(t.shape[0]) if t.shape[0] == t.shape[1] else \
+        f"{shape_text(t.shape[0])} -> {shape_text(t.shape[1])}"
+    changed = f"{t.frac_changed:.1%}" if t.frac_changed is not None else "-"
+    return t.key, t.status, dtype, shape, number(t.max_abs_diff), number(t.rel_l2), changed
+
+
+def _metadata_differences(metadata: list[tuple[str, Any, Any]]) -> list[tuple[str, str, str]]:
+    """Rows of diff's metadata table: each field that differs; RNG states and package versions counted."""
+    rows = [(field, short(va), short(vb)) for field, va, vb in metadata
+            if not field.startswith(("rng.", "environment.packages"))]
+    rng_changed = sorted({field.split(".")[1] for field, _, _ in metadata if field.startswith("rng.")})
+    packages = [field for field, _, _ in metadata if field.startswith("environment.packages")]
+    if rng_changed:
+        rows.append(("rng", f"states differ for rank(s) {', '.join(rng_changed)}", ""))
+    if packages:
+        rows.append(("packages", f"{len(packages)} package version(s) differ", ""))
+    return rows
 
 
 #: Levels of metadata shown as JSON; deeper values (a user value tree may nest 256 deep) are elided.
@@ -188,45 +170,47 @@ def analytics_export(args, console: Console) -> int:
     analytics = _analytics()
     built = analytics.tables(args.repo)
     paths = analytics.export(built, args.out, args.format)
-    table = new_table(f"{args.repo}: {counted(built['checkpoints'].num_rows, 'checkpoint')}")
-    for column in ("table", "rows", "columns", "file"):
-        table.add_column(column, justify="right" if column in ("rows", "columns") else "left")
-    for (name, data), path in zip(built.items(), paths):
-        table.add_row(name, number(data.num_rows), number(data.num_columns), str(path))
-    print_table(console, table)
+    columns = [Column("table"), Column("rows", right=True), Column("columns", right=True), Column("file", NAME)]
+    Output(console).table(f"{args.repo}: {counted(built['checkpoints'].num_rows, 'checkpoint')}", columns, (
+        (name, number(data.num_rows), number(data.num_columns), str(path))
+        for (name, data), path in zip(built.items(), paths)))
     return 0
 
 
 def stragglers(args, console: Console) -> int:
     analytics = _analytics()
-    report = analytics.stragglers(args.repo, thresholds=_thresholds(args))
+    thresholds = _thresholds(args)
+    report = analytics.stragglers(args.repo, thresholds=thresholds)
     if args.json:
         console.print_json(data=report)
         return 0
-    console.print(f"{args.repo}: {report['steps']} steps of {report['ranks']} ranks")
-    table = new_table(f"{len(report['stragglers'])} stragglers (delays in a rank's own phases, beyond the jitter)")
-    for column in ("rank", "host", "kind", "steps", "phase", "delay", "worst", "x median"):
-        table.add_column(column, justify="right" if column in ("rank", "delay", "worst", "x median") else "left")
-    for s in report["stragglers"]:
-        table.add_row(str(s["rank"]), text(s["host"]), s["kind"], analytics.episode_ranges(s["episodes"]), s["phase"],
-                      seconds(s["delay_s"]), seconds(s["max_delay_s"]), _times(s["ratio"]))
-    print_table(console, table)
+    out = Output(console)
+    out.line(f"{args.repo}: {counted(report['steps'], 'step')} of {counted(report['ranks'], 'rank')}")
+    if report["stragglers"]:
+        columns = [Column("rank", right=True), Column("host", NAME), Column("kind"), Column("steps", TEXT),
+                   Column("phase", NAME), *(Column(header, right=True) for header in ("delay", "worst", "x median"))]
+        out.table(f"{counted(len(report['stragglers']), 'straggler')} (delays in a rank's own phases, beyond the "
+                  "jitter)", columns, (
+                      (str(s["rank"]), text(s["host"]), s["kind"], analytics.episode_ranges(s["episodes"]),
+                       s["phase"], seconds(s["delay_s"]), seconds(s["max_delay_s"]), _times(s["ratio"]))
+                      for s in report["stragglers"]))
+    else:
+        out.line(f"no stragglers found: no rank was delayed in its own phases by {seconds(thresholds.floor_s)} "
+                 "or more beyond the jitter")
     if report["hosts"]:
-        hosts = new_table("hosts with several slow ranks at once")
-        for column in ("host", "slow ranks", "steps", "delay"):
-            hosts.add_column(column)
-        for h in report["hosts"]:
-            hosts.add_row(text(h["host"]), f"{', '.join(map(str, h['ranks']))} of {h['of_ranks']}",
-                          _ranges(h["steps"]), seconds(h["delay_s"]))
-        print_table(console, hosts)
+        columns = [Column("host", KEY), Column("slow ranks", TEXT), Column("steps", TEXT),
+                   Column("delay", right=True)]
+        out.table("hosts with several slow ranks at once", columns, (
+            (text(h["host"]), f"{', '.join(map(str, h['ranks']))} of {h['of_ranks']}", _ranges(h["steps"]),
+             seconds(h["delay_s"])) for h in report["hosts"]))
     if report["slow_saves"]:
-        saves = new_table("slow saves (a rank's own save phases lagging the others')")
-        for column in ("rank", "host", "checkpoints", "phases", "delay", "x median"):
-            saves.add_column(column)
-        for e in report["slow_saves"]:
-            saves.add_row(str(e["rank"]), text(e["host"]), ", ".join(e["checkpoints"]),
-                          ", ".join(sorted(set(e["phases"]))), seconds(e["delay_s"]), _times(e["ratio"]))
-        print_table(console, saves)
+        columns = [Column("rank", right=True), Column("host", NAME), Column("checkpoints", TEXT),
+                   Column("phases", TEXT), Column("delay", right=True), Column("x median", right=True)]
+        out.table("slow saves (a rank's own save phases lagging the others')", columns, (
+            (str(e["rank"]), text(e["host"]), ", ".join(e["checkpoints"]), ", ".join(sorted(set(e["phases"]))),
+             seconds(e["delay_s"]), _times(e["ratio"])) for e in report["slow_saves"]))
+    if any(entry["ratio"] is None for entry in report["stragglers"] + report["slow_saves"]):
+        out.line(f"x median {_times(None)}: the phase's median is too short to compare with")
     return 0
 
 
@@ -250,10 +234,10 @@ def report(args, console: Console) -> int:
         raise CheckpointError(f"ckptfmt report needs matplotlib ({exc}): pip install 'ckptfmt[analytics]'") from None
     made = write_report(args.repo, html_path=args.html, png_dir=args.png, compare_with=args.compare,
                         thresholds=_thresholds(args))
+    out = Output(console)
     for where in (args.html, args.png):
         if where is not None:
-            console.print(f"wrote {where} ({len(made['figures'])} figures: {', '.join(made['figures'])})",
-                          markup=False, highlight=False)
+            out.line(f"wrote {where} ({counted(len(made['figures']), 'figure')}: {', '.join(made['figures'])})")
     return 0
 
 
@@ -262,27 +246,26 @@ def compare(args, console: Console) -> int:
     if args.json:
         console.print_json(data=report)
         return 0
+    out = Output(console)
     tolerance = f" within atol {args.atol:g}, rtol {args.rtol:g}" if args.atol or args.rtol else " bit for bit"
-    steps = len(report["checkpoints"])
     verdict = "identical" + tolerance if report["identical"] else "different"
-    console.print(f"{args.a} vs {args.b}: {steps} checkpoints at common steps; the runs are {verdict}")
+    out.line(f"{args.a} vs {args.b}: {counted(len(report['checkpoints']), 'checkpoint')} at common steps; "
+             f"the runs are {verdict}")
     for side, key in (("a", "steps_only_in_a"), ("b", "steps_only_in_b")):
         if report[key]:
-            console.print(f"steps saved only in {side}: {_ranges(report[key])}")
+            out.line(f"steps saved only in {side}: {_ranges(report[key])}")
     divergence = report["first_divergence"]
     if divergence:
         amount = "" if divergence["max_abs"] is None else \
             f": max abs difference {divergence['max_abs']:.3g}, max relative {divergence['max_rel']:.3g}"
-        console.print(f"first divergence: step {divergence['step']} ({divergence['checkpoint']}), tensor "
-                      f"{divergence['tensor']}{amount}", markup=False, highlight=False)
+        out.line(f"first divergence: step {divergence['step']} ({divergence['checkpoint']}), tensor "
+                 f"{divergence['tensor']}{amount}")
     if report["differences"]:
-        table = new_table(f"{len(report['differences'])} recorded differences that could explain it")
-        for column in ("kind", "field", "rank", "a", "b", "from step"):
-            table.add_column(column)
-        for d in report["differences"]:
-            table.add_row(d["kind"], d["field"], text(d.get("rank")), short(text(d["a"]), 40),
-                          short(text(d["b"]), 40), text(d["first_step"]))
-        print_table(console, table)
+        columns = [Column("kind"), Column("field", NAME), Column("rank", right=True), Column("a", TEXT),
+                   Column("b", TEXT), Column("from step", right=True)]
+        out.table(f"{counted(len(report['differences']), 'recorded difference')} that could explain it", columns, (
+            (d["kind"], d["field"], text(d.get("rank")), text(d["a"]), text(d["b"]), text(d["first_step"]))
+            for d in report["differences"]))
     return 0
 
 

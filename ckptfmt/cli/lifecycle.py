@@ -13,6 +13,7 @@ from ..gc import GcReport, collect, remove
 from ..repository import Repository, split_checkpoint_url
 from ..retention import Retention, metrics_reader
 from .advise import parse_duration
+from .render import Output
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -44,8 +45,8 @@ def rm_command(args, console: Console) -> int:
                               f"{', '.join(sorted(repos))}")
     repo = Repository.open(repos.pop())
     removed = remove(repo, [name for _, name in parts])
-    console.print(f"{repo.url}: removed {len(removed)} checkpoint(s): {', '.join(removed)}; "
-                  "run ckptfmt gc to reclaim their chunks", markup=False, highlight=False, soft_wrap=True)
+    Output(console).line(f"{repo.url}: removed {len(removed)} checkpoint(s): {', '.join(removed)}; "
+                         "run ckptfmt gc to reclaim their chunks")
     return 0
 
 
@@ -61,7 +62,7 @@ def gc_command(args, console: Console) -> int:
     if args.json:
         console.print_json(data={"checkpoints": doomed, **report.to_dict()})
     else:
-        console.print(_summary(repo, doomed, report), markup=False, highlight=False, soft_wrap=True)
+        Output(console).line(_summary(repo, doomed, report))
     return 0 if report.swept or args.dry_run else 1
 
 

@@ -9,7 +9,7 @@ from rich.console import Console
 
 from ..formatting import human_bytes
 from ..replicate import replicate
-from .render import ByteProgress
+from .render import ByteProgress, Output
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -34,9 +34,8 @@ def sync_command(args, console: Console) -> int:
         console.print_json(data=dataclasses.asdict(report))
         return 0
     rate = report.bytes_copied / report.seconds / 1e6 if report.seconds else 0.0
-    console.print(f"{report.destination}: copied {len(report.copied)} checkpoint(s), {len(report.present)} already "
-                  f"there; {report.chunks_copied} chunks, {human_bytes(report.bytes_copied)} in "
-                  f"{report.seconds:.2f} s ({rate:.1f} MB/s); {report.chunks_skipped} chunks "
-                  f"({human_bytes(report.bytes_skipped)}) were there already",
-                  markup=False, highlight=False, soft_wrap=True)
+    Output(console).line(f"{report.destination}: copied {len(report.copied)} checkpoint(s), "
+                         f"{len(report.present)} already there; {report.chunks_copied} chunks, {human_bytes(report.bytes_copied)} in "
+                         f"{report.seconds:.2f} s ({rate:.1f} MB/s); {report.chunks_skipped} chunks "
+                         f"({human_bytes(report.bytes_skipped)}) were there already")
     return 0
