@@ -24,6 +24,7 @@ from .. import __version__
 from ..errors import CheckpointError, CheckpointWarning
 from ..manifest import FORMAT_VERSION
 from . import advise, commands, lifecycle, sync
+from .render import Output
 
 #: The entry point group of commands that live outside the core.
 COMMANDS_GROUP = "ckptfmt.commands"
@@ -151,7 +152,8 @@ def _run(args, console: Console, errors: Console) -> int:
 
 
 def _error_line(errors: Console, message: str) -> None:
-    errors.print(f"ckptfmt: error: {message}", markup=False, highlight=False, soft_wrap=True)
+    """The error as one line (wrapped between values in a terminal)."""
+    Output(errors).line(f"ckptfmt: error: {message}")
 
 
 def _print_warnings(caught: list[warnings.WarningMessage], errors: Console, *, debug: bool, failed: bool) -> None:
@@ -163,7 +165,7 @@ def _print_warnings(caught: list[warnings.WarningMessage], errors: Console, *, d
             message = str(warning.message)
             if not failed and message not in seen:
                 seen.add(message)
-                errors.print(f"ckptfmt: warning: {message}", markup=False, highlight=False, soft_wrap=True)
+                Output(errors).line(f"ckptfmt: warning: {message}")
         elif debug:
             errors.print(warnings.formatwarning(warning.message, warning.category, warning.filename,
                                                 warning.lineno), markup=False, highlight=False, end="")
