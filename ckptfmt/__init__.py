@@ -5,7 +5,14 @@
     with ckptfmt.open("runs/exp1/step-100") as ckpt:
         w = ckpt.get_tensor("model/layers.0.attn.weight")
     ckptfmt.verify("s3://bucket/runs/exp1").ok
+
+``ckptfmt.dcp`` (the torch.distributed.checkpoint storage layer) and
+``ckptfmt.analytics`` (needs pyarrow) load on first use, so ``import ckptfmt``
+pulls in neither.
 """
+
+import importlib
+from importlib.metadata import PackageNotFoundError, version as _installed_version
 
 from .asynchronous import async_save
 from .errors import (
@@ -34,7 +41,24 @@ from .values import OpaqueObject
 from .verify import VerifyReport, verify
 from .writer import save
 
-__version__ = "0.1.0"
+try:
+    __version__ = _installed_version("ckptfmt")
+except PackageNotFoundError:  # run from a source tree that was never installed
+    __version__ = "0+unknown"
+
+#: Subpackages loaded on first attribute access (``ckptfmt.dcp.StorageWriter``).
+_LAZY_SUBMODULES = frozenset({"analytics", "dcp"})
+
+
+def __getattr__(name: str):
+    if name in _LAZY_SUBMODULES:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | _LAZY_SUBMODULES)
+
 
 __all__ = [
     "async_save",

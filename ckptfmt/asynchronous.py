@@ -22,6 +22,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from . import in_flight
+from .rng import capture_states
 from .staging import StagingArea
 from .writer import save, save_state, step_records
 
@@ -48,6 +49,8 @@ def async_save(state: Any, url: str | os.PathLike, **options: Any) -> Future:
         raise ValueError("before_commit is for synchronous saves")
     in_flight.wait_for_previous(url)  # also: the staging buffers are free again
     steps = step_records(timer)  # the steps up to the call, as the state is
+    if arguments["rng"] is None:  # the generators as they are now: the loop draws on while this saves
+        arguments["captured_rng"] = capture_states()
     start_ns, start = time.time_ns(), time.perf_counter()
     staged = _area(url).stage(state)
     arguments["staged"] = (start_ns, time.perf_counter() - start)  # the stall: recorded as phase "stage"

@@ -35,7 +35,7 @@ from .leases import Lease, hold_save_lease
 from .manifest import Manifest, Piece, Shard, TensorEntry
 from .process_group import CollectiveError, RankGroup
 from .repository import Repository, split_checkpoint_url
-from .rng import capture_rng
+from .rng import rng_entry
 from .state_merge import MAX_REPORTED, merge_states
 from .tensors import TensorSource
 from .timing import PhaseTimer
@@ -47,7 +47,7 @@ def collective_save(state: Any, url: str, group, *, timeout: float, step: int | 
                     storage_options: dict | None, parent: Any, chunk_size: int | None, compression: str | None,
                     step_times: list | None, parallelism: dict | None, workers: int | None, rng: list | None,
                     provenance: dict | None, frozen: bool, steps: dict | None,
-                    staged: tuple[int, float] | None) -> str:
+                    staged: tuple[int, float] | None, captured_rng: dict | None = None) -> str:
     """``ckptfmt.save`` over a process group (arguments checked by ``save``); returns the checkpoint URL."""
     from .writer import TensorCollector, resolve_parent
 
@@ -82,12 +82,13 @@ def collective_save(state: Any, url: str, group, *, timeout: float, step: int | 
         return _write_and_commit(decision, own_failure or failure, url, name, repo_url, sources, timer, ranks,
                                  storage_options=storage_options, step=step, rng=rng, step_times=step_times,
                                  parallelism=parallelism, provenance=provenance, compression=compression,
-                                 chunk_size=chunk_size, workers=workers, steps=steps)
+                                 chunk_size=chunk_size, workers=workers, steps=steps, captured_rng=captured_rng)
 
 
 def _write_and_commit(decision: dict, failure: Failure | None, url: str, name: str, repo_url: str,
                       sources: list[TensorSource], timer: PhaseTimer, ranks: RankGroup, *, storage_options, step,
-                      rng, step_times, parallelism, provenance, compression, chunk_size, workers, steps) -> str:
+                      rng, step_times, parallelism, provenance, compression, chunk_size, workers, steps,
+                      captured_rng) -> str:
     """Steps 2 and 3 of the protocol, once the plan is broadcast."""
     from .writer import commit_manifest
 
@@ -103,7 +104,7 @@ def _write_and_commit(decision: dict, failure: Failure | None, url: str, name: s
                                cache=DEFAULT_CACHE, chunk_size=chunk_size, workers=workers or 4, timer=timer)
         with timer.phase("environment"):
             environment = capture_environment()
-        return {"stored": stored, "environment": environment, "rng": capture_rng(ranks.rank),
+        return {"stored": stored, "environment": environment, "rng": rng_entry(ranks.rank, captured_rng),
                 "topology": _rank_topology(ranks), "timing": timer.record(ranks.rank, steps)}
     written, own_failure = _attempt(write)
     with timer.phase("wait_ranks"):

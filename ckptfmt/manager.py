@@ -4,7 +4,8 @@ checkpoints, copy them to slower durable tiers, restore the newest.
     manager = ckptfmt.CheckpointManager(
         tiers=["/nvme/run", ckptfmt.Tier("s3://bucket/run", ckptfmt.Retention(keep_every=1000))],
         keep_last=2, async_save=True, interval="auto")
-    for step in range(start, steps):
+    restored = manager.restore(rng=True)     # the newest checkpoint, or None on a fresh start
+    for step in range(manager.start_step, steps):
         ...
         manager.save(step, state, metrics={"val_loss": loss})   # saves only when due
     manager.wait()
@@ -39,7 +40,7 @@ from .errors import CheckpointError, CheckpointNotFoundError, CheckpointWarning
 from .housekeeping import Housekeeper, Tier, tier_records
 from .housekeeping_process import SUPPORTED as PROCESS_SUPPORTED, HousekeepingProcess
 from .process_group import distributed_group
-from .reader import load
+from .reader import load, restore_rng
 from .retention import METRICS_KEY, Retention
 from .storage import in_process_memory
 from .writer import save
@@ -109,6 +110,8 @@ class CheckpointManager:
         self._background_s: deque[float] = deque(maxlen=WINDOW)
         #: With ``interval="auto"``: the steps between saves it last planned (None before the first plan).
         self.planned_interval: int | None = None
+        #: The step the last ``restore()`` loaded (None: it found none, or was not called).
+        self.restored_step: int | None = None
 
     # -- saving ------------------------------------------------------------------------------
     def should_save(self, step: int) -> bool:
@@ -202,27 +205,48 @@ class CheckpointManager:
         steps = self.steps()
         return steps[-1] if steps else None
 
-    def restore(self, step: int | None = None, into: Any = None, **load_options: Any) -> Any:
+    @property
+    def start_step(self) -> int:
+        """The step a resumed training loop starts from: the one after the step ``restore()`` loaded,
+        or 0 when it found nothing to restore (a fresh start) or was not called.
+
+            restored = manager.restore(rng=True)      # None on a fresh start
+            for step in range(manager.start_step, steps): ...
+        """
+        return 0 if self.restored_step is None else self.restored_step + 1
+
+    def restore(self, step: int | None = None, into: Any = None, *, rng: bool = False, **load_options: Any) -> Any:
         """Load checkpoint ``step`` (default: the newest) from the fastest tier that has it complete.
 
-        A copy that is missing or damaged on one tier is read from the next.
-        ``into`` fills a state in place (see ``ckptfmt.load``).
+        Returns the state (``into``, filled in place, when given; see
+        ``ckptfmt.load``), or None when no tier holds any checkpoint yet and no
+        ``step`` was asked for: a fresh start. A copy that is missing or
+        damaged on one tier is read from the next. ``rng=True`` also restores
+        this rank's RNG states from that copy (``ckptfmt.restore_rng``).
+        ``start_step`` then says where the loop resumes.
         """
         self.wait()
-        step = self.latest() if step is None else step
+        self.restored_step = None
         if step is None:
-            raise CheckpointNotFoundError(f"{self.tiers[0].url}: no checkpoint on any tier")
+            step = self.latest()
+            if step is None:
+                return None
         failures = []
         for tier in self.tiers:
             record = next((r for r in tier_records(tier) if r.step == step), None)
             if record is None:
                 continue
+            url = f"{tier.url}/{record.name}"
             try:
-                return load(f"{tier.url}/{record.name}", into=into, storage_options=tier.storage_options,
-                            **load_options)
+                state = load(url, into=into, storage_options=tier.storage_options, **load_options)
+                if rng:
+                    restore_rng(url, storage_options=tier.storage_options)
             except CheckpointError as exc:
                 failures.append(str(exc))
                 warnings.warn(f"restoring step {step} from the next tier: {exc}", CheckpointWarning, stacklevel=2)
+            else:
+                self.restored_step = step
+                return state
         raise CheckpointNotFoundError(f"step {step}: no tier has a readable copy"
                                       + (f" ({'; '.join(failures)})" if failures else ""))
 

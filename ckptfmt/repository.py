@@ -17,8 +17,8 @@ from typing import Any
 from . import layout
 from .commit_record import CommitRecord
 from .errors import (
-    CheckpointError, CheckpointExistsError, CheckpointNotFoundError, CheckpointWarning, CorruptDataError, ManifestError,
-    StorageError, UnsupportedVersionError, quoted,
+    CheckpointError, CheckpointExistsError, CheckpointNotFoundError, CheckpointWarning, CorruptDataError,
+    InvalidNameError, ManifestError, StorageError, UnsupportedVersionError, quoted,
 )
 from .hashing import check_chunk
 from .index import INDEX_DIR, CommitIndex, IndexDamagedError, read_each
@@ -383,9 +383,15 @@ def resolve(url: str | os.PathLike, storage_options: dict[str, Any] | None = Non
 
 
 def split_checkpoint_url(url: str | os.PathLike) -> tuple[str, str]:
-    """Split 'REPO/NAME' for a save; the name must be one valid path segment."""
+    """Split 'REPO/NAME' for a save; the name must be one valid path segment.
+
+    A bare name (``"step-100"``, ``"s3://bucket"``) is refused rather than read as a checkpoint
+    of the current directory or of a bucket's parent: that would make a repository of them.
+    """
     text = os.fspath(url).rstrip("/")
-    parent, sep, name = text.rpartition("/")
-    if not sep:
-        parent, name = ".", text
-    return parent or "/", check_name(name)
+    protocol, scheme, path = text.rpartition("://")
+    parent, sep, name = path.rpartition("/")
+    if not sep or (scheme and not parent):
+        raise InvalidNameError(f"{quoted(text)}: a checkpoint URL is REPO/NAME (e.g. runs/exp1/step-000100), "
+                               "not a bare name")
+    return f"{protocol}{scheme}{parent or '/'}", check_name(name)

@@ -17,8 +17,12 @@ from .errors import CheckpointError
 
 def capture_rng(rank: int) -> dict:
     """This process's generator states, as one manifest ``rng`` entry."""
+    return {"rank": rank, **capture_states()}
+
+
+def capture_states() -> dict:
+    """This process's generator states (an ``rng`` entry without its rank)."""
     entry = {
-        "rank": rank,
         "torch_cpu": torch.get_rng_state().numpy().tobytes(),
         "torch_initial_seed": torch.initial_seed(),
         "cuda": [],
@@ -28,6 +32,13 @@ def capture_rng(rank: int) -> dict:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         entry["cuda"] = [state.numpy().tobytes() for state in torch.cuda.get_rng_state_all()]
     return entry
+
+
+def rng_entry(rank: int, captured: dict | None = None) -> dict:
+    """Rank ``rank``'s ``rng`` entry: the states ``captured`` earlier (``capture_states``; an
+    asynchronous save takes them when it is called, not when its background thread gets there),
+    else the states now."""
+    return {"rank": rank, **(capture_states() if captured is None else captured)}
 
 
 def _numpy_state() -> dict:

@@ -34,7 +34,7 @@ from .manifest import Manifest, Piece, Shard, TensorEntry
 from .tiling import check_tiling
 from .repository import CommitRecord, Repository, split_checkpoint_url
 from .process_group import distributed_group
-from .rng import capture_rng
+from .rng import rng_entry
 from .sharded import Shard as ShardInput, Sharded
 from .tensors import TensorSource, prepare
 from .step_timer import StepTimer
@@ -123,10 +123,12 @@ def step_records(timer: StepTimer | None) -> dict | None:
 
 def save_state(state: Any, url: str | os.PathLike, *, frozen: bool, step, metadata, storage_options, parent,
                chunk_size, compression, step_times, parallelism, workers, rng, provenance, before_commit,
-               process_group, coordinated, timeout, steps: dict | None, staged: tuple[int, float] | None = None) -> str:
+               process_group, coordinated, timeout, steps: dict | None, staged: tuple[int, float] | None = None,
+               captured_rng: dict | None = None) -> str:
     """``save``'s work; ``frozen``: the state is staged memory that nothing changes until this returns;
     ``steps``: this rank's step records (``StepTimer.snapshot``) or None; ``staged``: when and how
-    long an asynchronous save's staging took (its ``stage`` phase)."""
+    long an asynchronous save's staging took (its ``stage`` phase); ``captured_rng``: this process's
+    RNG states when an asynchronous save was called (``capture_states``)."""
     step = check_arguments(step, chunk_size, compression, step_times, parallelism, rng, provenance)
     if before_commit is not None and not callable(before_commit):
         raise TypeError("before_commit must be a callable or None")
@@ -142,7 +144,7 @@ def save_state(state: Any, url: str | os.PathLike, *, frozen: bool, step, metada
             state, url, group, timeout=timeout, step=step, metadata=metadata, storage_options=storage_options,
             parent=parent, chunk_size=chunk_size, compression=compression, step_times=step_times,
             parallelism=parallelism, workers=workers, rng=rng, provenance=provenance, frozen=frozen, steps=steps,
-            staged=staged,
+            staged=staged, captured_rng=captured_rng,
         )
     repo_url, name = split_checkpoint_url(url)
     timer = PhaseTimer(staged)
@@ -153,14 +155,14 @@ def save_state(state: Any, url: str | os.PathLike, *, frozen: bool, step, metada
         return _save_leased(repo, name, state, timer, lease, frozen=frozen, step=step, metadata=metadata,
                             parent=parent, chunk_size=chunk_size, compression=compression, step_times=step_times,
                             parallelism=parallelism, workers=workers, rng=rng, provenance=provenance,
-                            before_commit=before_commit, steps=steps)
+                            before_commit=before_commit, steps=steps, captured_rng=captured_rng)
     finally:
         lease.release()
 
 
 def _save_leased(repo: Repository, name: str, state: Any, timer: PhaseTimer, lease: Lease, *, frozen: bool, step,
                  metadata, parent, chunk_size, compression, step_times, parallelism, workers, rng, provenance,
-                 before_commit, steps) -> str:
+                 before_commit, steps, captured_rng) -> str:
     """A single-process save, from the name check to the commit, under its save lease."""
     rank, _ = current_rank()
     with timer.phase("prepare"):
@@ -171,7 +173,7 @@ def _save_leased(repo: Repository, name: str, state: Any, timer: PhaseTimer, lea
         entries: list[dict] = []
         state_bytes = encode_tree(state, TensorCollector(sources, entries, frozen=frozen), rank=rank)
         user_bytes = encode_tree({} if metadata is None else metadata, None)
-        rng_entries = rng if rng is not None else [capture_rng(rank)]
+        rng_entries = rng if rng is not None else [rng_entry(rank, captured_rng)]
     # 4 writers overlap hashing with other chunks' writes and fsyncs; on remote
     # storage each holds a copy of its chunk, so 4 x 64 MiB bounds the memory.
     stored = store_sources(repo, sources, compression=compression, parent_keys=parent_keys, cache=DEFAULT_CACHE,

@@ -27,6 +27,7 @@ import torch
 
 import ckptfmt
 from ckptfmt.errors import CheckpointError, CheckpointNotFoundError
+from ckptfmt.repository import split_checkpoint_url
 from ckptfmt.timing import PhaseTimer
 
 
@@ -177,6 +178,7 @@ def import_checkpoint(src: str | os.PathLike, dest: str | os.PathLike, *, kind: 
     import succeeds.
     """
     started = time.perf_counter()
+    split_checkpoint_url(dest)  # a bare name is refused before the source is read
     timer = PhaseTimer()
     path = os.fspath(src)
     with timer.phase("read"):

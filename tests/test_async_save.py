@@ -40,6 +40,21 @@ def test_what_is_saved_is_the_state_at_the_call(tmp_path):
     assert loaded["step"] == 1 and loaded["history"] == [0.5]
 
 
+def test_the_rng_states_saved_are_those_at_the_call(tmp_path):
+    """The loop draws random numbers while the save runs: restore_rng must give the states at the call."""
+    import random
+
+    import numpy as np
+
+    future = ckptfmt.async_save(training_state(), tmp_path / "repo" / "a", step=1)
+    expected = (torch.rand(4), np.random.rand(4), [random.random() for _ in range(4)])
+    for _ in range(1000):  # the loop goes on drawing before the background thread gets far
+        torch.rand(4), np.random.rand(4), random.random()
+    ckptfmt.restore_rng(future.result(timeout=60))
+    got = (torch.rand(4), np.random.rand(4), [random.random() for _ in range(4)])
+    assert torch.equal(got[0], expected[0]) and np.array_equal(got[1], expected[1]) and got[2] == expected[2]
+
+
 def test_staging_buffers_are_allocated_once_and_reused(tmp_path):
     state = training_state()
     for step in range(3):
