@@ -31,28 +31,36 @@ def test_a_tensor_changing_during_the_save_is_stored_as_hashed(repo_url):
     """A thread fills the tensor with new values while it is saved: every stored chunk still matches its
     name, and each holds values of the fills that ran while it was copied."""
     tensor = torch.zeros(16 * 2**20 // 4)
-    stop = threading.Event()
+    stop, running = threading.Event(), threading.Event()
+    fills = [0]  # fill N writes the value N; fills[0] is the latest begun
 
     def mutate():
-        value = 0
+        running.set()
         while not stop.is_set():
-            value += 1
-            tensor.fill_(value)
+            fills[0] += 1
+            tensor.fill_(fills[0])
 
     mutator = threading.Thread(target=mutate)
     mutator.start()
+    saves = []  # (url, the fill begun when the save started, the fill begun when it returned)
     try:
-        urls = [ckptfmt.save({"t": tensor}, f"{repo_url}/s{i}", chunk_size=2**20) for i in range(3)]
+        assert running.wait(60)
+        for i in range(3):
+            started = fills[0]
+            url = ckptfmt.save({"t": tensor}, f"{repo_url}/s{i}", chunk_size=2**20)
+            saves.append((url, started, fills[0]))
     finally:
         stop.set()
         mutator.join()
+    assert all(ended > started for _, started, ended in saves), saves  # the tensor changed during each save
     report = ckptfmt.verify(repo_url)
     assert report.ok, report.problems
-    for url in urls:
+    for url, started, ended in saves:
         loaded = ckptfmt.load(url, mmap=False)["t"]
         for chunk in loaded.split(2**20 // 4):  # at most the values of two consecutive fills per chunk
             values = torch.unique(chunk)
             assert len(values) <= 2 and (len(values) == 1 or values[1] - values[0] == 1), values
+            assert started - 1 <= values[0] and values[-1] <= ended, (values, started, ended)
 
 
 @pytest.fixture
