@@ -13,7 +13,8 @@ Extension types carry the rest, each payload itself a msgpack document:
     8 torch.dtype        str: the format's dtype name
     9 torch.Size         array of ints
    10 torch.device       str
-   11 numpy scalar       [numpy dtype string such as '<f4', raw bytes]
+   11 numpy scalar       [numpy dtype string such as '<f4', raw bytes]; only the
+                         portable dtype strings of NUMPY_SCALAR_TYPESTRS
    12 opaque object      map {"module", "qualname", "pickle": bytes}: an object a
                          converter could not rebuild safely; its pickle is kept
                          verbatim and never unpickled by ckptfmt
@@ -46,6 +47,24 @@ EXT_PER_RANK = 13
 
 _INT_MIN, _INT_MAX = -(2**63), 2**64 - 1
 _BIGINT_DIGITS = 4300  # the most digits a writer may store (spec 7.2)
+
+
+def _scalar_typestrs() -> frozenset[str]:
+    """The numpy scalar dtype strings extension 11 may hold (spec 7.2): fixed-size types only.
+
+    numpy's long double (``<f16``, ``<c32``) means x87 80-bit extended precision, padded to 16
+    bytes, on x86-64, but IEEE binary128 under the same string on 64-bit ARM Linux: it is storable
+    and readable only where it means the former, so that no two readers decode one scalar differently.
+    """
+    sizes = {"i": (2, 4, 8), "u": (2, 4, 8), "f": (2, 4, 8), "c": (8, 16)}
+    typestrs = {"|b1", "|i1", "|u1"} | {f"{order}{kind}{n}" for order in "<>" for kind in sizes for n in sizes[kind]}
+    long_double = np.finfo(np.longdouble)
+    if long_double.dtype.itemsize == 16 and long_double.nmant == 63 and long_double.dtype.str == "<f16":
+        typestrs |= {"<f16", "<c32"}
+    return frozenset(typestrs)
+
+
+NUMPY_SCALAR_TYPESTRS = _scalar_typestrs()
 
 #: A leaf that goes to the tensor table: torch tensors, numpy arrays, sharded tensors.
 TensorLike = torch.Tensor | np.ndarray | Sharded
@@ -94,11 +113,11 @@ class _Encoder:
         self.on_tensor = on_tensor
         self.rank = rank  # whose value a PerRank leaf is
         self.in_key = 0  # > 0 while packing a dict key or set item
-        self.in_per_rank = 0  # > 0 while packing a per-rank value
+        self.in_per_rank = 0  # per-rank maps around the value being packed: each is a level (spec 7.4)
 
     def pack(self, value: Any, path: tuple) -> Any:
         """Turn ``value`` into msgpack-native data plus ExtTypes."""
-        if len(path) > MAX_NESTING:
+        if len(path) + self.in_per_rank > MAX_NESTING:
             raise UnsupportedValueError(f"{_where(path[:8])}...: nested deeper than {MAX_NESTING} levels")
         kind = type(value)
         if value is None or kind in (bool, float, str, bytes):
@@ -147,6 +166,9 @@ class _Encoder:
         if kind is torch.device:
             return self.ext(EXT_DEVICE, str(value))
         if isinstance(value, np.generic) and value.dtype.kind in "biufc":
+            if value.dtype.str not in NUMPY_SCALAR_TYPESTRS:
+                raise UnsupportedValueError(f"{_where(path)}: a numpy {value.dtype} scalar means different "
+                                            "things on different platforms; convert it to float64 or complex128")
             return self.ext(EXT_NUMPY_SCALAR, [value.dtype.str, value.tobytes()])
         if kind is OpaqueObject:
             return self.ext(EXT_OPAQUE, {"module": value.module, "qualname": value.qualname, "pickle": value.pickle})
@@ -193,12 +215,63 @@ def encode_tree(value: Any, on_tensor: OnTensor | None = None, rank: int = 0) ->
 
 
 def unique_map(pairs: list[tuple]) -> dict:
-    """A msgpack map as a dict, refusing duplicate keys: readers must not differ on which one wins."""
+    """A msgpack map as a dict, refusing duplicate keys: readers must not differ on which one wins.
+
+    Keys are the same when they are equal as Python values (spec 7.1): ``1``, ``True``, ``1.0`` and
+    ``np.int64(1)`` are one key, ``0.0`` and ``-0.0`` too; a NaN equals nothing, not even a NaN.
+    """
     value = dict(pairs)
     if len(value) != len(pairs):
-        duplicate = next(k for i, (k, _) in enumerate(pairs) if any(k == other for other, _ in pairs[:i]))
-        raise ManifestError(f"map has the key {quoted(duplicate)} twice")
+        raise ManifestError(f"map has the key {quoted(_first_repeat(k for k, _ in pairs))} twice")
     return value
+
+
+def _first_repeat(items) -> Any:
+    """The first item equal to an earlier one (in one pass: a hostile map may hold millions)."""
+    seen = set()
+    for item in items:
+        if item in seen:
+            return item
+        seen.add(item)
+    raise AssertionError("no item repeats")
+
+
+#: What a decoded map key or set item may be (spec 7.1), besides numpy scalars and the sequences below.
+_KEY_TYPES = frozenset({type(None), bool, int, float, str, bytes, complex, torch.dtype, torch.device, OpaqueObject})
+#: Keys that hold items, each of which must be a key in turn.
+_KEY_SEQUENCES = frozenset({tuple, frozenset, torch.Size})
+
+
+def _is_key(value: Any) -> bool:
+    """Whether a decoded value may be a map key or set item: a plain value, never a tensor nor one holding one."""
+    kind = type(value)
+    if kind in _KEY_TYPES or isinstance(value, np.generic):
+        return True
+    return kind in _KEY_SEQUENCES and all(map(_is_key, value))
+
+
+def _tree_map(pairs: list[tuple]) -> dict:
+    """A value tree's map: unique keys (``unique_map``), each a valid key."""
+    value = unique_map(pairs)
+    if not _KEY_TYPES.issuperset(map(type, value)):
+        _check_keys(value, "map key")
+    return value
+
+
+def _check_keys(items, what: str) -> None:
+    for item in items:
+        if not _is_key(item):
+            raise ManifestError(f"value tree: invalid {what} (a {type(item).__name__}): keys and set items hold "
+                                "plain values only, never a tensor, list or map")
+
+
+def _set_items(body: Any) -> list:
+    """The items of a set or frozenset payload: valid keys, none twice (the same sameness as map keys)."""
+    items = _expect(body, list)
+    _check_keys(items, "set item")
+    if len(set(items)) != len(items):
+        raise ManifestError(f"value tree: a set holds the item {quoted(_first_repeat(items))} twice")
+    return items
 
 
 class _Decoder:
@@ -218,7 +291,7 @@ class _Decoder:
             # (a segfault). An Unpacker keeps that state on the heap. Its length limits default
             # to the buffer size, as unpackb's do to the input's length.
             unpacker = msgpack.Unpacker(raw=False, strict_map_key=False, ext_hook=self.ext_hook, use_list=True,
-                                        object_pairs_hook=unique_map, max_buffer_size=max(len(data), 1))
+                                        object_pairs_hook=_tree_map, max_buffer_size=max(len(data), 1))
             unpacker.feed(data)
             value = unpacker.unpack()
             if unpacker.tell() != len(data):
@@ -258,12 +331,12 @@ class _Decoder:
         if code == EXT_ODICT:
             return OrderedDict(_expect(body, dict))
         if code == EXT_SET:
-            return set(_expect(body, list))
+            return set(_set_items(body))
         if code == EXT_FROZENSET:
-            return frozenset(_expect(body, list))
+            return frozenset(_set_items(body))
         if code == EXT_COMPLEX:
             real, imag = _expect(body, list)
-            return complex(float(real), float(imag))
+            return complex(_expect(real, float), _expect(imag, float))
         if code == EXT_DTYPE:
             return dtype_from_name(body)
         if code == EXT_SIZE:
@@ -271,9 +344,11 @@ class _Decoder:
         if code == EXT_DEVICE:
             return torch.device(_expect(body, str))
         if code == EXT_NUMPY_SCALAR:
-            dtype_str, raw = _expect(body, list)
-            dtype = np.dtype(_expect(dtype_str, str))
-            if dtype.kind not in "biufc" or len(_expect(raw, bytes)) != dtype.itemsize:
+            typestr, raw = _expect(body, list)
+            if _expect(typestr, str) not in NUMPY_SCALAR_TYPESTRS:
+                raise ManifestError(f"value tree: numpy scalar of unsupported dtype {quoted(typestr)}")
+            dtype = np.dtype(typestr)
+            if len(_expect(raw, bytes)) != dtype.itemsize or (dtype.kind == "b" and raw not in (b"\0", b"\1")):
                 raise ManifestError("value tree: malformed numpy scalar")
             return np.frombuffer(raw, dtype=dtype)[0]
         if code == EXT_PER_RANK:
