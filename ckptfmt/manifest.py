@@ -31,6 +31,8 @@ from .values import unique_map
 FORMAT_VERSION = (1, 3)
 MANIFEST_FORMAT = "ckptfmt-manifest"
 TENSOR_KINDS = ("tensor", "parameter", "numpy")
+#: The greatest shard ``rank`` (spec 6.5).
+MAX_RANK = 2**31 - 1
 
 
 class Chunk(NamedTuple):
@@ -435,7 +437,7 @@ def _parse_shard(doc: Any, what: str, shape: tuple, width: int, sizes: list[int]
         raise ManifestError(f"{what}: shard rank differs from the tensor's {len(shape)} dims")
     if any(map(operator.gt, map(operator.add, offsets, box), shape)):
         raise ManifestError(f"{what}: shard at {list(offsets)} of shape {list(box)} lies outside {list(shape)}")
-    rank = _int(doc.get("rank", 0), f"{what} shard rank", 0, 2**31 - 1)
+    rank = _int(doc.get("rank", 0), f"{what} shard rank", 0, MAX_RANK)
     pieces = _parse_pieces(doc.get("pieces"), what, sizes, budget)
     expected = math.prod(box) * width
     total = sum(p.length for p in pieces)

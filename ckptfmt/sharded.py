@@ -1,8 +1,8 @@
 """A tensor given as shards: how a state hands ckptfmt a tensor that lives in pieces.
 
-Converters (DCP, DeepSpeed) and, later, the multi-rank writer build these so a
-checkpoint keeps each shard with its offsets and owning rank (spec 6.5) instead
-of a reassembled copy. ``ckptfmt.load`` returns the assembled tensor.
+Converters (DCP, DeepSpeed) build these so a checkpoint keeps each shard with
+its offsets and owning rank (spec 6.5) instead of a reassembled copy.
+``ckptfmt.load`` returns the assembled tensor.
 """
 
 from __future__ import annotations
@@ -14,7 +14,11 @@ import torch
 
 @dataclass(frozen=True)
 class Shard:
-    """One box of a sharded tensor: where it starts in the global tensor, its data, its owner."""
+    """One box of a sharded tensor: where it starts in the global tensor, its data, its owner.
+
+    ``rank`` is the rank that held the box in the run that produced it (a converter: the source
+    run's rank), an integer in [0, 2**31-1]; it need not be a rank of the process that saves it.
+    """
 
     offsets: tuple[int, ...]
     tensor: torch.Tensor

@@ -30,7 +30,7 @@ from .dtensors import LocalShard, is_dtensor, local_shard
 from .hashing import chunk_hash
 from .leases import Lease, hold_save_lease
 from .limits import MAX_CHUNK_BYTES, MAX_KEY_BYTES, check_name
-from .manifest import Manifest, Piece, Shard, TensorEntry
+from .manifest import MAX_RANK, Manifest, Piece, Shard, TensorEntry
 from .tiling import check_tiling
 from .repository import CommitRecord, Repository, split_checkpoint_url
 from .process_group import distributed_group
@@ -293,7 +293,7 @@ class TensorCollector:
                 raise UnsupportedValueError(f"{where}: shards must be ckptfmt.Shard(offsets, tensor, rank)")
             source = self._source(shard.tensor, where)
             dtypes.add(source.dtype)
-            shards.append((len(self.sources) - 1, tuple(int(o) for o in shard.offsets), int(shard.rank)))
+            shards.append((len(self.sources) - 1, tuple(int(o) for o in shard.offsets), _shard_rank(shard, where)))
         if len(dtypes) != 1:
             raise UnsupportedValueError(f"{where}: shards have different dtypes {sorted(dtypes)}")
         boxes = tuple(Shard(offsets, self.sources[src].shape, rank, ()) for src, offsets, rank in shards)
@@ -306,6 +306,14 @@ class TensorCollector:
             raise UnsupportedValueError(str(exc)) from None
         return {"key": key, "same_as": None, "dtype": dtypes.pop(), "shape": value.shape, "kind": "tensor",
                 "requires_grad": False, "shards": shards}
+
+
+def _shard_rank(shard: ShardInput, where: str) -> int:
+    """A shard's owning rank (spec 6.5): an integer in [0, MAX_RANK], refused before anything is written."""
+    rank = shard.rank
+    if isinstance(rank, bool) or not hasattr(rank, "__index__") or not 0 <= operator.index(rank) <= MAX_RANK:
+        raise UnsupportedValueError(f"{where}: a shard's rank must be an integer in [0, {MAX_RANK}], not {rank!r}")
+    return operator.index(rank)
 
 
 def resolve_parent(repo: Repository, parent: Any) -> tuple[str | None, set[str]]:
