@@ -194,7 +194,11 @@ def test_schema_vocabulary_and_limits_match_the_implementation():
     assert top["chunks"]["maxItems"] == limits.MAX_CHUNKS
     assert top["tensors"]["maxItems"] == limits.MAX_TENSORS
     assert defs["name"]["pattern"] == f"^{limits.NAME_PATTERN.pattern}$"
-    assert set(defs["name"]["not"]["enum"]) == set(limits.RESERVED_NAMES)
+    names = jsonschema.Draft202012Validator(defs["name"])  # reserved names refused in any letter case (spec 4.2)
+    for reserved in limits.RESERVED_NAMES:
+        for name in (reserved, reserved.upper(), reserved.title(), reserved.swapcase()):
+            assert not names.is_valid(name) and not limits.is_valid_name(name), name
+        assert names.is_valid(reserved + "2") and limits.is_valid_name(reserved + "2")
     assert defs["hash"]["pattern"] == f"^{limits.HASH_PATTERN.pattern}$"
     commit = _schema("commit.schema.json")["properties"]
     assert commit["manifest_size"]["maximum"] == limits.MAX_MANIFEST_BYTES
