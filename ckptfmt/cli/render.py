@@ -14,7 +14,6 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from fsspec.callbacks import Callback
 from rich.cells import cell_len
@@ -25,8 +24,8 @@ from rich.text import Text
 #: What a column's cells hold, which decides how they fit a terminal (see ``Column``).
 KEY, NAME, VALUE, TEXT = "key", "name", "value", "text"
 
-#: Spaces between columns.
-_GAP = 2
+#: Spaces between columns, and before a wrapped line's continuation.
+_GAP = _INDENT = 2
 #: The least width a shortened name or wrapped text column is given in a terminal; a key column narrower than
 #: ``_MIN_KEY`` gives up its room and every key goes on a line of its own.
 _MIN_NAME, _MIN_TEXT, _MIN_KEY = 24, 24, 16
@@ -34,8 +33,9 @@ _MIN_NAME, _MIN_TEXT, _MIN_KEY = 24, 24, 16
 #: (one long metadata value must not push every row's next column hundreds of columns out).
 _PIPE_TEXT_ALIGN = 40
 
-#: A word that is a number (or a date, a time, a tuple's first number): the word after it stays on its line.
-_NUMBER_WORD = re.compile(r"[(\[]?[-+]?\d[\d.:-]*")
+#: A word that is a number (or a date, a time, a tuple's first number) and ends no phrase (no ',' or ':' after
+#: it): the word after it (its unit, the time of a date) stays on its line.
+_NUMBER_WORD = re.compile(r"[(\[]?[-+]?\d(?:[\d.:-]*\d)?")
 #: A shape or tuple of numbers, '(10, 256)': never broken.
 _TUPLE = re.compile(r"\((?:[-+]?\d+, )+[-+]?\d*,?\)")
 
@@ -132,13 +132,13 @@ class Output:
         """The terminal's width; None into a pipe (lines are as long as their record)."""
         return self.console.width if self.terminal else None
 
-    def line(self, text: str | Text = "", *, style: str = "", indent: int = 2) -> None:
-        """One record of prose; wrapped between values in a terminal (continued ``indent`` cells in)."""
-        text = Text(text, style=style) if isinstance(text, str) else text
-        self._emit(wrap(text, self.width, indent) if self.width and text.plain else [text])
-
-    def json(self, data: Any) -> None:
-        self.console.print_json(data=data)
+    def line(self, text: str | Text = "") -> None:
+        """One record of prose; in a terminal, wrapped between values (continuation lines indented)."""
+        text = Text(text) if isinstance(text, str) else text
+        if not self.width:
+            self._emit([Text(" ".join(text.plain.splitlines()))])  # a message's line breaks too: one record
+        else:
+            self._emit(wrap(text, self.width, _INDENT) if text.plain else [text])
 
     def table(self, title: str | None, columns: Sequence[Column], rows: Iterable[Sequence[str]], *,
               header: bool = True) -> None:
@@ -149,7 +149,7 @@ class Output:
         rows = [[str(cell) for cell in row] for row in rows]
         lines = [Text()] if self._printed else []  # a blank line between sections
         if title is not None:
-            lines += wrap(Text(title, style="bold"), self.width, 2) if self.width else [Text(title)]
+            lines += wrap(Text(title, style="bold"), self.width, _INDENT) if self.width else [Text(title)]
         if rows:
             head = [c.header for c in columns] if header else None
             lines += _Layout(columns, rows, head, self.width).lines()
