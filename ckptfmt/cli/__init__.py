@@ -31,7 +31,7 @@ COMMANDS_GROUP = "ckptfmt.commands"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ckptfmt", description="Inspect, verify and convert ckptfmt checkpoints.")
+    parser = _Parser(prog="ckptfmt", description="Inspect, verify and convert ckptfmt checkpoints.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     parser.add_argument("--version", action="version", version=_version(),
                         help="show the package version and the format version it writes, and exit")
@@ -104,6 +104,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _version() -> str:
     return f"ckptfmt {__version__} (writes format {'.'.join(map(str, FORMAT_VERSION))})"
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its error line printed as the CLI's are (wrapped between values in a terminal);
+    its subcommands' parsers are of this class too."""
+
+    def error(self, message: str):
+        self.print_usage(sys.stderr)
+        Output(Console(stderr=True)).line(f"{self.prog}: error: {message}")
+        sys.exit(2)
 
 
 def _min_delay_option(parser: argparse.ArgumentParser) -> None:
