@@ -1,22 +1,24 @@
-"""diff(): what changed between two checkpoints, tensors and run metadata.
+"""diff(): what changed between two checkpoints: tensors, plain values and run metadata.
 
 Tensors whose chunk references are identical are unchanged: that is known from
 the manifests alone, without reading any data. Changed tensors are read (one
-pair at a time) to measure how far they moved.
+pair at a time) to measure how far they moved. The state's plain values (an
+optimizer's learning rate, a scheduler's state, a user's counter) are in the
+manifest's value tree and are compared without reading any tensor.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
 from .hashing import chunk_hash
 from .manifest import Manifest, TensorEntry
 from .reader import CheckpointReader, open as open_checkpoint
-from .values import decode_tree
+from .values import decode_tree, format_key
 
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -38,13 +40,25 @@ class TensorDiff:
         return self.status == "changed" and (self.dtype[0] != self.dtype[1] or self.shape[0] != self.shape[1])
 
 
+class _Absent:
+    """The side of a value difference where the key does not exist (None is a value a state can hold)."""
+
+    def __repr__(self) -> str:
+        return "<absent>"
+
+
+ABSENT = _Absent()
+
+
 @dataclass
 class DiffReport:
-    """Tensors added/removed/changed/unchanged (changed sorted by how much they moved) and metadata differences."""
+    """Tensors added/removed/changed/unchanged (changed sorted by how much they moved), the state's plain values
+    that differ as (key, value in A, value in B), ``ABSENT`` where a side lacks the key, and metadata differences."""
 
     a: str
     b: str
     tensors: list[TensorDiff] = field(default_factory=list)
+    values: list[tuple[str, Any, Any]] = field(default_factory=list)
     metadata: list[tuple[str, Any, Any]] = field(default_factory=list)
 
     def by_status(self, status: str) -> list[TensorDiff]:
@@ -109,8 +123,74 @@ def diff(url_a: str | os.PathLike | CheckpointReader, url_b: str | os.PathLike |
             report.tensors.append(TensorDiff(key, "added", (None, eb.dtype), (None, eb.shape)))
     order = {"changed": 0, "added": 1, "removed": 2, "unchanged": 3}
     report.tensors.sort(key=lambda t: (order[t.status], -(t.rel_l2 or 0.0), t.key))
+    report.values = value_difference(plain_values(a.manifest), plain_values(b.manifest))
     report.metadata = metadata_difference(a, b)
     return report
+
+
+class _Tensor:
+    """Where a tensor sits in a decoded value tree (plain values only are compared)."""
+
+
+_TENSOR = _Tensor()
+
+
+def plain_values(manifest: Manifest) -> dict[str, Any]:
+    """The state's plain values by key (``optim/param_groups/0/lr``), from the manifest alone (see
+    ``plain_leaves``)."""
+    tree = decode_tree(manifest.state, lambda index: _TENSOR)
+    return {format_key(path): value for path, value in plain_leaves(tree)}
+
+
+def plain_leaves(tree: Any) -> Iterator[tuple[tuple, Any]]:
+    """(path, value) for every plain value of a decoded value tree, in order, tensors left out.
+
+    A list or tuple of plain scalars (``betas``, ``base_lrs``) is one value, as is an empty container.
+    Walked without recursion: a map may nest as deep as msgpack allows.
+    """
+    stack = [iter([((), tree)])]
+    while stack:
+        for path, value in stack[-1]:
+            if value is _TENSOR:
+                continue
+            if _is_container(value):
+                stack.append(_children(path, value))
+                break
+            yield path, value
+        else:
+            stack.pop()
+
+
+def _is_container(value: Any) -> bool:
+    if isinstance(value, dict):
+        return bool(value)
+    return isinstance(value, (list, tuple)) and not all(_is_scalar(item) for item in value)
+
+
+def _is_scalar(value: Any) -> bool:
+    return value is not _TENSOR and not isinstance(value, (dict, list, tuple))
+
+
+def _children(path: tuple, value: dict | list | tuple) -> Iterator[tuple[tuple, Any]]:
+    for key, item in value.items() if isinstance(value, dict) else enumerate(value):
+        yield path + (key,), item
+
+
+def value_difference(a: dict[str, Any], b: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """The keys of two ``plain_values`` whose values differ, as (key, value in A, value in B), in A's order
+    then B's; ``ABSENT`` where a side lacks the key."""
+    keys = list(a) + [key for key in b if key not in a]
+    return [(key, a.get(key, ABSENT), b.get(key, ABSENT)) for key in keys
+            if key not in a or key not in b or not same_value(a[key], b[key])]
+
+
+def same_value(a: Any, b: Any) -> bool:
+    """Type-exact equality of plain values, NaN equal to NaN (a state holding NaN equals itself)."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, (list, tuple)):  # of scalars, as plain_leaves makes them
+        return len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b))
+    return bool(a == b) or (a != a and b != b)
 
 
 def metadata_difference(a: CheckpointReader, b: CheckpointReader) -> list[tuple[str, Any, Any]]:

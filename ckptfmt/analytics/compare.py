@@ -4,20 +4,40 @@ Checkpoints are aligned by step. Within a pair, tensors are compared in state
 order: equal chunk hashes mean equal bytes, so bytes are read only for a tensor
 whose hashes differ (its layout may differ with equal values: another world
 size cuts it into other shards), and only until the first divergence is found.
-Then every recorded difference that could explain it is listed by kind: the
-data order (the first step, per rank, whose batch digests differ), seeds and
-RNG states, topology, versions, determinism settings, code, hardware, and
-hyperparameters (the user metadata).
+
+Then every recorded difference is listed with its kind, whether it can explain
+the divergence (``explains``) and why (``evidence``), the ones that can first:
+
+- hyperparameters: the optimizers' ``param_groups`` and schedulers' states in
+  the saved state, and the user metadata that stays the same along each run;
+- data_order: per rank, the first step whose batch digests differ;
+- seed: seeds and generator states, compared at the first common step. A
+  generator explains only if it was in use by the divergence: its state at the
+  run's first checkpoint is not the one seeding leaves, or it advanced between
+  checkpoints. Unseeded Python and NumPy generators differ between any two
+  processes: never drawn from, they explain nothing ("differs, never used");
+- values: the state's other plain values, and user metadata that changes
+  along a run. A value that changes between one run's checkpoints (a counter,
+  a clock, a metric) records the run, it does not set it;
+- code, topology, determinism, versions, hardware, environment: the records of
+  the first common checkpoint (a machine's name changes no computation).
+
+A difference explains only if it is present at or before the first diverging
+checkpoint: one that appears later cannot have caused it.
 """
 
 from __future__ import annotations
 
+import functools
+import math
 import os
 from typing import Any
 
 import blake3
 import torch
 
+from ..diff import plain_leaves, plain_values, same_value, value_difference
+from ..errors import quoted
 from ..manifest import Manifest
 from ..reader import CheckpointReader
 from ..repository import CommitRecord, Repository
@@ -34,6 +54,13 @@ _ENVIRONMENT_KINDS = (
     ("hardware", ("cpu.", "gpus.", "torch.cuda_available", "os.", "hostname")),
 )
 
+#: Kinds of difference, the strongest evidence first (the order of the list within each verdict).
+_KINDS = ("hyperparameters", "data_order", "seed", "values", "code", "topology", "determinism", "versions",
+          "hardware", "environment")
+
+#: Records that name a machine: another name changes no computation.
+_NAMES = ("hostname", "hosts")
+
 
 def compare(a: str | os.PathLike, b: str | os.PathLike, *, atol: float = 0.0, rtol: float = 0.0,
             storage_options: dict | None = None) -> dict:
@@ -44,21 +71,26 @@ def compare(a: str | os.PathLike, b: str | os.PathLike, *, atol: float = 0.0, rt
     ``torch.allclose``) at every common step, with the same steps saved; ``first_divergence`` is
     ``{"step", "checkpoint", "tensor", "max_abs", "max_rel", "reason"}`` or None; ``checkpoints`` lists
     per common step how many tensors' chunk hashes differ and whether the plain values are equal.
+    ``differences`` are ``{"kind", "field", "a", "b", "first_step", "explains", "evidence"}`` (and
+    ``"rank"`` for data order and seeds), those that can explain the divergence first, each part
+    ordered by kind as in the module docstring; a side that lacks a value holds ``"<absent>"``.
     """
     runs = [Repository.open(url, storage_options) for url in (a, b)]
     by_step = [_by_step(repo) for repo in runs]
     common = sorted(set(by_step[0]) & set(by_step[1]))
-    checkpoints, divergence = [], None
+    checkpoints, divergence, recorded = [], None, {}
     for step in common:
         records = [steps[step] for steps in by_step]
         manifests = [repo.manifest(r.name, r) for repo, r in zip(runs, records)]
-        entry = {"step": step, "a": records[0].name, "b": records[1].name, **_same_state(manifests)}
+        recorded[step] = [_recorded_values(m) for m in manifests]
+        entry = {"step": step, "a": records[0].name, "b": records[1].name, **_tensors_differing(manifests),
+                 "values_equal": not value_difference(recorded[step][0]["state"], recorded[step][1]["state"])}
         if divergence is None and entry["tensors_differing"]:  # the first pair that may differ: read to be sure
             found = _first_divergence(runs, records, manifests, atol, rtol)
             if found is not None:
                 divergence = {"step": step, "checkpoint": records[0].name, **found}
         checkpoints.append(entry)
-    differences = _differences(runs, by_step)
+    differences = _differences(runs, by_step, recorded, None if divergence is None else divergence["step"])
     only = [sorted(set(by_step[0]) - set(common)), sorted(set(by_step[1]) - set(common))]
     identical = bool(common) and divergence is None and all(c["values_equal"] for c in checkpoints) and not any(only)
     return {"identical": identical, "first_divergence": divergence, "differences": differences,
@@ -71,9 +103,9 @@ def _by_step(repo: Repository) -> dict[int, CommitRecord]:
 
 
 # -- the states -------------------------------------------------------------------------------------
-def _same_state(manifests: list[Manifest]) -> dict:
-    """How many tensors' chunk hashes differ (in all, and per group: a key's first segment, ``model``,
-    ``optim``), and whether the plain values are equal."""
+def _tensors_differing(manifests: list[Manifest]) -> dict:
+    """How many tensors' chunk hashes differ, in all and per group (a key's first segment: ``model``,
+    ``optim``)."""
     hashes = [{t.key: _layout(m, t) for t in m.tensors} for m in manifests]
     keys = [t.key for t in manifests[0].tensors] + [k for k in hashes[1] if k not in hashes[0]]
     differing = [key for key in keys if hashes[0].get(key) != hashes[1].get(key)]
@@ -81,8 +113,14 @@ def _same_state(manifests: list[Manifest]) -> dict:
     for key in differing:
         group = key.split("/", 1)[0]
         groups[group] = groups.get(group, 0) + 1
-    values = [decode_tree(m.state, lambda index: None) for m in manifests]
-    return {"tensors_differing": len(differing), "groups_differing": groups, "values_equal": values[0] == values[1]}
+    return {"tensors_differing": len(differing), "groups_differing": groups}
+
+
+def _recorded_values(manifest: Manifest) -> dict[str, dict[str, Any]]:
+    """A checkpoint's plain values: its state's by key, its user metadata's by dotted field (``user.lr``)."""
+    user = decode_tree(manifest.user) if manifest.user else {}
+    return {"state": plain_values(manifest),
+            "user": {".".join(map(str, ("user", *path))): value for path, value in plain_leaves(user)} if user else {}}
 
 
 def _layout(manifest: Manifest, tensor) -> tuple:
@@ -132,20 +170,43 @@ def _difference(x: torch.Tensor, y: torch.Tensor) -> dict:
 
 
 # -- what could explain it -----------------------------------------------------------------------------
-def _differences(runs: list[Repository], by_step: list[dict[int, CommitRecord]]) -> list[dict]:
-    """Every recorded difference between the runs, each with its kind."""
+def _differences(runs: list[Repository], by_step: list[dict[int, CommitRecord]],
+                 recorded: dict[int, list[dict]], diverged_at: int | None) -> list[dict]:
+    """Every recorded difference between the runs with its kind and verdict, those that can explain the
+    divergence first, then by kind (strongest evidence first), then by the step they appear."""
     if not by_step[0] or not by_step[1]:
         return []
-    first = [repo.manifest(steps[min(steps)].name, steps[min(steps)]) for repo, steps in zip(runs, by_step)]
-    found = _data_order(runs, by_step)
-    found += _seeds(first)
-    found += _topology(first)
-    found += _environment(first)
-    found += _hyperparameters(first)
-    return found
+    # Like is compared with like: the first common step, or each run's first without one.
+    starts = [steps[min(recorded)] if recorded else steps[min(steps)] for steps in by_step]
+    first = [repo.manifest(record.name, record) for repo, record in zip(runs, starts)]
+    found = _data_order(runs, by_step, diverged_at)
+    found += _seeds(runs, by_step, first, diverged_at)
+    found += _topology(first, diverged_at)
+    found += _environment(first, diverged_at)
+    found += _plain_differences(recorded, diverged_at)
+    return sorted(found, key=lambda d: (not d["explains"], _KINDS.index(d["kind"]), d["first_step"]))
 
 
-def _data_order(runs: list[Repository], by_step: list[dict[int, CommitRecord]]) -> list[dict]:
+def _difference_entry(kind: str, field: str, a: Any, b: Any, first_step: int, diverged_at: int | None,
+                      what: str = "differs from", **extra) -> dict:
+    """A difference whose verdict follows from when it appears: at or before the divergence it can explain it."""
+    explains, evidence = _when(first_step, diverged_at, what)
+    return {"kind": kind, "field": field, **extra, "a": a, "b": b, "first_step": first_step,
+            "explains": explains, "evidence": evidence}
+
+
+def _when(first_step: int, diverged_at: int | None, what: str) -> tuple[bool, str]:
+    if diverged_at is None:
+        return False, "no common checkpoint diverges"
+    if first_step < diverged_at:
+        return True, f"{what} step {first_step}, before the divergence at step {diverged_at}"
+    if first_step == diverged_at:
+        return True, f"{what} step {first_step}, where the states diverge"
+    return False, f"{what} step {first_step}, after the divergence at step {diverged_at}: it cannot explain it"
+
+
+def _data_order(runs: list[Repository], by_step: list[dict[int, CommitRecord]],
+                diverged_at: int | None) -> list[dict]:
     """Per rank, the first step whose batch digests differ (steps both runs recorded)."""
     digests = [_batches(repo, steps) for repo, steps in zip(runs, by_step)]
     found = []
@@ -154,8 +215,8 @@ def _data_order(runs: list[Repository], by_step: list[dict[int, CommitRecord]]) 
         differing = [step for step in sorted(set(a) & set(b)) if a[step] != b[step]]
         if differing:
             step = differing[0]
-            found.append({"kind": "data_order", "field": "batch", "rank": rank, "a": _hex(a[step]),
-                          "b": _hex(b[step]), "first_step": step})
+            found.append(_difference_entry("data_order", "batch", _hex(a[step]), _hex(b[step]), step, diverged_at,
+                                           "batches differ from", rank=rank))
     return found
 
 
@@ -175,33 +236,127 @@ def _batches(repo: Repository, steps: dict[int, CommitRecord]) -> dict[int, dict
     return found
 
 
-def _seeds(first: list[Manifest]) -> list[dict]:
-    """Initial seeds and RNG states at each run's first checkpoint, per rank."""
-    entries = [{e.get("rank", 0): e for e in m.rng if isinstance(e, dict)} for m in first]
+# -- seeds and generators ------------------------------------------------------------------------------
+#: Fields of a rank's RNG record, and the generator each belongs to.
+_GENERATORS = {"torch_initial_seed": "torch_cpu", "torch_cpu": "torch_cpu", "cuda": "cuda", "numpy": "numpy",
+               "python": "python"}
+
+
+def _seeds(runs: list[Repository], by_step: list[dict[int, CommitRecord]], first: list[Manifest],
+           diverged_at: int | None) -> list[dict]:
+    """Seeds and generator states that differ at the first common checkpoint, per rank, each judged by
+    whether its generator was drawn from by the divergence."""
+    entries = [_rng_by_rank(m) for m in first]
+    differing = [(rank, field) for rank in sorted(set(entries[0]) & set(entries[1]), key=str)
+                 for field in _GENERATORS if entries[0][rank].get(field) != entries[1][rank].get(field)]
+    if not differing:
+        return []
+    histories = [_generator_history(repo, steps, diverged_at) for repo, steps in zip(runs, by_step)]
     found = []
-    for rank in sorted(set(entries[0]) & set(entries[1]), key=str):
-        a, b = entries[0][rank], entries[1][rank]
-        for field in ("torch_initial_seed", "torch_cpu", "cuda", "numpy", "python"):
-            if a.get(field) != b.get(field):
-                found.append({"kind": "seed", "field": f"rng.{field}", "rank": rank, "a": _short(a.get(field)),
-                              "b": _short(b.get(field)), "first_step": first[0].step})
+    for rank, field in differing:
+        draws = [_first_draw(history, rank, _GENERATORS[field]) for history in histories]
+        explains, evidence = _generator_verdict(draws, diverged_at)
+        found.append({"kind": "seed", "field": f"rng.{field}", "rank": rank,
+                      "a": _short(entries[0][rank].get(field)), "b": _short(entries[1][rank].get(field)),
+                      "first_step": first[0].step, "explains": explains, "evidence": evidence})
     return found
 
 
-def _topology(first: list[Manifest]) -> list[dict]:
+def _rng_by_rank(manifest: Manifest) -> dict[Any, dict]:
+    return {e.get("rank", 0): e for e in manifest.rng if isinstance(e, dict) and type(e.get("rank", 0)) is int}
+
+
+def _generator_history(repo: Repository, steps: dict[int, CommitRecord],
+                       diverged_at: int | None) -> list[tuple[int, dict[Any, dict]]]:
+    """A run's RNG records at its first checkpoint, at the divergence and at its last: a generator drawn
+    from between two checkpoints never returns to the state it had (the periods are astronomic)."""
+    chosen = sorted({min(steps), max(steps)} | ({diverged_at} if diverged_at in steps else set()))
+    return [(step, _rng_by_rank(repo.manifest(steps[step].name, steps[step]))) for step in chosen]
+
+
+def _first_draw(history: list[tuple[int, dict[Any, dict]]], rank: Any, generator: str) -> tuple[int, str] | None:
+    """(the first checkpoint step by which ``rank``'s generator was seen drawn from, how), or None if never."""
+    records = [(step, entries[rank]) for step, entries in history if rank in entries]
+    if not records:
+        return None
+    if not _freshly_seeded(generator, records[0][1]):
+        return records[0][0], f"drawn from before step {records[0][0]}"
+    for (previous, record), (step, later) in zip(records, records[1:]):
+        if later.get(generator) != record.get(generator):
+            return step, f"advanced between steps {previous} and {step}"
+    return None
+
+
+def _generator_verdict(draws: list[tuple[int, str] | None], diverged_at: int | None) -> tuple[bool, str]:
+    """Whether a differing seed or state can explain the divergence: only if its generator was in use by then."""
+    used = [(draw[0], f"{draw[1]} in run {run}") for run, draw in zip("ab", draws) if draw is not None]
+    if not used:
+        return False, "differs, never used: in both runs every checkpoint holds the state seeding left"
+    step, how = min(used)
+    if diverged_at is None:
+        return False, f"no common checkpoint diverges (in use: {how})"
+    if step <= diverged_at:
+        return True, f"in use: {how}"
+    return False, f"first drawn from after the divergence at step {diverged_at} ({how})"
+
+
+def _freshly_seeded(generator: str, entry: dict) -> bool:
+    """Whether a generator holds the state seeding left (never drawn from since); False when unsure.
+
+    Exact for torch's CPU generator (the state ``manual_seed(initial seed)`` gives) and CUDA's (Philox
+    offset 0). Python's and NumPy's Mersenne Twisters: a key as seeding builds it (``init_genrand``, or
+    starting 0x80000000 as ``init_by_array`` and entropy seeding do; the first draw past the block
+    replaces it) at the position seeding sets: 624, or 623 where NumPy seeds a new process from entropy.
+    NumPy's ``seed()`` without a seed keeps the position it had, so a generator reseeded that way after
+    use counts as used.
+    """
+    state = entry.get(generator)
+    try:
+        if generator == "torch_cpu":
+            seed = entry.get("torch_initial_seed")
+            return type(seed) is int and state == _torch_seeded_state(seed)
+        if generator == "cuda":
+            return all(type(s) is bytes and len(s) == 16 and s[8:] == bytes(8) for s in state)
+        if generator == "numpy":
+            keys, pos = state["keys"], state["pos"]
+            block_start = keys[:4] == (0x80000000).to_bytes(4, "little")
+            return state["has_gauss"] == 0 and ((pos == 623 and block_start) or
+                                                 (pos == 624 and (block_start or _init_genrand_key(keys))))
+        if generator == "python":
+            words = state["state"]
+            return words[-1] == 624 and words[0] == 0x80000000 and state["gauss_next"] is None
+    except (KeyError, TypeError, IndexError, ValueError, RuntimeError, OverflowError):
+        pass
+    return False
+
+
+@functools.lru_cache(maxsize=64)
+def _torch_seeded_state(seed: int) -> bytes:
+    return torch.Generator().manual_seed(seed).get_state().numpy().tobytes()
+
+
+def _init_genrand_key(keys: bytes) -> bool:
+    """Whether a Mersenne Twister key starts as ``init_genrand`` (NumPy's ``seed(int)``) builds it."""
+    words = [int.from_bytes(keys[i:i + 4], "little") for i in range(0, 16, 4)]
+    return len(keys) >= 16 and all(
+        words[i] == (1812433253 * (words[i - 1] ^ (words[i - 1] >> 30)) + i) & 0xFFFFFFFF for i in (1, 2, 3))
+
+
+# -- records of the first common checkpoint -------------------------------------------------------------
+def _topology(first: list[Manifest], diverged_at: int | None) -> list[dict]:
     topologies = [m.topology for m in first]
     found = []
     for field in ("world_size", "backend", "parallelism", "meshes"):
         a, b = (t.get(field) for t in topologies)
         if a != b:
-            found.append({"kind": "topology", "field": field, "a": a, "b": b, "first_step": first[0].step})
+            found.append(_recorded_entry("topology", field, a, b, first[0].step, diverged_at))
     hosts = [sorted({str(r.get("host")) for r in t.get("ranks") or [] if isinstance(r, dict)}) for t in topologies]
     if hosts[0] != hosts[1]:
-        found.append({"kind": "topology", "field": "hosts", "a": hosts[0], "b": hosts[1], "first_step": first[0].step})
+        found.append(_recorded_entry("topology", "hosts", hosts[0], hosts[1], first[0].step, diverged_at))
     return found
 
 
-def _environment(first: list[Manifest]) -> list[dict]:
+def _environment(first: list[Manifest], diverged_at: int | None) -> list[dict]:
     flat = [dict(_flatten({k: v for k, v in m.environment.items() if k not in ("ranks", "others")}))
             for m in first]
     found = []
@@ -210,15 +365,89 @@ def _environment(first: list[Manifest]) -> list[dict]:
         if a == b:
             continue
         kind = next((kind for kind, prefixes in _ENVIRONMENT_KINDS if field.startswith(prefixes)), "environment")
-        found.append({"kind": kind, "field": field, "a": a, "b": b, "first_step": first[0].step})
+        found.append(_recorded_entry(kind, field, a, b, first[0].step, diverged_at))
     return found
 
 
-def _hyperparameters(first: list[Manifest]) -> list[dict]:
-    users = [dict(_flatten(decode_tree(m.user) if m.user else {})) for m in first]
-    return [{"kind": "hyperparameters", "field": field, "a": users[0].get(field), "b": users[1].get(field),
-             "first_step": first[0].step}
-            for field in sorted(set(users[0]) | set(users[1])) if users[0].get(field) != users[1].get(field)]
+def _recorded_entry(kind: str, field: str, a: Any, b: Any, step: int, diverged_at: int | None) -> dict:
+    """A difference in what the first common checkpoint records about the run: present from the start."""
+    entry = _difference_entry(kind, field, a, b, step, diverged_at, "recorded at")
+    if field in _NAMES:
+        entry.update(explains=False, evidence="a machine's name changes no computation")
+    return entry
+
+
+# -- plain values: hyperparameters and the rest -----------------------------------------------------------
+#: Key segments under which a state's plain values are hyperparameters (torch optimizers, Lightning).
+_HYPERPARAMETER_SEGMENTS = frozenset({"param_groups", "hparams", "hyper_parameters", "hyperparameters"})
+#: Keys beside ``last_epoch`` that make a map a learning-rate scheduler's state (LRScheduler, ReduceLROnPlateau).
+_SCHEDULER_KEYS = ("base_lrs", "_last_lr", "min_lrs")
+
+
+def _plain_differences(recorded: dict[int, list[dict]], diverged_at: int | None) -> list[dict]:
+    """The state's plain values and the user metadata that differ at a common step, each at the first step
+    it differs, classified and judged."""
+    found = []
+    for source in ("state", "user"):
+        series = [(step, (pair[0][source], pair[1][source])) for step, pair in sorted(recorded.items())]
+        seen: set[str] = set()
+        for step, (a, b) in series:
+            new = [difference for difference in value_difference(a, b) if difference[0] not in seen]
+            keys = a.keys() | b.keys() if new else set()
+            for field, value_a, value_b in new:
+                seen.add(field)
+                hyperparameter = source == "state" and _is_hyperparameter(field, keys)
+                found.append(_plain_entry(source, field, value_a, value_b, step, hyperparameter, series, diverged_at))
+    return found
+
+
+def _plain_entry(source: str, field: str, a: Any, b: Any, step: int, hyperparameter: bool,
+                 series: list[tuple[int, tuple[dict, dict]]], diverged_at: int | None) -> dict:
+    """A differing plain value: a hyperparameter by where it sits in the state, or metadata that holds along
+    each run; any other value that changes between one run's checkpoints records the run, it does not set it."""
+    changing = None if hyperparameter else _change_along_a_run(field, series)
+    kind = "hyperparameters" if hyperparameter or (source == "user" and changing is None) else "values"
+    entry = _difference_entry(kind, field, _shown(a), _shown(b), step, diverged_at)
+    if changing is not None:
+        entry.update(explains=False, evidence=f"changes between {changing}: it records the run (a counter, clock "
+                                              "or metric), it does not set it")
+    return entry
+
+
+def _is_hyperparameter(key: str, keys: set[str]) -> bool:
+    """Whether a state key is an optimizer's or scheduler's setting: under ``param_groups`` (or a
+    hyperparameter map), or in a map that holds ``last_epoch`` beside a scheduler's learning rates."""
+    segments = key.split("/")
+    if _HYPERPARAMETER_SEGMENTS.intersection(segments):
+        return True
+    for depth in range(len(segments)):
+        prefix = "".join(f"{segment}/" for segment in segments[:depth])
+        if f"{prefix}last_epoch" in keys and any(f"{prefix}{other}" in keys for other in _SCHEDULER_KEYS):
+            return True
+    return False
+
+
+def _change_along_a_run(field: str, series: list[tuple[int, tuple[dict, dict]]]) -> str | None:
+    """'steps X and Y of run a' for the first two common steps between which ``field`` changes in one run,
+    or None."""
+    for run, name in enumerate("ab"):
+        held = [(step, values[run][field]) for step, values in series if field in values[run]]
+        for (step, value), (later, next_value) in zip(held, held[1:]):
+            if not same_value(value, next_value):
+                return f"steps {step} and {later} of run {name}"
+    return None
+
+
+def _shown(value: Any) -> Any:
+    """A plain value as JSON holds it: numbers, strings, booleans, None and lists of them as they are; NaN,
+    infinities and other types as their repr."""
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else repr(value)
+    if isinstance(value, (list, tuple)):
+        return [_shown(item) for item in value]
+    return quoted(value)  # ABSENT shows as <absent>
 
 
 def _hex(digest: bytes | None) -> str | None:
@@ -230,4 +459,3 @@ def _short(value: Any) -> Any:
     if isinstance(value, (int, float, str)) or value is None:
         return value
     return "blake3:" + blake3.blake3(repr(value).encode()).hexdigest()[:16]
-
