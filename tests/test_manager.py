@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 import warnings
@@ -86,23 +87,29 @@ def test_restore_into_a_state_in_place(tmp_path):
 
 
 def test_housekeeping_stays_off_the_training_loop(tmp_path, monkeypatch):
-    """A slow retention pass does not slow save() down: it runs on the manager's thread."""
+    """A slow retention pass does not hold save() up: it runs on the manager's thread, and the next
+    save returns while that pass is still deleting."""
     from ckptfmt import housekeeping
     real_remove = housekeeping.remove
+    deleting, release = threading.Event(), threading.Event()
+    passes = []  # (thread, whether it was released rather than timed out) of each retention pass
 
-    def slow_remove(repo, names):
-        time.sleep(1.0)
+    def held_remove(repo, names):  # held until the test releases it (on the loop it would deadlock: not held)
+        deleting.set()
+        on_loop = threading.current_thread() is threading.main_thread()
+        passes.append((threading.current_thread(), on_loop or release.wait(60)))
         return real_remove(repo, names)
-    monkeypatch.setattr(housekeeping, "remove", slow_remove)
+    monkeypatch.setattr(housekeeping, "remove", held_remove)
     url = str(tmp_path / "run")
     with CheckpointManager(url, keep_last=1) as manager:
         manager.save(0, model_state(0))
-        started = time.perf_counter()
-        manager.save(1, model_state(1))
-        manager.save(2, model_state(2))
-        assert time.perf_counter() - started < 1.5  # each pass sleeps 1 s: two on the loop would take 2 s
+        manager.save(1, model_state(1))  # its pass deletes step 0, and is held there
+        assert deleting.wait(60)
+        manager.save(2, model_state(2))  # returns while that pass is held
+        release.set()
         manager.wait()
         assert manager.steps() == [2]
+    assert passes and all(thread is not threading.main_thread() and released for thread, released in passes)
 
 
 def proc_stat(pid: int) -> list[str]:
@@ -233,14 +240,17 @@ def test_closing_ends_the_child_though_a_forked_process_holds_the_connection(tmp
     manager.save(1, model_state(1))
     manager.wait()
     child = manager.housekeeper.pid
+    statuses, stop = [], manager.housekeeper._stop  # the child's exit status, as close() reaps it
+    manager.housekeeper._stop = lambda: statuses.append(stop())
     worker = os.fork()
-    if worker == 0:  # the "DataLoader worker": holds every descriptor of the training process
-        time.sleep(60)
+    if worker == 0:  # the "DataLoader worker": holds every descriptor of the training process until killed
+        time.sleep(600)
         os._exit(0)
     try:
-        started = time.perf_counter()
         manager.close()
-        assert time.perf_counter() - started < 10 and not running(child)
+        # 0: it read "stop" and ended; waiting for the connection to close, it would have been killed
+        # after CLOSE_TIMEOUT_S (-SIGKILL)
+        assert statuses == [0] and not running(child)
     finally:
         os.kill(worker, signal.SIGKILL)
         os.waitpid(worker, 0)
