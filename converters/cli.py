@@ -8,9 +8,9 @@ import json
 
 from rich.console import Console
 
-from ckptfmt.cli.render import Output
 from ckptfmt.errors import CheckpointError
 from ckptfmt.formatting import counted, human_bytes
+from ckptfmt.output import Output
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -23,8 +23,8 @@ from rich.console import Console
 from .. import __version__
 from ..errors import CheckpointError, CheckpointWarning
 from ..manifest import FORMAT_VERSION
+from ..output import Output
 from . import advise, commands, lifecycle, sync
-from .render import Output
 
 #: The entry point group of commands that live outside the core.
 COMMANDS_GROUP = "ckptfmt.commands"

@@ -15,10 +15,11 @@ from .. import diff as diff_module
 from ..describe import text
 from ..errors import CheckpointError, CheckpointWarning, quoted
 from ..formatting import counted, human_bytes, human_time, number, seconds, shape_text, short
+from ..output import KEY, NAME, TEXT, Column, Output
 from ..reader import open as open_checkpoint
 from ..repository import Repository
 from ..verify import verify as verify_url
-from .render import KEY, NAME, TEXT, ByteProgress, Column, Output
+from .render import ByteProgress
 
 
 def ls(args, console: Console) -> int:
@@ -120,6 +121,7 @@ def diff(args, console: Console) -> int:
         console.print_json(data=_jsonable({
             "a": report.a, "b": report.b,
             "tensors": [t.__dict__ for t in report.tensors],
+            "values": [{"key": k, "a": va, "b": vb} for k, va, vb in report.values],
             "metadata": [{"field": f, "a": va, "b": vb} for f, va, vb in report.metadata],
         }))
         return 0
@@ -134,6 +136,10 @@ def diff(args, console: Console) -> int:
                    *(Column(header, right=True) for header in ("max |diff|", "rel L2", "changed"))]
         out.table(f"tensors that differ, most moved first ({len(shown)} of {len(moved)})", columns,
                   map(_tensor_difference, shown))
+    if report.values:
+        out.table(f"values that differ ({counted(len(report.values), 'key')})",
+                  [Column("key", KEY), Column("A", TEXT), Column("B", TEXT)],
+                  ((key, quoted(va), quoted(vb)) for key, va, vb in report.values))
     if report.metadata:
         out.table(f"metadata that differs ({len(report.metadata)} fields; RNG states and packages summarised)",
                   [Column("field", KEY), Column("A", TEXT), Column("B", TEXT)], _metadata_differences(report.metadata))
@@ -260,12 +266,14 @@ def compare(args, console: Console) -> int:
             f": max abs difference {divergence['max_abs']:.3g}, max relative {divergence['max_rel']:.3g}"
         out.line(f"first divergence: step {divergence['step']} ({divergence['checkpoint']}), tensor "
                  f"{divergence['tensor']}{amount}")
-    if report["differences"]:
-        columns = [Column("kind"), Column("field", NAME), Column("rank", right=True), Column("a", TEXT),
-                   Column("b", TEXT), Column("from step", right=True)]
-        out.table(f"{counted(len(report['differences']), 'recorded difference')} that could explain it", columns, (
-            (d["kind"], d["field"], text(d.get("rank")), text(d["a"]), text(d["b"]), text(d["first_step"]))
-            for d in report["differences"]))
+    columns = [Column("field", KEY), Column("kind"), Column("rank", right=True), Column("a", TEXT),
+               Column("b", TEXT), Column("from step", right=True), Column("evidence", TEXT)]
+    for explains, title in ((True, "that could explain it"), (False, "that cannot explain it")):
+        found = [d for d in report["differences"] if d.get("explains", True) is explains]
+        if found:
+            out.table(f"{counted(len(found), 'recorded difference')} {title}", columns, (
+                (d["field"], d["kind"], text(d.get("rank")), text(d["a"]), text(d["b"]), text(d["first_step"]),
+                 text(d.get("evidence"))) for d in found))
     return 0
 
 

@@ -13,7 +13,7 @@ from ..gc import GcReport, collect, remove
 from ..repository import Repository, split_checkpoint_url
 from ..retention import Retention, metrics_reader
 from .advise import parse_duration
-from .render import Output
+from ..output import Output
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

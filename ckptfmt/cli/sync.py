@@ -9,7 +9,8 @@ from rich.console import Console
 
 from ..formatting import human_bytes
 from ..replicate import replicate
-from .render import ByteProgress, Output
+from ..output import Output
+from .render import ByteProgress
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
