@@ -118,8 +118,8 @@ def _style_at(text: Text) -> str:
 
 
 class Output:
-    """A command's stdout (or the CLI's stderr): prose lines, tables and JSON, fitted to a terminal's
-    width or written as plain lines into a pipe (see the module's docstring)."""
+    """A command's stdout (or the CLI's stderr): prose lines and tables, fitted to a terminal's width or
+    written as plain lines into a pipe (see the module's docstring)."""
 
     def __init__(self, console: Console):
         self.console = console
@@ -143,9 +143,11 @@ class Output:
               header: bool = True) -> None:
         """A titled table of plain-text cells (data, never markup); a cell may hold several lines ('\\n').
 
-        Nothing but the title is printed when there are no rows.
+        Nothing but the title is printed when there are no rows; nothing at all without a title.
         """
         rows = [[str(cell) for cell in row] for row in rows]
+        if title is None and not rows:
+            return
         lines = [Text()] if self._printed else []  # a blank line between sections
         if title is not None:
             lines += wrap(Text(title, style="bold"), self.width, _INDENT) if self.width else [Text(title)]
