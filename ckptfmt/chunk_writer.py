@@ -157,6 +157,8 @@ class ChunkWriter:
         # copies), so this bounds both the queue and the memory in flight.
         self.slots = threading.BoundedSemaphore(workers)
         self.futures: dict[int, Future] = {}
+        #: Set by the first job that fails: no job is submitted after it (results() raises its error).
+        self.failed = False
         self.claimed: set[str] = set()
         self.lock = threading.Lock()
         #: Keys this save wrote, and keys it found stored but not in the parent.
@@ -166,9 +168,16 @@ class ChunkWriter:
 
     def submit(self, job: ChunkJob) -> None:
         self.slots.acquire()
+        if self.failed:
+            self.slots.release()
+            return
         future = self.pool.submit(self._store, job)
-        future.add_done_callback(lambda _: self.slots.release())
+        future.add_done_callback(self._finished)
         self.futures[job.index] = future
+
+    def _finished(self, future: Future) -> None:
+        self.failed = self.failed or (not future.cancelled() and future.exception() is not None)
+        self.slots.release()
 
     def results(self) -> dict[int, StoredChunk]:
         futures = list(self.futures.values())
