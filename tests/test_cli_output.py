@@ -117,9 +117,13 @@ def unfolded(mode: str, text: str, names: list[str]) -> list[str]:
     if mode == "pipe":
         return split(text, names)
     words = re.split(r"[\s,;:()]+", ANSI.sub("", text))
-    return [name for name in names if not any(
-        word == name or ("…" in word and name.startswith(word.split("…")[0]) and name.endswith(word.split("…")[1]))
-        for word in words)]
+    return [name for name in names if not any(word == name or shortened(word, name) for word in words)]
+
+
+def shortened(word: str, name: str) -> bool:
+    """Whether ``word`` is ``name`` shortened in the middle: its start, '…', its end."""
+    head, ellipsis, tail = word.partition("…")
+    return bool(ellipsis) and name.startswith(head) and name.endswith(tail)
 
 
 def records(text: str, wanted: list[tuple[str, ...]]) -> list[tuple[str, ...]]:
@@ -166,7 +170,8 @@ def damaged(repo, tmp_path_factory) -> Path:
 def tensor_values(url: Path) -> tuple[list[tuple[str, ...]], list[str]]:
     """Each tensor's (key, dtype, shape, size) as show prints them, and the shapes and sizes alone."""
     with ckptfmt.open(url) as ckpt:
-        rows = [(t.key, t.dtype, shape_text(t.shape), human_bytes(t.nbytes)) for t in map(ckpt.tensor_info, ckpt.keys())]
+        infos = [ckpt.tensor_info(key) for key in ckpt.keys()]
+    rows = [(t.key, t.dtype, shape_text(t.shape), human_bytes(t.nbytes)) for t in infos]
     return rows, [value for row in rows for value in row[2:]]
 
 

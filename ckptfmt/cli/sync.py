@@ -36,7 +36,7 @@ def sync_command(args, console: Console) -> int:
         return 0
     rate = report.bytes_copied / report.seconds / 1e6 if report.seconds else 0.0
     Output(console).line(f"{report.destination}: copied {len(report.copied)} checkpoint(s), "
-                         f"{len(report.present)} already there; {report.chunks_copied} chunks, {human_bytes(report.bytes_copied)} in "
-                         f"{report.seconds:.2f} s ({rate:.1f} MB/s); {report.chunks_skipped} chunks "
-                         f"({human_bytes(report.bytes_skipped)}) were there already")
+                         f"{len(report.present)} already there; {report.chunks_copied} chunks, "
+                         f"{human_bytes(report.bytes_copied)} in {report.seconds:.2f} s ({rate:.1f} MB/s); "
+                         f"{report.chunks_skipped} chunks ({human_bytes(report.bytes_skipped)}) were there already")
     return 0
