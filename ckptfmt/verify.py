@@ -47,6 +47,7 @@ class VerifyReport:
     problems: list[Problem] = field(default_factory=list)
     #: Things worth knowing that are not damage: entries of the repository that readers ignore.
     warnings: list[str] = field(default_factory=list)
+    #: The run was stopped through ``cancel`` before it had checked everything.
     cancelled: bool = False
 
     @property
@@ -61,12 +62,18 @@ class VerifyReport:
 def verify(url: str | os.PathLike, *, storage_options: dict | None = None,
            callback: Callback | None = None, workers: int = 16,
            cancel: threading.Event | None = None) -> VerifyReport:
-    """Verify a checkpoint URL, or every checkpoint of a repository URL."""
+    """Verify a checkpoint URL, or every checkpoint of a repository URL.
+
+    A checkpoint URL naming no committed checkpoint raises CheckpointNotFoundError:
+    a wrong name is not damage. Setting ``cancel`` (from any thread) stops the run:
+    chunks not yet started are skipped and the report says ``cancelled``.
+    """
     callback = callback or NoOpCallback()
     started = time.perf_counter()
     storage = open_storage(url, storage_options)
     warnings = []
-    if storage.exists(layout.MARKER_KEY):
+    whole_repository = storage.exists(layout.MARKER_KEY)
+    if whole_repository:
         repo = Repository(storage)
         repo.check_marker()
         listing = repo.listing()
@@ -80,15 +87,24 @@ def verify(url: str | os.PathLike, *, storage_options: dict | None = None,
     report = VerifyReport(url=os.fspath(url), checkpoints=names, warnings=warnings)
     manifests: dict[str, Manifest] = {}
     for name in names:
+        if _is_set(cancel):
+            report.cancelled = True
+            break
         try:
             manifests[name] = repo.manifest(name)
         except StorageError:  # the store failed, not the data: no verdict
             raise
         except CheckpointError as exc:
+            if not whole_repository and not repo.storage.exists(layout.commit_key(name)):
+                raise  # no such checkpoint
             report.problems.append(Problem("bad-checkpoint", name, str(exc)))
     _check_chunks(repo, manifests, report, callback, workers, cancel)
     report.seconds = time.perf_counter() - started
     return report
+
+
+def _is_set(event: threading.Event | None) -> bool:
+    return event is not None and event.is_set()
 
 
 #: Chunk bytes in memory at once across the verify threads (one bigger chunk runs alone), and the
@@ -148,7 +164,10 @@ def _check_chunks(repo: Repository, manifests: dict[str, Manifest], report: Veri
 
     def check(item) -> None:
         ident, (manifest, index) = item
-        if failed.is_set() or (cancel is not None and cancel.is_set()):
+        if failed.is_set():
+            return
+        if _is_set(cancel):
+            report.cancelled = True
             return
         reader = ChunkReader(repo.storage, manifest.chunks)
         chunk = manifest.chunks[index]
@@ -178,4 +197,3 @@ def _check_chunks(repo: Repository, manifests: dict[str, Manifest], report: Veri
 
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckptfmt-verify") as pool:
         list(pool.map(check, jobs.items()))
-    report.cancelled = bool(cancel is not None and cancel.is_set())

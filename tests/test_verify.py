@@ -222,6 +222,23 @@ def test_progress_callback_and_cancel(two_checkpoints):
     assert cancelled.chunks_checked == 0
 
 
+def test_cancel_mid_run_skips_the_chunks_not_started(two_checkpoints):
+    repo_url, _, _ = two_checkpoints
+    cancel = threading.Event()
+
+    class CancelAfterOneChunk(Callback):
+        def relative_update(self, inc=1):
+            cancel.set()
+    report = ckptfmt.verify(repo_url, callback=CancelAfterOneChunk(), cancel=cancel, workers=1)
+    assert report.cancelled and not report.ok and report.chunks_checked == 1
+
+
+def test_a_checkpoint_url_naming_no_checkpoint_is_an_error_not_damage(two_checkpoints):
+    repo_url, _, _ = two_checkpoints
+    with pytest.raises(CheckpointNotFoundError, match="no such checkpoint"):
+        ckptfmt.verify(f"{repo_url}/typo")
+
+
 def test_verify_of_something_that_is_not_a_repository(root_url):
     open_storage(root_url).write("plain/file", b"x")
     with pytest.raises(CheckpointNotFoundError):
