@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import errno
 import itertools
+import json
 import os
 import re
-import random
 import shutil
 import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -26,23 +25,105 @@ from ckptfmt.storage import LocalStorage, open_storage
 
 from helpers import assert_same, chunk_keys
 
-# Each saved state is 4 x 16 MiB of int32, different at every step, in 4 MiB chunks:
-# a save takes a noticeable moment, so a kill lands in the middle of one.
-ELEMENTS = 4 * 2**20
-CHUNK_SIZE = 4 * 2**20
+# Each saved state is 4 x 4 MiB of int32, different at every step, in 1 MiB chunks (16 chunk files
+# of one 1 MiB write each): a save takes a measurable moment, so timed kills land inside it.
+ELEMENTS = 2**20
+CHUNK_SIZE = 2**20
 
-WRITER = textwrap.dedent(
+#: A process that imports ckptfmt once and forks one saver per command: starting Python and torch
+#: for each kill point would cost seconds. Each saver saves one checkpoint after arming its kill point,
+#: prints {"saved_s", "writes"} if the save returns, and ends; the server answers how it ended.
+SAVER = textwrap.dedent(
     """
-    import sys, torch, ckptfmt
-    repo, first = sys.argv[1], int(sys.argv[2])
-    base = torch.arange({elements}, dtype=torch.int32)
-    step = first
-    while True:
-        state = {{"step": step, **{{f"w{{k}}": base * (k + 1) + step for k in range(4)}}}}
-        ckptfmt.save(state, f"{{repo}}/step-{{step}}", step=step, chunk_size={chunk_size})
-        step += 1
+    import json, os, signal, sys, threading, time, traceback
+    import torch, ckptfmt
+    from ckptfmt import leases, storage, timing, writer
+    from ckptfmt.repository import Repository
+
+    repo, elements, chunk_size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+
+    def die():
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def die_on_call(owner, name, call, after=False):
+        original, calls = getattr(owner, name), [0]
+        def dying(*args, **kwargs):
+            calls[0] += 1
+            if calls[0] == call and not after:
+                die()
+            result = original(*args, **kwargs)
+            if calls[0] == call and after:
+                die()
+            return result
+        setattr(owner, name, dying)
+
+    def die_entering_phase(name):
+        original = timing.PhaseTimer.phase
+        def phase(self, entered):
+            if entered == name:
+                die()
+            return original(self, entered)
+        timing.PhaseTimer.phase = phase
+
+    def arm(point):
+        kind, _, value = point.partition(":")
+        if kind == "delay":
+            threading.Timer(float(value), die).start()
+        elif kind == "phase":
+            die_entering_phase(value)
+        elif kind == "write":
+            die_on_call(storage, "_write_all", int(value))
+        elif kind == "before_manifest":
+            die_on_call(writer, "commit_manifest", 1)
+        elif kind in ("before_record", "after_record"):
+            die_on_call(Repository, "create_commit", 1, after=kind == "after_record")
+        elif kind == "before_lease_release":
+            die_on_call(leases.Lease, "release", 1)
+        else:
+            raise ValueError(point)
+
+    def save(step, point):
+        writes, write_all = [0], storage._write_all
+        def counted(*args):
+            writes[0] += 1
+            return write_all(*args)
+        storage._write_all = counted
+        if point:
+            arm(point)
+        base = torch.arange(elements, dtype=torch.int32)
+        state = {"step": step, **{f"w{k}": base * (k + 1) + step for k in range(4)}}
+        started = time.perf_counter()
+        ckptfmt.save(state, f"{repo}/step-{step:06d}", step=step, chunk_size=chunk_size)
+        print(json.dumps({"saved_s": time.perf_counter() - started, "writes": writes[0]}), flush=True)
+        if point and point.startswith("delay:"):
+            time.sleep(120)  # a delay longer than this save: the kill is still to come
+
+    for line in sys.stdin:
+        command = json.loads(line)
+        child = os.fork()
+        if child == 0:
+            code = 0
+            try:
+                save(command["step"], command["point"])
+            except BaseException:
+                print(json.dumps({"error": traceback.format_exc()}), flush=True)
+                code = 1
+            os._exit(code)  # a forked child: none of the server's exit handlers
+        _, status = os.waitpid(child, 0)
+        print(json.dumps({"signal": os.WTERMSIG(status) if os.WIFSIGNALED(status) else None,
+                          "exit": os.WEXITSTATUS(status) if os.WIFEXITED(status) else None}), flush=True)
     """
-).format(elements=ELEMENTS, chunk_size=CHUNK_SIZE)
+)
+
+#: Every boundary of a save: entering each phase, then around the manifest, the commit record and the
+#: lease's release; and whether the checkpoint killed there exists afterwards.
+BOUNDARIES = {"phase:lease": False, "phase:prepare": False, "phase:write_chunks": False, "phase:sync": False,
+              "phase:environment": False, "before_manifest": False, "before_record": False,
+              "after_record": True, "before_lease_release": True}
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step-{step:06d}"
 
 
 def expected_state(step: int) -> dict:
@@ -50,8 +131,52 @@ def expected_state(step: int) -> dict:
     return {"step": step, **{f"w{k}": base * (k + 1) + step for k in range(4)}}
 
 
-def committed_steps(repo: Path) -> list[int]:
-    return sorted(int(n.split("-")[1]) for n in Repository.open(repo).names())
+class Savers:
+    """The saver server of ``SAVER`` on ``repo``: ``save(step, point)`` runs one save in a forked saver
+    killed at ``point`` (None: not killed) and returns what it reported and how it ended."""
+
+    def __init__(self, repo: Path):
+        self.process = subprocess.Popen([sys.executable, "-c", SAVER, str(repo), str(ELEMENTS), str(CHUNK_SIZE)],
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def save(self, step: int, point: str | None = None) -> dict:
+        self.process.stdin.write(json.dumps({"step": step, "point": point}) + "\n")
+        self.process.stdin.flush()
+        outcome: dict = {}
+        while "signal" not in outcome:
+            line = self.process.stdout.readline()
+            assert line, f"the saver server ended: exit {self.process.wait()}"
+            outcome.update(json.loads(line))
+        assert "error" not in outcome, outcome["error"]
+        return outcome
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        try:
+            assert self.process.wait(timeout=60) == 0
+        finally:
+            if self.process.poll() is None:
+                self.process.kill()
+                self.process.wait()
+            self.process.stdout.close()
+
+
+def check_after_kill(repo: Path, earlier: list[int], step: int) -> bool:
+    """Every earlier checkpoint verifies and loads bit-exact; checkpoint ``step``, whose save was killed,
+    is absent or complete. Returns whether it is complete."""
+    names = Repository.open(repo).names()
+    complete = checkpoint_name(step) in names
+    assert names == [checkpoint_name(s) for s in earlier] + ([checkpoint_name(step)] if complete else [])
+    report = ckptfmt.verify(repo)
+    assert report.ok and report.checkpoints == names, report.problems
+    for done in earlier + ([step] if complete else []):
+        assert_same(expected_state(done), ckptfmt.load(repo / checkpoint_name(done)))
+    if not complete:
+        with pytest.raises(CheckpointNotFoundError):
+            ckptfmt.load(repo / checkpoint_name(step))
+        with pytest.raises(CheckpointNotFoundError):
+            ckptfmt.open(repo / checkpoint_name(step))
+    return complete
 
 
 def referenced_chunks(repo: Path) -> set[str]:
@@ -59,75 +184,63 @@ def referenced_chunks(repo: Path) -> set[str]:
     return {layout.chunk_key(c.hash, c.codec) for n in repository.names() for c in repository.manifest(n).chunks}
 
 
-def run_and_kill(repo: Path, first: int, delay: float, *, mid_chunks: bool = False) -> None:
-    """Start a writer saving step-FIRST, step-FIRST+1, ...; SIGKILL it ``delay`` s after its first
-    commit (with ``mid_chunks``: once the next save has stored some of its chunks)."""
-    child = subprocess.Popen([sys.executable, "-c", WRITER, str(repo), str(first)],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+def kill_points(measured: dict, timed: int, every_write: bool) -> dict[str, bool | None]:
+    """Each kill point, with whether its checkpoint exists afterwards (None: either): every boundary,
+    before each write of the ``measured`` save if ``every_write``, and ``timed`` delays spread evenly over
+    its time."""
+    points = dict(BOUNDARIES)
+    if every_write:
+        points.update({f"write:{n}": False for n in range(1, measured["writes"] + 1)})
+    points.update({f"delay:{(k + 0.5) / timed * measured['saved_s']:.4f}": None for k in range(timed)})
+    return points
 
-    def wait_for(condition, what: str) -> None:
-        deadline = time.monotonic() + 120
-        while not condition():
-            if child.poll() is not None:
-                raise AssertionError(f"writer exited early: {child.stderr.read().decode()[-2000:]}")
-            if time.monotonic() > deadline:
-                raise AssertionError(f"writer never {what}")
-            time.sleep(0.002)
 
+def kill_saves(repo: Path, timed: int, every_write: bool) -> None:
+    """Save twice (the second save measured), then kill a save at each of ``kill_points``, checking the
+    repository after each. A save killed at a boundary leaves its name to the next, which meets its
+    leftovers; the others save states not stored yet, so that each writes and takes as long as the
+    measured one."""
+    savers = Savers(repo)
     try:
-        wait_for((repo / f"step-{first}" / layout.COMMIT_NAME).exists, "committed its first checkpoint")
-        if mid_chunks:
-            known = chunk_keys(str(repo))
-            wait_for(lambda: len(chunk_keys(str(repo)) - known) >= 2, "stored chunks of its second save")
-        time.sleep(delay)
-        child.send_signal(signal.SIGKILL)
-        assert child.wait(timeout=30) == -signal.SIGKILL
+        savers.save(0)
+        measured = savers.save(1)  # into an existing repository, with a parent, as every save below
+        earlier, step, unused = [0, 1], 2, 3
+        tried = False  # whether a killed save has left checkpoint_name(step) unfinished
+        interrupted = 0  # timed kills that landed before the save returned
+        for point, exists in kill_points(measured, timed, every_write).items():
+            if tried and point not in BOUNDARIES:
+                step, unused = unused, unused + 1
+            outcome = savers.save(step, point)
+            tried = True
+            assert outcome["signal"] == signal.SIGKILL, f"{point}: the saver was not killed: {outcome}"
+            complete = check_after_kill(repo, earlier, step)
+            assert exists is None or complete == exists, point
+            assert complete or "saved_s" not in outcome, point  # a save that returned had committed
+            if point == "phase:sync":
+                assert chunk_keys(str(repo)) - referenced_chunks(repo), "the kill left a save half done"
+            interrupted += point.startswith("delay:") and "saved_s" not in outcome
+            if complete:
+                earlier, step, unused, tried = earlier + [step], unused, unused + 1, False
+        assert interrupted, "every timed kill came after its save had returned"
+        savers.save(step)  # under the name the last killed save left unfinished, if it did
     finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait()
-        child.stderr.close()
+        savers.close()
+    assert check_after_kill(repo, earlier, step)
+    assert ckptfmt.load(repo)["step"] == step
+    shutil.rmtree(repo)  # 16 MiB a checkpoint, and leftovers: not left to pytest's rotation
 
 
 @pytest.mark.slow
-def test_sigkill_during_saves_leaves_committed_checkpoints_intact(tmp_path):
-    repo = tmp_path / "repo"
-    rng = random.Random(20240601)
-    # Kill right after a commit, in the middle of writing chunks, and at random moments.
-    rounds = [dict(delay=0.0), dict(delay=0.0, mid_chunks=True), dict(delay=rng.uniform(0.02, 0.3))]
-    try:
-        next_step = 0
-        for kill in rounds:
-            run_and_kill(repo, next_step, **kill)
-            steps = committed_steps(repo)
-            assert steps == list(range(steps[-1] + 1)), "commits are contiguous: nothing lost"
-            assert steps[-1] >= next_step
-            partial = steps[-1] + 1  # the save that was killed
-            if kill.get("mid_chunks"):
-                assert chunk_keys(str(repo)) - referenced_chunks(repo), "the kill left a save half done"
-            assert f"step-{partial}" not in Repository.open(repo).names()
-            with pytest.raises(CheckpointNotFoundError):
-                ckptfmt.load(repo / f"step-{partial}")
-            with pytest.raises(CheckpointNotFoundError):
-                ckptfmt.open(repo / f"step-{partial}")
-            assert ckptfmt.verify(repo).ok
-            # The next writer re-uses the interrupted name: leftovers must not get in its way.
-            next_step = partial
+def test_a_save_killed_at_any_moment_leaves_the_repository_intact(tmp_path):
+    """Killed (SIGKILL) at each boundary of a save and at three moments spread over its measured time;
+    make test-exhaustive also kills it before each of its writes and at 40 moments."""
+    kill_saves(tmp_path / "repo", timed=3, every_write=False)
 
-        report = ckptfmt.verify(repo)
-        assert report.ok, report.problems
-        assert report.checkpoints == sorted(f"step-{s}" for s in committed_steps(repo))
-        for step in committed_steps(repo):
-            assert_same(expected_state(step), ckptfmt.load(repo / f"step-{step}"))
-        assert ckptfmt.load(repo)["step"] == committed_steps(repo)[-1]
 
-        # A new save into the same repository, under the interrupted name, succeeds.
-        state = {"step": next_step, "w": torch.arange(10)}
-        ckptfmt.save(state, repo / f"step-{next_step}")
-        assert_same(state, ckptfmt.load(repo / f"step-{next_step}"))
-        assert ckptfmt.verify(repo).ok
-    finally:
-        shutil.rmtree(repo, ignore_errors=True)  # hundreds of MB: do not leave it to pytest's rotation
+@pytest.mark.exhaustive
+@pytest.mark.timeout(1800)
+def test_a_save_killed_before_each_write_and_at_many_moments_leaves_the_repository_intact(tmp_path):
+    kill_saves(tmp_path / "repo", timed=40, every_write=True)
 
 
 # -- a save that fails with an error ----------------------------------------------------
