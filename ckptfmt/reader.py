@@ -5,12 +5,13 @@ from __future__ import annotations
 import os
 import warnings
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 
 from .chunkio import ChunkReader
-from .errors import CheckpointError, CheckpointNotFoundError, CheckpointWarning, ManifestError
+from .errors import CheckpointError, CheckpointNotFoundError, CheckpointWarning, CorruptDataError, ManifestError
 from .load_into import load_into
 from .manifest import Manifest, Piece, TensorEntry
 from .repository import Repository, resolve
@@ -141,9 +142,18 @@ class CheckpointReader:
             if any(lo >= hi for lo, hi in zip(low, high)):
                 continue
             target = out[tuple(slice(lo - o, hi - o) for lo, hi, o in zip(low, high, offsets))]
-            self._read_part(entry, shard, [lo - s for lo, s in zip(low, shard.offsets)],
-                            [hi - lo for lo, hi in zip(low, high)], target)
+            with self._reading(entry):
+                self._read_part(entry, shard, [lo - s for lo, s in zip(low, shard.offsets)],
+                                [hi - lo for lo, hi in zip(low, high)], target)
         return out
+
+    @contextmanager
+    def _reading(self, entry: TensorEntry):
+        """A chunk that is damaged or missing is named with the tensor that needed it, as verify does."""
+        try:
+            yield
+        except (CorruptDataError, CheckpointNotFoundError) as exc:
+            raise type(exc)(f"{self.url}: tensor {entry.key!r}: {exc}") from None
 
     def _read_part(self, entry: TensorEntry, shard, start: list[int], size: list[int], target: torch.Tensor) -> None:
         """Copy the part of ``shard`` at ``start`` (in the shard) of ``size`` into ``target``."""
@@ -213,9 +223,10 @@ class CheckpointReader:
         entry = self.manifest.tensors[index]
         if entry.same_as is not None:
             entry = self.manifest.tensors[entry.same_as]
-        tensor = self._mapped(entry, parallel) if self.mmap else None
-        if tensor is None:
-            tensor = self._assemble(entry, parallel)
+        with self._reading(entry):
+            tensor = self._mapped(entry, parallel) if self.mmap else None
+            if tensor is None:
+                tensor = self._assemble(entry, parallel)
         if self.map_location.type != "cpu" and entry.kind != "numpy":
             tensor = tensor.to(self.map_location)
         try:

@@ -787,3 +787,26 @@ def test_a_deeply_nested_value_where_a_string_belongs_is_quoted_briefly(tmp_path
     with pytest.raises(ckptfmt.CheckpointError, match=r"\[\[\[\[\.\.\.\]\]\]\]") as info:
         ckptfmt.open(url)
     assert len(str(info.value)) < 1000
+
+
+@pytest.mark.parametrize("mmap", [True, False])
+@pytest.mark.parametrize("damage", ["flip", "delete"])
+def test_a_damaged_chunk_is_named_with_its_tensor_on_load(tmp_path, mmap, damage):
+    """load, get_tensor and load(into=...) say which checkpoint, tensor and chunk, as verify does."""
+    url = str(tmp_path / "repo" / "s1")
+    ckptfmt.save({"model": {"w": torch.randn(1000), "b": torch.randn(10)}}, url)
+    (chunk,) = (tmp_path / "repo" / "chunks").glob("*/*")
+    if damage == "flip":
+        data = bytearray(chunk.read_bytes())
+        data[5] ^= 1
+        chunk.write_bytes(bytes(data))
+    else:
+        chunk.unlink()
+    error = ckptfmt.CorruptDataError if damage == "flip" else ckptfmt.CheckpointNotFoundError
+    expected = rf"^{url}: tensor 'model/w': {chunk}: " + ("hash mismatch" if damage == "flip" else "chunk is missing")
+    with pytest.raises(error, match=expected):
+        ckptfmt.load(url, mmap=mmap)
+    with pytest.raises(error, match=expected), ckptfmt.open(url, mmap=mmap) as reader:
+        reader.get_tensor("model/w")
+    with pytest.raises(error, match=rf"^{url}: tensor 'model/(w|b)': {chunk}"):
+        ckptfmt.load(url, into={"model": {"w": torch.zeros(1000), "b": torch.zeros(10)}})
