@@ -119,12 +119,30 @@ def _gpus() -> list:
 
 @functools.lru_cache(maxsize=1)
 def _packages() -> dict:
-    found = {}
+    """Every installed distribution's version by lowercase name (the first found, as imports do).
+
+    Only the ``Name`` and ``Version`` headers are read: parsing each whole
+    METADATA file with the email parser cost the first save of a process
+    0.3-1.3 s for 133 packages.
+    """
+    found: dict[str, str] = {}
     for dist in importlib.metadata.distributions():
-        name = dist.metadata.get("Name")
-        if name:
-            found[name.lower()] = dist.version
+        name, version = _name_and_version(dist.read_text("METADATA") or dist.read_text("PKG-INFO") or "")
+        if name and version:
+            found.setdefault(name.lower(), version)
     return dict(sorted(found.items()))
+
+
+def _name_and_version(metadata: str) -> tuple[str | None, str | None]:
+    """The ``Name`` and ``Version`` of a core metadata file: headers, up to the first empty line."""
+    headers: dict[str, str] = {}
+    for line in metadata.splitlines():
+        if not line:
+            break
+        field, colon, value = line.partition(":")
+        if colon and field in ("Name", "Version"):
+            headers.setdefault(field, value.strip())
+    return headers.get("Name"), headers.get("Version")
 
 
 @functools.lru_cache(maxsize=8)

@@ -248,7 +248,7 @@ class CommitIndex:
     def add(self, record: CommitRecord) -> None:
         """Create ``record``'s entry, durably: before its commit record, so no commit goes unindexed."""
         key = Entry.of(record).key
-        self.storage.write(key, b"")
+        self.storage.write(key, b"", durable=False)  # the sync makes it durable, with its folder
         self.storage.sync([key])
 
     def discard(self, record: CommitRecord) -> None:
@@ -301,7 +301,7 @@ class CommitIndex:
         while start < len(records):
             end, data = self._fitting(records, start)
             ref = PackRef(seq, end - start, max(r.created_ns for r in records[start:end]), secrets.token_hex(4))
-            self.storage.write(ref.key, data)
+            self.storage.write(ref.key, data, durable=False)
             self.storage.sync([ref.key])
             seq, start = seq + 1, end
 

@@ -513,7 +513,7 @@ class LocalStorage(Storage):
             raise _storage_error(exc, self.describe(key)) from None
         finally:
             staged.discard()
-        self.sync([key])
+        self._sync_folders([key])  # the file itself was fsynced before it was linked
 
     def delete(self, key: str) -> None:
         try:
@@ -542,6 +542,10 @@ class LocalStorage(Storage):
         that received entries, and the parents of folders this storage created."""
         for key in keys:
             self._fsync_file(key)
+        self._sync_folders(keys)
+
+    def _sync_folders(self, keys: list[str]) -> None:
+        """fsync the folders holding ``keys`` and the parents of the folders this storage created."""
         directories = {os.path.dirname(self.path(k)) for k in keys}
         directories.update(os.path.dirname(d) for d in self._new_dirs)
         self._new_dirs.clear()

@@ -362,7 +362,7 @@ def commit_manifest(repo: Repository, manifest: Manifest, lease: Lease) -> None:
     Manifest.from_bytes(data, repo.storage.describe(manifest.name))  # never commit what readers refuse
     digest = chunk_hash(data)
     key = layout.manifest_key(manifest.name, digest)
-    repo.storage.write(key, data)
+    repo.storage.write(key, data, durable=False)  # one fsync, the sync's, with its folder's
     repo.storage.sync([key])
     record = CommitRecord(
         name=manifest.name, manifest_hash=digest, manifest_size=len(data), step=manifest.step,

@@ -253,3 +253,17 @@ def test_converters_can_record_foreign_rng_states_and_provenance(tmp_path):
     assert torch.equal(torch.rand(3), expected[0]) and random.random() == expected[1]
     plain = ckptfmt.save({"w": torch.ones(2)}, tmp_path / "repo" / "direct")
     assert ckptfmt.open(plain).metadata["provenance"] is None
+
+
+def test_package_versions_are_those_importlib_parses():
+    """The environment reads only the Name and Version headers of each distribution (fast), and finds
+    what importlib.metadata's full parse finds (the first distribution of a name, as imports do)."""
+    import importlib.metadata
+
+    from ckptfmt.environment import _packages
+
+    expected: dict[str, str] = {}
+    for dist in importlib.metadata.distributions():
+        if dist.metadata.get("Name"):
+            expected.setdefault(dist.metadata["Name"].lower(), dist.version)
+    assert _packages() == dict(sorted(expected.items())) and "torch" in expected

@@ -212,3 +212,44 @@ def test_unknown_protocol_is_a_storage_error():
     with pytest.raises(StorageError) as info:
         open_storage("nosuchprotocol-xyz://bucket/path")
     assert isinstance(info.value, CheckpointError)
+
+
+
+def test_a_save_fsyncs_each_file_once(tmp_path, monkeypatch):
+    """Durability costs one fsync per file a save writes (folders get theirs as entries arrive): the
+    marker, manifest, index entry and commit record were fsynced twice each (on the temporary file,
+    then on its key)."""
+    import collections
+    import fnmatch
+    import re
+    import stat
+
+    import torch
+
+    import ckptfmt
+
+    synced: collections.Counter = collections.Counter()  # files by key (a temporary file's by its key)
+    fsync = os.fsync
+    repo = tmp_path / "repo"
+
+    def counting(fd):
+        if not stat.S_ISDIR(os.fstat(fd).st_mode):
+            folder, name = os.path.split(os.readlink(f"/proc/self/fd/{fd}").removesuffix(" (deleted)"))
+            temporary = re.fullmatch(r"\.(.+)\.tmp-[0-9a-f]{12}", name)
+            synced[os.path.relpath(os.path.join(folder, temporary[1] if temporary else name), repo)] += 1
+        return fsync(fd)
+    monkeypatch.setattr(os, "fsync", counting)
+
+    def files() -> dict[str, int]:
+        found = dict(synced)
+        synced.clear()
+        return found
+    ckptfmt.save({"w": torch.ones(10)}, repo / "first")
+    first = files()
+    assert set(first.values()) == {1}, first
+    assert {"ckptfmt.json", "first/COMMIT"} <= set(first) and len(first) == 5, first  # + chunk, manifest, entry
+    ckptfmt.save({"w": torch.ones(10)}, repo / "second")  # its chunk is stored already
+    second = files()
+    assert set(second.values()) == {1}, second
+    patterns = ["second/manifest-*.msgpack", "_index/e/*.second.*", "second/COMMIT"]
+    assert sorted(second) == sorted(next(p for p in second if fnmatch.fnmatch(p, pattern)) for pattern in patterns)
