@@ -8,10 +8,17 @@ a GPU each), and its timeout is the save's own, not the training group's
 
 A collective that fails (a rank died, raised before reaching it, or never
 called save) becomes a ``CollectiveError`` on every rank that can still run.
+
+The gloo groups are made once and reused, and let go of before the
+interpreter shuts down: a group still alive then is destroyed during
+finalisation, when its worker threads may still hold the last collective's
+tensors, and a thread that needs the interpreter to free them then aborts the
+process ("terminate called without an active exception").
 """
 
 from __future__ import annotations
 
+import atexit
 from datetime import timedelta
 from typing import Any
 
@@ -85,8 +92,10 @@ class RankGroup:
 
 
 def _side_group(group, global_ranks: list[int], timeout_s: float):
-    """A gloo group over the same ranks, made once per group and timeout."""
+    """A gloo group over the same ranks, made once per group and timeout (again after
+    ``destroy_process_group``)."""
     dist = torch.distributed
+    _forget_destroyed()
     key = (id(dist.group.WORLD), id(group), tuple(global_ranks), timeout_s)
     side = _SIDE_GROUPS.get(key)
     if side is None:
@@ -94,3 +103,23 @@ def _side_group(group, global_ranks: list[int], timeout_s: float):
                               use_local_synchronization=True)
         _SIDE_GROUPS[key] = side
     return side
+
+
+def _forget_destroyed() -> None:
+    """Let go of the groups that ``destroy_process_group`` has destroyed since."""
+    registered = torch.distributed.distributed_c10d._world.pg_map
+    for key in [key for key, side in _SIDE_GROUPS.items() if side not in registered]:
+        del _SIDE_GROUPS[key]
+
+
+@atexit.register
+def release_side_groups() -> None:
+    """Destroy this process's side groups (locally: no collective) and let go of them, so that
+    their threads end while the interpreter still runs. Pending asynchronous saves, which use
+    them, are finished before (threading's exit hooks run before atexit's)."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        _forget_destroyed()
+        for side in _SIDE_GROUPS.values():
+            dist.destroy_process_group(side)
+    _SIDE_GROUPS.clear()

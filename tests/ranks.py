@@ -5,7 +5,8 @@ joining a gloo process group through a FileStore in ``folder`` (no ports to
 pick), runs ``scenario(rank, world, folder, **kwargs)`` (a function of an
 importable test module) and returns what each rank returned, or the text of
 the exception it raised, as ``RankOutcome``. Every launch has a timeout: a
-hang kills the ranks and fails the one test. ``mixed_state`` is the state the
+hang kills the ranks and fails the one test. Ranks end as a user's do
+(``destroy_process_group``, then a normal interpreter exit) and must exit with 0. ``mixed_state`` is the state the
 distributed tests save: replicated tensors, DTensors on two meshes, per-rank values.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import signal
 import time
 import traceback
 from dataclasses import dataclass
@@ -41,9 +43,11 @@ class RankOutcome:
         return self.value
 
 
-def run_ranks(scenario: Callable, world: int, folder: Path, *, timeout: float = 180,
+def run_ranks(scenario: Callable, world: int, folder: Path, *, timeout: float = 180, killed: tuple[int, ...] = (),
               **kwargs) -> list[RankOutcome | None]:
-    """Run ``scenario`` on ``world`` ranks; a rank that died without an outcome gives None."""
+    """Run ``scenario`` on ``world`` ranks; a rank that died without an outcome gives None.
+
+    Every rank must then have exited with code 0, but those in ``killed``, with SIGKILL."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     context = mp.start_processes(_rank_main, args=(world, str(folder), scenario, kwargs), nprocs=world,
@@ -56,7 +60,12 @@ def run_ranks(scenario: Callable, world: int, folder: Path, *, timeout: float = 
         process.kill()
         process.join()
     assert not alive, f"{len(alive)} rank(s) still running after {timeout} s: killed"
-    return [_outcome(folder, rank) for rank in range(world)]
+    outcomes = [_outcome(folder, rank) for rank in range(world)]
+    # Ranks end the normal way, as a user's do: a crash at exit fails the test.
+    codes = [p.exitcode for p in context.processes]
+    expected = [-signal.SIGKILL if rank in killed else 0 for rank in range(world)]
+    assert codes == expected, f"ranks' exit codes {codes}, expected {expected} (negative: ended by that signal)"
+    return outcomes
 
 
 def _outcome(folder: Path, rank: int) -> RankOutcome | None:
@@ -76,8 +85,7 @@ def _rank_main(rank: int, world: int, folder: str, scenario: Callable, kwargs: d
     except Exception as exc:  # noqa: BLE001 - the test asserts on it
         outcome = RankOutcome(error_type=type(exc).__name__, error=str(exc), trace=traceback.format_exc())
     Path(folder, f"outcome-{rank}.pkl").write_bytes(pickle.dumps(outcome))
-    # Skip teardown: gloo's threads now and then abort at interpreter exit once peers are gone.
-    os._exit(0)
+    dist.destroy_process_group()
 
 
 def mixed_state(rank: int, world: int) -> tuple[dict, dict]:

@@ -126,8 +126,8 @@ QUICK = {ALL[0], ALL[4], ALL[12], ALL[15]}  # sync before the manifest, async be
 ])
 def test_a_killed_rank_never_leaves_a_partial_checkpoint(tmp_path, mode, victim, point):
     repo = tmp_path / "repo"
-    outcomes = run_ranks(save_while_one_dies, WORLD, tmp_path / "run", timeout=150, repo=str(repo), mode=mode,
-                         victim=victim, point=point)
+    outcomes = run_ranks(save_while_one_dies, WORLD, tmp_path / "run", timeout=150, killed=(victim,),
+                         repo=str(repo), mode=mode, victim=victim, point=point)
     assert outcomes[victim] is None  # killed
     assert ckptfmt.verify(str(repo / "base")).ok
     committed = "next" in Repository.open(repo).names()
