@@ -276,7 +276,7 @@ def test_a_save_called_on_rank_zero_only_says_what_to_do(tmp_path):
     outcomes = run_ranks(save_on_rank_zero_only, WORLD, tmp_path, repo=str(tmp_path / "repo"))
     result = outcomes[0].unwrap()
     assert "coordinated=False" in result["error"] and "every rank" in result["error"].lower()
-    assert result["waited"] < 30
+    assert result["waited"] < 60  # its timeout is 3 s; ignoring it would take the default 600 s (or hang)
     assert torch.equal(ckptfmt.load(result["url"])["w"], torch.ones(3))
     assert ckptfmt.open(result["url"]).metadata["topology"]["world_size"] == WORLD
 
