@@ -40,7 +40,7 @@ def advise_command(args, console: Console) -> int:
     """Print the advice for ``args.repo`` as a table, or as JSON with ``args.json``."""
     advice = advise(args.repo, mtbf_s=args.mtbf)
     if args.json:
-        console.print_json(data=advice.to_dict())
+        Output(console).json(advice.to_dict())
         return 0
     background = f", background write {duration(advice.background_s)}" if advice.asynchronous else ""
     out = Output(console)

@@ -25,11 +25,11 @@ from .render import ByteProgress
 def ls(args, console: Console) -> int:
     repo = Repository.open(args.repo)
     records = repo.commits()
-    if args.json:  # written as is: rich's print_json takes seconds for 10,000 checkpoints
-        console.file.write(json.dumps([{
+    if args.json:
+        Output(console).json([{
             **r.stats, "name": r.name, "step": r.step, "created_ns": r.created_ns, "parent": r.parent,
             "manifest": r.manifest_hash,
-        } for r in records], indent=1) + "\n")
+        } for r in records])
         return 0
     columns = [Column("name", KEY), Column("step", right=True), Column("created"), Column("size", right=True),
                Column("new bytes", right=True), Column("parent", NAME)]
@@ -44,7 +44,7 @@ def show(args, console: Console) -> int:
         meta = ckpt.metadata
         tensors = [ckpt.tensor_info(k) for k in ckpt.keys()]
         if args.json:
-            console.print_json(data=_jsonable({
+            Output(console).json(_jsonable({
                 "url": ckpt.url, "id": ckpt.id, **meta,
                 "tensors": [{"key": t.key, "dtype": t.dtype, "shape": list(t.shape), "bytes": t.nbytes,
                              "shards": len(t.shards), "kind": t.kind} for t in tensors],
@@ -91,7 +91,7 @@ def verify(args, console: Console) -> int:
     with ByteProgress("verifying", quiet=args.json) as progress:
         report = verify_url(args.url, callback=progress)
     if args.json:
-        console.print_json(data={
+        Output(console).json({
             "ok": report.ok, "checkpoints": report.checkpoints, "chunks_checked": report.chunks_checked,
             "bytes_checked": report.bytes_checked, "seconds": report.seconds,
             "problems": [p.__dict__ | {"tensors": list(p.tensors)} for p in report.problems],
@@ -118,7 +118,7 @@ def verify(args, console: Console) -> int:
 def diff(args, console: Console) -> int:
     report = diff_module.diff(args.a, args.b, measure=args.measure)
     if args.json:
-        console.print_json(data=_jsonable({
+        Output(console).json(_jsonable({
             "a": report.a, "b": report.b,
             "tensors": [t.__dict__ for t in report.tensors],
             "values": [{"key": k, "a": va, "b": vb} for k, va, vb in report.values],
@@ -188,7 +188,7 @@ def stragglers(args, console: Console) -> int:
     thresholds = _thresholds(args)
     report = analytics.stragglers(args.repo, thresholds=thresholds)
     if args.json:
-        console.print_json(data=report)
+        Output(console).json(report)
         return 0
     out = Output(console)
     out.line(f"{args.repo}: {counted(report['steps'], 'step')} of {counted(report['ranks'], 'rank')}")
@@ -250,7 +250,7 @@ def report(args, console: Console) -> int:
 def compare(args, console: Console) -> int:
     report = _analytics().compare(args.a, args.b, atol=args.atol, rtol=args.rtol)
     if args.json:
-        console.print_json(data=report)
+        Output(console).json(report)
         return 0
     out = Output(console)
     tolerance = f" within atol {args.atol:g}, rtol {args.rtol:g}" if args.atol or args.rtol else " bit for bit"

@@ -60,7 +60,7 @@ def gc_command(args, console: Console) -> int:
     report = collect(repo, dry_run=args.dry_run, wait_s=args.wait,
                      assume_removed=frozenset(doomed) if args.dry_run else frozenset())
     if args.json:
-        console.print_json(data={"checkpoints": doomed, **report.to_dict()})
+        Output(console).json({"checkpoints": doomed, **report.to_dict()})
     else:
         Output(console).line(_summary(repo, doomed, report))
     return 0 if report.swept or args.dry_run else 1

@@ -32,7 +32,7 @@ def sync_command(args, console: Console) -> int:
     with ByteProgress("copying", quiet=args.json) as progress:
         report = replicate(args.src, args.dst, args.name, verify=args.verify, progress=progress)
     if args.json:
-        console.print_json(data=dataclasses.asdict(report))
+        Output(console).json(dataclasses.asdict(report))
         return 0
     rate = report.bytes_copied / report.seconds / 1e6 if report.seconds else 0.0
     Output(console).line(f"{report.destination}: copied {len(report.copied)} checkpoint(s), "
