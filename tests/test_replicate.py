@@ -264,9 +264,12 @@ import sys, time
 from fsspec.callbacks import Callback
 from ckptfmt.replicate import replicate
 
-class Slow(Callback):  # a slow link: about 2 ms per chunk
+class Slow(Callback):  # a slow link, about 2 ms per chunk, that stalls after 80 chunks: the test kills the copy
+    calls = 0
+
     def call(self, *args, **kwargs):
-        time.sleep(0.002)
+        self.calls += 1
+        time.sleep(0.002 if self.calls < 80 else 600)
 
 replicate(sys.argv[1], sys.argv[2], workers=2, progress=Slow())
 print("finished")
