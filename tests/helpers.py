@@ -91,15 +91,6 @@ def deepspeed_torchrun(script: str, ranks: int, *args: str, timeout: int = 900) 
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-8000:]
 
 
-def exit_without_teardown() -> None:
-    """End a torchrun test script whose files are all written, skipping C++ static destructors: one of
-    them (DeepSpeed's CPU shared-memory comm op or gloo's threads) now and then aborts with "terminate
-    called without an active exception" at interpreter exit, failing an otherwise complete run."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
 def chunk_keys(repo_url: str, storage_options: dict | None = None) -> set[str]:
     """Every chunk object's key in a repository, on any backend."""
     storage = open_storage(repo_url, storage_options)
