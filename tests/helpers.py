@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import struct
@@ -13,6 +14,7 @@ from typing import Any
 
 import msgpack
 import numpy as np
+import pytest
 import torch
 
 from ckptfmt import layout
@@ -22,6 +24,21 @@ from ckptfmt.storage import open_storage
 
 #: A size bound for tests that read whole objects back (``Storage.read`` always takes one).
 ANY_SIZE = 2**40
+#: Set by .ci/run: there a test tool or package that is missing fails the run instead of skipping.
+IN_CI = os.environ.get("CKPTFMT_CI") == "1"
+
+
+def require_module(name: str, reason: str | None = None):
+    """The test-only module ``name``; skips the caller without it, except under CI, where it errors."""
+    if IN_CI:
+        return importlib.import_module(name)
+    return pytest.importorskip(name, reason=reason)
+
+
+def needs_tool(found: object, reason: str):
+    """A mark that skips a test when a test tool is absent (``found`` is falsy), except under CI, where
+    the test runs and fails for want of it."""
+    return pytest.mark.skipif(not found and not IN_CI, reason=reason)
 
 
 def raw_bytes(t: torch.Tensor) -> torch.Tensor:

@@ -20,8 +20,10 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (a test-only dependency: "
-                    "DS_BUILD_OPS=0 pip install -c constraints-dev.txt deepspeed)")
+from helpers import assert_bits, deepspeed_torchrun, require_module
+
+require_module("deepspeed", "DeepSpeed is not installed (a test-only dependency: "
+               "DS_BUILD_OPS=0 pip install -c constraints-dev.txt deepspeed)")
 
 from safetensors.torch import load_file
 
@@ -29,7 +31,6 @@ from ckptfmt.converters import import_checkpoint
 from ckptfmt.converters.deepspeed_export import _ZERO_STAGE_PICKLE
 from ckptfmt.converters.export import export_checkpoint
 from ckptfmt.converters.importer import read_source
-from helpers import assert_bits, deepspeed_torchrun
 
 import ckptfmt
 from ckptfmt import CheckpointError

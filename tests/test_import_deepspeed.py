@@ -18,12 +18,13 @@ from pathlib import Path
 import pytest
 import torch
 
-deepspeed = pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (a test-only dependency: "
-                                "DS_BUILD_OPS=0 pip install -c constraints-dev.txt deepspeed)")
+from helpers import assert_bits, deepspeed_torchrun, require_module, whole
+
+deepspeed = require_module("deepspeed", "DeepSpeed is not installed (a test-only dependency: "
+                           "DS_BUILD_OPS=0 pip install -c constraints-dev.txt deepspeed)")
 
 from ckptfmt.converters import import_checkpoint
 from ckptfmt.converters.importer import detect_kind, read_source
-from helpers import assert_bits, deepspeed_torchrun, whole
 
 import ckptfmt
 from ckptfmt import CheckpointError

@@ -16,12 +16,13 @@ from pathlib import Path
 import pytest
 import torch
 
-deepspeed = pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (a test-only dependency)")
+from helpers import assert_bits, deepspeed_torchrun, require_module, whole
+
+deepspeed = require_module("deepspeed", "DeepSpeed is not installed (a test-only dependency)")
 
 from ckptfmt.cli import main as cli
 from ckptfmt.converters import import_checkpoint
 from ckptfmt.converters.importer import read_source
-from helpers import assert_bits, deepspeed_torchrun, whole
 
 import ckptfmt
 from ckptfmt import CheckpointError

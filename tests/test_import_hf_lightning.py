@@ -24,15 +24,15 @@ import ckptfmt
 from ckptfmt import CheckpointError, OpaqueObject
 from ckptfmt.converters import hf_trainer, import_checkpoint, lightning_format
 from ckptfmt.converters.importer import SOURCES, detect_kind, read_source
-from helpers import assert_same
+from helpers import assert_same, require_module
 
 # --------------------------------------------------------------------------- sources, made by the real tools
 
 
 @pytest.fixture(scope="module")
 def hf_checkpoint(tmp_path_factory) -> str:
-    pytest.importorskip("transformers")
-    pytest.importorskip("accelerate")
+    require_module("transformers")
+    require_module("accelerate")
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
     from transformers.utils import logging as hf_logging
 
@@ -62,7 +62,7 @@ def hf_checkpoint(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def lightning_ckpt(tmp_path_factory) -> str:
-    L = pytest.importorskip("lightning")
+    L = require_module("lightning")
     import pathlib
 
     class Tiny(L.LightningModule):

@@ -30,7 +30,9 @@ import pytest
 import torch
 import zstandard
 
-jsonschema = pytest.importorskip("jsonschema")
+from helpers import require_module
+
+jsonschema = require_module("jsonschema")
 
 import ckptfmt  # noqa: E402  (only to write and read checkpoints, and for enum/limit cross-checks)
 

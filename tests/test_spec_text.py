@@ -27,15 +27,16 @@ import numpy as np
 import pytest
 import torch
 
-jsonschema = pytest.importorskip("jsonschema")
-referencing = pytest.importorskip("referencing")
+from helpers import require_module, rewrite_manifest
+
+jsonschema = require_module("jsonschema")
+referencing = require_module("referencing")
 
 import ckptfmt  # noqa: E402
 from ckptfmt import analytics, values  # noqa: E402
 from ckptfmt.errors import InvalidNameError, ManifestError, UnsupportedValueError  # noqa: E402
 from ckptfmt.manifest import FORMAT_VERSION  # noqa: E402
 from ckptfmt.repository import Repository  # noqa: E402
-from helpers import rewrite_manifest  # noqa: E402
 from test_spec_schema import _SpecReader, _store_chunk, _write_by_spec, json_image  # noqa: E402
 
 SPEC = Path(__file__).resolve().parent.parent / "spec"
