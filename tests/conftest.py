@@ -147,3 +147,12 @@ def make_s3_proxy(s3_server):
 def s3_proxy(make_s3_proxy):
     """One fault-injecting proxy in front of the moto server, faults off until the test turns them on."""
     return make_s3_proxy()
+
+
+@pytest.fixture(scope="session")
+def ddp_runs(tmp_path_factory):
+    """Real gloo DDP runs with injected stragglers (tests/ddp_runs.py), each trained once per session, on
+    first use, and shared by the modules that read them: ``ddp_runs["four"]`` is a repository URL."""
+    from ddp_runs import DdpRuns
+
+    return DdpRuns(tmp_path_factory.mktemp("ddp-runs"))

@@ -27,6 +27,17 @@ class StepGrid:
         grid[self._rows, self._columns] = self._table.column(column).to_numpy(zero_copy_only=False).astype(np.float64)
         return grid
 
+    def phases(self) -> list[str]:
+        """The phase names, in the order the timer first recorded them (the steps table keeps it)."""
+        return [c[len("phase_"):] for c in self._table.column_names if c.startswith("phase_")]
+
+    def starts(self) -> np.ndarray:
+        """When each step started on each rank: seconds after the run's first start, on that rank's clock."""
+        microseconds = self._table.column("start").cast(pa.int64()).to_numpy(zero_copy_only=False)
+        grid = np.full((self.steps.size, self.ranks.size), np.nan)
+        grid[self._rows, self._columns] = (microseconds - microseconds.min()) / 1e6
+        return grid
+
 
 def slowest_save_phases(saves: pa.Table) -> tuple[list[str], list[str], np.ndarray]:
     """(checkpoint names, phase names, phases x checkpoints array): the slowest rank's seconds in each

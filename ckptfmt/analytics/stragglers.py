@@ -1,32 +1,54 @@
 """Stragglers: which ranks delayed the others, in which steps, by how much; and which saved slowly.
 
 In synchronous training a straggler's own step is no longer than anyone's:
-the others wait for it inside a collective (DDP's all-reduce in ``backward``),
-so every rank's step takes as long. What differs is where the time goes. The
-straggler spends longer than the rest in a phase of its own work (``data``,
-``forward``), while the others spend as much longer in the phase holding the
-wait. So, phase by phase and step by step, each rank's time is compared with
-the median over ranks: a rank whose time exceeds it by far more than the run's
-jitter, in a phase where only a few ranks do (a minority: the wait phase is long
-on most ranks, and short on the straggler), delayed that step.
+the others wait for it inside a collective (DDP's all-reduce in ``backward``,
+FSDP's all-gather in ``forward``), so every rank's step takes as long. What
+tells is when each rank gets to that collective: the rank that arrives last
+delayed the others, and their longer wait is its delay, not theirs. Nothing
+in a step record names the collective, so the end of every phase is a candidate:
 
-"Far more than the jitter": over ``max(k * noise, share * median, step_share *
-median step, floor)``, where ``noise`` is the phase's robust spread over the
-whole run (1.4826 x the median absolute deviation from the per-step medians):
-rare hiccups (a preempted process) do not move it, and the floors keep them out. Flagged (rank, step)
-pairs are grouped into episodes of consecutive steps (bridging gaps of up to
-``episode_gap`` steps, which jitter may hide); a rank with an episode spanning at
-least ``persistent`` of the run (and ``persistent_steps``) is a persistent
-straggler, else a transient one. Several slow
-ranks of one host in the same steps point at the host. Save phases are judged
-the same way per checkpoint (``join``, ``plan`` and ``wait_ranks`` are waits).
+- Arrival: a rank reaches the end of a phase at its step's start plus that
+  phase and those before it, in the order the timer first recorded them
+  (phases are taken to run back to back, in the same order every step, and to
+  cover the step's work).
+- Clocks: the collective that ends a synchronous step ends it on every rank at
+  once, so a rank's clock offset is the median over steps of its step end
+  minus the step's median end; it is taken off the rank's times.
+- Lateness at a phase end: the rank's arrival minus the median arrival of the
+  other ranks (with two ranks, the other rank's: a median over both would put
+  the baseline halfway between the straggler and the rank waiting for it, and
+  blame both). What the rank was already late at its step's start is taken
+  off (being early is no credit): that comes from before the step (a process
+  that started late, work between steps), and each step's own work is judged.
+- Evidence, per phase: the lateness gained in the phase and still held at its
+  end (its jitter is the phase's own), and the lateness held at its end however
+  gained (a rank somewhat slow in several phases). Either is a delay where it
+  exceeds ``max(k * jitter, step_share * median step, floor_s)``; ``jitter`` is
+  its robust spread over the run, from its changes between consecutive steps
+  on each rank (a persistent straggler changes its lateness only where it
+  starts and stops, so it cannot pass for jitter even with two ranks). The
+  delay is the rank's lateness at the worst such phase end; its phase, the one
+  in which it gained most of it. A waiting rank is early at the end of the
+  phase it waits in (its lateness is made up there): it is never blamed.
+
+Flagged (rank, step) pairs are grouped into episodes of consecutive steps
+(bridging gaps of up to ``episode_gap`` steps, which jitter may hide); a rank
+with an episode spanning at least ``persistent`` of the run (and
+``persistent_steps``) is a persistent straggler, else a transient one. Several
+slow ranks of one host in the same steps point at the host. Save phases are
+judged per checkpoint against the median of the other ranks' times in that
+phase (``join``, ``plan`` and ``wait_ranks`` are waits, left out). A ratio ("x
+median": the phase's time over the other ranks' median) is given only against a
+baseline no shorter than the least delay counted; against a shorter one (a data
+phase of a tenth of a millisecond) it is None.
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Mapping
 
 import numpy as np
 import pyarrow as pa
@@ -40,19 +62,14 @@ SAVE_WAITS = frozenset({"join", "plan", "wait_ranks"})
 
 @dataclass(frozen=True)
 class Thresholds:
-    """When a rank's time in a phase counts as a delay (see the module docstring)."""
+    """When a rank's lateness counts as a delay (see the module docstring)."""
 
-    #: Times the phase's noise (robust spread) over the run.
+    #: Times the boundary's (or save phase's) noise, its robust spread over the run.
     k: float = 4.5
-    #: Share of the phase's median at that step.
-    share: float = 0.25
     #: Share of the median step duration at that step (of the median save, for save phases).
     step_share: float = 0.05
-    #: Seconds, whatever the phase's noise.
+    #: Seconds, whatever the noise.
     floor_s: float = 0.01
-    #: At most this share of the ranks may be slow in one phase at one step (else it is the wait,
-    #: or everyone slowed down).
-    minority: float = 0.34
     #: Steps without a delay that an episode bridges.
     episode_gap: int = 2
     #: An episode spanning this share of the run's steps, and at least ``persistent_steps``, is persistent.
@@ -65,8 +82,9 @@ def stragglers(source: str | os.PathLike | Mapping[str, pa.Table], *, thresholds
     """The straggler report of one run: ``source`` is a repository URL or its ``tables()``.
 
     Returns ``{"stragglers": [...], "hosts": [...], "slow_saves": [...], "steps": n, "ranks": n}``:
-    per straggler its rank, host, steps, total ``delay_s``, ``ratio`` (times the median, at its worst
-    step), phase, ``kind`` (persistent or transient) and ``episodes``.
+    per straggler its rank, host, steps, total ``delay_s``, ``ratio`` (its phase's time over the ranks'
+    lower median at its worst step, None where that median is shorter than the least delay counted),
+    phase, ``kind`` (persistent or transient) and ``episodes``.
     """
     built = source if isinstance(source, Mapping) else tables(source, storage_options=storage_options)
     steps = built["steps"]
@@ -82,7 +100,7 @@ def stragglers(source: str | os.PathLike | Mapping[str, pa.Table], *, thresholds
 @dataclass
 class Delays:
     """Per (step, rank): the delay found (seconds, 0 where none), in which phase, and how many times the
-    median that phase took."""
+    other ranks' median that phase took (NaN where that baseline is too short to divide by)."""
 
     steps: np.ndarray  # the step numbers, sorted
     ranks: np.ndarray  # the ranks, sorted
@@ -93,38 +111,79 @@ class Delays:
 
 
 def step_delays(steps: pa.Table, thresholds: Thresholds = Thresholds()) -> Delays:
-    """Judge every (step, rank) of a steps table (one run) phase by phase against the other ranks."""
+    """Judge every (step, rank) of a steps table (one run) by when the rank reached each phase's end.
+
+    Phase by phase, in order, with steps x ranks arrays (a run's whole phases x steps x ranks cube would
+    be gigabytes): the arrival, the lateness held and gained, and running per (step, rank) the worst
+    lateness found a delay and the phase that gained most lateness so far."""
     grid = StepGrid(steps)
     shape = (grid.steps.size, grid.ranks.size)
-    delay, ratio = np.zeros(shape), np.ones(shape)
-    phase = np.full(shape, None, dtype=object)
-    with np.errstate(all="ignore"):
-        step_floor = np.maximum(thresholds.step_share * np.nanmedian(grid.values("duration_s"), axis=1, keepdims=True),
-                                thresholds.floor_s)
-    for name in [c for c in steps.column_names if c.startswith("phase_")]:
-        excess, times = _excess(grid.values(name), thresholds, step_floor)
-        better = excess > delay
-        delay[better], ratio[better], phase[better] = excess[better], times[better], name[len("phase_"):]
+    delay, ratio, phase = np.zeros(shape), np.ones(shape), np.full(shape, None, dtype=object)
+    floor = np.fmax(thresholds.step_share * _nanmedian(grid.values("duration_s"), axis=1), thresholds.floor_s)
+    arrival, late_at_start = _aligned_starts(grid)
+    held_before, most_gained = np.zeros(shape), np.full(shape, -np.inf)
+    gaining_phase, gaining_ratio = np.full(shape, None, dtype=object), np.full(shape, np.nan)
+    for name in grid.phases():
+        seconds = grid.values(f"phase_{name}")
+        arrival = arrival + np.nan_to_num(seconds)  # a step without the phase spent no time in it
+        held = arrival - _median_of_others(arrival) - late_at_start
+        gained, held_before = held - held_before, held
+        # The evidence: lateness gained in the phase and still held at its end (its jitter is the phase's
+        # alone), and lateness held at its end however gained (a rank somewhat slow in several phases).
+        limits = [np.maximum(thresholds.k * _jitter(e), floor[:, None]) for e in (np.minimum(gained, held), held)]
+        more = gained > most_gained
+        most_gained[more], gaining_phase[more] = gained[more], name
+        gaining_ratio[more] = _ratio(seconds, _median_of_others(seconds), np.minimum(*limits))[more]
+        worse = ((np.minimum(gained, held) > limits[0]) | (held > limits[1])) & (held > delay)
+        delay[worse], phase[worse], ratio[worse] = held[worse], gaining_phase[worse], gaining_ratio[worse]
     return Delays(grid.steps, grid.ranks, grid.hosts, delay, ratio, phase)
 
 
-def _excess(values: np.ndarray, thresholds: Thresholds, floor: np.ndarray | float) -> tuple[np.ndarray, np.ndarray]:
-    """Per (row, column): seconds over the row's median where that is a delay (else 0), and the ratio.
+def _aligned_starts(grid: StepGrid) -> tuple[np.ndarray, np.ndarray]:
+    """Steps x ranks: each step's start on one clock (seconds), and what the rank was late at its start
+    after the other ranks' median (0 where early: an early start is no credit)."""
+    starts = grid.starts()
+    ends = starts + grid.values("duration_s")
+    clock_ahead = _nanmedian(ends - _nanmedian(ends, axis=1)[:, None], axis=0)
+    starts = starts - np.nan_to_num(clock_ahead)
+    return starts, np.maximum(starts - _median_of_others(starts), 0.0)
 
-    Rows are steps (or checkpoints), columns ranks; ``floor``: the least delay in seconds, per row or one.
-    """
+
+def _median_of_others(values: np.ndarray) -> np.ndarray:
+    """Per value, the median of the other finite values along the last axis (the other ranks at that
+    step): with two ranks, the other one. NaN where the value or every other is missing."""
+    order = np.argsort(values, axis=-1)  # NaN sorts last
+    ordered = np.take_along_axis(values, order, axis=-1)
+    position = np.argsort(order, axis=-1)  # each value's place in ``ordered``
+    others = np.isfinite(values).sum(axis=-1, keepdims=True) - 1
+
+    def other(j: np.ndarray) -> np.ndarray:  # the j-th smallest of the others: one's own place skipped
+        j = np.maximum(j, 0)
+        return np.take_along_axis(ordered, np.minimum(j + (j >= position), values.shape[-1] - 1), axis=-1)
+    middle = (other((others - 1) // 2) + other(others // 2)) / 2
+    return np.where((others > 0) & np.isfinite(values), middle, np.nan)
+
+
+def _jitter(lateness: np.ndarray) -> float:
+    """The robust spread over the run of a steps x ranks lateness, from its changes from one step to the
+    next on each rank: 1.4826 x their median absolute value, over the square root of 2. A straggler moves it
+    little: a persistent one changes its lateness only where it starts and stops (with two ranks, one slow
+    in half the steps would otherwise be half the sample)."""
+    return float(np.nan_to_num(1.4826 / np.sqrt(2) * _nanmedian(np.abs(np.diff(lateness, axis=0)), axis=None)))
+
+
+def _nanmedian(values: np.ndarray, axis: int) -> np.ndarray:
+    """``np.nanmedian``: NaN where a slice has no number, without a warning."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return np.nanmedian(values, axis=axis)
+
+
+def _ratio(values: np.ndarray, baseline: np.ndarray, least: np.ndarray | float) -> np.ndarray:
+    """``values`` over ``baseline``, NaN where the baseline is shorter than ``least`` (the least delay that
+    counts): a ratio to a time within the jitter (0.1 ms of data loading) says nothing."""
     with np.errstate(all="ignore"):
-        median = np.nanmedian(values, axis=1, keepdims=True)
-        deviation = values - median
-        noise = 1.4826 * np.nanmedian(np.abs(deviation)) if np.isfinite(deviation).any() else 0.0
-        limit = np.maximum(np.maximum(thresholds.k * noise, thresholds.share * median), floor)
-        slow = deviation > limit
-        ranks = np.sum(np.isfinite(values), axis=1, keepdims=True)
-        few = np.sum(slow, axis=1, keepdims=True) <= np.maximum(1, np.floor(thresholds.minority * ranks))
-        slow &= few
-        excess = np.where(slow, deviation, 0.0)
-        times = np.where(slow, values / np.where(median > 0, median, np.nan), 1.0)
-    return excess, np.nan_to_num(times, nan=np.inf)
+        return np.where(baseline >= least, values / baseline, np.nan)
 
 
 def _stragglers(delays: Delays, thresholds: Thresholds) -> list[dict]:
@@ -156,7 +215,8 @@ def _episode(delays: Delays, column: int, rows: np.ndarray) -> dict:
     phases = delays.phase[rows, column].tolist()
     return {"first_step": int(delays.steps[rows[0]]), "last_step": int(delays.steps[rows[-1]]),
             "steps": int(rows.size), "delay_s": float(delays.delay_s[rows, column].sum()),
-            "ratio": _finite(np.median(delays.ratio[rows, column])), "phase": max(set(phases), key=phases.count)}
+            "ratio": _finite(_nanmedian(delays.ratio[rows, column], axis=0)),
+            "phase": max(set(phases), key=phases.count)}
 
 
 def episode_ranges(episodes: list[dict]) -> str:
@@ -166,7 +226,7 @@ def episode_ranges(episodes: list[dict]) -> str:
 
 
 def _finite(value: float) -> float | None:
-    """A ratio for the report: None where the median was 0 (JSON has no infinity)."""
+    """A ratio for the report: None where its baseline was too short to divide by (JSON has no NaN)."""
     return float(value) if np.isfinite(value) else None
 
 
@@ -203,21 +263,25 @@ def _slow_saves(saves: pa.Table, thresholds: Thresholds) -> list[dict]:
     durations = saves.column("duration_s").to_numpy(zero_copy_only=False).astype(np.float64)
     totals = np.full((len(checkpoints), ranks.size), np.nan)
     totals[name_index, rank_index] = saves.column("rank_total_s").to_numpy(zero_copy_only=False).astype(np.float64)
-    with np.errstate(all="ignore"):  # as for steps: a share of the checkpoint's median save, at least floor_s
-        floor = np.maximum(thresholds.step_share * np.nanmedian(totals, axis=1, keepdims=True), thresholds.floor_s)
-    floor = np.where(np.isfinite(floor), floor, thresholds.floor_s)
+    # As for steps: a share of the checkpoint's median save, at least floor_s.
+    floor = np.fmax(thresholds.step_share * _nanmedian(totals, axis=1), thresholds.floor_s)[:, None]
     found: dict[int, dict] = {}
     for phase in sorted({p for p in phase_names.tolist() if isinstance(p, str)} - SAVE_WAITS):
         chosen = phase_names == phase
         values = np.full((len(checkpoints), ranks.size), np.nan)
         values[name_index[chosen], rank_index[chosen]] = durations[chosen]
-        excess, times = _excess(values, thresholds, floor)
-        for row, column in zip(*np.nonzero(excess > 0)):
+        baseline = _median_of_others(values)
+        excess = values - baseline
+        limit = np.maximum(thresholds.k * 1.4826 * _nanmedian(np.abs(excess), axis=None), floor)
+        times = _ratio(values, baseline, limit)
+        for row, column in zip(*np.nonzero(excess > limit)):
             rank = int(ranks[column])
             entry = found.setdefault(rank, {"rank": rank, "host": hosts.get(rank), "checkpoints": [], "phases": [],
-                                            "delay_s": 0.0, "ratio": 1.0})
+                                            "delay_s": 0.0, "ratio": None})
             entry["checkpoints"].append(checkpoints[row])
             entry["phases"].append(phase)
             entry["delay_s"] += float(excess[row, column])
-            entry["ratio"] = max(entry["ratio"], _finite(times[row, column]) or 0.0)
+            ratio = _finite(times[row, column])
+            if ratio is not None:
+                entry["ratio"] = max(entry["ratio"] or 0.0, ratio)
     return sorted(found.values(), key=lambda e: -e["delay_s"])

@@ -309,7 +309,9 @@ class Steps:
     def table(self) -> pa.Table:
         self._close_window()
         names = ["run", "checkpoint", "rank", "host", "step", "start", "duration_s", "batch", "batch_size"]
-        names += sorted({name for _, arrays in self.chunks for name in arrays} - set(names))
+        met = dict.fromkeys(name for _, arrays in self.chunks for name in arrays if name not in names)
+        # Phases in the order the timer first met them (the straggler analysis sums them in that order).
+        names += sorted(n for n in met if not n.startswith("phase_")) + [n for n in met if n.startswith("phase_")]
         dictionary = pa.array(list(self.words.ids), pa.string())
         types = {"run": _WORDS, "checkpoint": _WORDS, "host": _WORDS, "rank": pa.int64(), "step": pa.int64(),
                  "start": _TIME, "duration_s": pa.float64(), "batch": pa.binary(16), "batch_size": pa.int64()}
