@@ -2,7 +2,9 @@
 
 The run is the 4-rank DDP run of tests/ddp_runs.py (with its injected
 stragglers), compared with the 2-rank run: another world size, so another data
-order, and the runs differ from their first common checkpoint on.
+order, and the runs differ from their first common checkpoint on. The figures
+are checked in the page's SVG: their text is SVG text, and the artists the
+checks look for carry ids.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import re
 import shutil
 import subprocess
 import sys
+import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
 import numpy as np
@@ -19,9 +22,10 @@ import pytest
 from ckptfmt.analytics.report import report
 
 from ddp_runs import RUNS
-from test_stragglers import NOISY_MACHINE
+from test_stragglers import NOISY_MACHINE, flagged
 
 FIGURES = ["step-time", "delays", "save-phases", "sizes", "metrics", "divergence"]
+SVG = "{http://www.w3.org/2000/svg}"
 
 
 @pytest.fixture(scope="module")
@@ -30,6 +34,29 @@ def page(ddp_runs, tmp_path_factory) -> tuple[Path, dict]:
     made = report(ddp_runs["four"], html_path=out / "report.html", png_dir=out / "png", compare_with=ddp_runs["two"],
                   thresholds=NOISY_MACHINE)
     return out, made
+
+
+@pytest.fixture(scope="module")
+def two_rank_page(ddp_runs, tmp_path_factory) -> Path:
+    """The page of the 2-rank run, alone: its heatmaps have two rows."""
+    out = tmp_path_factory.mktemp("two-rank-page")
+    report(ddp_runs["two"], html_path=out / "report.html", thresholds=NOISY_MACHINE)
+    return out
+
+
+def figure_svg(out: Path, figure: str) -> ElementTree.Element:
+    """The parsed inline SVG of one figure of the page."""
+    text = (out / "report.html").read_text()
+    markup = re.search(rf"<figure id='figure-{figure}'>(<svg\b.*?</svg>)", text, flags=re.S).group(1)
+    return ElementTree.fromstring(markup)
+
+
+def by_id(svg: ElementTree.Element, prefix: str) -> list[ElementTree.Element]:
+    return [e for e in svg.iter() if e.get("id", "").startswith(prefix)]
+
+
+def text_of(element: ElementTree.Element) -> str:
+    return "".join(t.text or "" for t in element.iter(f"{SVG}text"))
 
 
 def test_the_page_holds_every_figure_and_table_and_needs_no_network(page):
@@ -45,6 +72,60 @@ def test_the_page_holds_every_figure_and_table_and_needs_no_network(page):
     # Every rank that slept is in the stragglers table (a rank the OS descheduled beyond the bound may be too).
     slept = {s["rank"] for s in made["stragglers"]["stragglers"]}
     assert {rank for rank, _ in RUNS["four"].injected()} <= slept
+
+
+def test_the_differences_table_shows_every_field_compare_records(page):
+    out, made = page
+    table = re.search(r"<table id='differences'>.*?</table>", (out / "report.html").read_text(), flags=re.S).group(0)
+    differences = made["comparison"]["differences"]
+    assert differences and table.count("<tr>") == len(differences) + 1
+    for key in {key for d in differences for key in d}:
+        assert f"<th>{key.replace('_', ' ')}</th>" in table
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_the_heatmaps_label_their_axes_with_whole_steps_and_ranks(page, two_rank_page, world):
+    out = two_rank_page if world == 2 else page[0]
+    for figure in ("step-time", "delays"):
+        heatmap = by_id(figure_svg(out, figure), "axes_1")[0]  # axes_2: the colour bar's, in seconds
+        ranks = [text_of(tick) for tick in by_id(heatmap, "ytick_")]
+        assert ranks == [str(rank) for rank in range(world)], (figure, ranks)  # 2 ranks: -0.5, 0.0, 0.5, ...
+        steps = [text_of(tick) for tick in by_id(heatmap, "xtick_")]
+        assert steps and all(re.fullmatch(r"\d+", step) for step in steps), (figure, steps)
+
+
+def test_the_step_heatmap_crosses_each_straggler_step_once(page):
+    out, made = page
+    marks = by_id(figure_svg(out, "step-time"), "straggler-marks")
+    assert len(marks) == 1 and len(list(marks[0].iter(f"{SVG}use"))) == len(flagged(made["stragglers"]))
+
+
+def test_a_comparison_plots_both_runs_metrics(page):
+    out, _ = page
+    svg = figure_svg(out, "metrics")
+    for run, name in (("A", "four"), ("B", "two")):
+        line = by_id(svg, f"metric-loss-{run}")
+        assert len(line) == 1, run
+        points = line[0].find(f"{SVG}path").get("d").count("L") + 1
+        assert points == RUNS[name].steps, (run, points)  # one point per step
+    assert "loss (A)" in text_of(svg) and "loss (B)" in text_of(svg)
+
+
+def test_the_divergence_cells_can_be_told_apart_and_carry_their_counts(page):
+    out, made = page
+    checkpoints = made["comparison"]["checkpoints"]
+    groups = sorted({g for c in checkpoints for g in c["groups_differing"]})
+    assert len(checkpoints) == 3 and groups == ["model"]  # every tensor differs: one colour throughout
+    svg = figure_svg(out, "divergence")
+    cells = by_id(svg, "divergence-cells")[0].findall(f"{SVG}path")
+    assert len(cells) == len(groups) * len(checkpoints)
+    for cell in cells:  # each cell drawn with its own visible border
+        style = dict(item.split(": ") for item in cell.get("style").split("; "))
+        assert style["stroke"] == "#ffffff" and float(style["stroke-width"]) >= 1, style
+    for row, group in enumerate(groups):
+        for column, checkpoint in enumerate(checkpoints):
+            value = text_of(by_id(svg, f"divergence-value-{row}-{column}")[0])
+            assert value == str(checkpoint["groups_differing"][group]), (row, column, value)
 
 
 def test_the_figures_are_written_as_png_files(page):

@@ -4,9 +4,12 @@ The page embeds its figures as inline SVG and its style inline: it opens from
 a file, offline, in any browser. Figures (matplotlib, drawn off-screen):
 step time per rank over steps with the stragglers marked, the delay each rank
 added, save phases per checkpoint, checkpoint size and new bytes over time,
-metrics over steps, and with a second run, the tensors that differ per
-checkpoint and tensor group. Tables: stragglers, slow saves, and the recorded
-differences between the runs.
+metrics over steps (both runs' with a second run), and with a second run, the
+tensors that differ per checkpoint and tensor group. Tables: stragglers, slow
+saves, and the recorded differences between the runs. Text in the figures is
+SVG text (selectable, found by the browser's search); artists a reader or a
+test looks for carry ids (``straggler-marks``, ``metric-<name>-A``,
+``divergence-cells``, ``divergence-value-<row>-<column>``).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import matplotlib
 matplotlib.use("Agg")  # no display: figures are files
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 import pyarrow as pa  # noqa: E402
 
 from .compare import compare  # noqa: E402
@@ -51,9 +55,10 @@ def report(repo: str | os.PathLike, *, html_path: str | os.PathLike | None = Non
     built = tables(repo, storage_options=storage_options)
     found = stragglers(built, thresholds=thresholds)
     comparison = compare(repo, compare_with, storage_options=storage_options) if compare_with else None
-    figures = [f for f in (_step_heatmap(built["steps"], found), _delay_heatmap(built["steps"]),
-                           _save_phases(built["saves"]), _sizes(built["checkpoints"]), _metrics(built["steps"]),
-                           _divergence(comparison)) if f is not None]
+    other_steps = tables(compare_with, storage_options=storage_options)["steps"] if compare_with else None
+    figures = [f for f in (_step_heatmap(built["steps"], found), _delay_heatmap(built["steps"], thresholds),
+                           _save_phases(built["saves"]), _sizes(built["checkpoints"]),
+                           _metrics(built["steps"], other_steps), _divergence(comparison)) if f is not None]
     try:
         if png_dir is not None:
             folder = Path(png_dir)
@@ -75,6 +80,8 @@ def _heatmap(title: str, steps: np.ndarray, ranks: np.ndarray, values: np.ndarra
     image = axes.imshow(values, aspect="auto", interpolation="nearest", cmap="viridis",
                         extent=(steps[0] - 0.5, steps[-1] + 0.5, ranks[-1] + 0.5, ranks[0] - 0.5))
     figure.colorbar(image, ax=axes, label=label)
+    axes.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps and ranks are whole numbers
+    axes.yaxis.set_major_locator(MaxNLocator(integer=True))
     axes.set_xlabel("step")
     axes.set_ylabel("rank")
     axes.set_title(title)
@@ -89,22 +96,23 @@ def _step_heatmap(steps: pa.Table, found: dict) -> Figure | None:
     marks = [(step, s["rank"]) for s in found["stragglers"] for step in s["steps"]]
     if marks:
         axes.scatter([m[0] for m in marks], [m[1] for m in marks], marker="x", color="red", s=30,
-                     label="straggler (delayed the others)")
+                     label="straggler (delayed the others)", gid="straggler-marks")
         axes.legend(loc="upper right", fontsize="small")
     return Figure("step-time", "Step time per rank",
                   "In synchronous training every rank's step lasts as long as the slowest rank's, so the rows "
-                  "look alike; the red crosses mark the ranks that delayed the others, found from the phases of "
-                  "their own work.", figure)
+                  "look alike; the red crosses mark the ranks that delayed the others: those that reached the "
+                  "end of a phase of their own work last.", figure)
 
 
-def _delay_heatmap(steps: pa.Table) -> Figure | None:
+def _delay_heatmap(steps: pa.Table, thresholds: Thresholds) -> Figure | None:
     if steps.num_rows == 0 or not any(c.startswith("phase_") for c in steps.column_names):
         return None
-    delays = step_delays(steps)
+    delays = step_delays(steps, thresholds)
     figure, _ = _heatmap("Delay each rank added", delays.steps, delays.ranks, delays.delay_s.T, "seconds")
     return Figure("delays", "Delay each rank added",
-                  "Seconds a rank spent in a phase of its own work beyond the other ranks' median, where that "
-                  "exceeds the run's jitter (0 elsewhere).", figure)
+                  "Seconds a rank reached the end of a phase of its own work after the other ranks' median, "
+                  "beyond what it was late at its step's start, where that exceeds the run's jitter (0 "
+                  "elsewhere).", figure)
 
 
 def _save_phases(saves: pa.Table) -> Figure | None:
@@ -143,19 +151,36 @@ def _sizes(checkpoints: pa.Table) -> Figure | None:
                   figure)
 
 
-def _metrics(steps: pa.Table) -> Figure | None:
-    names = [c for c in steps.column_names if c.startswith("metric_")]
-    if steps.num_rows == 0 or not names:
+def _metrics(steps: pa.Table, other_steps: pa.Table | None) -> Figure | None:
+    """Each metric averaged over ranks, per step: this run's solid (A), the compared run's dashed (B)."""
+    runs = [("A", "-", steps)] + ([("B", "--", other_steps)] if other_steps is not None else [])
+    names = list(dict.fromkeys(c for _, _, table in runs for c in table.column_names if c.startswith("metric_")))
+    if not names or not any(table.num_rows for _, _, table in runs):
         return None
-    grid = StepGrid(steps)
     figure, axes = plt.subplots(figsize=(10, 3.5))
-    for name in names:
-        with np.errstate(all="ignore"):
-            axes.plot(grid.steps, np.nanmean(grid.values(name), axis=1), label=name[len("metric_"):])
+    for run, style, table in runs:
+        if table.num_rows == 0:
+            continue
+        grid = StepGrid(table)
+        for number, name in enumerate(names):  # a metric keeps its colour in both runs
+            if name not in table.column_names:
+                continue
+            label = name[len("metric_"):]
+            with np.errstate(all="ignore"):
+                axes.plot(grid.steps, np.nanmean(grid.values(name), axis=1), style, color=f"C{number}",
+                          label=f"{label} ({run})" if other_steps is not None else label, gid=f"metric-{label}-{run}")
+    axes.xaxis.set_major_locator(MaxNLocator(integer=True))
     axes.set_xlabel("step")
     axes.set_title("Metrics (mean over ranks)")
     axes.legend(fontsize="small")
-    return Figure("metrics", "Metrics", "The scalars the training loop recorded, averaged over ranks.", figure)
+    caption = "The scalars the training loop recorded, averaged over ranks."
+    if other_steps is not None:
+        caption += " Solid: this run (A); dashed: the run compared with (B)."
+    return Figure("metrics", "Metrics", caption, figure)
+
+
+#: Divergence cells are annotated with their counts up to this many (beyond, the colours say it).
+ANNOTATED_CELLS = 400
 
 
 def _divergence(comparison: dict | None) -> Figure | None:
@@ -165,10 +190,17 @@ def _divergence(comparison: dict | None) -> Figure | None:
     groups = sorted({g for e in entries for g in e["groups_differing"]}) or ["(none)"]
     counts = np.array([[e["groups_differing"].get(g, 0) for e in entries] for g in groups], dtype=float)
     figure, axes = plt.subplots(figsize=(10, max(2.5, 0.4 * len(groups) + 1.5)))
-    image = axes.imshow(counts, aspect="auto", interpolation="nearest", cmap="Reds", vmin=0)
-    figure.colorbar(image, ax=axes, label="tensors whose bytes differ")
-    axes.set_xticks(range(len(entries)), [str(e["step"]) for e in entries], fontsize="small")
-    axes.set_yticks(range(len(groups)), groups)
+    top = max(1.0, counts.max())
+    cells = axes.pcolormesh(counts, cmap="Reds", vmin=0, vmax=top, edgecolors="white", linewidth=2)
+    cells.set_gid("divergence-cells")  # white edges: equal neighbours still read as separate cells
+    figure.colorbar(cells, ax=axes, label="tensors whose bytes differ")
+    if counts.size <= ANNOTATED_CELLS:
+        for (row, column), value in np.ndenumerate(counts):
+            axes.text(column + 0.5, row + 0.5, f"{value:.0f}", ha="center", va="center", fontsize="small",
+                      color="white" if value > top / 2 else "black", gid=f"divergence-value-{row}-{column}")
+    axes.set_xticks(np.arange(len(entries)) + 0.5, [str(e["step"]) for e in entries], fontsize="small")
+    axes.set_yticks(np.arange(len(groups)) + 0.5, groups)
+    axes.invert_yaxis()
     axes.set_xlabel("step")
     axes.set_title("Divergence per checkpoint and tensor group")
     return Figure("divergence", "Divergence per checkpoint and tensor group",
@@ -203,9 +235,10 @@ def _page(repo: str, built: dict, found: dict, comparison: dict | None, other, f
             parts.append(f"<p>First divergence: step {divergence['step']} ({e(divergence['checkpoint'])}), "
                          f"tensor <code>{e(divergence['tensor'])}</code>, max abs difference "
                          f"{e(str(divergence['max_abs']))}.</p>")
-        parts.append(_table("differences", ["kind", "field", "rank", "a", "b", "first step"],
-                            [[d["kind"], d["field"], d.get("rank"), d["a"], d["b"], d["first_step"]]
-                             for d in comparison["differences"]]))
+        differences = comparison["differences"]
+        columns = list(dict.fromkeys(key for d in differences for key in d))  # whatever compare records
+        parts.append(_table("differences", [c.replace("_", " ") for c in columns],
+                            [[d.get(c) for c in columns] for d in differences]))
     parts.append("<h2>Stragglers</h2>")
     parts.append(_table("stragglers", ["rank", "host", "kind", "steps", "phase", "delay (s)", "x median"],
                         [[s["rank"], s["host"], s["kind"], episode_ranges(s["episodes"]), s["phase"],
@@ -234,8 +267,9 @@ def _table(table_id: str, header: list[str], rows: list[list]) -> str:
 
 
 def _svg(figure) -> str:
-    """The figure as inline SVG markup (the XML prolog and doctype left out)."""
+    """The figure as inline SVG markup (the XML prolog and doctype left out), its text as SVG text."""
     buffer = io.StringIO()
-    figure.savefig(buffer, format="svg", bbox_inches="tight")
+    with plt.rc_context({"svg.fonttype": "none"}):
+        figure.savefig(buffer, format="svg", bbox_inches="tight")
     text = buffer.getvalue()
     return re.sub(r"^.*?(<svg\b)", r"\1", text, count=1, flags=re.S)
