@@ -37,14 +37,14 @@ demo: setup
 		examples/distributed_demo.py $(DIST_REPO) --steps 30 --every 5 --resume
 	$(BIN)/ckptfmt ls $(DIST_REPO)
 	$(BIN)/ckptfmt verify $(DIST_REPO)
-	$(BIN)/ckptfmt stragglers $(DIST_REPO)
+	$(BIN)/ckptfmt stragglers $(DIST_REPO) --min-delay 0.1
 	$(BIN)/ckptfmt advise $(DIST_REPO) --mtbf 8h
 	$(BIN)/ckptfmt gc $(DIST_REPO) --keep-last 2 --dry-run
 	rm -rf $(DIST_REPO_B)
 	OMP_NUM_THREADS=1 $(BIN)/python -m torch.distributed.run --standalone --nproc_per_node 4 \
 		examples/distributed_demo.py $(DIST_REPO_B) --steps 20 --every 5 --reorder-from 12
 	$(BIN)/ckptfmt compare $(DIST_REPO) $(DIST_REPO_B)
-	$(BIN)/ckptfmt report $(DIST_REPO) --compare $(DIST_REPO_B) --html $(REPORT)
+	$(BIN)/ckptfmt report $(DIST_REPO) --compare $(DIST_REPO_B) --html $(REPORT) --min-delay 0.1
 	@echo "the run's report: $(abspath $(REPORT))"
 
 test: setup
