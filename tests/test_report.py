@@ -22,6 +22,7 @@ import pytest
 from ckptfmt.analytics.report import report
 
 from ddp_runs import RUNS
+from helpers import needs_tool
 from test_stragglers import NOISY_MACHINE, flagged
 
 FIGURES = ["step-time", "delays", "save-phases", "sizes", "metrics", "divergence"]
@@ -151,7 +152,7 @@ CHROMIUM = next((shutil.which(name) for name in ("chromium", "chromium-browser",
                  if shutil.which(name)), None)
 
 
-@pytest.mark.skipif(CHROMIUM is None, reason="no Chromium (.ci/run installs it)")
+@needs_tool(CHROMIUM, reason="no Chromium (.ci/run installs it)")
 def test_a_headless_browser_renders_the_page_with_its_figures(page, tmp_path):
     out, _ = page
     url = (out / "report.html").resolve().as_uri()

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("textual")
+from helpers import require_module
+
+require_module("textual")
 
 from ckptfmt.tui.app import create_app  # noqa: E402
 from ckptfmt.tui.screens.repository import RepositoryScreen  # noqa: E402
