@@ -38,7 +38,6 @@ import ckptfmt
 from ckptfmt.cli import main
 from ckptfmt.formatting import human_bytes, shape_text
 
-from ranks import run_ranks
 
 WIDTH = 80
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07]*\x07")
@@ -207,33 +206,10 @@ def runs(tmp_path_factory) -> tuple[Path, Path]:
     return root / "a", root / "b"
 
 
-def slow_rank(rank: int, world: int, folder: Path, repo: str) -> None:
-    """Rank 1 sleeps 0.25 s in its data phase at steps 6-8; the ranks meet in backward's all-reduce."""
-    model = torch.nn.Linear(16, 1)
-    timer = ckptfmt.StepTimer()
-    for step in range(12):
-        with timer.step(step):
-            with timer.phase("data"):
-                x = torch.randn(8, 16)
-                if rank == 1 and 6 <= step <= 8:
-                    time.sleep(0.25)
-            with timer.phase("forward"):
-                loss = model(x).square().mean()
-            with timer.phase("backward"):
-                loss.backward()
-                for p in model.parameters():
-                    torch.distributed.all_reduce(p.grad)
-        if step % 6 == 5:
-            ckptfmt.save({"model": model.state_dict()}, f"{repo}/step-{step:04d}", step=step, timer=timer, timeout=60)
-
-
 @pytest.fixture(scope="module")
-def straggler_run(tmp_path_factory) -> str:
-    folder = tmp_path_factory.mktemp("straggler")
-    repo = str(folder / "run")
-    for outcome in run_ranks(slow_rank, 2, folder / "ranks", repo=repo, timeout=120):
-        outcome.unwrap()
-    return repo
+def straggler_run(ddp_runs) -> str:
+    """The shared 2-rank DDP run with injected sleeps (tests/ddp_runs.py)."""
+    return ddp_runs["two"]
 
 
 # -- ls, show, verify, diff ----------------------------------------------------------------------------------
