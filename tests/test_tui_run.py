@@ -66,7 +66,8 @@ async def test_the_run_screen_compares_two_runs(tmp_path):
         verdict = text_of(app, "#verdict")
         assert "the runs are different" in verdict and "first divergence: step 7" in verdict
         differences = cells(screen.query_one("#differences"))
-        assert [(d[0], d[1], d[5]) for d in differences] == [("data_order", "batch", "6")]
+        assert [(d[0], d[1], d[2], d[6]) for d in differences] == [("yes", "data_order", "batch", "6")]
+        assert differences[0][7].endswith("step 6, before the divergence at step 7"), differences[0]
 
 
 def test_compare_needs_one_target():

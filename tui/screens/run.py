@@ -106,11 +106,11 @@ class RunScreen(WorkerScreen):
                          f"{divergence['tensor']}, max abs difference {divergence['max_abs']}")
         self.query_one("#verdict", Static).update(Text("\n".join(lines)))
         table = self.query_one("#differences", DataTable)
-        for column in ("kind", "field", "rank", "a", "b", "from step"):
+        for column in ("explains", "kind", "field", "rank", "a", "b", "from step", "evidence"):
             table.add_column(column, key=column)
-        for d in comparison["differences"]:
-            table.add_row(d["kind"], d["field"], str(d.get("rank", "")), str(d["a"])[:40], str(d["b"])[:40],
-                          str(d["first_step"]))
+        for d in comparison["differences"]:  # those that can explain the divergence come first
+            table.add_row("yes" if d["explains"] else "no", d["kind"], d["field"], str(d.get("rank", "")),
+                          str(d["a"])[:40], str(d["b"])[:40], str(d["first_step"]), d["evidence"])
 
 
 def heatmap(steps, found: dict) -> Table | Text:
