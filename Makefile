@@ -50,7 +50,8 @@ demo: setup
 test: setup
 	$(BIN)/python -m pytest -q
 
-# What make test leaves out for time (32 kill points of collective saves): .ci/run runs it too.
+# What make test leaves out for time (kill points of single and collective saves, 20 torchrun jobs
+# ending cleanly, the S3 variants of some tests): .ci/run runs it too.
 test-exhaustive: setup
 	$(BIN)/python -m pytest -q -m exhaustive
 
