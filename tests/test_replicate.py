@@ -10,6 +10,7 @@ read back and checked.
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import signal
 import subprocess
@@ -333,9 +334,9 @@ def sync_cli(*argv: str) -> tuple[int, str, str]:
     parser.add_argument("--debug", action="store_true")
     register(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["sync", *argv])
-    out, err = Console(record=True, width=200), Console(record=True, width=200, stderr=True)
+    out, err = Console(file=io.StringIO(), width=200), Console(file=io.StringIO(), width=200)
     code = _run(args, out, err)
-    return code, out.export_text(), err.export_text()
+    return code, out.file.getvalue(), err.file.getvalue()
 
 
 def test_cli_sync(tmp_path):
