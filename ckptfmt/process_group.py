@@ -19,6 +19,8 @@ process ("terminate called without an active exception").
 from __future__ import annotations
 
 import atexit
+import gc
+import weakref
 from datetime import timedelta
 from typing import Any
 
@@ -28,6 +30,8 @@ from .errors import CheckpointError, CollectiveError
 
 #: gloo groups made for saves: (the training group, its ranks, timeout) -> group.
 _SIDE_GROUPS: dict[tuple, Any] = {}
+#: Every side group made and not yet freed (destroyed at exit, whoever still holds it).
+_MADE: weakref.WeakSet = weakref.WeakSet()
 
 
 def distributed_group(process_group) -> Any | None:
@@ -102,6 +106,7 @@ def _side_group(group, global_ranks: list[int], timeout_s: float):
         side = dist.new_group(ranks=global_ranks, timeout=timedelta(seconds=timeout_s), backend="gloo",
                               use_local_synchronization=True)
         _SIDE_GROUPS[key] = side
+        _MADE.add(side)
     return side
 
 
@@ -114,12 +119,20 @@ def _forget_destroyed() -> None:
 
 @atexit.register
 def release_side_groups() -> None:
-    """Destroy this process's side groups (locally: no collective) and let go of them, so that
-    their threads end while the interpreter still runs. Pending asynchronous saves, which use
-    them, are finished before (threading's exit hooks run before atexit's)."""
+    """Destroy this process's side groups (locally: no collective) while the interpreter still runs.
+
+    A gloo worker thread lets go of a collective's work only after the caller has seen it complete,
+    and the work holds the object collective's tensors, whose Python objects only the interpreter
+    can free: a group whose threads outlive the interpreter's shutdown aborts the process (seen in
+    tests: ``ProcessGroupGloo::runLoop`` -> ``~AsyncBroadcastWork`` -> ``take_gil`` during
+    ``Py_FinalizeEx``). Destroying the group here joins its threads first. Pending asynchronous
+    saves, which use the groups, are finished before (threading's exit hooks run before atexit's).
+    """
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized():
         _forget_destroyed()
         for side in _SIDE_GROUPS.values():
             dist.destroy_process_group(side)
     _SIDE_GROUPS.clear()
+    if any(True for _ in _MADE):  # held elsewhere still: a save's RankGroup in an exception's reference cycle
+        gc.collect()

@@ -243,6 +243,24 @@ def fail_on_one_rank(rank: int, world: int, folder: Path, repo: str, where: str)
     return "committed"
 
 
+def side_groups_after_a_failed_save(rank: int, world: int, folder: Path, repo: str) -> int:
+    """The side groups still alive once released as at exit, after a save that raised on every rank."""
+    from ckptfmt import process_group
+
+    with pytest.raises(ckptfmt.CollectiveError):
+        fail_on_one_rank(rank, world, folder, repo, "plan")
+    process_group.release_side_groups()
+    return len(list(process_group._MADE))
+
+
+def test_side_groups_are_freed_before_the_interpreter_shuts_down(tmp_path):
+    """A failed save leaves its side group in an exception's reference cycle; a group whose gloo threads
+    outlived the interpreter's shutdown aborted ranks at exit ("terminate called without an active
+    exception", in ~AsyncBroadcastWork taking the GIL during Py_FinalizeEx)."""
+    outcomes = run_ranks(side_groups_after_a_failed_save, WORLD, tmp_path, repo=str(tmp_path / "repo"))
+    assert [o.unwrap() for o in outcomes] == [0] * WORLD
+
+
 @pytest.mark.parametrize(("where", "failing", "message"), [
     ("plan", 1, "state['bad']: cannot store a builtins.object"),
     ("write", 2, "No space left on device"),
