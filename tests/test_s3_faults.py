@@ -386,7 +386,8 @@ def test_operations_under_random_faults(s3_bucket, make_s3_proxy):
 
 # -- two writer processes racing for one name ----------------------------------------------------
 
-RACE_ROUNDS = 50
+#: Races per test: 20 in make test, 50 in make test-exhaustive (the README's figures).
+RACE_ROUNDS = [pytest.param(20, id="20-races"), pytest.param(50, id="50-races", marks=pytest.mark.exhaustive)]
 MESSAGE_TIMEOUT_S = 60
 
 
@@ -457,14 +458,14 @@ def race(workers: list[RaceWorker], url: str, seeds: tuple[int, int], options: d
     return [worker.receive() if message.get("ready") else message for worker, message in zip(workers, first)]
 
 
-def run_races(workers: list[RaceWorker], repo_url: str, options: dict | None) -> Counter:
-    """RACE_ROUNDS races for fresh names; checks each through a fault-free client. Returns how losers lost."""
+def run_races(workers: list[RaceWorker], repo_url: str, options: dict | None, rounds: int) -> Counter:
+    """``rounds`` races for fresh names; checks each through a fault-free client. Returns how losers lost."""
     from s3_race_worker import race_state
 
     ckptfmt.save({"x": 0}, f"{repo_url}/base")  # the repository exists before the first race
     lost = Counter()
     started = time.monotonic()
-    for r in range(RACE_ROUNDS):
+    for r in range(rounds):
         name = f"race-{r}"
         seeds = (2 * r, 2 * r + 1)
         outcomes = race(workers, f"{repo_url}/{name}", seeds, options)
@@ -476,20 +477,22 @@ def run_races(workers: list[RaceWorker], repo_url: str, options: dict | None) ->
         lost["store ignored the condition" if "did not honour" in loser["message"] else "already exists"] += 1
         assert_same(race_state(winner, seeds[winner]), ckptfmt.load(f"{repo_url}/{name}"))
     report = ckptfmt.verify(repo_url)
-    assert report.ok and len(report.checkpoints) == RACE_ROUNDS + 1
-    print(f"\n{RACE_ROUNDS} races in {time.monotonic() - started:.1f} s: one winner each; losers: {dict(lost)}")
+    assert report.ok and len(report.checkpoints) == rounds + 1
+    print(f"\n{rounds} races in {time.monotonic() - started:.1f} s: one winner each; losers: {dict(lost)}")
     return lost
 
 
-def test_two_processes_race_for_one_name(s3_bucket, race_workers):
-    """Two processes save the same name at the same moment, 50 times: each time exactly one commits,
+@pytest.mark.parametrize("rounds", RACE_ROUNDS)
+def test_two_processes_race_for_one_name(s3_bucket, race_workers, rounds):
+    """Two processes save the same name at the same moment, again and again: each time exactly one commits,
     the other raises CheckpointExistsError, and the checkpoint is the winner's, complete.
     moto honours If-None-Match but checks then writes without a lock; when both conditional PUTs
     pass, the read-back of the commit record settles it."""
-    run_races(race_workers, f"{s3_bucket}/race", None)
+    run_races(race_workers, f"{s3_bucket}/race", None, rounds)
 
 
-def test_two_processes_race_on_a_store_ignoring_conditional_writes(s3_bucket, s3_proxy, race_workers):
+@pytest.mark.parametrize("rounds", RACE_ROUNDS)
+def test_two_processes_race_on_a_store_ignoring_conditional_writes(s3_bucket, s3_proxy, race_workers, rounds):
     """The same race through a proxy that strips If-None-Match: both commit PUTs land, the later
     one replaces the earlier. No writer may report success while the record is another's: the
     one whose record was replaced sees it on reading back and raises CheckpointExistsError saying
@@ -502,7 +505,8 @@ def test_two_processes_race_on_a_store_ignoring_conditional_writes(s3_bucket, s3
     If-None-Match (AWS S3) closes that window.
     """
     s3_proxy.strip_if_none_match = True
-    lost = run_races(race_workers, f"{s3_bucket}/race", {"client_kwargs": {"endpoint_url": s3_proxy.url}})
-    assert s3_proxy.stripped >= RACE_ROUNDS  # the commit PUTs really went out unconditional
+    lost = run_races(race_workers, f"{s3_bucket}/race", {"client_kwargs": {"endpoint_url": s3_proxy.url}},
+                     rounds)
+    assert s3_proxy.stripped >= rounds  # the commit PUTs really went out unconditional
     assert lost["store ignored the condition"] > 0  # both creates succeeded: the read-back decided
     assert s3_proxy.errors == []
