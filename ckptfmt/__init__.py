@@ -14,8 +14,8 @@ pulls in neither.
 import importlib
 from importlib.metadata import PackageNotFoundError, version as _installed_version
 
-from .asynchronous import async_save
-from .errors import (
+from ckptfmt.asynchronous import async_save
+from ckptfmt.errors import (
     CheckpointError,
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -28,18 +28,18 @@ from .errors import (
     UnsupportedValueError,
     UnsupportedVersionError,
 )
-from .manifest import FORMAT_VERSION
-from .manager import CheckpointManager, Tier
-from .per_rank import PerRank, PerRankValues
-from .reader import CheckpointReader, load, open, restore_rng
-from .replicate import ReplicationReport, replicate
-from .repository import Repository
-from .retention import Retention
-from .sharded import Shard, Sharded
-from .step_timer import StepTimer
-from .values import OpaqueObject
-from .verify import VerifyReport, verify
-from .writer import save
+from ckptfmt.manifest import FORMAT_VERSION
+from ckptfmt.manager import CheckpointManager, Tier
+from ckptfmt.per_rank import PerRank, PerRankValues
+from ckptfmt.reader import CheckpointReader, load, open, restore_rng
+from ckptfmt.replicate import ReplicationReport, replicate
+from ckptfmt.repository import Repository
+from ckptfmt.retention import Retention
+from ckptfmt.sharded import Shard, Sharded
+from ckptfmt.step_timer import StepTimer
+from ckptfmt.values import OpaqueObject
+from ckptfmt.verify import VerifyReport, verify
+from ckptfmt.writer import save
 
 try:
     __version__ = _installed_version("ckptfmt")

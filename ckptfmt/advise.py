@@ -36,11 +36,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Mapping
 
-from .describe import SaveTiming, save_timing, step_times
-from .errors import CheckpointError
-from .manifest import Manifest
-from .repository import Repository
-from .step_timer import decode_steps
+from ckptfmt.describe import SaveTiming, save_timing, step_times
+from ckptfmt.errors import CheckpointError
+from ckptfmt.manifest import Manifest
+from ckptfmt.repository import Repository
+from ckptfmt.step_timer import decode_steps
 
 #: The phase an asynchronous save records for its staging copy, the only part that blocks training.
 STAGE_PHASE = "stage"

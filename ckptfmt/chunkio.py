@@ -7,11 +7,11 @@ import threading
 from collections import OrderedDict
 from concurrent.futures import Future
 
-from . import codecs, layout
-from .errors import CheckpointNotFoundError, CorruptDataError
-from .hashing import check_chunk
-from .manifest import Chunk
-from .storage import Storage
+from ckptfmt import codecs, layout
+from ckptfmt.errors import CheckpointNotFoundError, CorruptDataError
+from ckptfmt.hashing import check_chunk
+from ckptfmt.manifest import Chunk
+from ckptfmt.storage import Storage
 
 _CACHE_BYTES = 64 * 2**20
 

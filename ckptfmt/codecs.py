@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import zstandard
 
-from .errors import CorruptDataError, ManifestError, quoted
+from ckptfmt.errors import CorruptDataError, ManifestError, quoted
 
 NONE = "none"
 ZSTD = "zstd"

@@ -26,21 +26,21 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import layout
-from .chunk_writer import ChunkTable, store_sources
-from .environment import capture_environment, merge_environments
-from .errors import CheckpointError, CheckpointExistsError, CheckpointWarning
-from .hashcache import DEFAULT_CACHE
-from .leases import Lease, hold_save_lease
-from .manifest import Manifest, Piece, Shard, TensorEntry
-from .process_group import CollectiveError, RankGroup
-from .repository import Repository, split_checkpoint_url
-from .rng import rng_entry
-from .state_merge import MAX_REPORTED, merge_states
-from .tensors import TensorSource
-from .timing import PhaseTimer
-from .topology import rank_entry
-from .values import TensorRef, decode_tree, encode_tree
+from ckptfmt import layout
+from ckptfmt.chunk_writer import ChunkTable, store_sources
+from ckptfmt.environment import capture_environment, merge_environments
+from ckptfmt.errors import CheckpointError, CheckpointExistsError, CheckpointWarning
+from ckptfmt.hashcache import DEFAULT_CACHE
+from ckptfmt.leases import Lease, hold_save_lease
+from ckptfmt.manifest import Manifest, Piece, Shard, TensorEntry
+from ckptfmt.process_group import CollectiveError, RankGroup
+from ckptfmt.repository import Repository, split_checkpoint_url
+from ckptfmt.rng import rng_entry
+from ckptfmt.state_merge import MAX_REPORTED, merge_states
+from ckptfmt.tensors import TensorSource
+from ckptfmt.timing import PhaseTimer
+from ckptfmt.topology import rank_entry
+from ckptfmt.values import TensorRef, decode_tree, encode_tree
 
 
 def collective_save(state: Any, url: str, group, *, timeout: float, step: int | None, metadata: dict | None,
@@ -49,7 +49,7 @@ def collective_save(state: Any, url: str, group, *, timeout: float, step: int | 
                     provenance: dict | None, frozen: bool, steps: dict | None,
                     staged: tuple[int, float] | None, captured_rng: dict | None = None) -> str:
     """``ckptfmt.save`` over a process group (arguments checked by ``save``); returns the checkpoint URL."""
-    from .writer import TensorCollector, resolve_parent
+    from ckptfmt.writer import TensorCollector, resolve_parent
 
     timer = PhaseTimer(staged)
     repo_url, name = split_checkpoint_url(url)
@@ -90,7 +90,7 @@ def _write_and_commit(decision: dict, failure: Failure | None, url: str, name: s
                       rng, step_times, parallelism, provenance, compression, chunk_size, workers, steps,
                       captured_rng) -> str:
     """Steps 2 and 3 of the protocol, once the plan is broadcast."""
-    from .writer import commit_manifest
+    from ckptfmt.writer import commit_manifest
 
     _raise_failures(decision, url, failure)
     agreed: Plan = decision["ok"]

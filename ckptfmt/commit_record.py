@@ -8,10 +8,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from .errors import CheckpointError, ManifestError, quoted
-from .limits import MAX_MANIFEST_BYTES, check_hash, check_name
-from .manifest import FORMAT_VERSION, check_version
-from .values import unique_map
+from ckptfmt.errors import CheckpointError, ManifestError, quoted
+from ckptfmt.limits import MAX_MANIFEST_BYTES, check_hash, check_name
+from ckptfmt.manifest import FORMAT_VERSION, check_version
+from ckptfmt.values import unique_map
 
 COMMIT_FORMAT = "ckptfmt-commit"
 

@@ -31,21 +31,21 @@ from torch.distributed.checkpoint import storage as dcp_storage
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict, unflatten_state_dict
 from torch.futures import Future
 
-from . import layout
-from .chunk_writer import ChunkTable, store_sources
-from .leases import Lease, hold_save_lease
-from .dtypes import dtype_from_name, dtype_name
-from .environment import capture_environment, merge_environments
-from .errors import CheckpointError, CheckpointExistsError, UnsupportedValueError
-from .hashcache import DEFAULT_CACHE
-from .manifest import Chunk, Manifest, Piece, Shard, TensorEntry
-from .reader import CheckpointReader
-from .repository import Repository, split_checkpoint_url
-from .rng import capture_rng
-from .tensors import prepare
-from .timing import PhaseTimer
-from .topology import current_rank, rank_entry
-from .values import TensorRef, decode_tree, encode_tree, format_key
+from ckptfmt import layout
+from ckptfmt.chunk_writer import ChunkTable, store_sources
+from ckptfmt.leases import Lease, hold_save_lease
+from ckptfmt.dtypes import dtype_from_name, dtype_name
+from ckptfmt.environment import capture_environment, merge_environments
+from ckptfmt.errors import CheckpointError, CheckpointExistsError, UnsupportedValueError
+from ckptfmt.hashcache import DEFAULT_CACHE
+from ckptfmt.manifest import Chunk, Manifest, Piece, Shard, TensorEntry
+from ckptfmt.reader import CheckpointReader
+from ckptfmt.repository import Repository, split_checkpoint_url
+from ckptfmt.rng import capture_rng
+from ckptfmt.tensors import prepare
+from ckptfmt.timing import PhaseTimer
+from ckptfmt.topology import current_rank, rank_entry
+from ckptfmt.values import TensorRef, decode_tree, encode_tree, format_key
 
 
 #: The index of the write result that carries a rank's own record: no state key can be this fqn.
@@ -161,7 +161,7 @@ class StorageWriter(dcp_storage.StorageWriter):
 
     def finish(self, metadata: dcp_metadata.Metadata, results: list[list[dcp_storage.WriteResult]]) -> None:
         """On the coordinator, once every rank has written: the manifest, then the commit record."""
-        from .writer import commit_manifest
+        from ckptfmt.writer import commit_manifest
 
         repo_url, name = split_checkpoint_url(self.url)
         repo = Repository.open(repo_url, self.storage_options)

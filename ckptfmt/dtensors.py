@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import UnsupportedValueError
+from ckptfmt.errors import UnsupportedValueError
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .errors import CheckpointError, ManifestError, UnsupportedValueError, quoted
+from ckptfmt.errors import CheckpointError, ManifestError, UnsupportedValueError, quoted
 
 #: format dtype name -> bytes per element (format version 1.0).
 ITEMSIZES: dict[str, int] = {

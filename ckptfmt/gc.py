@@ -21,11 +21,11 @@ import re
 import time
 from dataclasses import asdict, dataclass, field
 
-from . import layout
-from .errors import CheckpointError, CheckpointNotFoundError
-from .leases import Lease, try_gc_lease
-from .limits import is_valid_name
-from .repository import CommitRecord, Repository
+from ckptfmt import layout
+from ckptfmt.errors import CheckpointError, CheckpointNotFoundError
+from ckptfmt.leases import Lease, try_gc_lease
+from ckptfmt.limits import is_valid_name
+from ckptfmt.repository import CommitRecord, Repository
 
 #: Manifest fields a collector never needs (the chunk table is what it reads).
 _SKIP = frozenset({"rng", "environment", "topology", "timing", "provenance"})

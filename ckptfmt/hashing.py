@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import blake3
 
-from .errors import CorruptDataError
+from ckptfmt.errors import CorruptDataError
 
 #: Above this size one hash call spreads over all cores (BLAKE3's own threads).
 _PARALLEL_THRESHOLD = 8 * 2**20

@@ -14,11 +14,11 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
-from .errors import CheckpointError, CheckpointNotFoundError
-from .gc import collect, remove
-from .replicate import replicate
-from .repository import CommitRecord, Repository
-from .retention import Retention, metrics_reader
+from ckptfmt.errors import CheckpointError, CheckpointNotFoundError
+from ckptfmt.gc import collect, remove
+from ckptfmt.replicate import replicate
+from ckptfmt.repository import CommitRecord, Repository
+from ckptfmt.retention import Retention, metrics_reader
 
 #: Chunks copied to the next tier at a time: few, so that a save starting meanwhile soon has the machine
 #: back (copying pauses for it, but what is already queued finishes).

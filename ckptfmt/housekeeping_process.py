@@ -46,7 +46,7 @@ import traceback
 import warnings
 from multiprocessing.connection import Connection
 
-from .housekeeping import Housekeeper, Tier
+from ckptfmt.housekeeping import Housekeeper, Tier
 
 #: Whether process mode is available: it needs the kernel to end an orphaned, possibly stopped child.
 SUPPORTED = sys.platform.startswith("linux")

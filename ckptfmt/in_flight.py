@@ -15,8 +15,8 @@ import threading
 import warnings
 from concurrent.futures import Future
 
-from .errors import CheckpointWarning
-from .repository import split_checkpoint_url
+from ckptfmt.errors import CheckpointWarning
+from ckptfmt.repository import split_checkpoint_url
 
 _pending: dict[str, Future] = {}
 _lock = threading.Lock()

@@ -32,11 +32,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator
 
-from .errors import CheckpointError, StorageError
-from .layout import LEASES_DIR
-from .manifest import FORMAT_VERSION
-from .repository import Repository
-from .values import unique_map
+from ckptfmt.errors import CheckpointError, StorageError
+from ckptfmt.layout import LEASES_DIR
+from ckptfmt.manifest import FORMAT_VERSION
+from ckptfmt.repository import Repository
+from ckptfmt.values import unique_map
 
 LEASE_FORMAT = "ckptfmt-lease"
 SAVE, GC = "save", "gc"

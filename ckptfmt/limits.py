@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-from .errors import InvalidNameError, quoted
+from ckptfmt.errors import InvalidNameError, quoted
 
 MAX_MANIFEST_BYTES = 256 * 2**20
 MAX_COMMIT_BYTES = 64 * 2**10

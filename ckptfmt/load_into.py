@@ -17,11 +17,11 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from .dtensors import is_dtensor, local_shard
-from .dtypes import dtype_from_name
-from .errors import CheckpointError
-from .per_rank import PerRankValues
-from .values import TensorRef, decode_tree, format_key
+from ckptfmt.dtensors import is_dtensor, local_shard
+from ckptfmt.dtypes import dtype_from_name
+from ckptfmt.errors import CheckpointError
+from ckptfmt.per_rank import PerRankValues
+from ckptfmt.values import TensorRef, decode_tree, format_key
 
 #: Names listed per kind of problem in the error, at most.
 _LISTED = 20

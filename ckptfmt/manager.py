@@ -34,16 +34,16 @@ from typing import Any
 
 import torch
 
-from .advise import auto_interval
-from .asynchronous import async_save as start_async_save
-from .errors import CheckpointError, CheckpointNotFoundError, CheckpointWarning
-from .housekeeping import Housekeeper, Tier, tier_records
-from .housekeeping_process import SUPPORTED as PROCESS_SUPPORTED, HousekeepingProcess
-from .process_group import distributed_group
-from .reader import load, restore_rng
-from .retention import METRICS_KEY, Retention
-from .storage import in_process_memory
-from .writer import save
+from ckptfmt.advise import auto_interval
+from ckptfmt.asynchronous import async_save as start_async_save
+from ckptfmt.errors import CheckpointError, CheckpointNotFoundError, CheckpointWarning
+from ckptfmt.housekeeping import Housekeeper, Tier, tier_records
+from ckptfmt.housekeeping_process import SUPPORTED as PROCESS_SUPPORTED, HousekeepingProcess
+from ckptfmt.process_group import distributed_group
+from ckptfmt.reader import load, restore_rng
+from ckptfmt.retention import METRICS_KEY, Retention
+from ckptfmt.storage import in_process_memory
+from ckptfmt.writer import save
 
 #: Steps after a save at which ``interval="auto"`` plans the next one (from the steps timed meanwhile).
 PLAN_AFTER_STEPS = 5

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from .errors import CheckpointError, CollectiveError
+from ckptfmt.errors import CheckpointError, CollectiveError
 
 #: gloo groups made for saves: (the training group, its ranks, timeout) -> group.
 _SIDE_GROUPS: dict[tuple, Any] = {}

@@ -10,16 +10,16 @@ from typing import Any
 
 import torch
 
-from .chunkio import ChunkReader
-from .errors import CheckpointError, CheckpointNotFoundError, CheckpointWarning, CorruptDataError, ManifestError
-from .load_into import load_into
-from .manifest import Manifest, Piece, TensorEntry
-from .repository import Repository, resolve
-from .rng import apply_rng
-from .dtypes import dtype_from_name, itemsize
-from .tensors import byte_view, empty, finish
-from .topology import current_rank
-from .values import decode_tree
+from ckptfmt.chunkio import ChunkReader
+from ckptfmt.errors import CheckpointError, CheckpointNotFoundError, CheckpointWarning, CorruptDataError, ManifestError
+from ckptfmt.load_into import load_into
+from ckptfmt.manifest import Manifest, Piece, TensorEntry
+from ckptfmt.repository import Repository, resolve
+from ckptfmt.rng import apply_rng
+from ckptfmt.dtypes import dtype_from_name, itemsize
+from ckptfmt.tensors import byte_view, empty, finish
+from ckptfmt.topology import current_rank
+from ckptfmt.values import decode_tree
 
 
 class CheckpointReader:

@@ -30,16 +30,16 @@ from typing import Callable, Iterable
 
 from fsspec.callbacks import Callback, NoOpCallback
 
-from . import codecs, layout
-from .chunker import DEFAULT_CHUNK_SIZE
-from .errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError, CorruptDataError
-from .hashing import chunk_hash, check_chunk
-from .leases import Lease, save_lease
-from .limits import check_name
-from .manifest import Chunk
-from .repository import CommitRecord, Repository
-from .storage import Storage
-from .verify import _ByteBudget
+from ckptfmt import codecs, layout
+from ckptfmt.chunker import DEFAULT_CHUNK_SIZE
+from ckptfmt.errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError, CorruptDataError
+from ckptfmt.hashing import chunk_hash, check_chunk
+from ckptfmt.leases import Lease, save_lease
+from ckptfmt.limits import check_name
+from ckptfmt.manifest import Chunk
+from ckptfmt.repository import CommitRecord, Repository
+from ckptfmt.storage import Storage
+from ckptfmt.verify import _ByteBudget
 
 #: Manifest fields a copy does not need parsed (it copies the manifest's bytes as they are).
 _UNUSED_FIELDS = frozenset({"rng", "environment", "topology", "timing", "stats", "provenance"})

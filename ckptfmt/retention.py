@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable
 
-from .errors import CheckpointError
-from .repository import CommitRecord, Repository
-from .values import decode_tree
+from ckptfmt.errors import CheckpointError
+from ckptfmt.repository import CommitRecord, Repository
+from ckptfmt.values import decode_tree
 
 #: The metadata key under which ``CheckpointManager`` stores a checkpoint's metrics.
 METRICS_KEY = "metrics"

@@ -12,7 +12,7 @@ import random
 import numpy as np
 import torch
 
-from .errors import CheckpointError
+from ckptfmt.errors import CheckpointError
 
 
 def capture_rng(rank: int) -> dict:

@@ -18,10 +18,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from .dtensors import LocalShard, is_dtensor, local_shard
-from .per_rank import PerRank
-from .sharded import Shard, Sharded
-from .values import format_key
+from ckptfmt.dtensors import LocalShard, is_dtensor, local_shard
+from ckptfmt.per_rank import PerRank
+from ckptfmt.sharded import Shard, Sharded
+from ckptfmt.values import format_key
 
 
 class StagingArea:

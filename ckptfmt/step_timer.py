@@ -31,7 +31,7 @@ import blake3
 import numpy as np
 import torch
 
-from .errors import ManifestError
+from ckptfmt.errors import ManifestError
 
 #: Bytes of a batch digest (BLAKE3 of the indices as little-endian int64).
 BATCH_DIGEST_BYTES = 16

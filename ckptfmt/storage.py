@@ -26,7 +26,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 from fsspec.implementations.memory import MemoryFileSystem
 
-from .errors import CheckpointError, CheckpointNotFoundError, CorruptDataError, StorageError
+from ckptfmt.errors import CheckpointError, CheckpointNotFoundError, CorruptDataError, StorageError
 
 
 def _file_kind(mode: int) -> str:

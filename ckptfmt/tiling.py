@@ -17,7 +17,7 @@ from typing import Protocol
 
 import numpy as np
 
-from .errors import ManifestError
+from ckptfmt.errors import ManifestError
 
 #: Non-empty shards a tensor may have without forming a grid.
 PAIRWISE_LIMIT = 256

@@ -16,12 +16,12 @@ from dataclasses import dataclass, field
 
 from fsspec.callbacks import Callback, NoOpCallback
 
-from . import layout
-from .chunkio import ChunkReader
-from .errors import CheckpointError, CheckpointNotFoundError, StorageError
-from .manifest import Manifest
-from .repository import Repository, resolve
-from .storage import open_storage
+from ckptfmt import layout
+from ckptfmt.chunkio import ChunkReader
+from ckptfmt.errors import CheckpointError, CheckpointNotFoundError, StorageError
+from ckptfmt.manifest import Manifest
+from ckptfmt.repository import Repository, resolve
+from ckptfmt.storage import open_storage
 
 
 @dataclass(frozen=True)

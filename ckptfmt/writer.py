@@ -17,30 +17,30 @@ from typing import Any, Callable
 import msgpack
 import torch
 
-from . import codecs, in_flight, layout
-from .environment import capture_environment
-from .errors import (
+from ckptfmt import codecs, in_flight, layout
+from ckptfmt.environment import capture_environment
+from ckptfmt.errors import (
     CheckpointError, CheckpointExistsError, CheckpointNotFoundError, CheckpointWarning, ManifestError,
     UnsupportedValueError,
 )
-from .hashcache import DEFAULT_CACHE
-from .chunk_writer import checkpoint_stats, store_sources
-from .collective_save import collective_save
-from .dtensors import LocalShard, is_dtensor, local_shard
-from .hashing import chunk_hash
-from .leases import Lease, hold_save_lease
-from .limits import MAX_CHUNK_BYTES, MAX_KEY_BYTES, check_name
-from .manifest import MAX_RANK, Manifest, Piece, Shard, TensorEntry
-from .tiling import check_tiling
-from .repository import CommitRecord, Repository, split_checkpoint_url
-from .process_group import distributed_group
-from .rng import rng_entry
-from .sharded import Shard as ShardInput, Sharded
-from .tensors import TensorSource, prepare
-from .step_timer import StepTimer
-from .timing import PhaseTimer
-from .topology import capture_topology, current_rank
-from .values import encode_tree, format_key
+from ckptfmt.hashcache import DEFAULT_CACHE
+from ckptfmt.chunk_writer import checkpoint_stats, store_sources
+from ckptfmt.collective_save import collective_save
+from ckptfmt.dtensors import LocalShard, is_dtensor, local_shard
+from ckptfmt.hashing import chunk_hash
+from ckptfmt.leases import Lease, hold_save_lease
+from ckptfmt.limits import MAX_CHUNK_BYTES, MAX_KEY_BYTES, check_name
+from ckptfmt.manifest import MAX_RANK, Manifest, Piece, Shard, TensorEntry
+from ckptfmt.tiling import check_tiling
+from ckptfmt.repository import CommitRecord, Repository, split_checkpoint_url
+from ckptfmt.process_group import distributed_group
+from ckptfmt.rng import rng_entry
+from ckptfmt.sharded import Shard as ShardInput, Sharded
+from ckptfmt.tensors import TensorSource, prepare
+from ckptfmt.step_timer import StepTimer
+from ckptfmt.timing import PhaseTimer
+from ckptfmt.topology import capture_topology, current_rank
+from ckptfmt.values import encode_tree, format_key
 
 _LATEST = object()
 #: How long a collective save waits for every rank at each of its steps.

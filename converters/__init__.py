@@ -7,7 +7,7 @@ never run: see ``pickles``) or, where its module is present, a safetensors file;
 They depend on the core, never the reverse.
 """
 
-from .export import ExportResult, export_checkpoint
-from .importer import Imported, ImportResult, import_checkpoint
+from ckptfmt.converters.export import ExportResult, export_checkpoint
+from ckptfmt.converters.importer import Imported, ImportResult, import_checkpoint
 
 __all__ = ["ExportResult", "ImportResult", "Imported", "export_checkpoint", "import_checkpoint"]

@@ -47,7 +47,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def export(args, console: Console) -> int:
-    from .export import export_checkpoint
+    from ckptfmt.converters.export import export_checkpoint
 
     result = export_checkpoint(args.checkpoint, args.dest, format=args.format,
                                max_shard_size=args.max_shard_size, prefix=args.prefix, world_size=args.world_size,
@@ -85,7 +85,7 @@ def _tp_dims(values: list[str] | None) -> dict | None:
 
 
 def import_(args, console: Console) -> int:
-    from .importer import import_checkpoint
+    from ckptfmt.converters.importer import import_checkpoint
 
     tp_dims = _tp_dims(args.tp_dim)
     result = import_checkpoint(args.src, args.dest, kind=args.kind, step=args.step,

@@ -41,8 +41,8 @@ import ckptfmt
 from ckptfmt.errors import CheckpointError, CheckpointNotFoundError
 from ckptfmt.values import format_key
 
-from .importer import Imported, note_opaque_and_step
-from .pickles import (
+from ckptfmt.converters.importer import Imported, note_opaque_and_step
+from ckptfmt.converters.pickles import (
     MAX_PICKLE_BYTES,
     Node,
     PickleError,
@@ -50,7 +50,7 @@ from .pickles import (
     _BudgetReader,
     to_value_tree,
 )
-from .torch_format import load_object
+from ckptfmt.converters.torch_format import load_object
 
 METADATA_NAME = ".metadata"
 SUFFIX = ".distcp"

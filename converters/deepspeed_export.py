@@ -40,14 +40,14 @@ from ckptfmt.dtypes import dtype_from_name
 from ckptfmt.errors import CheckpointError
 from ckptfmt.values import OpaqueObject, decode_tree
 
-from .export import (
+from ckptfmt.converters.export import (
     DEFAULT_SHARD_SIZE,
     ExportResult,
     restore_opaque,
     safetensors_shards,
     write_atomically,
 )
-from .safetensors_format import OutTensor, write_file
+from ckptfmt.converters.safetensors_format import OutTensor, write_file
 
 #: The DeepSpeed version whose save layout this module writes, when the source names none.
 LAYOUT_VERSION = "0.19.8"

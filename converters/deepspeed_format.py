@@ -43,10 +43,10 @@ from typing import Any
 
 from ckptfmt.errors import CheckpointError, CheckpointNotFoundError
 
-from . import torch_format
-from .deepspeed_tp import TpMerge
-from .deepspeed_zero import Rebuild
-from .importer import Imported
+from ckptfmt.converters import torch_format
+from ckptfmt.converters.deepspeed_tp import TpMerge
+from ckptfmt.converters.deepspeed_zero import Rebuild
+from ckptfmt.converters.importer import Imported
 
 LATEST = "latest"
 _MODEL = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")

@@ -25,7 +25,7 @@ from ckptfmt.errors import CheckpointError
 from ckptfmt.sharded import Shard, Sharded
 from ckptfmt.values import OpaqueObject
 
-from .pickles import Node, PickleError, restricted_loads
+from ckptfmt.converters.pickles import Node, PickleError, restricted_loads
 
 #: Keys of a ZeRO optimizer state dict that are per-rank layout, not state (rebuilt or dropped).
 _LAYOUT_KEYS = {"base_optimizer_state", "optimizer_state_dict", "single_partition_of_fp32_groups",

@@ -17,7 +17,7 @@ import ckptfmt
 from ckptfmt.dtypes import dtype_from_name
 from ckptfmt.errors import CheckpointError
 
-from .safetensors_format import write_file
+from ckptfmt.converters.safetensors_format import write_file
 
 FORMATS = ("torch", "safetensors", "dcp", "deepspeed")
 
@@ -63,7 +63,7 @@ def export_checkpoint(url: str | os.PathLike, dest: str | os.PathLike, *, format
         if format == "dcp":
             return _to_dcp(reader, dest)
         if format == "deepspeed":
-            from .deepspeed_export import to_deepspeed  # imports this module: loaded on use
+            from ckptfmt.converters.deepspeed_export import to_deepspeed  # imports this module: loaded on use
 
             return to_deepspeed(reader, dest, world_size=world_size, zero_stage=zero_stage, ds_config=ds_config)
         return _to_safetensors(reader, dest, max_shard_size=shard_limit, prefix=prefix)
@@ -176,7 +176,7 @@ def _to_safetensors(reader: ckptfmt.CheckpointReader, dest: str, *, max_shard_si
     Tensors are read lazily and written one at a time, so memory holds at most one
     tensor; plain values do not fit safetensors and are noted.
     """
-    from .safetensors_format import TORCH_TO_SAFETENSORS, OutTensor
+    from ckptfmt.converters.safetensors_format import TORCH_TO_SAFETENSORS, OutTensor
 
     notes: list[str] = []
     if prefix is not None:
@@ -218,7 +218,7 @@ def _to_safetensors(reader: ckptfmt.CheckpointReader, dest: str, *, max_shard_si
 
 def safetensors_shards(folder: str, tensors: list, metadata: dict, limit: int, notes: list[str]) -> ExportResult:
     """Hugging Face layout: model-0000i-of-0000N.safetensors and model.safetensors.index.json."""
-    from .safetensors_format import INDEX_NAME
+    from ckptfmt.converters.safetensors_format import INDEX_NAME
 
     shards: list[list] = [[]]
     size = 0

@@ -36,8 +36,8 @@ import torch
 from ckptfmt.errors import CheckpointError, CheckpointNotFoundError, ManifestError
 from ckptfmt.values import format_key
 
-from . import safetensors_format, torch_format
-from .importer import Imported
+from ckptfmt.converters import safetensors_format, torch_format
+from ckptfmt.converters.importer import Imported
 
 TRAINER_STATE = "trainer_state.json"
 TRAINING_ARGS = "training_args.bin"

@@ -17,8 +17,8 @@ import zipfile
 
 from ckptfmt.errors import CheckpointError
 
-from . import torch_format
-from .importer import Imported
+from ckptfmt.converters import torch_format
+from ckptfmt.converters.importer import Imported
 
 VERSION_KEY = "pytorch-lightning_version"
 #: How much of a legacy-format file detect() scans for the keys (the main pickle comes first).

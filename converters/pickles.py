@@ -641,7 +641,7 @@ class RestrictedUnpickler(pickle._Unpickler):
     def nested_torch_file(self, data: bytes) -> Any:
         if self.depth >= MAX_NESTED_PICKLES:
             raise PickleError("pickles nested too deep")
-        from .torch_format import load_object  # the torch file reader, over in-memory bytes
+        from ckptfmt.converters.torch_format import load_object  # the torch file reader, over in-memory bytes
 
         return load_object(data, "<embedded storage>", depth=self.depth + 1, notes=self.notes)
 

@@ -31,7 +31,7 @@ from ckptfmt.errors import (
     ManifestError,
 )
 
-from .importer import Imported
+from ckptfmt.converters.importer import Imported
 
 INDEX_NAME = "model.safetensors.index.json"
 SUFFIX = ".safetensors"

@@ -35,8 +35,8 @@ from typing import Any
 
 from ckptfmt.errors import CheckpointError
 
-from .importer import Imported, note_opaque_and_step
-from .pickles import (
+from ckptfmt.converters.importer import Imported, note_opaque_and_step
+from ckptfmt.converters.pickles import (
     MAX_PICKLE_BYTES,
     PickleError,
     RestrictedUnpickler,

@@ -13,7 +13,7 @@ __all__ = ["CheckpointApp", "create_app", "main"]
 
 def __getattr__(name: str):
     if name in __all__:
-        from . import app
+        from ckptfmt.tui import app
 
         return getattr(app, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -13,15 +13,15 @@ from textual.binding import Binding
 from textual.containers import Vertical
 from textual.widgets import Footer, Header, Static
 
-from ..errors import CheckpointNotFoundError
-from ..reader import CheckpointReader
-from ..repository import Repository
-from .screens.base import ErrorPanel, WorkerScreen
-from .screens.checkpoint import CheckpointScreen
-from .screens.diff import DiffScreen
-from .screens.help import HelpScreen
-from .screens.repository import RepositoryScreen
-from .screens.run import RunScreen
+from ckptfmt.errors import CheckpointNotFoundError
+from ckptfmt.reader import CheckpointReader
+from ckptfmt.repository import Repository
+from ckptfmt.tui.screens.base import ErrorPanel, WorkerScreen
+from ckptfmt.tui.screens.checkpoint import CheckpointScreen
+from ckptfmt.tui.screens.diff import DiffScreen
+from ckptfmt.tui.screens.help import HelpScreen
+from ckptfmt.tui.screens.repository import RepositoryScreen
+from ckptfmt.tui.screens.run import RunScreen
 
 
 class OpenScreen(WorkerScreen):

@@ -31,7 +31,7 @@ def run(args, console: Console) -> int:
         import textual  # noqa: F401 - only to tell a missing extra from a broken install
     except ImportError:
         raise CheckpointError("the terminal UI needs textual: pip install 'ckptfmt[tui]'") from None
-    from .app import main
+    from ckptfmt.tui.app import main
 
     return main(args.targets, compare_with=args.compare, min_delay=args.min_delay)
 

@@ -6,8 +6,8 @@ only where chunk hashes differ). Needs pyarrow, and matplotlib for the report
 ckptfmt needs neither.
 """
 
-from .compare import compare
-from .stragglers import Thresholds, episode_ranges, stragglers
-from .tables import TABLE_NAMES, export, tables
+from ckptfmt.analytics.compare import compare
+from ckptfmt.analytics.stragglers import Thresholds, episode_ranges, stragglers
+from ckptfmt.analytics.tables import TABLE_NAMES, export, tables
 
 __all__ = ["TABLE_NAMES", "Thresholds", "compare", "episode_ranges", "export", "stragglers", "tables"]

@@ -36,14 +36,14 @@ from typing import Any
 import blake3
 import torch
 
-from ..diff import plain_leaves, plain_values, same_value, value_difference
-from ..errors import quoted
-from ..manifest import Manifest
-from ..reader import CheckpointReader
-from ..repository import CommitRecord, Repository
-from ..step_timer import decode_steps
-from ..values import decode_tree
-from .tables import _flatten
+from ckptfmt.diff import plain_leaves, plain_values, same_value, value_difference
+from ckptfmt.errors import quoted
+from ckptfmt.manifest import Manifest
+from ckptfmt.reader import CheckpointReader
+from ckptfmt.repository import CommitRecord, Repository
+from ckptfmt.step_timer import decode_steps
+from ckptfmt.values import decode_tree
+from ckptfmt.analytics.tables import _flatten
 
 #: Environment fields by kind of difference (dotted prefixes of spec 9.2's record).
 _ENVIRONMENT_KINDS = (

@@ -30,10 +30,10 @@ import numpy as np  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 import pyarrow as pa  # noqa: E402
 
-from .compare import compare  # noqa: E402
-from .grids import StepGrid, slowest_save_phases  # noqa: E402
-from .stragglers import Thresholds, episode_ranges, step_delays, stragglers  # noqa: E402
-from .tables import tables  # noqa: E402
+from ckptfmt.analytics.compare import compare  # noqa: E402
+from ckptfmt.analytics.grids import StepGrid, slowest_save_phases  # noqa: E402
+from ckptfmt.analytics.stragglers import Thresholds, episode_ranges, step_delays, stragglers  # noqa: E402
+from ckptfmt.analytics.tables import tables  # noqa: E402
 
 
 @dataclass

@@ -53,8 +53,8 @@ from typing import Mapping
 import numpy as np
 import pyarrow as pa
 
-from .grids import StepGrid
-from .tables import tables
+from ckptfmt.analytics.grids import StepGrid
+from ckptfmt.analytics.tables import tables
 
 #: Phases of a collective save that are waits for other ranks, not a rank's own work.
 SAVE_WAITS = frozenset({"join", "plan", "wait_ranks"})

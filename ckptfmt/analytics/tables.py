@@ -23,10 +23,10 @@ import pyarrow.compute as pc
 import pyarrow.csv as pa_csv
 import pyarrow.parquet as pq
 
-from ..errors import ManifestError, quoted
-from ..manifest import Manifest
-from ..repository import CommitRecord, Repository
-from ..step_timer import decode_steps
+from ckptfmt.errors import ManifestError, quoted
+from ckptfmt.manifest import Manifest
+from ckptfmt.repository import CommitRecord, Repository
+from ckptfmt.step_timer import decode_steps
 
 TABLE_NAMES = ("checkpoints", "saves", "steps", "tensors", "environment")
 #: Manifests read at once from remote stores (and so the most held in memory before they are added).

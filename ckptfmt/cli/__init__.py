@@ -20,11 +20,11 @@ from importlib.metadata import EntryPoint, entry_points
 
 from rich.console import Console
 
-from .. import __version__
-from ..errors import CheckpointError, CheckpointWarning
-from ..manifest import FORMAT_VERSION
-from ..output import Output
-from . import advise, commands, lifecycle, sync
+from ckptfmt import __version__
+from ckptfmt.errors import CheckpointError, CheckpointWarning
+from ckptfmt.manifest import FORMAT_VERSION
+from ckptfmt.output import Output
+from ckptfmt.cli import advise, commands, lifecycle, sync
 
 #: The entry point group of commands that live outside the core.
 COMMANDS_GROUP = "ckptfmt.commands"

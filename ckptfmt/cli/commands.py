@@ -10,16 +10,16 @@ from typing import Any
 from rich.console import Console
 from rich.text import Text
 
-from .. import describe
-from .. import diff as diff_module
-from ..describe import text
-from ..errors import CheckpointError, CheckpointWarning, quoted
-from ..formatting import counted, human_bytes, human_time, number, seconds, shape_text, short
-from ..output import KEY, NAME, TEXT, Column, Output
-from ..reader import open as open_checkpoint
-from ..repository import Repository
-from ..verify import verify as verify_url
-from .render import ByteProgress
+from ckptfmt import describe
+from ckptfmt import diff as diff_module
+from ckptfmt.describe import text
+from ckptfmt.errors import CheckpointError, CheckpointWarning, quoted
+from ckptfmt.formatting import counted, human_bytes, human_time, number, seconds, shape_text, short
+from ckptfmt.output import KEY, NAME, TEXT, Column, Output
+from ckptfmt.reader import open as open_checkpoint
+from ckptfmt.repository import Repository
+from ckptfmt.verify import verify as verify_url
+from ckptfmt.cli.render import ByteProgress
 
 
 def ls(args, console: Console) -> int:
@@ -235,7 +235,7 @@ def report(args, console: Console) -> int:
         raise CheckpointError("say where the report goes: --html OUT.html and/or --png DIR")
     _analytics()
     try:
-        from ..analytics.report import report as write_report
+        from ckptfmt.analytics.report import report as write_report
     except ImportError as exc:
         raise CheckpointError(f"ckptfmt report needs matplotlib ({exc}): pip install 'ckptfmt[analytics]'") from None
     made = write_report(args.repo, html_path=args.html, png_dir=args.png, compare_with=args.compare,
@@ -295,7 +295,7 @@ def _times(ratio: float | None) -> str:
 def _analytics():
     """ckptfmt.analytics, or a one-line error naming the extra that brings pyarrow."""
     try:
-        from .. import analytics
+        from ckptfmt import analytics
     except ImportError as exc:
         raise CheckpointError(f"ckptfmt analytics needs pyarrow ({exc}): pip install 'ckptfmt[analytics]'") from None
     return analytics

@@ -7,13 +7,13 @@ from datetime import timedelta
 
 from rich.console import Console
 
-from ..errors import CheckpointError
-from ..formatting import human_bytes
-from ..gc import GcReport, collect, remove
-from ..repository import Repository, split_checkpoint_url
-from ..retention import Retention, metrics_reader
-from .advise import parse_duration
-from ..output import Output
+from ckptfmt.errors import CheckpointError
+from ckptfmt.formatting import human_bytes
+from ckptfmt.gc import GcReport, collect, remove
+from ckptfmt.repository import Repository, split_checkpoint_url
+from ckptfmt.retention import Retention, metrics_reader
+from ckptfmt.cli.advise import parse_duration
+from ckptfmt.output import Output
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

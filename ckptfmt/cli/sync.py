@@ -7,10 +7,10 @@ import dataclasses
 
 from rich.console import Console
 
-from ..formatting import human_bytes
-from ..replicate import replicate
-from ..output import Output
-from .render import ByteProgress
+from ckptfmt.formatting import human_bytes
+from ckptfmt.replicate import replicate
+from ckptfmt.output import Output
+from ckptfmt.cli.render import ByteProgress
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

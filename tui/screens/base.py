@@ -8,7 +8,7 @@ from textual.screen import Screen
 from textual.widgets import Static, TabbedContent, TabPane, Tabs
 from textual.worker import Worker, WorkerState
 
-from ...errors import CheckpointError
+from ckptfmt.errors import CheckpointError
 
 
 def describe_error(exc: BaseException) -> str:

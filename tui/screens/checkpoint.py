@@ -17,21 +17,21 @@ from textual.timer import Timer
 from textual.widgets import Footer, Header, Input, Static, TabbedContent, TabPane, Tree
 from textual.worker import get_current_worker
 
-from ... import describe
-from ...reader import CheckpointReader
-from ..stats import TensorStats, tensor_statistics
-from ..widgets import metadata
-from ..widgets.charts import histogram
-from ..widgets.formatting import (
+from ckptfmt import describe
+from ckptfmt.reader import CheckpointReader
+from ckptfmt.tui.stats import TensorStats, tensor_statistics
+from ckptfmt.tui.widgets import metadata
+from ckptfmt.tui.widgets.charts import histogram
+from ckptfmt.tui.widgets.formatting import (
     human_bytes,
     human_time,
     number,
     shape_text,
     tensor_count,
 )
-from ..widgets.tensor_tree import Group, TensorTree
-from .base import TAB_BINDINGS, ErrorPanel, WorkerScreen
-from .verify import VerifyScreen
+from ckptfmt.tui.widgets.tensor_tree import Group, TensorTree
+from ckptfmt.tui.screens.base import TAB_BINDINGS, ErrorPanel, WorkerScreen
+from ckptfmt.tui.screens.verify import VerifyScreen
 
 # tab id (also the name of its renderer in widgets.metadata) -> title
 METADATA_TABS = {

@@ -11,9 +11,9 @@ from textual import work
 from textual.app import ComposeResult
 from textual.widgets import DataTable, Footer, Header, Static, TabbedContent, TabPane
 
-from ...diff import DiffReport, diff
-from ..widgets.formatting import number, shape_text
-from .base import TAB_BINDINGS, ErrorPanel, WorkerScreen
+from ckptfmt.diff import DiffReport, diff
+from ckptfmt.tui.widgets.formatting import number, shape_text
+from ckptfmt.tui.screens.base import TAB_BINDINGS, ErrorPanel, WorkerScreen
 
 STATUS_STYLE = {"changed": "yellow", "added": "green", "removed": "red", "unchanged": "dim"}
 STATUSES = ("changed", "added", "removed", "unchanged")

@@ -8,15 +8,15 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.widgets import DataTable, Footer, Header, Static
 
-from ... import describe
-from ...reader import CheckpointReader
-from ...repository import CommitRecord, Repository
-from ..widgets.formatting import human_bytes, human_time
-from .base import ErrorPanel, WorkerScreen
-from .checkpoint import CheckpointScreen
-from .diff import DiffScreen
-from .run import RunScreen
-from .verify import VerifyScreen
+from ckptfmt import describe
+from ckptfmt.reader import CheckpointReader
+from ckptfmt.repository import CommitRecord, Repository
+from ckptfmt.tui.widgets.formatting import human_bytes, human_time
+from ckptfmt.tui.screens.base import ErrorPanel, WorkerScreen
+from ckptfmt.tui.screens.checkpoint import CheckpointScreen
+from ckptfmt.tui.screens.diff import DiffScreen
+from ckptfmt.tui.screens.run import RunScreen
+from ckptfmt.tui.screens.verify import VerifyScreen
 
 # column label -> sort key of a commit record (the verified column sorts by its text)
 SORT_KEYS = {

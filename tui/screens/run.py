@@ -17,9 +17,9 @@ from textual.app import ComposeResult
 from textual.containers import VerticalScroll
 from textual.widgets import DataTable, Footer, Header, Static, TabbedContent, TabPane
 
-from ...errors import CheckpointError
-from ...formatting import seconds
-from .base import TAB_BINDINGS, ErrorPanel, WorkerScreen
+from ckptfmt.errors import CheckpointError
+from ckptfmt.formatting import seconds
+from ckptfmt.tui.screens.base import TAB_BINDINGS, ErrorPanel, WorkerScreen
 
 #: Heatmap columns at most; more steps are grouped, each column showing its group's longest step.
 HEATMAP_COLUMNS = 96

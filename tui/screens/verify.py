@@ -17,9 +17,9 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.widgets import DataTable, Footer, Header, ProgressBar, Static
 
-from ...verify import VerifyReport, verify
-from ..widgets.formatting import human_bytes
-from .base import ErrorPanel, WorkerScreen
+from ckptfmt.verify import VerifyReport, verify
+from ckptfmt.tui.widgets.formatting import human_bytes
+from ckptfmt.tui.screens.base import ErrorPanel, WorkerScreen
 
 
 class ByteCounter(Callback):

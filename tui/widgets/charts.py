@@ -8,7 +8,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ckptfmt.formatting import number
-from ..stats import TensorStats
+from ckptfmt.tui.stats import TensorStats
 
 _EIGHTHS = " ▏▎▍▌▋▊▉█"
 

@@ -15,10 +15,10 @@ from rich.pretty import Pretty
 from rich.table import Table
 from rich.text import Text
 
-from ... import describe
-from ...manifest import TensorEntry
-from .charts import bar_chart
-from .formatting import seconds
+from ckptfmt import describe
+from ckptfmt.manifest import TensorEntry
+from ckptfmt.tui.widgets.charts import bar_chart
+from ckptfmt.tui.widgets.formatting import seconds
 
 
 def _fields(rows: list[tuple[str, Any]], title: str | None = None) -> Table:
