@@ -10,28 +10,11 @@ same box, and the collective save stores it once.
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
 
 import torch
 
 from ckptfmt.errors import UnsupportedValueError
-
-
-@dataclass(frozen=True)
-class LocalShard:
-    """This rank's part of a DTensor: its data and where it lies in the global tensor."""
-
-    tensor: torch.Tensor
-    offsets: tuple[int, ...]
-    global_shape: tuple[int, ...]
-    #: ``{"shape": [...], "dim_names": [...] or None}`` of the DTensor's device mesh.
-    mesh: dict
-    kind: str = "tensor"
-    requires_grad: bool = False
-
-    def with_tensor(self, tensor: torch.Tensor) -> "LocalShard":
-        """The same box holding other data (a staged copy)."""
-        return LocalShard(tensor, self.offsets, self.global_shape, self.mesh, self.kind, self.requires_grad)
+from ckptfmt.sharded import LocalShard
 
 
 def is_dtensor(value: object) -> bool:

@@ -1,8 +1,9 @@
-"""A tensor given as shards: how a state hands ckptfmt a tensor that lives in pieces.
+"""Tensors that live in pieces: how a state hands ckptfmt a tensor it holds only part of.
 
-Converters (DCP, DeepSpeed) build these so a checkpoint keeps each shard with
-its offsets and owning rank (spec 6.5) instead of a reassembled copy.
-``ckptfmt.load`` returns the assembled tensor.
+Converters (DCP, DeepSpeed) build ``Sharded`` so a checkpoint keeps each shard
+with its offsets and owning rank (spec 6.5) instead of a reassembled copy;
+``ckptfmt.load`` returns the assembled tensor. ``LocalShard`` is one rank's part
+of a DTensor in a collective save (made by ckptfmt/distributed/dtensors.py).
 """
 
 from __future__ import annotations
@@ -35,3 +36,20 @@ class Sharded:
     def __post_init__(self):
         object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
         object.__setattr__(self, "shards", tuple(self.shards))
+
+
+@dataclass(frozen=True)
+class LocalShard:
+    """This rank's part of a DTensor: its data and where it lies in the global tensor."""
+
+    tensor: torch.Tensor
+    offsets: tuple[int, ...]
+    global_shape: tuple[int, ...]
+    #: ``{"shape": [...], "dim_names": [...] or None}`` of the DTensor's device mesh.
+    mesh: dict
+    kind: str = "tensor"
+    requires_grad: bool = False
+
+    def with_tensor(self, tensor: torch.Tensor) -> "LocalShard":
+        """The same box holding other data (a staged copy)."""
+        return LocalShard(tensor, self.offsets, self.global_shape, self.mesh, self.kind, self.requires_grad)

@@ -18,9 +18,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from ckptfmt.dtensors import LocalShard, is_dtensor, local_shard
+from ckptfmt.dtensors import is_dtensor, local_shard
 from ckptfmt.per_rank import PerRank
-from ckptfmt.sharded import Shard, Sharded
+from ckptfmt.sharded import LocalShard, Shard, Sharded
 from ckptfmt.values import format_key
 
 

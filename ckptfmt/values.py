@@ -34,7 +34,7 @@ import msgpack
 import numpy as np
 import torch
 
-from ckptfmt.dtensors import LocalShard
+from ckptfmt.sharded import LocalShard
 from ckptfmt.dtypes import dtype_from_name, dtype_name
 from ckptfmt.errors import ManifestError, UnsupportedValueError, quoted
 from ckptfmt.limits import MAX_NESTING

@@ -26,7 +26,7 @@ from ckptfmt.errors import (
 from ckptfmt.hashcache import DEFAULT_CACHE
 from ckptfmt.chunk_writer import checkpoint_stats, store_sources
 from ckptfmt.collective_save import collective_save
-from ckptfmt.dtensors import LocalShard, is_dtensor, local_shard
+from ckptfmt.dtensors import is_dtensor, local_shard
 from ckptfmt.hashing import chunk_hash
 from ckptfmt.leases import Lease, hold_save_lease
 from ckptfmt.limits import MAX_CHUNK_BYTES, MAX_KEY_BYTES, check_name
@@ -35,7 +35,7 @@ from ckptfmt.tiling import check_tiling
 from ckptfmt.repository import CommitRecord, Repository, split_checkpoint_url
 from ckptfmt.process_group import distributed_group
 from ckptfmt.rng import rng_entry
-from ckptfmt.sharded import Shard as ShardInput, Sharded
+from ckptfmt.sharded import LocalShard, Shard as ShardInput, Sharded
 from ckptfmt.tensors import TensorSource, prepare
 from ckptfmt.step_timer import StepTimer
 from ckptfmt.timing import PhaseTimer
