@@ -21,7 +21,7 @@ import tracemalloc
 import msgpack
 
 from ckptfmt.errors import ManifestError
-from ckptfmt.manifest import FORMAT_VERSION, MANIFEST_FORMAT, Manifest
+from ckptfmt.format.manifest import FORMAT_VERSION, MANIFEST_FORMAT, Manifest
 
 HASH = "ab" * 32
 

@@ -32,9 +32,9 @@ from unittest import mock
 import torch
 
 import ckptfmt
-from ckptfmt import layout
+from ckptfmt.format import layout
 from ckptfmt.cli import main
-from ckptfmt.hashing import chunk_hash
+from ckptfmt.format.hashing import chunk_hash
 from ckptfmt.repository import CommitRecord, Repository
 from ckptfmt.writer import _LATEST, resolve_parent
 

@@ -28,16 +28,16 @@ from ckptfmt.errors import (
     UnsupportedValueError,
     UnsupportedVersionError,
 )
-from ckptfmt.manifest import FORMAT_VERSION
+from ckptfmt.format.manifest import FORMAT_VERSION
 from ckptfmt.manager import CheckpointManager, Tier
-from ckptfmt.per_rank import PerRank, PerRankValues
+from ckptfmt.format.per_rank import PerRank, PerRankValues
 from ckptfmt.reader import CheckpointReader, load, open, restore_rng
 from ckptfmt.replicate import ReplicationReport, replicate
 from ckptfmt.repository import Repository
 from ckptfmt.retention import Retention
-from ckptfmt.sharded import Shard, Sharded
+from ckptfmt.format.sharded import Shard, Sharded
 from ckptfmt.step_timer import StepTimer
-from ckptfmt.values import OpaqueObject
+from ckptfmt.format.values import OpaqueObject
 from ckptfmt.verify import VerifyReport, verify
 from ckptfmt.writer import save
 

@@ -38,7 +38,7 @@ from typing import Mapping
 
 from ckptfmt.describe import SaveTiming, save_timing, step_times
 from ckptfmt.errors import CheckpointError
-from ckptfmt.manifest import Manifest
+from ckptfmt.format.manifest import Manifest
 from ckptfmt.repository import Repository
 from ckptfmt.step_timer import decode_steps
 

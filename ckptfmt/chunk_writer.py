@@ -24,15 +24,15 @@ from dataclasses import dataclass
 import blake3
 import xxhash
 
-from ckptfmt import codecs, layout
+from ckptfmt.format import codecs, layout
 from ckptfmt.chunker import DEFAULT_CHUNK_SIZE, ChunkJob, ChunkPlanner, PieceRef
 from ckptfmt.errors import CheckpointError
 from ckptfmt.hashcache import HashCache
-from ckptfmt.hashing import chunk_hash
-from ckptfmt.limits import MAX_CHUNK_BYTES
-from ckptfmt.manifest import Chunk, Piece, TensorEntry
+from ckptfmt.format.hashing import chunk_hash
+from ckptfmt.format.limits import MAX_CHUNK_BYTES
+from ckptfmt.format.manifest import Chunk, Piece, TensorEntry
 from ckptfmt.repository import Repository
-from ckptfmt.tensors import TensorSource
+from ckptfmt.format.tensors import TensorSource
 
 #: Bytes copied, hashed and written at a time from the caller's memory.
 BLOCK_BYTES = 2**20

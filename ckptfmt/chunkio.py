@@ -7,10 +7,10 @@ import threading
 from collections import OrderedDict
 from concurrent.futures import Future
 
-from ckptfmt import codecs, layout
+from ckptfmt.format import codecs, layout
 from ckptfmt.errors import CheckpointNotFoundError, CorruptDataError
-from ckptfmt.hashing import check_chunk
-from ckptfmt.manifest import Chunk
+from ckptfmt.format.hashing import check_chunk
+from ckptfmt.format.manifest import Chunk
 from ckptfmt.storage import Storage
 
 _CACHE_BYTES = 64 * 2**20

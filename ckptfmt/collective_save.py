@@ -26,21 +26,21 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptfmt import layout
+from ckptfmt.format import layout
 from ckptfmt.chunk_writer import ChunkTable, store_sources
 from ckptfmt.environment import capture_environment, merge_environments
 from ckptfmt.errors import CheckpointError, CheckpointExistsError, CheckpointWarning
 from ckptfmt.hashcache import DEFAULT_CACHE
 from ckptfmt.leases import Lease, hold_save_lease
-from ckptfmt.manifest import Manifest, Piece, Shard, TensorEntry
+from ckptfmt.format.manifest import Manifest, Piece, Shard, TensorEntry
 from ckptfmt.process_group import CollectiveError, RankGroup
 from ckptfmt.repository import Repository, split_checkpoint_url
 from ckptfmt.rng import rng_entry
 from ckptfmt.state_merge import MAX_REPORTED, merge_states
-from ckptfmt.tensors import TensorSource
+from ckptfmt.format.tensors import TensorSource
 from ckptfmt.timing import PhaseTimer
 from ckptfmt.topology import rank_entry
-from ckptfmt.values import TensorRef, decode_tree, encode_tree
+from ckptfmt.format.values import TensorRef, decode_tree, encode_tree
 
 
 def collective_save(state: Any, url: str, group, *, timeout: float, step: int | None, metadata: dict | None,

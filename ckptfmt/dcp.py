@@ -31,21 +31,21 @@ from torch.distributed.checkpoint import storage as dcp_storage
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict, unflatten_state_dict
 from torch.futures import Future
 
-from ckptfmt import layout
+from ckptfmt.format import layout
 from ckptfmt.chunk_writer import ChunkTable, store_sources
 from ckptfmt.leases import Lease, hold_save_lease
-from ckptfmt.dtypes import dtype_from_name, dtype_name
+from ckptfmt.format.dtypes import dtype_from_name, dtype_name
 from ckptfmt.environment import capture_environment, merge_environments
 from ckptfmt.errors import CheckpointError, CheckpointExistsError, UnsupportedValueError
 from ckptfmt.hashcache import DEFAULT_CACHE
-from ckptfmt.manifest import Chunk, Manifest, Piece, Shard, TensorEntry
+from ckptfmt.format.manifest import Chunk, Manifest, Piece, Shard, TensorEntry
 from ckptfmt.reader import CheckpointReader
 from ckptfmt.repository import Repository, split_checkpoint_url
 from ckptfmt.rng import capture_rng
-from ckptfmt.tensors import prepare
+from ckptfmt.format.tensors import prepare
 from ckptfmt.timing import PhaseTimer
 from ckptfmt.topology import current_rank, rank_entry
-from ckptfmt.values import TensorRef, decode_tree, encode_tree, format_key
+from ckptfmt.format.values import TensorRef, decode_tree, encode_tree, format_key
 
 
 #: The index of the write result that carries a rank's own record: no state key can be this fqn.

@@ -15,10 +15,10 @@ from typing import Any, Iterator
 
 import torch
 
-from ckptfmt.hashing import chunk_hash
-from ckptfmt.manifest import Manifest, TensorEntry
+from ckptfmt.format.hashing import chunk_hash
+from ckptfmt.format.manifest import Manifest, TensorEntry
 from ckptfmt.reader import CheckpointReader, open as open_checkpoint
-from ckptfmt.values import decode_tree, format_key
+from ckptfmt.format.values import decode_tree, format_key
 
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 

@@ -14,7 +14,7 @@ import sys
 import torch
 
 from ckptfmt.errors import UnsupportedValueError
-from ckptfmt.sharded import LocalShard
+from ckptfmt.format.sharded import LocalShard
 
 
 def is_dtensor(value: object) -> bool:

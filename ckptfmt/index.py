@@ -25,12 +25,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Iterable, TypeVar
 
-from ckptfmt.commit_record import CommitRecord
+from ckptfmt.format.commit_record import CommitRecord
 from ckptfmt.errors import CheckpointError, CheckpointNotFoundError, CheckpointWarning, ManifestError, StorageError, quoted
-from ckptfmt.limits import MAX_INDEX_PACK_BYTES, is_valid_name
-from ckptfmt.manifest import FORMAT_VERSION, check_version
+from ckptfmt.format.limits import MAX_INDEX_PACK_BYTES, is_valid_name
+from ckptfmt.format.manifest import FORMAT_VERSION, check_version
 from ckptfmt.storage import Storage
-from ckptfmt.values import unique_map
+from ckptfmt.format.values import unique_map
 
 INDEX_DIR = "_index"
 ENTRIES_DIR = f"{INDEX_DIR}/e"

@@ -33,10 +33,10 @@ from dataclasses import dataclass
 from typing import Iterator
 
 from ckptfmt.errors import CheckpointError, StorageError
-from ckptfmt.layout import LEASES_DIR
-from ckptfmt.manifest import FORMAT_VERSION
+from ckptfmt.format.layout import LEASES_DIR
+from ckptfmt.format.manifest import FORMAT_VERSION
 from ckptfmt.repository import Repository
-from ckptfmt.values import unique_map
+from ckptfmt.format.values import unique_map
 
 LEASE_FORMAT = "ckptfmt-lease"
 SAVE, GC = "save", "gc"

@@ -18,10 +18,10 @@ import numpy as np
 import torch
 
 from ckptfmt.dtensors import is_dtensor, local_shard
-from ckptfmt.dtypes import dtype_from_name
+from ckptfmt.format.dtypes import dtype_from_name
 from ckptfmt.errors import CheckpointError
-from ckptfmt.per_rank import PerRankValues
-from ckptfmt.values import TensorRef, decode_tree, format_key
+from ckptfmt.format.per_rank import PerRankValues
+from ckptfmt.format.values import TensorRef, decode_tree, format_key
 
 #: Names listed per kind of problem in the error, at most.
 _LISTED = 20

@@ -13,13 +13,13 @@ import torch
 from ckptfmt.chunkio import ChunkReader
 from ckptfmt.errors import CheckpointError, CheckpointNotFoundError, CheckpointWarning, CorruptDataError, ManifestError
 from ckptfmt.load_into import load_into
-from ckptfmt.manifest import Manifest, Piece, TensorEntry
+from ckptfmt.format.manifest import Manifest, Piece, TensorEntry
 from ckptfmt.repository import Repository, resolve
 from ckptfmt.rng import apply_rng
-from ckptfmt.dtypes import dtype_from_name, itemsize
-from ckptfmt.tensors import byte_view, empty, finish
+from ckptfmt.format.dtypes import dtype_from_name, itemsize
+from ckptfmt.format.tensors import byte_view, empty, finish
 from ckptfmt.topology import current_rank
-from ckptfmt.values import decode_tree
+from ckptfmt.format.values import decode_tree
 
 
 class CheckpointReader:

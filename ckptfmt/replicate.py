@@ -30,13 +30,13 @@ from typing import Callable, Iterable
 
 from fsspec.callbacks import Callback, NoOpCallback
 
-from ckptfmt import codecs, layout
+from ckptfmt.format import codecs, layout
 from ckptfmt.chunker import DEFAULT_CHUNK_SIZE
 from ckptfmt.errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError, CorruptDataError
-from ckptfmt.hashing import chunk_hash, check_chunk
+from ckptfmt.format.hashing import chunk_hash, check_chunk
 from ckptfmt.leases import Lease, save_lease
-from ckptfmt.limits import check_name
-from ckptfmt.manifest import Chunk
+from ckptfmt.format.limits import check_name
+from ckptfmt.format.manifest import Chunk
 from ckptfmt.repository import CommitRecord, Repository
 from ckptfmt.storage import Storage
 from ckptfmt.verify import _ByteBudget

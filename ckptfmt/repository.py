@@ -14,18 +14,18 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from ckptfmt import layout
-from ckptfmt.commit_record import CommitRecord
+from ckptfmt.format import layout
+from ckptfmt.format.commit_record import CommitRecord
 from ckptfmt.errors import (
     CheckpointError, CheckpointExistsError, CheckpointNotFoundError, CheckpointWarning, CorruptDataError,
     InvalidNameError, ManifestError, StorageError, UnsupportedVersionError, quoted,
 )
-from ckptfmt.hashing import check_chunk
+from ckptfmt.format.hashing import check_chunk
 from ckptfmt.index import INDEX_DIR, CommitIndex, IndexDamagedError, read_each
-from ckptfmt.limits import MAX_COMMIT_BYTES, MAX_MARKER_BYTES, check_name, is_valid_name
-from ckptfmt.manifest import FORMAT_VERSION, Manifest, check_version
+from ckptfmt.format.limits import MAX_COMMIT_BYTES, MAX_MARKER_BYTES, check_name, is_valid_name
+from ckptfmt.format.manifest import FORMAT_VERSION, Manifest, check_version
 from ckptfmt.storage import Storage, open_storage
-from ckptfmt.values import unique_map
+from ckptfmt.format.values import unique_map
 
 REPO_FORMAT = "ckptfmt-repository"
 #: The version of the commit index (spec 4.4) that this ckptfmt reads and keeps: the marker's ``index``.

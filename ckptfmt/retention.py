@@ -15,7 +15,7 @@ from typing import Callable
 
 from ckptfmt.errors import CheckpointError
 from ckptfmt.repository import CommitRecord, Repository
-from ckptfmt.values import decode_tree
+from ckptfmt.format.values import decode_tree
 
 #: The metadata key under which ``CheckpointManager`` stores a checkpoint's metrics.
 METRICS_KEY = "metrics"

@@ -19,9 +19,9 @@ import numpy as np
 import torch
 
 from ckptfmt.dtensors import is_dtensor, local_shard
-from ckptfmt.per_rank import PerRank
-from ckptfmt.sharded import LocalShard, Shard, Sharded
-from ckptfmt.values import format_key
+from ckptfmt.format.per_rank import PerRank
+from ckptfmt.format.sharded import LocalShard, Shard, Sharded
+from ckptfmt.format.values import format_key
 
 
 class StagingArea:

@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any
 
-from ckptfmt.per_rank import PerRankValues
-from ckptfmt.values import TensorRef, encode_tree
+from ckptfmt.format.per_rank import PerRankValues
+from ckptfmt.format.values import TensorRef, encode_tree
 
 #: Paths of differing values named in the report, at most.
 MAX_REPORTED = 8

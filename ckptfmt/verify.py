@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 
 from fsspec.callbacks import Callback, NoOpCallback
 
-from ckptfmt import layout
+from ckptfmt.format import layout
 from ckptfmt.chunkio import ChunkReader
 from ckptfmt.errors import CheckpointError, CheckpointNotFoundError, StorageError
-from ckptfmt.manifest import Manifest
+from ckptfmt.format.manifest import Manifest
 from ckptfmt.repository import Repository, resolve
 from ckptfmt.storage import open_storage
 

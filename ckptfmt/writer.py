@@ -17,7 +17,8 @@ from typing import Any, Callable
 import msgpack
 import torch
 
-from ckptfmt import codecs, in_flight, layout
+from ckptfmt.format import codecs, layout
+from ckptfmt import in_flight
 from ckptfmt.environment import capture_environment
 from ckptfmt.errors import (
     CheckpointError, CheckpointExistsError, CheckpointNotFoundError, CheckpointWarning, ManifestError,
@@ -27,20 +28,20 @@ from ckptfmt.hashcache import DEFAULT_CACHE
 from ckptfmt.chunk_writer import checkpoint_stats, store_sources
 from ckptfmt.collective_save import collective_save
 from ckptfmt.dtensors import is_dtensor, local_shard
-from ckptfmt.hashing import chunk_hash
+from ckptfmt.format.hashing import chunk_hash
 from ckptfmt.leases import Lease, hold_save_lease
-from ckptfmt.limits import MAX_CHUNK_BYTES, MAX_KEY_BYTES, check_name
-from ckptfmt.manifest import MAX_RANK, Manifest, Piece, Shard, TensorEntry
-from ckptfmt.tiling import check_tiling
+from ckptfmt.format.limits import MAX_CHUNK_BYTES, MAX_KEY_BYTES, check_name
+from ckptfmt.format.manifest import MAX_RANK, Manifest, Piece, Shard, TensorEntry
+from ckptfmt.format.tiling import check_tiling
 from ckptfmt.repository import CommitRecord, Repository, split_checkpoint_url
 from ckptfmt.process_group import distributed_group
 from ckptfmt.rng import rng_entry
-from ckptfmt.sharded import LocalShard, Shard as ShardInput, Sharded
-from ckptfmt.tensors import TensorSource, prepare
+from ckptfmt.format.sharded import LocalShard, Shard as ShardInput, Sharded
+from ckptfmt.format.tensors import TensorSource, prepare
 from ckptfmt.step_timer import StepTimer
 from ckptfmt.timing import PhaseTimer
 from ckptfmt.topology import capture_topology, current_rank
-from ckptfmt.values import encode_tree, format_key
+from ckptfmt.format.values import encode_tree, format_key
 
 _LATEST = object()
 #: How long a collective save waits for every rank at each of its steps.

@@ -39,7 +39,7 @@ import torch
 
 import ckptfmt
 from ckptfmt.errors import CheckpointError, CheckpointNotFoundError
-from ckptfmt.values import format_key
+from ckptfmt.format.values import format_key
 
 from ckptfmt.converters.importer import Imported, note_opaque_and_step
 from ckptfmt.converters.pickles import (

@@ -36,9 +36,9 @@ from typing import Any
 import torch
 
 import ckptfmt
-from ckptfmt.dtypes import dtype_from_name
+from ckptfmt.format.dtypes import dtype_from_name
 from ckptfmt.errors import CheckpointError
-from ckptfmt.values import OpaqueObject, decode_tree
+from ckptfmt.format.values import OpaqueObject, decode_tree
 
 from ckptfmt.converters.export import (
     DEFAULT_SHARD_SIZE,

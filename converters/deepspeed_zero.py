@@ -22,8 +22,8 @@ from typing import Any
 import torch
 
 from ckptfmt.errors import CheckpointError
-from ckptfmt.sharded import Shard, Sharded
-from ckptfmt.values import OpaqueObject
+from ckptfmt.format.sharded import Shard, Sharded
+from ckptfmt.format.values import OpaqueObject
 
 from ckptfmt.converters.pickles import Node, PickleError, restricted_loads
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 import ckptfmt
-from ckptfmt.dtypes import dtype_from_name
+from ckptfmt.format.dtypes import dtype_from_name
 from ckptfmt.errors import CheckpointError
 
 from ckptfmt.converters.safetensors_format import write_file

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from ckptfmt.errors import CheckpointError, CheckpointNotFoundError, ManifestError
-from ckptfmt.values import format_key
+from ckptfmt.format.values import format_key
 
 from ckptfmt.converters import safetensors_format, torch_format
 from ckptfmt.converters.importer import Imported

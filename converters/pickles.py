@@ -59,7 +59,7 @@ import torch
 
 from ckptfmt import OpaqueObject
 from ckptfmt.errors import CheckpointError
-from ckptfmt.values import format_key
+from ckptfmt.format.values import format_key
 
 #: The most pickle bytes one parse may read (a state dict of 100k tensors is ~20 MB).
 MAX_PICKLE_BYTES = 1 << 30

@@ -45,11 +45,12 @@ import torch
 from rich.console import Console
 
 import ckptfmt
-from ckptfmt import CheckpointError, layout
+from ckptfmt import CheckpointError
+from ckptfmt.format import layout
 from ckptfmt.cli import build_parser
 from ckptfmt.diff import diff
-from ckptfmt.hashing import chunk_hash
-from ckptfmt.values import OpaqueObject
+from ckptfmt.format.hashing import chunk_hash
+from ckptfmt.format.values import OpaqueObject
 
 #: What one case may cost (the issue's bounds), checked by the quick test and reported by the script:
 #: CPU seconds (the work a case costs, whatever else the machine runs), and wall seconds against a hang.

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 import torch
 
-from ckptfmt import layout
-from ckptfmt.hashing import chunk_hash
+from ckptfmt.format import layout
+from ckptfmt.format.hashing import chunk_hash
 from ckptfmt.storage import open_storage
 
 

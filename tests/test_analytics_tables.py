@@ -204,7 +204,7 @@ def test_a_manifest_read_skipping_rng_equals_the_full_read_but_rng(local_run):
     (lambda data: b"\x92\x01\x02", "manifest is not a map"),
 ])
 def test_skipping_keeps_the_checks_of_the_full_read(local_run, patch, message):
-    from ckptfmt.manifest import Manifest
+    from ckptfmt.format.manifest import Manifest
 
     repo, _ = local_run
     repository = Repository.open(repo)
@@ -218,7 +218,7 @@ def test_skipping_keeps_the_checks_of_the_full_read(local_run, patch, message):
 def test_a_top_level_key_twice_is_refused_when_skipping_too():
     import msgpack
 
-    from ckptfmt.manifest import Manifest
+    from ckptfmt.format.manifest import Manifest
 
     body = msgpack.packb({"rng": []}, use_bin_type=True)
     data = b"\x82" + body[1:] + body[1:]  # a map of two entries, both "rng"

@@ -24,18 +24,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ckptfmt
-from ckptfmt import (
-    CheckpointError, CheckpointNotFoundError, CorruptDataError, InvalidNameError, ManifestError,
-    UnsupportedValueError, UnsupportedVersionError, layout,
-)
-from ckptfmt import manifest as manifest_module
-from ckptfmt.hashing import chunk_hash
-from ckptfmt.limits import check_hash, check_name
-from ckptfmt.manifest import Manifest
+from ckptfmt import CheckpointError, CheckpointNotFoundError, CorruptDataError, InvalidNameError, ManifestError, UnsupportedValueError, UnsupportedVersionError
+from ckptfmt.format import layout
+from ckptfmt.format import manifest as manifest_module
+from ckptfmt.format.hashing import chunk_hash
+from ckptfmt.format.limits import check_hash, check_name
+from ckptfmt.format.manifest import Manifest
 from ckptfmt.reader import CheckpointReader
 from ckptfmt.repository import CommitRecord, Repository
 from ckptfmt.storage import open_storage
-from ckptfmt.values import decode_tree, encode_tree
+from ckptfmt.format.values import decode_tree, encode_tree
 
 from helpers import ANY_SIZE, assert_same, rewrite_manifest
 

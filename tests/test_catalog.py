@@ -15,12 +15,12 @@ import pytest
 import torch
 
 import ckptfmt
-from ckptfmt import layout
+from ckptfmt.format import layout
 from ckptfmt.cli import main
 from ckptfmt.errors import CheckpointExistsError, CheckpointNotFoundError, CheckpointWarning, UnsupportedVersionError
-from ckptfmt.hashing import chunk_hash
+from ckptfmt.format.hashing import chunk_hash
 from ckptfmt.index import COMPACT_AT, ENTRIES_DIR, INDEX_DIR, PACKS_DIR, CommitIndex, Entry, PackRef, encode_pack
-from ckptfmt.limits import MAX_INDEX_PACK_BYTES
+from ckptfmt.format.limits import MAX_INDEX_PACK_BYTES
 from ckptfmt.repository import CommitRecord, Repository
 from ckptfmt.writer import _LATEST, resolve_parent
 

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import ckptfmt
-from ckptfmt import layout
+from ckptfmt.format import layout
 from ckptfmt.cli import main
 from ckptfmt.repository import Repository
 

@@ -315,7 +315,7 @@ def test_tensors_inside_a_per_rank_value_are_refused_with_their_path(tmp_path):
 def test_a_per_rank_value_keyed_by_something_else_than_a_rank_is_refused(tmp_path):
     import msgpack
 
-    from ckptfmt.values import EXT_PER_RANK, decode_tree
+    from ckptfmt.format.values import EXT_PER_RANK, decode_tree
 
     data = msgpack.packb(msgpack.ExtType(EXT_PER_RANK, msgpack.packb({"zero": 1})))
     with pytest.raises(ckptfmt.ManifestError, match="per-rank value keyed by something other than a rank"):

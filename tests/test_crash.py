@@ -18,7 +18,8 @@ import pytest
 import torch
 
 import ckptfmt
-from ckptfmt import CheckpointNotFoundError, StorageError, layout
+from ckptfmt import CheckpointNotFoundError, StorageError
+from ckptfmt.format import layout
 from ckptfmt.repository import Repository
 from ckptfmt import storage as storage_module
 from ckptfmt.storage import LocalStorage, open_storage

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import ckptfmt
-from ckptfmt import layout
+from ckptfmt.format import layout
 from ckptfmt.gc import collect, remove
 from ckptfmt.leases import LEASES_DIR, SAVE, Lease, LeaseLostError, try_gc_lease
 from ckptfmt.repository import Repository

@@ -12,10 +12,10 @@ import torch
 import zstandard
 
 import ckptfmt
-from ckptfmt import codecs, layout
+from ckptfmt.format import codecs, layout
 from ckptfmt.errors import CorruptDataError, InvalidNameError, ManifestError, UnsupportedValueError
-from ckptfmt.limits import MAX_KEY_BYTES
-from ckptfmt.manifest import Manifest
+from ckptfmt.format.limits import MAX_KEY_BYTES
+from ckptfmt.format.manifest import Manifest
 
 
 @pytest.mark.parametrize("state, message", [

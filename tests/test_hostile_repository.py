@@ -18,9 +18,10 @@ import pytest
 import torch
 
 import ckptfmt
-from ckptfmt import CheckpointError, InvalidNameError, layout
+from ckptfmt import CheckpointError, InvalidNameError
+from ckptfmt.format import layout
 from ckptfmt.repository import Repository
-from ckptfmt.limits import check_name, is_valid_name
+from ckptfmt.format.limits import check_name, is_valid_name
 
 from helpers import assert_same
 

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 import ckptfmt
-from ckptfmt import CheckpointManager, Retention, Tier, layout
+from ckptfmt import CheckpointManager, Retention, Tier
+from ckptfmt.format import layout
 from ckptfmt.housekeeping import Housekeeper
 from ckptfmt.housekeeping_process import CHILD_NICE, SUPPORTED as PROCESS_SUPPORTED, HousekeepingProcess
 from ckptfmt.repository import Repository

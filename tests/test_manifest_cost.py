@@ -18,12 +18,13 @@ import torch
 import zstandard
 
 import ckptfmt
-from ckptfmt import ManifestError, codecs, layout
+from ckptfmt import ManifestError
+from ckptfmt.format import codecs, layout
 from ckptfmt.diff import diff
-from ckptfmt import manifest as manifest_module
-from ckptfmt.manifest import FORMAT_VERSION, MANIFEST_FORMAT, Manifest
+from ckptfmt.format import manifest as manifest_module
+from ckptfmt.format.manifest import FORMAT_VERSION, MANIFEST_FORMAT, Manifest
 from ckptfmt.storage import open_storage
-from ckptfmt.tiling import check_tiling
+from ckptfmt.format.tiling import check_tiling
 
 from helpers import assert_same, rewrite_manifest
 

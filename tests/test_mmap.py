@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import ckptfmt
-from ckptfmt import CorruptDataError, layout
+from ckptfmt import CorruptDataError
+from ckptfmt.format import layout
 from helpers import assert_same
 
 

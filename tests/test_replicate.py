@@ -24,7 +24,8 @@ from fsspec.callbacks import Callback
 from rich.console import Console
 
 import ckptfmt
-from ckptfmt import CheckpointExistsError, CheckpointNotFoundError, CorruptDataError, layout
+from ckptfmt import CheckpointExistsError, CheckpointNotFoundError, CorruptDataError
+from ckptfmt.format import layout
 from ckptfmt.cli import _run
 from ckptfmt.cli.sync import register
 from ckptfmt.replicate import replicate

@@ -14,7 +14,7 @@ from torch import nn
 
 import ckptfmt
 from ckptfmt import CheckpointExistsError, CheckpointReader, UnsupportedValueError
-from ckptfmt.dtypes import DTYPES
+from ckptfmt.format.dtypes import DTYPES
 
 from helpers import assert_same, assert_tensor_exact, chunk_keys, tensor_chunk_keys
 

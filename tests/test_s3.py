@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import ckptfmt
-from ckptfmt import CheckpointExistsError, layout, writer
+from ckptfmt import CheckpointExistsError, writer
+from ckptfmt.format import layout
 from ckptfmt.repository import Repository
 
 from helpers import assert_same, run_in_threads

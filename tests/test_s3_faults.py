@@ -25,7 +25,8 @@ import pytest
 import torch
 
 import ckptfmt
-from ckptfmt import CheckpointError, CheckpointExistsError, StorageError, layout
+from ckptfmt import CheckpointError, CheckpointExistsError, StorageError
+from ckptfmt.format import layout
 from ckptfmt.repository import CommitRecord, Repository
 from ckptfmt.storage import S3FS_TRIES, ObjectStorage, open_storage
 

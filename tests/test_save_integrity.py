@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import ckptfmt
-from ckptfmt import layout
+from ckptfmt.format import layout
 from ckptfmt import writer as writer_module
 from ckptfmt.hashcache import HashCache
 from ckptfmt.repository import Repository

@@ -183,7 +183,7 @@ def test_real_checkpoint_matches_schemas(saved, name):
 
 
 def test_schema_vocabulary_and_limits_match_the_implementation():
-    from ckptfmt import codecs, dtypes, limits
+    from ckptfmt.format import codecs, dtypes, limits
 
     defs = _schema("manifest.schema.json")["$defs"]
     assert set(defs["dtype"]["enum"]) == set(dtypes.ITEMSIZES)

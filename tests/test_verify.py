@@ -10,7 +10,8 @@ import torch
 from fsspec.callbacks import Callback
 
 import ckptfmt
-from ckptfmt import CheckpointError, CheckpointNotFoundError, CorruptDataError, layout
+from ckptfmt import CheckpointError, CheckpointNotFoundError, CorruptDataError
+from ckptfmt.format import layout
 from ckptfmt.repository import Repository
 from ckptfmt.storage import open_storage
 

@@ -38,11 +38,11 @@ import torch
 
 from ckptfmt.diff import plain_leaves, plain_values, same_value, value_difference
 from ckptfmt.errors import quoted
-from ckptfmt.manifest import Manifest
+from ckptfmt.format.manifest import Manifest
 from ckptfmt.reader import CheckpointReader
 from ckptfmt.repository import CommitRecord, Repository
 from ckptfmt.step_timer import decode_steps
-from ckptfmt.values import decode_tree
+from ckptfmt.format.values import decode_tree
 from ckptfmt.analytics.tables import _flatten
 
 #: Environment fields by kind of difference (dotted prefixes of spec 9.2's record).

@@ -24,7 +24,7 @@ import pyarrow.csv as pa_csv
 import pyarrow.parquet as pq
 
 from ckptfmt.errors import ManifestError, quoted
-from ckptfmt.manifest import Manifest
+from ckptfmt.format.manifest import Manifest
 from ckptfmt.repository import CommitRecord, Repository
 from ckptfmt.step_timer import decode_steps
 

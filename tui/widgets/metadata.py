@@ -16,7 +16,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ckptfmt import describe
-from ckptfmt.manifest import TensorEntry
+from ckptfmt.format.manifest import TensorEntry
 from ckptfmt.tui.widgets.charts import bar_chart
 from ckptfmt.tui.widgets.formatting import seconds
 

@@ -12,7 +12,7 @@ from rich.text import Text
 from textual.widgets import Tree
 from textual.widgets.tree import TreeNode
 
-from ckptfmt.manifest import TensorEntry
+from ckptfmt.format.manifest import TensorEntry
 from ckptfmt.tui.widgets.formatting import human_bytes, shape_text, split_key, tensor_count
 
 EXPAND_ALL_BELOW = 200  # a filter matching fewer tensors than this opens every group

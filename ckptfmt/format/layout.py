@@ -10,8 +10,8 @@
 
 from __future__ import annotations
 
-from ckptfmt.codecs import NONE, check_codec
-from ckptfmt.limits import check_hash, check_name
+from ckptfmt.format.codecs import NONE, check_codec
+from ckptfmt.format.limits import check_hash, check_name
 
 MARKER_KEY = "ckptfmt.json"
 CHUNKS_DIR = "chunks"

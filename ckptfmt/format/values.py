@@ -34,12 +34,12 @@ import msgpack
 import numpy as np
 import torch
 
-from ckptfmt.sharded import LocalShard
-from ckptfmt.dtypes import dtype_from_name, dtype_name
+from ckptfmt.format.sharded import LocalShard
+from ckptfmt.format.dtypes import dtype_from_name, dtype_name
 from ckptfmt.errors import ManifestError, UnsupportedValueError, quoted
-from ckptfmt.limits import MAX_NESTING
-from ckptfmt.per_rank import PerRank, PerRankValues
-from ckptfmt.sharded import Sharded
+from ckptfmt.format.limits import MAX_NESTING
+from ckptfmt.format.per_rank import PerRank, PerRankValues
+from ckptfmt.format.sharded import Sharded
 
 EXT_TENSOR, EXT_TUPLE, EXT_BIGINT, EXT_ODICT, EXT_SET, EXT_FROZENSET = 1, 2, 3, 4, 5, 6
 EXT_COMPLEX, EXT_DTYPE, EXT_SIZE, EXT_DEVICE, EXT_NUMPY_SCALAR, EXT_OPAQUE = 7, 8, 9, 10, 11, 12

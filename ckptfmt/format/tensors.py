@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ckptfmt.dtypes import dtype_from_name, dtype_name
+from ckptfmt.format.dtypes import dtype_from_name, dtype_name
 from ckptfmt.errors import UnsupportedValueError
 
 if sys.byteorder != "little":  # pragma: no cover - every supported platform is little-endian

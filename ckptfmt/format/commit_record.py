@@ -9,9 +9,9 @@ import json
 from dataclasses import dataclass
 
 from ckptfmt.errors import CheckpointError, ManifestError, quoted
-from ckptfmt.limits import MAX_MANIFEST_BYTES, check_hash, check_name
-from ckptfmt.manifest import FORMAT_VERSION, check_version
-from ckptfmt.values import unique_map
+from ckptfmt.format.limits import MAX_MANIFEST_BYTES, check_hash, check_name
+from ckptfmt.format.manifest import FORMAT_VERSION, check_version
+from ckptfmt.format.values import unique_map
 
 COMMIT_FORMAT = "ckptfmt-commit"
 

@@ -18,15 +18,15 @@ from typing import Any, NamedTuple
 
 import msgpack
 
-from ckptfmt.codecs import NONE, check_codec
-from ckptfmt.dtypes import itemsize
+from ckptfmt.format.codecs import NONE, check_codec
+from ckptfmt.format.dtypes import itemsize
 from ckptfmt.errors import CheckpointError, ManifestError, UnsupportedVersionError, quoted
-from ckptfmt.limits import (
+from ckptfmt.format.limits import (
     MAX_CHUNK_BYTES, MAX_CHUNKS, MAX_DIMS, MAX_KEY_BYTES, MAX_MANIFEST_BYTES, MAX_METADATA_NESTING, MAX_PIECES, MAX_SHARDS,
     MAX_SHARDS_PER_TENSOR, MAX_TENSOR_BYTES, MAX_TENSORS, check_hash, check_name,
 )
-from ckptfmt.tiling import check_tiling
-from ckptfmt.values import unique_map
+from ckptfmt.format.tiling import check_tiling
+from ckptfmt.format.values import unique_map
 
 FORMAT_VERSION = (1, 3)
 MANIFEST_FORMAT = "ckptfmt-manifest"
