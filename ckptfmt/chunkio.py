@@ -11,7 +11,7 @@ from ckptfmt.format import codecs, layout
 from ckptfmt.errors import CheckpointNotFoundError, CorruptDataError
 from ckptfmt.format.hashing import check_chunk
 from ckptfmt.format.manifest import Chunk
-from ckptfmt.storage import Storage
+from ckptfmt.storage.base import Storage
 
 _CACHE_BYTES = 64 * 2**20
 

@@ -29,7 +29,7 @@ from ckptfmt.format.commit_record import CommitRecord
 from ckptfmt.errors import CheckpointError, CheckpointNotFoundError, CheckpointWarning, ManifestError, StorageError, quoted
 from ckptfmt.format.limits import MAX_INDEX_PACK_BYTES, is_valid_name
 from ckptfmt.format.manifest import FORMAT_VERSION, check_version
-from ckptfmt.storage import Storage
+from ckptfmt.storage.base import Storage
 from ckptfmt.format.values import unique_map
 
 INDEX_DIR = "_index"

@@ -38,7 +38,7 @@ from ckptfmt.leases import Lease, save_lease
 from ckptfmt.format.limits import check_name
 from ckptfmt.format.manifest import Chunk
 from ckptfmt.repository import CommitRecord, Repository
-from ckptfmt.storage import Storage
+from ckptfmt.storage.base import Storage
 from ckptfmt.verify import _ByteBudget
 
 #: Manifest fields a copy does not need parsed (it copies the manifest's bytes as they are).

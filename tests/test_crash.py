@@ -21,8 +21,8 @@ import ckptfmt
 from ckptfmt import CheckpointNotFoundError, StorageError
 from ckptfmt.format import layout
 from ckptfmt.repository import Repository
-from ckptfmt import storage as storage_module
-from ckptfmt.storage import LocalStorage, open_storage
+from ckptfmt.storage import base as storage_module
+from ckptfmt.storage.base import LocalStorage, open_storage
 
 from helpers import assert_same, chunk_keys
 

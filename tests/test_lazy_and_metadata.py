@@ -16,7 +16,7 @@ import torch
 import ckptfmt
 from ckptfmt import CheckpointNotFoundError
 from ckptfmt.format import layout
-from ckptfmt.storage import LocalStorage, Storage, open_storage
+from ckptfmt.storage.base import LocalStorage, Storage, open_storage
 
 from helpers import assert_same, assert_tensor_exact, tensor_chunk_keys
 

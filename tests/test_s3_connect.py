@@ -11,7 +11,7 @@ import threading
 import pytest
 
 from ckptfmt import StorageError
-from ckptfmt.storage import REFUSED_ATTEMPTS, open_storage
+from ckptfmt.storage.base import REFUSED_ATTEMPTS, open_storage
 
 
 @pytest.fixture
