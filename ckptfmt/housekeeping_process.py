@@ -34,7 +34,6 @@ logger, pytest) see them rather than the child's stderr.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import pickle
 import signal
@@ -46,15 +45,15 @@ import traceback
 import warnings
 from multiprocessing.connection import Connection
 
+from ckptfmt._platform import PARENT_DEATH_SIGNAL, die_with_parent
 from ckptfmt.housekeeping import Housekeeper, Tier
 
 #: Whether process mode is available: it needs the kernel to end an orphaned, possibly stopped child.
-SUPPORTED = sys.platform.startswith("linux")
+SUPPORTED = PARENT_DEATH_SIGNAL
 #: The child's nice value: the highest, so that it runs on what the training loop leaves.
 CHILD_NICE = 19
 #: How long ``close`` waits for the child to go before killing it.
 CLOSE_TIMEOUT_S = 30.0
-_PR_SET_PDEATHSIG = 1
 #: The folder this package was imported from: the child imports the same one.
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: The child's program (not ``-m``: the package imports this module before runpy would run it). The
@@ -202,7 +201,7 @@ def _survives_pickling(value: object) -> bool:
 
 def main(argv: list[str]) -> None:
     fd, manager_pid = int(argv[1]), int(argv[2])
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    die_with_parent()
     if os.getppid() != manager_pid:  # the manager died before the line above
         return
     try:

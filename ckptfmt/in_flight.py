@@ -8,13 +8,12 @@ pending saves are finished (a killed process commits nothing: spec 11.1).
 
 from __future__ import annotations
 
-import atexit
-import concurrent.futures.thread  # noqa: F401 - imported before the exit hook below is registered
 import os
 import threading
 import warnings
 from concurrent.futures import Future
 
+from ckptfmt._platform import before_thread_shutdown
 from ckptfmt.errors import CheckpointWarning
 from ckptfmt.repository import split_checkpoint_url
 
@@ -53,9 +52,5 @@ def _finish_pending() -> None:
                           stacklevel=1)
 
 
-# Pending saves must finish before concurrent.futures refuses new work at exit (its own hook, registered
-# with threading's exit hooks, which run in reverse order: this one, registered later, runs first).
-if hasattr(threading, "_register_atexit"):
-    threading._register_atexit(_finish_pending)
-else:  # pragma: no cover - every supported Python has it
-    atexit.register(_finish_pending)
+# Pending saves must finish before concurrent.futures refuses new work at exit.
+before_thread_shutdown(_finish_pending)

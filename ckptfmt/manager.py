@@ -42,7 +42,7 @@ from ckptfmt.housekeeping_process import SUPPORTED as PROCESS_SUPPORTED, Houseke
 from ckptfmt.process_group import distributed_group
 from ckptfmt.reader import load, restore_rng
 from ckptfmt.retention import METRICS_KEY, Retention
-from ckptfmt.storage.base import in_process_memory
+from ckptfmt.storage.factory import in_process_memory
 from ckptfmt.writer import save
 
 #: Steps after a save at which ``interval="auto"`` plans the next one (from the steps timed meanwhile).

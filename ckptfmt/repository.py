@@ -24,7 +24,8 @@ from ckptfmt.format.hashing import check_chunk
 from ckptfmt.index import INDEX_DIR, CommitIndex, IndexDamagedError, read_each
 from ckptfmt.format.limits import MAX_COMMIT_BYTES, MAX_MARKER_BYTES, check_name, is_valid_name
 from ckptfmt.format.manifest import FORMAT_VERSION, Manifest, check_version
-from ckptfmt.storage.base import Storage, open_storage
+from ckptfmt.storage.base import Storage
+from ckptfmt.storage.factory import open_storage
 from ckptfmt.format.values import unique_map
 
 REPO_FORMAT = "ckptfmt-repository"

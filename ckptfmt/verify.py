@@ -21,7 +21,7 @@ from ckptfmt.chunkio import ChunkReader
 from ckptfmt.errors import CheckpointError, CheckpointNotFoundError, StorageError
 from ckptfmt.format.manifest import Manifest
 from ckptfmt.repository import Repository, resolve
-from ckptfmt.storage.base import open_storage
+from ckptfmt.storage.factory import open_storage
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ import torch
 
 from ckptfmt.format import layout
 from ckptfmt.format.hashing import chunk_hash
-from ckptfmt.storage.base import open_storage
+from ckptfmt.storage.factory import open_storage
 
 
 #: A size bound for tests that read whole objects back (``Storage.read`` always takes one).

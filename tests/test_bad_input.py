@@ -32,7 +32,7 @@ from ckptfmt.format.limits import check_hash, check_name
 from ckptfmt.format.manifest import Manifest
 from ckptfmt.reader import CheckpointReader
 from ckptfmt.repository import CommitRecord, Repository
-from ckptfmt.storage.base import open_storage
+from ckptfmt.storage.factory import open_storage
 from ckptfmt.format.values import decode_tree, encode_tree
 
 from helpers import ANY_SIZE, assert_same, rewrite_manifest

@@ -28,7 +28,7 @@ from ckptfmt.repository import Repository
 
 from helpers import ANY_SIZE, rewrite_manifest
 from test_hostile_repository import within
-from ckptfmt.storage.base import open_storage
+from ckptfmt.storage.factory import open_storage
 
 EXCEPTION_NAME = re.compile(r"\b[A-Z][A-Za-z]*(Error|Exception|Warning)\b|Traceback")
 

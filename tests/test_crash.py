@@ -21,8 +21,9 @@ import ckptfmt
 from ckptfmt import CheckpointNotFoundError, StorageError
 from ckptfmt.format import layout
 from ckptfmt.repository import Repository
-from ckptfmt.storage import base as storage_module
-from ckptfmt.storage.base import LocalStorage, open_storage
+from ckptfmt.storage import local as local_storage
+from ckptfmt.storage.factory import open_storage
+from ckptfmt.storage.local import LocalStorage
 
 from helpers import assert_same, chunk_keys
 
@@ -38,7 +39,10 @@ SAVER = textwrap.dedent(
     """
     import json, os, signal, sys, threading, time, traceback
     import torch, ckptfmt
-    from ckptfmt import leases, storage, timing, writer
+    import ckptfmt.leases as leases
+    import ckptfmt.storage.local as storage
+    import ckptfmt.timing as timing
+    import ckptfmt.writer as writer
     from ckptfmt.repository import Repository
 
     repo, elements, chunk_size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
@@ -260,7 +264,7 @@ def fail_writes(monkeypatch, storage_url: str, where: str) -> list[str]:
         failed.append(path)
         raise OSError(errno.ENOSPC, "No space left on device", path)
 
-    original_write = storage_module._write_all
+    original_write = local_storage._write_all
 
     def write_all(fd, data):  # every local write, to a temporary file beside its key
         path = os.readlink(f"/proc/self/fd/{fd}")
@@ -268,7 +272,7 @@ def fail_writes(monkeypatch, storage_url: str, where: str) -> list[str]:
             disk_full(path)
         return original_write(fd, data)
 
-    monkeypatch.setattr(storage_module, "_write_all", write_all)
+    monkeypatch.setattr(local_storage, "_write_all", write_all)
     storage = open_storage(storage_url)
     if not isinstance(storage, LocalStorage):  # memory:// and S3 write through fsspec
         original_pipe = storage.fs.pipe_file
@@ -315,7 +319,7 @@ def test_failed_chunk_write_stops_the_save_with_many_chunks(tmp_path, monkeypatc
     repo = tmp_path / "repo"
     writes = itertools.count(1)
     calls = []
-    original = storage_module._write_all
+    original = local_storage._write_all
 
     def flaky(fd, data):
         calls.append(next(writes))
@@ -323,7 +327,7 @@ def test_failed_chunk_write_stops_the_save_with_many_chunks(tmp_path, monkeypatc
             raise OSError(errno.EIO, "I/O error")
         return original(fd, data)
 
-    monkeypatch.setattr(storage_module, "_write_all", flaky)
+    monkeypatch.setattr(local_storage, "_write_all", flaky)
     state = {f"t{i}": torch.full((70_000,), i, dtype=torch.int32) for i in range(40)}  # 5 chunks each
     with pytest.raises(StorageError, match="I/O error"):
         ckptfmt.save(state, repo / "x", chunk_size=65536, workers=2)

@@ -16,7 +16,9 @@ import torch
 import ckptfmt
 from ckptfmt import CheckpointNotFoundError
 from ckptfmt.format import layout
-from ckptfmt.storage.base import LocalStorage, Storage, open_storage
+from ckptfmt.storage.base import Storage
+from ckptfmt.storage.factory import open_storage
+from ckptfmt.storage.local import LocalStorage
 
 from helpers import assert_same, assert_tensor_exact, tensor_chunk_keys
 

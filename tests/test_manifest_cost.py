@@ -23,7 +23,7 @@ from ckptfmt.format import codecs, layout
 from ckptfmt.diff import diff
 from ckptfmt.format import manifest as manifest_module
 from ckptfmt.format.manifest import FORMAT_VERSION, MANIFEST_FORMAT, Manifest
-from ckptfmt.storage.base import open_storage
+from ckptfmt.storage.factory import open_storage
 from ckptfmt.format.tiling import check_tiling
 
 from helpers import assert_same, rewrite_manifest

@@ -30,7 +30,8 @@ from ckptfmt.cli import _run
 from ckptfmt.cli.sync import register
 from ckptfmt.replicate import replicate
 from ckptfmt.repository import Repository
-from ckptfmt.storage.base import Storage, open_storage
+from ckptfmt.storage.base import Storage
+from ckptfmt.storage.factory import open_storage
 
 from conftest import make_root
 from helpers import ANY_SIZE, assert_same

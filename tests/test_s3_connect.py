@@ -11,7 +11,8 @@ import threading
 import pytest
 
 from ckptfmt import StorageError
-from ckptfmt.storage.base import REFUSED_ATTEMPTS, open_storage
+from ckptfmt.storage.factory import open_storage
+from ckptfmt.storage.object_store import REFUSED_ATTEMPTS
 
 
 @pytest.fixture

@@ -28,7 +28,8 @@ import ckptfmt
 from ckptfmt import CheckpointError, CheckpointExistsError, StorageError
 from ckptfmt.format import layout
 from ckptfmt.repository import CommitRecord, Repository
-from ckptfmt.storage.base import S3FS_TRIES, ObjectStorage, open_storage
+from ckptfmt.storage.factory import open_storage
+from ckptfmt.storage.object_store import S3FS_TRIES, ObjectStorage
 
 from helpers import ANY_SIZE, assert_same
 from s3_fault_proxy import OPERATIONS, RANDOM_KINDS
@@ -224,7 +225,7 @@ def test_unreadable_commit_record_does_not_change_latest(s3_bucket, s3_proxy):
 # -- many operations under random faults ---------------------------------------------------------
 
 #: Longest any one operation may take: far above what the faults cost (p50 is well under a second),
-#: far below a hang. The bound from the settings is larger still (see ckptfmt.storage.base._s3_options).
+#: far below a hang. The bound from the settings is larger still (see ckptfmt.storage.object_store.s3_options).
 OPERATION_LIMIT_S = 45
 WORKERS = 12
 ROUNDS = 2

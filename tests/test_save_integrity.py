@@ -22,7 +22,7 @@ from ckptfmt.format import layout
 from ckptfmt import writer as writer_module
 from ckptfmt.hashcache import HashCache
 from ckptfmt.repository import Repository
-from ckptfmt.storage.base import LocalStorage
+from ckptfmt.storage.local import LocalStorage
 
 from helpers import assert_same
 

@@ -1,4 +1,4 @@
-"""ckptfmt.storage.base: the same primitives behave the same on local disk, memory:// and S3."""
+"""ckptfmt.storage: the same primitives behave the same on local disk, memory:// and S3."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 
 from ckptfmt.errors import CheckpointError, CheckpointNotFoundError, CorruptDataError, StorageError
-from ckptfmt.storage.base import LocalStorage, Storage, open_storage
+from ckptfmt.storage.base import Storage
+from ckptfmt.storage.factory import open_storage
+from ckptfmt.storage.local import LocalStorage
 
 from helpers import ANY_SIZE, run_in_threads
 

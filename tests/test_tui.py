@@ -32,7 +32,7 @@ from ckptfmt.tui.screens.verify import VerifyScreen
 from ckptfmt.tui.stats import tensor_statistics
 from ckptfmt.tui.widgets.formatting import split_key
 from ckptfmt.tui.widgets.tensor_tree import TensorTree
-from ckptfmt.storage.base import open_storage
+from ckptfmt.storage.factory import open_storage
 from ckptfmt.verify import VerifyReport
 from textual.worker import WorkerFailed
 

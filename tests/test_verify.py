@@ -13,7 +13,7 @@ import ckptfmt
 from ckptfmt import CheckpointError, CheckpointNotFoundError, CorruptDataError
 from ckptfmt.format import layout
 from ckptfmt.repository import Repository
-from ckptfmt.storage.base import open_storage
+from ckptfmt.storage.factory import open_storage
 
 from helpers import ANY_SIZE, assert_same, tensor_chunk_keys
 

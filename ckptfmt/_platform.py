@@ -1,0 +1,72 @@
+"""The operating-system tricks ckptfmt relies on, in one place, each with its fallback.
+
+- ``start_writeback``: Linux's ``sync_file_range`` starts writing a file's dirty
+  pages without waiting (a hint; durability is still fsync's). Elsewhere: nothing.
+- ``die_with_parent``: Linux's ``prctl(PR_SET_PDEATHSIG, SIGKILL)``, so a child
+  process never outlives the training process that started it.
+- ``before_thread_shutdown``: run a function at interpreter exit *before*
+  ``concurrent.futures`` refuses new work and joins its threads (threading's own
+  exit hooks), where ``atexit`` would be too late.
+"""
+
+from __future__ import annotations
+
+import atexit
+import concurrent.futures.thread  # noqa: F401 - its exit hook must be registered before ours
+import ctypes
+import signal
+import sys
+import threading
+from typing import Callable
+
+#: Whether this platform kills a child when its parent dies (``die_with_parent`` works).
+PARENT_DEATH_SIGNAL = sys.platform.startswith("linux")
+
+_PR_SET_PDEATHSIG = 1
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+def _libc_function(name: str, argtypes: list, restype) -> Callable | None:
+    """A function of this process's C library, or None where there is none."""
+    try:
+        function = getattr(ctypes.CDLL(None, use_errno=True), name)
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = argtypes
+    function.restype = restype
+    return function
+
+
+_SYNC_FILE_RANGE = _libc_function("sync_file_range", [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint],
+                                  ctypes.c_int)
+
+
+def start_writeback(fd: int) -> None:
+    """Ask the kernel to start writing the file's dirty pages now, without waiting for them.
+
+    A save writes its chunks without fsync and syncs them all at the end; started
+    early, the disk works while the save hashes and writes the next chunks, and
+    the final fsyncs find little left to do. Only a hint: durability is still the fsync's.
+    """
+    if _SYNC_FILE_RANGE is not None:
+        _SYNC_FILE_RANGE(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)
+
+
+def die_with_parent() -> None:
+    """Have the kernel SIGKILL this process when its parent dies (Linux); a no-op elsewhere."""
+    if PARENT_DEATH_SIGNAL:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def before_thread_shutdown(function: Callable[[], None]) -> None:
+    """Run ``function`` at exit, before ``concurrent.futures`` stops taking work.
+
+    threading's exit hooks run in reverse order of registration, before atexit's;
+    concurrent.futures registers its own when imported (above, before any call
+    here), so ``function``, registered after it, runs before it.
+    """
+    register = getattr(threading, "_register_atexit", None)
+    if register is not None:
+        register(function)
+    else:  # pragma: no cover - every supported Python has it
+        atexit.register(function)

@@ -1,0 +1,48 @@
+"""The storage for a URL: a local path, ``file://``, ``memory://``, ``s3://`` or any fsspec URL."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+from fsspec.implementations.memory import MemoryFileSystem
+
+from ckptfmt.errors import StorageError
+from ckptfmt.storage.base import Storage, translate_error
+from ckptfmt.storage.local import LocalStorage
+from ckptfmt.storage.object_store import S3FS_TRIES, ObjectStorage, fail_fast_when_refused, s3_options
+
+
+def open_storage(url: str | os.PathLike, storage_options: dict[str, Any] | None = None) -> Storage:
+    """The storage for a local path or fsspec URL (``s3://``, ``memory://``, ``file://``).
+
+    S3 endpoint and credentials come from ``storage_options`` or, as in a user's
+    shell, from the standard AWS environment variables (``AWS_ENDPOINT_URL``, ...).
+    s3:// storages get bounded timeouts and retries by default (``s3_options``).
+    """
+    url = os.fspath(url)
+    options = dict(storage_options or {})
+    s3 = fsspec.core.split_protocol(url)[0] in ("s3", "s3a")
+    if s3:
+        options = s3_options(options)
+    try:
+        fs, root = fsspec.core.url_to_fs(url, **options)
+    except ImportError as exc:
+        raise StorageError(f"{url}: missing backend ({exc}); for s3:// install ckptfmt[s3]") from None
+    except Exception as exc:
+        raise translate_error(exc, url) from None
+    if isinstance(fs, LocalFileSystem):
+        return LocalStorage(fs, root, url)
+    if isinstance(fs, MemoryFileSystem):
+        return Storage(fs, root, url)
+    if s3:
+        fs.retries = S3FS_TRIES
+        fail_fast_when_refused(fs)
+    return ObjectStorage(fs, root, url)
+
+
+def in_process_memory(url: str | os.PathLike) -> bool:
+    """Whether ``url`` names storage that lives in this process's memory (memory://), out of another's reach."""
+    return fsspec.core.split_protocol(os.fspath(url))[0] == "memory"

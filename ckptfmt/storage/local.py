@@ -1,0 +1,309 @@
+"""Local disks: temporary file, fsync and rename; folder fsyncs; reads straight into caller memory."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import mmap
+import os
+import stat
+import uuid
+
+import fsspec
+
+from ckptfmt._platform import start_writeback
+from ckptfmt.errors import CorruptDataError
+from ckptfmt.storage.base import Staged, Storage, translate_error
+
+
+def _file_kind(mode: int) -> str:
+    """What a non-regular file is, for messages."""
+    kinds = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+             (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+    return next((name for test, name in kinds if test(mode)), "not a file")
+
+
+def _write_all(fd: int, data) -> None:
+    """os.write until every byte of ``data`` is written."""
+    view = memoryview(data).cast("B")
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+class _StagedFile(Staged):
+    """A temporary file ``.<basename>.tmp-<12 hex>`` (spec 11.2): fsynced, then renamed or linked onto its key.
+
+    Every local write goes through one: a chunk streamed from memory that may
+    still change (basename ``staged``, its key known only once it is hashed),
+    a manifest, a commit record.
+    """
+
+    def __init__(self, storage: "LocalStorage", directory: str, basename: str = "staged"):
+        self._storage = storage
+        self._fd = -1
+        try:
+            storage.makedirs(directory)
+            self.path = os.path.join(storage.path(directory), f".{basename}.tmp-{uuid.uuid4().hex[:12]}")
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        except Exception as exc:
+            raise translate_error(exc, storage.describe(directory)) from None
+
+    def write(self, block) -> None:
+        try:
+            _write_all(self._fd, block)
+        except Exception as exc:
+            self.discard()
+            raise translate_error(exc, self.path) from None
+
+    def seal(self, durable: bool = True) -> str:
+        """fsync (if ``durable``) and close the file; returns its path."""
+        try:
+            if durable:
+                os.fsync(self._fd)
+            else:
+                start_writeback(self._fd)
+        except Exception as exc:
+            self.discard()
+            raise translate_error(exc, self.path) from None
+        os.close(self._fd)
+        self._fd = -1
+        return self.path
+
+    def publish(self, key: str, *, durable: bool = True) -> None:
+        self.seal(durable)
+        try:
+            self._storage.makedirs(os.path.dirname(key))
+            os.replace(self.path, self._storage.path(key))
+        except Exception as exc:
+            self.discard()
+            raise translate_error(exc, self._storage.describe(key)) from None
+
+    def discard(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+
+class LocalStorage(Storage):
+    """Local disks: temp file + fsync + rename, directory fsync, reads into caller memory."""
+
+    zero_copy_reads = True
+    cheap_exists = True
+
+    def __init__(self, fs: fsspec.AbstractFileSystem, root: str, url: str):
+        super().__init__(fs, os.path.abspath(root), url)
+        self._known_dirs: set[str] = set()
+        #: Folders this storage created: their entries in their parents need an fsync too.
+        self._new_dirs: set[str] = set()
+
+    def _open_regular(self, key: str) -> tuple[int, int]:
+        """An open descriptor on ``key`` and its size, refusing anything but a regular file.
+
+        O_NONBLOCK: opening a FIFO must not wait for a writer; devices, FIFOs,
+        sockets and folders are refused before a single byte is read.
+        """
+        where = self.describe(key)
+        try:
+            fd = os.open(self.path(key), os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError as exc:
+            if exc.errno == errno.ENXIO:  # a socket, or a FIFO-like device without a peer
+                raise CorruptDataError(f"{where}: not a regular file (a socket or device)") from None
+            raise translate_error(exc, where) from None
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            os.close(fd)
+            raise CorruptDataError(f"{where}: not a regular file ({_file_kind(info.st_mode)})")
+        return fd, info.st_size
+
+    def read(self, key: str, *, max_size: int) -> bytes:
+        fd, size = self._open_regular(key)
+        where = self.describe(key)
+        if size > max_size:
+            os.close(fd)
+            raise CorruptDataError(f"{where}: {size} bytes, over the limit of {max_size}")
+        try:
+            with open(fd, "rb") as f:
+                # st_size is a hint, not a bound: read at most one byte past the limit.
+                data = f.read(size + 1)
+                if len(data) > size:
+                    data += f.read(max_size + 1 - len(data))
+        except Exception as exc:
+            raise translate_error(exc, where) from None
+        if len(data) > max_size:
+            raise CorruptDataError(f"{where}: over the limit of {max_size} bytes")
+        return data
+
+    def read_into(self, key: str, buffer: memoryview) -> None:
+        fd, size = self._open_regular(key)
+        where = self.describe(key)
+        try:
+            with open(fd, "rb", buffering=0) as f:
+                if size != len(buffer):
+                    raise CorruptDataError(f"{where}: {size} bytes, expected {len(buffer)}")
+                view = buffer.cast("B")
+                while view:
+                    n = f.readinto(view)
+                    if not n:
+                        raise CorruptDataError(f"{where}: truncated while reading")
+                    view = view[n:]
+                if f.read(1):
+                    raise CorruptDataError(f"{where}: longer than the {len(buffer)} bytes expected")
+        except Exception as exc:
+            raise translate_error(exc, where) from None
+
+    def map(self, key: str, size: int) -> mmap.mmap | None:
+        if size == 0:
+            return None
+        fd, actual = self._open_regular(key)
+        try:
+            if actual != size:
+                raise CorruptDataError(f"{self.describe(key)}: {actual} bytes, expected {size}")
+            mapping = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
+        except Exception as exc:
+            raise translate_error(exc, self.describe(key)) from None
+        finally:
+            os.close(fd)
+        if hasattr(mapping, "madvise"):
+            mapping.madvise(mmap.MADV_WILLNEED)  # start reading the whole file ahead of the hash
+        return mapping
+
+    def size(self, key: str) -> int | None:
+        try:
+            info = os.stat(self.path(key))
+        except FileNotFoundError:
+            return None
+        except Exception as exc:
+            raise translate_error(exc, self.describe(key)) from None
+        if not stat.S_ISREG(info.st_mode):
+            raise CorruptDataError(f"{self.describe(key)}: not a regular file ({_file_kind(info.st_mode)})")
+        return info.st_size
+
+    def exists(self, key: str) -> bool:
+        return os.path.exists(self.path(key))
+
+    def list(self, key: str = "") -> list[str]:
+        try:
+            return sorted(os.listdir(self.path(key)))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        except Exception as exc:
+            raise translate_error(exc, self.describe(key)) from None
+
+    def makedirs(self, key: str) -> None:
+        path = self.path(key)
+        if path in self._known_dirs:
+            return
+        missing = []
+        probe = path
+        while not os.path.isdir(probe):
+            missing.append(probe)
+            probe = os.path.dirname(probe)
+        try:
+            os.makedirs(path, exist_ok=True)
+        except Exception as exc:
+            raise translate_error(exc, self.describe(key)) from None
+        self._known_dirs.add(path)
+        self._new_dirs.update(missing)
+
+    def _staged(self, key: str, data) -> _StagedFile:
+        """``data`` in a temporary file beside ``key``, not yet sealed."""
+        directory, name = os.path.split(key)
+        staged = _StagedFile(self, directory, name)
+        staged.write(data)
+        return staged
+
+    def write(self, key: str, data, *, durable: bool = True) -> None:
+        self._staged(key, data).publish(key, durable=durable)
+
+    def create(self, key: str, data: bytes) -> None:
+        staged = self._staged(key, data)
+        tmp = staged.seal()
+        try:
+            os.link(tmp, self.path(key))  # atomic, and fails if the key exists
+        except FileExistsError:
+            raise
+        except Exception as exc:
+            raise translate_error(exc, self.describe(key)) from None
+        finally:
+            staged.discard()
+        self._sync_folders([key])  # the file itself was fsynced before it was linked
+
+    def delete(self, key: str) -> None:
+        try:
+            os.unlink(self.path(key))
+        except FileNotFoundError:
+            pass
+        except Exception as exc:
+            raise translate_error(exc, self.describe(key)) from None
+
+    def delete_many(self, keys: list[str]) -> None:
+        for key in keys:
+            self.delete(key)
+
+    def remove_folder(self, key: str) -> None:
+        """Remove the folder ``key`` if it is empty (object stores have no folders)."""
+        try:
+            os.rmdir(self.path(key))
+        except (FileNotFoundError, OSError):
+            pass
+
+    def stage(self, directory: str) -> Staged:
+        return _StagedFile(self, directory)
+
+    def sync(self, keys: list[str]) -> None:
+        """fsync each file (one written with ``durable=False`` reaches the disk now), then the folders
+        that received entries, and the parents of folders this storage created."""
+        for key in keys:
+            self._fsync_file(key)
+        self._sync_folders(keys)
+
+    def _sync_folders(self, keys: list[str]) -> None:
+        """fsync the folders holding ``keys`` and the parents of the folders this storage created."""
+        directories = {os.path.dirname(self.path(k)) for k in keys}
+        directories.update(os.path.dirname(d) for d in self._new_dirs)
+        self._new_dirs.clear()
+        self._fsync_folders(directories)
+
+    def _fsync_file(self, key: str) -> None:
+        try:
+            fd = os.open(self.path(key), os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except Exception as exc:
+            raise translate_error(exc, self.describe(key)) from None
+
+    def make_durable(self, keys: list[str]) -> None:
+        """fsync each file, then every folder from its own up to the root: a killed save may have
+        died before making any of these entries durable, even folders it created."""
+        folders = set()
+        for key in keys:
+            self._fsync_file(key)
+            folder = os.path.dirname(self.path(key))
+            folders.add(folder)
+            while len(folder) > len(self.root):
+                folder = os.path.dirname(folder)
+                folders.add(folder)
+        self._fsync_folders(folders)
+
+    @staticmethod
+    def _fsync_folders(folders) -> None:
+        """fsync folders, deepest first (their entries in their parents come next)."""
+        for directory in sorted(folders, key=len, reverse=True):
+            try:
+                fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+            except FileNotFoundError:
+                continue
+            try:
+                os.fsync(fd)
+            except OSError as exc:  # some filesystems cannot fsync directories
+                if exc.errno not in (errno.EINVAL, errno.ENOTSUP):
+                    raise translate_error(exc, directory) from None
+            finally:
+                os.close(fd)
+
+    def child(self, key: str) -> "LocalStorage":
+        return LocalStorage(self.fs, self.path(key), self.describe(key))

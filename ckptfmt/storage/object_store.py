@@ -1,0 +1,129 @@
+"""Remote object stores (S3 and other fsspec backends): conditional writes checked, retries bounded.
+
+What ckptfmt sets on an s3:// storage: botocore's timeouts and "standard"
+retries (``S3_CONFIG_DEFAULTS``), two tries of s3fs's own retry loop
+(``S3FS_TRIES``), a quick failure when the endpoint refuses connections
+(``REFUSED_ATTEMPTS``), and retries of S3's 409 ConditionalRequestConflict.
+The reasons are in docs/design/s3-retries.md.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from typing import Any
+
+from ckptfmt.storage.base import Storage, translate_error
+
+
+#: Tries of a conditional create that S3 answers with 409 ConditionalRequestConflict.
+_CONFLICT_TRIES = 5
+#: The backoff's jitter, apart from the global generator: a save must not move the training's RNG.
+_JITTER = random.Random()
+
+
+def _conditional_conflict(exc: Exception) -> bool:
+    """Whether ``exc`` is S3's 409 ConditionalRequestConflict (s3fs chains botocore's error as the cause)."""
+    response = getattr(exc.__cause__, "response", None) or getattr(exc, "response", None)
+    return isinstance(response, dict) and response.get("Error", {}).get("Code") == "ConditionalRequestConflict"
+
+
+class ObjectStorage(Storage):
+    """Remote stores (S3 and other fsspec backends), whose conditional create cannot be taken on trust.
+
+    Some S3-compatible stores ignore ``If-None-Match`` and moto checks then writes
+    without a lock, so a commit record is read back after its create, and again
+    ``create_settle_s`` later (``Repository.create_commit``, spec 11.3).
+    """
+
+    #: Seconds between the two read-backs of a commit record.
+    create_settle_s: float | None = 0.25
+
+    def create(self, key: str, data: bytes) -> None:
+        # AWS answers 409 ConditionalRequestConflict when conditional writes to one key
+        # overlap, and asks the client to retry; neither botocore nor s3fs does. The
+        # retry gets 412 (the other write won: FileExistsError) or succeeds.
+        for attempt in range(_CONFLICT_TRIES):
+            try:
+                self.fs.pipe_file(self.path(key), bytes(data), mode="create")
+                return
+            except FileExistsError:
+                raise
+            except Exception as exc:
+                if attempt + 1 == _CONFLICT_TRIES or not _conditional_conflict(exc):
+                    raise translate_error(exc, self.describe(key)) from None
+            time.sleep(0.05 * 2**attempt * (1 + _JITTER.random()))
+
+
+#: botocore client settings for s3:// storages; each key of the caller's
+#: ``storage_options["config_kwargs"]`` replaces the one here.
+S3_CONFIG_DEFAULTS: dict[str, Any] = {
+    "connect_timeout": 10,
+    "read_timeout": 30,
+    "retries": {"mode": "standard", "total_max_attempts": 6},
+}
+#: The AWS environment variables that take precedence over the ``retries`` default, key by key.
+_RETRIES_ENVIRONMENT = {"mode": "AWS_RETRY_MODE", "total_max_attempts": "AWS_MAX_ATTEMPTS"}
+#: Tries of s3fs's own retry loop (its default is 5; it is a class attribute, not an option).
+S3FS_TRIES = 2
+
+
+def s3_options(options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` over ckptfmt's S3 client defaults.
+
+    Retries live in botocore ("standard" mode: 500/502/503/504, SlowDown and other
+    throttling, connection errors and timeouts, with jittered exponential backoff
+    and a retry quota that stops retry storms), 6 attempts in all: a save makes
+    thousands of requests and one failed request fails it. Timeouts make every
+    attempt end: 10 s to connect, 30 s without a byte of the response (aiohttp
+    starts this clock once the request body is sent, so large uploads do not
+    trip it). s3fs wraps every call in its own retry loop, and whole-object reads
+    in a second one, around botocore's: at its default of 5 that multiplies the
+    attempts by 25. Two tries keep one s3fs retry for what botocore never sees,
+    an error while reading a GET body (e.g. a truncated body). Worst case per
+    request, with every attempt stalled: 2 (4 for whole-object reads) x 6 x 40 s
+    plus backoff; in practice botocore's retry quota cuts an outage much shorter.
+    ``AWS_RETRY_MODE`` and ``AWS_MAX_ATTEMPTS`` in the environment keep precedence
+    (botocore reads them for the keys missing from ``retries``).
+    """
+    retries = {key: value for key, value in S3_CONFIG_DEFAULTS["retries"].items()
+               if _RETRIES_ENVIRONMENT[key] not in os.environ}
+    defaults = {**S3_CONFIG_DEFAULTS, "retries": retries}
+    return {**options, "config_kwargs": {**defaults, **(options.get("config_kwargs") or {})}}
+
+
+#: Attempts at a request whose connection the endpoint refuses (nothing listens there).
+REFUSED_ATTEMPTS = 2
+
+
+def fail_fast_when_refused(fs) -> None:
+    """Stop botocore's retries once an endpoint has refused the connection twice.
+
+    A refused connection (no server at that address: a wrong ``AWS_ENDPOINT_URL``, a
+    local server not started) does not heal within a backoff's seconds, and 6
+    attempts took 11 s per request, 22-30 s per command. Timeouts, resets and 5xx
+    answers keep every retry. Registered once per client (s3fs caches filesystems).
+    """
+    client = fs.connect() if getattr(fs, "_s3", None) is None else fs.s3
+    if getattr(client, "_ckptfmt_fail_fast", False):
+        return
+    client.meta.events.register_first("needs-retry.s3", _raise_when_refused)
+    client._ckptfmt_fail_fast = True
+
+
+def _raise_when_refused(attempts: int, caught_exception: Exception | None = None, **_: Any) -> None:
+    if caught_exception is not None and attempts >= REFUSED_ATTEMPTS and _refused(caught_exception):
+        raise caught_exception
+
+
+def _refused(exc: BaseException) -> bool:
+    """Whether ``exc`` (botocore's error, aiohttp's inside it) comes from a refused connection."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, ConnectionRefusedError):
+            return True
+        inner = getattr(exc, "kwargs", {}).get("error") if isinstance(getattr(exc, "kwargs", None), dict) else None
+        exc = inner or getattr(exc, "os_error", None) or exc.__cause__ or exc.__context__
+    return False
