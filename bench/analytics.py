@@ -72,7 +72,7 @@ def simulate(repo_url: str, checkpoints: int, ranks: int, steps: int) -> int:
     """Commit ``checkpoints`` manifests shaped like a ``ranks``-rank collective save with a StepTimer."""
     from ckptfmt.environment import capture_environment
     from ckptfmt.format.manifest import Chunk, Manifest, Piece, Shard, TensorEntry
-    from ckptfmt.repository import Repository
+    from ckptfmt.repository.repository import Repository
     from ckptfmt.rng import capture_rng
     from ckptfmt.step_timer import encode_steps
     from ckptfmt.format.values import TensorRef, encode_tree

@@ -35,7 +35,7 @@ import ckptfmt
 from ckptfmt.format import layout
 from ckptfmt.cli import main
 from ckptfmt.format.hashing import chunk_hash
-from ckptfmt.repository import CommitRecord, Repository
+from ckptfmt.repository.repository import CommitRecord, Repository
 from ckptfmt.writer import _LATEST, resolve_parent
 
 

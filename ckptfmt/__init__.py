@@ -33,7 +33,7 @@ from ckptfmt.manager import CheckpointManager, Tier
 from ckptfmt.format.per_rank import PerRank, PerRankValues
 from ckptfmt.reader import CheckpointReader, load, open, restore_rng
 from ckptfmt.replicate import ReplicationReport, replicate
-from ckptfmt.repository import Repository
+from ckptfmt.repository.repository import Repository
 from ckptfmt.retention import Retention
 from ckptfmt.format.sharded import Shard, Sharded
 from ckptfmt.step_timer import StepTimer

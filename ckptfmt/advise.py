@@ -39,7 +39,7 @@ from typing import Mapping
 from ckptfmt.describe import SaveTiming, save_timing, step_times
 from ckptfmt.errors import CheckpointError
 from ckptfmt.format.manifest import Manifest
-from ckptfmt.repository import Repository
+from ckptfmt.repository.repository import Repository
 from ckptfmt.step_timer import decode_steps
 
 #: The phase an asynchronous save records for its staging copy, the only part that blocks training.

@@ -31,7 +31,7 @@ from ckptfmt.hashcache import HashCache
 from ckptfmt.format.hashing import chunk_hash
 from ckptfmt.format.limits import MAX_CHUNK_BYTES
 from ckptfmt.format.manifest import Chunk, Piece, TensorEntry
-from ckptfmt.repository import Repository
+from ckptfmt.repository.repository import Repository
 from ckptfmt.format.tensors import TensorSource
 
 #: Bytes copied, hashed and written at a time from the caller's memory.

@@ -33,14 +33,14 @@ from torch.futures import Future
 
 from ckptfmt.format import layout
 from ckptfmt.chunk_writer import ChunkTable, store_sources
-from ckptfmt.leases import Lease, hold_save_lease
+from ckptfmt.repository.leases import Lease, hold_save_lease
 from ckptfmt.format.dtypes import dtype_from_name, dtype_name
 from ckptfmt.environment import capture_environment, merge_environments
 from ckptfmt.errors import CheckpointError, CheckpointExistsError, UnsupportedValueError
 from ckptfmt.hashcache import DEFAULT_CACHE
 from ckptfmt.format.manifest import Chunk, Manifest, Piece, Shard, TensorEntry
 from ckptfmt.reader import CheckpointReader
-from ckptfmt.repository import Repository, split_checkpoint_url
+from ckptfmt.repository.repository import Repository, split_checkpoint_url
 from ckptfmt.rng import capture_rng
 from ckptfmt.format.tensors import prepare
 from ckptfmt.timing import PhaseTimer

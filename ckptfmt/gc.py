@@ -23,9 +23,9 @@ from dataclasses import asdict, dataclass, field
 
 from ckptfmt.format import layout
 from ckptfmt.errors import CheckpointError, CheckpointNotFoundError
-from ckptfmt.leases import Lease, try_gc_lease
+from ckptfmt.repository.leases import Lease, try_gc_lease
 from ckptfmt.format.limits import is_valid_name
-from ckptfmt.repository import CommitRecord, Repository
+from ckptfmt.repository.repository import CommitRecord, Repository
 
 #: Manifest fields a collector never needs (the chunk table is what it reads).
 _SKIP = frozenset({"rng", "environment", "topology", "timing", "provenance"})

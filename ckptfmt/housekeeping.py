@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from ckptfmt.errors import CheckpointError, CheckpointNotFoundError
 from ckptfmt.gc import collect, remove
 from ckptfmt.replicate import replicate
-from ckptfmt.repository import CommitRecord, Repository
+from ckptfmt.repository.repository import CommitRecord, Repository
 from ckptfmt.retention import Retention, metrics_reader
 
 #: Chunks copied to the next tier at a time: few, so that a save starting meanwhile soon has the machine

@@ -15,7 +15,7 @@ from concurrent.futures import Future
 
 from ckptfmt._platform import before_thread_shutdown
 from ckptfmt.errors import CheckpointWarning
-from ckptfmt.repository import split_checkpoint_url
+from ckptfmt.repository.repository import split_checkpoint_url
 
 _pending: dict[str, Future] = {}
 _lock = threading.Lock()

@@ -14,7 +14,7 @@ from ckptfmt.chunkio import ChunkReader
 from ckptfmt.errors import CheckpointError, CheckpointNotFoundError, CheckpointWarning, CorruptDataError, ManifestError
 from ckptfmt.load_into import load_into
 from ckptfmt.format.manifest import Manifest, Piece, TensorEntry
-from ckptfmt.repository import Repository, resolve
+from ckptfmt.repository.repository import Repository, resolve
 from ckptfmt.rng import apply_rng
 from ckptfmt.format.dtypes import dtype_from_name, itemsize
 from ckptfmt.format.tensors import byte_view, empty, finish

@@ -34,10 +34,10 @@ from ckptfmt.format import codecs, layout
 from ckptfmt.chunker import DEFAULT_CHUNK_SIZE
 from ckptfmt.errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError, CorruptDataError
 from ckptfmt.format.hashing import chunk_hash, check_chunk
-from ckptfmt.leases import Lease, save_lease
+from ckptfmt.repository.leases import Lease, save_lease
 from ckptfmt.format.limits import check_name
 from ckptfmt.format.manifest import Chunk
-from ckptfmt.repository import CommitRecord, Repository
+from ckptfmt.repository.repository import CommitRecord, Repository
 from ckptfmt.storage.base import Storage
 from ckptfmt.verify import _ByteBudget
 

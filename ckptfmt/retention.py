@@ -14,7 +14,7 @@ from datetime import timedelta
 from typing import Callable
 
 from ckptfmt.errors import CheckpointError
-from ckptfmt.repository import CommitRecord, Repository
+from ckptfmt.repository.repository import CommitRecord, Repository
 from ckptfmt.format.values import decode_tree
 
 #: The metadata key under which ``CheckpointManager`` stores a checkpoint's metrics.

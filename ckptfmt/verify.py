@@ -20,7 +20,7 @@ from ckptfmt.format import layout
 from ckptfmt.chunkio import ChunkReader
 from ckptfmt.errors import CheckpointError, CheckpointNotFoundError, StorageError
 from ckptfmt.format.manifest import Manifest
-from ckptfmt.repository import Repository, resolve
+from ckptfmt.repository.repository import Repository, resolve
 from ckptfmt.storage.factory import open_storage
 
 

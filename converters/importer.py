@@ -27,7 +27,7 @@ import torch
 
 import ckptfmt
 from ckptfmt.errors import CheckpointError, CheckpointNotFoundError
-from ckptfmt.repository import split_checkpoint_url
+from ckptfmt.repository.repository import split_checkpoint_url
 from ckptfmt.timing import PhaseTimer
 
 

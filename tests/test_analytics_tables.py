@@ -19,7 +19,7 @@ import torch
 
 import ckptfmt
 from ckptfmt import analytics
-from ckptfmt.repository import Repository
+from ckptfmt.repository.repository import Repository
 
 from helpers import rewrite_manifest
 from ranks import run_ranks

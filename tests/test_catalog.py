@@ -19,9 +19,9 @@ from ckptfmt.format import layout
 from ckptfmt.cli import main
 from ckptfmt.errors import CheckpointExistsError, CheckpointNotFoundError, CheckpointWarning, UnsupportedVersionError
 from ckptfmt.format.hashing import chunk_hash
-from ckptfmt.index import COMPACT_AT, ENTRIES_DIR, INDEX_DIR, PACKS_DIR, CommitIndex, Entry, PackRef, encode_pack
+from ckptfmt.repository.index import COMPACT_AT, ENTRIES_DIR, INDEX_DIR, PACKS_DIR, CommitIndex, Entry, PackRef, encode_pack
 from ckptfmt.format.limits import MAX_INDEX_PACK_BYTES
-from ckptfmt.repository import CommitRecord, Repository
+from ckptfmt.repository.repository import CommitRecord, Repository
 from ckptfmt.writer import _LATEST, resolve_parent
 
 

@@ -24,7 +24,7 @@ import torch
 import ckptfmt
 from ckptfmt.format import layout
 from ckptfmt.cli import main
-from ckptfmt.repository import Repository
+from ckptfmt.repository.repository import Repository
 
 from helpers import ANY_SIZE, rewrite_manifest
 from test_hostile_repository import within

@@ -27,7 +27,7 @@ import ckptfmt
 from ckptfmt import writer
 from ckptfmt.chunk_writer import ChunkWriter
 from ckptfmt.process_group import RankGroup
-from ckptfmt.repository import Repository
+from ckptfmt.repository.repository import Repository
 
 from ranks import run_ranks
 

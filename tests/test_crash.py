@@ -20,7 +20,7 @@ import torch
 import ckptfmt
 from ckptfmt import CheckpointNotFoundError, StorageError
 from ckptfmt.format import layout
-from ckptfmt.repository import Repository
+from ckptfmt.repository.repository import Repository
 from ckptfmt.storage import local as local_storage
 from ckptfmt.storage.factory import open_storage
 from ckptfmt.storage.local import LocalStorage
@@ -39,11 +39,11 @@ SAVER = textwrap.dedent(
     """
     import json, os, signal, sys, threading, time, traceback
     import torch, ckptfmt
-    import ckptfmt.leases as leases
+    import ckptfmt.repository.leases as leases
     import ckptfmt.storage.local as storage
     import ckptfmt.timing as timing
     import ckptfmt.writer as writer
-    from ckptfmt.repository import Repository
+    from ckptfmt.repository.repository import Repository
 
     repo, elements, chunk_size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 

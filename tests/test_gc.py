@@ -17,8 +17,8 @@ import torch
 import ckptfmt
 from ckptfmt.format import layout
 from ckptfmt.gc import collect, remove
-from ckptfmt.leases import LEASES_DIR, SAVE, Lease, LeaseLostError, try_gc_lease
-from ckptfmt.repository import Repository
+from ckptfmt.repository.leases import LEASES_DIR, SAVE, Lease, LeaseLostError, try_gc_lease
+from ckptfmt.repository.repository import Repository
 from ckptfmt.retention import Retention
 
 WORKER = Path(__file__).with_name("gc_race_worker.py")
@@ -158,7 +158,7 @@ def test_expired_and_unreadable_leases(tmp_path):
 
 def test_a_save_whose_lease_ran_out_does_not_commit(tmp_path, monkeypatch):
     """A save paused past its lease's expiry (a collector may have swept meanwhile) must not commit."""
-    from ckptfmt import leases
+    from ckptfmt.repository import leases
     url = str(tmp_path / "repo")
 
     class PausedClock:  # the process wakes up 10 minutes later
@@ -176,7 +176,7 @@ def test_a_save_whose_lease_ran_out_does_not_commit(tmp_path, monkeypatch):
 
 
 def test_retention_rules_combine_with_or():
-    from ckptfmt.repository import CommitRecord
+    from ckptfmt.repository.repository import CommitRecord
     from datetime import timedelta
 
     now = 10**18

@@ -20,7 +20,7 @@ import torch
 import ckptfmt
 from ckptfmt import CheckpointError, InvalidNameError
 from ckptfmt.format import layout
-from ckptfmt.repository import Repository
+from ckptfmt.repository.repository import Repository
 from ckptfmt.format.limits import check_name, is_valid_name
 
 from helpers import assert_same

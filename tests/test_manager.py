@@ -22,7 +22,7 @@ from ckptfmt import CheckpointManager, Retention, Tier
 from ckptfmt.format import layout
 from ckptfmt.housekeeping import Housekeeper
 from ckptfmt.housekeeping_process import CHILD_NICE, SUPPORTED as PROCESS_SUPPORTED, HousekeepingProcess
-from ckptfmt.repository import Repository
+from ckptfmt.repository.repository import Repository
 
 from ranks import run_ranks
 

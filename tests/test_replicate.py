@@ -29,7 +29,7 @@ from ckptfmt.format import layout
 from ckptfmt.cli import _run
 from ckptfmt.cli.sync import register
 from ckptfmt.replicate import replicate
-from ckptfmt.repository import Repository
+from ckptfmt.repository.repository import Repository
 from ckptfmt.storage.base import Storage
 from ckptfmt.storage.factory import open_storage
 

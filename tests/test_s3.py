@@ -11,7 +11,7 @@ import torch
 import ckptfmt
 from ckptfmt import CheckpointExistsError, writer
 from ckptfmt.format import layout
-from ckptfmt.repository import Repository
+from ckptfmt.repository.repository import Repository
 
 from helpers import assert_same, run_in_threads
 

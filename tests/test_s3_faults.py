@@ -27,7 +27,7 @@ import torch
 import ckptfmt
 from ckptfmt import CheckpointError, CheckpointExistsError, StorageError
 from ckptfmt.format import layout
-from ckptfmt.repository import CommitRecord, Repository
+from ckptfmt.repository.repository import CommitRecord, Repository
 from ckptfmt.storage.factory import open_storage
 from ckptfmt.storage.object_store import S3FS_TRIES, ObjectStorage
 

@@ -21,7 +21,7 @@ import ckptfmt
 from ckptfmt.format import layout
 from ckptfmt import writer as writer_module
 from ckptfmt.hashcache import HashCache
-from ckptfmt.repository import Repository
+from ckptfmt.repository.repository import Repository
 from ckptfmt.storage.local import LocalStorage
 
 from helpers import assert_same

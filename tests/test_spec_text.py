@@ -37,7 +37,7 @@ from ckptfmt import analytics
 from ckptfmt.format import values  # noqa: E402
 from ckptfmt.errors import InvalidNameError, ManifestError, UnsupportedValueError  # noqa: E402
 from ckptfmt.format.manifest import FORMAT_VERSION  # noqa: E402
-from ckptfmt.repository import Repository  # noqa: E402
+from ckptfmt.repository.repository import Repository  # noqa: E402
 from test_spec_schema import _SpecReader, _store_chunk, _write_by_spec, json_image  # noqa: E402
 
 SPEC = Path(__file__).resolve().parent.parent / "spec"

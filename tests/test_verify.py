@@ -12,7 +12,7 @@ from fsspec.callbacks import Callback
 import ckptfmt
 from ckptfmt import CheckpointError, CheckpointNotFoundError, CorruptDataError
 from ckptfmt.format import layout
-from ckptfmt.repository import Repository
+from ckptfmt.repository.repository import Repository
 from ckptfmt.storage.factory import open_storage
 
 from helpers import ANY_SIZE, assert_same, tensor_chunk_keys

@@ -15,7 +15,7 @@ from textual.widgets import Footer, Header, Static
 
 from ckptfmt.errors import CheckpointNotFoundError
 from ckptfmt.reader import CheckpointReader
-from ckptfmt.repository import Repository
+from ckptfmt.repository.repository import Repository
 from ckptfmt.tui.screens.base import ErrorPanel, WorkerScreen
 from ckptfmt.tui.screens.checkpoint import CheckpointScreen
 from ckptfmt.tui.screens.diff import DiffScreen

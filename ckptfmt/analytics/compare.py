@@ -40,7 +40,7 @@ from ckptfmt.diff import plain_leaves, plain_values, same_value, value_differenc
 from ckptfmt.errors import quoted
 from ckptfmt.format.manifest import Manifest
 from ckptfmt.reader import CheckpointReader
-from ckptfmt.repository import CommitRecord, Repository
+from ckptfmt.repository.repository import CommitRecord, Repository
 from ckptfmt.step_timer import decode_steps
 from ckptfmt.format.values import decode_tree
 from ckptfmt.analytics.tables import _flatten

@@ -25,7 +25,7 @@ import pyarrow.parquet as pq
 
 from ckptfmt.errors import ManifestError, quoted
 from ckptfmt.format.manifest import Manifest
-from ckptfmt.repository import CommitRecord, Repository
+from ckptfmt.repository.repository import CommitRecord, Repository
 from ckptfmt.step_timer import decode_steps
 
 TABLE_NAMES = ("checkpoints", "saves", "steps", "tensors", "environment")

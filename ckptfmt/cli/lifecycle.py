@@ -10,7 +10,7 @@ from rich.console import Console
 from ckptfmt.errors import CheckpointError
 from ckptfmt.formatting import human_bytes
 from ckptfmt.gc import GcReport, collect, remove
-from ckptfmt.repository import Repository, split_checkpoint_url
+from ckptfmt.repository.repository import Repository, split_checkpoint_url
 from ckptfmt.retention import Retention, metrics_reader
 from ckptfmt.cli.advise import parse_duration
 from ckptfmt.output import Output

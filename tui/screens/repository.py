@@ -10,7 +10,7 @@ from textual.widgets import DataTable, Footer, Header, Static
 
 from ckptfmt import describe
 from ckptfmt.reader import CheckpointReader
-from ckptfmt.repository import CommitRecord, Repository
+from ckptfmt.repository.repository import CommitRecord, Repository
 from ckptfmt.tui.widgets.formatting import human_bytes, human_time
 from ckptfmt.tui.screens.base import ErrorPanel, WorkerScreen
 from ckptfmt.tui.screens.checkpoint import CheckpointScreen

@@ -21,7 +21,7 @@ from ckptfmt.errors import (
     InvalidNameError, ManifestError, StorageError, UnsupportedVersionError, quoted,
 )
 from ckptfmt.format.hashing import check_chunk
-from ckptfmt.index import INDEX_DIR, CommitIndex, IndexDamagedError, read_each
+from ckptfmt.repository.index import INDEX_DIR, CommitIndex, IndexDamagedError, read_each
 from ckptfmt.format.limits import MAX_COMMIT_BYTES, MAX_MARKER_BYTES, check_name, is_valid_name
 from ckptfmt.format.manifest import FORMAT_VERSION, Manifest, check_version
 from ckptfmt.storage.base import Storage

@@ -35,7 +35,7 @@ from typing import Iterator
 from ckptfmt.errors import CheckpointError, StorageError
 from ckptfmt.format.layout import LEASES_DIR
 from ckptfmt.format.manifest import FORMAT_VERSION
-from ckptfmt.repository import Repository
+from ckptfmt.repository.repository import Repository
 from ckptfmt.format.values import unique_map
 
 LEASE_FORMAT = "ckptfmt-lease"
