@@ -70,11 +70,11 @@ def main() -> int:
 
 def simulate(repo_url: str, checkpoints: int, ranks: int, steps: int) -> int:
     """Commit ``checkpoints`` manifests shaped like a ``ranks``-rank collective save with a StepTimer."""
-    from ckptfmt.environment import capture_environment
+    from ckptfmt.metadata.environment import capture_environment
     from ckptfmt.format.manifest import Chunk, Manifest, Piece, Shard, TensorEntry
     from ckptfmt.repository.repository import Repository
-    from ckptfmt.rng import capture_rng
-    from ckptfmt.step_timer import encode_steps
+    from ckptfmt.metadata.rng import capture_rng
+    from ckptfmt.metadata.step_timer import encode_steps
     from ckptfmt.format.values import TensorRef, encode_tree
     from ckptfmt.writer import commit_manifest
 

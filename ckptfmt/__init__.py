@@ -36,7 +36,7 @@ from ckptfmt.replicate import ReplicationReport, replicate
 from ckptfmt.repository.repository import Repository
 from ckptfmt.retention import Retention
 from ckptfmt.format.sharded import Shard, Sharded
-from ckptfmt.step_timer import StepTimer
+from ckptfmt.metadata.step_timer import StepTimer
 from ckptfmt.format.values import OpaqueObject
 from ckptfmt.verify import VerifyReport, verify
 from ckptfmt.writer import save

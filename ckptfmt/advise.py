@@ -40,7 +40,7 @@ from ckptfmt.describe import SaveTiming, save_timing, step_times
 from ckptfmt.errors import CheckpointError
 from ckptfmt.format.manifest import Manifest
 from ckptfmt.repository.repository import Repository
-from ckptfmt.step_timer import decode_steps
+from ckptfmt.metadata.step_timer import decode_steps
 
 #: The phase an asynchronous save records for its staging copy, the only part that blocks training.
 STAGE_PHASE = "stage"

@@ -22,7 +22,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from ckptfmt import in_flight
-from ckptfmt.rng import capture_states
+from ckptfmt.metadata.rng import capture_states
 from ckptfmt.staging import StagingArea
 from ckptfmt.writer import save, save_state, step_records
 

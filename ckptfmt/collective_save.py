@@ -28,18 +28,18 @@ from typing import Any
 
 from ckptfmt.format import layout
 from ckptfmt.chunk_writer import ChunkTable, store_sources
-from ckptfmt.environment import capture_environment, merge_environments
+from ckptfmt.metadata.environment import capture_environment, merge_environments
 from ckptfmt.errors import CheckpointError, CheckpointExistsError, CheckpointWarning
 from ckptfmt.hashcache import DEFAULT_CACHE
 from ckptfmt.repository.leases import Lease, hold_save_lease
 from ckptfmt.format.manifest import Manifest, Piece, Shard, TensorEntry
 from ckptfmt.process_group import CollectiveError, RankGroup
 from ckptfmt.repository.repository import Repository, split_checkpoint_url
-from ckptfmt.rng import rng_entry
+from ckptfmt.metadata.rng import rng_entry
 from ckptfmt.state_merge import MAX_REPORTED, merge_states
 from ckptfmt.format.tensors import TensorSource
-from ckptfmt.timing import PhaseTimer
-from ckptfmt.topology import rank_entry
+from ckptfmt.metadata.timing import PhaseTimer
+from ckptfmt.metadata.topology import rank_entry
 from ckptfmt.format.values import TensorRef, decode_tree, encode_tree
 
 

@@ -35,16 +35,16 @@ from ckptfmt.format import layout
 from ckptfmt.chunk_writer import ChunkTable, store_sources
 from ckptfmt.repository.leases import Lease, hold_save_lease
 from ckptfmt.format.dtypes import dtype_from_name, dtype_name
-from ckptfmt.environment import capture_environment, merge_environments
+from ckptfmt.metadata.environment import capture_environment, merge_environments
 from ckptfmt.errors import CheckpointError, CheckpointExistsError, UnsupportedValueError
 from ckptfmt.hashcache import DEFAULT_CACHE
 from ckptfmt.format.manifest import Chunk, Manifest, Piece, Shard, TensorEntry
 from ckptfmt.reader import CheckpointReader
 from ckptfmt.repository.repository import Repository, split_checkpoint_url
-from ckptfmt.rng import capture_rng
+from ckptfmt.metadata.rng import capture_rng
 from ckptfmt.format.tensors import prepare
-from ckptfmt.timing import PhaseTimer
-from ckptfmt.topology import current_rank, rank_entry
+from ckptfmt.metadata.timing import PhaseTimer
+from ckptfmt.metadata.topology import current_rank, rank_entry
 from ckptfmt.format.values import TensorRef, decode_tree, encode_tree, format_key
 
 

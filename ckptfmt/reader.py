@@ -15,10 +15,10 @@ from ckptfmt.errors import CheckpointError, CheckpointNotFoundError, CheckpointW
 from ckptfmt.load_into import load_into
 from ckptfmt.format.manifest import Manifest, Piece, TensorEntry
 from ckptfmt.repository.repository import Repository, resolve
-from ckptfmt.rng import apply_rng
+from ckptfmt.metadata.rng import apply_rng
 from ckptfmt.format.dtypes import dtype_from_name, itemsize
 from ckptfmt.format.tensors import byte_view, empty, finish
-from ckptfmt.topology import current_rank
+from ckptfmt.metadata.topology import current_rank
 from ckptfmt.format.values import decode_tree
 
 

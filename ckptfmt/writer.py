@@ -19,7 +19,7 @@ import torch
 
 from ckptfmt.format import codecs, layout
 from ckptfmt import in_flight
-from ckptfmt.environment import capture_environment
+from ckptfmt.metadata.environment import capture_environment
 from ckptfmt.errors import (
     CheckpointError, CheckpointExistsError, CheckpointNotFoundError, CheckpointWarning, ManifestError,
     UnsupportedValueError,
@@ -35,12 +35,12 @@ from ckptfmt.format.manifest import MAX_RANK, Manifest, Piece, Shard, TensorEntr
 from ckptfmt.format.tiling import check_tiling
 from ckptfmt.repository.repository import CommitRecord, Repository, split_checkpoint_url
 from ckptfmt.process_group import distributed_group
-from ckptfmt.rng import rng_entry
+from ckptfmt.metadata.rng import rng_entry
 from ckptfmt.format.sharded import LocalShard, Shard as ShardInput, Sharded
 from ckptfmt.format.tensors import TensorSource, prepare
-from ckptfmt.step_timer import StepTimer
-from ckptfmt.timing import PhaseTimer
-from ckptfmt.topology import capture_topology, current_rank
+from ckptfmt.metadata.step_timer import StepTimer
+from ckptfmt.metadata.timing import PhaseTimer
+from ckptfmt.metadata.topology import capture_topology, current_rank
 from ckptfmt.format.values import encode_tree, format_key
 
 _LATEST = object()

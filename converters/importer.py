@@ -28,7 +28,7 @@ import torch
 import ckptfmt
 from ckptfmt.errors import CheckpointError, CheckpointNotFoundError
 from ckptfmt.repository.repository import split_checkpoint_url
-from ckptfmt.timing import PhaseTimer
+from ckptfmt.metadata.timing import PhaseTimer
 
 
 class PendingCheck(Protocol):

@@ -16,7 +16,7 @@ import torch
 
 import ckptfmt
 from ckptfmt import collective_save
-from ckptfmt.step_timer import decode_steps
+from ckptfmt.metadata.step_timer import decode_steps
 
 from ranks import mixed_state, run_ranks
 

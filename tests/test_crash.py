@@ -41,7 +41,7 @@ SAVER = textwrap.dedent(
     import torch, ckptfmt
     import ckptfmt.repository.leases as leases
     import ckptfmt.storage.local as storage
-    import ckptfmt.timing as timing
+    import ckptfmt.metadata.timing as timing
     import ckptfmt.writer as writer
     from ckptfmt.repository.repository import Repository
 

@@ -242,7 +242,7 @@ def test_converters_can_record_foreign_rng_states_and_provenance(tmp_path):
 
     torch.manual_seed(1234)
     random.seed(99)
-    from ckptfmt.rng import capture_rng
+    from ckptfmt.metadata.rng import capture_rng
 
     foreign = [capture_rng(0)]
     expected = (torch.rand(3), random.random())
@@ -263,7 +263,7 @@ def test_package_versions_are_those_importlib_parses():
     what importlib.metadata's full parse finds (the first distribution of a name, as imports do)."""
     import importlib.metadata
 
-    from ckptfmt.environment import _packages
+    from ckptfmt.metadata.environment import _packages
 
     expected: dict[str, str] = {}
     for dist in importlib.metadata.distributions():

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import ckptfmt
-from ckptfmt.step_timer import decode_steps
+from ckptfmt.metadata.step_timer import decode_steps
 
 
 def run_steps(timer: ckptfmt.StepTimer, steps, *, sleep_in: dict | None = None) -> np.ndarray:

@@ -41,7 +41,7 @@ from ckptfmt.errors import quoted
 from ckptfmt.format.manifest import Manifest
 from ckptfmt.reader import CheckpointReader
 from ckptfmt.repository.repository import CommitRecord, Repository
-from ckptfmt.step_timer import decode_steps
+from ckptfmt.metadata.step_timer import decode_steps
 from ckptfmt.format.values import decode_tree
 from ckptfmt.analytics.tables import _flatten
 

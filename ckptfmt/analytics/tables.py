@@ -26,7 +26,7 @@ import pyarrow.parquet as pq
 from ckptfmt.errors import ManifestError, quoted
 from ckptfmt.format.manifest import Manifest
 from ckptfmt.repository.repository import CommitRecord, Repository
-from ckptfmt.step_timer import decode_steps
+from ckptfmt.metadata.step_timer import decode_steps
 
 TABLE_NAMES = ("checkpoints", "saves", "steps", "tensors", "environment")
 #: Manifests read at once from remote stores (and so the most held in memory before they are added).
