@@ -31,7 +31,7 @@ from ckptfmt.errors import (
 from ckptfmt.format.manifest import FORMAT_VERSION
 from ckptfmt.manager import CheckpointManager, Tier
 from ckptfmt.format.per_rank import PerRank, PerRankValues
-from ckptfmt.reader import CheckpointReader, load, open, restore_rng
+from ckptfmt.loading.reader import CheckpointReader, load, open, restore_rng
 from ckptfmt.replicate import ReplicationReport, replicate
 from ckptfmt.repository.repository import Repository
 from ckptfmt.retention import Retention

@@ -39,7 +39,7 @@ from ckptfmt.metadata.environment import capture_environment, merge_environments
 from ckptfmt.errors import CheckpointError, CheckpointExistsError, UnsupportedValueError
 from ckptfmt.hashcache import DEFAULT_CACHE
 from ckptfmt.format.manifest import Chunk, Manifest, Piece, Shard, TensorEntry
-from ckptfmt.reader import CheckpointReader
+from ckptfmt.loading.reader import CheckpointReader
 from ckptfmt.repository.repository import Repository, split_checkpoint_url
 from ckptfmt.metadata.rng import capture_rng
 from ckptfmt.format.tensors import prepare

@@ -17,7 +17,7 @@ import torch
 
 from ckptfmt.format.hashing import chunk_hash
 from ckptfmt.format.manifest import Manifest, TensorEntry
-from ckptfmt.reader import CheckpointReader, open as open_checkpoint
+from ckptfmt.loading.reader import CheckpointReader, open as open_checkpoint
 from ckptfmt.format.values import decode_tree, format_key
 
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

@@ -40,7 +40,7 @@ from ckptfmt.errors import CheckpointError, CheckpointNotFoundError, CheckpointW
 from ckptfmt.housekeeping import Housekeeper, Tier, tier_records
 from ckptfmt.housekeeping_process import SUPPORTED as PROCESS_SUPPORTED, HousekeepingProcess
 from ckptfmt.process_group import distributed_group
-from ckptfmt.reader import load, restore_rng
+from ckptfmt.loading.reader import load, restore_rng
 from ckptfmt.retention import METRICS_KEY, Retention
 from ckptfmt.storage.factory import in_process_memory
 from ckptfmt.writer import save

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from fsspec.callbacks import Callback, NoOpCallback
 
 from ckptfmt.format import layout
-from ckptfmt.chunkio import ChunkReader
+from ckptfmt.loading.chunkio import ChunkReader
 from ckptfmt.errors import CheckpointError, CheckpointNotFoundError, StorageError
 from ckptfmt.format.manifest import Manifest
 from ckptfmt.repository.repository import Repository, resolve

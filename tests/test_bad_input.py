@@ -30,7 +30,7 @@ from ckptfmt.format import manifest as manifest_module
 from ckptfmt.format.hashing import chunk_hash
 from ckptfmt.format.limits import check_hash, check_name
 from ckptfmt.format.manifest import Manifest
-from ckptfmt.reader import CheckpointReader
+from ckptfmt.loading.reader import CheckpointReader
 from ckptfmt.repository.repository import CommitRecord, Repository
 from ckptfmt.storage.factory import open_storage
 from ckptfmt.format.values import decode_tree, encode_tree

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import ckptfmt
-from ckptfmt.chunkio import ChunkReader
+from ckptfmt.loading.chunkio import ChunkReader
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ from textual.containers import Vertical
 from textual.widgets import Footer, Header, Static
 
 from ckptfmt.errors import CheckpointNotFoundError
-from ckptfmt.reader import CheckpointReader
+from ckptfmt.loading.reader import CheckpointReader
 from ckptfmt.repository.repository import Repository
 from ckptfmt.tui.screens.base import ErrorPanel, WorkerScreen
 from ckptfmt.tui.screens.checkpoint import CheckpointScreen

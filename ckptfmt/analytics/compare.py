@@ -39,7 +39,7 @@ import torch
 from ckptfmt.diff import plain_leaves, plain_values, same_value, value_difference
 from ckptfmt.errors import quoted
 from ckptfmt.format.manifest import Manifest
-from ckptfmt.reader import CheckpointReader
+from ckptfmt.loading.reader import CheckpointReader
 from ckptfmt.repository.repository import CommitRecord, Repository
 from ckptfmt.metadata.step_timer import decode_steps
 from ckptfmt.format.values import decode_tree

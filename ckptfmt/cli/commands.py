@@ -16,7 +16,7 @@ from ckptfmt.describe import text
 from ckptfmt.errors import CheckpointError, CheckpointWarning, quoted
 from ckptfmt.formatting import counted, human_bytes, human_time, number, seconds, shape_text, short
 from ckptfmt.output import KEY, NAME, TEXT, Column, Output
-from ckptfmt.reader import open as open_checkpoint
+from ckptfmt.loading.reader import open as open_checkpoint
 from ckptfmt.repository.repository import Repository
 from ckptfmt.verify import verify as verify_url
 from ckptfmt.cli.render import ByteProgress

@@ -18,7 +18,7 @@ from textual.widgets import Footer, Header, Input, Static, TabbedContent, TabPan
 from textual.worker import get_current_worker
 
 from ckptfmt import describe
-from ckptfmt.reader import CheckpointReader
+from ckptfmt.loading.reader import CheckpointReader
 from ckptfmt.tui.stats import TensorStats, tensor_statistics
 from ckptfmt.tui.widgets import metadata
 from ckptfmt.tui.widgets.charts import histogram

@@ -9,7 +9,7 @@ from textual.binding import Binding
 from textual.widgets import DataTable, Footer, Header, Static
 
 from ckptfmt import describe
-from ckptfmt.reader import CheckpointReader
+from ckptfmt.loading.reader import CheckpointReader
 from ckptfmt.repository.repository import CommitRecord, Repository
 from ckptfmt.tui.widgets.formatting import human_bytes, human_time
 from ckptfmt.tui.screens.base import ErrorPanel, WorkerScreen

@@ -10,9 +10,9 @@ from typing import Any
 
 import torch
 
-from ckptfmt.chunkio import ChunkReader
+from ckptfmt.loading.chunkio import ChunkReader
 from ckptfmt.errors import CheckpointError, CheckpointNotFoundError, CheckpointWarning, CorruptDataError, ManifestError
-from ckptfmt.load_into import load_into
+from ckptfmt.loading.load_into import load_into
 from ckptfmt.format.manifest import Manifest, Piece, TensorEntry
 from ckptfmt.repository.repository import Repository, resolve
 from ckptfmt.metadata.rng import apply_rng
