@@ -36,7 +36,7 @@ from ckptfmt.format import layout
 from ckptfmt.cli import main
 from ckptfmt.format.hashing import chunk_hash
 from ckptfmt.repository.repository import CommitRecord, Repository
-from ckptfmt.writer import _LATEST, resolve_parent
+from ckptfmt.saving.writer import _LATEST, resolve_parent
 
 
 def start_moto() -> str:

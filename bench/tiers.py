@@ -24,7 +24,8 @@ import uuid
 import torch
 
 import ckptfmt
-from ckptfmt import CheckpointManager, Retention, Tier, asynchronous, in_flight
+from ckptfmt import CheckpointManager, Retention, Tier
+from ckptfmt.saving import asynchronous, in_flight
 from harness import build_state, refresh_content, start_moto, state_nbytes
 
 

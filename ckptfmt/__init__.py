@@ -14,7 +14,7 @@ pulls in neither.
 import importlib
 from importlib.metadata import PackageNotFoundError, version as _installed_version
 
-from ckptfmt.asynchronous import async_save
+from ckptfmt.saving.asynchronous import async_save
 from ckptfmt.errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -39,7 +39,7 @@ from ckptfmt.format.sharded import Shard, Sharded
 from ckptfmt.metadata.step_timer import StepTimer
 from ckptfmt.format.values import OpaqueObject
 from ckptfmt.verify import VerifyReport, verify
-from ckptfmt.writer import save
+from ckptfmt.saving.writer import save
 
 try:
     __version__ = _installed_version("ckptfmt")

@@ -27,10 +27,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptfmt.format import layout
-from ckptfmt.chunk_writer import ChunkTable, store_sources
+from ckptfmt.saving.chunk_writer import ChunkTable, store_sources
 from ckptfmt.metadata.environment import capture_environment, merge_environments
 from ckptfmt.errors import CheckpointError, CheckpointExistsError, CheckpointWarning
-from ckptfmt.hashcache import DEFAULT_CACHE
+from ckptfmt.saving.hashcache import DEFAULT_CACHE
 from ckptfmt.repository.leases import Lease, hold_save_lease
 from ckptfmt.format.manifest import Manifest, Piece, Shard, TensorEntry
 from ckptfmt.process_group import CollectiveError, RankGroup
@@ -49,7 +49,7 @@ def collective_save(state: Any, url: str, group, *, timeout: float, step: int | 
                     provenance: dict | None, frozen: bool, steps: dict | None,
                     staged: tuple[int, float] | None, captured_rng: dict | None = None) -> str:
     """``ckptfmt.save`` over a process group (arguments checked by ``save``); returns the checkpoint URL."""
-    from ckptfmt.writer import TensorCollector, resolve_parent
+    from ckptfmt.saving.writer import TensorCollector, resolve_parent
 
     timer = PhaseTimer(staged)
     repo_url, name = split_checkpoint_url(url)
@@ -90,7 +90,7 @@ def _write_and_commit(decision: dict, failure: Failure | None, url: str, name: s
                       rng, step_times, parallelism, provenance, compression, chunk_size, workers, steps,
                       captured_rng) -> str:
     """Steps 2 and 3 of the protocol, once the plan is broadcast."""
-    from ckptfmt.writer import commit_manifest
+    from ckptfmt.saving.writer import commit_manifest
 
     _raise_failures(decision, url, failure)
     agreed: Plan = decision["ok"]

@@ -32,12 +32,12 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict, unflat
 from torch.futures import Future
 
 from ckptfmt.format import layout
-from ckptfmt.chunk_writer import ChunkTable, store_sources
+from ckptfmt.saving.chunk_writer import ChunkTable, store_sources
 from ckptfmt.repository.leases import Lease, hold_save_lease
 from ckptfmt.format.dtypes import dtype_from_name, dtype_name
 from ckptfmt.metadata.environment import capture_environment, merge_environments
 from ckptfmt.errors import CheckpointError, CheckpointExistsError, UnsupportedValueError
-from ckptfmt.hashcache import DEFAULT_CACHE
+from ckptfmt.saving.hashcache import DEFAULT_CACHE
 from ckptfmt.format.manifest import Chunk, Manifest, Piece, Shard, TensorEntry
 from ckptfmt.loading.reader import CheckpointReader
 from ckptfmt.repository.repository import Repository, split_checkpoint_url
@@ -161,7 +161,7 @@ class StorageWriter(dcp_storage.StorageWriter):
 
     def finish(self, metadata: dcp_metadata.Metadata, results: list[list[dcp_storage.WriteResult]]) -> None:
         """On the coordinator, once every rank has written: the manifest, then the commit record."""
-        from ckptfmt.writer import commit_manifest
+        from ckptfmt.saving.writer import commit_manifest
 
         repo_url, name = split_checkpoint_url(self.url)
         repo = Repository.open(repo_url, self.storage_options)

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from ckptfmt.advise import auto_interval
-from ckptfmt.asynchronous import async_save as start_async_save
+from ckptfmt.saving.asynchronous import async_save as start_async_save
 from ckptfmt.errors import CheckpointError, CheckpointNotFoundError, CheckpointWarning
 from ckptfmt.housekeeping import Housekeeper, Tier, tier_records
 from ckptfmt.housekeeping_process import SUPPORTED as PROCESS_SUPPORTED, HousekeepingProcess
@@ -43,7 +43,7 @@ from ckptfmt.process_group import distributed_group
 from ckptfmt.loading.reader import load, restore_rng
 from ckptfmt.retention import METRICS_KEY, Retention
 from ckptfmt.storage.factory import in_process_memory
-from ckptfmt.writer import save
+from ckptfmt.saving.writer import save
 
 #: Steps after a save at which ``interval="auto"`` plans the next one (from the steps timed meanwhile).
 PLAN_AFTER_STEPS = 5

@@ -31,7 +31,7 @@ from typing import Callable, Iterable
 from fsspec.callbacks import Callback, NoOpCallback
 
 from ckptfmt.format import codecs, layout
-from ckptfmt.chunker import DEFAULT_CHUNK_SIZE
+from ckptfmt.saving.chunker import DEFAULT_CHUNK_SIZE
 from ckptfmt.errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError, CorruptDataError
 from ckptfmt.format.hashing import chunk_hash, check_chunk
 from ckptfmt.repository.leases import Lease, save_lease

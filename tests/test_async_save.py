@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import ckptfmt
-from ckptfmt import asynchronous
+from ckptfmt.saving import asynchronous
 
 
 def training_state() -> dict:

@@ -22,7 +22,7 @@ from ckptfmt.format.hashing import chunk_hash
 from ckptfmt.repository.index import COMPACT_AT, ENTRIES_DIR, INDEX_DIR, PACKS_DIR, CommitIndex, Entry, PackRef, encode_pack
 from ckptfmt.format.limits import MAX_INDEX_PACK_BYTES
 from ckptfmt.repository.repository import CommitRecord, Repository
-from ckptfmt.writer import _LATEST, resolve_parent
+from ckptfmt.saving.writer import _LATEST, resolve_parent
 
 
 def seeded(url: str, **options) -> Repository:

@@ -24,8 +24,8 @@ import pytest
 import torch
 
 import ckptfmt
-from ckptfmt import writer
-from ckptfmt.chunk_writer import ChunkWriter
+from ckptfmt.saving import writer
+from ckptfmt.saving.chunk_writer import ChunkWriter
 from ckptfmt.process_group import RankGroup
 from ckptfmt.repository.repository import Repository
 

@@ -42,7 +42,7 @@ SAVER = textwrap.dedent(
     import ckptfmt.repository.leases as leases
     import ckptfmt.storage.local as storage
     import ckptfmt.metadata.timing as timing
-    import ckptfmt.writer as writer
+    import ckptfmt.saving.writer as writer
     from ckptfmt.repository.repository import Repository
 
     repo, elements, chunk_size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import ckptfmt
-from ckptfmt import CheckpointExistsError, writer
+from ckptfmt import CheckpointExistsError
+from ckptfmt.saving import writer
 from ckptfmt.format import layout
 from ckptfmt.repository.repository import Repository
 

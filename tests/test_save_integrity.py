@@ -19,8 +19,8 @@ import torch
 
 import ckptfmt
 from ckptfmt.format import layout
-from ckptfmt import writer as writer_module
-from ckptfmt.hashcache import HashCache
+from ckptfmt.saving import writer as writer_module
+from ckptfmt.saving.hashcache import HashCache
 from ckptfmt.repository.repository import Repository
 from ckptfmt.storage.local import LocalStorage
 

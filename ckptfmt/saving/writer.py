@@ -18,14 +18,14 @@ import msgpack
 import torch
 
 from ckptfmt.format import codecs, layout
-from ckptfmt import in_flight
+from ckptfmt.saving import in_flight
 from ckptfmt.metadata.environment import capture_environment
 from ckptfmt.errors import (
     CheckpointError, CheckpointExistsError, CheckpointNotFoundError, CheckpointWarning, ManifestError,
     UnsupportedValueError,
 )
-from ckptfmt.hashcache import DEFAULT_CACHE
-from ckptfmt.chunk_writer import checkpoint_stats, store_sources
+from ckptfmt.saving.hashcache import DEFAULT_CACHE
+from ckptfmt.saving.chunk_writer import checkpoint_stats, store_sources
 from ckptfmt.collective_save import collective_save
 from ckptfmt.dtensors import is_dtensor, local_shard
 from ckptfmt.format.hashing import chunk_hash

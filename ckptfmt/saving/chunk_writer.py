@@ -25,9 +25,9 @@ import blake3
 import xxhash
 
 from ckptfmt.format import codecs, layout
-from ckptfmt.chunker import DEFAULT_CHUNK_SIZE, ChunkJob, ChunkPlanner, PieceRef
+from ckptfmt.saving.chunker import DEFAULT_CHUNK_SIZE, ChunkJob, ChunkPlanner, PieceRef
 from ckptfmt.errors import CheckpointError
-from ckptfmt.hashcache import HashCache
+from ckptfmt.saving.hashcache import HashCache
 from ckptfmt.format.hashing import chunk_hash
 from ckptfmt.format.limits import MAX_CHUNK_BYTES
 from ckptfmt.format.manifest import Chunk, Piece, TensorEntry

@@ -21,10 +21,10 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from ckptfmt import in_flight
+from ckptfmt.saving import in_flight
 from ckptfmt.metadata.rng import capture_states
-from ckptfmt.staging import StagingArea
-from ckptfmt.writer import save, save_state, step_records
+from ckptfmt.saving.staging import StagingArea
+from ckptfmt.saving.writer import save, save_state, step_records
 
 _executor: ThreadPoolExecutor | None = None
 _areas: dict[str, StagingArea] = {}
