@@ -39,7 +39,7 @@ from ckptfmt.saving.asynchronous import async_save as start_async_save
 from ckptfmt.errors import CheckpointError, CheckpointNotFoundError, CheckpointWarning
 from ckptfmt.housekeeping import Housekeeper, Tier, tier_records
 from ckptfmt.housekeeping_process import SUPPORTED as PROCESS_SUPPORTED, HousekeepingProcess
-from ckptfmt.process_group import distributed_group
+from ckptfmt.distributed.process_group import distributed_group
 from ckptfmt.loading.reader import load, restore_rng
 from ckptfmt.retention import METRICS_KEY, Retention
 from ckptfmt.storage.factory import in_process_memory

@@ -26,7 +26,7 @@ import torch
 import ckptfmt
 from ckptfmt.saving import writer
 from ckptfmt.saving.chunk_writer import ChunkWriter
-from ckptfmt.process_group import RankGroup
+from ckptfmt.distributed.process_group import RankGroup
 from ckptfmt.repository.repository import Repository
 
 from ranks import run_ranks

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import ckptfmt
-from ckptfmt import collective_save
+from ckptfmt.distributed import collective_save
 from ckptfmt.metadata.step_timer import decode_steps
 
 from ranks import mixed_state, run_ranks
@@ -245,7 +245,7 @@ def fail_on_one_rank(rank: int, world: int, folder: Path, repo: str, where: str)
 
 def side_groups_after_a_failed_save(rank: int, world: int, folder: Path, repo: str) -> int:
     """The side groups still alive once released as at exit, after a save that raised on every rank."""
-    from ckptfmt import process_group
+    from ckptfmt.distributed import process_group
 
     with pytest.raises(ckptfmt.CollectiveError):
         fail_on_one_rank(rank, world, folder, repo, "plan")

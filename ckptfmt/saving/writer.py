@@ -26,15 +26,15 @@ from ckptfmt.errors import (
 )
 from ckptfmt.saving.hashcache import DEFAULT_CACHE
 from ckptfmt.saving.chunk_writer import checkpoint_stats, store_sources
-from ckptfmt.collective_save import collective_save
-from ckptfmt.dtensors import is_dtensor, local_shard
+from ckptfmt.distributed.collective_save import collective_save
+from ckptfmt.distributed.dtensors import is_dtensor, local_shard
 from ckptfmt.format.hashing import chunk_hash
 from ckptfmt.repository.leases import Lease, hold_save_lease
 from ckptfmt.format.limits import MAX_CHUNK_BYTES, MAX_KEY_BYTES, check_name
 from ckptfmt.format.manifest import MAX_RANK, Manifest, Piece, Shard, TensorEntry
 from ckptfmt.format.tiling import check_tiling
 from ckptfmt.repository.repository import CommitRecord, Repository, split_checkpoint_url
-from ckptfmt.process_group import distributed_group
+from ckptfmt.distributed.process_group import distributed_group
 from ckptfmt.metadata.rng import rng_entry
 from ckptfmt.format.sharded import LocalShard, Shard as ShardInput, Sharded
 from ckptfmt.format.tensors import TensorSource, prepare

@@ -33,10 +33,10 @@ from ckptfmt.errors import CheckpointError, CheckpointExistsError, CheckpointWar
 from ckptfmt.saving.hashcache import DEFAULT_CACHE
 from ckptfmt.repository.leases import Lease, hold_save_lease
 from ckptfmt.format.manifest import Manifest, Piece, Shard, TensorEntry
-from ckptfmt.process_group import CollectiveError, RankGroup
+from ckptfmt.distributed.process_group import CollectiveError, RankGroup
 from ckptfmt.repository.repository import Repository, split_checkpoint_url
 from ckptfmt.metadata.rng import rng_entry
-from ckptfmt.state_merge import MAX_REPORTED, merge_states
+from ckptfmt.distributed.state_merge import MAX_REPORTED, merge_states
 from ckptfmt.format.tensors import TensorSource
 from ckptfmt.metadata.timing import PhaseTimer
 from ckptfmt.metadata.topology import rank_entry

@@ -1,0 +1,1 @@
+"""Saving and loading under torch.distributed: the collective save's protocol, process groups, DTensor shards, merging the ranks' value trees, and ckptfmt as a storage layer of torch.distributed.checkpoint (DCP)."""
