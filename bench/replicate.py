@@ -3,7 +3,7 @@
     python bench/replicate.py [--mib 300] [--chunk-mib 64] [--workers 8]
 
 Saves one checkpoint of about ``--mib`` MB of float32 tensors to a local
-repository, then copies it with ``ckptfmt.replicate``: to S3 with and without
+repository, then copies it with ``ckptfmt.lifecycle.replicate``: to S3 with and without
 ``verify`` (reading each chunk back after writing it), to another local
 repository, and once more to S3 when nothing is missing. Prints MB/s per run.
 moto keeps objects in memory and runs on the same machine: its figures bound
@@ -21,7 +21,7 @@ import uuid
 import torch
 
 import ckptfmt
-from ckptfmt.replicate import replicate
+from ckptfmt.lifecycle.replicate import replicate
 from harness import start_moto
 
 def main() -> None:

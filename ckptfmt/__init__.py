@@ -29,12 +29,12 @@ from ckptfmt.errors import (
     UnsupportedVersionError,
 )
 from ckptfmt.format.manifest import FORMAT_VERSION
-from ckptfmt.manager import CheckpointManager, Tier
+from ckptfmt.lifecycle.manager import CheckpointManager, Tier
 from ckptfmt.format.per_rank import PerRank, PerRankValues
 from ckptfmt.loading.reader import CheckpointReader, load, open, restore_rng
-from ckptfmt.replicate import ReplicationReport, replicate
+from ckptfmt.lifecycle.replicate import ReplicationReport, replicate
 from ckptfmt.repository.repository import Repository
-from ckptfmt.retention import Retention
+from ckptfmt.lifecycle.retention import Retention
 from ckptfmt.format.sharded import Shard, Sharded
 from ckptfmt.metadata.step_timer import StepTimer
 from ckptfmt.format.values import OpaqueObject

@@ -14,7 +14,7 @@ import torch
 from rich.console import Console
 
 import ckptfmt
-from ckptfmt.advise import (
+from ckptfmt.lifecycle.advise import (
     advise, auto_interval, daly_interval, expected_lost_work, expected_overhead, rank_split, young_interval,
 )
 from ckptfmt.cli import advise as advise_cli

@@ -16,10 +16,10 @@ import torch
 
 import ckptfmt
 from ckptfmt.format import layout
-from ckptfmt.gc import collect, remove
+from ckptfmt.lifecycle.gc import collect, remove
 from ckptfmt.repository.leases import LEASES_DIR, SAVE, Lease, LeaseLostError, try_gc_lease
 from ckptfmt.repository.repository import Repository
-from ckptfmt.retention import Retention
+from ckptfmt.lifecycle.retention import Retention
 
 WORKER = Path(__file__).with_name("gc_race_worker.py")
 

@@ -20,8 +20,8 @@ import torch
 import ckptfmt
 from ckptfmt import CheckpointManager, Retention, Tier
 from ckptfmt.format import layout
-from ckptfmt.housekeeping import Housekeeper
-from ckptfmt.housekeeping_process import CHILD_NICE, SUPPORTED as PROCESS_SUPPORTED, HousekeepingProcess
+from ckptfmt.lifecycle.housekeeping import Housekeeper
+from ckptfmt.lifecycle.housekeeping_process import CHILD_NICE, SUPPORTED as PROCESS_SUPPORTED, HousekeepingProcess
 from ckptfmt.repository.repository import Repository
 
 from ranks import run_ranks
@@ -90,7 +90,7 @@ def test_restore_into_a_state_in_place(tmp_path):
 def test_housekeeping_stays_off_the_training_loop(tmp_path, monkeypatch):
     """A slow retention pass does not hold save() up: it runs on the manager's thread, and the next
     save returns while that pass is still deleting."""
-    from ckptfmt import housekeeping
+    from ckptfmt.lifecycle import housekeeping
     real_remove = housekeeping.remove
     deleting, release = threading.Event(), threading.Event()
     passes = []  # (thread, whether it was released rather than timed out) of each retention pass
@@ -216,7 +216,7 @@ def test_the_child_ends_with_a_training_process_killed_while_it_was_stopped(tmp_
 def test_wait_after_an_async_save_waits_for_its_copy_to_the_next_tier(tmp_path, monkeypatch):
     """wait() returns only once the housekeeping after the last save is done, even when the save's
     completion callbacks run late (they run on the save's thread, after its future is done)."""
-    from ckptfmt import manager as manager_module
+    from ckptfmt.lifecycle import manager as manager_module
     real = manager_module.start_async_save
 
     def late_callbacks(*args, **kwargs):
@@ -306,7 +306,7 @@ def test_tiers_local_then_s3_each_with_its_retention(tmp_path, s3_bucket):
 
     # the local disk is lost: restore falls back to S3's newest
     for name in Repository.open(local).names():
-        ckptfmt.gc.remove(Repository.open(local), [name])
+        ckptfmt.lifecycle.gc.remove(Repository.open(local), [name])
     manager = CheckpointManager(tiers=tiers, keep_last=2)
     assert manager.latest() == 8 and torch.equal(manager.restore()["w"], torch.full((65536,), 8.0))
 

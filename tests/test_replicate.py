@@ -28,7 +28,7 @@ from ckptfmt import CheckpointExistsError, CheckpointNotFoundError, CorruptDataE
 from ckptfmt.format import layout
 from ckptfmt.cli import _run
 from ckptfmt.cli.sync import register
-from ckptfmt.replicate import replicate
+from ckptfmt.lifecycle.replicate import replicate
 from ckptfmt.repository.repository import Repository
 from ckptfmt.storage.base import Storage
 from ckptfmt.storage.factory import open_storage
@@ -265,7 +265,7 @@ def test_damage_on_arrival_is_caught_and_removed(tmp_path, memory_root):
 CHILD = """
 import sys, time
 from fsspec.callbacks import Callback
-from ckptfmt.replicate import replicate
+from ckptfmt.lifecycle.replicate import replicate
 
 class Slow(Callback):  # a slow link, about 2 ms per chunk, that stalls after 80 chunks: the test kills the copy
     calls = 0

@@ -8,7 +8,7 @@ import re
 
 from rich.console import Console
 
-from ckptfmt.advise import Plan, advise
+from ckptfmt.lifecycle.advise import Plan, advise
 from ckptfmt.output import Column, Output
 
 #: Seconds per duration unit; a bare number is seconds.

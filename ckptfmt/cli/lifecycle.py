@@ -9,9 +9,9 @@ from rich.console import Console
 
 from ckptfmt.errors import CheckpointError
 from ckptfmt.formatting import human_bytes
-from ckptfmt.gc import GcReport, collect, remove
+from ckptfmt.lifecycle.gc import GcReport, collect, remove
 from ckptfmt.repository.repository import Repository, split_checkpoint_url
-from ckptfmt.retention import Retention, metrics_reader
+from ckptfmt.lifecycle.retention import Retention, metrics_reader
 from ckptfmt.cli.advise import parse_duration
 from ckptfmt.output import Output
 

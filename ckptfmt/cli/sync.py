@@ -8,7 +8,7 @@ import dataclasses
 from rich.console import Console
 
 from ckptfmt.formatting import human_bytes
-from ckptfmt.replicate import replicate
+from ckptfmt.lifecycle.replicate import replicate
 from ckptfmt.output import Output
 from ckptfmt.cli.render import ByteProgress
 

@@ -44,9 +44,10 @@ import threading
 import traceback
 import warnings
 from multiprocessing.connection import Connection
+from pathlib import Path
 
 from ckptfmt._platform import PARENT_DEATH_SIGNAL, die_with_parent
-from ckptfmt.housekeeping import Housekeeper, Tier
+from ckptfmt.lifecycle.housekeeping import Housekeeper, Tier
 
 #: Whether process mode is available: it needs the kernel to end an orphaned, possibly stopped child.
 SUPPORTED = PARENT_DEATH_SIGNAL
@@ -55,7 +56,7 @@ CHILD_NICE = 19
 #: How long ``close`` waits for the child to go before killing it.
 CLOSE_TIMEOUT_S = 30.0
 #: The folder this package was imported from: the child imports the same one.
-_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_PACKAGE_ROOT = str(Path(__file__).resolve().parents[__name__.count(".")])  # the folder holding ckptfmt/
 #: The child's program (not ``-m``: the package imports this module before runpy would run it). The
 #: package's folder goes first on its path unless it is there already (site-packages stays after the
 #: standard library).

@@ -34,14 +34,14 @@ from typing import Any
 
 import torch
 
-from ckptfmt.advise import auto_interval
+from ckptfmt.lifecycle.advise import auto_interval
 from ckptfmt.saving.asynchronous import async_save as start_async_save
 from ckptfmt.errors import CheckpointError, CheckpointNotFoundError, CheckpointWarning
-from ckptfmt.housekeeping import Housekeeper, Tier, tier_records
-from ckptfmt.housekeeping_process import SUPPORTED as PROCESS_SUPPORTED, HousekeepingProcess
+from ckptfmt.lifecycle.housekeeping import Housekeeper, Tier, tier_records
+from ckptfmt.lifecycle.housekeeping_process import SUPPORTED as PROCESS_SUPPORTED, HousekeepingProcess
 from ckptfmt.distributed.process_group import distributed_group
 from ckptfmt.loading.reader import load, restore_rng
-from ckptfmt.retention import METRICS_KEY, Retention
+from ckptfmt.lifecycle.retention import METRICS_KEY, Retention
 from ckptfmt.storage.factory import in_process_memory
 from ckptfmt.saving.writer import save
 

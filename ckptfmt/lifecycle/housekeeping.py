@@ -15,10 +15,10 @@ import threading
 from dataclasses import dataclass, field
 
 from ckptfmt.errors import CheckpointError, CheckpointNotFoundError
-from ckptfmt.gc import collect, remove
-from ckptfmt.replicate import replicate
+from ckptfmt.lifecycle.gc import collect, remove
+from ckptfmt.lifecycle.replicate import replicate
 from ckptfmt.repository.repository import CommitRecord, Repository
-from ckptfmt.retention import Retention, metrics_reader
+from ckptfmt.lifecycle.retention import Retention, metrics_reader
 
 #: Chunks copied to the next tier at a time: few, so that a save starting meanwhile soon has the machine
 #: back (copying pauses for it, but what is already queued finishes).
