@@ -20,7 +20,7 @@ used for every section:
    tensors. The page sums double as a checksum against the original state.
 3. lazy cold read of one 1024x4096 fp32 tensor (16 MiB): ckptfmt.open +
    get_tensor vs safetensors safe_open + get_tensor (at least 5 repeats).
-4. cold ``ckptfmt.verify``, reported as tensor bytes / second.
+4. cold ``ckptfmt.tools.verify``, reported as tensor bytes / second.
 5. second save after changing ~10% of the tensors (every 10th key ordered by
    size, so ~10% of the bytes too; +1e-3 in place each repeat, so every repeat
    is new content): ckptfmt into the same repo under a new name, timed and

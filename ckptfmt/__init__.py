@@ -38,7 +38,7 @@ from ckptfmt.lifecycle.retention import Retention
 from ckptfmt.format.sharded import Shard, Sharded
 from ckptfmt.metadata.step_timer import StepTimer
 from ckptfmt.format.values import OpaqueObject
-from ckptfmt.verify import VerifyReport, verify
+from ckptfmt.tools.verify import VerifyReport, verify
 from ckptfmt.saving.writer import save
 
 try:

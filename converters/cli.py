@@ -9,8 +9,8 @@ import json
 from rich.console import Console
 
 from ckptfmt.errors import CheckpointError
-from ckptfmt.formatting import counted, human_bytes
-from ckptfmt.output import Output
+from ckptfmt.tools.formatting import counted, human_bytes
+from ckptfmt.tools.output import Output
 
 
 def register(sub: argparse._SubParsersAction) -> None:

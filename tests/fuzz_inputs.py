@@ -48,7 +48,7 @@ import ckptfmt
 from ckptfmt import CheckpointError
 from ckptfmt.format import layout
 from ckptfmt.cli import build_parser
-from ckptfmt.diff import diff
+from ckptfmt.tools.diff import diff
 from ckptfmt.format.hashing import chunk_hash
 from ckptfmt.format.values import OpaqueObject
 

@@ -18,7 +18,7 @@ from ckptfmt.lifecycle.advise import (
     advise, auto_interval, daly_interval, expected_lost_work, expected_overhead, rank_split, young_interval,
 )
 from ckptfmt.cli import advise as advise_cli
-from ckptfmt.describe import save_timing
+from ckptfmt.tools.describe import save_timing
 
 HOUR, DAY = 3600.0, 86400.0
 

@@ -36,7 +36,7 @@ import torch
 
 import ckptfmt
 from ckptfmt.cli import main
-from ckptfmt.formatting import human_bytes, shape_text
+from ckptfmt.tools.formatting import human_bytes, shape_text
 
 
 WIDTH = 80
@@ -485,7 +485,7 @@ def test_a_real_80_column_terminal(repo):
 
 def test_prose_breaks_between_values_only():
     """Sizes, shapes, dates and counts stay whole at any width; a name wider than the line is shortened."""
-    from ckptfmt.output import wrap
+    from ckptfmt.tools.output import wrap
 
     values = ["(1024, 1024, 3, 3)", "996.5 KiB", "2024-06-01 10:11:12", "12 changed,", "0.10 GB/s)"]
     text = f"shape {values[0]} size {values[1]} at {values[2]}: {values[3]} (at {values[4]} by {LONG_KEY}"

@@ -22,7 +22,7 @@ import torch
 
 import ckptfmt
 from ckptfmt.analytics import compare
-from ckptfmt.diff import diff
+from ckptfmt.tools.diff import diff
 
 from ranks import run_ranks
 

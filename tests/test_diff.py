@@ -1,4 +1,4 @@
-"""ckptfmt.diff: the plain values of two states (an optimizer's settings, a scheduler's state, a user's
+"""ckptfmt.tools.diff: the plain values of two states (an optimizer's settings, a scheduler's state, a user's
 values) compared from the manifests alone, type-exact, with tensors left to the tensor comparison."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import shutil
 import torch
 
 import ckptfmt
-from ckptfmt.diff import ABSENT, diff
+from ckptfmt.tools.diff import ABSENT, diff
 
 
 def optimizer_state(**group) -> dict:

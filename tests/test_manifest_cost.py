@@ -20,7 +20,7 @@ import zstandard
 import ckptfmt
 from ckptfmt import ManifestError
 from ckptfmt.format import codecs, layout
-from ckptfmt.diff import diff
+from ckptfmt.tools.diff import diff
 from ckptfmt.format import manifest as manifest_module
 from ckptfmt.format.manifest import FORMAT_VERSION, MANIFEST_FORMAT, Manifest
 from ckptfmt.storage.factory import open_storage

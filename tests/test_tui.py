@@ -33,7 +33,7 @@ from ckptfmt.tui.stats import tensor_statistics
 from ckptfmt.tui.widgets.formatting import split_key
 from ckptfmt.tui.widgets.tensor_tree import TensorTree
 from ckptfmt.storage.factory import open_storage
-from ckptfmt.verify import VerifyReport
+from ckptfmt.tools.verify import VerifyReport
 from textual.worker import WorkerFailed
 
 from helpers import rewrite_manifest

@@ -36,7 +36,7 @@ from typing import Any
 import blake3
 import torch
 
-from ckptfmt.diff import plain_leaves, plain_values, same_value, value_difference
+from ckptfmt.tools.diff import plain_leaves, plain_values, same_value, value_difference
 from ckptfmt.errors import quoted
 from ckptfmt.format.manifest import Manifest
 from ckptfmt.loading.reader import CheckpointReader

@@ -23,7 +23,7 @@ from rich.console import Console
 from ckptfmt import __version__
 from ckptfmt.errors import CheckpointError, CheckpointWarning
 from ckptfmt.format.manifest import FORMAT_VERSION
-from ckptfmt.output import Output
+from ckptfmt.tools.output import Output
 from ckptfmt.cli import advise, commands, lifecycle, sync
 
 #: The entry point group of commands that live outside the core.

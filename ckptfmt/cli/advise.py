@@ -9,7 +9,7 @@ import re
 from rich.console import Console
 
 from ckptfmt.lifecycle.advise import Plan, advise
-from ckptfmt.output import Column, Output
+from ckptfmt.tools.output import Column, Output
 
 #: Seconds per duration unit; a bare number is seconds.
 _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}

@@ -1,4 +1,4 @@
-"""The CLI's progress bar on stderr (its text goes through ``ckptfmt.output``)."""
+"""The CLI's progress bar on stderr (its text goes through ``ckptfmt.tools.output``)."""
 
 from __future__ import annotations
 

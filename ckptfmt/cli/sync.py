@@ -7,9 +7,9 @@ import dataclasses
 
 from rich.console import Console
 
-from ckptfmt.formatting import human_bytes
+from ckptfmt.tools.formatting import human_bytes
 from ckptfmt.lifecycle.replicate import replicate
-from ckptfmt.output import Output
+from ckptfmt.tools.output import Output
 from ckptfmt.cli.render import ByteProgress
 
 

@@ -36,7 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Mapping
 
-from ckptfmt.describe import SaveTiming, save_timing, step_times
+from ckptfmt.tools.describe import SaveTiming, save_timing, step_times
 from ckptfmt.errors import CheckpointError
 from ckptfmt.format.manifest import Manifest
 from ckptfmt.repository.repository import Repository

@@ -39,7 +39,7 @@ from ckptfmt.format.limits import check_name
 from ckptfmt.format.manifest import Chunk
 from ckptfmt.repository.repository import CommitRecord, Repository
 from ckptfmt.storage.base import Storage
-from ckptfmt.verify import _ByteBudget
+from ckptfmt.tools.verify import _ByteBudget
 
 #: Manifest fields a copy does not need parsed (it copies the manifest's bytes as they are).
 _UNUSED_FIELDS = frozenset({"rng", "environment", "topology", "timing", "stats", "provenance"})

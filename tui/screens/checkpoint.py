@@ -17,7 +17,7 @@ from textual.timer import Timer
 from textual.widgets import Footer, Header, Input, Static, TabbedContent, TabPane, Tree
 from textual.worker import get_current_worker
 
-from ckptfmt import describe
+from ckptfmt.tools import describe
 from ckptfmt.loading.reader import CheckpointReader
 from ckptfmt.tui.stats import TensorStats, tensor_statistics
 from ckptfmt.tui.widgets import metadata

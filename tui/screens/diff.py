@@ -1,7 +1,7 @@
 """The diff screen: tensors added, removed, changed (most moved first) and unchanged, and metadata side by side.
 
 Unchanged tensors are known from chunk hashes without reading them; changed
-ones are read, a pair at a time, by ``ckptfmt.diff`` in a worker thread.
+ones are read, a pair at a time, by ``ckptfmt.tools.diff`` in a worker thread.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from textual import work
 from textual.app import ComposeResult
 from textual.widgets import DataTable, Footer, Header, Static, TabbedContent, TabPane
 
-from ckptfmt.diff import DiffReport, diff
+from ckptfmt.tools.diff import DiffReport, diff
 from ckptfmt.tui.widgets.formatting import number, shape_text
 from ckptfmt.tui.screens.base import TAB_BINDINGS, ErrorPanel, WorkerScreen
 

@@ -18,7 +18,7 @@ from textual.containers import VerticalScroll
 from textual.widgets import DataTable, Footer, Header, Static, TabbedContent, TabPane
 
 from ckptfmt.errors import CheckpointError
-from ckptfmt.formatting import seconds
+from ckptfmt.tools.formatting import seconds
 from ckptfmt.tui.screens.base import TAB_BINDINGS, ErrorPanel, WorkerScreen
 
 #: Heatmap columns at most; more steps are grouped, each column showing its group's longest step.

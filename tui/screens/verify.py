@@ -1,6 +1,6 @@
 """The verify screen: a progress bar with throughput and ETA, then the damage found, if any.
 
-``ckptfmt.verify`` reports progress to an fsspec ``Callback`` from its reader
+``ckptfmt.tools.verify`` reports progress to an fsspec ``Callback`` from its reader
 threads; this screen polls that counter ten times a second instead of being
 called from those threads.
 """
@@ -17,7 +17,7 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.widgets import DataTable, Footer, Header, ProgressBar, Static
 
-from ckptfmt.verify import VerifyReport, verify
+from ckptfmt.tools.verify import VerifyReport, verify
 from ckptfmt.tui.widgets.formatting import human_bytes
 from ckptfmt.tui.screens.base import ErrorPanel, WorkerScreen
 

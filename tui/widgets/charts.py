@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from rich.table import Table
 from rich.text import Text
 
-from ckptfmt.formatting import number
+from ckptfmt.tools.formatting import number
 from ckptfmt.tui.stats import TensorStats
 
 _EIGHTHS = " ▏▎▍▌▋▊▉█"

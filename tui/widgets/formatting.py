@@ -1,11 +1,11 @@
-"""Text formatting for the TUI: the core's (ckptfmt.formatting), plus key paths and counts."""
+"""Text formatting for the TUI: the core's (ckptfmt.tools.formatting), plus key paths and counts."""
 
 from __future__ import annotations
 
 import re
 from functools import partial
 
-from ckptfmt.formatting import human_bytes, human_time as _human_time, number, seconds, shape_text
+from ckptfmt.tools.formatting import human_bytes, human_time as _human_time, number, seconds, shape_text
 
 __all__ = ["human_bytes", "human_time", "number", "seconds", "shape_text", "split_key", "tensor_count"]
 

@@ -1,7 +1,7 @@
 """Rich renderables for the checkpoint screen's metadata tabs, one function per tab.
 
 Each takes ``CheckpointReader.metadata`` (plus the tensor table where needed);
-what to show comes from ``ckptfmt.describe``, which never raises on missing or
+what to show comes from ``ckptfmt.tools.describe``, which never raises on missing or
 odd fields (spec section 9), so the CLI's ``show`` and these tabs agree.
 """
 
@@ -15,7 +15,7 @@ from rich.pretty import Pretty
 from rich.table import Table
 from rich.text import Text
 
-from ckptfmt import describe
+from ckptfmt.tools import describe
 from ckptfmt.format.manifest import TensorEntry
 from ckptfmt.tui.widgets.charts import bar_chart
 from ckptfmt.tui.widgets.formatting import seconds

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
-from ckptfmt.formatting import human_bytes, human_time, seconds, short
+from ckptfmt.tools.formatting import human_bytes, human_time, seconds, short
 
 
 def field(value: Any, *path: str) -> Any:
