@@ -76,7 +76,7 @@ def simulate(repo_url: str, checkpoints: int, ranks: int, steps: int) -> int:
     from ckptfmt.metadata.rng import capture_rng
     from ckptfmt.metadata.step_timer import encode_steps
     from ckptfmt.format.values import TensorRef, encode_tree
-    from ckptfmt.saving.writer import commit_manifest
+    from ckptfmt.saving.core import commit_manifest
 
     repo = Repository.open(repo_url, create=True)
     environment = {**capture_environment(), "ranks": list(range(ranks))}

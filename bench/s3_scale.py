@@ -36,7 +36,8 @@ from ckptfmt.format import layout
 from ckptfmt.cli import main
 from ckptfmt.format.hashing import chunk_hash
 from ckptfmt.repository.repository import CommitRecord, Repository
-from ckptfmt.saving.writer import _LATEST, resolve_parent
+from ckptfmt.saving.core import resolve_parent
+from ckptfmt.saving.options import LATEST
 
 
 def start_moto() -> str:
@@ -114,7 +115,7 @@ def run(count: int, threads: int) -> None:
         "ckptfmt ls --json": lambda: ls(url),
         "Repository.commits() (what ls lists)": lambda: Repository.open(url).commits(),
         "Repository.latest()": lambda: Repository.open(url).latest(),
-        "parent lookup (writer.resolve_parent)": lambda: resolve_parent(Repository.open(url), _LATEST),
+        "parent lookup (core.resolve_parent)": lambda: resolve_parent(Repository.open(url), LATEST),
     }
     rows = []
     for name, operation in operations.items():

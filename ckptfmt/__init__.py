@@ -39,7 +39,7 @@ from ckptfmt.format.sharded import Shard, Sharded
 from ckptfmt.metadata.step_timer import StepTimer
 from ckptfmt.format.values import OpaqueObject
 from ckptfmt.tools.verify import VerifyReport, verify
-from ckptfmt.saving.writer import save
+from ckptfmt.saving.save import save
 
 try:
     __version__ = _installed_version("ckptfmt")

@@ -5,11 +5,13 @@ The collective side (4 ranks) is in test_collective_save.py.
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import subprocess
 import sys
 import textwrap
+import weakref
 from concurrent.futures import Future
 
 import pytest
@@ -17,6 +19,7 @@ import torch
 
 import ckptfmt
 from ckptfmt.saving import asynchronous
+from ckptfmt.saving.options import SaveOptions
 
 
 def training_state() -> dict:
@@ -59,12 +62,39 @@ def test_staging_buffers_are_allocated_once_and_reused(tmp_path):
     state = training_state()
     for step in range(3):
         ckptfmt.async_save(state, tmp_path / "repo" / f"s{step}", step=step).result(timeout=60)
-        buffer = asynchronous._area(tmp_path / "repo" / "x").tensors["model/w"]
+        buffer = asynchronous.DEFAULT_SAVER.staging_area(tmp_path / "repo" / "x").tensors["model/w"]
         if step == 0:
             address = buffer.data_ptr()
         assert buffer.data_ptr() == address
         state["model"]["w"].mul_(2)
     assert torch.equal(ckptfmt.load(tmp_path / "repo" / "s2")["model"]["w"], state["model"]["w"] / 2)
+
+
+def test_a_saver_owns_its_staging_buffers_and_close_frees_them(tmp_path):
+    """A full host copy of the state stays staged for the next save until its saver is closed."""
+    state = training_state()
+    state_bytes = sum(t.numel() * t.element_size() for t in state["model"].values())
+    saver = asynchronous.AsyncSaver()
+    options = SaveOptions(step=1)
+    saver.save(state, tmp_path / "repo" / "a", options).result(timeout=60)
+    assert saver.held_bytes >= state_bytes
+    buffer = weakref.ref(saver.staging_area(tmp_path / "repo" / "a").tensors["model/w"])
+    assert buffer() is not None
+    saver.close()
+    gc.collect()
+    assert saver.held_bytes == 0 and buffer() is None
+    saver.save(state, tmp_path / "repo" / "b", options.replace(step=2)).result(timeout=60)  # usable again
+    assert ckptfmt.load(tmp_path / "repo" / "b")["step"] == state["step"]
+    saver.close()
+
+
+def test_a_manager_closes_its_saver(tmp_path):
+    manager = ckptfmt.CheckpointManager(tmp_path / "repo", async_save=True)
+    manager.save(1, training_state())
+    manager.wait()
+    assert manager.saver.held_bytes > 0
+    manager.close()
+    assert manager.saver.held_bytes == 0
 
 
 def test_the_next_save_waits_for_the_previous_and_raises_its_error(tmp_path):

@@ -22,7 +22,8 @@ from ckptfmt.format.hashing import chunk_hash
 from ckptfmt.repository.index import COMPACT_AT, ENTRIES_DIR, INDEX_DIR, PACKS_DIR, CommitIndex, Entry, PackRef, encode_pack
 from ckptfmt.format.limits import MAX_INDEX_PACK_BYTES
 from ckptfmt.repository.repository import CommitRecord, Repository
-from ckptfmt.saving.writer import _LATEST, resolve_parent
+from ckptfmt.saving.core import resolve_parent
+from ckptfmt.saving.options import LATEST
 
 
 def seeded(url: str, **options) -> Repository:
@@ -94,7 +95,7 @@ def test_ls_latest_and_parent_lookup_make_bounded_requests(s3_bucket, capsys):
             assert Repository.open(url).latest() == newest
         latest_count = len(sent)
         with requests(repo.storage) as sent:
-            parent, keys = resolve_parent(Repository.open(url), _LATEST)
+            parent, keys = resolve_parent(Repository.open(url), LATEST)
         parent_count = len(sent)
         assert parent == newest and keys
         counts[n] = (ls_count, latest_count, parent_count, packs)

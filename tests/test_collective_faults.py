@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import ckptfmt
-from ckptfmt.saving import writer
+from ckptfmt.distributed import collective_save
 from ckptfmt.saving.chunk_writer import ChunkWriter
 from ckptfmt.distributed.process_group import RankGroup
 from ckptfmt.repository.repository import Repository
@@ -77,7 +77,7 @@ def _arm(point: str) -> None:
     elif kind == "sync":
         _die_on_call(ChunkWriter, "make_durable", 1)
     elif value == "before_manifest":
-        _die_on_call(writer, "commit_manifest", 1)
+        _die_on_call(collective_save, "commit_manifest", 1)
     elif value == "before_record":
         _die_on_call(Repository, "create_commit", 1)
     elif value == "after_record":

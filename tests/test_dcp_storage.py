@@ -151,8 +151,12 @@ def test_dcp_on_4_ranks_then_dcp_load_on_2(tmp_path, asynchronous):
     # Every rank's own record, though DCP hands finish() only the write results.
     assert [e["rank"] for e in meta["rng"]] == [0, 1, 2, 3]
     assert len({bytes(e["torch_cpu"]) for e in meta["rng"]}) == 4  # each rank seeded its own generator
-    assert [r["rank"] for r in meta["topology"]["ranks"]] == [0, 1, 2, 3]
-    assert len({r["pid"] for r in meta["topology"]["ranks"]}) == 4
+    topology = meta["topology"]
+    assert [r["rank"] for r in topology["ranks"]] == [0, 1, 2, 3]
+    assert len({r["pid"] for r in topology["ranks"]}) == 4
+    # The topology a collective save records: the backend, and the meshes of the DTensors saved.
+    assert topology["world_size"] == 4 and topology["backend"] == "gloo"
+    assert topology["meshes"] == [{"shape": [4], "dim_names": ["dp"]}, {"shape": [2, 2], "dim_names": ["dp", "tp"]}]
     assert meta["environment"]["ranks"] == [0, 1, 2, 3]
     timing = meta["timing"]["ranks"]
     assert [t["rank"] for t in timing] == [0, 1, 2, 3]

@@ -216,17 +216,16 @@ def test_the_child_ends_with_a_training_process_killed_while_it_was_stopped(tmp_
 def test_wait_after_an_async_save_waits_for_its_copy_to_the_next_tier(tmp_path, monkeypatch):
     """wait() returns only once the housekeeping after the last save is done, even when the save's
     completion callbacks run late (they run on the save's thread, after its future is done)."""
-    from ckptfmt.lifecycle import manager as manager_module
-    real = manager_module.start_async_save
-
-    def late_callbacks(*args, **kwargs):
-        future = real(*args, **kwargs)
-        add = future.add_done_callback
-        future.add_done_callback = lambda callback: add(lambda done: (time.sleep(0.5), callback(done)))
-        return future
-    monkeypatch.setattr(manager_module, "start_async_save", late_callbacks)
     fast, slow = str(tmp_path / "fast"), str(tmp_path / "slow")
     with CheckpointManager(tiers=[fast, slow], async_save=True, housekeeping="thread") as manager:
+        real = manager.saver.save
+
+        def late_callbacks(*args, **kwargs):
+            future = real(*args, **kwargs)
+            add = future.add_done_callback
+            future.add_done_callback = lambda callback: add(lambda done: (time.sleep(0.5), callback(done)))
+            return future
+        monkeypatch.setattr(manager.saver, "save", late_callbacks)
         manager.save(1, model_state(1))
         manager.wait()
         assert CheckpointManager(slow).steps() == [1]

@@ -10,7 +10,7 @@ import torch
 
 import ckptfmt
 from ckptfmt import CheckpointExistsError
-from ckptfmt.saving import writer
+from ckptfmt.saving import single as single_save
 from ckptfmt.format import layout
 from ckptfmt.repository.repository import Repository
 
@@ -96,13 +96,13 @@ def test_racing_writers_one_commit_wins(s3_bucket, monkeypatch):
     url = f"{s3_bucket}/race"
     ckptfmt.save({"x": 0}, f"{url}/base")
     barrier = threading.Barrier(2, timeout=60)
-    original_commit = writer.commit_manifest
+    original_commit = single_save.commit_manifest
 
     def commit_together(repo, manifest, lease):
         barrier.wait()  # both saves have written chunks and manifests: now race for the commit
         original_commit(repo, manifest, lease)
 
-    monkeypatch.setattr(writer, "commit_manifest", commit_together)
+    monkeypatch.setattr(single_save, "commit_manifest", commit_together)
     outcomes: dict[int, object] = {}
 
     def save(seed: int) -> None:

@@ -20,42 +20,39 @@ rank and its error. Tensor bytes never pass between ranks.
 
 from __future__ import annotations
 
-import time
+import os
 import warnings
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptfmt.format import layout
-from ckptfmt.saving.chunk_writer import ChunkTable, store_sources
-from ckptfmt.metadata.environment import capture_environment, merge_environments
-from ckptfmt.errors import CheckpointError, CheckpointExistsError, CheckpointWarning
-from ckptfmt.saving.hashcache import DEFAULT_CACHE
-from ckptfmt.repository.leases import Lease, hold_save_lease
-from ckptfmt.format.manifest import Manifest, Piece, Shard, TensorEntry
 from ckptfmt.distributed.process_group import CollectiveError, RankGroup
-from ckptfmt.repository.repository import Repository, split_checkpoint_url
-from ckptfmt.metadata.rng import rng_entry
 from ckptfmt.distributed.state_merge import MAX_REPORTED, merge_states
+from ckptfmt.errors import CheckpointError, CheckpointWarning
+from ckptfmt.format.manifest import Manifest, Piece, Shard, TensorEntry
 from ckptfmt.format.tensors import TensorSource
-from ckptfmt.metadata.timing import PhaseTimer
-from ckptfmt.metadata.topology import rank_entry
 from ckptfmt.format.values import TensorRef, decode_tree, encode_tree
+from ckptfmt.metadata.timing import PhaseTimer
+from ckptfmt.metadata.topology import rank_entry, topology_record
+from ckptfmt.repository.leases import Lease
+from ckptfmt.repository.repository import Repository, split_checkpoint_url
+from ckptfmt.saving.chunk_writer import ChunkTable, store_sources
+from ckptfmt.saving.core import (
+    Captured, TensorCollector, commit_manifest, manifest_for, open_for_save, rank_record, refuse_taken_name,
+    resolve_parent,
+)
+from ckptfmt.saving.hashcache import DEFAULT_CACHE
+from ckptfmt.saving.options import SaveOptions
 
 
-def collective_save(state: Any, url: str, group, *, timeout: float, step: int | None, metadata: dict | None,
-                    storage_options: dict | None, parent: Any, chunk_size: int | None, compression: str | None,
-                    step_times: list | None, parallelism: dict | None, workers: int | None, rng: list | None,
-                    provenance: dict | None, frozen: bool, steps: dict | None,
-                    staged: tuple[int, float] | None, captured_rng: dict | None = None) -> str:
-    """``ckptfmt.save`` over a process group (arguments checked by ``save``); returns the checkpoint URL."""
-    from ckptfmt.saving.writer import TensorCollector, resolve_parent
-
-    timer = PhaseTimer(staged)
+def collective_save(state: Any, url: str | os.PathLike, group, options: SaveOptions, captured: Captured) -> str:
+    """``ckptfmt.save`` over a process group; returns the checkpoint URL."""
+    url = os.fspath(url)
+    timer = PhaseTimer(captured.staged)
     repo_url, name = split_checkpoint_url(url)
     with timer.phase("join"):
         try:
-            ranks = RankGroup(group, timeout, f"collective save of {url}")
+            ranks = RankGroup(group, options.timeout, f"collective save of {url}")
             ranks.join()
         except CollectiveError as exc:
             raise CollectiveError(
@@ -66,7 +63,7 @@ def collective_save(state: Any, url: str, group, *, timeout: float, step: int | 
     with timer.phase("prepare"):
         sources: list[TensorSource] = []
         entries: list[dict] = []
-        collector = TensorCollector(sources, entries, collective=True, frozen=frozen)
+        collector = TensorCollector(sources, entries, collective=True, frozen=captured.frozen)
         plan, own_failure = _attempt(lambda: {
             "state": encode_tree(state, collector, rank=ranks.rank), "entries": entries,
             "shapes": [s.shape for s in sources], "nbytes": [s.nbytes for s in sources], "meshes": collector.meshes,
@@ -74,46 +71,37 @@ def collective_save(state: Any, url: str, group, *, timeout: float, step: int | 
     with ExitStack() as held:
         with timer.phase("plan"):  # mostly waiting for the other ranks to encode theirs
             plans = ranks.gather(_report(plan, own_failure, ranks.rank))
-            decision, failure = _coordinate(plans, ranks, lambda oks: _decide(
-                oks, repo_url, name, storage_options, parent, metadata, resolve_parent))
+            decision, failure = _coordinate(plans, ranks, lambda oks: _decide(oks, repo_url, name, options))
             if decision and "ok" in decision:  # the coordinator holds the save lease until the outcome
                 held.callback(decision["ok"].lease.release)
             decision = ranks.broadcast(decision)
         return _write_and_commit(decision, own_failure or failure, url, name, repo_url, sources, timer, ranks,
-                                 storage_options=storage_options, step=step, rng=rng, step_times=step_times,
-                                 parallelism=parallelism, provenance=provenance, compression=compression,
-                                 chunk_size=chunk_size, workers=workers, steps=steps, captured_rng=captured_rng)
+                                 options, captured)
 
 
 def _write_and_commit(decision: dict, failure: Failure | None, url: str, name: str, repo_url: str,
-                      sources: list[TensorSource], timer: PhaseTimer, ranks: RankGroup, *, storage_options, step,
-                      rng, step_times, parallelism, provenance, compression, chunk_size, workers, steps,
-                      captured_rng) -> str:
+                      sources: list[TensorSource], timer: PhaseTimer, ranks: RankGroup, options: SaveOptions,
+                      captured: Captured) -> str:
     """Steps 2 and 3 of the protocol, once the plan is broadcast."""
-    from ckptfmt.saving.writer import commit_manifest
-
     _raise_failures(decision, url, failure)
     agreed: Plan = decision["ok"]
     if ranks.is_coordinator and agreed.differences:
         warnings.warn(_differences_message(agreed.differences), CheckpointWarning, stacklevel=3)
 
     def write() -> dict:
-        repo = agreed.repo or Repository.open(repo_url, storage_options)
+        repo = agreed.repo or Repository.open(repo_url, options.storage_options)
         mine = [sources[i] for i in agreed.assigned[ranks.rank]]
-        stored = store_sources(repo, mine, compression=compression, parent_keys=agreed.parent_keys,
-                               cache=DEFAULT_CACHE, chunk_size=chunk_size, workers=workers or 4, timer=timer)
-        with timer.phase("environment"):
-            environment = capture_environment()
-        return {"stored": stored, "environment": environment, "rng": rng_entry(ranks.rank, captured_rng),
-                "topology": _rank_topology(ranks), "timing": timer.record(ranks.rank, steps)}
+        stored = store_sources(repo, mine, compression=options.compression, parent_keys=agreed.parent_keys,
+                               cache=DEFAULT_CACHE, chunk_size=options.chunk_size,
+                               workers=options.chunk_workers, timer=timer)
+        return {"stored": stored, **rank_record(ranks.rank, timer, _rank_topology(ranks), captured)}
     written, own_failure = _attempt(write)
     with timer.phase("wait_ranks"):
         results = ranks.gather(_report(written, own_failure, ranks.rank))
 
     def commit(reports: list[dict]) -> str:
-        reports[0]["timing"] = timer.record(ranks.rank, steps)  # the coordinator's, with its wait for every rank
-        manifest = _manifest(agreed, reports, ranks, name=name, step=step, rng=rng, step_times=step_times,
-                             parallelism=parallelism, provenance=provenance)
+        reports[0]["timing"] = timer.record(ranks.rank, captured.steps)  # the coordinator's, with its wait
+        manifest = _manifest(agreed, reports, ranks, name, options)
         commit_manifest(agreed.repo, manifest, agreed.lease)
         return agreed.repo.storage.describe(name)
     outcome, failure = _coordinate(results, ranks, commit)
@@ -223,21 +211,19 @@ class Plan:
         return {**self.__dict__, "repo": None, "lease": None}
 
 
-def _decide(plans: list[dict], repo_url: str, name: str, storage_options, parent, metadata, resolve_parent) -> Plan:
+def _decide(plans: list[dict], repo_url: str, name: str, options: SaveOptions) -> Plan:
     """The coordinator's plan, made under the save lease it holds until the outcome (released on failure)."""
-    repo = Repository.open(repo_url, storage_options, create=True)
-    lease = hold_save_lease(repo)
+    repo, lease = open_for_save(repo_url, options)
     try:
-        return _plan(plans, repo, lease, name, parent, metadata, resolve_parent)
+        return _plan(plans, repo, lease, name, options)
     except BaseException:
         lease.release()
         raise
 
 
-def _plan(plans: list[dict], repo: Repository, lease: Lease, name: str, parent, metadata, resolve_parent) -> Plan:
-    if repo.storage.exists(layout.commit_key(name)):
-        raise CheckpointExistsError(f"{repo.storage.describe(name)}: checkpoint already exists")
-    parent_name, parent_keys = resolve_parent(repo, parent)
+def _plan(plans: list[dict], repo: Repository, lease: Lease, name: str, options: SaveOptions) -> Plan:
+    refuse_taken_name(repo, name)
+    parent_name, parent_keys = resolve_parent(repo, options.parent)
     trees = []
     for rank, plan in enumerate(plans):
         keys = [entry["key"] for entry in plan["entries"]]
@@ -248,8 +234,9 @@ def _plan(plans: list[dict], repo: Repository, lease: Lease, name: str, parent, 
     tensors = _tensors(plans, list(order))
     assigned = _assign(tensors, len(plans))
     meshes = [mesh for plan in plans for mesh in plan["meshes"]]
-    return Plan(repo, lease, parent_name, parent_keys, state, encode_tree({} if metadata is None else metadata),
-                tensors, assigned, [m for i, m in enumerate(meshes) if m not in meshes[:i]], differences)
+    user = encode_tree({} if options.metadata is None else options.metadata)
+    return Plan(repo, lease, parent_name, parent_keys, state, user, tensors, assigned,
+                [m for i, m in enumerate(meshes) if m not in meshes[:i]], differences)
 
 
 def _tensors(plans: list[dict], order: list[str]) -> list[_Tensor]:
@@ -323,8 +310,7 @@ def _assign(tensors: list[_Tensor], world: int) -> list[list[int]]:
 
 
 # -- the coordinator's manifest --------------------------------------------------------------
-def _manifest(plan: Plan, reports: list[dict], ranks: RankGroup, *, name: str, step, rng, step_times, parallelism,
-              provenance) -> Manifest:
+def _manifest(plan: Plan, reports: list[dict], ranks: RankGroup, name: str, options: SaveOptions) -> Manifest:
     table = ChunkTable()
     rows = [[table.add(chunk, index in stored.written_rows) for index, chunk in enumerate(stored.chunks)]
             for stored in (report["stored"] for report in reports)]
@@ -338,30 +324,14 @@ def _manifest(plan: Plan, reports: list[dict], ranks: RankGroup, *, name: str, s
             shards.append(Shard(box.offsets, box.shape, rank, pieces))
         tensors.append(TensorEntry(key=tensor.key, dtype=tensor.dtype, shape=tensor.shape, shards=tuple(shards),
                                    kind=tensor.kind, requires_grad=tensor.requires_grad, same_as=tensor.same_as))
-    return Manifest(
-        name=name, step=step, created_ns=time.time_ns(), parent=plan.parent_name, chunks=table.chunks, tensors=tensors,
-        state=plan.state, user=plan.user, rng=rng if rng is not None else [r["rng"] for r in reports],
-        environment=merge_environments([r["environment"] for r in reports]),
-        topology=_topology(ranks, reports, plan, parallelism),
-        timing={"ranks": [r["timing"] for r in reports], "steps": list(step_times or [])},
-        stats=table.stats(tensors), provenance=provenance,
-    )
+    writers = sorted({box.writer[0] for tensor in plan.tensors for box in tensor.boxes})
+    topology = topology_record([report["topology"] for report in reports], world_size=ranks.size,
+                               writer_ranks=writers, parallelism=options.parallelism, backend=ranks.backend,
+                               meshes=plan.meshes)
+    return manifest_for(name, options, parent=plan.parent_name, chunks=table.chunks, tensors=tensors,
+                        new_bytes=table.new_bytes, state=plan.state, user=plan.user, records=reports,
+                        topology=topology, collective=True)
 
 
 def _rank_topology(ranks: RankGroup) -> dict:
     return {**rank_entry(ranks.rank), "global_rank": ranks.global_ranks[ranks.rank]}
-
-
-def _topology(ranks: RankGroup, reports: list[dict], plan: Plan, parallelism: dict | None) -> dict:
-    writers = sorted({tensor_box.writer[0] for tensor in plan.tensors for tensor_box in tensor.boxes})
-    topology = {
-        "world_size": ranks.size,
-        "writer_ranks": writers,
-        "ranks": [r["topology"] for r in reports],
-        "backend": ranks.backend,
-        "parallelism": dict(parallelism) if parallelism else {"dp": ranks.size},
-    }
-    if plan.meshes:
-        topology["meshes"] = plan.meshes
-    return topology
-

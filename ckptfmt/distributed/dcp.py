@@ -31,22 +31,23 @@ from torch.distributed.checkpoint import storage as dcp_storage
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict, unflatten_state_dict
 from torch.futures import Future
 
-from ckptfmt.format import layout
-from ckptfmt.saving.chunk_writer import ChunkTable, store_sources
-from ckptfmt.repository.leases import Lease, hold_save_lease
+from ckptfmt.distributed.dtensors import meshes_of
+from ckptfmt.errors import CheckpointError, UnsupportedValueError
 from ckptfmt.format.dtypes import dtype_from_name, dtype_name
-from ckptfmt.metadata.environment import capture_environment, merge_environments
-from ckptfmt.errors import CheckpointError, CheckpointExistsError, UnsupportedValueError
-from ckptfmt.saving.hashcache import DEFAULT_CACHE
-from ckptfmt.format.manifest import Chunk, Manifest, Piece, Shard, TensorEntry
-from ckptfmt.loading.reader import CheckpointReader
-from ckptfmt.repository.repository import Repository, split_checkpoint_url
-from ckptfmt.metadata.rng import capture_rng
+from ckptfmt.format.manifest import Chunk, Piece, Shard, TensorEntry
 from ckptfmt.format.tensors import prepare
-from ckptfmt.metadata.timing import PhaseTimer
-from ckptfmt.metadata.topology import current_rank, rank_entry
 from ckptfmt.format.values import TensorRef, decode_tree, encode_tree, format_key
-
+from ckptfmt.loading.reader import CheckpointReader
+from ckptfmt.metadata.timing import PhaseTimer
+from ckptfmt.metadata.topology import current_rank, rank_entry, topology_record
+from ckptfmt.repository.leases import Lease
+from ckptfmt.repository.repository import Repository, split_checkpoint_url
+from ckptfmt.saving.chunk_writer import ChunkTable, store_sources
+from ckptfmt.saving.core import (
+    Captured, commit_manifest, manifest_for, open_for_save, rank_record, refuse_taken_name,
+)
+from ckptfmt.saving.hashcache import DEFAULT_CACHE
+from ckptfmt.saving.options import DEFAULT_WORKERS, SaveOptions
 
 #: The index of the write result that carries a rank's own record: no state key can be this fqn.
 RANK_RECORD = dcp_metadata.MetadataIndex("\x00ckptfmt: rank record")
@@ -70,18 +71,20 @@ def _valid_url(checkpoint_id: str | os.PathLike) -> bool:
 
 #: DCP tells a coordinator nothing when another rank fails: its lease is renewed this long at most.
 DCP_MAX_HOLD_S = 3600.0
+#: What a checkpoint written through the storage writer records as its source.
+PROVENANCE = {"source_kind": "dcp", "writer": "ckptfmt.dcp.StorageWriter"}
 
 
 class StorageWriter(dcp_storage.StorageWriter):
     """Writes a DCP save as the ckptfmt checkpoint ``url`` (``REPO/NAME``; the repository is created if needed)."""
 
     def __init__(self, url: str | os.PathLike | None = None, *, storage_options: dict | None = None,
-                 compression: str | None = None, chunk_size: int | None = None, workers: int = 4,
+                 compression: str | None = None, chunk_size: int | None = None, workers: int = DEFAULT_WORKERS,
                  step: int | None = None):
         super().__init__()
         self.url = None if url is None else _checkpoint_url(url, None)
-        self.storage_options = storage_options
-        self.compression, self.chunk_size, self.workers, self.step = compression, chunk_size, workers, step
+        self.options = SaveOptions(storage_options=storage_options, compression=compression, chunk_size=chunk_size,
+                                   workers=workers, step=step, provenance=PROVENANCE)
         self.timer = PhaseTimer()
         #: The coordinator's save lease (spec 11.6), from the global plan to ``finish``.
         self.lease: Lease | None = None
@@ -114,18 +117,19 @@ class StorageWriter(dcp_storage.StorageWriter):
     def prepare_global_plan(self, plans: list[dcp_planner.SavePlan]) -> list[dcp_planner.SavePlan]:
         """On the coordinator, before any rank writes: create the repository, refuse a taken name."""
         repo_url, name = split_checkpoint_url(self.url)
-        repo = Repository.open(repo_url, self.storage_options, create=True)
         self._release_lease()
-        self.lease = hold_save_lease(repo, max_hold_s=DCP_MAX_HOLD_S)
-        if repo.storage.exists(layout.commit_key(name)):
+        repo, self.lease = open_for_save(repo_url, self.options, max_hold_s=DCP_MAX_HOLD_S)
+        try:
+            refuse_taken_name(repo, name)
+        except BaseException:
             self._release_lease()
-            raise CheckpointExistsError(f"{repo.storage.describe(name)}: checkpoint already exists")
+            raise
         return plans
 
     def write_data(self, plan: dcp_planner.SavePlan,
                    planner: dcp_planner.SavePlanner) -> Future[list[dcp_storage.WriteResult]]:
         """Store this rank's tensors as chunks; plain values travel to the coordinator in the results."""
-        repo = Repository.open(split_checkpoint_url(self.url)[0], self.storage_options, create=True)
+        repo = Repository.open(split_checkpoint_url(self.url)[0], self.options.storage_options, create=True)
         results, items, sources = [], [], []
         with self.timer.phase("prepare"):
             for item in plan.items:
@@ -137,34 +141,34 @@ class StorageWriter(dcp_storage.StorageWriter):
                     tensor = planner.resolve_data(item)
                     sources.append(prepare(tensor.detach(), item.index.fqn))
                     items.append(item)
-        stored = store_sources(repo, sources, compression=self.compression, parent_keys=set(),
-                               cache=DEFAULT_CACHE, chunk_size=self.chunk_size, workers=self.workers,
-                               timer=self.timer)
+        stored = store_sources(repo, sources, compression=self.options.compression, parent_keys=set(),
+                               cache=DEFAULT_CACHE, chunk_size=self.options.chunk_size,
+                               workers=self.options.chunk_workers, timer=self.timer)
         for item, source, pieces in zip(items, sources, stored.pieces):
             rows = [(*stored.chunks[p.chunk], p.offset, p.length, p.chunk in stored.written_rows) for p in pieces]
             results.append(dcp_storage.WriteResult(item.index, source.nbytes, {"pieces": rows}))
-        results.append(dcp_storage.WriteResult(RANK_RECORD, 0, {"rank_record": self._rank_record()}))
+        results.append(dcp_storage.WriteResult(RANK_RECORD, 0, {"rank_record": self._rank_record(planner)}))
         future: Future = Future()
         future.set_result(results)
         return future
 
-    def _rank_record(self) -> dict:
-        """This rank's RNG state, environment, topology entry and timing, for the coordinator's manifest.
+    def _rank_record(self, planner: dcp_planner.SavePlanner) -> dict:
+        """This rank's record (RNG state, environment, topology entry, timing) for the coordinator's
+        manifest, with the device meshes of the DTensors it saved and its process group's backend.
 
         Under ``dcp.async_save`` DCP plans and writes on its background thread, so
         the RNG state is the one when that thread got here.
         """
-        with self.timer.phase("environment"):
-            environment = capture_environment()
-        return {"rng": capture_rng(self.rank), "environment": environment, "topology": rank_entry(self.rank),
-                "timing": self.timer.record(self.rank)}
+        state = getattr(planner, "state_dict", None)  # DefaultSavePlanner's, flattened: DTensors are values
+        dist = torch.distributed
+        return {**rank_record(self.rank, self.timer, rank_entry(self.rank), Captured()),
+                "meshes": meshes_of(state.values()) if isinstance(state, dict) else [],
+                "backend": dist.get_backend() if dist.is_available() and dist.is_initialized() else None}
 
     def finish(self, metadata: dcp_metadata.Metadata, results: list[list[dcp_storage.WriteResult]]) -> None:
         """On the coordinator, once every rank has written: the manifest, then the commit record."""
-        from ckptfmt.saving.writer import commit_manifest
-
         repo_url, name = split_checkpoint_url(self.url)
-        repo = Repository.open(repo_url, self.storage_options)
+        repo = Repository.open(repo_url, self.options.storage_options)
         gathered, shards_of, table, records = _gather(metadata, results)
         flat = {fqn: gathered[fqn] for fqn in metadata.state_dict_metadata if fqn in gathered}  # state order
         mappings = metadata.planner_data
@@ -183,15 +187,14 @@ class StorageWriter(dcp_storage.StorageWriter):
             md = metadata.state_dict_metadata[fqn]
             tensors.append(TensorEntry(key=key, dtype=dtype_name(md.properties.dtype), shape=tuple(md.size),
                                        shards=tuple(shards_of[fqn])))
-        topology = {"world_size": len(results), "writer_ranks": sorted({s.rank for t in tensors for s in t.shards}),
-                    "ranks": [r["topology"] for r in records], "parallelism": {"dp": len(results)}}
-        manifest = Manifest(
-            name=name, step=self.step, created_ns=time.time_ns(), parent=None, chunks=table.chunks, tensors=tensors,
-            state=state_bytes, user=encode_tree({}), rng=[r["rng"] for r in records],
-            environment=merge_environments([r["environment"] for r in records]), topology=topology,
-            timing={"ranks": [r["timing"] for r in records], "steps": []}, stats=table.stats(tensors),
-            provenance={"source_kind": "dcp", "writer": "ckptfmt.dcp.StorageWriter"},
-        )
+        meshes = [mesh for record in records for mesh in record["meshes"]]
+        topology = topology_record(
+            [record["topology"] for record in records], world_size=len(results),
+            writer_ranks=sorted({s.rank for t in tensors for s in t.shards}), parallelism=None,
+            backend=records[0]["backend"], meshes=[m for i, m in enumerate(meshes) if m not in meshes[:i]])
+        manifest = manifest_for(name, self.options, parent=None, chunks=table.chunks, tensors=tensors,
+                                new_bytes=table.new_bytes, state=state_bytes, user=encode_tree({}),
+                                records=records, topology=topology, collective=True)
         try:
             commit_manifest(repo, manifest, self.lease)
         finally:

@@ -40,7 +40,22 @@ def local_shard(value, where: str) -> LocalShard:
         raise UnsupportedValueError(
             f"{where}: the DTensor's local tensor has shape {list(local.shape)}, its placements say {list(shape)}"
         )
-    names = mesh.mesh_dim_names
-    return LocalShard(local, tuple(int(o) for o in offsets), tuple(int(d) for d in value.shape),
-                      {"shape": list(mesh.shape), "dim_names": list(names) if names else None},
+    return LocalShard(local, tuple(int(o) for o in offsets), tuple(int(d) for d in value.shape), mesh_record(mesh),
                       "parameter" if isinstance(value, torch.nn.Parameter) else "tensor", bool(value.requires_grad))
+
+
+def mesh_record(mesh) -> dict:
+    """A device mesh as ``topology.meshes`` records it (spec 9.3): its shape and dimension names."""
+    names = mesh.mesh_dim_names
+    return {"shape": list(mesh.shape), "dim_names": list(names) if names else None}
+
+
+def meshes_of(values) -> list[dict]:
+    """The distinct device meshes of the DTensors among ``values``, in order of appearance."""
+    meshes: list[dict] = []
+    for value in values:
+        if is_dtensor(value):
+            mesh = mesh_record(value.device_mesh)
+            if mesh not in meshes:
+                meshes.append(mesh)
+    return meshes

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from ckptfmt.lifecycle.advise import auto_interval
-from ckptfmt.saving.asynchronous import async_save as start_async_save
+from ckptfmt.saving.asynchronous import AsyncSaver
 from ckptfmt.errors import CheckpointError, CheckpointNotFoundError, CheckpointWarning
 from ckptfmt.lifecycle.housekeeping import Housekeeper, Tier, tier_records
 from ckptfmt.lifecycle.housekeeping_process import SUPPORTED as PROCESS_SUPPORTED, HousekeepingProcess
@@ -43,10 +43,13 @@ from ckptfmt.distributed.process_group import distributed_group
 from ckptfmt.loading.reader import load, restore_rng
 from ckptfmt.lifecycle.retention import METRICS_KEY, Retention
 from ckptfmt.storage.factory import in_process_memory
-from ckptfmt.saving.writer import save
+from ckptfmt.saving.options import SaveOptions
+from ckptfmt.saving.save import save_with
 
 #: Steps after a save at which ``interval="auto"`` plans the next one (from the steps timed meanwhile).
 PLAN_AFTER_STEPS = 5
+#: Save options the manager sets for each save itself.
+_MANAGED_OPTIONS = frozenset({"step", "metadata", "storage_options", "process_group"})
 #: How many recent measurements the automatic interval takes the median of.
 WINDOW = 32
 
@@ -90,7 +93,14 @@ class CheckpointManager:
             raise ValueError(f"housekeeping must be 'auto', 'thread' or 'process', not {housekeeping!r}")
         self.async_save = async_save
         self.name_format = name_format
-        self.save_options = save_options
+        managed = sorted(set(save_options) & _MANAGED_OPTIONS)
+        if managed:
+            raise TypeError(f"CheckpointManager sets {managed[0]!r} itself for each save; "
+                            f"pass it to save() or to the manager's own arguments")
+        #: The options of every save, checked now rather than at the first save.
+        self.save_options = SaveOptions.from_keywords("CheckpointManager", save_options)
+        #: The asynchronous saver, with its staging buffers (freed by ``close``).
+        self.saver = AsyncSaver() if async_save else None
         self.group = distributed_group(process_group)
         self.is_coordinator = self.group is None or torch.distributed.get_rank(self.group) == 0
         #: Replication, retention and collection; only the group's rank 0 has one.
@@ -143,18 +153,18 @@ class CheckpointManager:
             if self.housekeeper is not None:
                 with self._lock:
                     self._new_metrics[name] = dict(metrics)
-        options = dict(step=step, metadata=user or None, timer=timer, storage_options=self.tiers[0].storage_options,
-                       process_group=self.group, **self.save_options)
+        options = self.save_options.replace(step=step, metadata=user or None,
+                                            storage_options=self.tiers[0].storage_options, process_group=self.group)
         started = time.perf_counter()
         if self.housekeeper is not None:  # copying to the next tiers waits while the loop saves
             self.housekeeper.pause()
         try:
             if self.async_save:
-                self._save = start_async_save(state, url, **options)
+                self._save = self.saver.save(state, url, options, timer=timer)
                 returned = time.perf_counter()
                 self._save.add_done_callback(lambda future: self._saved(future, returned))
             else:
-                save(state, url, **options)
+                save_with(state, url, options, timer=timer)
                 self._saved(None, None)
         except BaseException:
             self._resume_housekeeping()
@@ -182,9 +192,12 @@ class CheckpointManager:
                 task.result()
 
     def close(self) -> None:
+        """Wait for the last save and the work after it, then free the staging buffers and threads."""
         try:
             self.wait()
         finally:
+            if self.saver is not None:
+                self.saver.close()
             if self.housekeeper is not None:
                 self.housekeeper.close()
             self._background.shutdown(wait=True)

@@ -1,4 +1,4 @@
-"""Who wrote a checkpoint: world size, this process's rank and host, the parallelism layout."""
+"""Who wrote a checkpoint: world size, each rank's host and device, the backend, meshes and parallelism."""
 
 from __future__ import annotations
 
@@ -28,12 +28,15 @@ def rank_entry(rank: int) -> dict:
     }
 
 
-def capture_topology(parallelism: dict | None = None) -> dict:
-    """The topology record of a single-process save: its rank, and the parallelism degrees (dp/tp/pp/...)."""
-    rank, world_size = current_rank()
-    return {
-        "world_size": world_size,
-        "writer_ranks": [rank],
-        "ranks": [rank_entry(rank)],
-        "parallelism": dict(parallelism) if parallelism else {"dp": world_size},
-    }
+def topology_record(ranks: list[dict], *, world_size: int, writer_ranks: list[int], parallelism: dict | None,
+                    backend: str | None = None, meshes: list[dict] | None = None) -> dict:
+    """The manifest's ``topology`` (spec 9.3): the job's size, the ranks that wrote chunks, each
+    rank's ``rank_entry``, the process group's ``backend`` and the DTensors' device ``meshes`` where
+    known, and the parallelism degrees (dp/tp/pp/...; default ``{"dp": world_size}``)."""
+    topology = {"world_size": world_size, "writer_ranks": list(writer_ranks), "ranks": list(ranks)}
+    if backend is not None:
+        topology["backend"] = backend
+    topology["parallelism"] = dict(parallelism) if parallelism else {"dp": world_size}
+    if meshes:
+        topology["meshes"] = list(meshes)
+    return topology

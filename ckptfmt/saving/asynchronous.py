@@ -1,10 +1,15 @@
 """``async_save``: a save that costs the training loop a copy of its state, not the writing.
 
-The state is staged (copied into reused host buffers, ckptfmt/staging.py) in
+The state is staged (copied into reused host buffers, saving/staging.py) in
 the caller's thread; hashing, writing, the collectives of a collective save
-and the commit run on one background thread per process. One save per
-repository is in flight: the next save or async_save to it waits for the
-previous one first (ckptfmt/in_flight.py).
+and the commit run on one background thread. One save per repository is in
+flight: the next save or async_save to it waits for the previous one first
+(saving/in_flight.py).
+
+An ``AsyncSaver`` owns the staging buffers (a full host copy of each state it
+saved, kept for the next save) and the thread; ``close()`` gives both back.
+``ckptfmt.async_save`` uses a default saver that lives as long as the process;
+a ``CheckpointManager`` has its own, closed with the manager.
 
 A thread, not a process: hashing (BLAKE3), compression and file and network
 I/O release the GIL, so the background save takes little from the training
@@ -14,67 +19,103 @@ without a copy into another process's memory.
 
 from __future__ import annotations
 
-import inspect
 import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from ckptfmt.saving import in_flight
 from ckptfmt.metadata.rng import capture_states
+from ckptfmt.metadata.step_timer import StepTimer
+from ckptfmt.saving import in_flight
+from ckptfmt.saving.core import Captured
+from ckptfmt.saving.options import SaveOptions
+from ckptfmt.saving.save import run_save, step_records
 from ckptfmt.saving.staging import StagingArea
-from ckptfmt.saving.writer import save, save_state, step_records
-
-_executor: ThreadPoolExecutor | None = None
-_areas: dict[str, StagingArea] = {}
-_lock = threading.Lock()
-_SAVE_SIGNATURE = inspect.signature(save)
 
 
-def async_save(state: Any, url: str | os.PathLike, **options: Any) -> Future:
-    """Save ``state`` as checkpoint ``url`` in the background; returns once the state is staged.
+class AsyncSaver:
+    """Asynchronous saves with their own staging buffers (one area per repository) and thread."""
 
-    Takes ``save``'s arguments and is collective in the same way. The returned
-    ``concurrent.futures.Future`` gives the checkpoint's URL once committed
-    (``result(timeout)``, ``done()``, ``exception()``). The caller may change
-    its tensors as soon as this returns: what is saved is the state at the call.
-    """
-    bound = _SAVE_SIGNATURE.bind(state, url, **options)  # a wrong argument fails here, not in the background
-    bound.apply_defaults()
-    arguments = dict(bound.arguments)
-    del arguments["state"], arguments["url"]
-    timer = arguments.pop("timer")
-    if arguments["before_commit"] is not None:
-        raise ValueError("before_commit is for synchronous saves")
-    in_flight.wait_for_previous(url)  # also: the staging buffers are free again
-    steps = step_records(timer)  # the steps up to the call, as the state is
-    if arguments["rng"] is None:  # the generators as they are now: the loop draws on while this saves
-        arguments["captured_rng"] = capture_states()
-    start_ns, start = time.time_ns(), time.perf_counter()
-    staged = _area(url).stage(state)
-    arguments["staged"] = (start_ns, time.perf_counter() - start)  # the stall: recorded as phase "stage"
-    future = _background().submit(_save_staged, staged, url, timer, steps, arguments)
-    in_flight.register(url, future)
-    return future
+    def __init__(self):
+        self._areas: dict[str, StagingArea] = {}
+        self._executor: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+
+    def save(self, state: Any, url: str | os.PathLike, options: SaveOptions, *,
+             timer: StepTimer | None = None) -> Future:
+        """Stage ``state`` and save it in the background; the future gives the checkpoint's URL."""
+        if options.before_commit is not None:
+            raise ValueError("before_commit is for synchronous saves")
+        in_flight.wait_for_previous(url)  # also: the staging buffers are free again
+        steps = step_records(timer)  # the steps up to the call, as the state is
+        # The generators as they are now: the loop draws on while this saves.
+        rng = capture_states() if options.rng is None else None
+        start_ns, start = time.time_ns(), time.perf_counter()
+        staged = self.staging_area(url).stage(state)
+        captured = Captured(steps=steps, rng=rng, staged=(start_ns, time.perf_counter() - start), frozen=True)
+        future = self._background().submit(_save_staged, staged, url, options, captured, timer)
+        in_flight.register(url, future)
+        return future
+
+    def close(self) -> None:
+        """Wait for this saver's saves, end its thread and free its staging buffers.
+
+        Errors of those saves stay with their futures (and are raised by the next
+        save to the same repository). The saver can be used again afterwards.
+        """
+        with self._lock:
+            executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=True)
+        with self._lock:
+            self._areas.clear()
+
+    def staging_area(self, url: str | os.PathLike) -> StagingArea:
+        """The host buffers that stage saves to the repository of checkpoint ``url`` (made on first use)."""
+        with self._lock:
+            return self._areas.setdefault(in_flight.repository_key(url), StagingArea())
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of host memory this saver's staging buffers hold."""
+        with self._lock:
+            return sum(area.nbytes for area in self._areas.values())
+
+    def __enter__(self) -> "AsyncSaver":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _background(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptfmt-async-save")
+            return self._executor
 
 
-def _save_staged(staged: Any, url: str | os.PathLike, timer, steps: dict | None, arguments: dict) -> str:
+def _save_staged(staged: Any, url: str | os.PathLike, options: SaveOptions, captured: Captured,
+                 timer: StepTimer | None) -> str:
     """The background part; the timer's steps it stored leave the timer before the future is done."""
-    committed = save_state(staged, url, frozen=True, steps=steps, **arguments)
+    committed = run_save(staged, url, options, captured)
     if timer is not None:
-        timer.forget(steps["count"])
+        timer.forget(captured.steps["count"])
     return committed
 
 
-def _area(url: str | os.PathLike) -> StagingArea:
-    with _lock:
-        return _areas.setdefault(in_flight.repository_key(url), StagingArea())
+#: The saver of ``ckptfmt.async_save``.
+DEFAULT_SAVER = AsyncSaver()
 
 
-def _background() -> ThreadPoolExecutor:
-    global _executor
-    with _lock:
-        if _executor is None:
-            _executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptfmt-async-save")
-        return _executor
+def async_save(state: Any, url: str | os.PathLike, *, timer: StepTimer | None = None, **options: Any) -> Future:
+    """Save ``state`` as checkpoint ``url`` in the background; returns once the state is staged.
+
+    Takes ``save``'s keywords and is collective in the same way. The returned
+    ``concurrent.futures.Future`` gives the checkpoint's URL once committed
+    (``result(timeout)``, ``done()``, ``exception()``). The caller may change
+    its tensors as soon as this returns: what is saved is the state at the call.
+    Its staging buffers are kept for the next call (``DEFAULT_SAVER.close()``
+    frees them).
+    """
+    return DEFAULT_SAVER.save(state, url, SaveOptions.from_keywords("async_save", options), timer=timer)

@@ -32,6 +32,12 @@ class StagingArea:
         self.arrays: dict[str, np.ndarray] = {}
         self.stream = None  # the CUDA side stream, made on first use
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes the buffers hold."""
+        return (sum(t.numel() * t.element_size() for t in self.tensors.values())
+                + sum(a.nbytes for a in self.arrays.values()))
+
     def stage(self, state: Any) -> Any:
         copies: dict[int, Any] = {}
         staged = self._stage(state, (), copies)

@@ -1,0 +1,252 @@
+"""What every way of saving shares: one pipeline behind three front-ends.
+
+The single-process save (saving/single.py), the collective save
+(distributed/collective_save.py) and the DCP storage writer
+(distributed/dcp.py) differ in who encodes which tensors and how ranks agree;
+they share everything else, here:
+
+- ``TensorCollector``: the value tree's tensor hook, turning leaves into sources;
+- ``open_for_save`` / ``refuse_taken_name`` / ``resolve_parent``: the repository,
+  its save lease (spec 11.6), the new name, the parent's chunks;
+- ``rank_record``: one record per rank (RNG, environment, topology entry, timing);
+- ``manifest_for``: the manifest from the tensor table and every rank's record;
+- ``commit_manifest``: the manifest, then the commit record (spec 11.1).
+
+Order of writes (the commit protocol): every chunk, then the manifest, then the
+commit record, each durable before the next starts. A save that dies at any
+point leaves earlier checkpoints untouched and its own invisible: readers only
+see names with a commit record.
+"""
+
+from __future__ import annotations
+
+import operator
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ckptfmt.distributed.dtensors import is_dtensor, local_shard
+from ckptfmt.errors import (
+    CheckpointError, CheckpointExistsError, CheckpointNotFoundError, CheckpointWarning, ManifestError,
+    UnsupportedValueError,
+)
+from ckptfmt.format import layout
+from ckptfmt.format.hashing import chunk_hash
+from ckptfmt.format.limits import MAX_KEY_BYTES, check_name
+from ckptfmt.format.manifest import MAX_RANK, Chunk, Manifest, Shard, TensorEntry
+from ckptfmt.format.sharded import LocalShard, Shard as ShardInput, Sharded
+from ckptfmt.format.tensors import TensorSource, prepare
+from ckptfmt.format.tiling import check_tiling
+from ckptfmt.format.values import format_key
+from ckptfmt.metadata.environment import capture_environment, merge_environments
+from ckptfmt.metadata.rng import rng_entry
+from ckptfmt.metadata.timing import PhaseTimer
+from ckptfmt.repository.leases import Lease, hold_save_lease
+from ckptfmt.repository.repository import CommitRecord, Repository
+from ckptfmt.saving.chunk_writer import checkpoint_stats
+from ckptfmt.saving.options import LATEST, SaveOptions
+
+
+@dataclass(frozen=True)
+class Captured:
+    """What a save call captured when it was made, for a save that may run later (``async_save``).
+
+    ``steps``: the StepTimer's step records not yet stored (``StepTimer.snapshot``), or None;
+    ``rng``: this process's generator states at the call (``capture_states``), or None for the
+    states when the record is made; ``staged``: (start_ns, duration_s) of the staging copy, the
+    save's ``stage`` phase; ``frozen``: the state is staged memory that nothing changes until the
+    save ends.
+    """
+
+    steps: dict | None = None
+    rng: dict | None = None
+    staged: tuple[int, float] | None = None
+    frozen: bool = False
+
+
+class TensorCollector:
+    """The value tree's tensor hook: prepares each leaf and numbers it (same object, same entry).
+
+    In a collective save (``collective``), a DTensor becomes its local shard, at its offsets in
+    the global tensor; the meshes met are kept in ``meshes``. ``frozen``: the state is staged
+    memory (an asynchronous save's) that stays unchanged until the save ends.
+    """
+
+    def __init__(self, sources: list[TensorSource], entries: list[dict], *, collective: bool = False,
+                 frozen: bool = False):
+        self.sources = sources
+        self.entries = entries
+        self.collective = collective
+        self.frozen = frozen
+        self.meshes: list[dict] = []
+        self.seen: dict[int, int] = {}
+        self.keys: set[str] = set()
+
+    def __call__(self, path: tuple, value) -> int:
+        key = format_key(path)
+        if not path:
+            raise UnsupportedValueError("a tensor at the root of the state has no key: save {'tensor': t} instead")
+        if len(key.encode("utf-8", "surrogatepass")) > MAX_KEY_BYTES:
+            raise UnsupportedValueError(f"tensor key {key[:80]!r}... is longer than {MAX_KEY_BYTES} bytes")
+        if key in self.keys:
+            raise UnsupportedValueError(f"two tensors map to the key {key!r}; rename one of the dict keys")
+        self.keys.add(key)
+        index = len(self.entries)
+        first = self.seen.get(id(value))
+        if first is not None:
+            self.entries.append({**self.entries[first], "key": key, "same_as": first})
+            return index
+        self.seen[id(value)] = index
+        where = "state" + "".join(f"[{p!r}]" for p in path)
+        if type(value) is Sharded:
+            self.entries.append(self._sharded(key, value, where))
+            return index
+        if is_dtensor(value) or type(value) is LocalShard:
+            self.entries.append(self._dtensor(key, value, where))
+            return index
+        source = self._source(value, where)
+        self.entries.append({
+            "key": key, "same_as": None, "dtype": source.dtype, "shape": source.shape, "kind": source.kind,
+            "requires_grad": source.requires_grad, "shards": [(len(self.sources) - 1, (0,) * len(source.shape), None)],
+        })
+        return index
+
+    def _dtensor(self, key: str, value, where: str) -> dict:
+        """An entry for this rank's shard of a DTensor, or of a staged one (the other ranks add theirs)."""
+        if not self.collective:
+            raise UnsupportedValueError(
+                f"{where}: a DTensor is saved by a collective save: call ckptfmt.save on every rank of its "
+                "process group (a save with coordinated=False stores plain tensors only)"
+            )
+        shard = value if type(value) is LocalShard else local_shard(value, where)
+        if shard.mesh not in self.meshes:
+            self.meshes.append(shard.mesh)
+        source = self._source(shard.tensor, where)
+        return {"key": key, "same_as": None, "dtype": source.dtype, "shape": shard.global_shape,
+                "kind": shard.kind, "requires_grad": shard.requires_grad,
+                "shards": [(len(self.sources) - 1, shard.offsets, None)]}
+
+    def _source(self, value, where: str) -> TensorSource:
+        """A new source for ``value`` (frozen: staged memory that nothing changes during the save)."""
+        source = prepare(value, where)
+        source.frozen = self.frozen and source.borrowed
+        self.sources.append(source)
+        return source
+
+    def _sharded(self, key: str, value: Sharded, where: str) -> dict:
+        """An entry whose shards are separate sources; refuses layouts readers would refuse."""
+        if not value.shards:
+            raise UnsupportedValueError(f"{where}: a sharded tensor needs at least one shard")
+        shards, dtypes = [], set()
+        for shard in value.shards:
+            if not isinstance(shard, ShardInput) or not isinstance(shard.tensor, torch.Tensor):
+                raise UnsupportedValueError(f"{where}: shards must be ckptfmt.Shard(offsets, tensor, rank)")
+            source = self._source(shard.tensor, where)
+            dtypes.add(source.dtype)
+            shards.append((len(self.sources) - 1, tuple(int(o) for o in shard.offsets), _shard_rank(shard, where)))
+        if len(dtypes) != 1:
+            raise UnsupportedValueError(f"{where}: shards have different dtypes {sorted(dtypes)}")
+        boxes = tuple(Shard(offsets, self.sources[src].shape, rank, ()) for src, offsets, rank in shards)
+        try:
+            if any(len(b.offsets) != len(value.shape) or len(b.shape) != len(value.shape) or
+                   any(o + n > d for o, n, d in zip(b.offsets, b.shape, value.shape)) for b in boxes):
+                raise ManifestError(f"{where}: a shard lies outside the global shape {list(value.shape)}")
+            check_tiling(where, value.shape, boxes)
+        except ManifestError as exc:
+            raise UnsupportedValueError(str(exc)) from None
+        return {"key": key, "same_as": None, "dtype": dtypes.pop(), "shape": value.shape, "kind": "tensor",
+                "requires_grad": False, "shards": shards}
+
+
+def _shard_rank(shard: ShardInput, where: str) -> int:
+    """A shard's owning rank (spec 6.5): an integer in [0, MAX_RANK], refused before anything is written."""
+    rank = shard.rank
+    if isinstance(rank, bool) or not hasattr(rank, "__index__") or not 0 <= operator.index(rank) <= MAX_RANK:
+        raise UnsupportedValueError(f"{where}: a shard's rank must be an integer in [0, {MAX_RANK}], not {rank!r}")
+    return operator.index(rank)
+
+
+def open_for_save(repo_url: str, options: SaveOptions, *, max_hold_s: float | None = None
+                  ) -> tuple[Repository, Lease]:
+    """The repository (created if missing) and a save lease that keeps a garbage collector away
+    (spec 11.6); the caller releases the lease."""
+    repo = Repository.open(repo_url, options.storage_options, create=True)
+    return repo, hold_save_lease(repo, max_hold_s=max_hold_s)
+
+
+def refuse_taken_name(repo: Repository, name: str) -> None:
+    """Checkpoints are immutable: a name with a commit record is taken."""
+    if repo.storage.exists(layout.commit_key(name)):
+        raise CheckpointExistsError(f"{repo.storage.describe(name)}: checkpoint already exists")
+
+
+def resolve_parent(repo: Repository, parent: Any) -> tuple[str | None, set[str]]:
+    """The parent's name, and the keys of its chunks: committed, hence present and durable."""
+    if parent is None:
+        return None, set()
+    if parent is LATEST:
+        latest = repo.latest_record()  # through the commit index: a few requests whatever the repository holds
+        if latest is None:
+            return None, set()
+        parent = latest.name
+        try:
+            manifest = repo.manifest(parent, latest)
+        except CheckpointError as exc:  # a damaged latest checkpoint must not block new saves
+            warnings.warn(f"not using {parent!r} as parent: {exc}", stacklevel=3, category=CheckpointWarning)
+            return None, set()
+    else:
+        try:
+            manifest = repo.manifest(check_name(parent))
+        except CheckpointNotFoundError:
+            raise CheckpointNotFoundError(f"parent checkpoint {parent!r} not found in {repo.url}") from None
+    return parent, {layout.chunk_key(c.hash, c.codec) for c in manifest.chunks}
+
+
+def rank_record(rank: int, timer: PhaseTimer, topology: dict, captured: Captured) -> dict:
+    """This rank's own record for the manifest: its RNG states, environment (phase ``environment``),
+    ``topology.ranks`` entry and ``timing.ranks`` entry (spec 9)."""
+    with timer.phase("environment"):
+        environment = capture_environment()
+    return {"rng": rng_entry(rank, captured.rng), "environment": environment, "topology": topology,
+            "timing": timer.record(rank, captured.steps)}
+
+
+def manifest_for(name: str, options: SaveOptions, *, parent: str | None, chunks: list[Chunk],
+                 tensors: list[TensorEntry], new_bytes: int, state: bytes, user: bytes, records: list[dict],
+                 topology: dict, collective: bool, provenance: dict | None = None) -> Manifest:
+    """The manifest of a save: its tables, and every writing rank's ``rank_record`` in rank order.
+
+    ``collective``: the environments of the ranks are merged (``environment.ranks``, spec 9.3);
+    ``provenance`` defaults to the options'.
+    """
+    environments = [record["environment"] for record in records]
+    return Manifest(
+        name=name, step=options.step, created_ns=time.time_ns(), parent=parent, chunks=chunks, tensors=tensors,
+        state=state, user=user,
+        rng=options.rng if options.rng is not None else [record["rng"] for record in records],
+        environment=merge_environments(environments) if collective else environments[0],
+        topology=topology,
+        timing={"ranks": [record["timing"] for record in records], "steps": list(options.step_times or [])},
+        stats=checkpoint_stats(tensors, chunks, new_bytes),
+        provenance=provenance if provenance is not None else options.provenance,
+    )
+
+
+def commit_manifest(repo: Repository, manifest: Manifest, lease: Lease) -> None:
+    """Write the manifest, then the commit record that makes the checkpoint exist, unless the save's
+    lease has run out (a collector may have swept a chunk it reuses)."""
+    data = manifest.to_bytes()
+    Manifest.from_bytes(data, repo.storage.describe(manifest.name))  # never commit what readers refuse
+    digest = chunk_hash(data)
+    key = layout.manifest_key(manifest.name, digest)
+    repo.storage.write(key, data, durable=False)  # one fsync, the sync's, with its folder's
+    repo.storage.sync([key])
+    record = CommitRecord(
+        name=manifest.name, manifest_hash=digest, manifest_size=len(data), step=manifest.step,
+        created_ns=manifest.created_ns, parent=manifest.parent, stats=manifest.stats,
+    )
+    lease.check("writing the commit record")
+    repo.create_commit(record)

@@ -1,0 +1,121 @@
+"""``SaveOptions``: every option of a save, checked once, shared by every way of saving.
+
+``ckptfmt.save`` and ``ckptfmt.async_save`` take these as keywords and build one;
+``CheckpointManager`` builds one when it is made, so a misspelt or bad option
+fails there and not at the first save hours later. The front-ends (the
+single-process save, the collective save, the DCP storage writer) read them
+from here instead of passing a dozen arguments along.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import msgpack
+
+from ckptfmt.errors import UnsupportedValueError
+from ckptfmt.format import codecs
+from ckptfmt.format.limits import MAX_CHUNK_BYTES
+
+
+class _Latest:
+    """The default parent: the repository's latest committed checkpoint when the save starts."""
+
+    def __repr__(self) -> str:
+        return "LATEST"
+
+
+#: ``parent=LATEST`` (the default): the repository's latest checkpoint, whichever it is then.
+LATEST = _Latest()
+#: How long a collective save waits for every rank at each of its steps.
+DEFAULT_TIMEOUT_S = 600.0
+#: Chunk writer threads per rank: they overlap hashing with other chunks' writes and fsyncs; on
+#: remote storage each holds a copy of its chunk, so 4 x 64 MiB bounds the memory.
+DEFAULT_WORKERS = 4
+
+
+@dataclass(frozen=True, kw_only=True)
+class SaveOptions:
+    """How to save a checkpoint; every field is a keyword of ``ckptfmt.save`` (see its docstring)."""
+
+    #: The training step, stored in the commit record (a plain int once checked).
+    step: int | None = None
+    #: The user's plain values, stored under ``user`` in the manifest.
+    metadata: dict | None = None
+    #: fsspec options of the repository's storage (S3 endpoint, credentials).
+    storage_options: dict | None = None
+    #: The parent checkpoint's name, None for none, or LATEST.
+    parent: Any = LATEST
+    #: Bytes per chunk (4 KiB to the format's limit); None: the default.
+    chunk_size: int | None = None
+    #: None, "zstd" or "shuffle-zstd".
+    compression: str | None = None
+    #: The caller's own per-step timings, stored under ``timing.steps``.
+    step_times: list | None = None
+    #: The run's parallelism degrees, e.g. ``{"dp": 8, "tp": 2}``.
+    parallelism: dict | None = None
+    #: Chunk writer threads per rank; None: ``DEFAULT_WORKERS``.
+    workers: int | None = None
+    #: Per-rank RNG entries recorded by another tool (converters), replacing this process's states.
+    rng: list | None = None
+    #: Where an imported checkpoint came from (converters).
+    provenance: dict | None = None
+    #: Called once every chunk is durable, just before the commit; raising stops the save.
+    before_commit: Callable[[], None] | None = None
+    #: The process group a collective save runs over (None: the default group, if any).
+    process_group: Any = None
+    #: False: save this process's state alone even under torch.distributed; True: insist on a collective save.
+    coordinated: bool | None = None
+    #: Seconds a collective save waits for every rank at each of its steps.
+    timeout: float = DEFAULT_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        step = self.step
+        if step is not None:
+            if isinstance(step, bool) or not hasattr(step, "__index__"):
+                raise TypeError(f"step must be an integer or None, not {type(step).__name__}")
+            object.__setattr__(self, "step", operator.index(step))  # numpy and 0-d integer tensors too
+        if self.chunk_size is not None and not (isinstance(self.chunk_size, int) and
+                                                4096 <= self.chunk_size <= MAX_CHUNK_BYTES):
+            raise ValueError(f"chunk_size must be between 4096 and {MAX_CHUNK_BYTES} bytes")
+        codecs.codec_for(self.compression, 4)
+        if self.workers is not None and (isinstance(self.workers, bool) or not isinstance(self.workers, int)
+                                         or self.workers < 1):
+            raise ValueError(f"workers must be a positive integer or None, not {self.workers!r}")
+        if self.rng is not None and not (isinstance(self.rng, list) and all(isinstance(e, dict) for e in self.rng)):
+            raise TypeError("rng must be a list of per-rank dicts")
+        for name in ("step_times", "parallelism", "rng", "provenance"):
+            try:
+                msgpack.packb(getattr(self, name), use_bin_type=True)
+            except (TypeError, ValueError, OverflowError) as exc:
+                raise UnsupportedValueError(
+                    f"{name} must hold plain values (numbers, strings, lists, dicts): {exc}") from None
+        if self.before_commit is not None and not callable(self.before_commit):
+            raise TypeError("before_commit must be a callable or None")
+        if self.coordinated not in (None, True, False):
+            raise TypeError(f"coordinated must be True, False or None, not {self.coordinated!r}")
+        if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) or not self.timeout > 0:
+            raise ValueError("timeout must be a positive number of seconds")
+
+    @classmethod
+    def from_keywords(cls, caller: str, keywords: dict[str, Any]) -> "SaveOptions":
+        """Options from a call's keywords; an unknown one is named with the function it was given to."""
+        unknown = sorted(set(keywords) - _FIELDS)
+        if unknown:
+            raise TypeError(f"{caller}() got an unexpected keyword argument {unknown[0]!r}")
+        return cls(**keywords)
+
+    @property
+    def chunk_workers(self) -> int:
+        """The chunk writer threads to use."""
+        return self.workers or DEFAULT_WORKERS
+
+    def replace(self, **changes: Any) -> "SaveOptions":
+        """A copy with ``changes``, checked again."""
+        return dataclasses.replace(self, **changes)
+
+
+_FIELDS = frozenset(field.name for field in dataclasses.fields(SaveOptions))

@@ -1,0 +1,114 @@
+"""``ckptfmt.save``: write a training state as a new checkpoint, durably and atomically.
+
+The public keywords become one ``SaveOptions``; ``run_save`` hands the state to
+the front-end that fits (the collective save under torch.distributed, else the
+single-process save), both built on saving/core.py.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+from ckptfmt.distributed.collective_save import collective_save
+from ckptfmt.distributed.process_group import distributed_group
+from ckptfmt.metadata.step_timer import StepTimer
+from ckptfmt.saving import in_flight
+from ckptfmt.saving.core import Captured
+from ckptfmt.saving.options import DEFAULT_TIMEOUT_S, LATEST, SaveOptions
+from ckptfmt.saving.single import save_single
+
+
+def save(
+    state: Any,
+    url: str | os.PathLike,
+    *,
+    step: int | None = None,
+    metadata: dict | None = None,
+    storage_options: dict | None = None,
+    parent: Any = LATEST,
+    chunk_size: int | None = None,
+    compression: str | None = None,
+    step_times: list | None = None,
+    parallelism: dict | None = None,
+    workers: int | None = None,
+    rng: list[dict] | None = None,
+    provenance: dict | None = None,
+    before_commit: Callable[[], None] | None = None,
+    process_group: Any = None,
+    coordinated: bool | None = None,
+    timeout: float = DEFAULT_TIMEOUT_S,
+    timer: StepTimer | None = None,
+) -> str:
+    """Save ``state`` (nested dicts/lists/tuples of tensors and plain values) as checkpoint ``url``.
+
+    ``url`` is ``REPO/NAME``: the repository is created when missing and NAME
+    must be new. Returns the checkpoint's URL. Durable when it returns.
+
+    ``parent`` defaults to the repository's latest checkpoint (None for none);
+    ``compression`` is None, 'zstd' or 'shuffle-zstd'; ``step_times`` are the
+    caller's per-step timings, stored under ``timing``; ``parallelism`` records
+    the run's layout (e.g. ``{"dp": 8, "tp": 2}``). Converters pass ``rng``
+    (entries recorded by another tool, replacing this process's states) and
+    ``provenance`` (where an imported checkpoint came from).
+
+    ``before_commit`` is called once every chunk is durable, just before the
+    manifest and commit record are written; if it raises, the save stops there
+    and the exception propagates, leaving no checkpoint (only orphan chunks,
+    spec 11.6). Converters use it to finish checking their source while the
+    chunks are written, instead of before.
+
+    Under torch.distributed (a default process group of more than one process,
+    or ``process_group``) the save is collective, like
+    ``torch.distributed.checkpoint.save``: every rank calls it with its own
+    state and one checkpoint holds them all (replicated values stored once,
+    DTensors as their shards, ``ckptfmt.PerRank`` values per rank). It fails
+    on every rank, committing nothing, if any rank fails or does not answer
+    within ``timeout`` seconds. ``coordinated=False`` saves this process's
+    state alone, as a single-process save.
+
+    ``timer`` (a ``ckptfmt.StepTimer``): its steps not yet in a checkpoint are
+    stored with this one, every rank's (spec 9.4), and leave the timer once it
+    is committed.
+
+    An asynchronous save of the same repository still running in this process
+    is waited for first (its error, if it failed, is raised here).
+    """
+    options = SaveOptions(
+        step=step, metadata=metadata, storage_options=storage_options, parent=parent, chunk_size=chunk_size,
+        compression=compression, step_times=step_times, parallelism=parallelism, workers=workers, rng=rng,
+        provenance=provenance, before_commit=before_commit, process_group=process_group, coordinated=coordinated,
+        timeout=timeout,
+    )
+    return save_with(state, url, options, timer=timer)
+
+
+def save_with(state: Any, url: str | os.PathLike, options: SaveOptions, *, timer: StepTimer | None = None) -> str:
+    """``save`` with its options already made (a CheckpointManager's)."""
+    in_flight.wait_for_previous(url)
+    steps = step_records(timer)
+    committed = run_save(state, url, options, Captured(steps=steps))
+    if timer is not None:
+        timer.forget(steps["count"])
+    return committed
+
+
+def run_save(state: Any, url: str | os.PathLike, options: SaveOptions, captured: Captured) -> str:
+    """The save, by the front-end that fits: collective under torch.distributed, else single-process."""
+    group = None if options.coordinated is False else distributed_group(options.process_group)
+    if group is None:
+        if options.coordinated:
+            raise ValueError("coordinated=True needs an initialised torch.distributed process group")
+        return save_single(state, url, options, captured)
+    if options.before_commit is not None:
+        raise ValueError("before_commit is for single-process saves")
+    return collective_save(state, url, group, options, captured)
+
+
+def step_records(timer: StepTimer | None) -> dict | None:
+    """The timer's steps not yet stored (a copy), or None without a timer."""
+    if timer is None:
+        return None
+    if not isinstance(timer, StepTimer):
+        raise TypeError(f"timer must be a ckptfmt.StepTimer, not {type(timer).__name__}")
+    return timer.snapshot()

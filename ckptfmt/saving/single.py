@@ -1,0 +1,78 @@
+"""The single-process save: this process's state, encoded, chunked and committed by this process alone."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from ckptfmt.format.manifest import Piece, Shard, TensorEntry
+from ckptfmt.format.tensors import TensorSource
+from ckptfmt.format.values import encode_tree
+from ckptfmt.metadata.timing import PhaseTimer
+from ckptfmt.metadata.topology import current_rank, rank_entry, topology_record
+from ckptfmt.repository.leases import Lease
+from ckptfmt.repository.repository import Repository, split_checkpoint_url
+from ckptfmt.saving.chunk_writer import store_sources
+from ckptfmt.saving.core import (
+    Captured, TensorCollector, commit_manifest, manifest_for, open_for_save, rank_record, refuse_taken_name,
+    resolve_parent,
+)
+from ckptfmt.saving.hashcache import DEFAULT_CACHE
+from ckptfmt.saving.options import SaveOptions
+
+
+def save_single(state: Any, url: str | os.PathLike, options: SaveOptions, captured: Captured) -> str:
+    """Save ``state`` as checkpoint ``url`` from this process alone; returns the checkpoint's URL."""
+    repo_url, name = split_checkpoint_url(url)
+    timer = PhaseTimer(captured.staged)
+    with timer.phase("lease"):
+        repo, lease = open_for_save(repo_url, options)
+    try:
+        return _save_leased(repo, name, state, timer, lease, options, captured)
+    finally:
+        lease.release()
+
+
+def _save_leased(repo: Repository, name: str, state: Any, timer: PhaseTimer, lease: Lease, options: SaveOptions,
+                 captured: Captured) -> str:
+    """From the name check to the commit, under the save lease."""
+    rank, world_size = current_rank()
+    with timer.phase("prepare"):
+        refuse_taken_name(repo, name)
+        parent_name, parent_keys = resolve_parent(repo, options.parent)
+        sources: list[TensorSource] = []
+        entries: list[dict] = []
+        state_bytes = encode_tree(state, TensorCollector(sources, entries, frozen=captured.frozen), rank=rank)
+        user_bytes = encode_tree({} if options.metadata is None else options.metadata, None)
+    stored = store_sources(repo, sources, compression=options.compression, parent_keys=parent_keys,
+                           cache=DEFAULT_CACHE, chunk_size=options.chunk_size,
+                           workers=options.chunk_workers, timer=timer)
+    record = rank_record(rank, timer, rank_entry(rank), captured)
+    tensors = tensor_table(entries, [s.shape for s in sources], stored.pieces, rank)
+    manifest = manifest_for(
+        name, options, parent=parent_name, chunks=stored.chunks, tensors=tensors, new_bytes=stored.new_bytes,
+        state=state_bytes, user=user_bytes, records=[record], collective=False,
+        topology=topology_record([record["topology"]], world_size=world_size, writer_ranks=[rank],
+                                 parallelism=options.parallelism),
+    )
+    if options.before_commit is not None:
+        options.before_commit()
+    commit_manifest(repo, manifest, lease)
+    return repo.storage.describe(name)
+
+
+def tensor_table(entries: list[dict], shapes: list[tuple[int, ...]], pieces: list[tuple[Piece, ...]],
+                 rank: int) -> list[TensorEntry]:
+    """The manifest's tensor table: each entry's shards, with the pieces of the sources they came from."""
+    return [
+        TensorEntry(
+            key=entry["key"], dtype=entry["dtype"], shape=entry["shape"], kind=entry["kind"],
+            requires_grad=entry["requires_grad"], same_as=entry["same_as"],
+            shards=tuple(
+                Shard(offsets=offsets, shape=shapes[src], rank=rank if shard_rank is None else shard_rank,
+                      pieces=pieces[src])
+                for src, offsets, shard_rank in entry["shards"]
+            ),
+        )
+        for entry in entries
+    ]
