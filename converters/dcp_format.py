@@ -44,10 +44,10 @@ from ckptfmt.format.values import format_key
 from ckptfmt.converters.importer import Imported, note_opaque_and_step
 from ckptfmt.converters.pickles import (
     MAX_PICKLE_BYTES,
+    BudgetReader,
     Node,
     PickleError,
     RestrictedUnpickler,
-    _BudgetReader,
     to_value_tree,
 )
 from ckptfmt.converters.torch_format import load_object
@@ -181,7 +181,7 @@ def read_metadata(folder: str) -> DcpMetadata:
     if len(data) > MAX_PICKLE_BYTES:
         raise CheckpointError(f"{where}: over {MAX_PICKLE_BYTES} bytes")
     try:
-        root = RestrictedUnpickler(_BudgetReader(data)).load_checked()
+        root = RestrictedUnpickler(BudgetReader(data), torch_files=load_object).load_checked()
     except PickleError as exc:
         raise CheckpointError(f"{where}: {exc}") from None
     top = _dict_fields(root, "Metadata", where, ("state_dict_metadata",))

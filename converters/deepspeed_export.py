@@ -40,7 +40,7 @@ from ckptfmt.format.dtypes import dtype_from_name
 from ckptfmt.errors import CheckpointError
 from ckptfmt.format.values import OpaqueObject, decode_tree
 
-from ckptfmt.converters.export import (
+from ckptfmt.converters.export_files import (
     DEFAULT_SHARD_SIZE,
     ExportResult,
     restore_opaque,

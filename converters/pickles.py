@@ -14,7 +14,8 @@ APPEND(S), SETITEM(S), ADDITEMS) goes through this module:
   protocol 2 writes bytes; latin-1 only), and two that parse nested data with this same
   restricted machinery: ``pickle.loads`` (how ckptfmt's export writes opaque objects
   back) and ``torch.storage._load_from_bytes`` (how a tensor pickled outside torch.save
-  carries its storage).
+  carries its storage: a whole torch file, read by the ``torch_files`` reader the
+  unpickler was given, converters/torch_format.py's ``load_object``).
 - Any other global becomes a ``Global`` placeholder. Calling one (REDUCE, NEWOBJ, ...)
   calls nothing: it records a ``Node`` (the callable, its arguments, then the BUILD
   state and list/dict items applied to it, in order).
@@ -52,7 +53,7 @@ import pickle
 import re
 import struct
 from collections import OrderedDict
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import numpy as np
 import torch
@@ -426,7 +427,13 @@ _BUILDERS = {
 # --------------------------------------------------------------------------- the unpickler
 
 
-class _BudgetReader:
+class TorchFileReader(Protocol):
+    """Reads a whole torch file held in memory with this module's restrictions (torch_format.load_object)."""
+
+    def __call__(self, data: bytes, where: str, *, depth: int, notes: set) -> Any: ...
+
+
+class BudgetReader:
     """A read-only file over a buffer (bytes, mmap) that refuses to read past ``limit``."""
 
     def __init__(self, buffer, start: int = 0, limit: int = MAX_PICKLE_BYTES):
@@ -474,9 +481,12 @@ class RestrictedUnpickler(pickle._Unpickler):
     PARAMETER_TYPE = object()
 
     def __init__(self, file, *, persistent_load: Callable[[Any], Any] | None = None,
-                 depth: int = 0, notes: set | None = None):
+                 depth: int = 0, notes: set | None = None, torch_files: TorchFileReader | None = None):
+        """``torch_files`` reads the torch files a pickle embeds (``torch.storage._load_from_bytes``);
+        without one, such a pickle is refused."""
         super().__init__(file)
         self._persistent = persistent_load
+        self.torch_files = torch_files
         self.depth = depth
         self.notes: set[str] = notes if notes is not None else set()
         self._globals: dict[tuple[str, str], Any] = {}
@@ -636,14 +646,16 @@ class RestrictedUnpickler(pickle._Unpickler):
     def nested(self, data: bytes) -> Any:
         if self.depth >= MAX_NESTED_PICKLES:
             raise PickleError("pickles nested too deep")
-        return RestrictedUnpickler(_BudgetReader(data), depth=self.depth + 1, notes=self.notes).load_checked()
+        return RestrictedUnpickler(BudgetReader(data), depth=self.depth + 1, notes=self.notes,
+                                   torch_files=self.torch_files).load_checked()
 
     def nested_torch_file(self, data: bytes) -> Any:
         if self.depth >= MAX_NESTED_PICKLES:
             raise PickleError("pickles nested too deep")
-        from ckptfmt.converters.torch_format import load_object  # the torch file reader, over in-memory bytes
-
-        return load_object(data, "<embedded storage>", depth=self.depth + 1, notes=self.notes)
+        if self.torch_files is None:
+            raise PickleError("the pickle embeds a torch file (torch.storage._load_from_bytes), "
+                              "which this reader does not read")
+        return self.torch_files(data, "<embedded storage>", depth=self.depth + 1, notes=self.notes)
 
     def load_checked(self) -> Any:
         """load(), with every failure as a PickleError (a CheckpointError)."""
@@ -658,9 +670,11 @@ class RestrictedUnpickler(pickle._Unpickler):
             raise PickleError(f"malformed pickle ({type(exc).__name__}: {exc})") from None
 
 
-def restricted_loads(data: bytes, *, persistent_load: Callable[[Any], Any] | None = None) -> Any:
+def restricted_loads(data: bytes, *, persistent_load: Callable[[Any], Any] | None = None,
+                     torch_files: TorchFileReader | None = None) -> Any:
     """Unpickle ``data`` under the restrictions above (the raw result: may hold nodes)."""
-    return RestrictedUnpickler(_BudgetReader(data), persistent_load=persistent_load).load_checked()
+    return RestrictedUnpickler(BudgetReader(data), persistent_load=persistent_load,
+                               torch_files=torch_files).load_checked()
 
 
 # --------------------------------------------------------------------------- opaque pickles
@@ -905,5 +919,5 @@ def to_value_tree(obj: Any, where: str = "pickle", notes: set | None = None, *,
 
 __all__ = [
     "Global", "MAX_PICKLE_BYTES", "Node", "PendingTensor", "PickleError", "RestrictedUnpickler",
-    "Storage", "StorageType", "attributed_tensor", "opaque_pickle", "restricted_loads", "to_value_tree",
+    "BudgetReader", "Storage", "StorageType", "TorchFileReader", "attributed_tensor", "opaque_pickle", "restricted_loads", "to_value_tree",
 ]

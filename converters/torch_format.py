@@ -38,11 +38,11 @@ from ckptfmt.errors import CheckpointError
 from ckptfmt.converters.importer import Imported, note_opaque_and_step
 from ckptfmt.converters.pickles import (
     MAX_PICKLE_BYTES,
+    BudgetReader,
     PickleError,
     RestrictedUnpickler,
     Storage,
     StorageType,
-    _BudgetReader,
     to_value_tree,
 )
 
@@ -269,8 +269,8 @@ def _read_zip(buffer: memoryview, file, where: str, depth: int,
 
         storages = _Storages(where, resolve)
         try:
-            obj = RestrictedUnpickler(_BudgetReader(data_pkl), persistent_load=storages,
-                                      depth=depth, notes=notes).load_checked()
+            obj = RestrictedUnpickler(BudgetReader(data_pkl), persistent_load=storages,
+                                      depth=depth, notes=notes, torch_files=load_object).load_checked()
         except PickleError as exc:
             raise CheckpointError(f"{where}: {prefix}data.pkl: {exc}") from None
         _note_locations(storages, notes)
@@ -342,11 +342,11 @@ class _CrcCheck:
 
 
 def _read_legacy(buffer: memoryview, where: str, depth: int, notes: set) -> tuple[Any, dict]:
-    reader = _BudgetReader(buffer)
+    reader = BudgetReader(buffer)
 
     def plain(what: str) -> Any:
         try:
-            return RestrictedUnpickler(reader, depth=depth, notes=notes).load_checked()
+            return RestrictedUnpickler(reader, depth=depth, notes=notes, torch_files=load_object).load_checked()
         except PickleError as exc:
             raise CheckpointError(f"{where}: not a torch.save file ({what}: {exc})") from None
 
@@ -361,7 +361,8 @@ def _read_legacy(buffer: memoryview, where: str, depth: int, notes: set) -> tupl
     pending: list[Storage] = []
     storages = _Storages(where, lambda key, storage: pending.append(storage))
     try:
-        obj = RestrictedUnpickler(reader, persistent_load=storages, depth=depth, notes=notes).load_checked()
+        obj = RestrictedUnpickler(reader, persistent_load=storages, depth=depth, notes=notes,
+                                  torch_files=load_object).load_checked()
     except PickleError as exc:
         raise CheckpointError(f"{where}: main pickle: {exc}") from None
     keys = plain("storage keys")

@@ -19,7 +19,8 @@ from safetensors.torch import load_file, save_file, save_model
 import ckptfmt
 from ckptfmt import CheckpointError, CheckpointNotFoundError
 from ckptfmt.converters import safetensors_format as stf
-from ckptfmt.converters.export import export_checkpoint, parse_size
+from ckptfmt.converters.export import export_checkpoint
+from ckptfmt.converters.export_files import parse_size
 from ckptfmt.converters.importer import import_checkpoint, read_source
 from tests.helpers import assert_tensor_exact, raw_bytes
 

@@ -13,12 +13,22 @@ import pytest
 import torch
 
 from ckptfmt import CheckpointError, OpaqueObject
-from ckptfmt.converters.pickles import PickleError, RestrictedUnpickler, _BudgetReader, restricted_loads, to_value_tree
+from ckptfmt.converters.pickles import BudgetReader, PickleError, RestrictedUnpickler, restricted_loads, to_value_tree
+from ckptfmt.converters.torch_format import load_object
 from pickle_fixtures import Config, Hostile, HostileEval, Registry, Tagged, WithSlots
 
 
 def convert(data: bytes):
-    return to_value_tree(restricted_loads(data)).value
+    return to_value_tree(restricted_loads(data, torch_files=load_object)).value
+
+
+def test_an_embedded_torch_file_needs_a_reader():
+    """pickle.dumps of a tensor embeds a whole torch file; the unpickler reads it only through the
+    reader it was given (torch_format.load_object), never by importing one itself."""
+    data = pickle.dumps({"t": torch.arange(3)})
+    with pytest.raises(PickleError, match="embeds a torch file"):
+        restricted_loads(data)
+    assert torch.equal(convert(data)["t"], torch.arange(3))
 
 
 class _Popen:
@@ -141,7 +151,7 @@ def test_self_referencing_containers_are_refused():
 def test_reads_past_the_budget_fail_fast():
     data = b"\x80\x04\x8e" + (2**40).to_bytes(8, "little") + b"x" * 200
     with pytest.raises(PickleError, match="budget"):
-        RestrictedUnpickler(_BudgetReader(data, limit=64)).load_checked()
+        RestrictedUnpickler(BudgetReader(data, limit=64)).load_checked()
     with pytest.raises(CheckpointError):
         convert(data)
 
