@@ -43,7 +43,7 @@ from ckptfmt.loading.reader import CheckpointReader
 from ckptfmt.repository.repository import CommitRecord, Repository
 from ckptfmt.metadata.step_timer import decode_steps
 from ckptfmt.format.values import decode_tree
-from ckptfmt.analytics.tables import _flatten
+from ckptfmt.analytics.tables import flatten_fields
 
 #: Environment fields by kind of difference (dotted prefixes of spec 9.2's record).
 _ENVIRONMENT_KINDS = (
@@ -357,7 +357,7 @@ def _topology(first: list[Manifest], diverged_at: int | None) -> list[dict]:
 
 
 def _environment(first: list[Manifest], diverged_at: int | None) -> list[dict]:
-    flat = [dict(_flatten({k: v for k, v in m.environment.items() if k not in ("ranks", "others")}))
+    flat = [dict(flatten_fields({k: v for k, v in m.environment.items() if k not in ("ranks", "others")}))
             for m in first]
     found = []
     for field in sorted(set(flat[0]) | set(flat[1])):

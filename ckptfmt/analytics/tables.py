@@ -415,7 +415,7 @@ class Environment:
     def _flat_ids(self, environment: dict) -> tuple[np.ndarray, np.ndarray]:
         """The ids of an environment's fields and values; a run's checkpoints mostly repeat the last one."""
         if self.last is None or self.last[0] != environment:
-            flat = list(_flatten(environment))
+            flat = list(flatten_fields(environment))
             self.last = (environment, np.array([self.words.id(f) for f, _ in flat], dtype=np.int32),
                          np.array([self.words.id(v) for _, v in flat], dtype=np.int32))
         return self.last[1], self.last[2]
@@ -438,14 +438,14 @@ class Environment:
         return pa.Table.from_arrays(arrays, names=[name for name, _ in self.fields])
 
 
-def _flatten(value: Any, prefix: str = "") -> Iterator[tuple[str, str]]:
+def flatten_fields(value: Any, prefix: str = "") -> Iterator[tuple[str, str]]:
     """(dotted field, value as text) for every leaf of a metadata map; lists are indexed (gpus.0.name)."""
     if isinstance(value, dict):
         for key, item in value.items():
-            yield from _flatten(item, f"{prefix}.{key}" if prefix else str(key))
+            yield from flatten_fields(item, f"{prefix}.{key}" if prefix else str(key))
     elif isinstance(value, list):
         for index, item in enumerate(value):
-            yield from _flatten(item, f"{prefix}.{index}" if prefix else str(index))
+            yield from flatten_fields(item, f"{prefix}.{index}" if prefix else str(index))
     else:
         yield prefix, _text(value)
 

@@ -39,7 +39,7 @@ from ckptfmt.format.limits import check_name
 from ckptfmt.format.manifest import Chunk
 from ckptfmt.repository.repository import CommitRecord, Repository
 from ckptfmt.storage.base import Storage
-from ckptfmt.tools.verify import _ByteBudget
+from ckptfmt.storage.budget import ByteBudget
 
 #: Manifest fields a copy does not need parsed (it copies the manifest's bytes as they are).
 _UNUSED_FIELDS = frozenset({"rng", "environment", "topology", "timing", "stats", "provenance"})
@@ -167,7 +167,7 @@ class _Copier:
         #: Chunk keys known intact and durable on the target: copied or checked by this call, or committed.
         self.good: set[str] = set()
         # A larger chunk runs alone; a compressed one also holds its decoded bytes while checked.
-        self.budget = _ByteBudget(workers * DEFAULT_CHUNK_SIZE)
+        self.budget = ByteBudget(workers * DEFAULT_CHUNK_SIZE)
         self.lock = threading.Lock()
         self.chunks_copied = self.chunks_skipped = self.bytes_copied = self.bytes_skipped = 0
         self.total = 0

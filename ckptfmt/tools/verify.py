@@ -7,7 +7,6 @@ the chunk and every tensor that uses it. Progress goes to an fsspec
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
 import time
@@ -21,6 +20,7 @@ from ckptfmt.loading.chunkio import ChunkReader
 from ckptfmt.errors import CheckpointError, CheckpointNotFoundError, StorageError
 from ckptfmt.format.manifest import Manifest
 from ckptfmt.repository.repository import Repository, resolve
+from ckptfmt.storage.budget import ByteBudget
 from ckptfmt.storage.factory import open_storage
 
 
@@ -113,27 +113,6 @@ _MEMORY_BUDGET = 2**30
 _REUSED_BUFFER = 64 * 2**20
 
 
-class _ByteBudget:
-    """Lets threads hold at most ``limit`` bytes at once; a request larger than that waits to run alone."""
-
-    def __init__(self, limit: int):
-        self.limit = limit
-        self.used = 0
-        self.condition = threading.Condition()
-
-    @contextlib.contextmanager
-    def take(self, size: int):
-        with self.condition:
-            self.condition.wait_for(lambda: self.used == 0 or self.used + size <= self.limit)
-            self.used += size
-        try:
-            yield
-        finally:
-            with self.condition:
-                self.used -= size
-                self.condition.notify_all()
-
-
 def _check_chunks(repo: Repository, manifests: dict[str, Manifest], report: VerifyReport,
                   callback: Callback, workers: int, cancel: threading.Event | None) -> None:
     # Each distinct chunk once, remembering who uses it, to name the damage.
@@ -149,7 +128,7 @@ def _check_chunks(repo: Repository, manifests: dict[str, Manifest], report: Veri
             jobs.setdefault((chunk.hash, chunk.codec), (manifest, index))
     callback.set_size(sum(m.chunks[i].size for m, i in jobs.values()))
     lock = threading.Lock()
-    budget = _ByteBudget(_MEMORY_BUDGET)
+    budget = ByteBudget(_MEMORY_BUDGET)
     buffers = threading.local()  # one reusable read buffer per thread: fresh memory costs page faults
 
     def buffer(size: int) -> memoryview:
