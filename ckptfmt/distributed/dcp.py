@@ -31,7 +31,7 @@ from torch.distributed.checkpoint import storage as dcp_storage
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict, unflatten_state_dict
 from torch.futures import Future
 
-from ckptfmt.distributed.dtensors import meshes_of
+from ckptfmt.format.dtensors import meshes_of
 from ckptfmt.errors import CheckpointError, UnsupportedValueError
 from ckptfmt.format.dtypes import dtype_from_name, dtype_name
 from ckptfmt.format.manifest import Chunk, Piece, Shard, TensorEntry

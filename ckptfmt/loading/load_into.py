@@ -17,7 +17,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from ckptfmt.distributed.dtensors import is_dtensor, local_shard
+from ckptfmt.format.dtensors import is_dtensor, local_shard
 from ckptfmt.format.dtypes import dtype_from_name
 from ckptfmt.errors import CheckpointError
 from ckptfmt.format.per_rank import PerRankValues

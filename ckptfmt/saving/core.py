@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from ckptfmt.distributed.dtensors import is_dtensor, local_shard
+from ckptfmt.format.dtensors import is_dtensor, local_shard
 from ckptfmt.errors import (
     CheckpointError, CheckpointExistsError, CheckpointNotFoundError, CheckpointWarning, ManifestError,
     UnsupportedValueError,

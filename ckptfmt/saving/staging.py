@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ckptfmt.distributed.dtensors import is_dtensor, local_shard
+from ckptfmt.format.dtensors import is_dtensor, local_shard
 from ckptfmt.format.per_rank import PerRank
 from ckptfmt.format.sharded import LocalShard, Shard, Sharded
 from ckptfmt.format.values import format_key

@@ -1,4 +1,7 @@
-"""DTensors in a collective save: each rank's local shard as a box of the global tensor.
+"""DTensors as boxes: where each rank's local shard lies in the global tensor.
+
+A collective save stores each rank's box (LocalShard), a load into DTensors
+reads each rank's box back, and the DCP layer records the device meshes.
 
 ``torch.distributed.tensor`` is imported only when a state holds a DTensor, so
 single-process saves never pay for it. A box is where the local shard lies in
