@@ -42,7 +42,19 @@ class UnsupportedValueError(CheckpointError, TypeError):
 
 
 class StorageError(CheckpointError, OSError):
-    """The storage backend failed (permissions, network, credentials)."""
+    """The storage backend failed (permissions, network, credentials).
+
+    ``errno`` is the operating system's error number where the failure had one
+    (``errno.EACCES``, ``errno.ENOSPC``, ...), else None; ``__cause__`` is the
+    backend's own exception (OSError, botocore's, aiohttp's), shown by ``--debug``.
+    """
+
+    def __init__(self, message: str, errno: int | None = None):
+        super().__init__(message)
+        self.errno = errno
+
+    def __reduce__(self):  # keeps errno across pickling (the replication child sends errors back)
+        return type(self), (self.args[0], self.errno)
 
 
 class CollectiveError(CheckpointError):

@@ -177,7 +177,7 @@ def read_metadata(folder: str) -> DcpMetadata:
         raise CheckpointNotFoundError(f"{where}: no such file: not a complete DCP checkpoint "
                                       "(the .metadata file is written last)") from None
     except OSError as exc:
-        raise CheckpointError(f"{where}: cannot read ({exc})") from None
+        raise CheckpointError(f"{where}: cannot read ({exc})") from exc
     if len(data) > MAX_PICKLE_BYTES:
         raise CheckpointError(f"{where}: over {MAX_PICKLE_BYTES} bytes")
     try:

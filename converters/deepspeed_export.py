@@ -91,7 +91,7 @@ def to_deepspeed(reader: ckptfmt.CheckpointReader, dest: str, *, world_size: int
     try:
         os.makedirs(dest, exist_ok=True)
     except OSError as exc:
-        raise CheckpointError(f"{dest}: cannot create the output folder: {exc}") from None
+        raise CheckpointError(f"{dest}: cannot create the output folder: {exc}") from exc
     tmp = os.path.join(dest, f".{tag}.tmp-{os.getpid()}")
     os.makedirs(tmp)
     try:

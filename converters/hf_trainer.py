@@ -195,7 +195,7 @@ def _json(folder: str, name: str) -> Any:
     except (UnicodeDecodeError, ValueError) as exc:
         raise ManifestError(f"{path}: not valid JSON ({exc})") from None
     except OSError as exc:
-        raise CheckpointError(f"{path}: cannot read ({exc})") from None
+        raise CheckpointError(f"{path}: cannot read ({exc})") from exc
 
 
 def _torch_part(path: str, key: str, opaque: list[str], notes: list[str]) -> Any:

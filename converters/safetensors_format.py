@@ -104,7 +104,7 @@ def read_header(path: str) -> Header:
     except IsADirectoryError:
         raise CheckpointError(f"{path}: is a folder, not a safetensors file") from None
     except OSError as exc:
-        raise CheckpointError(f"{path}: cannot read: {exc}") from None
+        raise CheckpointError(f"{path}: cannot read: {exc}") from exc
     try:
         header = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_pairs)
     except _DuplicateName as exc:
@@ -202,7 +202,7 @@ def map_tensors(header: Header) -> dict[str, torch.Tensor]:
                 raise CorruptDataError(f"{header.path}: file changed size while being read")
             mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
     except OSError as exc:
-        raise CheckpointError(f"{header.path}: cannot map: {exc}") from None
+        raise CheckpointError(f"{header.path}: cannot map: {exc}") from exc
     for spec in header.tensors:
         count = spec.end - spec.begin
         if count == 0:
@@ -257,7 +257,7 @@ def _read_index(index_path: str) -> tuple[dict[str, str], dict]:
     except (UnicodeDecodeError, ValueError) as exc:
         raise ManifestError(f"{index_path}: index is not valid JSON ({exc})") from None
     except OSError as exc:
-        raise CheckpointError(f"{index_path}: cannot read: {exc}") from None
+        raise CheckpointError(f"{index_path}: cannot read: {exc}") from exc
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not (isinstance(weight_map, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items())):
         raise ManifestError(f"{index_path}: index has no weight_map of tensor name -> shard file")

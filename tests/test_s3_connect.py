@@ -37,9 +37,27 @@ def attempts_per_request(storage) -> list[str]:
 def test_a_refused_connection_is_tried_twice(refused_endpoint):
     storage = open_storage("s3://bucket/run", {"skip_instance_cache": True})
     seen = attempts_per_request(storage)
-    with pytest.raises(StorageError, match="Could not connect to the endpoint URL"):
+    with pytest.raises(StorageError, match="Could not connect to the endpoint URL") as info:
         storage.read("ckptfmt.json", max_size=1024)
     assert seen == ["GET"] * REFUSED_ATTEMPTS
+    # The cause is kept: botocore's error, and under it the refused connection itself.
+    causes = []
+    cause = info.value.__cause__
+    while cause is not None:
+        causes.append(type(cause).__name__)
+        cause = cause.__cause__ or cause.__context__
+    assert "EndpointConnectionError" in causes, causes
+
+
+def test_debug_shows_the_backends_error_under_the_one_line(refused_endpoint, tmp_path):
+    result = subprocess.run([sys.executable, "-m", "ckptfmt.cli", "--debug", "ls", "s3://bucket/run"],
+                            capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert result.returncode == 2
+    stderr = result.stderr
+    # The whole chain, from the socket up: the refusal, botocore's error, then ckptfmt's.
+    assert stderr.index("ConnectionRefusedError") < stderr.index("EndpointConnectionError: Could not connect") \
+        < stderr.index("StorageError: s3://bucket/run/ckptfmt.json")
+    assert "The above exception was the direct cause of the following exception" in stderr
 
 
 def test_the_cli_says_so_in_one_line(refused_endpoint, tmp_path):

@@ -255,3 +255,25 @@ def test_a_save_fsyncs_each_file_once(tmp_path, monkeypatch):
     assert set(second.values()) == {1}, second
     patterns = ["second/manifest-*.msgpack", "_index/e/*.second.*", "second/COMMIT"]
     assert sorted(second) == sorted(next(p for p in second if fnmatch.fnmatch(p, pattern)) for pattern in patterns)
+
+
+def test_an_os_failure_keeps_its_errno_and_cause(tmp_path):
+    """Translated at the storage boundary, an OS error stays inspectable: its errno, and the OSError itself."""
+    import errno
+
+    (tmp_path / "repo").mkdir()
+    storage = open_storage(tmp_path / "repo")
+    with pytest.raises(StorageError, match="File name too long") as info:
+        storage.read("x" * 300, max_size=10)  # longer than any file name ext4 allows
+    assert info.value.errno == errno.ENAMETOOLONG
+    assert isinstance(info.value.__cause__, OSError) and info.value.__cause__.errno == errno.ENAMETOOLONG
+
+
+def test_a_storage_error_keeps_its_errno_when_pickled():
+    """The replication child sends errors back pickled."""
+    import errno
+    import pickle
+
+    error = pickle.loads(pickle.dumps(StorageError("s3://b/k: permission denied", errno.EACCES)))
+    assert type(error) is StorageError and str(error) == "s3://b/k: permission denied"
+    assert error.errno == errno.EACCES

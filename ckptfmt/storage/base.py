@@ -13,27 +13,14 @@ kinds: ``write`` (idempotent, for content-addressed chunks) and ``create``
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import mmap
 
 import fsspec
 
-from ckptfmt.errors import CheckpointError, CheckpointNotFoundError, CorruptDataError, StorageError
-
-
-def translate_error(exc: Exception, what: str) -> CheckpointError:
-    """Translate a backend exception into the ckptfmt hierarchy."""
-    if isinstance(exc, CheckpointError):
-        return exc
-    if isinstance(exc, FileNotFoundError):
-        return CheckpointNotFoundError(f"{what}: not found")
-    if isinstance(exc, NotADirectoryError):  # a folder on the way is a file: nothing can be at this key
-        return CheckpointNotFoundError(f"{what}: not found (a folder on its path is a file)")
-    if isinstance(exc, PermissionError):
-        return StorageError(f"{what}: permission denied")
-    if isinstance(exc, OSError) and exc.strerror:  # "Not a directory", not "NotADirectoryError: [Errno 20] ..."
-        return StorageError(f"{what}: {exc.strerror}")
-    return StorageError(f"{what}: {exc}")
+from ckptfmt.errors import CheckpointNotFoundError, CorruptDataError
+from ckptfmt.storage.errors import backend_errors
 
 
 class Storage:
@@ -76,12 +63,13 @@ class Storage:
             if size:
                 raise CorruptDataError(f"{self.describe(key)}: {size} bytes, over the limit of 0")
             return b""
-        try:  # one ranged GET: one byte past the limit tells an oversized object apart
-            data = self.fs.cat_file(self.path(key), start=0, end=max_size + 1)
-        except Exception as exc:
-            if isinstance(exc, OSError) and exc.errno == errno.EINVAL and self.size(key) == 0:
-                return b""  # S3 answers any range of an empty object with 416
-            raise translate_error(exc, self.describe(key)) from None
+        with backend_errors(self.describe(key)):
+            try:  # one ranged GET: one byte past the limit tells an oversized object apart
+                data = self.fs.cat_file(self.path(key), start=0, end=max_size + 1)
+            except OSError as exc:
+                if exc.errno == errno.EINVAL and self.size(key) == 0:
+                    return b""  # S3 answers any range of an empty object with 416
+                raise
         if len(data) > max_size:
             raise CorruptDataError(f"{self.describe(key)}: over the limit of {max_size} bytes")
         return data
@@ -99,28 +87,24 @@ class Storage:
 
     def size(self, key: str) -> int | None:
         """Size in bytes of ``key``, or None when there is no such object."""
-        try:
-            return int(self.fs.size(self.path(key)))
-        except FileNotFoundError:
-            return None
-        except Exception as exc:
-            raise translate_error(exc, self.describe(key)) from None
+        with backend_errors(self.describe(key)):
+            try:
+                return int(self.fs.size(self.path(key)))
+            except FileNotFoundError:
+                return None
 
     def exists(self, key: str) -> bool:
-        try:
+        with backend_errors(self.describe(key)):
             return bool(self.fs.exists(self.path(key)))
-        except Exception as exc:
-            raise translate_error(exc, self.describe(key)) from None
 
     def list(self, key: str = "") -> list[str]:
         """Names of the entries directly under ``key`` (empty when it does not exist)."""
-        try:
-            self.fs.invalidate_cache(self.path(key))  # other processes may have written since
-            entries = self.fs.ls(self.path(key), detail=False)
-        except FileNotFoundError:
-            return []
-        except Exception as exc:
-            raise translate_error(exc, self.describe(key)) from None
+        with backend_errors(self.describe(key)):
+            try:
+                self.fs.invalidate_cache(self.path(key))  # other processes may have written since
+                entries = self.fs.ls(self.path(key), detail=False)
+            except FileNotFoundError:
+                return []
         return sorted({e.rstrip("/").rsplit("/", 1)[-1] for e in entries})
 
     def find(self, key: str) -> dict[str, int]:
@@ -129,12 +113,12 @@ class Storage:
         One paginated listing on object stores (1,000 keys per request), a walk on local disks.
         """
         try:
-            self.fs.invalidate_cache(self.path(key))
-            found = self.fs.find(self.path(key), detail=True)
-        except FileNotFoundError:
-            return {}
-        except Exception as exc:
-            raise translate_error(exc, self.describe(key)) from None
+            with backend_errors(self.describe(key)):
+                try:
+                    self.fs.invalidate_cache(self.path(key))
+                    found = self.fs.find(self.path(key), detail=True)
+                except FileNotFoundError:
+                    return {}
         finally:
             self._forget_listings(self.path(key))
         start = len(self.root) + 1
@@ -158,10 +142,8 @@ class Storage:
         ``durable=False``: on a local disk the file may reach the disk later; ``sync``
         makes it durable (a save writes its chunks so, and syncs them all at once).
         """
-        try:
+        with backend_errors(self.describe(key)):
             self.fs.pipe_file(self.path(key), bytes(data))
-        except Exception as exc:
-            raise translate_error(exc, self.describe(key)) from None
 
     def create(self, key: str, data: bytes) -> None:
         """Store ``data`` at ``key`` only if nothing is there; raises FileExistsError otherwise.
@@ -170,31 +152,19 @@ class Storage:
         racing for one key cannot both succeed where the store honours it (see
         ``ObjectStorage`` for those that do not).
         """
-        try:
+        with backend_errors(self.describe(key), passing=(FileExistsError,)):
             self.fs.pipe_file(self.path(key), bytes(data), mode="create")
-        except FileExistsError:
-            raise
-        except Exception as exc:
-            raise translate_error(exc, self.describe(key)) from None
 
     def delete(self, key: str) -> None:
-        try:
+        with backend_errors(self.describe(key)), contextlib.suppress(FileNotFoundError):
             self.fs.rm_file(self.path(key))
-        except FileNotFoundError:
-            pass
-        except Exception as exc:
-            raise translate_error(exc, self.describe(key)) from None
 
     def delete_many(self, keys: list[str]) -> None:
         """Delete ``keys`` (absent ones are no error); object stores batch them (1,000 per request)."""
         if not keys:
             return
-        try:
+        with backend_errors(self.describe(keys[0])), contextlib.suppress(FileNotFoundError):
             self.fs.rm([self.path(k) for k in keys])
-        except FileNotFoundError:
-            pass
-        except Exception as exc:
-            raise translate_error(exc, self.describe(keys[0])) from None
 
     def stage(self, directory: str) -> "Staged":
         """A new object written block by block, visible under no key until published.

@@ -10,7 +10,8 @@ from fsspec.implementations.local import LocalFileSystem
 from fsspec.implementations.memory import MemoryFileSystem
 
 from ckptfmt.errors import StorageError
-from ckptfmt.storage.base import Storage, translate_error
+from ckptfmt.storage.base import Storage
+from ckptfmt.storage.errors import backend_errors
 from ckptfmt.storage.local import LocalStorage
 from ckptfmt.storage.object_store import S3FS_TRIES, ObjectStorage, fail_fast_when_refused, s3_options
 
@@ -27,12 +28,11 @@ def open_storage(url: str | os.PathLike, storage_options: dict[str, Any] | None 
     s3 = fsspec.core.split_protocol(url)[0] in ("s3", "s3a")
     if s3:
         options = s3_options(options)
-    try:
-        fs, root = fsspec.core.url_to_fs(url, **options)
-    except ImportError as exc:
-        raise StorageError(f"{url}: missing backend ({exc}); for s3:// install ckptfmt[s3]") from None
-    except Exception as exc:
-        raise translate_error(exc, url) from None
+    with backend_errors(url):
+        try:
+            fs, root = fsspec.core.url_to_fs(url, **options)
+        except ImportError as exc:
+            raise StorageError(f"{url}: missing backend ({exc}); for s3:// install ckptfmt[s3]") from exc
     if isinstance(fs, LocalFileSystem):
         return LocalStorage(fs, root, url)
     if isinstance(fs, MemoryFileSystem):

@@ -12,8 +12,9 @@ import uuid
 import fsspec
 
 from ckptfmt._platform import start_writeback
-from ckptfmt.errors import CorruptDataError
-from ckptfmt.storage.base import Staged, Storage, translate_error
+from ckptfmt.errors import CheckpointError, CorruptDataError
+from ckptfmt.storage.base import Staged, Storage
+from ckptfmt.storage.errors import backend_errors
 
 
 def _file_kind(mode: int) -> str:
@@ -41,30 +42,30 @@ class _StagedFile(Staged):
     def __init__(self, storage: "LocalStorage", directory: str, basename: str = "staged"):
         self._storage = storage
         self._fd = -1
-        try:
+        with backend_errors(storage.describe(directory)):
             storage.makedirs(directory)
             self.path = os.path.join(storage.path(directory), f".{basename}.tmp-{uuid.uuid4().hex[:12]}")
             self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-        except Exception as exc:
-            raise translate_error(exc, storage.describe(directory)) from None
 
     def write(self, block) -> None:
         try:
-            _write_all(self._fd, block)
-        except Exception as exc:
+            with backend_errors(self.path):
+                _write_all(self._fd, block)
+        except CheckpointError:
             self.discard()
-            raise translate_error(exc, self.path) from None
+            raise
 
     def seal(self, durable: bool = True) -> str:
         """fsync (if ``durable``) and close the file; returns its path."""
         try:
-            if durable:
-                os.fsync(self._fd)
-            else:
-                start_writeback(self._fd)
-        except Exception as exc:
+            with backend_errors(self.path):
+                if durable:
+                    os.fsync(self._fd)
+                else:
+                    start_writeback(self._fd)
+        except CheckpointError:
             self.discard()
-            raise translate_error(exc, self.path) from None
+            raise
         os.close(self._fd)
         self._fd = -1
         return self.path
@@ -72,11 +73,12 @@ class _StagedFile(Staged):
     def publish(self, key: str, *, durable: bool = True) -> None:
         self.seal(durable)
         try:
-            self._storage.makedirs(os.path.dirname(key))
-            os.replace(self.path, self._storage.path(key))
-        except Exception as exc:
+            with backend_errors(self._storage.describe(key)):
+                self._storage.makedirs(os.path.dirname(key))
+                os.replace(self.path, self._storage.path(key))
+        except CheckpointError:
             self.discard()
-            raise translate_error(exc, self._storage.describe(key)) from None
+            raise
 
     def discard(self) -> None:
         if self._fd >= 0:
@@ -105,12 +107,13 @@ class LocalStorage(Storage):
         sockets and folders are refused before a single byte is read.
         """
         where = self.describe(key)
-        try:
-            fd = os.open(self.path(key), os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-        except OSError as exc:
-            if exc.errno == errno.ENXIO:  # a socket, or a FIFO-like device without a peer
-                raise CorruptDataError(f"{where}: not a regular file (a socket or device)") from None
-            raise translate_error(exc, where) from None
+        with backend_errors(where):
+            try:
+                fd = os.open(self.path(key), os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+            except OSError as exc:
+                if exc.errno == errno.ENXIO:  # a socket, or a FIFO-like device without a peer
+                    raise CorruptDataError(f"{where}: not a regular file (a socket or device)") from None
+                raise
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
             os.close(fd)
@@ -123,14 +126,11 @@ class LocalStorage(Storage):
         if size > max_size:
             os.close(fd)
             raise CorruptDataError(f"{where}: {size} bytes, over the limit of {max_size}")
-        try:
-            with open(fd, "rb") as f:
-                # st_size is a hint, not a bound: read at most one byte past the limit.
-                data = f.read(size + 1)
-                if len(data) > size:
-                    data += f.read(max_size + 1 - len(data))
-        except Exception as exc:
-            raise translate_error(exc, where) from None
+        with backend_errors(where), open(fd, "rb") as f:
+            # st_size is a hint, not a bound: read at most one byte past the limit.
+            data = f.read(size + 1)
+            if len(data) > size:
+                data += f.read(max_size + 1 - len(data))
         if len(data) > max_size:
             raise CorruptDataError(f"{where}: over the limit of {max_size} bytes")
         return data
@@ -138,31 +138,27 @@ class LocalStorage(Storage):
     def read_into(self, key: str, buffer: memoryview) -> None:
         fd, size = self._open_regular(key)
         where = self.describe(key)
-        try:
-            with open(fd, "rb", buffering=0) as f:
-                if size != len(buffer):
-                    raise CorruptDataError(f"{where}: {size} bytes, expected {len(buffer)}")
-                view = buffer.cast("B")
-                while view:
-                    n = f.readinto(view)
-                    if not n:
-                        raise CorruptDataError(f"{where}: truncated while reading")
-                    view = view[n:]
-                if f.read(1):
-                    raise CorruptDataError(f"{where}: longer than the {len(buffer)} bytes expected")
-        except Exception as exc:
-            raise translate_error(exc, where) from None
+        with backend_errors(where), open(fd, "rb", buffering=0) as f:
+            if size != len(buffer):
+                raise CorruptDataError(f"{where}: {size} bytes, expected {len(buffer)}")
+            view = buffer.cast("B")
+            while view:
+                n = f.readinto(view)
+                if not n:
+                    raise CorruptDataError(f"{where}: truncated while reading")
+                view = view[n:]
+            if f.read(1):
+                raise CorruptDataError(f"{where}: longer than the {len(buffer)} bytes expected")
 
     def map(self, key: str, size: int) -> mmap.mmap | None:
         if size == 0:
             return None
         fd, actual = self._open_regular(key)
         try:
-            if actual != size:
-                raise CorruptDataError(f"{self.describe(key)}: {actual} bytes, expected {size}")
-            mapping = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
-        except Exception as exc:
-            raise translate_error(exc, self.describe(key)) from None
+            with backend_errors(self.describe(key)):
+                if actual != size:
+                    raise CorruptDataError(f"{self.describe(key)}: {actual} bytes, expected {size}")
+                mapping = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
         finally:
             os.close(fd)
         if hasattr(mapping, "madvise"):
@@ -170,12 +166,11 @@ class LocalStorage(Storage):
         return mapping
 
     def size(self, key: str) -> int | None:
-        try:
-            info = os.stat(self.path(key))
-        except FileNotFoundError:
-            return None
-        except Exception as exc:
-            raise translate_error(exc, self.describe(key)) from None
+        with backend_errors(self.describe(key)):
+            try:
+                info = os.stat(self.path(key))
+            except FileNotFoundError:
+                return None
         if not stat.S_ISREG(info.st_mode):
             raise CorruptDataError(f"{self.describe(key)}: not a regular file ({_file_kind(info.st_mode)})")
         return info.st_size
@@ -184,12 +179,11 @@ class LocalStorage(Storage):
         return os.path.exists(self.path(key))
 
     def list(self, key: str = "") -> list[str]:
-        try:
-            return sorted(os.listdir(self.path(key)))
-        except (FileNotFoundError, NotADirectoryError):
-            return []
-        except Exception as exc:
-            raise translate_error(exc, self.describe(key)) from None
+        with backend_errors(self.describe(key)):
+            try:
+                return sorted(os.listdir(self.path(key)))
+            except (FileNotFoundError, NotADirectoryError):
+                return []
 
     def makedirs(self, key: str) -> None:
         path = self.path(key)
@@ -200,10 +194,8 @@ class LocalStorage(Storage):
         while not os.path.isdir(probe):
             missing.append(probe)
             probe = os.path.dirname(probe)
-        try:
+        with backend_errors(self.describe(key)):
             os.makedirs(path, exist_ok=True)
-        except Exception as exc:
-            raise translate_error(exc, self.describe(key)) from None
         self._known_dirs.add(path)
         self._new_dirs.update(missing)
 
@@ -221,22 +213,15 @@ class LocalStorage(Storage):
         staged = self._staged(key, data)
         tmp = staged.seal()
         try:
-            os.link(tmp, self.path(key))  # atomic, and fails if the key exists
-        except FileExistsError:
-            raise
-        except Exception as exc:
-            raise translate_error(exc, self.describe(key)) from None
+            with backend_errors(self.describe(key), passing=(FileExistsError,)):
+                os.link(tmp, self.path(key))  # atomic, and fails if the key exists
         finally:
             staged.discard()
         self._sync_folders([key])  # the file itself was fsynced before it was linked
 
     def delete(self, key: str) -> None:
-        try:
+        with backend_errors(self.describe(key)), contextlib.suppress(FileNotFoundError):
             os.unlink(self.path(key))
-        except FileNotFoundError:
-            pass
-        except Exception as exc:
-            raise translate_error(exc, self.describe(key)) from None
 
     def delete_many(self, keys: list[str]) -> None:
         for key in keys:
@@ -267,14 +252,12 @@ class LocalStorage(Storage):
         self._fsync_folders(directories)
 
     def _fsync_file(self, key: str) -> None:
-        try:
+        with backend_errors(self.describe(key)):
             fd = os.open(self.path(key), os.O_RDONLY | os.O_CLOEXEC)
             try:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-        except Exception as exc:
-            raise translate_error(exc, self.describe(key)) from None
 
     def make_durable(self, keys: list[str]) -> None:
         """fsync each file, then every folder from its own up to the root: a killed save may have
@@ -298,10 +281,12 @@ class LocalStorage(Storage):
             except FileNotFoundError:
                 continue
             try:
-                os.fsync(fd)
-            except OSError as exc:  # some filesystems cannot fsync directories
-                if exc.errno not in (errno.EINVAL, errno.ENOTSUP):
-                    raise translate_error(exc, directory) from None
+                with backend_errors(directory):
+                    try:
+                        os.fsync(fd)
+                    except OSError as exc:  # some filesystems cannot fsync directories
+                        if exc.errno not in (errno.EINVAL, errno.ENOTSUP):
+                            raise
             finally:
                 os.close(fd)
 

@@ -14,7 +14,8 @@ import random
 import time
 from typing import Any
 
-from ckptfmt.storage.base import Storage, translate_error
+from ckptfmt.storage.base import Storage
+from ckptfmt.storage.errors import backend_errors
 
 
 #: Tries of a conditional create that S3 answers with 409 ConditionalRequestConflict.
@@ -44,16 +45,15 @@ class ObjectStorage(Storage):
         # AWS answers 409 ConditionalRequestConflict when conditional writes to one key
         # overlap, and asks the client to retry; neither botocore nor s3fs does. The
         # retry gets 412 (the other write won: FileExistsError) or succeeds.
-        for attempt in range(_CONFLICT_TRIES):
-            try:
-                self.fs.pipe_file(self.path(key), bytes(data), mode="create")
-                return
-            except FileExistsError:
-                raise
-            except Exception as exc:
-                if attempt + 1 == _CONFLICT_TRIES or not _conditional_conflict(exc):
-                    raise translate_error(exc, self.describe(key)) from None
-            time.sleep(0.05 * 2**attempt * (1 + _JITTER.random()))
+        with backend_errors(self.describe(key), passing=(FileExistsError,)):
+            for attempt in range(_CONFLICT_TRIES):
+                try:
+                    self.fs.pipe_file(self.path(key), bytes(data), mode="create")
+                    return
+                except Exception as exc:
+                    if attempt + 1 == _CONFLICT_TRIES or not _conditional_conflict(exc):
+                        raise
+                time.sleep(0.05 * 2**attempt * (1 + _JITTER.random()))
 
 
 #: botocore client settings for s3:// storages; each key of the caller's
