@@ -9,7 +9,7 @@ DIST_REPO := demo-runs/distributed
 DIST_REPO_B := demo-runs/distributed-reordered
 REPORT := demo-runs/report.html
 
-.PHONY: setup demo test test-exhaustive fuzz bench clean
+.PHONY: setup demo lint test test-quick test-exhaustive fuzz bench clean
 
 setup: $(STAMP)
 
@@ -47,8 +47,17 @@ demo: setup
 	$(BIN)/ckptfmt report $(DIST_REPO) --compare $(DIST_REPO_B) --html $(REPORT) --min-delay 0.1
 	@echo "the run's report: $(abspath $(REPORT))"
 
-test: setup
+# The linter and the type checker, then every test but the exhaustive ones: what .ci/run calls.
+test: lint
 	$(BIN)/python -m pytest -q
+
+# ruff over everything (pyproject.toml says which rules and why).
+lint: setup
+	$(BIN)/ruff check .
+
+# The tests that need no torch.distributed ranks, DeepSpeed, S3 server, browser or long run: a few minutes.
+test-quick: setup
+	$(BIN)/python -m pytest -q -m "not distributed and not deepspeed and not s3 and not browser and not slow and not exhaustive"
 
 # What make test leaves out for time (kill points of single and collective saves, 20 torchrun jobs
 # ending cleanly, the S3 variants of some tests): .ci/run runs it too.
@@ -58,7 +67,7 @@ test-exhaustive: setup
 # The whole fuzzing run (make test runs a 500-case subset): 10,000 mutated manifests, commit records
 # and markers, each read by every reader; prints failures, outcome counts, time and memory per case.
 fuzz: setup
-	$(BIN)/python tests/fuzz_inputs.py --cases 10000 --seed 1
+	$(BIN)/python -m tests.support.fuzz_inputs --cases 10000 --seed 1
 
 bench: setup
 	$(BIN)/python bench/run.py

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import console  # noqa: E402
+from harness import console
 
 PHASES = ("data", "forward", "backward", "optimizer")
 
@@ -70,12 +70,12 @@ def main() -> int:
 
 def simulate(repo_url: str, checkpoints: int, ranks: int, steps: int) -> int:
     """Commit ``checkpoints`` manifests shaped like a ``ranks``-rank collective save with a StepTimer."""
-    from ckptfmt.metadata.environment import capture_environment
     from ckptfmt.format.manifest import Chunk, Manifest, Piece, Shard, TensorEntry
-    from ckptfmt.repository.repository import Repository
+    from ckptfmt.format.values import TensorRef, encode_tree
+    from ckptfmt.metadata.environment import capture_environment
     from ckptfmt.metadata.rng import capture_rng
     from ckptfmt.metadata.step_timer import encode_steps
-    from ckptfmt.format.values import TensorRef, encode_tree
+    from ckptfmt.repository.repository import Repository
     from ckptfmt.saving.core import commit_manifest
 
     repo = Repository.open(repo_url, create=True)
@@ -107,10 +107,18 @@ def simulate(repo_url: str, checkpoints: int, ranks: int, steps: int) -> int:
             })
         step = first + steps
         manifest = Manifest(
-            name=f"step-{step:07d}", step=step, created_ns=now + index, parent=None,
+            name=f"step-{step:07d}",
+            step=step,
+            created_ns=now + index,
+            parent=None,
             chunks=[Chunk(chunk_hash, "none", 4, 4)],
-            tensors=[TensorEntry(key="w", dtype="float32", shape=(1,), shards=(Shard((0,), (1,), 0, (Piece(0, 0, 4),)),))],
-            state=state, user=encode_tree({}), rng=rng, environment=environment,
+            tensors=[
+                TensorEntry(key="w", dtype="float32", shape=(1,), shards=(Shard((0,), (1,), 0, (Piece(0, 0, 4),)),))
+            ],
+            state=state,
+            user=encode_tree({}),
+            rng=rng,
+            environment=environment,
             topology={"world_size": ranks, "writer_ranks": [0], "ranks": [{"rank": r} for r in range(ranks)]},
             timing={"ranks": records, "steps": []},
             stats={"tensor_count": 1, "tensor_bytes": 4, "chunk_count": 1, "stored_bytes": 4, "new_bytes": 4},

@@ -23,11 +23,9 @@ from __future__ import annotations
 import argparse
 import functools
 import sys
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
-
-from rich.table import Table
-from rich.text import Text
+from typing import Any
 
 from competitors import lazy_ckptfmt, load_ckptfmt, save_ckptfmt
 from harness import (
@@ -40,9 +38,11 @@ from harness import (
     files_under,
     fmt_time,
     results_json,
-    state_nbytes,
     run_in_scratch,
+    state_nbytes,
 )
+from rich.table import Table
+from rich.text import Text
 from run import Checkpoint, bench_lazy, bench_load, bench_save
 
 DEFAULT_CHUNKS_MIB = "4,16,64,256"

@@ -16,22 +16,22 @@ benchmark reports that row as an error.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import safetensors.torch as st
 import torch
 import torch.distributed.checkpoint as dcp
+from harness import fsync_path, touch
 from safetensors import safe_open
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-
-from harness import fsync_path, touch
 
 try:
     import ckptfmt as _ckptfmt
 
     _IMPORT_ERROR: Exception | None = None
-except Exception as exc:  # noqa: BLE001 - the library may be mid-edit
+except Exception as exc:
     _ckptfmt, _IMPORT_ERROR = None, exc
 
 # DCP warns on every call that no process group is initialised; single-process is intended.

@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import console, evict, fmt_ratio, fmt_time  # noqa: E402
+from harness import console, evict, fmt_ratio, fmt_time
 
 TENSORS = 20
 COLUMNS = 4096

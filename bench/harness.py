@@ -14,15 +14,16 @@ import os
 import re
 import shutil
 import socket
-import subprocess
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from typing import Any
 
 import torch
 from rich.console import Console
@@ -265,7 +266,7 @@ def round_robin(label: str, competitors: Mapping[str, Callable[[int], float]], r
             gc.collect()
             try:
                 seconds = competitors[name](rep)
-            except Exception as exc:  # noqa: BLE001 - report and carry on
+            except Exception as exc:
                 result.error = describe_error(exc)
                 progress.print(f"{label} | {name}: FAILED {result.error}", markup=False)
                 continue

@@ -31,12 +31,22 @@ import sys
 from pathlib import Path
 
 import torch
+from harness import (
+    GB,
+    MiB,
+    Scratch,
+    build_state,
+    console,
+    evict,
+    fmt_ratio,
+    ratio,
+    round_robin,
+    run_in_scratch,
+    timed,
+)
 
 import ckptfmt
 from ckptfmt.converters import import_checkpoint
-from harness import (
-    GB, MiB, Scratch, build_state, console, evict, fmt_ratio, ratio, round_robin, run_in_scratch, timed,
-)
 
 TARGET_RATIO = 1.2
 MEMORY_HEADROOM = 256 * MiB

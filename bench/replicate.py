@@ -13,16 +13,15 @@ ckptfmt's own overhead, not what a real S3 link would give.
 from __future__ import annotations
 
 import argparse
-import os
 import tempfile
-import time
 import uuid
 
 import torch
+from harness import start_moto
 
 import ckptfmt
 from ckptfmt.lifecycle.replicate import replicate
-from harness import start_moto
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

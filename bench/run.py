@@ -46,15 +46,13 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import safetensors
 import torch
-from rich.markup import escape
-from rich.table import Table
-
 from competitors import (
     LAZY_READERS,
     LOADER_SOURCE,
@@ -82,12 +80,14 @@ from harness import (
     refresh_content,
     results_json,
     round_robin,
+    run_in_scratch,
     state_nbytes,
     timed,
     times_table,
     touch,
-    run_in_scratch,
 )
+from rich.markup import escape
+from rich.table import Table
 
 SAVE_BASELINES = ["torch.save", "safetensors", "DCP"]
 LOAD_BASELINES = ["safetensors", "torch.load(mmap)", "DCP"]

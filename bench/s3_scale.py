@@ -32,8 +32,8 @@ from unittest import mock
 import torch
 
 import ckptfmt
-from ckptfmt.format import layout
 from ckptfmt.cli import main
+from ckptfmt.format import layout
 from ckptfmt.format.hashing import chunk_hash
 from ckptfmt.repository.repository import CommitRecord, Repository
 from ckptfmt.saving.core import resolve_parent

@@ -21,16 +21,16 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import console  # noqa: E402
+from harness import console
 
-import ckptfmt  # noqa: E402
+import ckptfmt
 
 PHASES = ("data", "forward", "backward", "optimizer")
 
 
 def bare(steps: int) -> float:
     start = time.perf_counter()
-    for step in range(steps):
+    for _step in range(steps):
         for _ in PHASES:
             pass
     return time.perf_counter() - start

@@ -22,11 +22,11 @@ import time
 import uuid
 
 import torch
+from harness import build_state, refresh_content, start_moto, state_nbytes
 
 import ckptfmt
 from ckptfmt import CheckpointManager, Retention, Tier
 from ckptfmt.saving import asynchronous, in_flight
-from harness import build_state, refresh_content, start_moto, state_nbytes
 
 
 def compute(seconds: float, a: torch.Tensor) -> None:

@@ -12,9 +12,9 @@ pulls in neither.
 """
 
 import importlib
-from importlib.metadata import PackageNotFoundError, version as _installed_version
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as _installed_version
 
-from ckptfmt.saving.asynchronous import async_save
 from ckptfmt.errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -29,17 +29,18 @@ from ckptfmt.errors import (
     UnsupportedVersionError,
 )
 from ckptfmt.format.manifest import FORMAT_VERSION
-from ckptfmt.lifecycle.manager import CheckpointManager, Tier
 from ckptfmt.format.per_rank import PerRank, PerRankValues
-from ckptfmt.loading.reader import CheckpointReader, load, open, restore_rng
-from ckptfmt.lifecycle.replicate import ReplicationReport, replicate
-from ckptfmt.repository.repository import Repository
-from ckptfmt.lifecycle.retention import Retention
 from ckptfmt.format.sharded import Shard, Sharded
-from ckptfmt.metadata.step_timer import StepTimer
 from ckptfmt.format.values import OpaqueObject
-from ckptfmt.tools.verify import VerifyReport, verify
+from ckptfmt.lifecycle.manager import CheckpointManager, Tier
+from ckptfmt.lifecycle.replicate import ReplicationReport, replicate
+from ckptfmt.lifecycle.retention import Retention
+from ckptfmt.loading.reader import CheckpointReader, load, open, restore_rng
+from ckptfmt.metadata.step_timer import StepTimer
+from ckptfmt.repository.repository import Repository
+from ckptfmt.saving.asynchronous import async_save
 from ckptfmt.saving.save import save
+from ckptfmt.tools.verify import VerifyReport, verify
 
 try:
     __version__ = _installed_version("ckptfmt")

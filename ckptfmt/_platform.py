@@ -17,7 +17,7 @@ import ctypes
 import signal
 import sys
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 #: Whether this platform kills a child when its parent dies (``die_with_parent`` works).
 PARENT_DEATH_SIGNAL = sys.platform.startswith("linux")

@@ -38,9 +38,6 @@ from typing import Any
 import torch
 
 import ckptfmt
-from ckptfmt.errors import CheckpointError, CheckpointNotFoundError
-from ckptfmt.format.values import format_key
-
 from ckptfmt.converters.importer import Imported, note_opaque_and_step
 from ckptfmt.converters.pickles import (
     MAX_PICKLE_BYTES,
@@ -51,6 +48,8 @@ from ckptfmt.converters.pickles import (
     to_value_tree,
 )
 from ckptfmt.converters.torch_format import load_object
+from ckptfmt.errors import CheckpointError, CheckpointNotFoundError
+from ckptfmt.format.values import format_key
 
 METADATA_NAME = ".metadata"
 SUFFIX = ".distcp"

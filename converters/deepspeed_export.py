@@ -36,10 +36,6 @@ from typing import Any
 import torch
 
 import ckptfmt
-from ckptfmt.format.dtypes import dtype_from_name
-from ckptfmt.errors import CheckpointError
-from ckptfmt.format.values import OpaqueObject, decode_tree
-
 from ckptfmt.converters.export_files import (
     DEFAULT_SHARD_SIZE,
     ExportResult,
@@ -48,6 +44,9 @@ from ckptfmt.converters.export_files import (
     write_atomically,
 )
 from ckptfmt.converters.safetensors_format import OutTensor, write_file
+from ckptfmt.errors import CheckpointError
+from ckptfmt.format.dtypes import dtype_from_name
+from ckptfmt.format.values import OpaqueObject, decode_tree
 
 #: The DeepSpeed version whose save layout this module writes, when the source names none.
 LAYOUT_VERSION = "0.19.8"

@@ -41,12 +41,11 @@ import os
 import re
 from typing import Any
 
-from ckptfmt.errors import CheckpointError, CheckpointNotFoundError
-
 from ckptfmt.converters import torch_format
 from ckptfmt.converters.deepspeed_tp import TpMerge
 from ckptfmt.converters.deepspeed_zero import Rebuild
 from ckptfmt.converters.importer import Imported
+from ckptfmt.errors import CheckpointError, CheckpointNotFoundError
 
 LATEST = "latest"
 _MODEL = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")

@@ -21,11 +21,10 @@ from typing import Any
 
 import torch
 
+from ckptfmt.converters.pickles import Node, PickleError, restricted_loads
 from ckptfmt.errors import CheckpointError
 from ckptfmt.format.sharded import Shard, Sharded
 from ckptfmt.format.values import OpaqueObject
-
-from ckptfmt.converters.pickles import Node, PickleError, restricted_loads
 
 #: Keys of a ZeRO optimizer state dict that are per-rank layout, not state (rebuilt or dropped).
 _LAYOUT_KEYS = {"base_optimizer_state", "optimizer_state_dict", "single_partition_of_fp32_groups",
@@ -282,7 +281,7 @@ class Rebuild:
     def _finish(self, stage: int) -> None:
         if stage != 3:
             align = 2 * self.dp
-            for g, (spans, end) in enumerate(self.layout):
+            for g, (_spans, end) in enumerate(self.layout):
                 if align * math.ceil(end / align) != align * math.ceil(self.offsets[g] / align):
                     raise CheckpointError(f"{self.folder}: group {g}: the parameters need {end} elements, the "
                                           f"partitions hold {self.offsets[g]}: param_shapes do not match")
@@ -297,7 +296,7 @@ class Rebuild:
                 self.fp32[name] = self._value("", name, self._frozen_shapes[name])
         else:
             fragments = self.model.get("frozen_param_fragments") or {}
-            for name, shape, _ in self.frozen:
+            for name, _shape, _ in self.frozen:
                 if name not in fragments:
                     raise CheckpointError(f"{self.main}: no frozen fragment of {name!r}")
                 self.fp32[name] = _tensor(fragments[name], f"{self.main}: frozen_param_fragments")

@@ -94,7 +94,9 @@ def safetensors_shards(folder: str, tensors: list, metadata: dict, limit: int, n
         os.makedirs(folder, exist_ok=True)
     except OSError as exc:
         raise CheckpointError(f"{folder}: cannot create the output folder: {exc}") from exc
-    stale = sorted(n for n in os.listdir(folder) if re.fullmatch(r"model-\d+-of-\d+\.safetensors", n) and n not in names)
+    stale = sorted(
+        n for n in os.listdir(folder) if re.fullmatch(r"model-\d+-of-\d+\.safetensors", n) and n not in names
+    )
     if stale:
         notes.append(f"{folder}: older shard file(s) not in the new index are left as they were: {', '.join(stale)}")
     temps = [os.path.join(folder, f".{name}.tmp-{os.getpid()}") for name in names]

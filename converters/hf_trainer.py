@@ -33,11 +33,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from ckptfmt.errors import CheckpointError, CheckpointNotFoundError, ManifestError
-from ckptfmt.format.values import format_key
-
 from ckptfmt.converters import safetensors_format, torch_format
 from ckptfmt.converters.importer import Imported
+from ckptfmt.errors import CheckpointError, CheckpointNotFoundError, ManifestError
+from ckptfmt.format.values import format_key
 
 TRAINER_STATE = "trainer_state.json"
 TRAINING_ARGS = "training_args.bin"
@@ -97,7 +96,9 @@ def read(path: str) -> Imported:
     """Read a Trainer checkpoint folder (raises CheckpointError naming the file at fault)."""
     folder = _folder(path)
     if not os.path.isdir(folder):
-        raise CheckpointNotFoundError(f"{folder}: not a folder (a Hugging Face Trainer checkpoint is a checkpoint-N folder)")
+        raise CheckpointNotFoundError(
+            f"{folder}: not a folder (a Hugging Face Trainer checkpoint is a checkpoint-N folder)"
+        )
     names = set(os.listdir(folder))
     notes: list[str] = []
     opaque: list[str] = []

@@ -18,17 +18,18 @@ import importlib
 import inspect
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
 import ckptfmt
 from ckptfmt.errors import CheckpointError, CheckpointNotFoundError
-from ckptfmt.repository.repository import split_checkpoint_url
 from ckptfmt.metadata.timing import PhaseTimer
+from ckptfmt.repository.repository import split_checkpoint_url
 
 
 class PendingCheck(Protocol):

@@ -15,10 +15,9 @@ from __future__ import annotations
 import os
 import zipfile
 
-from ckptfmt.errors import CheckpointError
-
 from ckptfmt.converters import torch_format
 from ckptfmt.converters.importer import Imported
+from ckptfmt.errors import CheckpointError
 
 VERSION_KEY = "pytorch-lightning_version"
 #: How much of a legacy-format file detect() scans for the keys (the main pickle comes first).

@@ -53,7 +53,8 @@ import pickle
 import re
 import struct
 from collections import OrderedDict
-from typing import Any, Callable, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -272,7 +273,11 @@ def _size(u, dims=()):
 
 
 def _device(u, *args):
-    if not 1 <= len(args) <= 2 or type(args[0]) is not str or (len(args) == 2 and type(args[1]) not in (int, type(None))):
+    if (
+        not 1 <= len(args) <= 2
+        or type(args[0]) is not str
+        or (len(args) == 2 and type(args[1]) not in (int, type(None)))
+    ):
         raise PickleError("malformed torch.device arguments")
     return torch.device(*args)
 
@@ -300,7 +305,11 @@ def _complex(u, real=0.0, imag=0.0):
 def _bytes(u, *args):
     if not args:
         return b""
-    if len(args) == 1 and type(args[0]) in (bytes, list) and all(type(b) is int for b in (args[0] if type(args[0]) is list else [])):
+    if (
+        len(args) == 1
+        and type(args[0]) in (bytes, list)
+        and all(type(b) is int for b in (args[0] if type(args[0]) is list else []))
+    ):
         return bytes(args[0])
     raise PickleError("malformed bytes() arguments")
 
@@ -358,7 +367,7 @@ def _rebuild_from_type_v2(u, func, new_type, args, state):
     return Node(u.placeholder("torch._tensor", "_rebuild_from_type_v2"), "reduce", (func, new_type, args, state))
 
 
-def attributed_tensor(node: "Node") -> tuple[PendingTensor, list[str]] | None:
+def attributed_tensor(node: Node) -> tuple[PendingTensor, list[str]] | None:
     """The plain tensor under one pickled with Python attributes, and their names; None for other nodes.
 
     ``torch.save`` keeps a tensor's ``__dict__`` (DeepSpeed sets ``ds_id``, ``ds_shape``, ...)
@@ -549,7 +558,9 @@ class RestrictedUnpickler(pickle._Unpickler):
                 raise PickleError(f"{func.module}.{func.qualname}: bad arguments ({exc})") from None
         if func is self.TENSOR_TYPE or func is self.PARAMETER_TYPE:
             name = "Tensor" if func is self.TENSOR_TYPE else "Parameter"
-            return Node(self.placeholder("torch" if name == "Tensor" else "torch.nn.parameter", name), kind, args, kwargs)
+            return Node(
+                self.placeholder("torch" if name == "Tensor" else "torch.nn.parameter", name), kind, args, kwargs
+            )
         raise PickleError(f"pickle calls a {type(func).__name__}, which is not allowed")
 
     def load_reduce(self):
@@ -684,9 +695,7 @@ class _OpaquePickler(pickle._Pickler):
     """Writes nodes and placeholders back as the globals, calls and states they came from."""
 
     def save(self, obj, save_persistent_id=True):
-        if isinstance(obj, Global):
-            self._save_global(obj.module, obj.qualname, obj)
-        elif isinstance(obj, Builder):
+        if isinstance(obj, (Global, Builder)):
             self._save_global(obj.module, obj.qualname, obj)
         elif isinstance(obj, Node):
             self._save_node(obj)
@@ -784,7 +793,13 @@ def _lift_dtype(value: Any) -> np.dtype | None:
         return None
     for op in value.ops:
         state = op[1]
-        if op[0] != "build" or type(state) is not tuple or len(state) < 5 or state[3] is not None or state[4] is not None:
+        if (
+            op[0] != "build"
+            or type(state) is not tuple
+            or len(state) < 5
+            or state[3] is not None
+            or state[4] is not None
+        ):
             return None
         order = state[1]
         if order == b">" or order == ">":
@@ -918,6 +933,18 @@ def to_value_tree(obj: Any, where: str = "pickle", notes: set | None = None, *,
 
 
 __all__ = [
-    "Global", "MAX_PICKLE_BYTES", "Node", "PendingTensor", "PickleError", "RestrictedUnpickler",
-    "BudgetReader", "Storage", "StorageType", "TorchFileReader", "attributed_tensor", "opaque_pickle", "restricted_loads", "to_value_tree",
+    "Global",
+    "MAX_PICKLE_BYTES",
+    "Node",
+    "PendingTensor",
+    "PickleError",
+    "RestrictedUnpickler",
+    "BudgetReader",
+    "Storage",
+    "StorageType",
+    "TorchFileReader",
+    "attributed_tensor",
+    "opaque_pickle",
+    "restricted_loads",
+    "to_value_tree",
 ]

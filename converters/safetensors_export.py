@@ -36,7 +36,9 @@ def to_safetensors(reader: ckptfmt.CheckpointReader, dest: str, *, max_shard_siz
             notes.append(f"{key} is the same tensor as {reader.manifest.tensors[entry.same_as].key}; stored again")
         dtype = dtype_from_name(entry.dtype)
         if dtype not in TORCH_TO_SAFETENSORS:
-            raise CheckpointError(f"{reader.url}: tensor {key!r} has dtype {entry.dtype}, which safetensors cannot hold")
+            raise CheckpointError(
+                f"{reader.url}: tensor {key!r} has dtype {entry.dtype}, which safetensors cannot hold"
+            )
         tensors.append(OutTensor(name, dtype, tuple(entry.shape), lambda key=key: reader.get_tensor(key)))
     if prefix is not None:
         if not tensors:
@@ -48,7 +50,9 @@ def to_safetensors(reader: ckptfmt.CheckpointReader, dest: str, *, max_shard_siz
         metadata["ckptfmt.step"] = str(reader.manifest.step)
     if prefix is not None:
         metadata["ckptfmt.prefix"] = prefix
-    notes.append("safetensors holds tensors only: the state's plain values (counters, hyper-parameters) are not exported")
+    notes.append(
+        "safetensors holds tensors only: the state's plain values (counters, hyper-parameters) are not exported"
+    )
 
     if max_shard_size is None and not (os.path.isdir(dest) or dest.endswith(("/", os.sep))):
         write_atomically(dest, lambda tmp: write_file(tmp, tensors, metadata))

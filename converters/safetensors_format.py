@@ -24,14 +24,13 @@ from typing import Any
 
 import torch
 
+from ckptfmt.converters.importer import Imported
 from ckptfmt.errors import (
     CheckpointError,
     CheckpointNotFoundError,
     CorruptDataError,
     ManifestError,
 )
-
-from ckptfmt.converters.importer import Imported
 
 INDEX_NAME = "model.safetensors.index.json"
 SUFFIX = ".safetensors"
@@ -92,12 +91,18 @@ def read_header(path: str) -> Header:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
             if size < 8:
-                raise CorruptDataError(f"{path}: truncated safetensors file ({size} bytes; the header length alone takes 8)")
+                raise CorruptDataError(
+                    f"{path}: truncated safetensors file ({size} bytes; the header length alone takes 8)"
+                )
             (n,) = struct.unpack("<Q", f.read(8))
             if n > MAX_HEADER:
-                raise CorruptDataError(f"{path}: header length {n} is absurd (over {MAX_HEADER} bytes): not a safetensors file?")
+                raise CorruptDataError(
+                    f"{path}: header length {n} is absurd (over {MAX_HEADER} bytes): not a safetensors file?"
+                )
             if 8 + n > size:
-                raise CorruptDataError(f"{path}: header length {n} runs past the end of the file ({size} bytes): truncated?")
+                raise CorruptDataError(
+                    f"{path}: header length {n} runs past the end of the file ({size} bytes): truncated?"
+                )
             raw = f.read(n)
     except FileNotFoundError:
         raise CheckpointNotFoundError(f"{path}: no such safetensors file") from None
@@ -259,7 +264,9 @@ def _read_index(index_path: str) -> tuple[dict[str, str], dict]:
     except OSError as exc:
         raise CheckpointError(f"{index_path}: cannot read: {exc}") from exc
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
-    if not (isinstance(weight_map, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items())):
+    if not (
+        isinstance(weight_map, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items())
+    ):
         raise ManifestError(f"{index_path}: index has no weight_map of tensor name -> shard file")
     normalized = {}
     for name, shard in weight_map.items():
@@ -299,11 +306,15 @@ def read(path: str) -> Imported:
             present = {s.name for s in header.tensors}
             for name in by_shard[shard]:
                 if name not in present:
-                    raise CorruptDataError(f"{header.path}: tensor {name!r}, listed in {index_path}, is not in this shard")
+                    raise CorruptDataError(
+                        f"{header.path}: tensor {name!r}, listed in {index_path}, is not in this shard"
+                    )
         metadata["safetensors_index"] = os.path.basename(index_path)
         metadata["safetensors_index_metadata"] = {str(k): v for k, v in index_meta.items()}
         total = index_meta.get("total_size")
-        listed_bytes = sum(s.end - s.begin for h in headers for s in h.tensors if weight_map.get(s.name) == _rel(folder, h.path))
+        listed_bytes = sum(
+            s.end - s.begin for h in headers for s in h.tensors if weight_map.get(s.name) == _rel(folder, h.path)
+        )
         if isinstance(total, int) and total != listed_bytes:
             notes.append(f"{index_path}: metadata total_size is {total}, the listed tensors hold {listed_bytes} bytes")
     else:
@@ -322,7 +333,8 @@ def read(path: str) -> Imported:
         for name, tensor in map_tensors(header).items():
             if weight_map is not None and weight_map.get(name) != _rel(folder, header.path):
                 if name in weight_map:
-                    notes.append(f"{header.path}: tensor {name!r} is also in this shard; the index's copy in {weight_map[name]} is used")
+                    notes.append(f"{header.path}: tensor {name!r} is also in this shard; "
+                                 f"the index's copy in {weight_map[name]} is used")
                     continue
                 notes.append(f"{header.path}: tensor {name!r} is not in the index; imported anyway")
             if name in state:
@@ -341,7 +353,9 @@ def read(path: str) -> Imported:
     if len(distinct) <= 1:
         metadata["safetensors_metadata"] = dict(distinct[0]) if distinct else {}
     else:
-        metadata["safetensors_metadata"] = {k: v for k, v in distinct[0].items() if all(m.get(k) == v for m in distinct)}
+        metadata["safetensors_metadata"] = {
+            k: v for k, v in distinct[0].items() if all(m.get(k) == v for m in distinct)
+        }
         metadata["safetensors_shard_metadata"] = {os.path.basename(h.path): dict(h.metadata or {}) for h in headers}
         notes.append("the shards' __metadata__ differ: each is kept under safetensors_shard_metadata")
     metadata["safetensors_files"] = [os.path.basename(h.path) for h in headers]

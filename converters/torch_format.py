@@ -33,8 +33,6 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from ckptfmt.errors import CheckpointError
-
 from ckptfmt.converters.importer import Imported, note_opaque_and_step
 from ckptfmt.converters.pickles import (
     MAX_PICKLE_BYTES,
@@ -45,6 +43,7 @@ from ckptfmt.converters.pickles import (
     StorageType,
     to_value_tree,
 )
+from ckptfmt.errors import CheckpointError
 
 LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
 LEGACY_PROTOCOL = 1001

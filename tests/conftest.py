@@ -8,9 +8,13 @@ from __future__ import annotations
 
 import logging
 import uuid
+from pathlib import Path
 
 import fsspec
 import pytest
+
+from tests.support import markers
+from tests.support.helpers import make_root
 
 AWS_ENV = {
     "AWS_ACCESS_KEY_ID": "testing",
@@ -36,6 +40,7 @@ def s3_server():
     """
     from moto.server import ThreadedMotoServer
 
+    markers.require("s3")
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one log line per request otherwise
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
@@ -68,6 +73,7 @@ def s3_client(s3_server):
 @pytest.fixture
 def s3_bucket(s3_server, s3_client):
     """A fresh, uniquely named bucket for this test; yields its s3:// URL."""
+    markers.require("s3")
     name = f"ckpt-{uuid.uuid4().hex[:20]}"
     s3_client.create_bucket(Bucket=name)
     # The S3FileSystem instance is shared across tests (creating one costs ~0.5 s); the
@@ -95,17 +101,6 @@ def memory_root():
 BACKENDS = ["local", "memory", "s3"]
 
 
-def make_root(kind: str, request, tmp_path) -> str:
-    """A fresh, empty folder URL on backend ``kind``."""
-    if kind == "local":
-        return str(tmp_path / "store")
-    if kind == "memory":
-        return request.getfixturevalue("memory_root")
-    if kind == "s3":
-        return request.getfixturevalue("s3_bucket") + "/store"
-    raise AssertionError(kind)
-
-
 @pytest.fixture(params=BACKENDS)
 def backend(request) -> str:
     return request.param
@@ -125,11 +120,11 @@ def repo_url(root_url) -> str:
 
 @pytest.fixture
 def make_s3_proxy(s3_server):
-    """A factory of fault-injecting proxies (tests/s3_fault_proxy.py) in front of the moto server.
+    """A factory of fault-injecting proxies (tests/support/s3_fault_proxy.py) in front of the moto server.
 
     Each call starts one on a free port with faults off; all are stopped after the test.
     """
-    from s3_fault_proxy import FaultProxy
+    from tests.support.s3_fault_proxy import FaultProxy
 
     proxies = []
 
@@ -151,8 +146,40 @@ def s3_proxy(make_s3_proxy):
 
 @pytest.fixture(scope="session")
 def ddp_runs(tmp_path_factory):
-    """Real gloo DDP runs with injected stragglers (tests/ddp_runs.py), each trained once per session, on
+    """Real gloo DDP runs with injected stragglers (tests/support/ddp_runs.py), each trained once per session, on
     first use, and shared by the modules that read them: ``ddp_runs["four"]`` is a repository URL."""
-    from ddp_runs import DdpRuns
+    from tests.support.ddp_runs import DdpRuns
 
     return DdpRuns(tmp_path_factory.mktemp("ddp-runs"))
+
+
+# -- markers: what each test needs (tests/support/markers.py) ------------------------------------
+TESTS = Path(__file__).resolve().parent
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Markers that follow from where a test lives and what it uses: every test of tests/distributed/
+    starts ranks, the S3 fixtures and an s3 backend parameter need the server, the shared DDP runs train
+    on ranks. Other tests carry their markers themselves; tests/support/markers.py checks them all."""
+    for item in items:
+        fixtures = set(getattr(item, "fixturenames", ()))
+        callspec = getattr(item, "callspec", None)
+        if item.path.is_relative_to(TESTS / "distributed") or "ddp_runs" in fixtures:
+            item.add_marker(pytest.mark.distributed)
+        if "s3_server" in fixtures or (callspec is not None and any(_names_s3(v) for v in callspec.params.values())):
+            item.add_marker(pytest.mark.s3)
+
+
+def _names_s3(parameter: object) -> bool:
+    """Whether a test parameter picks the S3 backend (``"s3"``, or a pair of backends with it)."""
+    return parameter == "s3" or (isinstance(parameter, tuple) and "s3" in parameter)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    markers.set_current(item)  # before any fixture: a session fixture set up for this test is this test's need
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item: pytest.Item) -> None:
+    markers.set_current(None)

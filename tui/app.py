@@ -7,6 +7,8 @@ checkpoint or diff screen over itself; where that fails it shows why.
 
 from __future__ import annotations
 
+import sys
+
 from textual import work
 from textual.app import App, ComposeResult
 from textual.binding import Binding
@@ -117,7 +119,7 @@ def main(targets: list[str], storage_options: dict | None = None, compare_with: 
     try:
         app = create_app(targets, storage_options, compare_with, min_delay)
     except ValueError as exc:
-        print(f"ckptfmt tui: {exc}")
+        print(f"ckptfmt tui: error: {exc}", file=sys.stderr)  # noqa: T201 - before the app runs: one line
         return 2
     app.run()
     return app.return_code or 0

@@ -36,14 +36,14 @@ from typing import Any
 import blake3
 import torch
 
-from ckptfmt.tools.diff import plain_leaves, plain_values, same_value, value_difference
+from ckptfmt.analytics.tables import flatten_fields
 from ckptfmt.errors import quoted
 from ckptfmt.format.manifest import Manifest
-from ckptfmt.loading.reader import CheckpointReader
-from ckptfmt.repository.repository import CommitRecord, Repository
-from ckptfmt.metadata.step_timer import decode_steps
 from ckptfmt.format.values import decode_tree
-from ckptfmt.analytics.tables import flatten_fields
+from ckptfmt.loading.reader import CheckpointReader
+from ckptfmt.metadata.step_timer import decode_steps
+from ckptfmt.repository.repository import CommitRecord, Repository
+from ckptfmt.tools.diff import plain_leaves, plain_values, same_value, value_difference
 
 #: Environment fields by kind of difference (dotted prefixes of spec 9.2's record).
 _ENVIRONMENT_KINDS = (

@@ -25,15 +25,15 @@ from typing import Any
 import matplotlib
 
 matplotlib.use("Agg")  # no display: figures are files
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-from matplotlib.ticker import MaxNLocator  # noqa: E402
-import pyarrow as pa  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
+import pyarrow as pa
+from matplotlib.ticker import MaxNLocator
 
-from ckptfmt.analytics.compare import compare  # noqa: E402
-from ckptfmt.analytics.grids import StepGrid, slowest_save_phases  # noqa: E402
-from ckptfmt.analytics.stragglers import Thresholds, episode_ranges, step_delays, stragglers  # noqa: E402
-from ckptfmt.analytics.tables import tables  # noqa: E402
+from ckptfmt.analytics.compare import compare
+from ckptfmt.analytics.grids import StepGrid, slowest_save_phases
+from ckptfmt.analytics.stragglers import Thresholds, episode_ranges, step_delays, stragglers
+from ckptfmt.analytics.tables import tables
 
 
 @dataclass

@@ -47,8 +47,8 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 import numpy as np
 import pyarrow as pa
@@ -221,8 +221,10 @@ def _episode(delays: Delays, column: int, rows: np.ndarray) -> dict:
 
 def episode_ranges(episodes: list[dict]) -> str:
     """A straggler's episodes as text: ``4-7, 12``."""
-    return ", ".join(str(e["first_step"]) if e["first_step"] == e["last_step"] else f"{e['first_step']}-{e['last_step']}"
-                     for e in episodes)
+    return ", ".join(
+        str(e["first_step"]) if e["first_step"] == e["last_step"] else f"{e['first_step']}-{e['last_step']}"
+        for e in episodes
+    )
 
 
 def _finite(value: float) -> float | None:

@@ -13,9 +13,10 @@ import bisect
 import itertools
 import json
 import os
+from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -25,8 +26,8 @@ import pyarrow.parquet as pq
 
 from ckptfmt.errors import ManifestError, quoted
 from ckptfmt.format.manifest import Manifest
-from ckptfmt.repository.repository import CommitRecord, Repository
 from ckptfmt.metadata.step_timer import decode_steps
+from ckptfmt.repository.repository import CommitRecord, Repository
 
 TABLE_NAMES = ("checkpoints", "saves", "steps", "tensors", "environment")
 #: Manifests read at once from remote stores (and so the most held in memory before they are added).

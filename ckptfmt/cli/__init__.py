@@ -21,10 +21,10 @@ from importlib.metadata import EntryPoint, entry_points
 from rich.console import Console
 
 from ckptfmt import __version__
+from ckptfmt.cli import advise, commands, lifecycle, sync
 from ckptfmt.errors import CheckpointError, CheckpointWarning
 from ckptfmt.format.manifest import FORMAT_VERSION
 from ckptfmt.tools.output import Output
-from ckptfmt.cli import advise, commands, lifecycle, sync
 
 #: The entry point group of commands that live outside the core.
 COMMANDS_GROUP = "ckptfmt.commands"
@@ -128,7 +128,8 @@ def _register(plugin: EntryPoint, sub: argparse._SubParsersAction) -> None:
         register = plugin.load()
         register(sub)
     except Exception as exc:  # a broken or partial install must not take ls/show/verify down with it
-        print(f"ckptfmt: warning: commands from {plugin.value} are unavailable: {exc}", file=sys.stderr)
+        # The parser is built before the command's Output exists: a plain line on stderr.
+        print(f"ckptfmt: warning: commands from {plugin.value} are unavailable: {exc}", file=sys.stderr)  # noqa: T201
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,16 +10,16 @@ from typing import Any
 from rich.console import Console
 from rich.text import Text
 
+from ckptfmt.cli.render import ByteProgress
+from ckptfmt.errors import CheckpointError, CheckpointWarning, quoted
+from ckptfmt.loading.reader import open as open_checkpoint
+from ckptfmt.repository.repository import Repository
 from ckptfmt.tools import describe
 from ckptfmt.tools import diff as diff_module
 from ckptfmt.tools.describe import text
-from ckptfmt.errors import CheckpointError, CheckpointWarning, quoted
 from ckptfmt.tools.formatting import counted, human_bytes, human_time, number, seconds, shape_text, short
 from ckptfmt.tools.output import KEY, NAME, TEXT, Column, Output
-from ckptfmt.loading.reader import open as open_checkpoint
-from ckptfmt.repository.repository import Repository
 from ckptfmt.tools.verify import verify as verify_url
-from ckptfmt.cli.render import ByteProgress
 
 
 def ls(args, console: Console) -> int:

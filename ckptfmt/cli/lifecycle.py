@@ -7,12 +7,12 @@ from datetime import timedelta
 
 from rich.console import Console
 
-from ckptfmt.errors import CheckpointError
-from ckptfmt.tools.formatting import human_bytes
-from ckptfmt.lifecycle.gc import GcReport, collect, remove
-from ckptfmt.repository.repository import Repository, split_checkpoint_url
-from ckptfmt.lifecycle.retention import Retention, metrics_reader
 from ckptfmt.cli.advise import parse_duration
+from ckptfmt.errors import CheckpointError
+from ckptfmt.lifecycle.gc import GcReport, collect, remove
+from ckptfmt.lifecycle.retention import Retention, metrics_reader
+from ckptfmt.repository.repository import Repository, split_checkpoint_url
+from ckptfmt.tools.formatting import human_bytes
 from ckptfmt.tools.output import Output
 
 

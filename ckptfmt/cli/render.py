@@ -24,7 +24,7 @@ class ByteProgress(Callback):
     def call(self, *args, **kwargs):
         self.bar.update(self.task, total=self.size, completed=self.value)
 
-    def __enter__(self) -> "ByteProgress":
+    def __enter__(self) -> ByteProgress:
         self.bar.__enter__()
         return self
 

@@ -7,10 +7,10 @@ import dataclasses
 
 from rich.console import Console
 
-from ckptfmt.tools.formatting import human_bytes
-from ckptfmt.lifecycle.replicate import replicate
-from ckptfmt.tools.output import Output
 from ckptfmt.cli.render import ByteProgress
+from ckptfmt.lifecycle.replicate import replicate
+from ckptfmt.tools.formatting import human_bytes
+from ckptfmt.tools.output import Output
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

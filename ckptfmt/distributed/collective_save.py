@@ -38,7 +38,13 @@ from ckptfmt.repository.leases import Lease
 from ckptfmt.repository.repository import Repository, split_checkpoint_url
 from ckptfmt.saving.chunk_writer import ChunkTable, store_sources
 from ckptfmt.saving.core import (
-    Captured, TensorCollector, commit_manifest, manifest_for, open_for_save, rank_record, refuse_taken_name,
+    Captured,
+    TensorCollector,
+    commit_manifest,
+    manifest_for,
+    open_for_save,
+    rank_record,
+    refuse_taken_name,
     resolve_parent,
 )
 from ckptfmt.saving.hashcache import DEFAULT_CACHE
@@ -129,7 +135,7 @@ def _attempt(run) -> tuple[Any, Failure | None]:
         return run(), None
     except CollectiveError:
         raise
-    except Exception as exc:  # noqa: BLE001 - every rank must learn of it, then it is raised
+    except Exception as exc:
         text = str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
         return None, (" ".join(text.split())[:2000], exc)
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import io
 import os
-import time
 from typing import Any
 
 import torch
@@ -31,8 +30,8 @@ from torch.distributed.checkpoint import storage as dcp_storage
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict, unflatten_state_dict
 from torch.futures import Future
 
-from ckptfmt.format.dtensors import meshes_of
 from ckptfmt.errors import CheckpointError, UnsupportedValueError
+from ckptfmt.format.dtensors import meshes_of
 from ckptfmt.format.dtypes import dtype_from_name, dtype_name
 from ckptfmt.format.manifest import Chunk, Piece, Shard, TensorEntry
 from ckptfmt.format.tensors import prepare
@@ -44,7 +43,12 @@ from ckptfmt.repository.leases import Lease
 from ckptfmt.repository.repository import Repository, split_checkpoint_url
 from ckptfmt.saving.chunk_writer import ChunkTable, store_sources
 from ckptfmt.saving.core import (
-    Captured, commit_manifest, manifest_for, open_for_save, rank_record, refuse_taken_name,
+    Captured,
+    commit_manifest,
+    manifest_for,
+    open_for_save,
+    rank_record,
+    refuse_taken_name,
 )
 from ckptfmt.saving.hashcache import DEFAULT_CACHE
 from ckptfmt.saving.options import DEFAULT_WORKERS, SaveOptions

@@ -45,7 +45,7 @@ class CommitRecord:
         return json.dumps(self.to_dict(), indent=1).encode()
 
     @classmethod
-    def from_bytes(cls, data: bytes, where: str) -> "CommitRecord":
+    def from_bytes(cls, data: bytes, where: str) -> CommitRecord:
         try:
             doc = json.loads(data, object_pairs_hook=unique_map)
         except CheckpointError as exc:  # a duplicate key
@@ -55,7 +55,7 @@ class CommitRecord:
         return cls.from_dict(doc, where)
 
     @classmethod
-    def from_dict(cls, doc: object, where: str) -> "CommitRecord":
+    def from_dict(cls, doc: object, where: str) -> CommitRecord:
         """The record in a parsed JSON object, every field checked (spec 10.1)."""
         try:
             if not isinstance(doc, dict) or doc.get("format") != COMMIT_FORMAT:

@@ -18,12 +18,23 @@ from typing import Any, NamedTuple
 
 import msgpack
 
+from ckptfmt.errors import CheckpointError, ManifestError, UnsupportedVersionError, quoted
 from ckptfmt.format.codecs import NONE, check_codec
 from ckptfmt.format.dtypes import itemsize
-from ckptfmt.errors import CheckpointError, ManifestError, UnsupportedVersionError, quoted
 from ckptfmt.format.limits import (
-    MAX_CHUNK_BYTES, MAX_CHUNKS, MAX_DIMS, MAX_KEY_BYTES, MAX_MANIFEST_BYTES, MAX_METADATA_NESTING, MAX_PIECES, MAX_SHARDS,
-    MAX_SHARDS_PER_TENSOR, MAX_TENSOR_BYTES, MAX_TENSORS, check_hash, check_name,
+    MAX_CHUNK_BYTES,
+    MAX_CHUNKS,
+    MAX_DIMS,
+    MAX_KEY_BYTES,
+    MAX_MANIFEST_BYTES,
+    MAX_METADATA_NESTING,
+    MAX_PIECES,
+    MAX_SHARDS,
+    MAX_SHARDS_PER_TENSOR,
+    MAX_TENSOR_BYTES,
+    MAX_TENSORS,
+    check_hash,
+    check_name,
 )
 from ckptfmt.format.tiling import check_tiling
 from ckptfmt.format.values import unique_map
@@ -136,7 +147,7 @@ class Manifest:
         return msgpack.packb(self.to_dict(), use_bin_type=True)
 
     @classmethod
-    def from_bytes(cls, data: bytes, where: str, *, skip: frozenset[str] = frozenset()) -> "Manifest":
+    def from_bytes(cls, data: bytes, where: str, *, skip: frozenset[str] = frozenset()) -> Manifest:
         """Parse and validate a manifest; every problem raises ManifestError naming ``where``.
 
         ``skip``: optional top-level fields the caller does not need, passed over

@@ -50,6 +50,6 @@ class LocalShard:
     kind: str = "tensor"
     requires_grad: bool = False
 
-    def with_tensor(self, tensor: torch.Tensor) -> "LocalShard":
+    def with_tensor(self, tensor: torch.Tensor) -> LocalShard:
         """The same box holding other data (a staged copy)."""
         return LocalShard(tensor, self.offsets, self.global_shape, self.mesh, self.kind, self.requires_grad)

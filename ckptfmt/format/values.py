@@ -27,19 +27,19 @@ Anything else is refused at save time with the path of the offending value.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import msgpack
 import numpy as np
 import torch
 
-from ckptfmt.format.sharded import LocalShard
-from ckptfmt.format.dtypes import dtype_from_name, dtype_name
 from ckptfmt.errors import ManifestError, UnsupportedValueError, quoted
+from ckptfmt.format.dtypes import dtype_from_name, dtype_name
 from ckptfmt.format.limits import MAX_NESTING
 from ckptfmt.format.per_rank import PerRank, PerRankValues
-from ckptfmt.format.sharded import Sharded
+from ckptfmt.format.sharded import LocalShard, Sharded
 
 EXT_TENSOR, EXT_TUPLE, EXT_BIGINT, EXT_ODICT, EXT_SET, EXT_FROZENSET = 1, 2, 3, 4, 5, 6
 EXT_COMPLEX, EXT_DTYPE, EXT_SIZE, EXT_DEVICE, EXT_NUMPY_SCALAR, EXT_OPAQUE = 7, 8, 9, 10, 11, 12
@@ -143,7 +143,9 @@ class _Encoder:
             return self.ext(EXT_TUPLE, [self.pack(item, (*path, i)) for i, item in enumerate(value)])
         if isinstance(value, torch.Tensor) or kind in (np.ndarray, Sharded, TensorRef, LocalShard):
             if self.in_key:
-                raise UnsupportedValueError(f"{_where(path)}: tensors cannot be dict keys or set items (nor part of one)")
+                raise UnsupportedValueError(
+                    f"{_where(path)}: tensors cannot be dict keys or set items (nor part of one)"
+                )
             if self.in_per_rank:
                 raise UnsupportedValueError(f"{_where(path)}: tensors inside ckptfmt.PerRank are not supported; "
                                             "save a per-rank tensor as a DTensor or under a key naming its rank")
@@ -358,7 +360,9 @@ class _Decoder:
             return PerRankValues(body)
         if code == EXT_OPAQUE:
             body = _expect(body, dict)
-            return OpaqueObject(_expect(body["module"], str), _expect(body["qualname"], str), _expect(body["pickle"], bytes))
+            return OpaqueObject(
+                _expect(body["module"], str), _expect(body["qualname"], str), _expect(body["pickle"], bytes)
+            )
         raise ManifestError(f"value tree: unknown extension type {code}")
 
 

@@ -1,1 +1,4 @@
-"""A run's checkpoints over time: CheckpointManager (when to save, where, restore), retention rules, safe garbage collection, replication to slower tiers in a background child process, and checkpoint-interval advice."""
+"""A run's checkpoints over time: CheckpointManager (when to save, where, restore), retention rules,
+safe garbage collection, replication to slower tiers in a background child process, and checkpoint-
+interval advice.
+"""

@@ -32,15 +32,15 @@ import math
 import numbers
 import os
 import statistics
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
-from typing import Mapping
 
-from ckptfmt.tools.describe import SaveTiming, save_timing, step_times
 from ckptfmt.errors import CheckpointError
 from ckptfmt.format.manifest import Manifest
-from ckptfmt.repository.repository import Repository
 from ckptfmt.metadata.step_timer import decode_steps
+from ckptfmt.repository.repository import Repository
+from ckptfmt.tools.describe import SaveTiming, save_timing, step_times
 
 #: The phase an asynchronous save records for its staging copy, the only part that blocks training.
 STAGE_PHASE = "stage"

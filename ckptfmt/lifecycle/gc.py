@@ -21,10 +21,10 @@ import re
 import time
 from dataclasses import asdict, dataclass, field
 
-from ckptfmt.format import layout
 from ckptfmt.errors import CheckpointError, CheckpointNotFoundError
-from ckptfmt.repository.leases import Lease, try_gc_lease
+from ckptfmt.format import layout
 from ckptfmt.format.limits import is_valid_name
+from ckptfmt.repository.leases import Lease, try_gc_lease
 from ckptfmt.repository.repository import CommitRecord, Repository
 
 #: Manifest fields a collector never needs (the chunk table is what it reads).

@@ -11,14 +11,15 @@ want, and both pause copying while the loop saves to the first tier.
 
 from __future__ import annotations
 
+import functools
 import threading
 from dataclasses import dataclass, field
 
 from ckptfmt.errors import CheckpointError, CheckpointNotFoundError
 from ckptfmt.lifecycle.gc import collect, remove
 from ckptfmt.lifecycle.replicate import replicate
-from ckptfmt.repository.repository import CommitRecord, Repository
 from ckptfmt.lifecycle.retention import Retention, metrics_reader
+from ckptfmt.repository.repository import CommitRecord, Repository
 
 #: Chunks copied to the next tier at a time: few, so that a save starting meanwhile soon has the machine
 #: back (copying pauses for it, but what is already queued finishes).
@@ -82,10 +83,10 @@ class Housekeeper:
         self._metrics.update(metrics)
         problems: list[str] = []
         for source, target in zip(self.tiers, self.tiers[1:]):
-            self._attempt(problems, f"replicating to {target.url}", lambda: replicate(
-                source.url, target.url, self._wanted(source, target), storage_options=source.storage_options,
-                dst_storage_options=target.storage_options, workers=REPLICATION_WORKERS,
-                yield_to=self._running.wait))
+            self._attempt(problems, f"replicating to {target.url}", functools.partial(
+                replicate, source.url, target.url, self._wanted(source, target),
+                storage_options=source.storage_options, dst_storage_options=target.storage_options,
+                workers=REPLICATION_WORKERS, yield_to=self._running.wait))
         return problems
 
     def retain(self) -> list[str]:
@@ -93,7 +94,7 @@ class Housekeeper:
         problems: list[str] = []
         for index, tier in enumerate(self.tiers):
             following = self.tiers[index + 1] if index + 1 < len(self.tiers) else None
-            self._attempt(problems, f"retention on {tier.url}", lambda: self._retain(index, tier, following))
+            self._attempt(problems, f"retention on {tier.url}", functools.partial(self._retain, index, tier, following))
         return problems
 
     @staticmethod

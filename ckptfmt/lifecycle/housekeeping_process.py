@@ -170,7 +170,7 @@ def _serve(connection: Connection) -> None:
                 warnings.simplefilter("always")  # the manager's filters decide
                 problems = keeper.replicate(metrics)
             reply = ("done", (problems, [(str(w.message), _portable_category(w.category)) for w in caught]))
-        except Exception as exc:  # noqa: BLE001 - the manager raises it, as it would on its own thread
+        except Exception as exc:
             reply = ("failed", _portable(exc))
         try:
             connection.send(reply)
@@ -196,7 +196,7 @@ def _survives_pickling(value: object) -> bool:
     try:
         pickle.loads(pickle.dumps(value))
         return True
-    except Exception:  # noqa: BLE001 - any failure to pickle
+    except Exception:
         return False
 
 

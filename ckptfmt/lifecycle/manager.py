@@ -34,17 +34,18 @@ from typing import Any
 
 import torch
 
-from ckptfmt.lifecycle.advise import auto_interval
-from ckptfmt.saving.asynchronous import AsyncSaver
-from ckptfmt.errors import CheckpointError, CheckpointNotFoundError, CheckpointWarning
-from ckptfmt.lifecycle.housekeeping import Housekeeper, Tier, tier_records
-from ckptfmt.lifecycle.housekeeping_process import SUPPORTED as PROCESS_SUPPORTED, HousekeepingProcess
 from ckptfmt.distributed.process_group import distributed_group
-from ckptfmt.loading.reader import load, restore_rng
+from ckptfmt.errors import CheckpointError, CheckpointNotFoundError, CheckpointWarning
+from ckptfmt.lifecycle.advise import auto_interval
+from ckptfmt.lifecycle.housekeeping import Housekeeper, Tier, tier_records
+from ckptfmt.lifecycle.housekeeping_process import SUPPORTED as PROCESS_SUPPORTED
+from ckptfmt.lifecycle.housekeeping_process import HousekeepingProcess
 from ckptfmt.lifecycle.retention import METRICS_KEY, Retention
-from ckptfmt.storage.factory import in_process_memory
+from ckptfmt.loading.reader import load, restore_rng
+from ckptfmt.saving.asynchronous import AsyncSaver
 from ckptfmt.saving.options import SaveOptions
 from ckptfmt.saving.save import save_with
+from ckptfmt.storage.factory import in_process_memory
 
 #: Steps after a save at which ``interval="auto"`` plans the next one (from the steps timed meanwhile).
 PLAN_AFTER_STEPS = 5
@@ -202,7 +203,7 @@ class CheckpointManager:
                 self.housekeeper.close()
             self._background.shutdown(wait=True)
 
-    def __enter__(self) -> "CheckpointManager":
+    def __enter__(self) -> CheckpointManager:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -24,20 +24,20 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Iterable
 
 from fsspec.callbacks import Callback, NoOpCallback
 
-from ckptfmt.format import codecs, layout
-from ckptfmt.saving.chunker import DEFAULT_CHUNK_SIZE
 from ckptfmt.errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError, CorruptDataError
-from ckptfmt.format.hashing import chunk_hash, check_chunk
-from ckptfmt.repository.leases import Lease, save_lease
+from ckptfmt.format import codecs, layout
+from ckptfmt.format.hashing import check_chunk, chunk_hash
 from ckptfmt.format.limits import check_name
 from ckptfmt.format.manifest import Chunk
+from ckptfmt.repository.leases import Lease, save_lease
 from ckptfmt.repository.repository import CommitRecord, Repository
+from ckptfmt.saving.chunker import DEFAULT_CHUNK_SIZE
 from ckptfmt.storage.base import Storage
 from ckptfmt.storage.budget import ByteBudget
 

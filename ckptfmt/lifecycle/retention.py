@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Callable
 
 from ckptfmt.errors import CheckpointError
-from ckptfmt.repository.repository import CommitRecord, Repository
 from ckptfmt.format.values import decode_tree
+from ckptfmt.repository.repository import CommitRecord, Repository
 
 #: The metadata key under which ``CheckpointManager`` stores a checkpoint's metrics.
 METRICS_KEY = "metrics"

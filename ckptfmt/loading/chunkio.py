@@ -7,8 +7,8 @@ import threading
 from collections import OrderedDict
 from concurrent.futures import Future
 
-from ckptfmt.format import codecs, layout
 from ckptfmt.errors import CheckpointNotFoundError, CorruptDataError
+from ckptfmt.format import codecs, layout
 from ckptfmt.format.hashing import check_chunk
 from ckptfmt.format.manifest import Chunk
 from ckptfmt.storage.base import Storage

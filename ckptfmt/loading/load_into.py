@@ -11,15 +11,16 @@ collective: every rank reads what it needs by itself.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
 
+from ckptfmt.errors import CheckpointError
 from ckptfmt.format.dtensors import is_dtensor, local_shard
 from ckptfmt.format.dtypes import dtype_from_name
-from ckptfmt.errors import CheckpointError
 from ckptfmt.format.per_rank import PerRankValues
 from ckptfmt.format.values import TensorRef, decode_tree, format_key
 
@@ -41,7 +42,9 @@ class _Fill:
         """``target`` with the saved value in place where it can be (tensors, lists, dicts), else the new value."""
         if isinstance(saved, PerRankValues):
             if self.rank not in saved:
-                self.problems["missing from the checkpoint"].append(f"{format_key(path)} (no value for rank {self.rank})")
+                self.problems["missing from the checkpoint"].append(
+                    f"{format_key(path)} (no value for rank {self.rank})"
+                )
                 return target
             saved = saved[self.rank]
         if isinstance(target, (torch.Tensor, np.ndarray)):
@@ -84,11 +87,18 @@ class _Fill:
         info = self.reader.tensor_info(key)
         if is_dtensor(target):
             shard = local_shard(target, format_key((key,)))
-            offsets, shape, local, global_shape = shard.offsets, tuple(shard.tensor.shape), shard.tensor, shard.global_shape
+            offsets, shape, local, global_shape = (
+                shard.offsets,
+                tuple(shard.tensor.shape),
+                shard.tensor,
+                shard.global_shape,
+            )
         else:
             offsets, shape, local, global_shape = (0,) * target.ndim, tuple(target.shape), target, tuple(target.shape)
         saved_dtype = dtype_from_name(info.dtype)
-        target_dtype = local.dtype if isinstance(local, torch.Tensor) else torch.from_numpy(np.empty(0, local.dtype)).dtype
+        target_dtype = (
+            local.dtype if isinstance(local, torch.Tensor) else torch.from_numpy(np.empty(0, local.dtype)).dtype
+        )
         if global_shape != tuple(info.shape) or target_dtype != saved_dtype:
             self.problems["different"].append(
                 f"{key} (saved {info.dtype} {list(info.shape)}, state {str(target_dtype).removeprefix('torch.')} "

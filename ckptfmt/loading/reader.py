@@ -10,16 +10,16 @@ from typing import Any
 
 import torch
 
-from ckptfmt.loading.chunkio import ChunkReader
 from ckptfmt.errors import CheckpointError, CheckpointNotFoundError, CheckpointWarning, CorruptDataError, ManifestError
-from ckptfmt.loading.load_into import load_into
-from ckptfmt.format.manifest import Manifest, Piece, TensorEntry
-from ckptfmt.repository.repository import Repository, resolve
-from ckptfmt.metadata.rng import apply_rng
 from ckptfmt.format.dtypes import dtype_from_name, itemsize
+from ckptfmt.format.manifest import Manifest, Piece, TensorEntry
 from ckptfmt.format.tensors import byte_view, empty, finish
-from ckptfmt.metadata.topology import current_rank
 from ckptfmt.format.values import decode_tree
+from ckptfmt.loading.chunkio import ChunkReader
+from ckptfmt.loading.load_into import load_into
+from ckptfmt.metadata.rng import apply_rng
+from ckptfmt.metadata.topology import current_rank
+from ckptfmt.repository.repository import Repository, resolve
 
 
 class CheckpointReader:
@@ -38,7 +38,7 @@ class CheckpointReader:
 
     @classmethod
     def from_parts(cls, repository: Repository, name: str,
-                   map_location: str | torch.device | None = "cpu", mmap: bool = True) -> "CheckpointReader":
+                   map_location: str | torch.device | None = "cpu", mmap: bool = True) -> CheckpointReader:
         """Open checkpoint ``name`` of an already opened repository."""
         reader = cls.__new__(cls)
         reader._setup(repository, name, map_location, mmap)
@@ -54,7 +54,7 @@ class CheckpointReader:
         self._chunks = ChunkReader(repository.storage, self.manifest.chunks)
 
     # -- context manager -----------------------------------------------------
-    def __enter__(self) -> "CheckpointReader":
+    def __enter__(self) -> CheckpointReader:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -279,7 +279,9 @@ class CheckpointReader:
                 waiting[shard_index] -= 1
                 if not whole and not waiting[shard_index]:
                     shard = entry.shards[shard_index]
-                    tensor[tuple(slice(o, o + n) for o, n in zip(shard.offsets, shard.shape))] = buffers.pop(shard_index)
+                    tensor[tuple(slice(o, o + n) for o, n in zip(shard.offsets, shard.shape))] = buffers.pop(
+                        shard_index
+                    )
         return tensor
 
 
@@ -353,4 +355,8 @@ def restore_rng(url_or_reader: str | os.PathLike | CheckpointReader, *, rank: in
 def _ranks_text(ranks: list[int]) -> str:
     if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[-1] + 1)):
         return f"ranks {ranks[0]}-{ranks[-1]}"
-    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks[:16])) + (", ..." if len(ranks) > 16 else "")
+    return (
+        ("rank " if len(ranks) == 1 else "ranks ")
+        + ", ".join(map(str, ranks[:16]))
+        + (", ..." if len(ranks) > 16 else "")
+    )

@@ -48,7 +48,7 @@ class StepTimer:
         # Steps finish on the training thread while an asynchronous save's thread forgets what it stored.
         self._lock = threading.Lock()
 
-    def step(self, step: int) -> "_Step":
+    def step(self, step: int) -> _Step:
         """A context manager around one training step: ``with timer.step(step): ...``."""
         if self._current is not None:
             raise ValueError(f"StepTimer.step({step}) inside step {self._current.step}: steps do not nest")
@@ -56,7 +56,7 @@ class StepTimer:
             raise ValueError(f"StepTimer.step() takes the step number, an int; got {type(step).__name__}")
         return _Step(self, int(step))
 
-    def phase(self, name: str) -> "_Phase":
+    def phase(self, name: str) -> _Phase:
         """A context manager timing one phase of the current step; time in phases of one name adds up."""
         if self._current is None:
             raise ValueError(f"StepTimer.phase({name!r}) outside a step: use it inside `with timer.step(n):`")
@@ -103,7 +103,7 @@ class StepTimer:
     def forget(self, rows: int) -> None:
         """Drop the first ``rows`` steps: a committed checkpoint holds them."""
         with self._lock:
-            for name, column in self._columns.items():
+            for column in self._columns.values():
                 if type(column) is dict:
                     for key in list(column):
                         del column[key][:rows]
@@ -116,12 +116,12 @@ class StepTimer:
         """Finished steps not yet stored in a checkpoint."""
         return len(self._columns["step"])
 
-    def _finish(self, step: "_Step", end: int) -> None:
+    def _finish(self, step: _Step, end: int) -> None:
         with self._lock:
             self._append(step, end)
         self._current = None
 
-    def _append(self, step: "_Step", end: int) -> None:
+    def _append(self, step: _Step, end: int) -> None:
         columns, rows = self._columns, len(self._columns["step"])
         columns["step"].append(step.step)
         columns["start_ns"].append(step.start_ns)
@@ -140,7 +140,7 @@ class _Step:
         self.phases: dict[str, int] = {}
         self.hasher, self.batch_size, self.metrics = None, 0, {}
 
-    def __enter__(self) -> "_Step":
+    def __enter__(self) -> _Step:
         self.timer._current = self
         self.start_ns, self.start = time.time_ns(), time.perf_counter_ns()
         return self

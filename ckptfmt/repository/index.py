@@ -21,16 +21,24 @@ import json
 import re
 import secrets
 import warnings
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Iterable, TypeVar
+from typing import TypeVar
 
+from ckptfmt.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CheckpointWarning,
+    ManifestError,
+    StorageError,
+    quoted,
+)
 from ckptfmt.format.commit_record import CommitRecord
-from ckptfmt.errors import CheckpointError, CheckpointNotFoundError, CheckpointWarning, ManifestError, StorageError, quoted
 from ckptfmt.format.limits import MAX_INDEX_PACK_BYTES, is_valid_name
 from ckptfmt.format.manifest import FORMAT_VERSION, check_version
-from ckptfmt.storage.base import Storage
 from ckptfmt.format.values import unique_map
+from ckptfmt.storage.base import Storage
 
 INDEX_DIR = "_index"
 ENTRIES_DIR = f"{INDEX_DIR}/e"
@@ -59,11 +67,11 @@ class Entry:
     manifest_hash: str
 
     @classmethod
-    def of(cls, record: CommitRecord) -> "Entry":
+    def of(cls, record: CommitRecord) -> Entry:
         return cls(record.created_ns, record.name, record.manifest_hash)
 
     @classmethod
-    def parse(cls, basename: str) -> "Entry | None":
+    def parse(cls, basename: str) -> Entry | None:
         """The entry an ``_index/e`` key names, or None for anything else (ignored, like foreign files)."""
         match = _ENTRY_KEY.fullmatch(basename)
         if match is None or not is_valid_name(match[2]) or int(match[1]) >= 2**63:
@@ -89,7 +97,7 @@ class PackRef:
     tag: str
 
     @classmethod
-    def parse(cls, basename: str) -> "PackRef | None":
+    def parse(cls, basename: str) -> PackRef | None:
         match = _PACK_KEY.fullmatch(basename)
         if match is None or int(match[3]) >= 2**63:
             return None

@@ -28,15 +28,15 @@ import secrets
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
 
 from ckptfmt.errors import CheckpointError, StorageError
 from ckptfmt.format.layout import LEASES_DIR
 from ckptfmt.format.manifest import FORMAT_VERSION
-from ckptfmt.repository.repository import Repository
 from ckptfmt.format.values import unique_map
+from ckptfmt.repository.repository import Repository
 
 LEASE_FORMAT = "ckptfmt-lease"
 SAVE, GC = "save", "gc"
@@ -84,7 +84,7 @@ class Lease:
         self._stop = threading.Event()
         self._renewer: threading.Thread | None = None
 
-    def acquire(self) -> "Lease":
+    def acquire(self) -> Lease:
         """Write the lease (durable) and start renewing it."""
         self._write()
         self._renewer = threading.Thread(target=self._renew_loop, name=f"ckptfmt-lease-{self.kind}", daemon=True)

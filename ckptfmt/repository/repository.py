@@ -14,19 +14,27 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
+from ckptfmt.errors import (
+    CheckpointError,
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CheckpointWarning,
+    CorruptDataError,
+    InvalidNameError,
+    ManifestError,
+    StorageError,
+    UnsupportedVersionError,
+    quoted,
+)
 from ckptfmt.format import layout
 from ckptfmt.format.commit_record import CommitRecord
-from ckptfmt.errors import (
-    CheckpointError, CheckpointExistsError, CheckpointNotFoundError, CheckpointWarning, CorruptDataError,
-    InvalidNameError, ManifestError, StorageError, UnsupportedVersionError, quoted,
-)
 from ckptfmt.format.hashing import check_chunk
-from ckptfmt.repository.index import INDEX_DIR, CommitIndex, IndexDamagedError, read_each
 from ckptfmt.format.limits import MAX_COMMIT_BYTES, MAX_MARKER_BYTES, check_name, is_valid_name
 from ckptfmt.format.manifest import FORMAT_VERSION, Manifest, check_version
+from ckptfmt.format.values import unique_map
+from ckptfmt.repository.index import INDEX_DIR, CommitIndex, IndexDamagedError, read_each
 from ckptfmt.storage.base import Storage
 from ckptfmt.storage.factory import open_storage
-from ckptfmt.format.values import unique_map
 
 REPO_FORMAT = "ckptfmt-repository"
 #: The version of the commit index (spec 4.4) that this ckptfmt reads and keeps: the marker's ``index``.
@@ -68,7 +76,7 @@ class Repository:
         return self.storage.url
 
     @classmethod
-    def open(cls, url: str | os.PathLike, storage_options: dict | None = None, *, create: bool = False) -> "Repository":
+    def open(cls, url: str | os.PathLike, storage_options: dict | None = None, *, create: bool = False) -> Repository:
         """The repository at ``url``; with ``create``, make it (marker included) when missing."""
         repo = cls(open_storage(url, storage_options))
         if repo.storage.exists(layout.MARKER_KEY):
@@ -97,7 +105,9 @@ class Repository:
         """The marker, checked (spec 10.2); notes whether the repository keeps a commit index (spec 4.4)."""
         where = self.storage.describe(layout.MARKER_KEY)
         try:
-            doc = json.loads(self.storage.read(layout.MARKER_KEY, max_size=MAX_MARKER_BYTES), object_pairs_hook=unique_map)
+            doc = json.loads(
+                self.storage.read(layout.MARKER_KEY, max_size=MAX_MARKER_BYTES), object_pairs_hook=unique_map
+            )
         except CheckpointError:
             raise
         except (ValueError, RecursionError):  # RecursionError: deep JSON nesting
@@ -120,7 +130,7 @@ class Repository:
             return [name for name, found in self._catalog() if found is not None]
         return self.listing().checkpoints
 
-    def listing(self) -> "Listing":
+    def listing(self) -> Listing:
         """The repository's top-level entries: checkpoints, and what readers ignore (spec 4.1).
 
         The authority, whatever the index says: one existence check per entry.
@@ -163,7 +173,9 @@ class Repository:
         try:
             data = self.storage.read(key, max_size=MAX_COMMIT_BYTES)
         except CheckpointNotFoundError:
-            raise CheckpointNotFoundError(f"{self.storage.describe(name)}: no such checkpoint (no commit record)") from None
+            raise CheckpointNotFoundError(
+                f"{self.storage.describe(name)}: no such checkpoint (no commit record)"
+            ) from None
         record = CommitRecord.from_bytes(data, where)
         if record.name != name:
             raise ManifestError(f"{where}: commit record names checkpoint {record.name!r}")

@@ -82,7 +82,7 @@ class AsyncSaver:
         with self._lock:
             return sum(area.nbytes for area in self._areas.values())
 
-    def __enter__(self) -> "AsyncSaver":
+    def __enter__(self) -> AsyncSaver:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -24,15 +24,15 @@ from dataclasses import dataclass
 import blake3
 import xxhash
 
-from ckptfmt.format import codecs, layout
-from ckptfmt.saving.chunker import DEFAULT_CHUNK_SIZE, ChunkJob, ChunkPlanner, PieceRef
 from ckptfmt.errors import CheckpointError
-from ckptfmt.saving.hashcache import HashCache
+from ckptfmt.format import codecs, layout
 from ckptfmt.format.hashing import chunk_hash
 from ckptfmt.format.limits import MAX_CHUNK_BYTES
 from ckptfmt.format.manifest import Chunk, Piece, TensorEntry
-from ckptfmt.repository.repository import Repository
 from ckptfmt.format.tensors import TensorSource
+from ckptfmt.repository.repository import Repository
+from ckptfmt.saving.chunker import DEFAULT_CHUNK_SIZE, ChunkJob, ChunkPlanner, PieceRef
+from ckptfmt.saving.hashcache import HashCache
 
 #: Bytes copied, hashed and written at a time from the caller's memory.
 BLOCK_BYTES = 2**20
@@ -300,7 +300,11 @@ class ChunkWriter:
         stored = self.repo.storage.size(key)
         if stored is None or (codec == codecs.NONE and stored != size):
             return None  # absent, or a damaged copy that writing replaces
-        if key not in self.parent_keys and self.repo.storage.cheap_exists and not self._intact(key, digest, size, codec):
+        if (
+            key not in self.parent_keys
+            and self.repo.storage.cheap_exists
+            and not self._intact(key, digest, size, codec)
+        ):
             return None
         return stored
 

@@ -28,16 +28,21 @@ from typing import Any
 
 import torch
 
-from ckptfmt.format.dtensors import is_dtensor, local_shard
 from ckptfmt.errors import (
-    CheckpointError, CheckpointExistsError, CheckpointNotFoundError, CheckpointWarning, ManifestError,
+    CheckpointError,
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CheckpointWarning,
+    ManifestError,
     UnsupportedValueError,
 )
 from ckptfmt.format import layout
+from ckptfmt.format.dtensors import is_dtensor, local_shard
 from ckptfmt.format.hashing import chunk_hash
 from ckptfmt.format.limits import MAX_KEY_BYTES, check_name
 from ckptfmt.format.manifest import MAX_RANK, Chunk, Manifest, Shard, TensorEntry
-from ckptfmt.format.sharded import LocalShard, Shard as ShardInput, Sharded
+from ckptfmt.format.sharded import LocalShard, Sharded
+from ckptfmt.format.sharded import Shard as ShardInput
 from ckptfmt.format.tensors import TensorSource, prepare
 from ckptfmt.format.tiling import check_tiling
 from ckptfmt.format.values import format_key

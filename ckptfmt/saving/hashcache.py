@@ -15,7 +15,6 @@ from collections import OrderedDict
 
 import xxhash
 
-
 _MAX_ENTRIES = 200_000
 
 

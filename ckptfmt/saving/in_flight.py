@@ -47,7 +47,7 @@ def _finish_pending() -> None:
     for repository, future in pending:
         try:
             future.result()
-        except Exception as exc:  # noqa: BLE001 - nobody is left to raise it to
+        except Exception as exc:
             warnings.warn(f"the asynchronous save to {repository} failed at exit: {exc}", CheckpointWarning,
                           stacklevel=1)
 

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import msgpack
 
@@ -101,7 +102,7 @@ class SaveOptions:
             raise ValueError("timeout must be a positive number of seconds")
 
     @classmethod
-    def from_keywords(cls, caller: str, keywords: dict[str, Any]) -> "SaveOptions":
+    def from_keywords(cls, caller: str, keywords: dict[str, Any]) -> SaveOptions:
         """Options from a call's keywords; an unknown one is named with the function it was given to."""
         unknown = sorted(set(keywords) - _FIELDS)
         if unknown:
@@ -113,7 +114,7 @@ class SaveOptions:
         """The chunk writer threads to use."""
         return self.workers or DEFAULT_WORKERS
 
-    def replace(self, **changes: Any) -> "SaveOptions":
+    def replace(self, **changes: Any) -> SaveOptions:
         """A copy with ``changes``, checked again."""
         return dataclasses.replace(self, **changes)
 

@@ -8,7 +8,8 @@ single-process save), both built on saving/core.py.
 from __future__ import annotations
 
 import os
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from ckptfmt.distributed.collective_save import collective_save
 from ckptfmt.distributed.process_group import distributed_group

@@ -14,7 +14,13 @@ from ckptfmt.repository.leases import Lease
 from ckptfmt.repository.repository import Repository, split_checkpoint_url
 from ckptfmt.saving.chunk_writer import store_sources
 from ckptfmt.saving.core import (
-    Captured, TensorCollector, commit_manifest, manifest_for, open_for_save, rank_record, refuse_taken_name,
+    Captured,
+    TensorCollector,
+    commit_manifest,
+    manifest_for,
+    open_for_save,
+    rank_record,
+    refuse_taken_name,
     resolve_parent,
 )
 from ckptfmt.saving.hashcache import DEFAULT_CACHE

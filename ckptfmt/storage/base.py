@@ -46,7 +46,7 @@ class Storage:
         """The user-facing URL of ``key``, for messages."""
         return f"{self.url}/{key}" if key else self.url
 
-    def child(self, key: str) -> "Storage":
+    def child(self, key: str) -> Storage:
         """A storage rooted at ``key`` below this one, on the same filesystem."""
         return type(self)(self.fs, self.path(key), self.describe(key))
 
@@ -166,7 +166,7 @@ class Storage:
         with backend_errors(self.describe(keys[0])), contextlib.suppress(FileNotFoundError):
             self.fs.rm([self.path(k) for k in keys])
 
-    def stage(self, directory: str) -> "Staged":
+    def stage(self, directory: str) -> Staged:
         """A new object written block by block, visible under no key until published.
 
         Here the blocks gather in memory and publishing is one PUT; local disks

@@ -11,7 +11,7 @@ underneath the one-line message.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from collections.abc import Iterator
 
 from ckptfmt.errors import CheckpointError, CheckpointNotFoundError, StorageError
 

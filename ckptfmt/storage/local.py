@@ -39,7 +39,7 @@ class _StagedFile(Staged):
     a manifest, a commit record.
     """
 
-    def __init__(self, storage: "LocalStorage", directory: str, basename: str = "staged"):
+    def __init__(self, storage: LocalStorage, directory: str, basename: str = "staged"):
         self._storage = storage
         self._fd = -1
         with backend_errors(storage.describe(directory)):
@@ -290,5 +290,5 @@ class LocalStorage(Storage):
             finally:
                 os.close(fd)
 
-    def child(self, key: str) -> "LocalStorage":
+    def child(self, key: str) -> LocalStorage:
         return LocalStorage(self.fs, self.path(key), self.describe(key))

@@ -17,7 +17,6 @@ from typing import Any
 from ckptfmt.storage.base import Storage
 from ckptfmt.storage.errors import backend_errors
 
-
 #: Tries of a conditional create that S3 answers with 409 ConditionalRequestConflict.
 _CONFLICT_TRIES = 5
 #: The backoff's jitter, apart from the global generator: a save must not move the training's RNG.

@@ -10,15 +10,17 @@ manifest's value tree and are compared without reading any tensor.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
 from ckptfmt.format.hashing import chunk_hash
 from ckptfmt.format.manifest import Manifest, TensorEntry
-from ckptfmt.loading.reader import CheckpointReader, open as open_checkpoint
 from ckptfmt.format.values import decode_tree, format_key
+from ckptfmt.loading.reader import CheckpointReader
+from ckptfmt.loading.reader import open as open_checkpoint
 
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -206,7 +208,9 @@ def metadata_difference(a: CheckpointReader, b: CheckpointReader) -> list[tuple[
         }
 
     flat_a, flat_b = _flatten(comparable(a)), _flatten(comparable(b))
-    return [(k, flat_a.get(k), flat_b.get(k)) for k in sorted(set(flat_a) | set(flat_b)) if flat_a.get(k) != flat_b.get(k)]
+    return [
+        (k, flat_a.get(k), flat_b.get(k)) for k in sorted(set(flat_a) | set(flat_b)) if flat_a.get(k) != flat_b.get(k)
+    ]
 
 
 def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:

@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 
 from fsspec.callbacks import Callback, NoOpCallback
 
-from ckptfmt.format import layout
-from ckptfmt.loading.chunkio import ChunkReader
 from ckptfmt.errors import CheckpointError, CheckpointNotFoundError, StorageError
+from ckptfmt.format import layout
 from ckptfmt.format.manifest import Manifest
+from ckptfmt.loading.chunkio import ChunkReader
 from ckptfmt.repository.repository import Repository, resolve
 from ckptfmt.storage.budget import ByteBudget
 from ckptfmt.storage.factory import open_storage

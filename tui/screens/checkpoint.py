@@ -17,8 +17,10 @@ from textual.timer import Timer
 from textual.widgets import Footer, Header, Input, Static, TabbedContent, TabPane, Tree
 from textual.worker import get_current_worker
 
-from ckptfmt.tools import describe
 from ckptfmt.loading.reader import CheckpointReader
+from ckptfmt.tools import describe
+from ckptfmt.tui.screens.base import TAB_BINDINGS, ErrorPanel, WorkerScreen
+from ckptfmt.tui.screens.verify import VerifyScreen
 from ckptfmt.tui.stats import TensorStats, tensor_statistics
 from ckptfmt.tui.widgets import metadata
 from ckptfmt.tui.widgets.charts import histogram
@@ -30,8 +32,6 @@ from ckptfmt.tui.widgets.formatting import (
     tensor_count,
 )
 from ckptfmt.tui.widgets.tensor_tree import Group, TensorTree
-from ckptfmt.tui.screens.base import TAB_BINDINGS, ErrorPanel, WorkerScreen
-from ckptfmt.tui.screens.verify import VerifyScreen
 
 # tab id (also the name of its renderer in widgets.metadata) -> title
 METADATA_TABS = {

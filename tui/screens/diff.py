@@ -12,8 +12,8 @@ from textual.app import ComposeResult
 from textual.widgets import DataTable, Footer, Header, Static, TabbedContent, TabPane
 
 from ckptfmt.tools.diff import DiffReport, diff
-from ckptfmt.tui.widgets.formatting import number, shape_text
 from ckptfmt.tui.screens.base import TAB_BINDINGS, ErrorPanel, WorkerScreen
+from ckptfmt.tui.widgets.formatting import number, shape_text
 
 STATUS_STYLE = {"changed": "yellow", "added": "green", "removed": "red", "unchanged": "dim"}
 STATUSES = ("changed", "added", "removed", "unchanged")

@@ -8,15 +8,15 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.widgets import DataTable, Footer, Header, Static
 
-from ckptfmt.tools import describe
 from ckptfmt.loading.reader import CheckpointReader
 from ckptfmt.repository.repository import CommitRecord, Repository
-from ckptfmt.tui.widgets.formatting import human_bytes, human_time
+from ckptfmt.tools import describe
 from ckptfmt.tui.screens.base import ErrorPanel, WorkerScreen
 from ckptfmt.tui.screens.checkpoint import CheckpointScreen
 from ckptfmt.tui.screens.diff import DiffScreen
 from ckptfmt.tui.screens.run import RunScreen
 from ckptfmt.tui.screens.verify import VerifyScreen
+from ckptfmt.tui.widgets.formatting import human_bytes, human_time
 
 # column label -> sort key of a commit record (the verified column sorts by its text)
 SORT_KEYS = {

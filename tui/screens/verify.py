@@ -18,8 +18,8 @@ from textual.binding import Binding
 from textual.widgets import DataTable, Footer, Header, ProgressBar, Static
 
 from ckptfmt.tools.verify import VerifyReport, verify
-from ckptfmt.tui.widgets.formatting import human_bytes
 from ckptfmt.tui.screens.base import ErrorPanel, WorkerScreen
+from ckptfmt.tui.widgets.formatting import human_bytes
 
 
 class ByteCounter(Callback):

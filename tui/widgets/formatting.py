@@ -5,7 +5,8 @@ from __future__ import annotations
 import re
 from functools import partial
 
-from ckptfmt.tools.formatting import human_bytes, human_time as _human_time, number, seconds, shape_text
+from ckptfmt.tools.formatting import human_bytes, number, seconds, shape_text
+from ckptfmt.tools.formatting import human_time as _human_time
 
 __all__ = ["human_bytes", "human_time", "number", "seconds", "shape_text", "split_key", "tensor_count"]
 

@@ -15,8 +15,8 @@ from rich.pretty import Pretty
 from rich.table import Table
 from rich.text import Text
 
-from ckptfmt.tools import describe
 from ckptfmt.format.manifest import TensorEntry
+from ckptfmt.tools import describe
 from ckptfmt.tui.widgets.charts import bar_chart
 from ckptfmt.tui.widgets.formatting import seconds
 

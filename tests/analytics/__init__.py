@@ -1,0 +1,1 @@
+"""Run analytics: tables, comparison, stragglers, the HTML report, the StepTimer."""

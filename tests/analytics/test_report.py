@@ -1,0 +1,181 @@
+"""`ckptfmt report`: one self-contained HTML page (and PNGs) of a run, rendered by a real headless Chromium.
+
+The run is the 4-rank DDP run of tests/support/ddp_runs.py (with its injected
+stragglers), compared with the 2-rank run: another world size, so another data
+order, and the runs differ from their first common checkpoint on. The figures
+are checked in the page's SVG: their text is SVG text, and the artists the
+checks look for carry ids.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+import xml.etree.ElementTree as ElementTree
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ckptfmt.analytics.report import report
+from tests.support import markers
+from tests.support.ddp_runs import NOISY_MACHINE, RUNS, flagged
+from tests.support.helpers import needs_tool
+
+FIGURES = ["step-time", "delays", "save-phases", "sizes", "metrics", "divergence"]
+SVG = "{http://www.w3.org/2000/svg}"
+
+
+@pytest.fixture(scope="module")
+def page(ddp_runs, tmp_path_factory) -> tuple[Path, dict]:
+    out = tmp_path_factory.mktemp("page")
+    made = report(ddp_runs["four"], html_path=out / "report.html", png_dir=out / "png", compare_with=ddp_runs["two"],
+                  thresholds=NOISY_MACHINE)
+    return out, made
+
+
+@pytest.fixture(scope="module")
+def two_rank_page(ddp_runs, tmp_path_factory) -> Path:
+    """The page of the 2-rank run, alone: its heatmaps have two rows."""
+    out = tmp_path_factory.mktemp("two-rank-page")
+    report(ddp_runs["two"], html_path=out / "report.html", thresholds=NOISY_MACHINE)
+    return out
+
+
+def figure_svg(out: Path, figure: str) -> ElementTree.Element:
+    """The parsed inline SVG of one figure of the page."""
+    text = (out / "report.html").read_text()
+    markup = re.search(rf"<figure id='figure-{figure}'>(<svg\b.*?</svg>)", text, flags=re.S).group(1)
+    return ElementTree.fromstring(markup)
+
+
+def by_id(svg: ElementTree.Element, prefix: str) -> list[ElementTree.Element]:
+    return [e for e in svg.iter() if e.get("id", "").startswith(prefix)]
+
+
+def text_of(element: ElementTree.Element) -> str:
+    return "".join(t.text or "" for t in element.iter(f"{SVG}text"))
+
+
+def test_the_page_holds_every_figure_and_table_and_needs_no_network(page):
+    out, made = page
+    assert made["figures"] == FIGURES
+    text = (out / "report.html").read_text()
+    for figure in FIGURES:
+        assert re.search(rf"<figure id='figure-{figure}'><svg\b", text), figure
+    assert "id='stragglers'" in text and "id='differences'" in text
+    references = re.findall(r"""(?:src|href)\s*=\s*["']([^"']*)["']""", text)
+    assert all(r.startswith("#") or r.startswith("data:") for r in references), references[:5]
+    assert "<script" not in text and "@import" not in text
+    # Every rank that slept is in the stragglers table (a rank the OS descheduled beyond the bound may be too).
+    slept = {s["rank"] for s in made["stragglers"]["stragglers"]}
+    assert {rank for rank, _ in RUNS["four"].injected()} <= slept
+
+
+def test_the_differences_table_shows_every_field_compare_records(page):
+    out, made = page
+    table = re.search(r"<table id='differences'>.*?</table>", (out / "report.html").read_text(), flags=re.S).group(0)
+    differences = made["comparison"]["differences"]
+    assert differences and table.count("<tr>") == len(differences) + 1
+    for key in {key for d in differences for key in d}:
+        assert f"<th>{key.replace('_', ' ')}</th>" in table
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_the_heatmaps_label_their_axes_with_whole_steps_and_ranks(page, two_rank_page, world):
+    out = two_rank_page if world == 2 else page[0]
+    for figure in ("step-time", "delays"):
+        heatmap = by_id(figure_svg(out, figure), "axes_1")[0]  # axes_2: the colour bar's, in seconds
+        ranks = [text_of(tick) for tick in by_id(heatmap, "ytick_")]
+        assert ranks == [str(rank) for rank in range(world)], (figure, ranks)  # 2 ranks: -0.5, 0.0, 0.5, ...
+        steps = [text_of(tick) for tick in by_id(heatmap, "xtick_")]
+        assert steps and all(re.fullmatch(r"\d+", step) for step in steps), (figure, steps)
+
+
+def test_the_step_heatmap_crosses_each_straggler_step_once(page):
+    out, made = page
+    marks = by_id(figure_svg(out, "step-time"), "straggler-marks")
+    assert len(marks) == 1 and len(list(marks[0].iter(f"{SVG}use"))) == len(flagged(made["stragglers"]))
+
+
+def test_a_comparison_plots_both_runs_metrics(page):
+    out, _ = page
+    svg = figure_svg(out, "metrics")
+    for run, name in (("A", "four"), ("B", "two")):
+        line = by_id(svg, f"metric-loss-{run}")
+        assert len(line) == 1, run
+        points = line[0].find(f"{SVG}path").get("d").count("L") + 1
+        assert points == RUNS[name].steps, (run, points)  # one point per step
+    assert "loss (A)" in text_of(svg) and "loss (B)" in text_of(svg)
+
+
+def test_the_divergence_cells_can_be_told_apart_and_carry_their_counts(page):
+    out, made = page
+    checkpoints = made["comparison"]["checkpoints"]
+    groups = sorted({g for c in checkpoints for g in c["groups_differing"]})
+    assert len(checkpoints) == 3 and groups == ["model"]  # every tensor differs: one colour throughout
+    svg = figure_svg(out, "divergence")
+    cells = by_id(svg, "divergence-cells")[0].findall(f"{SVG}path")
+    assert len(cells) == len(groups) * len(checkpoints)
+    for cell in cells:  # each cell drawn with its own visible border
+        style = dict(item.split(": ") for item in cell.get("style").split("; "))
+        assert style["stroke"] == "#ffffff" and float(style["stroke-width"]) >= 1, style
+    for row, group in enumerate(groups):
+        for column, checkpoint in enumerate(checkpoints):
+            value = text_of(by_id(svg, f"divergence-value-{row}-{column}")[0])
+            assert value == str(checkpoint["groups_differing"][group]), (row, column, value)
+
+
+def test_the_figures_are_written_as_png_files(page):
+    out, _ = page
+    for figure in FIGURES:
+        data = (out / "png" / f"{figure}.png").read_bytes()
+        assert data.startswith(b"\x89PNG") and len(data) > 5000, figure
+
+
+def test_the_cli_writes_the_page_and_refuses_to_write_nothing(ddp_runs, tmp_path):
+    html = tmp_path / "cli.html"
+    run = ddp_runs["four"]
+    result = subprocess.run([sys.executable, "-m", "ckptfmt.cli", "report", run, "--html", str(html)],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert html.stat().st_size > 10_000 and "divergence" not in result.stdout  # nothing to compare with
+    refused = subprocess.run([sys.executable, "-m", "ckptfmt.cli", "report", run], capture_output=True,
+                             text=True, timeout=300)
+    assert refused.returncode == 2 and "--html" in refused.stderr and refused.stderr.count("\n") == 1
+
+
+CHROMIUM = next((shutil.which(name) for name in ("chromium", "chromium-browser", "google-chrome")
+                 if shutil.which(name)), None)
+
+
+@pytest.mark.browser
+@needs_tool(CHROMIUM, reason="no Chromium (.ci/run installs it)")
+def test_a_headless_browser_renders_the_page_with_its_figures(page, tmp_path):
+    out, _ = page
+    url = (out / "report.html").resolve().as_uri()
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--hide-scrollbars",
+             f"--user-data-dir={tmp_path / 'profile'}"]
+    dom = subprocess.run([CHROMIUM, *flags, "--dump-dom", url], capture_output=True, text=True, timeout=120)
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    for figure in FIGURES:  # parsed into the document, each with its drawing
+        assert re.search(rf'<figure id="figure-{figure}"><svg\b', dom.stdout), figure
+    # Drawn rows of the page, against the same page with its drawings taken out: the figures render.
+    bare = tmp_path / "bare.html"
+    bare.write_text(re.sub(r"<svg\b.*?</svg>", "", (out / "report.html").read_text(), flags=re.S))
+    assert drawn_rows(CHROMIUM, flags, url, tmp_path / "page.png") > drawn_rows(
+        CHROMIUM, flags, bare.resolve().as_uri(), tmp_path / "bare.png") + 6 * 150
+
+
+def drawn_rows(chromium: str, flags: list[str], url: str, shot: Path) -> int:
+    """Rows of a 1200 x 6000 screenshot of ``url`` with ink across at least 5% of their width."""
+    from PIL import Image
+
+    markers.require("browser")
+    subprocess.run([chromium, *flags, "--window-size=1200,6000", f"--screenshot={shot}", url], capture_output=True,
+                   timeout=120, check=True)
+    pixels = np.asarray(Image.open(shot).convert("L"), dtype=float)
+    assert pixels.shape == (6000, 1200)
+    return int(((pixels < 200).mean(axis=1) > 0.05).sum())

@@ -1,0 +1,1 @@
+"""The ckptfmt command: output, exit codes, hostile repositories, diff."""

@@ -1,0 +1,1 @@
+"""Importers and exporters against files written by the real tools."""

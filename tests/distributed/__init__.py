@@ -1,0 +1,1 @@
+"""torch.distributed: collective saves, faults, the DCP layer, FSDP2, clean exits under torchrun."""

@@ -1,0 +1,1 @@
+"""CheckpointManager, retention, gc, replication, interval advice."""

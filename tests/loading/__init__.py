@@ -1,0 +1,1 @@
+"""The load path: lazy reads, mapped loads, load(into=), verify."""

@@ -1,0 +1,1 @@
+"""The project's shape: architecture, import boundaries, public API, documented examples."""

@@ -1,0 +1,81 @@
+"""What a new user meets first: documented names, checkpoint URLs, the version."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import ckptfmt
+
+ROOT = Path(__file__).resolve().parents[2]
+#: Names that look like dotted paths in the docs but are files or entry point groups, not attributes.
+NOT_ATTRIBUTES = {"ckptfmt.json", "ckptfmt.commands"}
+#: Packages of their own (``import ckptfmt.converters``): the core never imports them.
+PACKAGES = {"ckptfmt.converters", "ckptfmt.tui"}
+
+
+def documented_paths() -> set[str]:
+    files = [ROOT / "README.md", *(ROOT / "docs").glob("**/*.md"), *(ROOT / "spec").glob("*.md")]
+    texts = [path.read_text() for path in files]
+    found = {m for text in texts for m in re.findall(r"\bckptfmt(?:\.[A-Za-z_][A-Za-z0-9_]*)+", text)}
+    return found - NOT_ATTRIBUTES
+
+
+def test_every_documented_dotted_path_works_after_import_ckptfmt():
+    paths = sorted(documented_paths() - PACKAGES)
+    assert "ckptfmt.dcp.StorageWriter" in paths and "ckptfmt.analytics.tables" in paths
+    probe = ("import sys, ckptfmt\n"
+             "assert 'torch.distributed.checkpoint' not in sys.modules, 'imported eagerly'\n"
+             "assert 'pyarrow' not in sys.modules, 'imported eagerly'\n"
+             f"for path in {paths!r}:\n"
+             "    value = ckptfmt\n"
+             "    for part in path.split('.')[1:]:\n"
+             "        value = getattr(value, part)\n")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_an_unknown_attribute_is_still_an_attribute_error():
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        ckptfmt.nope  # noqa: B018 - the attribute access is the test
+
+
+@pytest.mark.parametrize("url", ["foo", "s3://bucket", "memory://name"])
+def test_a_bare_name_is_refused_and_creates_nothing(url, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ckptfmt.InvalidNameError, match="a checkpoint URL is REPO/NAME"):
+        ckptfmt.save({"w": torch.ones(2)}, url)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_checkpoint_in_the_current_folder_is_said_explicitly(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    ckptfmt.save({"w": torch.ones(2)}, "./step-1")
+    assert (tmp_path / "ckptfmt.json").exists() and ckptfmt.load(".")["w"].sum() == 2
+
+
+def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ckptfmt.cli", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_import_into_a_bare_name_is_one_error_line_and_creates_nothing(tmp_path):
+    torch.save({"w": torch.ones(2)}, tmp_path / "ok.pt")
+    result = cli("import", "ok.pt", "justname", cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "ckptfmt: error: 'justname': a checkpoint URL is REPO/NAME (e.g. runs/exp1/step-000100), not a bare name"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ok.pt"]
+
+
+def test_version(tmp_path):
+    result = cli("--version", cwd=tmp_path)
+    assert result.returncode == 0
+    version = ".".join(map(str, ckptfmt.FORMAT_VERSION))
+    assert result.stdout.strip() == f"ckptfmt {ckptfmt.__version__} (writes format {version})"
+    assert re.fullmatch(r"\d+\.\d+\.\d+", ckptfmt.__version__)

@@ -1,0 +1,1 @@
+"""What the tests share: helpers, multi-process runs, fixtures' modules."""

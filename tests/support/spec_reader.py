@@ -1,0 +1,240 @@
+"""A second implementation of the format, written from spec/FORMAT.md alone (msgpack, blake3, zstandard; no
+ckptfmt code): ``SpecReader`` reads a checkpoint, ``write_by_spec`` writes one by hand, ``json_image`` is the
+JSON image of msgpack data (FORMAT.md section 15). The spec tests check ckptfmt against it, both ways."""
+
+from __future__ import annotations
+
+import base64
+import itertools
+import json
+import math
+from pathlib import Path
+
+import blake3
+import msgpack
+import numpy as np
+import zstandard
+
+
+def json_image(value):
+    """msgpack-decoded Python data -> its JSON image (bin as {"$bin": base64}, ...)."""
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float):
+        if math.isnan(value):
+            return {"$float": "nan"}
+        if math.isinf(value):
+            return {"$float": "inf" if value > 0 else "-inf"}
+        return value
+    if isinstance(value, bytes):
+        return {"$bin": base64.b64encode(value).decode("ascii")}
+    if isinstance(value, msgpack.ExtType):
+        return {"$ext": value.code, "$data": base64.b64encode(value.data).decode("ascii")}
+    if isinstance(value, (list, tuple)):
+        return [json_image(v) for v in value]
+    if isinstance(value, dict):
+        if all(isinstance(k, str) and not k.startswith("$") for k in value):
+            return {k: json_image(v) for k, v in value.items()}
+        return {"$map": [[json_image(k), json_image(v)] for k, v in value.items()]}
+    raise TypeError(f"not msgpack data: {type(value)}")
+
+
+def blake3_hex(data) -> str:
+    return blake3.blake3(data).hexdigest()
+
+
+def unshuffle(data: bytes, width: int) -> bytes:
+    """FORMAT.md 5.3: y[j*n + i] -> x[i*N + j] for the whole elements; the tail unchanged."""
+    whole = len(data) - len(data) % width
+    n = whole // width
+    out = bytearray(len(data))
+    for j in range(width):
+        out[j:whole:width] = data[j * n : (j + 1) * n]
+    out[whole:] = data[whole:]
+    return bytes(out)
+
+
+def shuffle(data: bytes, width: int) -> bytes:
+    whole = len(data) - len(data) % width
+    return b"".join(data[j:whole:width] for j in range(width)) + data[whole:]
+
+
+_ITEMSIZE = {"bool": 1, "uint8": 1, "int8": 1, "int16": 2, "float16": 2, "bfloat16": 2,
+             "int32": 4, "float32": 4, "int64": 8, "float64": 8, "complex64": 8}
+
+
+_NAME_CHARS = set("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-")
+
+
+class SpecReader:
+    """Reads one checkpoint as FORMAT.md section 12 describes; no ckptfmt code."""
+
+    def __init__(self, repo: Path, name: str):
+        assert name[0].isalnum() and set(name) <= _NAME_CHARS and len(name) <= 128
+        assert name not in ("chunks", "ckptfmt.json")
+        self.repo = repo
+        marker = json.loads((repo / "ckptfmt.json").read_bytes())
+        assert marker["format"] == "ckptfmt-repository" and marker["version"][0] == 1
+        commit_path = repo / name / "COMMIT"
+        assert commit_path.stat().st_size <= 64 * 2**10
+        commit = json.loads(commit_path.read_bytes())
+        assert commit["format"] == "ckptfmt-commit" and commit["version"][0] == 1
+        assert commit["name"] == name
+        path = repo / name / f"manifest-{commit['manifest']}.msgpack"
+        assert path.stat().st_size == commit["manifest_size"]
+        data = path.read_bytes()
+        assert blake3_hex(data) == commit["manifest"]
+        self.manifest = unpack(data)
+        assert self.manifest["format"] == "ckptfmt-manifest" and self.manifest["version"][0] == 1
+        assert self.manifest["name"] == name
+        self.chunks = self.manifest["chunks"]
+        self.tensors = self.manifest["tensors"]
+        self._decoded: dict[int, bytes] = {}
+        self.chunks_read = 0
+
+    def chunk(self, index: int) -> bytes:
+        if index in self._decoded:
+            return self._decoded[index]
+        row = self.chunks[index]
+        digest, codec = row["hash"], row["codec"]
+        suffix = "" if codec == "none" else f".{codec}"
+        path = self.repo / "chunks" / digest[:2] / f"{digest}{suffix}"
+        assert path.stat().st_size == row["stored_size"], "stored size checked before reading"
+        stored = path.read_bytes()
+        if codec == "none":
+            data = stored
+        else:
+            assert codec == "zstd" or codec in ("shuffle2-zstd", "shuffle4-zstd", "shuffle8-zstd"), codec
+            assert zstandard.frame_content_size(stored) == row["size"], "frame declares its content size"
+            data = zstandard.ZstdDecompressor().decompress(stored, max_output_size=row["size"])
+            if codec != "zstd":
+                data = unshuffle(data, int(codec[len("shuffle") : -len("-zstd")]))
+        assert len(data) == row["size"]
+        assert blake3_hex(data) == digest, f"chunk {index} is corrupt"
+        self.chunks_read += 1
+        self._decoded[index] = data
+        return data
+
+    def tensor_bytes(self, key: str) -> tuple[dict, bytes]:
+        entries = [t for t in self.tensors if t["key"] == key]
+        assert len(entries) == 1, "keys are unique"
+        entry = entries[0]
+        if entry.get("same_as") is not None:
+            entry = self.tensors[entry["same_as"]]
+        shape, width = entry["shape"], _ITEMSIZE[entry["dtype"]]
+        numel = math.prod(shape)
+        out = bytearray(numel * width)
+        covered = 0
+        for shard in entry["shards"]:
+            offsets, box = shard["offsets"], shard["shape"]
+            assert len(offsets) == len(box) == len(shape)
+            assert all(o + n <= d for o, n, d in zip(offsets, box, shape))
+            parts = []
+            for chunk_index, offset, length in shard["pieces"]:
+                assert offset + length <= self.chunks[chunk_index]["size"]
+                parts.append(self.chunk(chunk_index)[offset : offset + length])
+            data = b"".join(parts)
+            assert len(data) == math.prod(box) * width
+            covered += math.prod(box)
+            _place(out, shape, width, offsets, box, data)
+        assert covered == numel
+        return entry, bytes(out)
+
+
+def _place(out: bytearray, shape, width, offsets, box, data: bytes) -> None:
+    """Copy a shard's C-order bytes into the global tensor's C-order buffer (FORMAT.md 6.5)."""
+    if not shape:
+        out[:] = data
+        return
+    if math.prod(box) == 0:
+        return
+    strides = [math.prod(shape[k + 1 :]) for k in range(len(shape))]
+    row = box[-1] * width
+    for i, idx in enumerate(itertools.product(*(range(n) for n in box[:-1]))):
+        # element (offsets + (idx, 0)) of the global tensor; the last dimension's stride is 1
+        start = (sum((offsets[k] + idx[k]) * strides[k] for k in range(len(idx))) + offsets[-1]) * width
+        out[start : start + row] = data[i * row : (i + 1) * row]
+
+
+def tree_hook(code: int, data: bytes):
+    """Just enough of FORMAT.md section 7 for the test: tensor refs, tuples, big ints, sets."""
+    if code == 1:
+        return ("<tensor>", unpack(data))
+    if code == 2:
+        return tuple(msgpack.unpackb(data, raw=False, strict_map_key=False, ext_hook=tree_hook))
+    if code == 3:
+        return int(data.decode("ascii"))
+    return ("<ext>", code)
+
+
+def store_chunk(repo: Path, data: bytes, codec: str) -> dict:
+    digest = blake3_hex(data)
+    if codec == "none":
+        stored, suffix = data, ""
+    else:
+        width = 1 if codec == "zstd" else int(codec[len("shuffle") : -len("-zstd")])
+        payload = shuffle(data, width) if width > 1 else data
+        stored = zstandard.ZstdCompressor(level=3, write_content_size=True).compress(payload)
+        suffix = f".{codec}"
+    folder = repo / "chunks" / digest[:2]
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{digest}{suffix}").write_bytes(stored)
+    return {"hash": digest, "codec": codec, "size": len(data), "stored_size": len(stored)}
+
+
+def write_by_spec(repo: Path, name: str) -> dict:
+    """A 4x6 float32 tensor in two column shards, one split over two chunks; a 0-dim int64."""
+    grid = np.arange(24, dtype="<f4").reshape(4, 6)
+    left, right = grid[:, :2].tobytes(), grid[:, 2:].tobytes()  # each box in its own C order
+    scalar = np.array(-5, dtype="<i8").tobytes()
+    # chunk 0 (none): a pack: left at 0, scalar at 64, first 40 bytes of right at 128
+    pack = bytearray(128 + 40)
+    pack[0 : len(left)] = left
+    pack[64:72] = scalar
+    pack[128:168] = right[:40]
+    rows = [
+        store_chunk(repo, bytes(pack), "none"),
+        store_chunk(repo, right[40:], "shuffle4-zstd"),
+    ]
+    manifest = {
+        "format": "ckptfmt-manifest",
+        "version": [1, 0],
+        "name": name,
+        "created_ns": 1_700_000_000_000_000_000,
+        "chunks": rows,
+        "tensors": [
+            {"key": "grid", "dtype": "float32", "shape": [4, 6], "shards": [
+                {"offsets": [0, 2], "shape": [4, 4], "rank": 1, "pieces": [[0, 128, 40], [1, 0, 24]]},
+                {"offsets": [0, 0], "shape": [4, 2], "pieces": [[0, 0, 32]]},
+            ]},
+            {"key": "n", "dtype": "int64", "shape": [], "shards": [
+                {"offsets": [], "shape": [], "pieces": [[0, 64, 8]]},
+            ]},
+            {"key": "grid_again", "dtype": "float32", "shape": [4, 6], "same_as": 0, "shards": [
+                {"offsets": [0, 0], "shape": [4, 6], "pieces": [[0, 0, 32], [0, 128, 40], [1, 0, 24]]},
+            ]},
+        ],
+        "state": msgpack.packb({
+            "grid": msgpack.ExtType(1, msgpack.packb(0)),
+            "n": msgpack.ExtType(1, msgpack.packb(1)),
+            "again": msgpack.ExtType(1, msgpack.packb(2)),
+            "t": msgpack.ExtType(2, msgpack.packb([1, 2.5])),
+            7: "seven",
+        }, use_bin_type=True),
+        "user": msgpack.packb({}, use_bin_type=True),
+        "a_field_from_a_future_minor": {"ignored": True},
+    }
+    data = msgpack.packb(manifest, use_bin_type=True)
+    digest = blake3_hex(data)
+    (repo / name).mkdir(parents=True)
+    (repo / name / f"manifest-{digest}.msgpack").write_bytes(data)
+    commit = {"format": "ckptfmt-commit", "version": [1, 0], "name": name, "manifest": digest,
+              "manifest_size": len(data), "step": None, "created_ns": manifest["created_ns"], "parent": None}
+    (repo / name / "COMMIT").write_text(json.dumps(commit))
+    return {"grid": grid, "n": -5}
+
+
+def unpack(data: bytes):
+    return msgpack.unpackb(data, raw=False, strict_map_key=False)
