@@ -51,9 +51,10 @@ demo: setup
 test: lint
 	$(BIN)/python -m pytest -q
 
-# ruff over everything (pyproject.toml says which rules and why).
+# ruff over everything and mypy over the core (pyproject.toml says which rules and why).
 lint: setup
 	$(BIN)/ruff check .
+	$(BIN)/mypy
 
 # The tests that need no torch.distributed ranks, DeepSpeed, S3 server, browser or long run: a few minutes.
 test-quick: setup

@@ -222,7 +222,7 @@ def _data_order(runs: list[Repository], by_step: list[dict[int, CommitRecord]],
 
 def _batches(repo: Repository, steps: dict[int, CommitRecord]) -> dict[int, dict[int, bytes | None]]:
     """rank -> step -> batch digest (None where none was recorded)."""
-    found: dict[int, dict[int, bytes | None]] = {}
+    found: dict[Any, dict[int, bytes | None]] = {}  # keyed by each record's rank, as recorded
     for record in steps.values():
         manifest = repo.manifest(record.name, record, skip=frozenset({"rng"}))
         for index, rank_record in enumerate(manifest.timing.get("ranks") or []):
@@ -258,7 +258,7 @@ def _seeds(runs: list[Repository], by_step: list[dict[int, CommitRecord]], first
         explains, evidence = _generator_verdict(draws, diverged_at)
         found.append({"kind": "seed", "field": f"rng.{field}", "rank": rank,
                       "a": _short(entries[0][rank].get(field)), "b": _short(entries[1][rank].get(field)),
-                      "first_step": first[0].step, "explains": explains, "evidence": evidence})
+                      "first_step": _common_step(first), "explains": explains, "evidence": evidence})
     return found
 
 
@@ -310,7 +310,7 @@ def _freshly_seeded(generator: str, entry: dict) -> bool:
     NumPy's ``seed()`` without a seed keeps the position it had, so a generator reseeded that way after
     use counts as used.
     """
-    state = entry.get(generator)
+    state: Any = entry.get(generator)
     try:
         if generator == "torch_cpu":
             seed = entry.get("torch_initial_seed")
@@ -343,16 +343,23 @@ def _init_genrand_key(keys: bytes) -> bool:
 
 
 # -- records of the first common checkpoint -------------------------------------------------------------
+def _common_step(first: list[Manifest]) -> int:
+    """The step of the first common checkpoint: the runs are aligned by step, so it has one."""
+    step = first[0].step
+    assert step is not None
+    return step
+
+
 def _topology(first: list[Manifest], diverged_at: int | None) -> list[dict]:
     topologies = [m.topology for m in first]
     found = []
     for field in ("world_size", "backend", "parallelism", "meshes"):
         a, b = (t.get(field) for t in topologies)
         if a != b:
-            found.append(_recorded_entry("topology", field, a, b, first[0].step, diverged_at))
+            found.append(_recorded_entry("topology", field, a, b, _common_step(first), diverged_at))
     hosts = [sorted({str(r.get("host")) for r in t.get("ranks") or [] if isinstance(r, dict)}) for t in topologies]
     if hosts[0] != hosts[1]:
-        found.append(_recorded_entry("topology", "hosts", hosts[0], hosts[1], first[0].step, diverged_at))
+        found.append(_recorded_entry("topology", "hosts", hosts[0], hosts[1], _common_step(first), diverged_at))
     return found
 
 
@@ -365,7 +372,7 @@ def _environment(first: list[Manifest], diverged_at: int | None) -> list[dict]:
         if a == b:
             continue
         kind = next((kind for kind, prefixes in _ENVIRONMENT_KINDS if field.startswith(prefixes)), "environment")
-        found.append(_recorded_entry(kind, field, a, b, first[0].step, diverged_at))
+        found.append(_recorded_entry(kind, field, a, b, _common_step(first), diverged_at))
     return found
 
 

@@ -172,7 +172,7 @@ def _jitter(lateness: np.ndarray) -> float:
     return float(np.nan_to_num(1.4826 / np.sqrt(2) * _nanmedian(np.abs(np.diff(lateness, axis=0)), axis=None)))
 
 
-def _nanmedian(values: np.ndarray, axis: int) -> np.ndarray:
+def _nanmedian(values: np.ndarray, axis: int | None) -> np.ndarray:
     """``np.nanmedian``: NaN where a slice has no number, without a warning."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
@@ -227,7 +227,7 @@ def episode_ranges(episodes: list[dict]) -> str:
     )
 
 
-def _finite(value: float) -> float | None:
+def _finite(value: float | np.ndarray) -> float | None:
     """A ratio for the report: None where its baseline was too short to divide by (JSON has no NaN)."""
     return float(value) if np.isfinite(value) else None
 
@@ -235,7 +235,7 @@ def _finite(value: float) -> float | None:
 def _hosts(delays: Delays) -> list[dict]:
     """Hosts with two or more ranks slow in the same steps."""
     slow = delays.delay_s > 0
-    by_host: dict[str, list[int]] = {}
+    by_host: dict[str | None, list[int]] = {}
     for column, rank in enumerate(delays.ranks.tolist()):
         by_host.setdefault(delays.hosts.get(rank), []).append(column)
     found = []

@@ -16,7 +16,7 @@ import os
 from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import pyarrow as pa
@@ -49,7 +49,7 @@ def tables(repos: str | os.PathLike | Iterable | Mapping[str, str | os.PathLike]
     (without labels, a run is labelled by its URL). Checkpoints come in commit order.
     ``workers``: manifests read at once (default: 16 from remote stores, 2 from local disks).
     """
-    builders = [Checkpoints(), Saves(), Steps(), Tensors(), Environment()]
+    builders: list[TableBuilder] = [Checkpoints(), Saves(), Steps(), Tensors(), Environment()]
     for run, url in _runs(repos):
         repo = Repository.open(url, storage_options)
         readers = workers or (LOCAL_READ_WORKERS if repo.storage.cheap_exists else READ_WORKERS)
@@ -104,6 +104,16 @@ def _manifests(repo: Repository, workers: int) -> Iterator[tuple[CommitRecord, M
 
 
 # -- building columns --------------------------------------------------------------------------
+class TableBuilder(Protocol):
+    """What builds one of the tables, a manifest at a time."""
+
+    def add(self, run: str, record: CommitRecord, manifest: Manifest, where: str) -> None: ...
+
+    def flush(self) -> None: ...
+
+    def table(self) -> pa.Table: ...
+
+
 class _Builder:
     """A table built one manifest at a time: its rows are gathered as Python lists, then converted to
     Arrow arrays at once (so memory holds Arrow's compact columns, plus one manifest's lists), where a
@@ -196,14 +206,14 @@ class Checkpoints(_Builder):
     def add(self, run: str, record: CommitRecord, manifest: Manifest, where: str) -> None:
         self.origin(where)
         stats = _map(manifest.stats, where, "stats")
-        totals = [r.get("total_s") for r in _rank_records(manifest, where)]
-        totals = [t for t in totals if isinstance(t, (int, float)) and not isinstance(t, bool)]
+        recorded = [r.get("total_s") for r in _rank_records(manifest, where)]
+        totals = [t for t in recorded if isinstance(t, (int, float)) and not isinstance(t, bool)]
         topology = _map(manifest.topology, where, "topology")
         row = {
             "run": run, "name": record.name, "step": record.step, "created": record.created_ns,
             "parent": record.parent, "world_size": topology.get("world_size"),
             **{k: stats.get(k) for k in ("tensor_count", "tensor_bytes", "chunk_count", "stored_bytes", "new_bytes")},
-            "manifest_bytes": record.manifest_size, "save_s": max(totals, default=None),
+            "manifest_bytes": record.manifest_size, "save_s": max(totals) if totals else None,
             "format_version": ".".join(map(str, manifest.version)),
         }
         for name, column in self.columns.items():

@@ -20,6 +20,7 @@ rank and its error. Tensor bytes never pass between ranks.
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 from contextlib import ExitStack
@@ -106,15 +107,17 @@ def _write_and_commit(decision: dict, failure: Failure | None, url: str, name: s
         results = ranks.gather(_report(written, own_failure, ranks.rank))
 
     def commit(reports: list[dict]) -> str:
+        repo, lease = agreed.repo, agreed.lease
+        assert repo is not None and lease is not None  # run on the coordinator, which holds both
         reports[0]["timing"] = timer.record(ranks.rank, captured.steps)  # the coordinator's, with its wait
         manifest = _manifest(agreed, reports, ranks, name, options)
-        commit_manifest(agreed.repo, manifest, agreed.lease)
-        return agreed.repo.storage.describe(name)
+        commit_manifest(repo, manifest, lease)
+        return repo.storage.describe(name)
     outcome, failure = _coordinate(results, ranks, commit)
     try:
         outcome = ranks.broadcast(outcome)
     except CollectiveError as exc:
-        if ranks.is_coordinator and "ok" in outcome:
+        if ranks.is_coordinator and outcome is not None and "ok" in outcome:
             return outcome["ok"]  # committed; a rank went away after reporting its chunks durable
         if not ranks.is_coordinator and own_failure is None:
             raise CollectiveError(f"{exc}; the coordinator had every rank's chunks and may have committed "
@@ -149,6 +152,7 @@ def _coordinate(reports: list[dict] | None, ranks: RankGroup, step) -> tuple[dic
     """On the coordinator: every rank's failures, or ``step`` run on their values. None elsewhere."""
     if not ranks.is_coordinator:
         return None, None
+    assert reports is not None  # the coordinator gathered every rank's
     errors = [error for report in reports for error in report.get("errors", ())]
     if errors:
         return {"errors": errors}, None
@@ -233,7 +237,7 @@ def _plan(plans: list[dict], repo: Repository, lease: Lease, name: str, options:
     trees = []
     for rank, plan in enumerate(plans):
         keys = [entry["key"] for entry in plan["entries"]]
-        trees.append((rank, decode_tree(plan["state"], lambda index, keys=keys: TensorRef(keys[index]))))
+        trees.append((rank, decode_tree(plan["state"], functools.partial(_ref, keys))))
     merged, differences = merge_states(trees)
     order: dict[str, int] = {}
     state = encode_tree(merged, lambda path, ref: order.setdefault(ref.key, len(order)))
@@ -243,6 +247,11 @@ def _plan(plans: list[dict], repo: Repository, lease: Lease, name: str, options:
     user = encode_tree({} if options.metadata is None else options.metadata)
     return Plan(repo, lease, parent_name, parent_keys, state, user, tensors, assigned,
                 [m for i, m in enumerate(meshes) if m not in meshes[:i]], differences)
+
+
+def _ref(keys: list[str], index: int) -> TensorRef:
+    """The key of a rank's tensor ``index``, as the merged value tree's leaf."""
+    return TensorRef(keys[index])
 
 
 def _tensors(plans: list[dict], order: list[str]) -> list[_Tensor]:

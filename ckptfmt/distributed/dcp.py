@@ -65,6 +65,21 @@ def _checkpoint_url(checkpoint_id: str | os.PathLike | None, default: str | None
     return url
 
 
+def _named(url: str | None) -> str:
+    """The checkpoint URL this layer was given (DCP hands it over through ``reset`` if not at construction)."""
+    if url is None:
+        raise CheckpointError("no checkpoint URL: give one to the storage layer or as DCP's checkpoint_id")
+    return url
+
+
+def _tensor_metadata(metadata: dcp_metadata.Metadata, fqn: str) -> dcp_metadata.TensorStorageMetadata:
+    """DCP's description of tensor ``fqn``."""
+    described = metadata.state_dict_metadata[fqn]
+    if not isinstance(described, dcp_metadata.TensorStorageMetadata):
+        raise CheckpointError(f"{fqn}: DCP describes it as bytes, but a rank wrote it as a tensor")
+    return described
+
+
 def _valid_url(checkpoint_id: str | os.PathLike) -> bool:
     try:
         split_checkpoint_url(os.fspath(checkpoint_id))
@@ -120,7 +135,7 @@ class StorageWriter(dcp_storage.StorageWriter):
 
     def prepare_global_plan(self, plans: list[dcp_planner.SavePlan]) -> list[dcp_planner.SavePlan]:
         """On the coordinator, before any rank writes: create the repository, refuse a taken name."""
-        repo_url, name = split_checkpoint_url(self.url)
+        repo_url, name = split_checkpoint_url(_named(self.url))
         self._release_lease()
         repo, self.lease = open_for_save(repo_url, self.options, max_hold_s=DCP_MAX_HOLD_S)
         try:
@@ -133,7 +148,7 @@ class StorageWriter(dcp_storage.StorageWriter):
     def write_data(self, plan: dcp_planner.SavePlan,
                    planner: dcp_planner.SavePlanner) -> Future[list[dcp_storage.WriteResult]]:
         """Store this rank's tensors as chunks; plain values travel to the coordinator in the results."""
-        repo = Repository.open(split_checkpoint_url(self.url)[0], self.options.storage_options, create=True)
+        repo = Repository.open(split_checkpoint_url(_named(self.url))[0], self.options.storage_options, create=True)
         results, items, sources = [], [], []
         with self.timer.phase("prepare"):
             for item in plan.items:
@@ -143,6 +158,9 @@ class StorageWriter(dcp_storage.StorageWriter):
                     results.append(dcp_storage.WriteResult(item.index, len(encoded), {"value": encoded}))
                 else:
                     tensor = planner.resolve_data(item)
+                    if not isinstance(tensor, torch.Tensor):
+                        raise CheckpointError(f"{item.index.fqn}: DCP planned a tensor but the planner resolved "
+                                              f"a {type(tensor).__name__}")
                     sources.append(prepare(tensor.detach(), item.index.fqn))
                     items.append(item)
         stored = store_sources(repo, sources, compression=self.options.compression, parent_keys=set(),
@@ -171,7 +189,7 @@ class StorageWriter(dcp_storage.StorageWriter):
 
     def finish(self, metadata: dcp_metadata.Metadata, results: list[list[dcp_storage.WriteResult]]) -> None:
         """On the coordinator, once every rank has written: the manifest, then the commit record."""
-        repo_url, name = split_checkpoint_url(self.url)
+        repo_url, name = split_checkpoint_url(_named(self.url))
         repo = Repository.open(repo_url, self.options.storage_options)
         gathered, shards_of, table, records = _gather(metadata, results)
         flat = {fqn: gathered[fqn] for fqn in metadata.state_dict_metadata if fqn in gathered}  # state order
@@ -188,7 +206,7 @@ class StorageWriter(dcp_storage.StorageWriter):
         state_bytes = encode_tree(state, number)
         tensors = []
         for fqn, key in keys.items():
-            md = metadata.state_dict_metadata[fqn]
+            md = _tensor_metadata(metadata, fqn)
             tensors.append(TensorEntry(key=key, dtype=dtype_name(md.properties.dtype), shape=tuple(md.size),
                                        shards=tuple(shards_of[fqn])))
         meshes = [mesh for record in records for mesh in record["meshes"]]
@@ -199,6 +217,9 @@ class StorageWriter(dcp_storage.StorageWriter):
         manifest = manifest_for(name, self.options, parent=None, chunks=table.chunks, tensors=tensors,
                                 new_bytes=table.new_bytes, state=state_bytes, user=encode_tree({}),
                                 records=records, topology=topology, collective=True)
+        if self.lease is None:
+            raise CheckpointError(f"{self.url}: finish() on a writer that never planned this save "
+                                  "(prepare_global_plan takes the save lease)")
         try:
             commit_manifest(repo, manifest, self.lease)
         finally:
@@ -235,7 +256,7 @@ def _gather(metadata: dcp_metadata.Metadata, results: list[list[dcp_storage.Writ
             if "value" in result.storage_data:
                 flat[fqn] = decode_tree(result.storage_data["value"])
                 continue
-            md = metadata.state_dict_metadata[fqn]
+            md = _tensor_metadata(metadata, fqn)
             offsets = tuple(result.index.offset) if result.index.offset is not None else (0,) * len(md.size)
             sizes = next(tuple(c.sizes) for c in md.chunks if tuple(c.offsets) == offsets)
             pieces = [Piece(table.add(Chunk(hash_, codec, size, stored_size), written), offset, length)
@@ -271,7 +292,7 @@ class StorageReader(dcp_storage.StorageReader):
 
     def _open(self) -> CheckpointReader:
         if self._reader is None:
-            self._reader = CheckpointReader(self.url, storage_options=self.storage_options, mmap=False)
+            self._reader = CheckpointReader(_named(self.url), storage_options=self.storage_options, mmap=False)
         return self._reader
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
@@ -323,13 +344,15 @@ class StorageReader(dcp_storage.StorageReader):
                 buffer.seek(0)
                 planner.load_bytes(request, buffer)
                 continue
-            offsets = [s + o for s, o in zip(request.storage_index.offset, request.storage_offsets)]
+            start = request.storage_index.offset
+            assert start is not None  # a tensor item's index has the offsets of its chunk
+            offsets = tuple(s + o for s, o in zip(start, request.storage_offsets))
             target = planner.resolve_tensor(request).detach()
             if target.device.type == "cpu" and target.is_contiguous() and \
                     target.dtype == dtype_from_name(reader.tensor_info(what).dtype):
-                reader.read_box(what, offsets, list(request.lengths), out=target)  # straight into place
+                reader.read_box(what, offsets, tuple(request.lengths), out=target)  # straight into place
             else:
-                target.copy_(reader.read_box(what, offsets, list(request.lengths)))
+                target.copy_(reader.read_box(what, offsets, tuple(request.lengths)))
             planner.commit_tensor(request, target)
         future: Future = Future()
         future.set_result(None)

@@ -26,7 +26,7 @@ def check_codec(codec: object) -> str:
     """Return ``codec`` if this reader knows it, else raise ManifestError."""
     if codec not in CODECS:
         raise ManifestError(f"unknown chunk codec {quoted(codec)}")
-    return codec  # type: ignore[return-value]
+    return codec
 
 
 def codec_for(compression: str | None, itemsize: int) -> str:

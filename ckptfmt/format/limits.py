@@ -7,6 +7,7 @@ escape the repository (path traversal) on any filesystem or object store.
 from __future__ import annotations
 
 import re
+from typing import TypeGuard
 
 from ckptfmt.errors import InvalidNameError, quoted
 
@@ -36,7 +37,7 @@ HASH_PATTERN = re.compile(r"[0-9a-f]{64}")
 RESERVED_NAMES = frozenset({"chunks", "ckptfmt.json"})
 
 
-def is_valid_name(name: object) -> bool:
+def is_valid_name(name: object) -> TypeGuard[str]:
     """Whether ``name`` may name a checkpoint (spec 4.2).
 
     Reserved names compare case-insensitively: 'Chunks' is 'chunks' on macOS and Windows.

@@ -85,7 +85,7 @@ def byte_view(tensor: torch.Tensor) -> memoryview:
     """Writable raw bytes of a contiguous CPU tensor."""
     if tensor.numel() == 0:
         return memoryview(bytearray())
-    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy().data)
 
 
 def finish(tensor: torch.Tensor, kind: str, requires_grad: bool):

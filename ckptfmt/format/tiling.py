@@ -26,8 +26,13 @@ _PAIR_BLOCK = 4096
 
 
 class Box(Protocol):
-    offsets: tuple[int, ...]
-    shape: tuple[int, ...]
+    """Where a shard lies: its offsets in the global tensor and its shape (read-only, as in frozen dataclasses)."""
+
+    @property
+    def offsets(self) -> tuple[int, ...]: ...
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
 
 
 def check_tiling(what: str, shape: tuple[int, ...], boxes: Sequence[Box]) -> None:

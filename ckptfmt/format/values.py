@@ -68,8 +68,9 @@ NUMPY_SCALAR_TYPESTRS = _scalar_typestrs()
 
 #: A leaf that goes to the tensor table: torch tensors, numpy arrays, sharded tensors.
 TensorLike = torch.Tensor | np.ndarray | Sharded
-#: Called for each tensor leaf with its key path; returns its tensor-table index.
-OnTensor = Callable[[tuple, TensorLike], int]
+#: Called for each tensor leaf with its key path and the leaf (a TensorLike, a DTensor's LocalShard, or a
+#: TensorRef in trees rebuilt from encoded ones); returns its tensor-table index.
+OnTensor = Callable[[tuple, Any], int]
 
 
 @dataclass(frozen=True)

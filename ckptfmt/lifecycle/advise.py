@@ -120,13 +120,13 @@ def _stall(interval_s: float, delta_s: float, background_s: float) -> float:
 def _check(delta_s: float, mtbf_s: float | None = None, background_s: float = 0.0,
            interval_s: float | None = None) -> None:
     """Refuse what is not a finite number of seconds: negative stalls, zero intervals and MTBFs."""
-    for what, value, least in (("save stall", delta_s, 0), ("background time", background_s, 0),
-                               ("MTBF", mtbf_s, None), ("checkpoint interval", interval_s, None)):
-        if value is None and least is None:
+    checks = (("save stall", delta_s, "non-negative"), ("background time", background_s, "non-negative"),
+              ("MTBF", mtbf_s, "positive"), ("checkpoint interval", interval_s, "positive"))
+    for what, value, kind in checks:
+        if value is None and kind == "positive":  # optional
             continue
-        good = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
-        if not (good and (value >= 0 if least == 0 else value > 0)):
-            kind = "non-negative" if least == 0 else "positive"
+        if (not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value)
+                or not (value >= 0 if kind == "non-negative" else value > 0)):
             raise ValueError(f"the {what} must be a {kind} number of seconds, not {value!r}")
 
 
@@ -224,8 +224,7 @@ def _imported(manifest: Manifest) -> bool:
 def _save_split(manifest: Manifest) -> tuple[float, float, bool] | None:
     """(blocking stall, background time, asynchronous?) of one save: the slowest rank's of each, since
     training waits for every rank; None when the checkpoint records no save timing."""
-    splits = [rank_split(r) for r in save_timing({"timing": manifest.timing})]
-    splits = [s for s in splits if s is not None]
+    splits = [split for r in save_timing({"timing": manifest.timing}) if (split := rank_split(r)) is not None]
     if not splits:
         return None
     return max(s[0] for s in splits), max(s[1] for s in splits), any(s[2] for s in splits)
@@ -246,9 +245,9 @@ def rank_split(timing: SaveTiming) -> tuple[float, float, bool] | None:
 def _intervals(where: str, saves: list[Manifest]) -> tuple[int, list[tuple[int, float]]]:
     """The run's median interval in steps, and the (steps, seconds) between each two consecutive
     checkpoints with step numbers (a step going back, a restart from an earlier checkpoint, is no interval)."""
-    stepped = [m for m in saves if m.step is not None]
-    pairs = [(b.step - a.step, (b.created_ns - a.created_ns) / 1e9) for a, b in zip(stepped, stepped[1:])
-             if b.step > a.step]
+    stepped = [(m.step, m.created_ns) for m in saves if m.step is not None]
+    pairs = [(b_step - a_step, (b_ns - a_ns) / 1e9) for (a_step, a_ns), (b_step, b_ns) in zip(stepped, stepped[1:])
+             if b_step > a_step]
     if not pairs:
         raise CheckpointError(
             f"{where}: advice needs two checkpoints saved by training with increasing step numbers "

@@ -109,13 +109,13 @@ class Housekeeper:
         held = tier_records(target)
         present = {r.name for r in held}
         candidates = [r for r in tier_records(source) if r.name not in present]
-        kept = target.retention.kept(held + candidates, self._metrics_of(source))
+        kept = _rules(target).kept(held + candidates, self._metrics_of(source))
         return [r.name for r in candidates if r.name in kept]
 
     def _retain(self, index: int, tier: Tier, following: Tier | None) -> None:
         repo = Repository.open(tier.url, tier.storage_options)
         records = repo.commits()
-        doomed = {r.name for r in tier.retention.to_delete(records, self._metrics_of(tier))}
+        doomed = {r.name for r in _rules(tier).to_delete(records, self._metrics_of(tier))}
         if following is not None:  # never before the next tier has the copy it wants
             doomed -= set(self._wanted(tier, following))
         if doomed:
@@ -127,3 +127,10 @@ class Housekeeper:
     def _metrics_of(self, tier: Tier):
         stored = metrics_reader(Repository.open(tier.url, tier.storage_options))
         return lambda record: self._metrics.get(record.name) or stored(record)
+
+
+def _rules(tier: Tier) -> Retention:
+    """A tier's retention; the manager gives every tier its own or the run's rules before housekeeping."""
+    if tier.retention is None:
+        raise ValueError(f"{tier.url}: a tier needs its retention rules before housekeeping")
+    return tier.retention

@@ -45,6 +45,7 @@ import traceback
 import warnings
 from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import Any
 
 from ckptfmt._platform import PARENT_DEATH_SIGNAL, die_with_parent
 from ckptfmt.lifecycle.housekeeping import Housekeeper, Tier
@@ -97,9 +98,7 @@ class HousekeepingProcess(Housekeeper):
     def replicate(self, metrics: dict[str, dict]) -> list[str]:
         self._metrics.update(metrics)  # for retention, here
         with self._lock:
-            if self._connection is None:
-                self._start()
-            connection = self._connection
+            connection = self._connection if self._connection is not None else self._start()
         try:
             connection.send(("replicate", metrics))
             outcome, payload = connection.recv()
@@ -117,18 +116,19 @@ class HousekeepingProcess(Housekeeper):
     def close(self) -> None:
         self._stop()
 
-    def _start(self) -> None:
-        """Start the child (under the lock), stopped at once if a save is running."""
+    def _start(self) -> Connection:
+        """Start the child (under the lock), stopped at once if a save is running; the connection to it."""
         ours, theirs = socket.socketpair()
         with theirs:
             self._child = subprocess.Popen(
                 [sys.executable, "-c", _CHILD, str(theirs.fileno()), str(os.getpid())],
                 pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
                 start_new_session=True)  # the terminal's Ctrl-C is the manager's to handle
-        self._connection = Connection(ours.detach())
-        self._connection.send(("start", self.tiers))
+        connection = self._connection = Connection(ours.detach())
+        connection.send(("start", self.tiers))
         if self._paused:
             self._signal(signal.SIGSTOP)
+        return connection
 
     def _signal(self, signum: int) -> None:
         if self._child is not None:
@@ -139,7 +139,7 @@ class HousekeepingProcess(Housekeeper):
         with self._lock:
             connection, child = self._connection, self._child
             self._connection = self._child = None
-        if child is None:
+        if child is None or connection is None:
             return None
         try:
             connection.send(("stop", None))
@@ -169,7 +169,8 @@ def _serve(connection: Connection) -> None:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")  # the manager's filters decide
                 problems = keeper.replicate(metrics)
-            reply = ("done", (problems, [(str(w.message), _portable_category(w.category)) for w in caught]))
+            reply: tuple[str, Any] = ("done", (problems, [(str(w.message), _portable_category(w.category))
+                                                          for w in caught]))
         except Exception as exc:
             reply = ("failed", _portable(exc))
         try:

@@ -80,7 +80,8 @@ class CheckpointManager:
         if (repo is None) == (tiers is None):
             raise ValueError("give either repo or tiers (fastest first)")
         default = Retention(keep_last=keep_last, keep_every=keep_every, keep_best=keep_best, keep_within=keep_within)
-        self.tiers = [_tier(t, default, storage_options) for t in ([repo] if tiers is None else tiers)]
+        given = [repo] if repo is not None else tiers or []
+        self.tiers = [_tier(t, default, storage_options) for t in given]
         if not self.tiers:
             raise ValueError("tiers must name at least one repository")
         if interval not in (None, "auto") and (isinstance(interval, bool) or not isinstance(interval, int)
@@ -160,7 +161,7 @@ class CheckpointManager:
         if self.housekeeper is not None:  # copying to the next tiers waits while the loop saves
             self.housekeeper.pause()
         try:
-            if self.async_save:
+            if self.saver is not None:
                 self._save = self.saver.save(state, url, options, timer=timer)
                 returned = time.perf_counter()
                 self._save.add_done_callback(lambda future: self._saved(future, returned))
@@ -269,7 +270,7 @@ class CheckpointManager:
         """The save has ended (an async one: on its thread, at once): copying goes on, and the
         background part of a successful async save joins the measurements."""
         self._resume_housekeeping()
-        if future is not None and future.exception() is None:
+        if future is not None and returned is not None and future.exception() is None:
             self._background_s.append(time.perf_counter() - returned)
 
     def _resume_housekeeping(self) -> None:
@@ -281,9 +282,11 @@ class CheckpointManager:
         warn and are retried after the next save."""
         if save is not None and save.exception() is not None:
             return  # nothing new is committed; the next save, or wait(), raises the error
+        housekeeper = self.housekeeper
+        assert housekeeper is not None  # queued only where there is one (the group's rank 0)
         with self._lock:
             metrics, self._new_metrics = self._new_metrics, {}
-        for problem in self.housekeeper.run(metrics):
+        for problem in housekeeper.run(metrics):
             warnings.warn(f"checkpoint manager: {problem}", CheckpointWarning, stacklevel=2)
 
     # -- interval="auto" -----------------------------------------------------------------------
@@ -298,7 +301,7 @@ class CheckpointManager:
         """The next save's step, from the medians measured so far; rank 0 decides for the group
         (every rank calls this at the same step). Without measurements yet, plan again later."""
         next_save = None
-        if self._step_s and self._stall_s:
+        if self._step_s and self._stall_s and self._last_saved is not None:
             background = statistics.median(self._background_s) if self._background_s else 0.0
             self.planned_interval = auto_interval(statistics.median(self._stall_s), statistics.median(self._step_s),
                                                   self.mtbf_s, background)

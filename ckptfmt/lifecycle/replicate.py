@@ -21,6 +21,7 @@ listing and the commit that references it (spec 11.6).
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
@@ -67,7 +68,7 @@ class ReplicationReport:
 def replicate(src: str | os.PathLike | Repository, dst: str | os.PathLike | Repository,
               name: str | Iterable[str] | None = None, *, storage_options: dict | None = None,
               dst_storage_options: dict | None = None, workers: int = 8, verify: bool = True,
-              progress: Callback | None = None, yield_to: Callable[[], None] | None = None) -> ReplicationReport:
+              progress: Callback | None = None, yield_to: Callable[[], object] | None = None) -> ReplicationReport:
     """Copy checkpoints of repository ``src`` to repository ``dst`` (created if missing).
 
     ``name``: a checkpoint name or several; None copies every committed
@@ -86,7 +87,9 @@ def replicate(src: str | os.PathLike | Repository, dst: str | os.PathLike | Repo
     started = time.perf_counter()
     source = _repository(src, storage_options, create=False)
     target = _repository(dst, dst_storage_options, create=True)
-    copied, present, missing = [], [], []
+    copied: list[str] = []
+    present: list[str] = []
+    missing: list[CommitRecord] = []
     for record in _records(source, name):
         if _on_target(source, target, record):
             present.append(record.name)
@@ -155,7 +158,7 @@ class _Copier:
     """Copies checkpoints' chunks, manifests and commit records to the target; counts what it did."""
 
     def __init__(self, source: Repository, target: Repository, workers: int, verify: bool, progress: Callback,
-                 yield_to: Callable[[], None] | None = None):
+                 yield_to: Callable[[], object] | None = None):
         self.yield_to = yield_to
         self.source = source
         self.target = target
@@ -206,15 +209,18 @@ class _Copier:
 
     def _run(self, jobs: list[tuple[str, Chunk, int | None]], name: str) -> tuple[list[str], list[str]]:
         """Transfer the jobs' chunks, ``workers`` at a time; the keys written, and those found intact."""
-        written, found, failures = [], [], []
+        written: list[str] = []
+        found: list[str] = []
+        failures: list[BaseException] = []
         slots = threading.BoundedSemaphore(2 * self.workers)  # bounds the queue, not just the threads
 
         def done(future: Future, key: str) -> None:
             slots.release()
             if future.cancelled():
                 return
-            if future.exception() is not None:
-                failures.append(future.exception())
+            error = future.exception()
+            if error is not None:
+                failures.append(error)
             else:
                 (written if future.result() else found).append(key)
 
@@ -227,7 +233,7 @@ class _Copier:
                     slots.release()
                     break
                 future = pool.submit(self._transfer, key, chunk, size)
-                future.add_done_callback(lambda f, key=key: done(f, key))
+                future.add_done_callback(functools.partial(_call_with_key, done, key))
             pool.shutdown(cancel_futures=bool(failures))
         if failures:
             error = failures[0]
@@ -308,3 +314,8 @@ class _Copier:
                 raise
             return False
         return True
+
+
+def _call_with_key(done: Callable[[Future, str], None], key: str, future: Future) -> None:
+    """A future's done callback that also gets the chunk's key."""
+    done(future, key)

@@ -76,12 +76,12 @@ class ChunkReader:
             if index in cache:
                 cache.move_to_end(index)
                 return cache[index]
-            future = self._loading.get((id(cache), index))
-            owner = future is None
-            if owner:
-                future = self._loading[(id(cache), index)] = Future()
-        if not owner:
-            return future.result()
+            loading = self._loading.get((id(cache), index))
+            if loading is None:
+                future: Future = Future()
+                self._loading[(id(cache), index)] = future
+        if loading is not None:  # another thread loads it: wait for its result
+            return loading.result()
         try:
             data = load()
         except BaseException as exc:

@@ -177,7 +177,7 @@ class CheckpointReader:
         if len(covering) == 1:  # the span lies in one chunk: view it there
             position, piece = covering[0]
             at = piece.offset + begin - position
-            span = memoryview(self._chunks.read(piece.chunk))[at : at + end - begin]
+            span: memoryview | bytearray = memoryview(self._chunks.read(piece.chunk))[at : at + end - begin]
         else:
             span = bytearray(end - begin)
             for position, piece in covering:

@@ -68,9 +68,10 @@ class StepTimer:
         if self._current is None:
             raise ValueError("StepTimer.batch() outside a step: use it inside `with timer.step(n):`")
         values = _indices(indices)
-        if self._current.hasher is None:
-            self._current.hasher = blake3.blake3()
-        self._current.hasher.update(values.tobytes())
+        hasher = self._current.hasher
+        if hasher is None:
+            hasher = self._current.hasher = blake3.blake3()
+        hasher.update(values.tobytes())
         self._current.batch_size += values.size
 
     def metrics(self, **values: float) -> None:
@@ -138,7 +139,9 @@ class _Step:
     def __init__(self, timer: StepTimer, step: int):
         self.timer, self.step = timer, step
         self.phases: dict[str, int] = {}
-        self.hasher, self.batch_size, self.metrics = None, 0, {}
+        self.hasher: blake3.blake3 | None = None
+        self.batch_size = 0
+        self.metrics: dict[str, float] = {}
 
     def __enter__(self) -> _Step:
         self.timer._current = self

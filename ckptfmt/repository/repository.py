@@ -215,7 +215,8 @@ class Repository:
         """Create commit record ``key``. Where the storage's create cannot be taken on trust
         (``create_settle_s`` is set: object stores), the record is read back, and again that long after,
         and only our own bytes both times mean a commit (spec 11.3)."""
-        trusted = self.storage.create_settle_s is None
+        settle_s = self.storage.create_settle_s
+        trusted = settle_s is None
         try:
             self.storage.create(key, data)
             outcome: str | StorageError = "created"
@@ -227,11 +228,12 @@ class Repository:
             if trusted:
                 raise
             outcome = exc
-        if not trusted:
-            self._confirm_commit(key, data, outcome, where)
+        if settle_s is not None:
+            self._confirm_commit(key, data, outcome, where, settle_s)
 
-    def _confirm_commit(self, key: str, data: bytes, outcome: str | StorageError, where: str) -> None:
-        """Read the record back twice, ``create_settle_s`` apart; return only if both reads are ``data``.
+    def _confirm_commit(self, key: str, data: bytes, outcome: str | StorageError, where: str,
+                        settle_s: float) -> None:
+        """Read the record back twice, ``settle_s`` apart; return only if both reads are ``data``.
 
         ``outcome`` is what the create said. "exists" with our own bytes stored is
         our own earlier attempt: its answer was lost and botocore's retry got 412.
@@ -244,7 +246,7 @@ class Repository:
         """
         for check in range(2):
             if check:
-                time.sleep(self.storage.create_settle_s)
+                time.sleep(settle_s)
             stored = self._read_back(key, where)
             if stored == data:
                 continue

@@ -99,7 +99,7 @@ def _save_staged(staged: Any, url: str | os.PathLike, options: SaveOptions, capt
                  timer: StepTimer | None) -> str:
     """The background part; the timer's steps it stored leave the timer before the future is done."""
     committed = run_save(staged, url, options, captured)
-    if timer is not None:
+    if timer is not None and captured.steps is not None:
         timer.forget(captured.steps["count"])
     return committed
 

@@ -18,8 +18,10 @@ written block by block straight from the buffer.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
+from typing import overload
 
 import blake3
 import xxhash
@@ -33,6 +35,7 @@ from ckptfmt.format.tensors import TensorSource
 from ckptfmt.repository.repository import Repository
 from ckptfmt.saving.chunker import DEFAULT_CHUNK_SIZE, ChunkJob, ChunkPlanner, PieceRef
 from ckptfmt.saving.hashcache import HashCache
+from ckptfmt.storage.base import Staged
 
 #: Bytes copied, hashed and written at a time from the caller's memory.
 BLOCK_BYTES = 2**20
@@ -183,9 +186,10 @@ class ChunkWriter:
         futures = list(self.futures.values())
         done, _ = wait(futures, return_when=FIRST_EXCEPTION)
         for future in done:
-            if future.exception() is not None:
+            error = future.exception()
+            if error is not None:
                 self.close(cancel=True)
-                raise future.exception()
+                raise error
         return {index: future.result() for index, future in self.futures.items()}
 
     def close(self, cancel: bool = False) -> None:
@@ -243,8 +247,14 @@ class ChunkWriter:
         """
         block = self._block_buffer() if copy else None
         hasher, fingerprint = blake3.blake3(), xxhash.xxh3_128()
-        staged = self.repo.storage.stage(layout.CHUNKS_DIR) if codec == codecs.NONE else None
-        kept = bytearray() if staged is None else None
+        staged: Staged | None
+        kept: bytearray | None
+        if codec == codecs.NONE:  # streamed to storage as hashed
+            staged, kept = self.repo.storage.stage(layout.CHUNKS_DIR), None
+            sink: Callable[[memoryview], object] = staged.write
+        else:  # kept whole, to be compressed once hashed
+            staged, kept = None, bytearray()
+            sink = kept.extend
         try:
             for start in range(0, len(data), BLOCK_BYTES):
                 piece = data[start : start + BLOCK_BYTES]
@@ -253,7 +263,7 @@ class ChunkWriter:
                     piece[:] = data[start : start + len(piece)]
                 hasher.update(piece)
                 fingerprint.update(piece)
-                staged.write(piece) if staged is not None else kept.extend(piece)
+                sink(piece)
             digest = hasher.hexdigest()
             self.cache.remember(address, len(data), fingerprint.digest(), digest)
             result = self._put(job, codec, digest, self._publisher(staged, codec, kept, len(data)))
@@ -262,7 +272,13 @@ class ChunkWriter:
                 staged.discard()  # nothing left to remove once published
         return result
 
-    def _put(self, job: ChunkJob, codec: str, digest: str, write) -> StoredChunk | None:
+    @overload
+    def _put(self, job: ChunkJob, codec: str, digest: str, write: None) -> StoredChunk | None: ...
+
+    @overload
+    def _put(self, job: ChunkJob, codec: str, digest: str, write: Callable[[str], int]) -> StoredChunk: ...
+
+    def _put(self, job: ChunkJob, codec: str, digest: str, write: Callable[[str], int] | None) -> StoredChunk | None:
         """The chunk row for ``digest``, storing it with ``write(key)`` unless it is stored already.
 
         Without ``write``, returns None when the chunk is not stored.
@@ -281,6 +297,7 @@ class ChunkWriter:
                 with self.lock:
                     self.found_keys.append(key)
             return StoredChunk(Chunk(digest, codec, job.size, stored_size), 0)
+        assert write is not None  # not stored, so the caller gave a writer (checked above)
         written = write(key)
         with self.lock:
             self.written_keys.append(key)

@@ -89,7 +89,7 @@ def save_with(state: Any, url: str | os.PathLike, options: SaveOptions, *, timer
     in_flight.wait_for_previous(url)
     steps = step_records(timer)
     committed = run_save(state, url, options, Captured(steps=steps))
-    if timer is not None:
+    if timer is not None and steps is not None:
         timer.forget(steps["count"])
     return committed
 

@@ -67,8 +67,8 @@ class StagingArea:
             np.copyto(buffer, value)
             return buffer
         if type(value) is Sharded:
-            return Sharded(value.shape, [Shard(s.offsets, self._copy(s.tensor, f"{key}#{i}"), s.rank)
-                                         for i, s in enumerate(value.shards)])
+            return Sharded(value.shape, tuple(Shard(s.offsets, self._copy(s.tensor, f"{key}#{i}"), s.rank)
+                                              for i, s in enumerate(value.shards)))
         if is_dtensor(value):
             shard = local_shard(value, key)
             return shard.with_tensor(self._copy(shard.tensor, key))

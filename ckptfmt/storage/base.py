@@ -13,6 +13,7 @@ kinds: ``write`` (idempotent, for content-addressed chunks) and ``create``
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import errno
 import mmap
@@ -159,7 +160,7 @@ class Storage:
         with backend_errors(self.describe(key)), contextlib.suppress(FileNotFoundError):
             self.fs.rm_file(self.path(key))
 
-    def delete_many(self, keys: list[str]) -> None:
+    def delete_many(self, keys: builtins.list[str]) -> None:
         """Delete ``keys`` (absent ones are no error); object stores batch them (1,000 per request)."""
         if not keys:
             return
@@ -174,10 +175,10 @@ class Storage:
         """
         return Staged(self)
 
-    def sync(self, keys: list[str]) -> None:
+    def sync(self, keys: builtins.list[str]) -> None:
         """Make the named keys durable, contents and directory entries (object stores already are)."""
 
-    def make_durable(self, keys: list[str]) -> None:
+    def make_durable(self, keys: builtins.list[str]) -> None:
         """Make objects this process found rather than wrote (a killed save's) as durable as its own."""
 
     def makedirs(self, key: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import errno
 import mmap
@@ -223,7 +224,7 @@ class LocalStorage(Storage):
         with backend_errors(self.describe(key)), contextlib.suppress(FileNotFoundError):
             os.unlink(self.path(key))
 
-    def delete_many(self, keys: list[str]) -> None:
+    def delete_many(self, keys: builtins.list[str]) -> None:
         for key in keys:
             self.delete(key)
 
@@ -237,14 +238,14 @@ class LocalStorage(Storage):
     def stage(self, directory: str) -> Staged:
         return _StagedFile(self, directory)
 
-    def sync(self, keys: list[str]) -> None:
+    def sync(self, keys: builtins.list[str]) -> None:
         """fsync each file (one written with ``durable=False`` reaches the disk now), then the folders
         that received entries, and the parents of folders this storage created."""
         for key in keys:
             self._fsync_file(key)
         self._sync_folders(keys)
 
-    def _sync_folders(self, keys: list[str]) -> None:
+    def _sync_folders(self, keys: builtins.list[str]) -> None:
         """fsync the folders holding ``keys`` and the parents of the folders this storage created."""
         directories = {os.path.dirname(self.path(k)) for k in keys}
         directories.update(os.path.dirname(d) for d in self._new_dirs)
@@ -259,7 +260,7 @@ class LocalStorage(Storage):
             finally:
                 os.close(fd)
 
-    def make_durable(self, keys: list[str]) -> None:
+    def make_durable(self, keys: builtins.list[str]) -> None:
         """fsync each file, then every folder from its own up to the root: a killed save may have
         died before making any of these entries durable, even folders it created."""
         folders = set()

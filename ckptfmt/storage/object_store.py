@@ -116,7 +116,7 @@ def _raise_when_refused(attempts: int, caught_exception: Exception | None = None
         raise caught_exception
 
 
-def _refused(exc: BaseException) -> bool:
+def _refused(exc: BaseException | None) -> bool:
     """Whether ``exc`` (botocore's error, aiohttp's inside it) comes from a refused connection."""
     seen = set()
     while exc is not None and id(exc) not in seen:

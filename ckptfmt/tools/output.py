@@ -154,15 +154,15 @@ class Output:
 
         Nothing but the title is printed when there are no rows; nothing at all without a title.
         """
-        rows = [[str(cell) for cell in row] for row in rows]
-        if title is None and not rows:
+        cells = [[str(cell) for cell in row] for row in rows]
+        if title is None and not cells:
             return
         lines = [Text()] if self._printed else []  # a blank line between sections
         if title is not None:
             lines += wrap(Text(title, style="bold"), self.width, _INDENT) if self.width else [Text(title)]
-        if rows:
+        if cells:
             head = [c.header for c in columns] if header else None
-            lines += _Layout(columns, rows, head, self.width).lines()
+            lines += _Layout(columns, cells, head, self.width).lines()
         self._emit(lines)
 
     def _emit(self, lines: list[Text]) -> None:
@@ -194,16 +194,17 @@ class _Layout:
         return ([self.head] if self.head else []) + self.rows
 
     def lines(self) -> list[Text]:
-        if self.width is None:
+        width, widths = self.width, self.widths
+        if width is None:
             return [Text(self._plain_row(row)) for row in self._all_rows()]
-        if self.widths is None:
-            return [line for i, row in enumerate(self.rows) for line in [Text()] * bool(i) + self._record(row)]
+        if widths is None:
+            return [line for i, row in enumerate(self.rows) for line in [Text()] * bool(i) + self._record(row, width)]
         lines = []
         if self.head:
-            lines += [Text(line.plain, style="bold") for line in self._terminal_row(self.head)]
+            lines += [Text(line.plain, style="bold") for line in self._terminal_row(self.head, width, widths)]
             lines.append(Text("─" * max(line.cell_len for line in lines), style="dim"))
         for row in self.rows:
-            lines += self._terminal_row(row)
+            lines += self._terminal_row(row, width, widths)
         return lines
 
     # -- into a pipe: one line per row --------------------------------------------------------------------
@@ -232,31 +233,31 @@ class _Layout:
             return natural
         return max(cell_len(column.header) if self.head else 0, min(natural, floor))
 
-    def _terminal_row(self, row: list[str]) -> list[Text]:
-        """A row's lines; a key too wide for its column first, on a line of its own."""
+    def _terminal_row(self, row: list[str], total: int, widths: list[int]) -> list[Text]:
+        """A row's lines at column ``widths``; a key too wide for its column first, on a line of its own."""
         lines: list[Text] = []
         cells = []
-        for column, width, cell in zip(self.columns, self.widths, row):
+        for column, width, cell in zip(self.columns, widths, row):
             if column.kind == KEY and cell_len(cell) > width:
-                lines.append(Text(shorten(cell, self.width), style=column.style))
+                lines.append(Text(shorten(cell, total), style=column.style))
                 cell = ""
             cells.append(self._cell_lines(column, width, cell))
         for depth in range(max(len(c) for c in cells)):
             line = Text()
-            for i, (column, width, lines_of_cell) in enumerate(zip(self.columns, self.widths, cells)):
+            for i, (column, width, lines_of_cell) in enumerate(zip(self.columns, widths, cells)):
                 cell = lines_of_cell[depth] if depth < len(lines_of_cell) else ""
                 line.append(" " * _GAP * bool(i))
                 line.append(_pad(cell, width, column.right), style=column.style)
             lines.append(line)
         return lines
 
-    def _record(self, row: list[str]) -> list[Text]:
+    def _record(self, row: list[str], total: int) -> list[Text]:
         """A row too wide for the terminal: its key on a line, then each other cell under its header."""
         keyed = self.columns[0].kind == KEY
-        lines = [Text(shorten(row[0], self.width), style=self.columns[0].style)] if keyed else []
+        lines = [Text(shorten(row[0], total), style=self.columns[0].style)] if keyed else []
         labelled = [(column.header, cell.replace("\n", ", ")) for column, cell in zip(self.columns, row)][keyed:]
         indent = _GAP if keyed else 0
-        fields = _Layout(_LABELLED, [list(pair) for pair in labelled], None, self.width - indent)
+        fields = _Layout(_LABELLED, [list(pair) for pair in labelled], None, total - indent)
         return lines + [Text(" " * indent) + line for line in fields.lines()]
 
     @staticmethod

@@ -405,7 +405,10 @@ def test_main_rejects_three_targets(capsys):
     from ckptfmt.tui import main
 
     assert main(["a", "b", "c"]) == 2
-    assert "two to compare" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert captured.out == ""  # an error goes to stderr, on one line
+    assert captured.err.startswith("ckptfmt tui: error: ") and "two to compare" in captured.err
+    assert captured.err.count("\n") == 1
 
 
 @async_test
