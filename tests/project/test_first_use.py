@@ -11,19 +11,9 @@ import pytest
 import torch
 
 import ckptfmt
+from tests.support.documents import PACKAGES, documented_paths
 
 ROOT = Path(__file__).resolve().parents[2]
-#: Names that look like dotted paths in the docs but are files or entry point groups, not attributes.
-NOT_ATTRIBUTES = {"ckptfmt.json", "ckptfmt.commands"}
-#: Packages of their own (``import ckptfmt.converters``): the core never imports them.
-PACKAGES = {"ckptfmt.converters", "ckptfmt.tui"}
-
-
-def documented_paths() -> set[str]:
-    files = [ROOT / "README.md", *(ROOT / "docs").glob("**/*.md"), *(ROOT / "spec").glob("*.md")]
-    texts = [path.read_text() for path in files]
-    found = {m for text in texts for m in re.findall(r"\bckptfmt(?:\.[A-Za-z_][A-Za-z0-9_]*)+", text)}
-    return found - NOT_ATTRIBUTES
 
 
 def test_every_documented_dotted_path_works_after_import_ckptfmt():
