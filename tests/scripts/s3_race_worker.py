@@ -13,12 +13,7 @@ from __future__ import annotations
 import json
 import sys
 
-import torch
-
-
-def race_state(writer: int, seed: int) -> dict:
-    g = torch.Generator().manual_seed(seed)
-    return {"writer": writer, "seed": seed, "w": torch.randn(20_000, generator=g)}
+from tests.support.races import race_state
 
 
 def main() -> None:

@@ -393,7 +393,7 @@ MESSAGE_TIMEOUT_S = 60
 
 
 class RaceWorker:
-    """A long-lived writer process (tests/s3_race_worker.py) and a thread collecting its messages."""
+    """A long-lived writer process (tests/scripts/s3_race_worker.py) and a thread collecting its messages."""
 
     def __init__(self, log: Path):
         self.log = log
@@ -401,7 +401,7 @@ class RaceWorker:
             self.process = subprocess.Popen(
                 [sys.executable, str(ROOT / "tests" / "scripts" / "s3_race_worker.py")], cwd=ROOT, text=True,
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
-                env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])},
+                env={**os.environ, "PYTHONPATH": str(ROOT)},
             )
         self.messages: queue.Queue = queue.Queue()
         threading.Thread(target=self._collect, daemon=True).start()
@@ -461,7 +461,7 @@ def race(workers: list[RaceWorker], url: str, seeds: tuple[int, int], options: d
 
 def run_races(workers: list[RaceWorker], repo_url: str, options: dict | None, rounds: int) -> Counter:
     """``rounds`` races for fresh names; checks each through a fault-free client. Returns how losers lost."""
-    from s3_race_worker import race_state
+    from tests.support.races import race_state
 
     ckptfmt.save({"x": 0}, f"{repo_url}/base")  # the repository exists before the first race
     lost = Counter()
