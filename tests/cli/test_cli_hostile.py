@@ -5,7 +5,7 @@ exits 1 with its table), or fails with exit 2 and exactly one line on stderr
 that says what and where; which of the three is set out per damage and
 command (``expected_codes``). The commands run in this process (fast) under a
 watchdog, so a hang fails its case instead of the run; ``ckptfmt tui`` is
-interactive and covered by its own tests (tests/test_tui.py).
+interactive and covered by its own tests (tests/tui/test_tui.py).
 """
 
 from __future__ import annotations

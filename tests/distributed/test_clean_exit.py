@@ -1,6 +1,6 @@
 """Jobs that save and load through ckptfmt end cleanly under torchrun, every time.
 
-Each run of tests/clean_exit_job.py loads the previous run's checkpoint on another
+Each run of tests/scripts/clean_exit_job.py loads the previous run's checkpoint on another
 number of ranks (2 and 3 alternate: FSDP2 shards are resharded), saves its own
 collectively, and exits normally; every fourth leaves its last asynchronous save
 to ckptfmt's exit hook, and the next run loads what the hook committed. Every

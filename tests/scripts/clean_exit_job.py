@@ -1,4 +1,4 @@
-"""The end of a training job under torchrun, as users write it (tests/test_clean_exit.py).
+"""The end of a training job under torchrun, as users write it (tests/distributed/test_clean_exit.py).
 
     torchrun --nproc_per_node N clean_exit_job.py REPO RUN [--pending]
 

@@ -1,6 +1,6 @@
 """Train a tiny model with DeepSpeed on CPU and save a ZeRO checkpoint (run by test_import_deepspeed.py).
 
-    DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 tests/deepspeed_train.py OUT STAGE DTYPE [STAGE DTYPE ...]
+    DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 tests/scripts/deepspeed_train.py OUT STAGE DTYPE [STAGE DTYPE ...]
 
 For each (stage, dtype) pair (dtype: fp32 or bf16; fp32-elastic also sets ZeRO's elastic_checkpoint,
 bf16-fp32acc accumulates gradients in fp32, which makes ZeRO-1 DeepSpeed's BF16_Optimizer) it writes

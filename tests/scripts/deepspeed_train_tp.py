@@ -1,6 +1,6 @@
 """Train a tiny tensor-parallel model with DeepSpeed on 4 CPU ranks (mp=2 x dp=2) and save checkpoints.
 
-    DS_ACCELERATOR=cpu torchrun --nproc_per_node 4 tests/deepspeed_train_tp.py OUT STAGE DTYPE [STAGE DTYPE ...]
+    DS_ACCELERATOR=cpu torchrun --nproc_per_node 4 tests/scripts/deepspeed_train_tp.py OUT STAGE DTYPE [STAGE DTYPE ...]
 
 Run by test_import_deepspeed_tp.py. Ranks are laid out Megatron-style (the two model-parallel
 ranks of a data-parallel rank are consecutive) and handed to DeepSpeed through a small ``mpu``.

@@ -479,7 +479,7 @@ def wait_for_screen(session: str, text: str, timeout: float = 30.0) -> bool:
 # -- snapshots ---------------------------------------------------------------------------------------------
 # Deterministic screens: fixed seeds, a relative repository path (the app shows targets as given) and
 # a frozen clock while saving (commit times show in the repository table and checkpoint summaries).
-# Update with: pytest tests/test_tui.py --snapshot-update
+# Update with: pytest tests/tui/test_tui.py --snapshot-update
 
 try:
     import pytest_textual_snapshot  # noqa: F401
