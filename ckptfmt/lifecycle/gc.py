@@ -7,12 +7,11 @@ deleted is never visible as complete; their chunks stay (others may share them).
 1. **mark**, without any lock: one listing of the repository and every committed
    manifest give the candidates (unreferenced chunks, manifests no commit record
    names, folders of saves that never committed, temporary files);
-2. **sweep**, under a gc lease taken only while no save holds a lease
-   (``leases.try_gc_lease``): checkpoints committed since the mark are read and
-   their chunks spared, then the candidates are deleted.
+2. **sweep**, under a gc lease (``leases.try_gc_lease``): checkpoints committed
+   since the mark are read and their chunks spared, then the candidates are deleted.
 
-No save runs during a sweep, so a chunk a save reuses or writes is either
-referenced by a commit the sweep reads, or not yet looked at by any save.
+Why a sweep never deletes a chunk a save is about to reference:
+docs/design/leases-and-gc.md.
 """
 
 from __future__ import annotations

@@ -3,8 +3,7 @@ keep, apply each tier's retention, collect the garbage.
 
 A ``Housekeeper`` runs on the manager's background thread; a
 ``HousekeepingProcess`` (``housekeeping_process``) hands the copying to a child
-process, where uploading to a slower tier cannot compete with the training loop
-for the GIL and the cores. Neither deletes a checkpoint before a newer one is
+process (docs/design/replication-child.md). Neither deletes a checkpoint before a newer one is
 committed (retention's rule) or before the next tier has the copy its rules
 want, and both pause copying while the loop saves to the first tier.
 """

@@ -1,27 +1,13 @@
 """Replication to the next tiers in a child process of its own, stopped while the training loop saves.
 
-Uploading to S3 is mostly Python (s3fs's event loop, aiohttp, hashing the
-copies): on a thread of the training process it takes the GIL from the
-training loop, and on any thread or process it takes cores from the staging
-copy of the next async save (which uses all of them: on two cores even a niced
-busy loop beside it makes it a third slower). So the copies run in a child
-process at the lowest CPU priority, and the manager stops that process
-(SIGSTOP) from the moment a save starts until it has committed, then lets it go
-on (SIGCONT): transfers in flight wait too, where a pause between chunks would
-let them finish. Retention and garbage collection stay on the manager's
-thread: the collector holds a gc lease that saves wait for (spec 11.6), and a
-stopped holder would make them wait for it to expire. The child only ever
-holds save leases on the tiers it copies to, which hold up no save.
-
-The child is ``python -c "...main(sys.argv)" FD PID``, not a
-multiprocessing worker: spawn and forkserver would import the training script
-again in the child, and fork is unsafe in a process with threads. It asks the
-kernel to kill it when the manager's thread that started it ends
-(PR_SET_PDEATHSIG; Linux only, hence process mode only there), which also
-ends a child left stopped by a training process that died; and it ends when
-the manager closes (told so: the manager's end of the socket pair may live on
-in processes forked from it, such as DataLoader workers). A copy cut short is
-safe: replication resumes, leases expire. Messages
+The copies run in a child process at the lowest CPU priority, which the
+manager stops (SIGSTOP) from the moment a save starts until it has committed,
+then lets go on (SIGCONT); retention and garbage collection stay on the
+manager's thread. The child is ``python -c "...main(sys.argv)" FD PID``, not a
+multiprocessing worker; the kernel kills it when the thread that started it
+ends (PR_SET_PDEATHSIG: Linux only, hence process mode only there), and it
+ends when the manager closes. Why each of these: docs/design/replication-child.md.
+Messages
 (``multiprocessing.connection`` framing):
 
     manager -> child   ("start", tiers), then ("replicate", metrics) per run, ("stop", None) last

@@ -15,8 +15,8 @@ tiers, retention and garbage collection (``housekeeping``) run after each commit
 on rank 0 of the group, never deleting a checkpoint before a newer one is
 committed or before the next tier has the copy it wants. Copying pauses while a
 save writes the first tier; on Linux it runs in a child process at the lowest
-CPU priority, stopped meanwhile, so that uploads take neither the loop's GIL
-nor its cores (``housekeeping_process``).
+CPU priority, stopped meanwhile (``housekeeping_process``; why:
+docs/design/replication-child.md).
 """
 
 from __future__ import annotations

@@ -15,8 +15,7 @@ object store).
 
 The destination's chunks are listed once per call (a paginated listing on
 object stores rather than a request per chunk), under a save lease held until
-the last commit, so that a garbage collector cannot delete a chunk between the
-listing and the commit that references it (spec 11.6).
+the last commit (docs/design/leases-and-gc.md).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The commit index (spec 4.4): REPO/_index/, a cache of commit records that lists a repository cheaply.
 
-Finding the latest checkpoint once meant reading every commit record: a
-request per checkpoint on an object store. The index keeps that bounded:
+It keeps listing and finding the latest checkpoint to a bounded number of
+requests on object stores (why and how: docs/design/commit-index.md):
 
     _index/e/<created_ns:019d>.<NAME>.<manifest hash>            an entry (empty)
     _index/p/<seq:010d>.<count:08d>.<newest_ns:019d>.<tag>.json  a pack of commit records

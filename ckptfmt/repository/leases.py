@@ -1,23 +1,10 @@
-"""Leases: how saves and the garbage collector keep out of each other's way (spec 11.6).
+"""Leases: saves hold a save lease from before they look at the repository until they commit; the
+garbage collector deletes only under a gc lease while no save lease is live (spec 11.6).
 
-A save may reuse any chunk it finds stored, so a collector that deleted an
-unreferenced chunk while a save ran could delete one the save is about to
-commit a reference to. Saves therefore hold a **save lease** from before they
-look at the repository until they have committed, and the collector deletes
-only while it holds a **gc lease** and no live save lease exists:
-
-- a save writes its lease, *then* reads the gc leases, and waits while a live
-  one exists;
-- the collector writes its lease, *then* reads the save leases, and gives up
-  (deleting nothing) if a live one exists.
-
-Each side writes before it reads the other's, so on a store with read-after-
-write consistency (local disks, S3) at least one of them sees the other: a save
-and a sweep never overlap. Leases expire, so a killed process blocks the other
-side only until its lease's ``expires_ns`` (kept in the future by a heartbeat
-while the holder runs) plus the allowed clock skew. A holder whose own lease
-may have expired (paused, or its heartbeat failed) stops before acting on it:
-a save before its commit, the collector before each deletion batch.
+Each side writes its lease before reading the other's; leases expire (a heartbeat
+keeps a running holder's in the future), and a holder whose own lease may have
+lapsed stops before acting on it. Why this is enough, and what was rejected:
+docs/design/leases-and-gc.md.
 """
 
 from __future__ import annotations

@@ -30,19 +30,15 @@ def _conditional_conflict(exc: Exception) -> bool:
 
 
 class ObjectStorage(Storage):
-    """Remote stores (S3 and other fsspec backends), whose conditional create cannot be taken on trust.
-
-    Some S3-compatible stores ignore ``If-None-Match`` and moto checks then writes
-    without a lock, so a commit record is read back after its create, and again
-    ``create_settle_s`` later (``Repository.create_commit``, spec 11.3).
-    """
+    """Remote stores (S3 and other fsspec backends), whose conditional create cannot be taken on trust:
+    a commit record is read back after its create, and again ``create_settle_s`` later
+    (``Repository.create_commit``, spec 11.3; why: docs/design/s3-retries.md)."""
 
     #: Seconds between the two read-backs of a commit record.
     create_settle_s: float | None = 0.25
 
     def create(self, key: str, data: bytes) -> None:
-        # AWS answers 409 ConditionalRequestConflict when conditional writes to one key
-        # overlap, and asks the client to retry; neither botocore nor s3fs does. The
+        # S3's 409 ConditionalRequestConflict is retried here (docs/design/s3-retries.md); the
         # retry gets 412 (the other write won: FileExistsError) or succeeds.
         with backend_errors(self.describe(key), passing=(FileExistsError,)):
             for attempt in range(_CONFLICT_TRIES):
@@ -69,22 +65,10 @@ S3FS_TRIES = 2
 
 
 def s3_options(options: dict[str, Any]) -> dict[str, Any]:
-    """``options`` over ckptfmt's S3 client defaults.
-
-    Retries live in botocore ("standard" mode: 500/502/503/504, SlowDown and other
-    throttling, connection errors and timeouts, with jittered exponential backoff
-    and a retry quota that stops retry storms), 6 attempts in all: a save makes
-    thousands of requests and one failed request fails it. Timeouts make every
-    attempt end: 10 s to connect, 30 s without a byte of the response (aiohttp
-    starts this clock once the request body is sent, so large uploads do not
-    trip it). s3fs wraps every call in its own retry loop, and whole-object reads
-    in a second one, around botocore's: at its default of 5 that multiplies the
-    attempts by 25. Two tries keep one s3fs retry for what botocore never sees,
-    an error while reading a GET body (e.g. a truncated body). Worst case per
-    request, with every attempt stalled: 2 (4 for whole-object reads) x 6 x 40 s
-    plus backoff; in practice botocore's retry quota cuts an outage much shorter.
-    ``AWS_RETRY_MODE`` and ``AWS_MAX_ATTEMPTS`` in the environment keep precedence
-    (botocore reads them for the keys missing from ``retries``).
+    """``options`` over ckptfmt's S3 client defaults: botocore's "standard" retries, 6 attempts,
+    10 s to connect and 30 s without a byte of the response (the reasons and the worst case:
+    docs/design/s3-retries.md). ``AWS_RETRY_MODE`` and ``AWS_MAX_ATTEMPTS`` in the environment
+    keep precedence (botocore reads them for the keys missing from ``retries``).
     """
     retries = {key: value for key, value in S3_CONFIG_DEFAULTS["retries"].items()
                if _RETRIES_ENVIRONMENT[key] not in os.environ}
@@ -97,11 +81,8 @@ REFUSED_ATTEMPTS = 2
 
 
 def fail_fast_when_refused(fs) -> None:
-    """Stop botocore's retries once an endpoint has refused the connection twice.
-
-    A refused connection (no server at that address: a wrong ``AWS_ENDPOINT_URL``, a
-    local server not started) does not heal within a backoff's seconds, and 6
-    attempts took 11 s per request, 22-30 s per command. Timeouts, resets and 5xx
+    """Stop botocore's retries once an endpoint has refused the connection twice (nothing listens
+    there: it will not heal within a backoff; docs/design/s3-retries.md). Timeouts, resets and 5xx
     answers keep every retry. Registered once per client (s3fs caches filesystems).
     """
     client = fs.connect() if getattr(fs, "_s3", None) is None else fs.s3
