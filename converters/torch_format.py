@@ -43,7 +43,7 @@ from ckptfmt.converters.pickles import (
     StorageType,
     to_value_tree,
 )
-from ckptfmt.errors import CheckpointError
+from ckptfmt.errors import CheckpointError, CheckpointNotFoundError
 
 LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
 LEGACY_PROTOCOL = 1001
@@ -169,11 +169,9 @@ def _map(path: str) -> memoryview:
                 raise CheckpointError(f"{path}: empty file, not a torch.save file")
             return memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY))
     except FileNotFoundError:
-        from ckptfmt.errors import CheckpointNotFoundError
-
         raise CheckpointNotFoundError(f"{path}: no such file") from None
     except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{path}: cannot read ({exc})") from None
+        raise CheckpointError(f"{path}: cannot read ({exc})") from exc
 
 
 class _Storages:
