@@ -62,6 +62,44 @@ class StepTimer:
             raise ValueError(f"StepTimer.phase({name!r}) outside a step: use it inside `with timer.step(n):`")
         return _Phase(self._current.phases, name)
 
+    # -- for frameworks' hooks, which see a step's boundaries as separate calls --------------------
+    def start_step(self, step: int, *, since_ns: int | None = None, phase: str | None = None) -> None:
+        """Start step ``step``: what ``with timer.step(n)`` does on entering, for a hook to call.
+
+        ``since_ns``: a ``time.perf_counter_ns()`` reading taken when the step really began (a
+        framework's hook may run after the batch was fetched); ``phase``: the phase that began then.
+        """
+        if self._current is not None:
+            raise ValueError(f"StepTimer.start_step({step}) inside step {self._current.step}: end it first")
+        current = self.step(step).__enter__()
+        if since_ns is not None:
+            current.start_ns -= max(0, current.start - since_ns)
+            current.start = min(current.start, since_ns)
+        if phase is not None:
+            current.running = (phase, current.start)
+
+    def mark(self, phase: str | None) -> None:
+        """End the phase in progress (from ``start_step`` or an earlier ``mark``) and start ``phase``
+        (None: none), both now; phases of one name add up, as with ``timer.phase``."""
+        current = self._current
+        if current is None:
+            raise ValueError(f"StepTimer.mark({phase!r}) outside a step: call start_step first")
+        current.switch(phase, time.perf_counter_ns())
+
+    def end_step(self) -> None:
+        """End the current step (and its phase in progress): ``with timer.step(n)``'s exit, for a hook."""
+        current = self._current
+        if current is None:
+            raise ValueError("StepTimer.end_step() with no step started")
+        end = time.perf_counter_ns()
+        current.switch(None, end)
+        self._finish(current, end)
+
+    @property
+    def in_step(self) -> bool:
+        """Whether a step is in progress."""
+        return self._current is not None
+
     def batch(self, indices: Any) -> None:
         """Record which samples this rank consumed in the current step (integer indices: a tensor, an
         array or a sequence). Several calls in one step are digested together, in order."""
@@ -134,11 +172,13 @@ class StepTimer:
 
 
 class _Step:
-    __slots__ = ("timer", "step", "start_ns", "start", "phases", "hasher", "batch_size", "metrics")
+    __slots__ = ("timer", "step", "start_ns", "start", "phases", "running", "hasher", "batch_size", "metrics")
 
     def __init__(self, timer: StepTimer, step: int):
         self.timer, self.step = timer, step
         self.phases: dict[str, int] = {}
+        #: The phase a hook started (``StepTimer.mark``) and when, by ``perf_counter_ns``.
+        self.running: tuple[str, int] | None = None
         self.hasher: blake3.blake3 | None = None
         self.batch_size = 0
         self.metrics: dict[str, float] = {}
@@ -149,7 +189,16 @@ class _Step:
         return self
 
     def __exit__(self, *exc_info) -> None:
-        self.timer._finish(self, time.perf_counter_ns())
+        end = time.perf_counter_ns()
+        self.switch(None, end)
+        self.timer._finish(self, end)
+
+    def switch(self, phase: str | None, now: int) -> None:
+        """End the hook-started phase at ``now`` and start ``phase`` there."""
+        if self.running is not None:
+            name, began = self.running
+            self.phases[name] = self.phases.get(name, 0) + now - began
+        self.running = None if phase is None else (phase, now)
 
 
 class _Phase:

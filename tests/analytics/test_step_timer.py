@@ -156,3 +156,52 @@ def test_a_damaged_step_record_is_refused_naming_the_column(change, message):
 def test_save_refuses_something_else_as_timer(tmp_path):
     with pytest.raises(TypeError, match="StepTimer"):
         ckptfmt.save({"w": torch.ones(1)}, tmp_path / "repo" / "a", timer={"steps": []})
+
+
+# -- the API for frameworks' hooks ------------------------------------------------------------------
+def test_hooks_record_a_step_whose_first_phase_began_before_the_hook_ran():
+    """A framework calls start_step after fetching the batch: since_ns dates the step and its data
+    phase back to when the fetch began; mark() moves from phase to phase; end_step() closes both."""
+    timer = ckptfmt.StepTimer()
+    fetch_began = time.perf_counter_ns()
+    wall_before = time.time_ns()
+    time.sleep(0.02)  # the fetch, before any hook ran
+    timer.start_step(7, since_ns=fetch_began, phase="data")
+    assert timer.in_step
+    time.sleep(0.01)
+    timer.mark("forward_backward")
+    time.sleep(0.01)
+    timer.mark("optimizer")
+    timer.end_step()
+    ended = time.perf_counter_ns()
+    assert not timer.in_step
+    columns = decode_steps(timer.snapshot(), "timer")
+    assert columns.step.tolist() == [7]
+    assert wall_before - 1e6 <= columns.start_ns[0] <= wall_before + 1e7  # dated back to the fetch
+    duration = columns.duration_s[0]
+    assert 0.04 <= duration <= (ended - fetch_began) / 1e9
+    phases = {name: values[0] for name, values in columns.phases.items()}
+    assert set(phases) == {"data", "forward_backward", "optimizer"}
+    assert phases["data"] >= 0.03 and phases["forward_backward"] >= 0.01
+    assert sum(phases.values()) == pytest.approx(duration, abs=1e-6)  # every moment in exactly one phase
+
+
+def test_hook_phases_add_up_with_context_phases_of_the_same_name():
+    timer = ckptfmt.StepTimer()
+    timer.start_step(0, phase="data")
+    timer.mark(None)
+    with timer.phase("data"):
+        time.sleep(0.005)
+    timer.end_step()
+    data = decode_steps(timer.snapshot(), "timer").phases["data"][0]
+    assert data >= 0.005
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda t: t.mark("x"), r"outside a step: call start_step first"),
+    (lambda t: t.end_step(), r"with no step started"),
+    (lambda t: (t.start_step(1), t.start_step(2)), r"start_step\(2\) inside step 1: end it first"),
+])
+def test_hook_misuse_gets_a_clear_error(call, message):
+    with pytest.raises(ValueError, match=message):
+        call(ckptfmt.StepTimer())
