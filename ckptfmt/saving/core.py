@@ -23,6 +23,7 @@ from __future__ import annotations
 import operator
 import time
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -219,13 +220,22 @@ def rank_record(rank: int, timer: PhaseTimer, topology: dict, captured: Captured
             "timing": timer.record(rank, captured.steps)}
 
 
+def steps_record(entry: dict, start_ns: int) -> dict:
+    """The ``timing.ranks`` entry of a rank that wrote nothing but sent its training steps (a gathered
+    entry, see ``SaveOptions.gathered_steps``): no phases, no time in the save (spec 9.4)."""
+    return {"rank": entry["rank"], "host": entry["host"], "start_ns": start_ns, "phases": [], "total_s": 0.0,
+            "steps": entry["steps"]}
+
+
 def manifest_for(name: str, options: SaveOptions, *, parent: str | None, chunks: list[Chunk],
                  tensors: list[TensorEntry], new_bytes: int, state: bytes, user: bytes, records: list[dict],
-                 topology: dict, collective: bool, provenance: dict | None = None) -> Manifest:
+                 topology: dict, collective: bool, provenance: dict | None = None,
+                 steps_only: Sequence[dict] = ()) -> Manifest:
     """The manifest of a save: its tables, and every writing rank's ``rank_record`` in rank order.
 
     ``collective``: the environments of the ranks are merged (``environment.ranks``, spec 9.3);
-    ``provenance`` defaults to the options'.
+    ``provenance`` defaults to the options'; ``steps_only``: ``timing.ranks`` entries of ranks that
+    wrote nothing (``steps_record``).
     """
     environments = [record["environment"] for record in records]
     return Manifest(
@@ -234,7 +244,9 @@ def manifest_for(name: str, options: SaveOptions, *, parent: str | None, chunks:
         rng=options.rng if options.rng is not None else [record["rng"] for record in records],
         environment=merge_environments(environments) if collective else environments[0],
         topology=topology,
-        timing={"ranks": [record["timing"] for record in records], "steps": list(options.step_times or [])},
+        timing={"ranks": sorted([record["timing"] for record in records] + list(steps_only),
+                                key=lambda entry: entry["rank"]),
+                "steps": list(options.step_times or [])},
         stats=checkpoint_stats(tensors, chunks, new_bytes),
         provenance=provenance if provenance is not None else options.provenance,
     )

@@ -17,9 +17,10 @@ from typing import Any
 
 import msgpack
 
-from ckptfmt.errors import UnsupportedValueError
+from ckptfmt.errors import ManifestError, UnsupportedValueError
 from ckptfmt.format import codecs
 from ckptfmt.format.limits import MAX_CHUNK_BYTES
+from ckptfmt.metadata.step_timer import decode_steps
 
 
 class _Latest:
@@ -72,6 +73,9 @@ class SaveOptions:
     coordinated: bool | None = None
     #: Seconds a collective save waits for every rank at each of its steps.
     timeout: float = DEFAULT_TIMEOUT_S
+    #: Every rank's training steps, gathered for a save that one rank makes (a framework that writes
+    #: from rank 0): ``[{"rank", "host", "steps": StepTimer.snapshot()}]`` (``distributed.steps.gather_steps``).
+    gathered_steps: list | None = None
 
     def __post_init__(self) -> None:
         step = self.step
@@ -100,6 +104,8 @@ class SaveOptions:
             raise TypeError(f"coordinated must be True, False or None, not {self.coordinated!r}")
         if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) or not self.timeout > 0:
             raise ValueError("timeout must be a positive number of seconds")
+        if self.gathered_steps is not None:
+            check_gathered_steps(self.gathered_steps)
 
     @classmethod
     def from_keywords(cls, caller: str, keywords: dict[str, Any]) -> SaveOptions:
@@ -120,3 +126,24 @@ class SaveOptions:
 
 
 _FIELDS = frozenset(field.name for field in dataclasses.fields(SaveOptions))
+
+
+def check_gathered_steps(gathered: object) -> None:
+    """Refuse gathered step records that are not one well-formed entry per distinct rank."""
+    if not isinstance(gathered, list):
+        raise TypeError("gathered_steps must be a list of {'rank', 'host', 'steps'} entries")
+    ranks = set()
+    for index, entry in enumerate(gathered):
+        where = f"gathered_steps[{index}]"
+        if not (isinstance(entry, dict) and set(entry) == {"rank", "host", "steps"}):
+            raise TypeError(f"{where} must be a dict with the keys rank, host and steps")
+        rank = entry["rank"]
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0 or rank in ranks:
+            raise ValueError(f"{where}: rank must be a distinct non-negative integer, not {rank!r}")
+        ranks.add(rank)
+        if not isinstance(entry["host"], str):
+            raise TypeError(f"{where}: host must be a string")
+        try:
+            decode_steps(entry["steps"], where)
+        except ManifestError as exc:
+            raise ValueError(f"{exc} (steps must be a StepTimer.snapshot())") from None

@@ -39,6 +39,7 @@ def save(
     process_group: Any = None,
     coordinated: bool | None = None,
     timeout: float = DEFAULT_TIMEOUT_S,
+    gathered_steps: list | None = None,
     timer: StepTimer | None = None,
 ) -> str:
     """Save ``state`` (nested dicts/lists/tuples of tensors and plain values) as checkpoint ``url``.
@@ -70,7 +71,9 @@ def save(
 
     ``timer`` (a ``ckptfmt.StepTimer``): its steps not yet in a checkpoint are
     stored with this one, every rank's (spec 9.4), and leave the timer once it
-    is committed.
+    is committed. ``gathered_steps``: every rank's steps, gathered for a save
+    made by one rank (``ckptfmt.distributed.steps.gather_steps``; frameworks
+    that write from rank 0 only), stored as each rank's.
 
     An asynchronous save of the same repository still running in this process
     is waited for first (its error, if it failed, is raised here).
@@ -79,7 +82,7 @@ def save(
         step=step, metadata=metadata, storage_options=storage_options, parent=parent, chunk_size=chunk_size,
         compression=compression, step_times=step_times, parallelism=parallelism, workers=workers, rng=rng,
         provenance=provenance, before_commit=before_commit, process_group=process_group, coordinated=coordinated,
-        timeout=timeout,
+        timeout=timeout, gathered_steps=gathered_steps,
     )
     return save_with(state, url, options, timer=timer)
 
@@ -101,8 +104,8 @@ def run_save(state: Any, url: str | os.PathLike, options: SaveOptions, captured:
         if options.coordinated:
             raise ValueError("coordinated=True needs an initialised torch.distributed process group")
         return save_single(state, url, options, captured)
-    if options.before_commit is not None:
-        raise ValueError("before_commit is for single-process saves")
+    if options.before_commit is not None or options.gathered_steps is not None:
+        raise ValueError("before_commit and gathered_steps are for single-process saves (coordinated=False)")
     return collective_save(state, url, group, options, captured)
 
 

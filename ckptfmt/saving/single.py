@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
@@ -22,6 +23,7 @@ from ckptfmt.saving.core import (
     rank_record,
     refuse_taken_name,
     resolve_parent,
+    steps_record,
 )
 from ckptfmt.saving.hashcache import DEFAULT_CACHE
 from ckptfmt.saving.options import SaveOptions
@@ -53,11 +55,16 @@ def _save_leased(repo: Repository, name: str, state: Any, timer: PhaseTimer, lea
     stored = store_sources(repo, sources, compression=options.compression, parent_keys=parent_keys,
                            cache=DEFAULT_CACHE, chunk_size=options.chunk_size,
                            workers=options.chunk_workers, timer=timer)
+    gathered = {entry["rank"]: entry for entry in options.gathered_steps or ()}
+    if captured.steps is None and rank in gathered:  # this rank's steps came with the others'
+        captured = dataclasses.replace(captured, steps=gathered[rank]["steps"])
     record = rank_record(rank, timer, rank_entry(rank), captured)
     tensors = tensor_table(entries, [s.shape for s in sources], stored.pieces, rank)
     manifest = manifest_for(
         name, options, parent=parent_name, chunks=stored.chunks, tensors=tensors, new_bytes=stored.new_bytes,
         state=state_bytes, user=user_bytes, records=[record], collective=False,
+        steps_only=[steps_record(entry, record["timing"]["start_ns"]) for r, entry in sorted(gathered.items())
+                    if r != rank],
         topology=topology_record([record["topology"]], world_size=world_size, writer_ranks=[rank],
                                  parallelism=options.parallelism),
     )
