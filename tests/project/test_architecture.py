@@ -27,7 +27,7 @@ LAYERS = [
     {"lifecycle"},
     {"analytics"},
     {"__init__", "dcp"},  # the public facade: ckptfmt.save, ckptfmt.dcp.StorageWriter, ...
-    {"cli"},
+    {"cli", "integrations"},  # the command line; the frameworks' plug-ins (nothing in the core imports them)
 ]
 
 

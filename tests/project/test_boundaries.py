@@ -14,7 +14,8 @@ import ckptfmt
 
 ROOT = Path(__file__).resolve().parents[2]
 FORBIDDEN = ["textual", "ckptfmt.tui", "ckptfmt.converters", "s3fs", "boto3", "botocore", "aiobotocore", "pyarrow",
-             "ckptfmt.analytics", "matplotlib"]
+             "ckptfmt.analytics", "matplotlib", "ckptfmt.integrations", "lightning", "pytorch_lightning",
+             "transformers", "accelerate", "torchtitan"]
 
 PROBE = textwrap.dedent(
     """
@@ -29,7 +30,8 @@ PROBE = textwrap.dedent(
     report["ckptfmt"] = loaded()
     root = pathlib.Path(ckptfmt.__file__).parent  # listed from the files: walking packages would import them all
     modules = sorted(".".join(("ckptfmt", *path.relative_to(root).with_suffix("").parts)).removesuffix(".__init__")
-                     for path in root.rglob("*.py") if path.relative_to(root).parts[0] not in ("cli", "analytics"))
+                     for path in root.rglob("*.py")
+                     if path.relative_to(root).parts[0] not in ("cli", "analytics", "integrations"))
     report["modules"] = modules
     for name in modules:
         importlib.import_module(name)
@@ -136,6 +138,19 @@ def test_dependencies_point_toward_the_core():
                       or name.startswith(("ckptfmt.tui", "ckptfmt.converters"))]
     for path in _python_files("tui", "converters"):
         offenders += [(path.name, name) for name in _imports(path) if name.startswith("ckptfmt.cli")]
+    assert offenders == []
+
+
+def test_only_the_integrations_import_a_training_framework():
+    """Lightning, transformers, accelerate and torchtitan are optional extras: outside
+    ckptfmt/integrations/ nothing imports them, nor the integrations themselves."""
+    frameworks = ("lightning", "pytorch_lightning", "transformers", "accelerate", "torchtitan")
+    offenders = []
+    for path in _python_files("ckptfmt", "converters", "tui"):
+        if path.is_relative_to(ROOT / "ckptfmt" / "integrations"):
+            continue
+        offenders += [(str(path.relative_to(ROOT)), name) for name in _imports(path)
+                      if name.split(".")[0] in frameworks or name.startswith("ckptfmt.integrations")]
     assert offenders == []
 
 

@@ -101,6 +101,19 @@ def assert_bits(a: Any, b: Any, where: str = "") -> None:
     assert torch.equal(raw_bytes(a), raw_bytes(b)), f"{where}: bytes differ"
 
 
+def torchrun(script: str, ranks: int, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """Run tests/scripts/``script`` on ``ranks`` CPU ranks under torchrun (a free port, one thread each);
+    its output is returned, a non-zero exit code fails the test with it."""
+    markers.require("distributed")
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
+         str(SCRIPTS / script), *args],
+        env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, \
+        f"{script}: exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+    return result
+
+
 def deepspeed_torchrun(script: str, ranks: int, *args: str, timeout: int = 900) -> None:
     """Run tests/scripts/``script`` on ``ranks`` CPU ranks under torchrun (DeepSpeed on CPU, gloo);
     fail with its output."""

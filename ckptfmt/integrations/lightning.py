@@ -1,0 +1,348 @@
+"""Lightning: its checkpoints saved through ckptfmt, and every rank's step timing for free.
+
+    trainer = L.Trainer(
+        plugins=[CkptfmtCheckpointIO()],
+        callbacks=[ModelCheckpoint(dirpath="s3://bucket/run", save_top_k=3, monitor="val_loss"),
+                   StepTimingCallback()])
+
+``ModelCheckpoint``'s folder is a ckptfmt repository. Each path Lightning saves
+(``DIR/epoch=1-step=200.ckpt``) is a checkpoint of that repository, named after
+the path (``epoch_1-step_200``: ckptfmt names allow no ``=``), plus a small
+*pointer* file at the very path, naming the checkpoint. Lightning's own file
+operations (``exists`` for version counters, ``ls`` to find ``last.ckpt``,
+``modified`` to pick the newest) then work unchanged on any filesystem, S3
+included, and a path saved again (``last.ckpt``) is replaced atomically: the new
+checkpoint commits first, then the pointer moves to it, then the old one is
+removed. ``remove_checkpoint`` (``save_top_k``) removes the checkpoint, and the
+chunks that no kept checkpoint uses go at once (garbage collection). Loading a
+path that holds a torch.save file (a run that switched to ckptfmt) reads it as
+Lightning's own ``TorchCheckpointIO`` does.
+
+Lightning writes from rank 0 only; ``StepTimingCallback`` times every step on
+every rank (data, forward_backward and optimizer phases, the batch index) and
+gathers the ranks' steps when a checkpoint is prepared, so that each checkpoint
+holds them all (``ckptfmt stragglers`` and ``ckptfmt report`` read them).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import posixpath
+import re
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from lightning.pytorch import Callback
+from lightning.pytorch.plugins.io import CheckpointIO, TorchCheckpointIO
+
+from ckptfmt.distributed.steps import gather_steps
+from ckptfmt.errors import CheckpointError, CheckpointNotFoundError, CorruptDataError, InvalidNameError
+from ckptfmt.format import layout
+from ckptfmt.format.limits import MAX_NAME_LENGTH
+from ckptfmt.lifecycle.gc import collect, remove
+from ckptfmt.loading.reader import load
+from ckptfmt.metadata.step_timer import StepTimer
+from ckptfmt.repository.repository import Repository
+from ckptfmt.saving.asynchronous import AsyncSaver
+from ckptfmt.saving.options import SaveOptions
+from ckptfmt.saving.save import save_with
+from ckptfmt.storage.base import Storage
+from ckptfmt.storage.factory import open_storage
+
+#: The ``format`` of a pointer file.
+POINTER_FORMAT = "ckptfmt-lightning-pointer"
+#: A pointer file is small; a larger object at a checkpoint path is not one.
+MAX_POINTER_BYTES = 64 * 2**10
+#: Where ``StepTimingCallback`` leaves every rank's steps in the checkpoint dict for the plugin.
+STEPS_KEY = "ckptfmt_gathered_steps"
+#: Save options the plugin sets itself for each save.
+_SET_PER_SAVE = frozenset({"step", "metadata", "storage_options", "coordinated", "gathered_steps"})
+_NOT_IN_NAMES = re.compile(r"[^A-Za-z0-9._-]")
+
+
+class CkptfmtCheckpointIO(CheckpointIO):
+    """A Lightning ``CheckpointIO`` that saves through ckptfmt (see the module docstring).
+
+    ``storage_options``: fsspec options of the repositories (S3 endpoint, credentials).
+    ``async_save``: checkpoints are staged into reused host buffers on the training thread
+    (no clone) and written on a background thread; errors surface at the next call.
+    ``collect_garbage``: reclaim the chunks of removed checkpoints at once (in the background).
+    Other keywords (``compression``, ``chunk_size``, ``workers``, ...) go to ``ckptfmt.save``.
+    """
+
+    def __init__(self, storage_options: dict | None = None, *, async_save: bool = False,
+                 collect_garbage: bool = True, **save_options: Any):
+        set_here = sorted(set(save_options) & _SET_PER_SAVE)
+        if set_here:
+            raise TypeError(f"CkptfmtCheckpointIO sets {set_here[0]!r} itself for each save")
+        self.options = SaveOptions.from_keywords("CkptfmtCheckpointIO", save_options)
+        self.storage_options = storage_options
+        self.collect_garbage = collect_garbage
+        #: The asynchronous saver and its staging buffers (async_save=True), freed by ``teardown``.
+        self.saver = AsyncSaver() if async_save else None
+        self._background: ThreadPoolExecutor | None = None
+        self._tasks: list[Future] = []
+        self._lock = threading.Lock()
+        #: Checkpoint names taken by saves still in flight, per repository.
+        self._naming: dict[str, set[str]] = {}
+
+    # -- CheckpointIO ------------------------------------------------------------------------------
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: str | os.PathLike,
+                        storage_options: Any | None = None) -> None:
+        """Save ``checkpoint`` as a new checkpoint of ``path``'s folder, then point ``path`` at it."""
+        self._raise_background_error()
+        checkpoint = dict(checkpoint)
+        gathered = checkpoint.pop(STEPS_KEY, None)
+        options = storage_options if storage_options is not None else self.storage_options
+        repo_url, pointer = _locate(path)
+        repo = Repository.open(repo_url, options, create=True)
+        name = self._new_name(repo, pointer)
+        step = checkpoint.get("global_step")
+        save_options = self.options.replace(
+            step=step if isinstance(step, int) and not isinstance(step, bool) else None,
+            metadata={"lightning": {"path": pointer, "epoch": checkpoint.get("epoch"), "global_step": step}},
+            storage_options=options, coordinated=False, gathered_steps=gathered)
+        url = f"{repo_url}/{name}"
+        try:
+            if self.saver is None:
+                save_with(checkpoint, url, save_options)
+                self._point(repo, pointer, name)
+                return
+            saved = self.saver.save(checkpoint, url, save_options)
+        except BaseException:
+            self._release_name(repo_url, name)
+            raise
+        self._submit(self._point_once_saved, saved, repo, pointer, name)
+
+    def load_checkpoint(self, path: str | os.PathLike, map_location: Any | None = None,
+                        weights_only: bool | None = None) -> dict[str, Any]:
+        """The checkpoint ``path`` points at (or, for a torch.save file there, that file's contents)."""
+        self._wait_for_background()
+        repo_url, pointer = _locate(path)
+        storage = open_storage(repo_url, self.storage_options)
+        if storage.exists(layout.MARKER_KEY):  # a ckptfmt repository: a pointer, or a checkpoint's own URL
+            repo = Repository.open(repo_url, self.storage_options)
+            data = _read_if_small(repo, pointer)
+            if data is not None and _looks_like_pointer(data):
+                name = _pointed_name(data, repo.storage.describe(pointer))
+                return load(f"{repo_url}/{name}", storage_options=self.storage_options, mmap=False)
+            if data is None and repo.storage.exists(layout.commit_key(pointer)):
+                return load(f"{repo_url}/{pointer}", storage_options=self.storage_options, mmap=False)
+        if _size(storage, pointer) is not None:  # a torch.save file: a run that switched to ckptfmt
+            return TorchCheckpointIO().load_checkpoint(os.fspath(path), map_location=map_location,
+                                                       weights_only=weights_only)
+        raise CheckpointNotFoundError(f"{storage.describe(pointer)}: no checkpoint there")
+
+    def remove_checkpoint(self, path: str | os.PathLike) -> None:
+        """Remove the checkpoint ``path`` points at (after the saves in flight), and its pointer."""
+        self._raise_background_error()
+        repo_url, pointer = _locate(path)
+        self._submit(self._remove, repo_url, pointer)
+
+    def teardown(self) -> None:
+        """Wait for the saves and removals in flight (raising their first error), then free the staging
+        buffers and the background thread."""
+        try:
+            self._wait_for_background()
+        finally:
+            with self._lock:
+                background, self._background = self._background, None
+            if background is not None:
+                background.shutdown(wait=True)
+            if self.saver is not None:
+                self.saver.close()
+
+    # -- the work behind the calls ---------------------------------------------------------------
+    def _point_once_saved(self, saved: Future, repo: Repository, pointer: str, name: str) -> None:
+        try:
+            saved.result()
+        finally:
+            self._release_name(repo.url, name)
+        self._point(repo, pointer, name)
+
+    def _point(self, repo: Repository, pointer: str, name: str) -> None:
+        """Point ``pointer`` at the committed checkpoint ``name``; the checkpoint it pointed at goes."""
+        data = _read_if_small(repo, pointer)
+        previous = _pointed_name(data, pointer) if data is not None and _looks_like_pointer(data) else None
+        body = {"format": POINTER_FORMAT, "checkpoint": name}
+        repo.storage.write(pointer, (json.dumps(body) + "\n").encode())
+        if previous is not None and previous != name:  # off the training thread, after what is queued
+            self._submit(self._drop, repo, [previous])
+
+    def _remove(self, repo_url: str, pointer: str) -> None:
+        repo = Repository.open(repo_url, self.storage_options)
+        data = _read_if_small(repo, pointer)
+        if data is None or not _looks_like_pointer(data):
+            return  # nothing of ours there (Lightning may remove what it never saved through us)
+        repo.storage.delete(pointer)
+        self._drop(repo, [_pointed_name(data, repo.storage.describe(pointer))])
+
+    def _drop(self, repo: Repository, names: list[str]) -> None:
+        remove(repo, names)
+        if self.collect_garbage:
+            collect(repo)
+
+    def _new_name(self, repo: Repository, pointer: str) -> str:
+        """A checkpoint name for ``pointer``: its stem in the characters names allow, made unique."""
+        stem = pointer[: -len(".ckpt")] if pointer.endswith(".ckpt") else pointer
+        base = _NOT_IN_NAMES.sub("_", stem).lstrip("._-")[: MAX_NAME_LENGTH - 8] or "checkpoint"
+        with self._lock:
+            taken = self._naming.setdefault(repo.url, set())
+            for number in range(1, 100_000):
+                name = base if number == 1 else f"{base}-{number}"
+                if name == pointer or name in taken or repo.storage.exists(layout.commit_key(name)):
+                    continue
+                taken.add(name)
+                return name
+        raise InvalidNameError(f"{repo.url}: no free checkpoint name for {pointer!r}")
+
+    def _release_name(self, repo_url: str, name: str) -> None:
+        with self._lock:
+            self._naming.get(repo_url, set()).discard(name)
+
+    # -- the background thread: pointer moves and removals, in call order ---------------------------
+    def _submit(self, work, *args: Any) -> None:
+        with self._lock:
+            if self._background is None:
+                self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptfmt-lightning")
+            self._tasks = [task for task in self._tasks if not task.done() or task.exception() is not None]
+            self._tasks.append(self._background.submit(work, *args))
+
+    def _raise_background_error(self) -> None:
+        with self._lock:
+            failed = [task for task in self._tasks if task.done() and task.exception() is not None]
+            self._tasks = [task for task in self._tasks if task not in failed]
+        if failed:
+            error = failed[0].exception()
+            assert error is not None
+            raise error
+
+    def _wait_for_background(self) -> None:
+        while True:  # a task may queue another (a replaced checkpoint's removal)
+            with self._lock:
+                tasks, self._tasks = self._tasks, []
+            if not tasks:
+                return
+            for task in tasks:
+                task.result()
+
+
+class StepTimingCallback(Callback):
+    """Times every training step on every rank, and hands every rank's steps to the next checkpoint.
+
+    Phases: ``data`` (from the end of the previous step, or of validation, to the start of the
+    batch: fetching it, and whatever Lightning ran in between, such as a checkpoint's write),
+    ``forward_backward`` (the training step, to the optimizer step) and ``optimizer``; the
+    metrics ``batch_idx``, ``epoch``, ``global_step`` and, where the step returns one, ``loss``.
+    Steps are numbered by this callback across epochs and resumes. Use it with
+    ``CkptfmtCheckpointIO``: the steps go into the checkpoints' run metadata (spec 9.4).
+    """
+
+    def __init__(self):
+        self.timer = StepTimer()
+        #: Steps started over the run (restored on resume): the next step's number.
+        self.steps_started = 0
+        self._since: int | None = None
+
+    # -- the training loop -------------------------------------------------------------------------
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._since = time.perf_counter_ns()  # a resumed run may start without on_train_epoch_start
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        self._since = time.perf_counter_ns()
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+        if self.timer.in_step:  # the previous step never ended (an exception Lightning handled)
+            self.timer.end_step()
+        self.timer.start_step(self.steps_started, since_ns=self._since, phase="data" if self._since else None)
+        self.steps_started += 1
+        self.timer.mark("forward_backward")
+        self.timer.metrics(batch_idx=batch_idx, epoch=trainer.current_epoch, global_step=trainer.global_step)
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        if self.timer.in_step:
+            self.timer.mark("optimizer")
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        if not self.timer.in_step:
+            return
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if loss is not None and getattr(loss, "numel", lambda: 0)() == 1:
+            self.timer.metrics(loss=float(loss))
+        self.timer.end_step()
+        self._since = time.perf_counter_ns()
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if trainer.training:
+            self._since = time.perf_counter_ns()  # validation is not the next batch's fetch
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict[str, Any]) -> None:
+        """On every rank, as Lightning prepares a checkpoint: rank 0 gets every rank's steps."""
+        if not _saves_through_ckptfmt(trainer):  # the same answer on every rank: nobody gathers
+            return
+        gathered = gather_steps(self.timer)
+        if gathered is not None:
+            checkpoint[STEPS_KEY] = gathered
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"steps_started": self.steps_started}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.steps_started = int(state_dict.get("steps_started", 0))
+
+
+def _saves_through_ckptfmt(trainer) -> bool:
+    """Whether the trainer's checkpoints go through a CkptfmtCheckpointIO (wrapped, say, in AsyncCheckpointIO)."""
+    io = getattr(trainer.strategy, "checkpoint_io", None)
+    while io is not None and not isinstance(io, CkptfmtCheckpointIO):
+        io = getattr(io, "checkpoint_io", None)
+    return io is not None
+
+
+def _locate(path: str | os.PathLike) -> tuple[str, str]:
+    """The repository (the path's folder) and the pointer's key (its last segment) of a Lightning path."""
+    text = os.fspath(path)
+    if "://" in text:
+        folder, _, key = text.rstrip("/").rpartition("/")
+        return folder, key
+    folder, key = os.path.split(os.path.abspath(text))
+    return folder, key
+
+
+def _size(storage: Storage, key: str) -> int | None:
+    """The size of the object at ``key``; None where there is none, or a folder."""
+    try:
+        return storage.size(key)
+    except CorruptDataError:  # a folder (a checkpoint's), a device: no object
+        return None
+
+
+def _read_if_small(repo: Repository, key: str) -> bytes | None:
+    """The bytes at ``key`` if it is a small object (a pointer may be there), else None."""
+    size = _size(repo.storage, key)
+    if size is None or size > MAX_POINTER_BYTES:
+        return None
+    try:
+        return repo.storage.read(key, max_size=MAX_POINTER_BYTES)
+    except CheckpointNotFoundError:
+        return None
+
+
+def _looks_like_pointer(data: bytes) -> bool:
+    return data.lstrip().startswith(b"{") and POINTER_FORMAT.encode() in data
+
+
+def _pointed_name(data: bytes, where: str) -> str:
+    """The checkpoint name a pointer file holds."""
+    try:
+        document = json.loads(data)
+        name = document["checkpoint"]
+        if document.get("format") != POINTER_FORMAT or not isinstance(name, str):
+            raise ValueError("not a pointer")
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"{where}: a damaged ckptfmt pointer ({exc})") from None
+    return posixpath.basename(name)

@@ -1,0 +1,1 @@
+"""The framework integrations (ckptfmt.integrations), against the real frameworks."""
