@@ -37,14 +37,19 @@ from typing import Any
 
 from lightning.pytorch import Callback
 from lightning.pytorch.plugins.io import CheckpointIO, TorchCheckpointIO
+from lightning.pytorch.strategies import ModelParallelStrategy
 
 from ckptfmt.distributed.steps import gather_steps
 from ckptfmt.errors import CheckpointError, CheckpointNotFoundError, CorruptDataError, InvalidNameError
 from ckptfmt.format import layout
 from ckptfmt.format.limits import MAX_NAME_LENGTH
+from ckptfmt.format.values import decode_tree
 from ckptfmt.lifecycle.gc import collect, remove
+from ckptfmt.loading.load_into import load_into
 from ckptfmt.loading.reader import load
+from ckptfmt.loading.reader import open as open_checkpoint
 from ckptfmt.metadata.step_timer import StepTimer
+from ckptfmt.metadata.topology import current_rank
 from ckptfmt.repository.repository import Repository
 from ckptfmt.saving.asynchronous import AsyncSaver
 from ckptfmt.saving.options import SaveOptions
@@ -58,6 +63,8 @@ POINTER_FORMAT = "ckptfmt-lightning-pointer"
 MAX_POINTER_BYTES = 64 * 2**10
 #: Where ``StepTimingCallback`` leaves every rank's steps in the checkpoint dict for the plugin.
 STEPS_KEY = "ckptfmt_gathered_steps"
+#: Where it leaves each rank's own StepTimer for a collective save (``CkptfmtModelParallelStrategy``).
+TIMER_KEY = "ckptfmt_step_timer"
 #: Save options the plugin sets itself for each save.
 _SET_PER_SAVE = frozenset({"step", "metadata", "storage_options", "coordinated", "gathered_steps"})
 _NOT_IN_NAMES = re.compile(r"[^A-Za-z0-9._-]")
@@ -93,33 +100,54 @@ class CkptfmtCheckpointIO(CheckpointIO):
     def save_checkpoint(self, checkpoint: dict[str, Any], path: str | os.PathLike,
                         storage_options: Any | None = None) -> None:
         """Save ``checkpoint`` as a new checkpoint of ``path``'s folder, then point ``path`` at it."""
-        self._raise_background_error()
+        self.raise_background_error()
         checkpoint = dict(checkpoint)
         gathered = checkpoint.pop(STEPS_KEY, None)
+        checkpoint.pop(TIMER_KEY, None)
         options = storage_options if storage_options is not None else self.storage_options
         repo_url, pointer = _locate(path)
         repo = Repository.open(repo_url, options, create=True)
-        name = self._new_name(repo, pointer)
+        name = self.new_name(repo, pointer)
+        self.save_and_point(checkpoint, repo, pointer, name, storage_options=options, coordinated=False,
+                            gathered_steps=gathered)
+
+    def save_and_point(self, checkpoint: dict[str, Any], repo: Repository, pointer: str, name: str, *,
+                       timer: StepTimer | None = None, **options: Any) -> None:
+        """Save ``checkpoint`` as checkpoint ``name`` of ``repo`` (``options`` for this save), then, on the
+        rank that writes pointers (rank 0), point ``pointer`` at it: in the background if saves are."""
         step = checkpoint.get("global_step")
         save_options = self.options.replace(
             step=step if isinstance(step, int) and not isinstance(step, bool) else None,
             metadata={"lightning": {"path": pointer, "epoch": checkpoint.get("epoch"), "global_step": step}},
-            storage_options=options, coordinated=False, gathered_steps=gathered)
-        url = f"{repo_url}/{name}"
+            **options)
+        url = f"{repo.url}/{name}"
+        points = current_rank()[0] == 0 or save_options.coordinated is False
         try:
             if self.saver is None:
-                save_with(checkpoint, url, save_options)
-                self._point(repo, pointer, name)
+                save_with(checkpoint, url, save_options, timer=timer)
+                if points:
+                    self._point(repo, pointer, name)
+                else:
+                    self._release_name(repo.url, name)
                 return
-            saved = self.saver.save(checkpoint, url, save_options)
+            saved = self.saver.save(checkpoint, url, save_options, timer=timer)
         except BaseException:
-            self._release_name(repo_url, name)
+            self._release_name(repo.url, name)
             raise
-        self._submit(self._point_once_saved, saved, repo, pointer, name)
+        self._submit(self._point_once_saved if points else self._wait_for_save, saved, repo, pointer, name)
 
     def load_checkpoint(self, path: str | os.PathLike, map_location: Any | None = None,
                         weights_only: bool | None = None) -> dict[str, Any]:
         """The checkpoint ``path`` points at (or, for a torch.save file there, that file's contents)."""
+        url = self.checkpoint_url(path)
+        if url is not None:
+            return load(url, storage_options=self.storage_options, mmap=False)
+        return TorchCheckpointIO().load_checkpoint(os.fspath(path), map_location=map_location,
+                                                   weights_only=weights_only)
+
+    def checkpoint_url(self, path: str | os.PathLike) -> str | None:
+        """The URL of the ckptfmt checkpoint at Lightning's ``path`` (its pointer's, or the path itself when
+        it names a checkpoint), after the saves in flight; None for a torch.save file there."""
         self._wait_for_background()
         repo_url, pointer = _locate(path)
         storage = open_storage(repo_url, self.storage_options)
@@ -127,18 +155,16 @@ class CkptfmtCheckpointIO(CheckpointIO):
             repo = Repository.open(repo_url, self.storage_options)
             data = _read_if_small(repo, pointer)
             if data is not None and _looks_like_pointer(data):
-                name = _pointed_name(data, repo.storage.describe(pointer))
-                return load(f"{repo_url}/{name}", storage_options=self.storage_options, mmap=False)
+                return f"{repo_url}/{_pointed_name(data, repo.storage.describe(pointer))}"
             if data is None and repo.storage.exists(layout.commit_key(pointer)):
-                return load(f"{repo_url}/{pointer}", storage_options=self.storage_options, mmap=False)
+                return f"{repo_url}/{pointer}"
         if _size(storage, pointer) is not None:  # a torch.save file: a run that switched to ckptfmt
-            return TorchCheckpointIO().load_checkpoint(os.fspath(path), map_location=map_location,
-                                                       weights_only=weights_only)
+            return None
         raise CheckpointNotFoundError(f"{storage.describe(pointer)}: no checkpoint there")
 
     def remove_checkpoint(self, path: str | os.PathLike) -> None:
         """Remove the checkpoint ``path`` points at (after the saves in flight), and its pointer."""
-        self._raise_background_error()
+        self.raise_background_error()
         repo_url, pointer = _locate(path)
         self._submit(self._remove, repo_url, pointer)
 
@@ -157,11 +183,14 @@ class CkptfmtCheckpointIO(CheckpointIO):
 
     # -- the work behind the calls ---------------------------------------------------------------
     def _point_once_saved(self, saved: Future, repo: Repository, pointer: str, name: str) -> None:
+        self._wait_for_save(saved, repo, pointer, name)
+        self._point(repo, pointer, name)
+
+    def _wait_for_save(self, saved: Future, repo: Repository, pointer: str, name: str) -> None:
         try:
             saved.result()
         finally:
             self._release_name(repo.url, name)
-        self._point(repo, pointer, name)
 
     def _point(self, repo: Repository, pointer: str, name: str) -> None:
         """Point ``pointer`` at the committed checkpoint ``name``; the checkpoint it pointed at goes."""
@@ -185,7 +214,7 @@ class CkptfmtCheckpointIO(CheckpointIO):
         if self.collect_garbage:
             collect(repo)
 
-    def _new_name(self, repo: Repository, pointer: str) -> str:
+    def new_name(self, repo: Repository, pointer: str) -> str:
         """A checkpoint name for ``pointer``: its stem in the characters names allow, made unique."""
         stem = pointer[: -len(".ckpt")] if pointer.endswith(".ckpt") else pointer
         base = _NOT_IN_NAMES.sub("_", stem).lstrip("._-")[: MAX_NAME_LENGTH - 8] or "checkpoint"
@@ -211,7 +240,8 @@ class CkptfmtCheckpointIO(CheckpointIO):
             self._tasks = [task for task in self._tasks if not task.done() or task.exception() is not None]
             self._tasks.append(self._background.submit(work, *args))
 
-    def _raise_background_error(self) -> None:
+    def raise_background_error(self) -> None:
+        """Raise the first error of the background work (an asynchronous save, a removal) not yet raised."""
         with self._lock:
             failed = [task for task in self._tasks if task.done() and task.exception() is not None]
             self._tasks = [task for task in self._tasks if task not in failed]
@@ -228,6 +258,77 @@ class CkptfmtCheckpointIO(CheckpointIO):
                 return
             for task in tasks:
                 task.result()
+
+
+class CkptfmtModelParallelStrategy(ModelParallelStrategy):
+    """Lightning's ``ModelParallelStrategy`` (FSDP2 and tensor parallelism over a DeviceMesh) saving
+    through ckptfmt instead of ``torch.distributed.checkpoint``: every rank writes its own shards of one
+    checkpoint (a collective save: DTensors stored as their boxes, replicated values once), and a load
+    fills the model's and optimizers' sharded states in place, at any world size or mesh.
+
+    Paths, pointers, removal and ``async_save`` are those of ``checkpoint_io`` (a ``CkptfmtCheckpointIO``,
+    made with defaults if not given); with ``StepTimingCallback``, each checkpoint holds every rank's steps.
+    """
+
+    def __init__(self, *args: Any, checkpoint_io: CkptfmtCheckpointIO | None = None, **kwargs: Any):
+        if kwargs.setdefault("save_distributed_checkpoint", True) is not True:
+            raise ValueError("CkptfmtModelParallelStrategy saves sharded checkpoints (each rank its shards)")
+        super().__init__(*args, **kwargs)
+        self.checkpoint_io = checkpoint_io if checkpoint_io is not None else CkptfmtCheckpointIO()
+
+    def _ckptfmt(self) -> CkptfmtCheckpointIO:
+        io = self.checkpoint_io
+        if not isinstance(io, CkptfmtCheckpointIO):
+            raise TypeError("CkptfmtModelParallelStrategy needs a CkptfmtCheckpointIO as its checkpoint_io")
+        return io
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: str | os.PathLike,
+                        storage_options: Any | None = None) -> None:
+        """On every rank: one collective ckptfmt save of the checkpoint, sharded states included."""
+        io = self._ckptfmt()
+        io.raise_background_error()
+        checkpoint = dict(checkpoint)
+        timer = checkpoint.pop(TIMER_KEY, None)
+        checkpoint.pop(STEPS_KEY, None)
+        options = storage_options if storage_options is not None else io.storage_options
+        repo_url, pointer = _locate(self.broadcast(os.fspath(filepath)))
+        if self.global_rank == 0:
+            repo = Repository.open(repo_url, options, create=True)
+        self.barrier("ckptfmt: repository")  # rank 0 creates it before the others open it
+        if self.global_rank != 0:
+            repo = Repository.open(repo_url, options)
+        name: str = self.broadcast(io.new_name(repo, pointer) if self.global_rank == 0 else "")
+        io.save_and_point(checkpoint, repo, pointer, name, timer=timer, storage_options=options)
+
+    def load_checkpoint(self, checkpoint_path: str | os.PathLike, weights_only: bool | None = None) -> dict[str, Any]:
+        """On every rank: the model's and optimizers' sharded states filled in place from the checkpoint
+        (resharded to this run's mesh); returns the rest of the checkpoint, as Lightning expects."""
+        from torch.distributed.checkpoint.state_dict import (
+            get_model_state_dict,
+            get_optimizer_state_dict,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        url = self._ckptfmt().checkpoint_url(self.broadcast(os.fspath(checkpoint_path)))
+        if url is None:  # a torch.save file or DCP folder of an earlier run: Lightning reads it
+            return super().load_checkpoint(os.fspath(checkpoint_path), weights_only=weights_only)
+        assert self.model is not None and self.lightning_module is not None
+        optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
+        model_state = get_model_state_dict(self.model)
+        optimizer_states = [get_optimizer_state_dict(self.model, o) for o in optimizers]
+        states: dict[str, Any] = {"state_dict": model_state, "optimizer_states": optimizer_states}
+        with open_checkpoint(url, storage_options=self._ckptfmt().storage_options) as reader:
+            load_into(reader, states, strict=self.lightning_module.strict_loading, rank=self.global_rank,
+                      within=states)
+            keys = reader.keys()  # the rest: loops, callbacks, schedulers; small tensors read whole
+            rest = decode_tree(reader.manifest.state,
+                               lambda index: _Deferred(keys[index]))
+            rest = {key: _resolve(value, reader) for key, value in rest.items() if key not in states}
+        set_model_state_dict(self.model, model_state)  # filled in place by load_into
+        for optimizer, state in zip(optimizers, optimizer_states):
+            set_optimizer_state_dict(self.model, optimizer, optim_state_dict=state)
+        return rest
 
 
 class StepTimingCallback(Callback):
@@ -281,18 +382,40 @@ class StepTimingCallback(Callback):
 
     # -- checkpoints ---------------------------------------------------------------------------
     def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict[str, Any]) -> None:
-        """On every rank, as Lightning prepares a checkpoint: rank 0 gets every rank's steps."""
-        if not _saves_through_ckptfmt(trainer):  # the same answer on every rank: nobody gathers
-            return
-        gathered = gather_steps(self.timer)
-        if gathered is not None:
-            checkpoint[STEPS_KEY] = gathered
+        """On every rank, as Lightning prepares a checkpoint: a collective save (the sharded strategy)
+        takes each rank's timer; a save that rank 0 makes alone gets every rank's steps, gathered."""
+        if isinstance(trainer.strategy, CkptfmtModelParallelStrategy):
+            checkpoint[TIMER_KEY] = self.timer
+        elif _saves_through_ckptfmt(trainer):  # the same answer on every rank: all gather or none
+            gathered = gather_steps(self.timer)
+            if gathered is not None:
+                checkpoint[STEPS_KEY] = gathered
 
     def state_dict(self) -> dict[str, Any]:
         return {"steps_started": self.steps_started}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.steps_started = int(state_dict.get("steps_started", 0))
+
+
+class _Deferred:
+    """A tensor of the checkpoint not yet read: its key."""
+
+    __slots__ = ("key",)
+
+    def __init__(self, key: str):
+        self.key = key
+
+
+def _resolve(value: Any, reader) -> Any:
+    """``value`` with each deferred tensor read (containers rebuilt as they were)."""
+    if isinstance(value, _Deferred):
+        return reader.get_tensor(value.key)
+    if isinstance(value, dict):
+        return type(value)((key, _resolve(item, reader)) for key, item in value.items())
+    if isinstance(value, (list, tuple)):
+        return type(value)(_resolve(item, reader) for item in value)
+    return value
 
 
 def _saves_through_ckptfmt(trainer) -> bool:

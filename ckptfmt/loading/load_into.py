@@ -11,7 +11,7 @@ collective: every rank reads what it needs by itself.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -144,14 +144,21 @@ def _tensor_refs(value: Any) -> list[str]:
     return []
 
 
-def load_into(reader, into: Any, *, strict: bool, rank: int, workers: int = 16) -> Any:
+def load_into(reader, into: Any, *, strict: bool, rank: int, workers: int = 16,
+              within: Collection[str] | None = None) -> Any:
     """Fill ``into`` from ``reader``'s checkpoint; returns it (a new object only where ``into`` is a tuple).
 
     With ``strict``, any missing or unexpected tensor or value, or a tensor of another shape or dtype,
     raises a CheckpointError listing them before anything is changed; without it, what matches is loaded.
+    ``within``: only these top-level entries of a saved map are compared and loaded (the rest of the
+    checkpoint is neither loaded nor reported), for a caller that reads the other entries itself.
     """
     keys = reader.keys()
     saved = decode_tree(reader.manifest.state, lambda index: TensorRef(keys[index]))
+    if within is not None:
+        if not isinstance(saved, dict):
+            raise CheckpointError(f"{reader.url}: the saved state is a {type(saved).__name__}, not a map of entries")
+        saved = {key: value for key, value in saved.items() if key in set(within)}
     walk = _Fill(reader, rank)
     if strict:
         dry = _Fill(reader, rank)  # a dry run first: nothing changes on error

@@ -234,3 +234,24 @@ def test_a_ddp_run_saved_by_rank_zero_holds_every_ranks_steps_and_finds_the_slow
     report = stragglers(str(repo), thresholds=Thresholds(floor_s=0.1))
     found = {(s["rank"], step) for s in report["stragglers"] for step in s["steps"]}
     assert found == {(1, step) for step in range(10, 14)}, report["stragglers"]
+
+
+@pytest.mark.distributed
+def test_the_sharded_strategy_saves_collectively_and_resumes_bit_identical(tmp_path):
+    """FSDP2 through Lightning's ModelParallelStrategy on 2 gloo ranks: each rank writes its shards of
+    one checkpoint; a run resumed from its middle ends with the weights and AdamW state of an
+    uninterrupted one."""
+    repo, straight, resumed = tmp_path / "run", tmp_path / "straight.pt", tmp_path / "resumed.pt"
+    torchrun("lightning_model_parallel.py", 2, str(tmp_path / "unused"), str(STEPS), str(straight))
+    torchrun("lightning_model_parallel.py", 2, str(repo), str(EPOCH), str(tmp_path / "half.pt"))
+    path = repo / f"epoch=0-step={EPOCH}.ckpt"
+    name = pointer(path)
+    with ckptfmt.open(f"{repo}/{name}") as reader:
+        weight = reader.tensor_info("state_dict/net.0.weight")
+        assert {shard.rank for shard in weight.shards} == {0, 1}  # each rank wrote its own shard
+        assert reader.metadata["topology"]["world_size"] == 2
+        assert [entry["rank"] for entry in reader.metadata["timing"]["ranks"]] == [0, 1]
+        assert all(decode_steps(entry["steps"], name).count == EPOCH for entry in reader.metadata["timing"]["ranks"])
+    torchrun("lightning_model_parallel.py", 2, str(repo), str(STEPS), str(resumed), str(path))
+    assert_bitwise_equal(torch.load(straight), torch.load(resumed))
+    assert ckptfmt.verify(str(repo)).ok

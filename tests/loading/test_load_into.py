@@ -112,3 +112,21 @@ def test_load_into_refuses_a_dtype_mismatch(saved):
     state["model"]["bias"] = torch.zeros(20, dtype=torch.float64)
     with pytest.raises(ckptfmt.CheckpointError, match=r"model/bias \(saved float32 \[20\], state float64 \[20\]\)"):
         ckptfmt.load(url, into=state)
+
+
+def test_within_compares_and_loads_only_the_named_entries(tmp_path):
+    """A caller that reads some entries itself (Lightning's sharded strategy: the model and optimizers
+    in place, the rest as values) loads the others strictly and is told of nothing else."""
+    from ckptfmt.loading.load_into import load_into
+
+    url = str(tmp_path / "repo" / "a")
+    ckptfmt.save({"model": {"w": torch.arange(4.0)}, "loops": {"epoch": 3}, "extra": torch.ones(2)}, url)
+    target = {"model": {"w": torch.zeros(4)}}
+    with ckptfmt.open(url) as reader:
+        load_into(reader, target, strict=True, rank=0, within=["model"])
+        assert torch.equal(target["model"]["w"], torch.arange(4.0))
+        with pytest.raises(ckptfmt.CheckpointError, match=r"missing from the checkpoint: model/b"):
+            load_into(reader, {"model": {"w": torch.zeros(4), "b": torch.zeros(1)}}, strict=True, rank=0,
+                      within=["model"])
+        with pytest.raises(ckptfmt.CheckpointError, match=r"2 not in the state: loops, extra"):
+            load_into(reader, {"model": {"w": torch.zeros(4)}}, strict=True, rank=0)  # without within
