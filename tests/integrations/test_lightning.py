@@ -255,3 +255,18 @@ def test_the_sharded_strategy_saves_collectively_and_resumes_bit_identical(tmp_p
     torchrun("lightning_model_parallel.py", 2, str(repo), str(STEPS), str(resumed), str(path))
     assert_bitwise_equal(torch.load(straight), torch.load(resumed))
     assert ckptfmt.verify(str(repo)).ok
+
+
+def test_the_lightning_example_runs(tmp_path):
+    """examples/lightning_example.py: two Trainers, the second resuming from last.ckpt."""
+    import subprocess
+    import sys
+
+    example = Path(__file__).resolve().parents[2] / "examples" / "lightning_example.py"
+    result = subprocess.run([sys.executable, str(example), str(tmp_path / "run"), "--steps", "20"],
+                            capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    assert lines[0] == "trained to step 40, resumed from step 20"
+    kept = {line.split(":")[0] for line in lines[1:]}
+    assert len(kept) == 3 and "last" in {name.split("-")[0] for name in kept}  # two best and last

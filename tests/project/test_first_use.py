@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import re
 import subprocess
 import sys
@@ -11,13 +12,13 @@ import pytest
 import torch
 
 import ckptfmt
-from tests.support.documents import PACKAGES, documented_paths
+from tests.support.documents import documented_paths, in_own_package
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_every_documented_dotted_path_works_after_import_ckptfmt():
-    paths = sorted(documented_paths() - PACKAGES)
+    paths = sorted(path for path in documented_paths() if not in_own_package(path))
     assert "ckptfmt.dcp.StorageWriter" in paths and "ckptfmt.analytics.tables" in paths
     probe = ("import sys, ckptfmt\n"
              "assert 'torch.distributed.checkpoint' not in sys.modules, 'imported eagerly'\n"
@@ -28,6 +29,14 @@ def test_every_documented_dotted_path_works_after_import_ckptfmt():
              "        value = getattr(value, part)\n")
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_every_documented_module_of_the_optional_packages_imports():
+    """ckptfmt.converters, ckptfmt.tui and ckptfmt.integrations.<framework> are imported by name."""
+    names = sorted(path for path in documented_paths() if in_own_package(path))
+    assert "ckptfmt.integrations.lightning" in names
+    for name in names:
+        importlib.import_module(name)
 
 
 def test_an_unknown_attribute_is_still_an_attribute_error():

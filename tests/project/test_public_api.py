@@ -5,10 +5,10 @@ from __future__ import annotations
 import importlib
 
 import ckptfmt
-from tests.support.documents import PACKAGES, documented_paths
+from tests.support.documents import documented_paths, in_own_package
 
 #: Attributes of the public names that the documents use (methods, module functions).
-DOCUMENTED_ATTRIBUTES: set[str] = set()
+DOCUMENTED_ATTRIBUTES = {"ckptfmt.Repository.open"}
 #: ``ckptfmt.__all__``.
 TOP_LEVEL = [
     "CheckpointError", "CheckpointExistsError", "CheckpointManager", "CheckpointNotFoundError", "CheckpointReader",
@@ -43,7 +43,7 @@ def test_the_documents_use_only_the_public_api():
     public = {f"ckptfmt.{name}" for name in TOP_LEVEL} | {
         f"{module}.{name}" for module, names in SUBPACKAGES.items() for name in names} | set(SUBPACKAGES)
     documented = documented_paths()
-    assert documented - PACKAGES - public - DOCUMENTED_ATTRIBUTES == set()
+    assert {path for path in documented - public - DOCUMENTED_ATTRIBUTES if not in_own_package(path)} == set()
     assert DOCUMENTED_ATTRIBUTES <= documented  # the list holds nothing the documents no longer use
 
 

@@ -9,7 +9,12 @@ ROOT = Path(__file__).resolve().parents[2]
 #: Names that look like dotted paths in the docs but are files or entry point groups, not attributes.
 NOT_ATTRIBUTES = {"ckptfmt.json", "ckptfmt.commands"}
 #: Packages of their own (``import ckptfmt.converters``): the core never imports them.
-PACKAGES = {"ckptfmt.converters", "ckptfmt.tui"}
+PACKAGES = {"ckptfmt.converters", "ckptfmt.tui", "ckptfmt.integrations"}
+
+
+def in_own_package(path: str) -> bool:
+    """Whether a dotted name lies in one of the PACKAGES (imported, not reached from ``import ckptfmt``)."""
+    return any(path == package or path.startswith(f"{package}.") for package in PACKAGES)
 
 
 def documented_paths() -> set[str]:
