@@ -100,6 +100,12 @@ class StepTimer:
         """Whether a step is in progress."""
         return self._current is not None
 
+    @property
+    def pending(self) -> int:
+        """Finished steps not yet stored by a committed save."""
+        with self._lock:
+            return len(self._columns["step"])
+
     def batch(self, indices: Any) -> None:
         """Record which samples this rank consumed in the current step (integer indices: a tensor, an
         array or a sequence). Several calls in one step are digested together, in order."""

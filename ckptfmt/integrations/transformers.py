@@ -1,0 +1,298 @@
+"""The Hugging Face Trainer: its checkpoints saved through ckptfmt, and every rank's step timing for free.
+
+    saving = CkptfmtCallback("s3://bucket/run")
+    trainer = Trainer(model, args, train_dataset=..., callbacks=[saving])
+    trainer.train(resume_from_checkpoint=saving.resume_folder(args))   # None on a fresh start
+
+Every save the Trainer decides on (``save_strategy``, ``save_steps``) becomes one
+ckptfmt checkpoint through a ``CheckpointManager``, holding what the Trainer's
+own ``checkpoint-N/`` folder holds: the model, optimizer, scheduler and grad
+scaler states and the trainer state (every rank's RNG states are in each
+checkpoint's run metadata). It is made at the moment the Trainer would save
+(after the step's evaluation, when one is due), collectively under
+torch.distributed; the Trainer then writes no folder of its own, unless
+``keep_hf_folders=True``. ``save_total_limit`` and ``load_best_model_at_end``
+become the manager's retention (the last N, and the best by
+``metric_for_best_model``), and at the end of training the best checkpoint's
+weights are loaded into the model, as the Trainer does.
+
+``resume_folder`` writes the newest checkpoint (or the one of ``step``) as a
+``checkpoint-N/`` folder that ``train(resume_from_checkpoint=...)`` reads, so
+the Trainer's own resume code restores every state and skips the batches
+already seen exactly as it always does.
+
+Every step is timed on every rank (``data``, ``forward_backward``,
+``optimizer``; epoch and global step), and each checkpoint holds every
+rank's steps (``ckptfmt stragglers``, ``ckptfmt report``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+import os
+import shutil
+import time
+import warnings
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import TrainerCallback
+
+from ckptfmt.errors import CheckpointError, CheckpointWarning
+from ckptfmt.lifecycle.manager import CheckpointManager
+from ckptfmt.loading.load_into import load_into
+from ckptfmt.loading.reader import open as open_checkpoint
+from ckptfmt.metadata.step_timer import StepTimer
+from ckptfmt.saving.options import SaveOptions
+
+#: The manager's own keyword arguments (the rest are save options, checked when the callback is made).
+_MANAGER_KEYWORDS = frozenset(inspect.signature(CheckpointManager).parameters) - {"save_options"}
+#: What the checkpoint's entries are named, as the Trainer names its files.
+_ENTRIES = ("model", "optimizer", "scheduler", "scaler", "trainer_state")
+#: The training log's values kept with each timed step.
+_LOGGED = ("loss", "grad_norm", "learning_rate")
+
+
+class CkptfmtCallback(TrainerCallback):
+    """Saves the Trainer's checkpoints as ckptfmt checkpoints of ``repo`` (see the module docstring).
+
+    ``keep_hf_folders``: the Trainer still writes its ``checkpoint-N/`` folders beside.
+    Other keywords are ``CheckpointManager``'s (``keep_last``, ``keep_every``, ``tiers``, ``async_save``,
+    ``compression``, ...); unset retention follows ``save_total_limit`` and ``load_best_model_at_end``.
+    """
+
+    def __init__(self, repo: str | os.PathLike, *, keep_hf_folders: bool = False, **manager_options: Any):
+        save_options = {k: v for k, v in manager_options.items() if k not in _MANAGER_KEYWORDS}
+        SaveOptions.from_keywords("CkptfmtCallback", save_options)  # a misspelt option fails now
+        self.repo = os.fspath(repo)
+        self.keep_hf_folders = keep_hf_folders
+        self.manager_options = manager_options
+        self.manager: CheckpointManager | None = None
+        self.timer = StepTimer()
+        self._due = False
+        self._last_saved: int | None = None
+        self._since: int | None = None
+
+    # -- saves ---------------------------------------------------------------------------------------
+    def on_train_begin(self, args, state, control, **kwargs):
+        if args.fsdp or args.deepspeed:
+            raise CheckpointError("CkptfmtCallback saves plain and DDP Trainer runs; this one is sharded by "
+                                  f"{'FSDP' if args.fsdp else 'DeepSpeed'}: keep the Trainer's own saving "
+                                  "(and `ckptfmt import` its folders)")
+        if self.manager is None:
+            self.manager = CheckpointManager(self.repo, **self._retention(args), **self.manager_options)
+        self._since = time.perf_counter_ns()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.timer.in_step:
+            self.timer.metrics(epoch=state.epoch or 0.0)
+            self.timer.end_step()
+        self._since = time.perf_counter_ns()
+        return self._take_over(args, state, control, kwargs)
+
+    def on_epoch_end(self, args, state, control, **kwargs):
+        return self._take_over(args, state, control, kwargs)
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        """After the step's evaluation: the save that waited for it, or a new best under ``save_strategy="best"``."""
+        if str(args.save_strategy) in ("best", "SaveStrategy.BEST") and _new_best(args, state, metrics) is not None:
+            self._due = True
+        if self._due:
+            self._save(args, state, control, kwargs, metrics)
+        self._since = time.perf_counter_ns()
+
+    def on_save(self, args, state, control, **kwargs):
+        """The Trainer wrote a folder (``save_strategy="best"`` cannot be taken over): it goes."""
+        if not self.keep_hf_folders and args.should_save:
+            folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+            if os.path.isdir(folder):
+                shutil.rmtree(folder, ignore_errors=True)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        """Wait for the saves in flight; with ``load_best_model_at_end``, the best weights into the model."""
+        if self.manager is None:
+            return
+        self.manager.wait()
+        best = state.best_global_step
+        if args.load_best_model_at_end and not self.keep_hf_folders and best:
+            if best in self.manager.steps():
+                url = f"{self.manager.tiers[0].url}/{self.manager.name_format.format(step=best)}"
+                with open_checkpoint(url, storage_options=self.manager.tiers[0].storage_options) as reader:
+                    load_into(reader, {"model": kwargs["model"].state_dict()}, strict=True, rank=0, within=["model"])
+            else:
+                warnings.warn(CheckpointWarning(f"{self.repo}: the best checkpoint (step {best}) is no longer kept "
+                                                "(retention without keep_best); the model keeps its last weights"),
+                              stacklevel=2)
+        self.manager.close()
+        self.manager = None
+
+    def _take_over(self, args, state, control, kwargs: dict):
+        """The Trainer decided to save at this point: save where it would (after the step's log and
+        evaluation, when due), and keep it from writing its own folder."""
+        if not control.should_save:
+            return control
+        self._due = True
+        if not self.keep_hf_folders:
+            control.should_save = False
+        if not (control.should_evaluate or control.should_log):
+            self._save(args, state, control, kwargs, None)
+        return control
+
+    def _save(self, args, state, control, kwargs: dict, metrics: dict | None) -> None:
+        self._due = False
+        if self.manager is None or self._last_saved == state.global_step:
+            return
+        model, optimizer, scheduler = kwargs.get("model"), kwargs.get("optimizer"), kwargs.get("lr_scheduler")
+        checkpoint: dict[str, Any] = {"model": model.state_dict() if model is not None else {},
+                                      "trainer_state": _trainer_state(args, state, control, metrics,
+                                                                      self.keep_hf_folders)}
+        if not args.save_only_model:
+            checkpoint["optimizer"] = optimizer.state_dict() if optimizer is not None else None
+            checkpoint["scheduler"] = scheduler.state_dict() if scheduler is not None else None
+            scaler = getattr(optimizer, "scaler", None)  # Accelerate's AcceleratedOptimizer holds it
+            checkpoint["scaler"] = scaler.state_dict() if scaler is not None else None
+        numbers = {k: float(v) for k, v in (metrics or {}).items()
+                   if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        self.manager.save(state.global_step, checkpoint, metrics=numbers or None, timer=self.timer, force=True)
+        self._last_saved = state.global_step
+
+    def _retention(self, args) -> dict:
+        """The manager's retention from the Trainer's arguments, where the caller set none."""
+        if set(self.manager_options) & {"keep_last", "keep_every", "keep_best", "keep_within", "tiers"}:
+            return {}
+        retention: dict[str, Any] = {}
+        if args.save_total_limit:
+            retention["keep_last"] = args.save_total_limit
+        if args.load_best_model_at_end and args.metric_for_best_model:
+            metric = args.metric_for_best_model
+            retention["keep_best"] = (metric if metric.startswith("eval_") else f"eval_{metric}",
+                                      "max" if args.greater_is_better else "min", 1)
+        return retention
+
+    # -- timing --------------------------------------------------------------------------------------
+    def on_step_begin(self, args, state, control, **kwargs):
+        """Step N is the N-th optimizer step, as the Trainer's logs and folders number them."""
+        if not self.timer.in_step:
+            self.timer.start_step(state.global_step + 1, since_ns=self._since, phase="data" if self._since else None)
+            self.timer.mark("forward_backward")
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        """The training log's loss, gradient norm and learning rate go with the step just ended; then
+        the save that waited for them (a checkpoint holds its last step's loss, as the Trainer's does)."""
+        values = {k: v for k, v in (logs or {}).items() if k in _LOGGED and isinstance(v, (int, float))}
+        if values and not self.timer.in_step and self.timer.pending:
+            self.timer.metrics(**values)
+        if self._due and not control.should_evaluate:
+            self._save(args, state, control, kwargs, None)
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        if self.timer.in_step:
+            self.timer.mark("optimizer")
+
+    # -- resume --------------------------------------------------------------------------------------
+    def resume_folder(self, args, step: int | None = None) -> str | None:
+        """Write the newest checkpoint (or step ``step``'s) as a ``checkpoint-N/`` folder for
+        ``trainer.train(resume_from_checkpoint=...)``; None when there is none (a fresh start).
+
+        Under torch.distributed, every rank calls it: the process that writes the Trainer's folders
+        (``args.should_save``) writes it, the others wait and get the path.
+        """
+        manager = self.manager or CheckpointManager(self.repo, **self.manager_options)
+        steps = manager.steps()
+        if step is not None and step not in steps:
+            raise CheckpointError(f"{self.repo}: no checkpoint of step {step} (there are {steps})")
+        chosen = step if step is not None else (max(steps) if steps else None)
+        if chosen is None:
+            if manager is not self.manager:
+                manager.close()
+            return None
+        folder = os.path.join(args.output_dir, "ckptfmt-resume", f"checkpoint-{chosen}")
+        if args.should_save:  # the process that writes the Trainer's folders (one per node if save_on_each_node)
+            url = f"{manager.tiers[0].url}/{manager.name_format.format(step=chosen)}"
+            _materialise(url, folder, manager.tiers[0].storage_options)
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()
+        if manager is not self.manager:
+            manager.close()
+        return folder
+
+
+def _trainer_state(args, state, control, metrics: dict | None, hf_folders: bool) -> dict:
+    """``trainer_state.json`` as the Trainer would write it now.
+
+    The save is made before the Trainer weighs the step's evaluation, so its
+    verdict (best metric and step) is applied here; the process flags are the
+    writing rank 0's, as in the Trainer's file. ``best_model_checkpoint`` names
+    a folder only where the Trainer writes folders (``hf_folders``). Stateful
+    callbacks other than the control (``EarlyStoppingCallback``) are as of the
+    Trainer's last own save: a callback cannot reach the others.
+    """
+    record = json.loads(json.dumps(dataclasses.asdict(state)))
+    record.update(is_local_process_zero=True, is_world_process_zero=True)
+    control_state = control.state()
+    control_state["args"]["should_save"] = True  # as the Trainer's own save sees it
+    record.setdefault("stateful_callbacks", {})["TrainerControl"] = control_state
+    best = _new_best(args, state, metrics)
+    if best is not None:
+        record.update(best_metric=best, best_global_step=state.global_step)
+    elif metrics and args.metric_for_best_model and state.best_metric is None:
+        record["best_metric"] = float("-inf") if args.greater_is_better else float("inf")
+    if hf_folders and record["best_global_step"]:
+        folder = os.path.join(args.output_dir, f"checkpoint-{record['best_global_step']}")
+        if record["best_global_step"] == state.global_step or os.path.isdir(folder):
+            record["best_model_checkpoint"] = folder
+    return record
+
+
+def _new_best(args, state, metrics: dict | None) -> float | None:
+    """The value of ``metric_for_best_model`` in ``metrics`` if the Trainer is about to call it the new best."""
+    metric = args.metric_for_best_model
+    if not metric or not metrics:
+        return None
+    value = metrics.get(metric if metric.startswith("eval_") else f"eval_{metric}")
+    if value is None:
+        return None
+    if args.greater_is_better:
+        better = value > (state.best_metric if state.best_metric is not None else float("-inf"))
+    else:
+        better = value < (state.best_metric if state.best_metric is not None else float("inf"))
+    return float(value) if better else None
+
+
+def _materialise(url: str, folder: str, storage_options: dict | None) -> None:
+    """The checkpoint ``url`` as the Trainer's ``checkpoint-N/`` folder (its file names and formats)."""
+    with open_checkpoint(url, storage_options=storage_options) as reader:
+        state = reader.load_state()
+        rng = reader.metadata["rng"]
+    os.makedirs(folder, exist_ok=True)
+    torch.save(state["model"], os.path.join(folder, "pytorch_model.bin"))
+    for entry, file in (("optimizer", "optimizer.pt"), ("scheduler", "scheduler.pt"), ("scaler", "scaler.pt")):
+        if state.get(entry) is not None:
+            torch.save(state[entry], os.path.join(folder, file))
+    with open(os.path.join(folder, "trainer_state.json"), "w", encoding="utf-8") as f:
+        json.dump(state["trainer_state"], f, indent=2, sort_keys=True)
+    for entry in rng:
+        name = f"rng_state_{entry['rank']}.pth" if len(rng) > 1 else "rng_state.pth"
+        torch.save(_trainer_rng(entry), os.path.join(folder, name))
+
+
+def _trainer_rng(entry: dict) -> dict:
+    """A ckptfmt RNG entry (spec 9.1) as the Trainer's ``rng_state.pth`` holds it."""
+    numpy_state = entry["numpy"]
+    python_state = entry["python"]
+    states = {
+        "python": (python_state["version"], tuple(python_state["state"]), python_state["gauss_next"]),
+        "numpy": (numpy_state["bit_generator"], np.frombuffer(numpy_state["keys"], dtype="<u4").astype(np.uint32),
+                  numpy_state["pos"], numpy_state["has_gauss"], numpy_state["cached_gaussian"]),
+        "cpu": torch.frombuffer(bytearray(entry["torch_cpu"]), dtype=torch.uint8),
+    }
+    if entry.get("cuda"):
+        states["cuda"] = [torch.frombuffer(bytearray(s), dtype=torch.uint8) for s in entry["cuda"]]
+    return states
+
+
+__all__ = ["CkptfmtCallback"]
