@@ -12,6 +12,7 @@ from pathlib import Path
 
 import fsspec
 import pytest
+import torch
 
 from tests.support import markers
 from tests.support.helpers import make_root
@@ -151,6 +152,16 @@ def ddp_runs(tmp_path_factory):
     from tests.support.ddp_runs import DdpRuns
 
     return DdpRuns(tmp_path_factory.mktemp("ddp-runs"))
+
+
+@pytest.fixture(autouse=True)
+def torch_determinism_restored():
+    """Frameworks set process-wide torch flags (Lightning's ``deterministic=True`` turns deterministic
+    algorithms on and never off): whatever a test sets, the next one starts from the flags before it."""
+    enabled, warn_only = torch.are_deterministic_algorithms_enabled(), \
+        torch.is_deterministic_algorithms_warn_only_enabled()
+    yield
+    torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
 
 
 # -- markers: what each test needs (tests/support/markers.py) ------------------------------------
