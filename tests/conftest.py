@@ -7,6 +7,7 @@ test body runs against all three storage backends.
 from __future__ import annotations
 
 import logging
+import subprocess
 import uuid
 from pathlib import Path
 
@@ -194,3 +195,34 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 @pytest.hookimpl(trylast=True)
 def pytest_runtest_teardown(item: pytest.Item) -> None:
     markers.set_current(None)
+
+
+# -- the repository stays as it was: tests write under tmp_path, never into the working tree ---------
+_UNTRACKED = pytest.StashKey[set[str] | None]()
+
+
+def _untracked() -> set[str] | None:
+    """Untracked, unignored paths of the checkout (None outside a git checkout)."""
+    result = subprocess.run(["git", "status", "--porcelain", "--untracked-files=normal"], cwd=TESTS.parent,
+                            capture_output=True, text=True)
+    if result.returncode != 0:
+        return None
+    return {line[3:] for line in result.stdout.splitlines() if line.startswith("?? ")}
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    session.config.stash[_UNTRACKED] = _untracked()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    before = session.config.stash.get(_UNTRACKED, None)
+    after = _untracked()
+    if before is None or after is None or session.config.option.collectonly:
+        return
+    left = sorted(after - before)
+    if left:
+        writer = session.config.get_terminal_writer()
+        writer.line()
+        writer.line(f"tests left files in the working tree: {', '.join(left)}", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+

@@ -60,9 +60,10 @@ def loader() -> torch.utils.data.DataLoader:
 def fit(steps: int, io, callbacks: list, ckpt_path: str | None = None) -> tuple[L.Trainer, Regression]:
     L.seed_everything(0, verbose=False)
     model = Regression()
+    saves = any(isinstance(callback, ModelCheckpoint) for callback in callbacks)  # else none: not in the cwd
     trainer = L.Trainer(max_steps=steps, plugins=[io] if io is not None else [], callbacks=callbacks, logger=False,
                         enable_progress_bar=False, enable_model_summary=False, deterministic=True,
-                        accelerator="cpu", devices=1)
+                        accelerator="cpu", devices=1, enable_checkpointing=saves)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # Lightning's advice on resumable data loaders and worker counts
         trainer.fit(model, loader(), ckpt_path=ckpt_path)
