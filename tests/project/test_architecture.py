@@ -8,7 +8,10 @@ The layers are those of docs/architecture.md.
 from __future__ import annotations
 
 import ast
+import subprocess
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 #: Import name -> folder of each package of the project.
@@ -163,3 +166,17 @@ def test_dependencies_point_down_the_layers():
             if layer_of(target) is None or layer_of(target) > layer:
                 offenders.append(f"{module} -> {target}")
     assert offenders == []
+
+
+#: The repository's top level (docs/architecture.md): anything else committed there is a mistake
+#: (a generated checkpoint folder, a scratch file).
+TOP_LEVEL = {".ci", ".gitignore", "Makefile", "README.md", "bench", "ckptfmt", "constraints-dev.txt", "converters",
+             "docs", "examples", "pyproject.toml", "spec", "tests", "tui"}
+
+
+def test_the_repository_tracks_only_the_documented_top_level():
+    result = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True)
+    if result.returncode != 0:
+        pytest.skip("not a git checkout (an unpacked sdist)")
+    tracked = {path.split("/")[0] for path in result.stdout.splitlines()}
+    assert tracked <= TOP_LEVEL, sorted(tracked - TOP_LEVEL)
