@@ -43,7 +43,6 @@ from ckptfmt.distributed.steps import gather_steps
 from ckptfmt.errors import CheckpointError, CheckpointNotFoundError, CorruptDataError, InvalidNameError
 from ckptfmt.format import layout
 from ckptfmt.format.limits import MAX_NAME_LENGTH
-from ckptfmt.format.values import decode_tree
 from ckptfmt.lifecycle.gc import collect, remove
 from ckptfmt.loading.load_into import load_into
 from ckptfmt.loading.reader import load
@@ -321,10 +320,7 @@ class CkptfmtModelParallelStrategy(ModelParallelStrategy):
         with open_checkpoint(url, storage_options=self._ckptfmt().storage_options) as reader:
             load_into(reader, states, strict=self.lightning_module.strict_loading, rank=self.global_rank,
                       within=states)
-            keys = reader.keys()  # the rest: loops, callbacks, schedulers; small tensors read whole
-            rest = decode_tree(reader.manifest.state,
-                               lambda index: _Deferred(keys[index]))
-            rest = {key: _resolve(value, reader) for key, value in rest.items() if key not in states}
+            rest = reader.load_state(without=states)  # loops, callbacks, schedulers; small tensors read whole
         set_model_state_dict(self.model, model_state)  # filled in place by load_into
         for optimizer, state in zip(optimizers, optimizer_states):
             set_optimizer_state_dict(self.model, optimizer, optim_state_dict=state)
@@ -396,26 +392,6 @@ class StepTimingCallback(Callback):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.steps_started = int(state_dict.get("steps_started", 0))
-
-
-class _Deferred:
-    """A tensor of the checkpoint not yet read: its key."""
-
-    __slots__ = ("key",)
-
-    def __init__(self, key: str):
-        self.key = key
-
-
-def _resolve(value: Any, reader) -> Any:
-    """``value`` with each deferred tensor read (containers rebuilt as they were)."""
-    if isinstance(value, _Deferred):
-        return reader.get_tensor(value.key)
-    if isinstance(value, dict):
-        return type(value)((key, _resolve(item, reader)) for key, item in value.items())
-    if isinstance(value, (list, tuple)):
-        return type(value)(_resolve(item, reader) for item in value)
-    return value
 
 
 def _saves_through_ckptfmt(trainer) -> bool:

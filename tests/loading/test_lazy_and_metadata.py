@@ -117,6 +117,40 @@ def test_get_tensor_works_when_other_tensors_chunks_are_gone(saved):
             reader.load_state()
 
 
+def test_load_state_without_entries_leaves_them_out_unread(saved):
+    """The rest of a checkpoint whose model was loaded some other way (in place, sharded): the model's
+    chunks are not read, so their loss does not matter."""
+    url, state = saved
+    with ckptfmt.open(url) as reader:
+        model_chunks = set().union(*(tensor_chunk_keys(reader, k) for k in reader.keys() if k.startswith("model/")))
+        assert not model_chunks & tensor_chunk_keys(reader, "array")
+    storage = open_storage(url.rsplit("/", 1)[0])
+    for key in model_chunks:
+        storage.delete(key)
+    with ckptfmt.open(url) as reader:
+        rest = reader.load_state(without=["model", "absent"])
+        assert list(rest) == ["array", "step"] and rest["step"] == 12
+        np.testing.assert_array_equal(rest["array"], state["array"])
+        with pytest.raises(CheckpointNotFoundError):
+            reader.load_state()
+
+
+def test_load_state_without_keeps_a_tensor_shared_with_what_is_left_out(tmp_path):
+    shared = torch.arange(6.0)
+    url = ckptfmt.save({"model": {"w": shared}, "ema": {"w": shared, "decay": 0.99}}, tmp_path / "run" / "a")
+    with ckptfmt.open(url) as reader:
+        rest = reader.load_state(without={"model"})
+    assert list(rest) == ["ema"] and rest["ema"]["decay"] == 0.99
+    assert_tensor_exact(shared, rest["ema"]["w"])
+
+
+def test_load_state_without_needs_a_dict_state(tmp_path):
+    url = ckptfmt.save([torch.ones(2), 3], tmp_path / "run" / "a")
+    with ckptfmt.open(url) as reader, pytest.raises(ckptfmt.CheckpointError,
+                                                    match=r"without=\.\.\.\) needs a state that is a dict, not a list"):
+        reader.load_state(without=["model"])
+
+
 def test_metadata(repo_url, monkeypatch):
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "4")
