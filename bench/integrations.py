@@ -25,7 +25,6 @@ of its per-repeat ratios to the framework's own save and to it with an fsync, wi
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import statistics
 import sys
@@ -43,7 +42,7 @@ from rich.table import Table
 
 class Bench:
     """One framework's competitors over one trained state: ``competitors`` maps a name to
-    ``fn(repeat) -> seconds``; ``refresh(tag)`` gives every parameter and moment new content."""
+    ``fn(repeat) -> seconds``; ``refresh(repeat)`` gives every parameter and moment new content."""
 
     own = "own"
     competitors: dict[str, Callable[[int], float]]
@@ -52,7 +51,9 @@ class Bench:
         self.parameters, self.optimizer = parameters, optimizer
         self.nbytes = 3 * sum(p.numel() * p.element_size() for p in parameters)
 
-    def refresh(self, tag: int) -> None:
+    def refresh(self, repeat: int) -> None:
+        """New content before each repeat (two tags per repeat: parameters, moments)."""
+        tag = 2 * repeat
         with torch.no_grad():
             refresh_content({str(i): p for i, p in enumerate(self.parameters)}, tag)
             moments = {f"{i}.{name}": value for i, state in enumerate(self.optimizer.state.values())
@@ -110,7 +111,7 @@ class LightningBench(Bench):
             def run(rep: int) -> float:
                 strategy.checkpoint_io = TorchCheckpointIO()
                 path = root / f"torch-{fsync}-{rep}.ckpt"
-                save = lambda: trainer.save_checkpoint(path)  # noqa: E731
+                save = lambda: trainer.save_checkpoint(path)
                 seconds, _ = timed(fsynced(save, lambda: path) if fsync else save)
                 path.unlink()
                 return seconds
@@ -163,7 +164,7 @@ class TransformersBench(Bench):
             def run(rep: int) -> float:
                 trainer.state.global_step = rep
                 folder = Path(args.output_dir) / f"checkpoint-{rep}"
-                save = lambda: trainer._save_checkpoint(trainer.model, trial=None)  # noqa: E731
+                save = lambda: trainer._save_checkpoint(trainer.model, trial=None)
                 seconds, _ = timed(fsynced(save, lambda: folder) if fsync else save)
                 shutil.rmtree(folder)
                 return seconds
@@ -215,10 +216,8 @@ def main() -> None:
     for name in args.frameworks or FRAMEWORKS:
         with tempfile.TemporaryDirectory(dir=args.dir) as folder:
             bench = FRAMEWORKS[name](args.size_gb, Path(folder))
-            results = round_robin(name, bench.competitors, args.repeats,
-                                  before_repeat=lambda rep: bench.refresh(2 * rep))
+            results = round_robin(name, bench.competitors, args.repeats, before_repeat=bench.refresh)
             report(name, bench, results, args.repeats)
-            del bench
 
 
 if __name__ == "__main__":
