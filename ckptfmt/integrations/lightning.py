@@ -354,7 +354,7 @@ class StepTimingCallback(Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
         if self.timer.in_step:  # the previous step never ended (an exception Lightning handled)
             self.timer.end_step()
-        self.timer.start_step(self.steps_started, since_ns=self._since, phase="data" if self._since else None)
+        self.timer.start_step(self.steps_started, since_ns=self._since, phase="data")
         self.steps_started += 1
         self.timer.mark("forward_backward")
         self.timer.metrics(batch_idx=batch_idx, epoch=trainer.current_epoch, global_step=trainer.global_step)

@@ -176,7 +176,7 @@ class CkptfmtCallback(TrainerCallback):
     def on_step_begin(self, args, state, control, **kwargs):
         """Step N is the N-th optimizer step, as the Trainer's logs and folders number them."""
         if not self.timer.in_step:
-            self.timer.start_step(state.global_step + 1, since_ns=self._since, phase="data" if self._since else None)
+            self.timer.start_step(state.global_step + 1, since_ns=self._since, phase="data")
             self.timer.mark("forward_backward")
 
     def on_log(self, args, state, control, logs=None, **kwargs):

@@ -108,16 +108,18 @@ def torchrun(script: str, ranks: int, *args: str, timeout: int = 300) -> subproc
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
          str(SCRIPTS / script), *args],
-        env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=_with_root(os.environ.get("PYTHONPATH"))),
-        capture_output=True, text=True, timeout=timeout)
+        env=script_env(), capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, \
         f"{script}: exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
     return result
 
 
-def _with_root(pythonpath: str | None) -> str:
-    """PYTHONPATH with the repository root first, so launched programs import tests.support."""
-    return os.pathsep.join([str(SCRIPTS.parents[1]), *([pythonpath] if pythonpath else [])])
+def script_env() -> dict[str, str]:
+    """The environment of a launched test program: one thread per process, and the repository root
+    first on PYTHONPATH, so that it imports tests.support."""
+    pythonpath = os.environ.get("PYTHONPATH")
+    return dict(os.environ, OMP_NUM_THREADS="1",
+                PYTHONPATH=os.pathsep.join([str(SCRIPTS.parents[1]), *([pythonpath] if pythonpath else [])]))
 
 
 def deepspeed_torchrun(script: str, ranks: int, *args: str, timeout: int = 900) -> None:

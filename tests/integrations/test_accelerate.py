@@ -1,0 +1,163 @@
+"""ckptfmt.integrations.accelerate against the real Accelerate: exact resume on 2 gloo ranks in the
+middle of an epoch and on one process at an epoch's end, automatic checkpoint naming with
+total_limit, every rank's steps and RNG states in the checkpoint, and the errors of misuse."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.support.helpers import SCRIPTS, require_module, script_env, torchrun
+
+require_module("accelerate", "accelerate is a test dependency (pip install 'ckptfmt[accelerate]')")
+require_module("torchdata", "torchdata is a test dependency (its StatefulDataLoader)")
+
+from accelerate import Accelerator
+
+import ckptfmt
+from ckptfmt.analytics import Thresholds, stragglers
+from ckptfmt.integrations.accelerate import StepTiming, load_state, save_state
+from ckptfmt.metadata.step_timer import decode_steps
+
+STEPS = 12
+
+
+def run_alone(*args: str) -> None:
+    """tests/scripts/accelerate_train.py on one process."""
+    result = subprocess.run([sys.executable, str(SCRIPTS / "accelerate_train.py"), *args], capture_output=True,
+                            text=True, timeout=300, env=script_env())
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+
+
+def assert_same_training_state(expected_file, actual_file) -> None:
+    expected, actual = torch.load(expected_file), torch.load(actual_file)
+    assert expected["model"].keys() == actual["model"].keys()
+    for key in expected["model"]:
+        assert torch.equal(expected["model"][key], actual["model"][key]), key
+    assert expected["optimizer"]["param_groups"] == actual["optimizer"]["param_groups"]
+    for index, moments in expected["optimizer"]["state"].items():
+        for name, value in moments.items():
+            assert torch.equal(value, actual["optimizer"]["state"][index][name]), (index, name)
+
+
+@pytest.mark.distributed
+def test_two_ranks_resume_in_the_middle_of_an_epoch_exactly_and_show_the_slow_rank(tmp_path):
+    """A StatefulDataLoader and a seedable sampler: stopped after step 6 of 12 (an epoch is 4 steps on
+    2 ranks) and resumed in a new process, the run ends with the weights, AdamW moments and schedule
+    of one that was not; the checkpoint holds both ranks' steps and RNG states. The uninterrupted
+    run's rank 1 was slow to collate batches 5..7, and its checkpoint says so."""
+    straight, resumed = tmp_path / "straight.pt", tmp_path / "resumed.pt"
+    torchrun("accelerate_train.py", 2, "straight", "stateful", str(tmp_path / "a"), str(STEPS), str(straight))
+    report = stragglers(str(tmp_path / "a"), thresholds=Thresholds(floor_s=0.1))
+    (slow,) = report["stragglers"]
+    assert (slow["rank"], slow["phase"]) == (1, "data")
+    assert slow["delay_s"] == pytest.approx(3 * 0.25, abs=0.1)
+    torchrun("accelerate_train.py", 2, "stop", "stateful", str(tmp_path / "run"), str(STEPS), "unused", "6")
+    url = f"{tmp_path / 'run'}/step-000006"
+    with ckptfmt.open(url) as reader:
+        assert reader.manifest.step == 6
+        assert [entry["rank"] for entry in reader.metadata["rng"]] == [0, 1]
+        assert [entry["rank"] for entry in reader.metadata["timing"]["ranks"]] == [0, 1]
+        steps = [decode_steps(entry["steps"], url) for entry in reader.metadata["timing"]["ranks"]]
+        assert all(columns.step.tolist() == list(range(6)) for columns in steps)
+        assert all(set(columns.phases) == {"data", "forward_backward", "optimizer"} for columns in steps)
+        assert {"model_0/0.weight", "optimizer_0/state/0.weight/exp_avg"} <= set(reader.keys())
+    torchrun("accelerate_train.py", 2, "resume", "stateful", url, str(STEPS), str(resumed))
+    assert_same_training_state(straight, resumed)
+
+
+def test_automatic_naming_keeps_total_limit_and_resumes_the_newest_exactly(tmp_path):
+    """One process, a plain DataLoader: saves every 2 steps as checkpoint_N (total_limit=2) until the
+    epoch's end at step 8; load_state(accelerator) takes the newest and the run ends as one never stopped."""
+    project = tmp_path / "project"
+    run_alone("straight", "plain", str(tmp_path / "a"), str(STEPS), str(tmp_path / "straight.pt"))
+    run_alone("automatic", "plain", str(project), str(STEPS), "unused", "8")
+    repo = ckptfmt.Repository.open(str(project / "checkpoints"))
+    assert sorted((r.name, r.step) for r in repo.commits()) == [("checkpoint_2", 6), ("checkpoint_3", 8)]
+    assert ckptfmt.verify(str(project / "checkpoints")).ok  # the removed checkpoints' chunks went too
+    run_alone("automatic-resume", "plain", str(project), str(STEPS), str(tmp_path / "resumed.pt"))
+    assert_same_training_state(tmp_path / "straight.pt", tmp_path / "resumed.pt")
+
+
+@pytest.fixture
+def accelerator():
+    accelerator = Accelerator(cpu=True)
+    yield accelerator
+    accelerator.free_memory()
+
+
+def prepared(accelerator: Accelerator, width: int = 4):
+    model = torch.nn.Linear(width, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    return accelerator.prepare(model, optimizer)
+
+
+def test_step_timing_comes_after_prepare(accelerator):
+    with pytest.raises(ValueError, match=r"after accelerator\.prepare"):
+        StepTiming(accelerator)
+
+
+def test_without_a_url_automatic_naming_is_needed(accelerator):
+    prepared(accelerator)
+    with pytest.raises(ValueError, match="automatic_checkpoint_naming=True"):
+        save_state(accelerator)
+    with pytest.raises(ValueError, match="automatic_checkpoint_naming=True"):
+        load_state(accelerator)
+
+
+class Counter:
+    def __init__(self):
+        self.count = 0
+
+    def state_dict(self) -> dict:
+        return {"count": self.count}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.count = state["count"]
+
+
+def test_objects_registered_for_checkpointing_come_back(accelerator, tmp_path):
+    prepared(accelerator)
+    counter = Counter()
+    accelerator.register_for_checkpointing(counter)
+    counter.count = 7
+    url = save_state(accelerator, tmp_path / "run" / "a")
+    counter.count = 0
+    load_state(accelerator, url)
+    assert counter.count == 7
+
+
+def test_a_checkpoint_without_a_registered_object_is_refused_by_name_and_loads_nothing(accelerator, tmp_path):
+    model, _ = prepared(accelerator)
+    url = save_state(accelerator, tmp_path / "run" / "a")
+    accelerator.register_for_checkpointing(Counter())
+    with torch.no_grad():
+        model.weight.fill_(3.0)
+    with pytest.raises(ckptfmt.CheckpointError, match=r"no 'custom_0' in the checkpoint: it was saved with other "
+                                                      r"prepared objects than this run's"):
+        load_state(accelerator, url)
+    assert (model.weight == 3.0).all()
+
+
+def test_a_model_of_another_shape_is_refused(accelerator, tmp_path):
+    prepared(accelerator, width=4)
+    url = save_state(accelerator, tmp_path / "run" / "a")
+    other = Accelerator(cpu=True)
+    prepared(other, width=5)
+    with pytest.raises(ckptfmt.CheckpointError, match="model_0/weight"):
+        load_state(other, url)
+
+
+def test_a_state_saved_on_s3_loads_back(accelerator, s3_bucket):
+    model, optimizer = prepared(accelerator)
+    model(torch.ones(3, 4)).sum().backward()
+    optimizer.step()
+    saved = {key: value.clone() for key, value in model.state_dict().items()}
+    url = save_state(accelerator, f"{s3_bucket}/run/step-1")
+    with torch.no_grad():
+        model.weight.zero_()
+    load_state(accelerator, url)
+    assert all(torch.equal(saved[key], value) for key, value in model.state_dict().items())
