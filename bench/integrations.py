@@ -16,6 +16,8 @@ waits; the background write is waited for, untimed, before the next save).
   folder of model.safetensors, optimizer.pt, scheduler.pt, rng_state.pth and trainer_state.json)
   against ``CkptfmtCallback``'s save at the same moment (its ``on_step_end`` with the Trainer's
   decision to save), and with ``async_save=True``.
+- accelerate: ``accelerator.save_state(folder)`` (model.safetensors, optimizer.bin, random states)
+  against ``ckptfmt.integrations.accelerate.save_state`` (no asynchronous mode).
 
 Every repeat first changes every tensor's content, so no save finds its chunks already stored,
 and rotates the order of the competitors. Prints each one's median and, per competitor, the median
@@ -187,7 +189,45 @@ class TransformersBench(Bench):
                             "CkptfmtCallback async": callback_save("async", async_save=True)}
 
 
-FRAMEWORKS: dict[str, type[Bench]] = {"lightning": LightningBench, "transformers": TransformersBench}
+# ------------------------------------------------------------------------------------ Accelerate
+
+
+class AccelerateBench(Bench):
+    own = "accelerator.save_state"
+
+    def __init__(self, size_gb: float, root: Path):
+        from accelerate import Accelerator
+
+        from ckptfmt.integrations import accelerate as integration
+
+        accelerator = Accelerator(cpu=True)
+        module = torch.nn.Module()
+        module.weights = layers(size_gb)
+        optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4)
+        module, optimizer = accelerator.prepare(module, optimizer)
+        sum(p.sum() for p in module.parameters()).backward()
+        optimizer.step()
+        super().__init__(list(module.parameters()), optimizer.optimizer)
+
+        def own_save(fsync: bool):
+            def run(rep: int) -> float:
+                folder = root / f"own-{fsync}-{rep}"
+                save = lambda: accelerator.save_state(str(folder))
+                seconds, _ = timed(fsynced(save, lambda: folder) if fsync else save)
+                shutil.rmtree(folder)
+                return seconds
+            return run
+
+        def ckptfmt_save(rep: int) -> float:
+            seconds, _ = timed(lambda: integration.save_state(accelerator, root / "ckptfmt" / f"step-{rep}"))
+            return seconds
+
+        self.competitors = {self.own: own_save(False), f"{self.own}+fsync": own_save(True),
+                            "ckptfmt save_state": ckptfmt_save}
+
+
+FRAMEWORKS: dict[str, type[Bench]] = {"lightning": LightningBench, "transformers": TransformersBench,
+                                      "accelerate": AccelerateBench}
 
 
 def report(name: str, bench: Bench, results: dict[str, Result], repeats: int) -> None:
