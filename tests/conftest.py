@@ -155,14 +155,18 @@ def ddp_runs(tmp_path_factory):
     return DdpRuns(tmp_path_factory.mktemp("ddp-runs"))
 
 
+#: torch's deterministic-algorithms flags as the session found them.
+_DETERMINISM = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+
+
 @pytest.fixture(autouse=True)
 def torch_determinism_restored():
     """Frameworks set process-wide torch flags (Lightning's ``deterministic=True`` turns deterministic
-    algorithms on and never off): whatever a test sets, the next one starts from the flags before it."""
-    enabled, warn_only = torch.are_deterministic_algorithms_enabled(), \
-        torch.is_deterministic_algorithms_warn_only_enabled()
+    algorithms on and never off, in a module's fixtures too): every test starts and ends with the
+    session's flags."""
+    torch.use_deterministic_algorithms(_DETERMINISM[0], warn_only=_DETERMINISM[1])
     yield
-    torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+    torch.use_deterministic_algorithms(_DETERMINISM[0], warn_only=_DETERMINISM[1])
 
 
 # -- markers: what each test needs (tests/support/markers.py) ------------------------------------
