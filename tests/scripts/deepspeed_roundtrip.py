@@ -23,6 +23,9 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
+from tests.support.deepspeed_teardown import destroy_process_groups, release_engine
+from tests.support.exit_check import report_gloo_threads_at_exit
+
 
 class Model(torch.nn.Module):
     def __init__(self):
@@ -123,8 +126,11 @@ def main() -> None:
         if dist.get_rank() == 0:
             torch.save(state, f"{out}/{name}.state.pt")
         dist.barrier()
-    dist.destroy_process_group()
+        release_engine(engine)
+        del engine  # before the groups are destroyed and collected
+    destroy_process_groups()
 
 
 if __name__ == "__main__":
+    report_gloo_threads_at_exit()
     main()

@@ -17,6 +17,9 @@ import torch
 import torch.distributed as dist
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
+from tests.support.deepspeed_teardown import destroy_process_groups, release_engine
+from tests.support.exit_check import report_gloo_threads_at_exit
+
 STEPS = 3
 
 
@@ -75,6 +78,7 @@ def run(out: str, stage: int, dtype: str) -> None:
     if dist.get_rank() == 0:
         torch.save(expected, f"{out}/{name}.expected.pt")
     dist.barrier()
+    release_engine(engine)
 
 
 def main() -> None:
@@ -82,8 +86,9 @@ def main() -> None:
     deepspeed.init_distributed(dist_backend="gloo")
     for stage, dtype in zip(rest[::2], rest[1::2]):
         run(out, int(stage), dtype)
-    dist.destroy_process_group()
+    destroy_process_groups()
 
 
 if __name__ == "__main__":
+    report_gloo_threads_at_exit()
     main()

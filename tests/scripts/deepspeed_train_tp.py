@@ -25,6 +25,9 @@ import torch
 import torch.distributed as dist
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
+from tests.support.deepspeed_teardown import destroy_process_groups, release_engine
+from tests.support.exit_check import report_gloo_threads_at_exit
+
 STEPS = 3
 MP = 2
 #: what Megatron-DeepSpeed would attach to its module (names as in deepspeed/checkpoint/constants.py)
@@ -137,6 +140,7 @@ def run(out: str, mpu: Mpu, stage: int, dtype: str) -> None:
     if mpu.dp_rank == 0:
         torch.save(expected, f"{out}/{name}.mp{mpu.mp_rank}.expected.pt")
     dist.barrier()
+    release_engine(engine)
 
 
 def main() -> None:
@@ -145,8 +149,9 @@ def main() -> None:
     mpu = Mpu()
     for stage, dtype in zip(rest[::2], rest[1::2]):
         run(out, mpu, int(stage), dtype)
-    dist.destroy_process_group()
+    destroy_process_groups()
 
 
 if __name__ == "__main__":
+    report_gloo_threads_at_exit()
     main()

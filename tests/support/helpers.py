@@ -20,7 +20,7 @@ import torch
 from ckptfmt.format import layout
 from ckptfmt.format.hashing import chunk_hash
 from ckptfmt.storage.factory import open_storage
-from tests.support import markers
+from tests.support import exit_check, markers
 
 #: The programs the tests launch (tests/scripts/).
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
@@ -111,7 +111,15 @@ def torchrun(script: str, ranks: int, *args: str, timeout: int = 300) -> subproc
         env=script_env(), capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, \
         f"{script}: exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+    assert_groups_released(script, result.stderr)
     return result
+
+
+def assert_groups_released(script: str, stderr: str) -> None:
+    """Fail when a rank of a launched program reported gloo threads alive at exit
+    (tests/support/exit_check.py: the rare abort at exit, made certain)."""
+    reports = [line for line in stderr.splitlines() if exit_check.MARKER in line]
+    assert not reports, f"{script}: " + "; ".join(reports)
 
 
 def script_env() -> dict[str, str]:
@@ -127,12 +135,13 @@ def deepspeed_torchrun(script: str, ranks: int, *args: str, timeout: int = 900) 
     fail with its output."""
     markers.require("deepspeed")
     markers.require("distributed")
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", DS_BUILD_OPS="0")
+    env = dict(script_env(), DS_ACCELERATOR="cpu", DS_BUILD_OPS="0")
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
          str(SCRIPTS / script), *args],
         check=False, env=env, capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-8000:]
+    assert_groups_released(script, result.stderr)
 
 
 def chunk_keys(repo_url: str, storage_options: dict | None = None) -> set[str]:
