@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import os
 import re
-import time
 import warnings
 import weakref
 from typing import Any
@@ -41,11 +40,11 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from ckptfmt.errors import CheckpointError, CheckpointNotFoundError, CheckpointWarning
+from ckptfmt.integrations.step_hooks import HookedStepTimer
 from ckptfmt.lifecycle.gc import collect, remove
 from ckptfmt.loading.load_into import load_into
 from ckptfmt.loading.reader import open as open_checkpoint
 from ckptfmt.loading.reader import restore_rng
-from ckptfmt.metadata.step_timer import StepTimer
 from ckptfmt.repository.repository import Repository
 from ckptfmt.saving.save import save
 
@@ -126,61 +125,22 @@ def load_state(accelerator: Accelerator, url: str | os.PathLike | None = None, *
     _restore_rest(accelerator, rest)
 
 
-class StepTiming:
+class StepTiming(HookedStepTimer):
     """Times every training step of this rank from hooks on the prepared models and optimizers, and
     hands the steps to ``save_state``; make it once, after ``accelerator.prepare``.
 
-    A step runs from the end of the previous one to the end of its optimizer steps (every prepared
-    optimizer stepped once), in phases ``data`` (until the model's first forward in training mode:
-    fetching the batch, and whatever the loop did in between), ``forward_backward`` and
-    ``optimizer``. Gradient accumulation's micro-batches fall in one step: Accelerate steps the
-    optimizer only when gradients sync. Scalars of the loop's own go in with ``timing.timer.metrics``.
+    The steps and their phases are those of ``ckptfmt.integrations.step_hooks``: ``data``,
+    ``forward_backward`` and ``optimizer``, gradient accumulation's micro-batches in one step
+    (Accelerate steps the optimizer only when gradients sync). Scalars of the loop's own go in with
+    ``timing.timer.metrics``.
     """
 
     def __init__(self, accelerator: Accelerator):
         if not accelerator._models or not accelerator._optimizers:
             raise ValueError("StepTiming(accelerator) comes after accelerator.prepare(model, optimizer, ...)")
-        self.timer = StepTimer()
-        self.steps_started = 0
-        self._optimizers = {id(_torch_optimizer(o)) for o in accelerator._optimizers}
-        self._stepped: set[int] = set()
-        self._since: int | None = None
-        self._handles = [accelerator.unwrap_model(model).register_forward_pre_hook(self._forward)
-                         for model in accelerator._models]
-        for optimizer in accelerator._optimizers:
-            inner = _torch_optimizer(optimizer)
-            self._handles += [inner.register_step_pre_hook(self._before_step),
-                              inner.register_step_post_hook(self._after_step)]
+        super().__init__([accelerator.unwrap_model(model) for model in accelerator._models],
+                         [_torch_optimizer(optimizer) for optimizer in accelerator._optimizers])
         _TIMINGS[accelerator] = self
-
-    def remove(self) -> None:
-        """Take the hooks off; the timer keeps the steps it has."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
-
-    def _forward(self, module: torch.nn.Module, args: Any) -> None:
-        """A forward in training mode outside a step starts one; ``data`` comes first even in the
-        first step (analyses take phases to run in the order the timer first saw them)."""
-        if module.training and not self.timer.in_step:
-            self.timer.start_step(self.steps_started, since_ns=self._since, phase="data")
-            self.timer.mark("forward_backward")
-            self._stepped.clear()
-
-    def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if self.timer.in_step:
-            self.timer.mark("optimizer")
-
-    def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if not self.timer.in_step:
-            return  # not a training step's (torch initialising an optimizer's state for a load)
-        self._stepped.add(id(optimizer))
-        if self._stepped >= self._optimizers:
-            self.timer.end_step()
-            self.steps_started += 1
-            self._since = time.perf_counter_ns()
-        else:
-            self.timer.mark("forward_backward")  # the next optimizer's forward and backward
 
 
 # -- what the checkpoint holds -------------------------------------------------------------------

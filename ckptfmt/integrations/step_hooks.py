@@ -1,0 +1,69 @@
+"""Step timing from torch's own hooks, for frameworks whose training loop offers no callbacks
+(Accelerate, torchtitan): a forward pre-hook on each model and step hooks on each optimizer.
+
+A step runs from the end of the previous one to the end of its optimizer steps (every optimizer
+stepped once), in phases ``data`` (until the first forward in training mode: fetching the batch
+and whatever the loop did in between), ``forward_backward`` and ``optimizer``. Gradient
+accumulation's micro-batches fall in one step, as their forwards come before the optimizer's step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from ckptfmt.metadata.step_timer import StepTimer
+
+
+class HookedStepTimer:
+    """Times every training step of this rank into ``self.timer``.
+
+    ``step_number`` gives the number of the step that starts now (default: steps counted from 0,
+    ``steps_started``, which a resumed run sets back).
+    """
+
+    def __init__(self, models: Iterable[torch.nn.Module], optimizers: Iterable[torch.optim.Optimizer],
+                 step_number: Callable[[], int] | None = None):
+        self.timer = StepTimer()
+        self.steps_started = 0
+        self._step_number = step_number or (lambda: self.steps_started)
+        optimizers = list(optimizers)
+        self._optimizers = {id(o) for o in optimizers}
+        self._stepped: set[int] = set()
+        self._since: int | None = None
+        self._handles = [model.register_forward_pre_hook(self._forward) for model in models]
+        for optimizer in optimizers:
+            self._handles += [optimizer.register_step_pre_hook(self._before_step),
+                              optimizer.register_step_post_hook(self._after_step)]
+
+    def remove(self) -> None:
+        """Take the hooks off; the timer keeps the steps it has."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _forward(self, module: torch.nn.Module, args: Any) -> None:
+        """A forward in training mode outside a step starts one; ``data`` comes first even in the
+        first step (analyses take phases to run in the order the timer first saw them)."""
+        if module.training and not self.timer.in_step:
+            self.timer.start_step(self._step_number(), since_ns=self._since, phase="data")
+            self.timer.mark("forward_backward")
+            self._stepped.clear()
+
+    def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self.timer.in_step:
+            self.timer.mark("optimizer")
+
+    def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if not self.timer.in_step:
+            return  # not a training step's (torch initialising an optimizer's state for a load)
+        self._stepped.add(id(optimizer))
+        if self._stepped >= self._optimizers:
+            self.timer.end_step()
+            self.steps_started += 1
+            self._since = time.perf_counter_ns()
+        else:
+            self.timer.mark("forward_backward")  # the next optimizer's forward and backward
