@@ -15,11 +15,14 @@ setup: $(STAMP)
 
 # Idempotent: reinstalls only when the dependency lists change. torch is pinned
 # by constraints-dev.txt to the CPU wheel (a looser pin would pull CUDA builds);
-# DS_BUILD_OPS=0 builds DeepSpeed (a test dependency) without compiling its CUDA ops.
+# DS_BUILD_OPS=0 builds DeepSpeed (a test dependency) without compiling its CUDA ops. torchtitan
+# (a test dependency) goes in without its declared dependencies, which conflict with this stack
+# (pyproject.toml's test extra says why, and lists what its checkpointer needs).
 $(STAMP): pyproject.toml constraints-dev.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	DS_BUILD_OPS=0 $(BIN)/python -m pip install --quiet -c constraints-dev.txt -e '.[test,s3,tui,bench]'
+	$(BIN)/python -m pip install --quiet --no-deps -c constraints-dev.txt torchtitan
 	touch $(STAMP)
 
 demo: setup

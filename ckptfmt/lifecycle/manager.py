@@ -181,6 +181,11 @@ class CheckpointManager:
         self._last_call = (step, time.perf_counter())
         return True
 
+    @property
+    def pending_save(self) -> Future | None:
+        """The last asynchronous save's future while it runs (None once done, or with synchronous saves)."""
+        return self._save if self._save is not None and not self._save.done() else None
+
     def wait(self) -> None:
         """Wait for the last save (raising its error) and for the background work after it."""
         if self._save is not None:
