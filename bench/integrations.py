@@ -2,7 +2,8 @@
 
 Usage (from the repository root)::
 
-    python bench/integrations.py [lightning|transformers ...] [--size-gb 0.3] [--repeats 7] [--dir /tmp]
+    python bench/integrations.py [lightning|transformers|accelerate|torchtitan ...] [--size-gb 0.3]
+        [--repeats 7] [--dir /tmp]
 
 The state is bench/harness.py's transformer-shaped layers as one module's parameters with AdamW state
 after one step (AdamW adds twice the parameters' bytes). Each framework's own save, as it is and
@@ -18,6 +19,9 @@ waits; the background write is waited for, untimed, before the next save).
   decision to save), and with ``async_save=True``.
 - accelerate: ``accelerator.save_state(folder)`` (model.safetensors, optimizer.bin, random states)
   against ``ckptfmt.integrations.accelerate.save_state`` (no asynchronous mode).
+- torchtitan: its own DCP ``CheckpointManager`` (``async_mode="disabled"``; DCP fsyncs what it
+  writes) against ``CkptfmtCheckpointManager``, synchronous and ``async_mode="async"``, each
+  ``save(step)`` of the same model, OptimizersContainer and schedulers on one process.
 
 Every repeat first changes every tensor's content, so no save finds its chunks already stored,
 and rotates the order of the competitors. Prints each one's median and, per competitor, the median
@@ -61,6 +65,9 @@ class Bench:
             moments = {f"{i}.{name}": value for i, state in enumerate(self.optimizer.state.values())
                        for name, value in state.items() if value.dim() > 0}
             refresh_content(moments, tag + 1)
+
+    def close(self) -> None:
+        """Finish what the competitors left running (background writes) before their folder goes."""
 
 
 def layers(size_gb: float) -> torch.nn.ParameterList:
@@ -226,8 +233,71 @@ class AccelerateBench(Bench):
                             "ckptfmt save_state": ckptfmt_save}
 
 
+class TorchtitanBench(Bench):
+    own = "torchtitan DCP manager"
+
+    def __init__(self, size_gb: float, root: Path):
+        from torchtitan.components.checkpointer.dcp import CheckpointManager
+        from torchtitan.components.optimizer.lr_scheduler import LRSchedulersContainer
+        from torchtitan.components.optimizer.optimizer import OptimizersContainer, ParamGroupConfig
+
+        from ckptfmt.integrations.torchtitan import CkptfmtCheckpointManager
+
+        # torchtitan's manager asks for this process's rank: a group of one
+        torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+        module = torch.nn.Module()
+        module.weights = layers(size_gb)
+        optimizers = OptimizersContainer.Config(
+            implementation="for-loop",
+            param_groups=[ParamGroupConfig(pattern=".*", optimizer_name="AdamW", optimizer_kwargs={"lr": 1e-4})],
+        ).build(model_parts=[module])
+        sum(p.sum() for p in module.parameters()).backward()
+        optimizers.step()
+        lr_schedulers = LRSchedulersContainer.Config().build(optimizers=optimizers, training_steps=1000)
+        super().__init__(list(module.parameters()), optimizers.optimizers[0])
+
+        self.checkpointers: list = []
+
+        def manager(kind, folder: str, **options):
+            checkpointer = kind.Config(enable=True, folder=str(root / folder), interval=1, keep_latest_k=2,
+                               last_save_model_only=False, **options).build(
+                dataloader=None, model_parts=[module], optimizers=optimizers, lr_schedulers=lr_schedulers,
+                states={}, sd_adapter=None)
+            self.checkpointers.append(checkpointer)
+            return checkpointer
+
+        def own_save(fsync: bool):
+            checkpointer = manager(CheckpointManager, f"own-{fsync}")
+
+            def run(rep: int) -> float:
+                folder = root / f"own-{fsync}" / f"step-{rep + 1}"
+                save = lambda: checkpointer.save(rep + 1)
+                seconds, _ = timed(fsynced(save, lambda: folder) if fsync else save)
+                shutil.rmtree(folder)
+                return seconds
+            return run
+
+        def ckptfmt_save(folder: str, **options):
+            checkpointer = manager(CkptfmtCheckpointManager, folder, **options)
+
+            def run(rep: int) -> float:
+                checkpointer.maybe_wait_for_saving()  # the previous background write, untimed
+                seconds, _ = timed(lambda: checkpointer.save(rep + 1))
+                return seconds
+            return run
+
+        self.competitors = {self.own: own_save(False), f"{self.own}+fsync": own_save(True),
+                            "CkptfmtCheckpointManager": ckptfmt_save("ckptfmt"),
+                            "CkptfmtCheckpointManager async": ckptfmt_save("ckptfmt-async", async_mode="async")}
+
+    def close(self) -> None:
+        for checkpointer in self.checkpointers:
+            checkpointer.close()
+        torch.distributed.destroy_process_group()
+
+
 FRAMEWORKS: dict[str, type[Bench]] = {"lightning": LightningBench, "transformers": TransformersBench,
-                                      "accelerate": AccelerateBench}
+                                      "accelerate": AccelerateBench, "torchtitan": TorchtitanBench}
 
 
 def report(name: str, bench: Bench, results: dict[str, Result], repeats: int) -> None:
@@ -257,6 +327,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory(dir=args.dir) as folder:
             bench = FRAMEWORKS[name](args.size_gb, Path(folder))
             results = round_robin(name, bench.competitors, args.repeats, before_repeat=bench.refresh)
+            bench.close()
             report(name, bench, results, args.repeats)
 
 
