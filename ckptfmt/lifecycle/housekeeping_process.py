@@ -65,6 +65,8 @@ class HousekeepingProcess(Housekeeper):
         self._paused = False
         self._child: subprocess.Popen | None = None
         self._connection: Connection | None = None
+        #: Whether the child has said it dies with this process: it is stopped only from then on.
+        self._armed = False
 
     @property
     def pid(self) -> int | None:
@@ -86,6 +88,8 @@ class HousekeepingProcess(Housekeeper):
         with self._lock:
             connection = self._connection if self._connection is not None else self._start()
         try:
+            if not self._armed:
+                self._wait_until_armed(connection)
             connection.send(("replicate", metrics))
             outcome, payload = connection.recv()
         except (EOFError, OSError):
@@ -111,13 +115,24 @@ class HousekeepingProcess(Housekeeper):
                 pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
                 start_new_session=True)  # the terminal's Ctrl-C is the manager's to handle
         connection = self._connection = Connection(ours.detach())
+        self._armed = False
         connection.send(("start", self.tiers))
-        if self._paused:
-            self._signal(signal.SIGSTOP)
         return connection
 
+    def _wait_until_armed(self, connection: Connection) -> None:
+        """Wait for the child's word that the kernel kills it when this process dies, then stop it if
+        a save runs. Stopped before that, it would never die: a child killed with its parent while
+        starting up stayed stopped for good, holding its parent's stdout and stderr open."""
+        kind, _ = connection.recv()
+        if kind != "armed":
+            raise RuntimeError(f"the replication process said {kind!r} before it was ready")
+        with self._lock:
+            self._armed = True
+            if self._paused:
+                self._signal(signal.SIGSTOP)
+
     def _signal(self, signum: int) -> None:
-        if self._child is not None:
+        if self._child is not None and (self._armed or signum != signal.SIGSTOP):
             self._child.send_signal(signum)  # does nothing once the child has been reaped
 
     def _stop(self) -> int | None:
@@ -196,5 +211,10 @@ def main(argv: list[str]) -> None:
         os.nice(CHILD_NICE)  # before any thread starts: every thread of the child inherits it
     except OSError:  # a sandbox may forbid it: the child then merely competes
         pass
-    _serve(Connection(fd))
+    connection = Connection(fd)
+    try:
+        connection.send(("armed", None))  # the manager may stop this process from now on
+    except OSError:  # the manager has gone
+        return
+    _serve(connection)
 

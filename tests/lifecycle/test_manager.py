@@ -213,6 +213,41 @@ def test_the_child_ends_with_a_training_process_killed_while_it_was_stopped(tmp_
         time.sleep(0.05)
 
 
+TRAINER_KILLED_AS_THE_CHILD_STARTS = """
+import sys, threading, time, torch, ckptfmt
+manager = ckptfmt.CheckpointManager(tiers=[sys.argv[1], sys.argv[2]])
+manager.housekeeper.pause()  # a save runs as the first copy starts the child
+threading.Thread(target=manager.housekeeper.replicate, args=({},), daemon=True).start()
+while manager.housekeeper.pid is None:
+    time.sleep(0.001)
+print(manager.housekeeper.pid, flush=True)  # the child is still starting up: the test kills this process
+time.sleep(600)
+"""
+
+
+@process_mode
+def test_the_child_ends_with_a_training_process_killed_while_the_child_started(tmp_path):
+    """A child stopped before it had asked the kernel to kill it with its parent outlived the training
+    process, stopped for good and holding its stdout and stderr open (a kill in the README's loop hung
+    its test): the child is stopped only once it says it is armed."""
+    trainer = subprocess.Popen([sys.executable, "-c", TRAINER_KILLED_AS_THE_CHILD_STARTS, str(tmp_path / "fast"),
+                                str(tmp_path / "slow")], stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(trainer.stdout.readline())
+    finally:
+        trainer.kill()
+        trainer.wait()
+    deadline = time.monotonic() + 10
+    try:
+        while running(child):
+            assert time.monotonic() < deadline, f"the replication process outlived the training process " \
+                                                f"(state {proc_stat(child)[0]})"
+            time.sleep(0.05)
+    finally:
+        if running(child):
+            os.kill(child, signal.SIGKILL)
+
+
 def test_wait_after_an_async_save_waits_for_its_copy_to_the_next_tier(tmp_path, monkeypatch):
     """wait() returns only once the housekeeping after the last save is done, even when the save's
     completion callbacks run late (they run on the save's thread, after its future is done)."""
