@@ -4,7 +4,9 @@
 joining a gloo process group through a FileStore in ``folder`` (no ports to
 pick), runs ``scenario(rank, world, folder, **kwargs)`` (a function of an
 importable test module) and returns what each rank returned, or the text of
-the exception it raised, as ``RankOutcome``. Every launch has a timeout: a
+the exception it raised, as ``RankOutcome``. Ranks are forked from a fork
+server that has imported torch and ckptfmt once (``FORKSERVER_PRELOAD``):
+importing torch takes ~3 s of CPU here, and a spawned rank paid it every time. Every launch has a timeout: a
 hang kills the ranks and fails the one test. Ranks end as a user's do
 (``destroy_process_group``, then a normal interpreter exit) and must exit with 0. ``mixed_state`` is the state the
 distributed tests save: replicated tensors, DTensors on two meshes, per-rank values.
@@ -12,6 +14,7 @@ distributed tests save: replicated tensors, DTensors on two meshes, per-rank val
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import pickle
 import random
@@ -31,6 +34,11 @@ import torch.multiprocessing as mp
 
 import ckptfmt
 from tests.support import markers
+
+
+#: Imported once by the fork server the ranks are forked from (never run: importing starts no thread).
+FORKSERVER_PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "ckptfmt", "tests.support.ranks"]
+multiprocessing.set_forkserver_preload(FORKSERVER_PRELOAD)
 
 
 @dataclass
@@ -56,7 +64,7 @@ def run_ranks(scenario: Callable, world: int, folder: Path, *, timeout: float = 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     context = mp.start_processes(_rank_main, args=(world, str(folder), scenario, kwargs), nprocs=world,
-                                 join=False, start_method="spawn")
+                                 join=False, start_method="forkserver")
     deadline = time.monotonic() + timeout
     for process in context.processes:
         process.join(max(0.0, deadline - time.monotonic()))
