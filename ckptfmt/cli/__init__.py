@@ -51,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("verify", help="check every byte of a checkpoint or a whole repository")
     p.add_argument("url", help="checkpoint or repository URL")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--stats", action="store_true",
+                   help="also recompute each tensor's recorded statistics from its bytes")
     p.set_defaults(run=commands.verify)
 
     p = sub.add_parser("diff", help="compare two checkpoints")

@@ -43,16 +43,17 @@ def show(args, console: Console) -> int:
     with open_checkpoint(args.checkpoint) as ckpt:
         meta = ckpt.metadata
         tensors = [ckpt.tensor_info(k) for k in ckpt.keys()]
+        stats = [ckpt.tensor_stats(k) for k in ckpt.keys()]
         if args.json:
             Output(console).json(_jsonable({
                 "url": ckpt.url, "id": ckpt.id, **meta,
                 "tensors": [{"key": t.key, "dtype": t.dtype, "shape": list(t.shape), "bytes": t.nbytes,
-                             "shards": len(t.shards), "kind": t.kind} for t in tensors],
+                             "shards": len(t.shards), "kind": t.kind, "stats": s} for t, s in zip(tensors, stats)],
             }))
             return 0
         out = Output(console)
         out.table(None, _LABELLED, describe.summary(meta, ckpt.url, ckpt.id), header=False)
-        _show_tensors(out, tensors, args.limit)
+        _show_tensors(out, tensors, stats, args.limit)
         out.table("metadata", _LABELLED, _metadata_rows(meta), header=False)
     return 0
 
@@ -61,12 +62,17 @@ def show(args, console: Console) -> int:
 _LABELLED = (Column("label", style="bold"), Column("value", TEXT))
 
 
-def _show_tensors(out: Output, tensors: list, limit: int) -> None:
-    shown = tensors if limit <= 0 else tensors[:limit]
-    columns = [Column("key", KEY), Column("dtype"), Column("shape"), Column("size", right=True),
-               Column("shards", right=True)]
+def _show_tensors(out: Output, tensors: list, stats: list, limit: int) -> None:
+    """The tensor table: what each tensor is and, where recorded, what its values look like (spec 6.10);
+    a shards column only when some tensor has several. Every column but the key fits 100 columns."""
+    shown = list(zip(tensors, stats)) if limit <= 0 else list(zip(tensors, stats))[:limit]
+    sharded = any(len(t.shards) > 1 for t, _ in shown)
+    columns = [Column("key", KEY), Column("dtype"), Column("shape"), Column("size", right=True)]
+    columns += [Column("shards", right=True)] * sharded
+    columns += [Column(name, right=True) for name in ("mean", "l2", "absmax", "nan/inf", "zeros")]
     out.table(f"tensors ({len(shown)} of {len(tensors)})", columns, (
-        (t.key, t.dtype, shape_text(t.shape), human_bytes(t.nbytes), str(len(t.shards))) for t in shown))
+        (t.key, t.dtype, shape_text(t.shape), human_bytes(t.nbytes), *[str(len(t.shards))] * sharded,
+         *describe.stats_cells(s)) for t, s in shown))
 
 
 def _metadata_rows(meta: dict) -> list[tuple[str, str]]:
@@ -89,11 +95,12 @@ def _metadata_rows(meta: dict) -> list[tuple[str, str]]:
 
 def verify(args, console: Console) -> int:
     with ByteProgress("verifying", quiet=args.json) as progress:
-        report = verify_url(args.url, callback=progress)
+        report = verify_url(args.url, callback=progress, stats=args.stats)
     if args.json:
         Output(console).json({
             "ok": report.ok, "checkpoints": report.checkpoints, "chunks_checked": report.chunks_checked,
             "bytes_checked": report.bytes_checked, "seconds": report.seconds,
+            **({"stats_checked": report.stats_checked} if args.stats else {}),
             "problems": [p.__dict__ | {"tensors": list(p.tensors)} for p in report.problems],
             "warnings": report.warnings,
         })
@@ -101,8 +108,9 @@ def verify(args, console: Console) -> int:
     for message in report.warnings:
         warnings.warn(message, CheckpointWarning, stacklevel=1)
     rate = report.bytes_checked / report.seconds / 1e9 if report.seconds else 0.0
+    checked = f", statistics of {counted(report.stats_checked, 'tensor')}" if args.stats else ""
     summary = (f"{counted(len(report.checkpoints), 'checkpoint')}, {counted(report.chunks_checked, 'chunk')}, "
-               f"{human_bytes(report.bytes_checked)} in {report.seconds:.2f} s ({rate:.2f} GB/s)")
+               f"{human_bytes(report.bytes_checked)}{checked} in {report.seconds:.2f} s ({rate:.2f} GB/s)")
     out = Output(console)
     if report.ok:
         out.line(Text.assemble(("OK", "green"), f": {summary}"))

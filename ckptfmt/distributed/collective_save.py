@@ -43,6 +43,7 @@ from ckptfmt.saving.core import (
     TensorCollector,
     commit_manifest,
     manifest_for,
+    merged_stats,
     open_for_save,
     rank_record,
     refuse_taken_name,
@@ -70,7 +71,8 @@ def collective_save(state: Any, url: str | os.PathLike, group, options: SaveOpti
     with timer.phase("prepare"):
         sources: list[TensorSource] = []
         entries: list[dict] = []
-        collector = TensorCollector(sources, entries, collective=True, frozen=captured.frozen)
+        collector = TensorCollector(sources, entries, collective=True, frozen=captured.frozen,
+                                    stats=options.tensor_stats, device_stats=captured.device_stats)
         plan, own_failure = _attempt(lambda: {
             "state": encode_tree(state, collector, rank=ranks.rank), "entries": entries,
             "shapes": [s.shape for s in sources], "nbytes": [s.nbytes for s in sources], "meshes": collector.meshes,
@@ -100,7 +102,7 @@ def _write_and_commit(decision: dict, failure: Failure | None, url: str, name: s
         mine = [sources[i] for i in agreed.assigned[ranks.rank]]
         stored = store_sources(repo, mine, compression=options.compression, parent_keys=agreed.parent_keys,
                                cache=DEFAULT_CACHE, chunk_size=options.chunk_size,
-                               workers=options.chunk_workers, timer=timer)
+                               workers=options.chunk_workers, timer=timer, stats=options.tensor_stats)
         return {"stored": stored, **rank_record(ranks.rank, timer, _rank_topology(ranks), captured)}
     written, own_failure = _attempt(write)
     with timer.phase("wait_ranks"):
@@ -331,14 +333,16 @@ def _manifest(plan: Plan, reports: list[dict], ranks: RankGroup, name: str, opti
             for stored in (report["stored"] for report in reports)]
     tensors = []
     for tensor in plan.tensors:
-        shards = []
+        shards, stats = [], []
         for box in tensor.boxes:
             rank, position = box.writer
-            pieces = tuple(Piece(rows[rank][p.chunk], p.offset, p.length)
-                           for p in reports[rank]["stored"].pieces[position])
+            stored = reports[rank]["stored"]
+            pieces = tuple(Piece(rows[rank][p.chunk], p.offset, p.length) for p in stored.pieces[position])
             shards.append(Shard(box.offsets, box.shape, rank, pieces))
+            stats.append(stored.stats[position])
         tensors.append(TensorEntry(key=tensor.key, dtype=tensor.dtype, shape=tensor.shape, shards=tuple(shards),
-                                   kind=tensor.kind, requires_grad=tensor.requires_grad, same_as=tensor.same_as))
+                                   kind=tensor.kind, requires_grad=tensor.requires_grad, same_as=tensor.same_as,
+                                   stats=merged_stats(stats) if tensor.same_as is None else None))
     writers = sorted({box.writer[0] for tensor in plan.tensors for box in tensor.boxes})
     topology = topology_record([report["topology"] for report in reports], world_size=ranks.size,
                                writer_ranks=writers, parallelism=options.parallelism, backend=ranks.backend,

@@ -46,6 +46,7 @@ from ckptfmt.saving.core import (
     Captured,
     commit_manifest,
     manifest_for,
+    merged_stats,
     open_for_save,
     rank_record,
     refuse_taken_name,
@@ -165,10 +166,10 @@ class StorageWriter(dcp_storage.StorageWriter):
                     items.append(item)
         stored = store_sources(repo, sources, compression=self.options.compression, parent_keys=set(),
                                cache=DEFAULT_CACHE, chunk_size=self.options.chunk_size,
-                               workers=self.options.chunk_workers, timer=self.timer)
-        for item, source, pieces in zip(items, sources, stored.pieces):
+                               workers=self.options.chunk_workers, timer=self.timer, stats=self.options.tensor_stats)
+        for item, source, pieces, stats in zip(items, sources, stored.pieces, stored.stats):
             rows = [(*stored.chunks[p.chunk], p.offset, p.length, p.chunk in stored.written_rows) for p in pieces]
-            results.append(dcp_storage.WriteResult(item.index, source.nbytes, {"pieces": rows}))
+            results.append(dcp_storage.WriteResult(item.index, source.nbytes, {"pieces": rows, "stats": stats}))
         results.append(dcp_storage.WriteResult(RANK_RECORD, 0, {"rank_record": self._rank_record(planner)}))
         future: Future = Future()
         future.set_result(results)
@@ -208,7 +209,8 @@ class StorageWriter(dcp_storage.StorageWriter):
         for fqn, key in keys.items():
             md = _tensor_metadata(metadata, fqn)
             tensors.append(TensorEntry(key=key, dtype=dtype_name(md.properties.dtype), shape=tuple(md.size),
-                                       shards=tuple(shards_of[fqn])))
+                                       shards=tuple(shard for shard, _ in shards_of[fqn]),
+                                       stats=merged_stats([stats for _, stats in shards_of[fqn]])))
         meshes = [mesh for record in records for mesh in record["meshes"]]
         topology = topology_record(
             [record["topology"] for record in records], world_size=len(results),
@@ -241,10 +243,10 @@ def _is_mapping_table(mappings: Any, flat: dict) -> bool:
 
 
 def _gather(metadata: dcp_metadata.Metadata, results: list[list[dcp_storage.WriteResult]]):
-    """Every rank's results as: fqn -> value (TensorRef for tensors), fqn -> shards, one chunk table,
-    and each rank's own record."""
+    """Every rank's results as: fqn -> value (TensorRef for tensors), fqn -> (shard, its statistics)
+    in offset order, one chunk table, and each rank's own record."""
     flat: dict[str, Any] = {}
-    shards_of: dict[str, list[Shard]] = {}
+    shards_of: dict[str, list[tuple[Shard, dict | None]]] = {}
     table = ChunkTable()
     records = []
     for rank, rank_results in enumerate(results):
@@ -262,9 +264,10 @@ def _gather(metadata: dcp_metadata.Metadata, results: list[list[dcp_storage.Writ
             pieces = [Piece(table.add(Chunk(hash_, codec, size, stored_size), written), offset, length)
                       for hash_, codec, size, stored_size, offset, length, written in result.storage_data["pieces"]]
             flat[fqn] = TensorRef(fqn)
-            shards_of.setdefault(fqn, []).append(Shard(offsets, sizes, rank, tuple(pieces)))
+            shards_of.setdefault(fqn, []).append((Shard(offsets, sizes, rank, tuple(pieces)),
+                                                  result.storage_data.get("stats")))
     for shards in shards_of.values():
-        shards.sort(key=lambda s: s.offsets)
+        shards.sort(key=lambda shard: shard[0].offsets)
     if len(records) != len(results):
         raise CheckpointError(f"{len(results) - len(records)} of {len(results)} ranks sent no rank record: "
                               "every rank must save through ckptfmt.dcp.StorageWriter")

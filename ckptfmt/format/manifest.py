@@ -36,10 +36,11 @@ from ckptfmt.format.limits import (
     check_hash,
     check_name,
 )
+from ckptfmt.format.tensor_stats import COUNT_FIELDS, FLOAT_FIELDS, INTEGER_FIELDS
 from ckptfmt.format.tiling import check_tiling
 from ckptfmt.format.values import unique_map
 
-FORMAT_VERSION = (1, 3)
+FORMAT_VERSION = (1, 4)
 MANIFEST_FORMAT = "ckptfmt-manifest"
 TENSOR_KINDS = ("tensor", "parameter", "numpy")
 #: The greatest shard ``rank`` (spec 6.5).
@@ -86,6 +87,8 @@ class TensorEntry(NamedTuple):
     kind: str = "tensor"
     requires_grad: bool = False
     same_as: int | None = None
+    #: The statistics of its elements (spec 6.10, format 1.4), or None where not recorded.
+    stats: dict | None = None
 
     @property
     def numel(self) -> int:
@@ -241,6 +244,8 @@ def _tensor_to_dict(t: TensorEntry) -> dict:
     }
     if t.same_as is not None:
         doc["same_as"] = t.same_as
+    if t.stats is not None:
+        doc["stats"] = t.stats
     return doc
 
 
@@ -436,7 +441,32 @@ def _parse_tensor(doc: Any, index: int, sizes: list[int], budget: _Budget) -> Te
     budget.take(len(raw_shards), 0)
     shards = tuple(_parse_shard(s, what, shape, width, sizes, budget) for s in raw_shards)
     check_tiling(what, shape, shards)
-    return TensorEntry(key, dtype, shape, shards, kind, requires_grad, same_as)
+    stats = _parse_stats(doc["stats"], what, math.prod(shape)) if "stats" in doc else None
+    return TensorEntry(key, dtype, shape, shards, kind, requires_grad, same_as, stats)
+
+
+_STAT_COUNTS = ("count", "nan", "posinf", "neginf", "zeros")
+_STAT_FIELD_SETS = {frozenset(FLOAT_FIELDS), frozenset(INTEGER_FIELDS), frozenset(COUNT_FIELDS)}
+
+
+def _parse_stats(doc: Any, what: str, numel: int) -> dict:
+    """A tensor's ``stats`` (spec 6.10): one of the three field sets, counts within the element
+    count, the other fields numbers or nil; names a newer writer adds are kept as read."""
+    if type(doc) is not dict or not all(type(name) is str for name in doc):
+        raise ManifestError(f"{what}: stats must be a map of names to values")
+    known = frozenset(name for name in doc if name in FLOAT_FIELDS)
+    if known not in _STAT_FIELD_SETS:
+        raise ManifestError(f"{what}: stats fields {sorted(known)} are none of the sets spec 6.10 defines")
+    if doc["count"] != numel:
+        raise ManifestError(f"{what}: stats count {quoted(doc['count'])} differs from the {numel} elements")
+    for name in known:
+        value = doc[name]
+        if name in _STAT_COUNTS:
+            _int(value, f"{what}: stats {name}", 0, numel)
+        elif value is not None and (type(value) not in (int, float)):
+            raise ManifestError(f"{what}: stats {name} must be a number or nil, found {quoted(value)}")
+    _check_nesting(doc, f"{what} stats")
+    return doc
 
 
 def _parse_shard(doc: Any, what: str, shape: tuple, width: int, sizes: list[int], budget: _Budget) -> Shard:

@@ -32,14 +32,25 @@ class TensorSource:
     borrowed: bool
     #: True when that memory cannot change until the save ends (an asynchronous save's staging buffers).
     frozen: bool = False
+    #: The tensor's statistics when taken before its bytes reached ``tensor`` (on its CUDA device);
+    #: None: the save takes them as it hashes the bytes.
+    stats: dict | None = None
 
     @property
     def nbytes(self) -> int:
         return self.tensor.numel() * self.tensor.element_size()
 
+    @property
+    def itemsize(self) -> int:
+        return self.tensor.element_size()
+
     def byte_view(self) -> memoryview:
         """The raw bytes, without copying."""
         return byte_view(self.tensor)
+
+    def bytes_tensor(self) -> torch.Tensor:
+        """The raw bytes as a 1-D uint8 tensor, without copying."""
+        return self.tensor.reshape(-1).view(torch.uint8)
 
 
 def prepare(value: torch.Tensor | np.ndarray, where: str) -> TensorSource:

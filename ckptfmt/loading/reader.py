@@ -86,6 +86,15 @@ class CheckpointReader:
         """Dtype, shape, shards and chunk references of one tensor, without reading it."""
         return self.manifest.tensors[self._lookup(key)]
 
+    def tensor_stats(self, key: str) -> dict | None:
+        """The statistics of one tensor's elements as its writer recorded them (spec 6.10: count, min,
+        max, mean, l2, absmax, nan, posinf, neginf, zeros), without reading it; None where not recorded.
+        A tensor that is the same object as an earlier one (tied weights) has that one's."""
+        entry = self.manifest.tensors[self._lookup(key)]
+        if entry.same_as is not None:
+            entry = self.manifest.tensors[entry.same_as]
+        return entry.stats
+
     @property
     def metadata(self) -> dict:
         """Run metadata: step, environment, rng, topology, timing, user, and more."""

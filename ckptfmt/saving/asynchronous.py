@@ -52,8 +52,11 @@ class AsyncSaver:
         # The generators as they are now: the loop draws on while this saves.
         rng = capture_states() if options.rng is None else None
         start_ns, start = time.time_ns(), time.perf_counter()
-        staged = self.staging_area(url).stage(state)
-        captured = Captured(steps=steps, rng=rng, staged=(start_ns, time.perf_counter() - start), frozen=True)
+        area = self.staging_area(url)
+        area.stats = options.tensor_stats
+        staged = area.stage(state)
+        captured = Captured(steps=steps, rng=rng, staged=(start_ns, time.perf_counter() - start), frozen=True,
+                            device_stats=area.device_stats)
         future = self._background().submit(_save_staged, staged, url, options, captured, timer)
         in_flight.register(url, future)
         return future

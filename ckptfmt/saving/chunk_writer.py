@@ -13,6 +13,10 @@ first save after a restart, when they hash to a chunk the parent checkpoint
 already has; and for an asynchronous save's staging buffers, which nothing
 changes until the save ends (sources marked ``frozen``): those are hashed and
 written block by block straight from the buffer.
+
+Each tensor's statistics (format/tensor_stats.py) are taken in the same pass,
+block by block from the bytes being hashed, so they describe exactly the bytes
+stored; unchanged bytes reuse the statistics remembered with their hash.
 """
 
 from __future__ import annotations
@@ -21,9 +25,10 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import overload
+from typing import Any, overload
 
 import blake3
+import torch
 import xxhash
 
 from ckptfmt.errors import CheckpointError
@@ -31,6 +36,7 @@ from ckptfmt.format import codecs, layout
 from ckptfmt.format.hashing import chunk_hash
 from ckptfmt.format.limits import MAX_CHUNK_BYTES
 from ckptfmt.format.manifest import Chunk, Piece, TensorEntry
+from ckptfmt.format.tensor_stats import StatsAccumulator, merge_stats
 from ckptfmt.format.tensors import TensorSource
 from ckptfmt.repository.repository import Repository
 from ckptfmt.saving.chunker import DEFAULT_CHUNK_SIZE, ChunkJob, ChunkPlanner, PieceRef
@@ -41,12 +47,18 @@ from ckptfmt.storage.base import Staged
 BLOCK_BYTES = 2**20
 
 
+#: The statistics of one part of a chunk job: (source index, statistics of its bytes in the job).
+PartStats = tuple[int, dict[str, Any]]
+
+
 @dataclass
 class StoredChunk:
     """A chunk row for the manifest, and how many bytes this save wrote for it."""
 
     chunk: Chunk
     written: int
+    #: The statistics of the job's parts (none when statistics are off, or come with their source).
+    stats: list[PartStats]
 
 
 @dataclass
@@ -60,21 +72,25 @@ class StoredSources:
     new_bytes: int
     #: Rows of ``chunks`` that this call wrote.
     written_rows: frozenset[int]
+    #: Per source, the statistics of its elements (spec 6.10), or None when not taken.
+    stats: list[dict[str, Any] | None]
 
 
 def store_sources(repo: Repository, sources: list[TensorSource], *, compression: str | None, parent_keys: set[str],
-                  cache: HashCache, chunk_size: int | None, workers: int, timer) -> StoredSources:
-    """Cut ``sources`` into chunks, store them (durably) and return the chunk table and pieces.
+                  cache: HashCache, chunk_size: int | None, workers: int, timer,
+                  stats: bool = True) -> StoredSources:
+    """Cut ``sources`` into chunks, store them (durably) and return the chunk table and pieces;
+    with ``stats``, each source's statistics too, taken as its bytes are hashed.
 
     ``timer`` gets the phases ``write_chunks`` and ``sync``.
     """
-    writer = ChunkWriter(repo, sources, compression, parent_keys, cache, workers)
+    writer = ChunkWriter(repo, sources, compression, parent_keys, cache, workers, stats)
     try:
         with timer.phase("write_chunks"):
             planner = ChunkPlanner(chunk_size or DEFAULT_CHUNK_SIZE)
             refs: list[list[PieceRef]] = []
             for index, source in enumerate(sources):
-                source_refs, ready = planner.add(index, source.nbytes, source.tensor.element_size())
+                source_refs, ready = planner.add(index, source.nbytes, source.itemsize)
                 refs.append(source_refs)
                 for job in ready:
                     writer.submit(job)
@@ -85,7 +101,7 @@ def store_sources(repo: Repository, sources: list[TensorSource], *, compression:
             writer.make_durable()
     finally:
         writer.close()
-    return _table(stored, refs)
+    return _table(stored, refs, sources, stats)
 
 
 class ChunkTable:
@@ -132,12 +148,28 @@ def checkpoint_stats(tensors: list[TensorEntry], chunks: list[Chunk], new_bytes:
     }
 
 
-def _table(stored: dict[int, StoredChunk], refs: list[list[PieceRef]]) -> StoredSources:
-    """One chunk row per distinct chunk (twins take the row with a stored size); pieces point at rows."""
+def _table(stored: dict[int, StoredChunk], refs: list[list[PieceRef]], sources: list[TensorSource],
+           stats: bool) -> StoredSources:
+    """One chunk row per distinct chunk (twins take the row with a stored size); pieces point at rows;
+    each source's statistics merged from its parts'."""
     table = ChunkTable()
     job_row = {index: table.add(stored[index].chunk, stored[index].written > 0) for index in sorted(stored)}
     pieces = [tuple(Piece(job_row[p.job], p.offset, p.length) for p in source_refs) for source_refs in refs]
-    return StoredSources(table.chunks, pieces, table.new_bytes, frozenset(table.written))
+    return StoredSources(table.chunks, pieces, table.new_bytes, frozenset(table.written),
+                         _source_stats(stored, sources) if stats else [None] * len(sources))
+
+
+def _source_stats(stored: dict[int, StoredChunk], sources: list[TensorSource]) -> list[dict[str, Any] | None]:
+    """Each source's statistics: given with it (taken on its device), or merged from its parts' in
+    byte order (jobs are numbered in byte order); an empty source has its count alone."""
+    parts: dict[int, list[dict[str, Any]]] = {}
+    for index in sorted(stored):
+        for source, part in stored[index].stats:
+            parts.setdefault(source, []).append(part)
+    return [source.stats if source.stats is not None
+            else merge_stats(parts[index]) if index in parts
+            else StatsAccumulator(source.tensor.dtype).result()
+            for index, source in enumerate(sources)]
 
 
 class ChunkWriter:
@@ -149,9 +181,11 @@ class ChunkWriter:
     """
 
     def __init__(self, repo: Repository, sources: list[TensorSource], compression: str | None,
-                 parent_keys: set[str], cache: HashCache, workers: int):
+                 parent_keys: set[str], cache: HashCache, workers: int, stats: bool = True):
         self.repo = repo
         self.sources = sources
+        #: Whether to take each part's statistics (sources that come with theirs are passed over).
+        self.stats = stats
         self.compression = compression
         self.parent_keys = parent_keys
         self.cache = cache
@@ -207,15 +241,31 @@ class ChunkWriter:
         codec = codecs.codec_for(self.compression, job.itemsize)
         data, address = self._bytes(job)
         if address is None:  # private bytes (a pack, a copy): hash and write them as they are
-            return self._put(job, codec, chunk_hash(data), lambda key: self._write(key, codec, data))
-        fingerprint, digest, seen = self.cache.lookup(data, address)
-        if digest is None and not seen and self.parent_keys:
-            digest = self._hash_unchanged(data, address, fingerprint)
-        if digest is not None:
-            stored = self._put(job, codec, digest, None)
+            return self._put(job, codec, chunk_hash(data), lambda key: self._write(key, codec, data),
+                             self._pack_stats(job, data))
+        source_index = job.parts[0][0]
+        source = self.sources[source_index]
+        dtype = source.tensor.dtype if self._wants_stats(source) else None
+        known = self.cache.lookup(data, address, dtype)
+        digest, stats = known.digest, known.stats
+        if digest is None and not known.seen and self.parent_keys:
+            digest, stats = self._hash_unchanged(data, address, known.fingerprint, dtype)
+        if digest is not None and (dtype is None or stats is not None):  # (stats of another dtype: rare)
+            stored = self._put(job, codec, digest, None, [(source_index, stats)] if stats is not None else [])
             if stored is not None:
                 return stored
-        return self._snapshot(job, codec, data, address, copy=not self.sources[job.parts[0][0]].frozen)
+        return self._snapshot(job, codec, data, address, copy=not source.frozen)
+
+    def _wants_stats(self, source: TensorSource) -> bool:
+        return self.stats and source.stats is None
+
+    def _pack_stats(self, job: ChunkJob, data: memoryview) -> list[PartStats]:
+        """The statistics of each part of a job held in private memory (a pack of small tensors)."""
+        if not any(self._wants_stats(self.sources[part[0]]) for part in job.parts):
+            return []
+        whole = _as_tensor(data)
+        return [(index, _stats_of(self.sources[index].tensor.dtype, whole[offset:offset + length]))
+                for index, _, length, offset in job.parts if self._wants_stats(self.sources[index])]
 
     def _bytes(self, job: ChunkJob) -> tuple[memoryview, int | None]:
         """The job's bytes, and their address when they are the caller's memory (None: private)."""
@@ -230,22 +280,29 @@ class ChunkWriter:
             buffer[offset : offset + length] = self.sources[source_index].byte_view()[start : start + length]
         return memoryview(buffer), None
 
-    def _hash_unchanged(self, data: memoryview, address: int, fingerprint: bytes) -> str | None:
-        """BLAKE3 of the caller's bytes, if they did not change while hashed (fingerprinted again)."""
+    def _hash_unchanged(self, data: memoryview, address: int, fingerprint: bytes, dtype: torch.dtype | None
+                        ) -> tuple[str | None, dict[str, Any] | None]:
+        """BLAKE3 of the caller's bytes and their statistics as ``dtype`` elements (None: not wanted),
+        if the bytes did not change while read (fingerprinted again); else (None, None)."""
         digest = chunk_hash(data)
+        stats = _stats_of(dtype, _as_tensor(data)) if dtype is not None else None
         if xxhash.xxh3_128_digest(data) != fingerprint:
-            return None
-        self.cache.remember(address, len(data), fingerprint, digest)
-        return digest
+            return None, None
+        self.cache.remember(address, len(data), fingerprint, digest, dtype=dtype, stats=stats)
+        return digest, stats
 
     def _snapshot(self, job: ChunkJob, codec: str, data: memoryview, address: int, copy: bool) -> StoredChunk:
-        """Hash and stage the caller's bytes block by block (each block read from memory once, then
-        hashed, fingerprinted and written while in the CPU's cache); name the chunk after them.
+        """Hash, take the statistics of and stage the caller's bytes block by block (each block read
+        from memory once, then hashed, fingerprinted, measured and written while in the CPU's
+        cache); name the chunk after them.
 
         ``copy``: each block is first copied into private memory and everything
         done from the copy, since the caller's memory may change meanwhile.
         """
-        block = self._block_buffer() if copy else None
+        source_index, start, _, _ = job.parts[0]
+        source = self.sources[source_index]
+        block, block_tensor = self._block_buffer() if copy else (None, None)
+        accumulator = StatsAccumulator(source.tensor.dtype) if self._wants_stats(source) else None
         hasher, fingerprint = blake3.blake3(), xxhash.xxh3_128()
         staged: Staged | None
         kept: bytearray | None
@@ -256,30 +313,40 @@ class ChunkWriter:
             staged, kept = None, bytearray()
             sink = kept.extend
         try:
-            for start in range(0, len(data), BLOCK_BYTES):
-                piece = data[start : start + BLOCK_BYTES]
+            for offset in range(0, len(data), BLOCK_BYTES):
+                piece = data[offset : offset + BLOCK_BYTES]
                 if block is not None:
                     piece = block[: len(piece)]
-                    piece[:] = data[start : start + len(piece)]
+                    piece[:] = data[offset : offset + len(piece)]
                 hasher.update(piece)
                 fingerprint.update(piece)
+                if accumulator is not None:
+                    accumulator.add_bytes(block_tensor[: len(piece)] if block_tensor is not None
+                                          else source.bytes_tensor()[start + offset : start + offset + len(piece)])
                 sink(piece)
             digest = hasher.hexdigest()
-            self.cache.remember(address, len(data), fingerprint.digest(), digest)
-            result = self._put(job, codec, digest, self._publisher(staged, codec, kept, len(data)))
+            stats = accumulator.result() if accumulator is not None else None
+            self.cache.remember(address, len(data), fingerprint.digest(), digest,
+                                dtype=source.tensor.dtype if stats is not None else None, stats=stats)
+            result = self._put(job, codec, digest, self._publisher(staged, codec, kept, len(data)),
+                               [(source_index, stats)] if stats is not None else [])
         finally:
             if staged is not None:
                 staged.discard()  # nothing left to remove once published
         return result
 
     @overload
-    def _put(self, job: ChunkJob, codec: str, digest: str, write: None) -> StoredChunk | None: ...
+    def _put(self, job: ChunkJob, codec: str, digest: str, write: None,
+             stats: list[PartStats]) -> StoredChunk | None: ...
 
     @overload
-    def _put(self, job: ChunkJob, codec: str, digest: str, write: Callable[[str], int]) -> StoredChunk: ...
+    def _put(self, job: ChunkJob, codec: str, digest: str, write: Callable[[str], int],
+             stats: list[PartStats]) -> StoredChunk: ...
 
-    def _put(self, job: ChunkJob, codec: str, digest: str, write: Callable[[str], int] | None) -> StoredChunk | None:
-        """The chunk row for ``digest``, storing it with ``write(key)`` unless it is stored already.
+    def _put(self, job: ChunkJob, codec: str, digest: str, write: Callable[[str], int] | None,
+             stats: list[PartStats]) -> StoredChunk | None:
+        """The chunk row for ``digest`` (with its parts' ``stats``), storing it with ``write(key)``
+        unless it is stored already.
 
         Without ``write``, returns None when the chunk is not stored.
         """
@@ -291,17 +358,17 @@ class ChunkWriter:
             twin = key in self.claimed
             self.claimed.add(key)
         if twin:  # another job of this save stores the same bytes; the manifest takes its stored size
-            return StoredChunk(Chunk(digest, codec, job.size, -1), 0)
+            return StoredChunk(Chunk(digest, codec, job.size, -1), 0, stats)
         if stored_size is not None:
             if key not in self.parent_keys:
                 with self.lock:
                     self.found_keys.append(key)
-            return StoredChunk(Chunk(digest, codec, job.size, stored_size), 0)
+            return StoredChunk(Chunk(digest, codec, job.size, stored_size), 0, stats)
         assert write is not None  # not stored, so the caller gave a writer (checked above)
         written = write(key)
         with self.lock:
             self.written_keys.append(key)
-        return StoredChunk(Chunk(digest, codec, job.size, written), written)
+        return StoredChunk(Chunk(digest, codec, job.size, written), written, stats)
 
     def _present(self, key: str, digest: str, size: int, codec: str) -> int | None:
         """The stored size of ``key`` if a usable copy is stored, else None.
@@ -347,9 +414,26 @@ class ChunkWriter:
         self.repo.storage.write(key, encoded, durable=False)  # made durable with the others in make_durable
         return len(memoryview(encoded).cast("B"))
 
-    def _block_buffer(self) -> memoryview:
-        """This thread's reusable copy buffer: fresh memory for every chunk would cost page faults."""
+    def _block_buffer(self) -> tuple[memoryview, torch.Tensor]:
+        """This thread's reusable copy buffer, and a uint8 tensor over it for the statistics: fresh
+        memory for every chunk would cost page faults."""
         buffer = getattr(self.blocks, "buffer", None)
         if buffer is None:
-            buffer = self.blocks.buffer = memoryview(bytearray(BLOCK_BYTES))
+            memory = bytearray(BLOCK_BYTES)
+            buffer = self.blocks.buffer = (memoryview(memory), torch.frombuffer(memory, dtype=torch.uint8))
         return buffer
+
+
+def _as_tensor(data: memoryview) -> torch.Tensor:
+    """``data``'s bytes as a uint8 tensor, without a copy."""
+    if len(data) == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(data, dtype=torch.uint8)
+
+
+def _stats_of(dtype: torch.dtype, data: torch.Tensor) -> dict[str, Any]:
+    """The statistics of the ``dtype`` elements held by ``data`` (uint8), a block at a time."""
+    accumulator = StatsAccumulator(dtype)
+    for start in range(0, data.numel(), BLOCK_BYTES):
+        accumulator.add_bytes(data[start : start + BLOCK_BYTES])
+    return accumulator.result()

@@ -1,5 +1,8 @@
 """Cutting tensor bytes into chunks: big tensors split at ``chunk_size``, small ones packed.
 
+A big tensor's chunks hold whole elements (``chunk_size`` rounded down to the
+element size), so each chunk's statistics are those of its elements.
+
 The plan is pure bookkeeping: it yields the byte ranges to hash and store, and
 records, for every tensor, which ranges (by chunk job) hold its bytes.
 """
@@ -55,8 +58,9 @@ class ChunkPlanner:
         if nbytes < SMALL_TENSOR_BYTES:
             return self._add_small(source, nbytes)
         pieces, ready = [], []
-        for start in range(0, nbytes, self.chunk_size):
-            length = min(self.chunk_size, nbytes - start)
+        step = self.chunk_size - self.chunk_size % itemsize  # whole elements in every chunk
+        for start in range(0, nbytes, step):
+            length = min(step, nbytes - start)
             job = self._new_job(False, itemsize)
             job.parts.append((source, start, length, 0))
             job.size = length

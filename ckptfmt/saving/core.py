@@ -9,6 +9,7 @@ they share everything else, here:
 - ``open_for_save`` / ``refuse_taken_name`` / ``resolve_parent``: the repository,
   its save lease (spec 11.6), the new name, the parent's chunks;
 - ``rank_record``: one record per rank (RNG, environment, topology entry, timing);
+- ``merged_stats``: a tensor's statistics from its shards';
 - ``manifest_for``: the manifest from the tensor table and every rank's record;
 - ``commit_manifest``: the manifest, then the commit record (spec 11.1).
 
@@ -44,6 +45,7 @@ from ckptfmt.format.limits import MAX_KEY_BYTES, check_name
 from ckptfmt.format.manifest import MAX_RANK, Chunk, Manifest, Shard, TensorEntry
 from ckptfmt.format.sharded import LocalShard, Sharded
 from ckptfmt.format.sharded import Shard as ShardInput
+from ckptfmt.format.tensor_stats import PendingStats, merge_stats
 from ckptfmt.format.tensors import TensorSource, prepare
 from ckptfmt.format.tiling import check_tiling
 from ckptfmt.format.values import format_key
@@ -54,6 +56,7 @@ from ckptfmt.repository.leases import Lease, hold_save_lease
 from ckptfmt.repository.repository import CommitRecord, Repository
 from ckptfmt.saving.chunk_writer import checkpoint_stats
 from ckptfmt.saving.options import LATEST, SaveOptions
+from ckptfmt.saving.staging import memory_key
 
 
 @dataclass(frozen=True)
@@ -64,13 +67,15 @@ class Captured:
     ``rng``: this process's generator states at the call (``capture_states``), or None for the
     states when the record is made; ``staged``: (start_ns, duration_s) of the staging copy, the
     save's ``stage`` phase; ``frozen``: the state is staged memory that nothing changes until the
-    save ends.
+    save ends; ``device_stats``: staged tensor (``staging.memory_key``) -> its statistics, taken
+    on its CUDA device while it was staged.
     """
 
     steps: dict | None = None
     rng: dict | None = None
     staged: tuple[int, float] | None = None
     frozen: bool = False
+    device_stats: dict[tuple, dict] | None = None
 
 
 class TensorCollector:
@@ -78,15 +83,20 @@ class TensorCollector:
 
     In a collective save (``collective``), a DTensor becomes its local shard, at its offsets in
     the global tensor; the meshes met are kept in ``meshes``. ``frozen``: the state is staged
-    memory (an asynchronous save's) that stays unchanged until the save ends.
+    memory (an asynchronous save's) that stays unchanged until the save ends. ``stats``: tensors
+    on a device other than the CPU get their statistics (spec 6.10) reduced there before their
+    bytes are copied to the host; ``device_stats`` gives those of staged tensors, taken on their
+    device when they were staged (by ``staging.memory_key``).
     """
 
     def __init__(self, sources: list[TensorSource], entries: list[dict], *, collective: bool = False,
-                 frozen: bool = False):
+                 frozen: bool = False, stats: bool = True, device_stats: dict[tuple, dict] | None = None):
         self.sources = sources
         self.entries = entries
         self.collective = collective
         self.frozen = frozen
+        self.stats = stats
+        self.device_stats = device_stats or {}
         self.meshes: list[dict] = []
         self.seen: dict[int, int] = {}
         self.keys: set[str] = set()
@@ -136,9 +146,16 @@ class TensorCollector:
                 "shards": [(len(self.sources) - 1, shard.offsets, None)]}
 
     def _source(self, value, where: str) -> TensorSource:
-        """A new source for ``value`` (frozen: staged memory that nothing changes during the save)."""
+        """A new source for ``value`` (frozen: staged memory that nothing changes during the save),
+        with its statistics when they are taken before its bytes reach the host."""
+        on_device = self.stats and isinstance(value, torch.Tensor) and value.device.type not in ("cpu", "meta")
+        pending = PendingStats(value) if on_device else None
         source = prepare(value, where)
         source.frozen = self.frozen and source.borrowed
+        if pending is not None:
+            source.stats = pending.result()
+        elif self.stats and self.device_stats and isinstance(value, torch.Tensor):
+            source.stats = self.device_stats.get(memory_key(value))
         self.sources.append(source)
         return source
 
@@ -173,6 +190,13 @@ def _shard_rank(shard: ShardInput, where: str) -> int:
     if isinstance(rank, bool) or not hasattr(rank, "__index__") or not 0 <= operator.index(rank) <= MAX_RANK:
         raise UnsupportedValueError(f"{where}: a shard's rank must be an integer in [0, {MAX_RANK}], not {rank!r}")
     return operator.index(rank)
+
+
+def merged_stats(parts: Sequence[dict | None]) -> dict | None:
+    """A tensor's statistics from its shards' (spec 6.10), or None when any shard has none."""
+    if not parts or any(part is None for part in parts):
+        return None
+    return merge_stats(parts)  # type: ignore[arg-type]
 
 
 def open_for_save(repo_url: str, options: SaveOptions, *, max_hold_s: float | None = None

@@ -73,6 +73,8 @@ class SaveOptions:
     coordinated: bool | None = None
     #: Seconds a collective save waits for every rank at each of its steps.
     timeout: float = DEFAULT_TIMEOUT_S
+    #: Take each tensor's statistics (spec 6.10) as its bytes are hashed, and store them in the manifest.
+    tensor_stats: bool = True
     #: Every rank's training steps, gathered for a save that one rank makes (a framework that writes
     #: from rank 0): ``[{"rank", "host", "steps": StepTimer.snapshot()}]`` (``distributed.steps.gather_steps``).
     gathered_steps: list | None = None
@@ -100,6 +102,8 @@ class SaveOptions:
                     f"{name} must hold plain values (numbers, strings, lists, dicts): {exc}") from None
         if self.before_commit is not None and not callable(self.before_commit):
             raise TypeError("before_commit must be a callable or None")
+        if not isinstance(self.tensor_stats, bool):
+            raise TypeError(f"tensor_stats must be True or False, not {self.tensor_stats!r}")
         if self.coordinated not in (None, True, False):
             raise TypeError(f"coordinated must be True, False or None, not {self.coordinated!r}")
         if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) or not self.timeout > 0:

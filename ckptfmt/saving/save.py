@@ -39,6 +39,7 @@ def save(
     process_group: Any = None,
     coordinated: bool | None = None,
     timeout: float = DEFAULT_TIMEOUT_S,
+    tensor_stats: bool = True,
     gathered_steps: list | None = None,
     timer: StepTimer | None = None,
 ) -> str:
@@ -69,6 +70,11 @@ def save(
     within ``timeout`` seconds. ``coordinated=False`` saves this process's
     state alone, as a single-process save.
 
+    ``tensor_stats``: each tensor's statistics (count, min, max, mean, norm,
+    NaN, infinities, zeros; spec 6.10) are taken as its bytes are hashed and
+    stored in the manifest, where ``ckptfmt show`` and the health analysis read
+    them; False leaves them out.
+
     ``timer`` (a ``ckptfmt.StepTimer``): its steps not yet in a checkpoint are
     stored with this one, every rank's (spec 9.4), and leave the timer once it
     is committed. ``gathered_steps``: every rank's steps, gathered for a save
@@ -82,7 +88,7 @@ def save(
         step=step, metadata=metadata, storage_options=storage_options, parent=parent, chunk_size=chunk_size,
         compression=compression, step_times=step_times, parallelism=parallelism, workers=workers, rng=rng,
         provenance=provenance, before_commit=before_commit, process_group=process_group, coordinated=coordinated,
-        timeout=timeout, gathered_steps=gathered_steps,
+        timeout=timeout, tensor_stats=tensor_stats, gathered_steps=gathered_steps,
     )
     return save_with(state, url, options, timer=timer)
 

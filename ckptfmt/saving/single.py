@@ -19,6 +19,7 @@ from ckptfmt.saving.core import (
     TensorCollector,
     commit_manifest,
     manifest_for,
+    merged_stats,
     open_for_save,
     rank_record,
     refuse_taken_name,
@@ -50,16 +51,18 @@ def _save_leased(repo: Repository, name: str, state: Any, timer: PhaseTimer, lea
         parent_name, parent_keys = resolve_parent(repo, options.parent)
         sources: list[TensorSource] = []
         entries: list[dict] = []
-        state_bytes = encode_tree(state, TensorCollector(sources, entries, frozen=captured.frozen), rank=rank)
+        collector = TensorCollector(sources, entries, frozen=captured.frozen, stats=options.tensor_stats,
+                                    device_stats=captured.device_stats)
+        state_bytes = encode_tree(state, collector, rank=rank)
         user_bytes = encode_tree({} if options.metadata is None else options.metadata, None)
     stored = store_sources(repo, sources, compression=options.compression, parent_keys=parent_keys,
                            cache=DEFAULT_CACHE, chunk_size=options.chunk_size,
-                           workers=options.chunk_workers, timer=timer)
+                           workers=options.chunk_workers, timer=timer, stats=options.tensor_stats)
     gathered = {entry["rank"]: entry for entry in options.gathered_steps or ()}
     if captured.steps is None and rank in gathered:  # this rank's steps came with the others'
         captured = dataclasses.replace(captured, steps=gathered[rank]["steps"])
     record = rank_record(rank, timer, rank_entry(rank), captured)
-    tensors = tensor_table(entries, [s.shape for s in sources], stored.pieces, rank)
+    tensors = tensor_table(entries, [s.shape for s in sources], stored.pieces, rank, stored.stats)
     manifest = manifest_for(
         name, options, parent=parent_name, chunks=stored.chunks, tensors=tensors, new_bytes=stored.new_bytes,
         state=state_bytes, user=user_bytes, records=[record], collective=False,
@@ -75,8 +78,9 @@ def _save_leased(repo: Repository, name: str, state: Any, timer: PhaseTimer, lea
 
 
 def tensor_table(entries: list[dict], shapes: list[tuple[int, ...]], pieces: list[tuple[Piece, ...]],
-                 rank: int) -> list[TensorEntry]:
-    """The manifest's tensor table: each entry's shards, with the pieces of the sources they came from."""
+                 rank: int, stats: list[dict | None]) -> list[TensorEntry]:
+    """The manifest's tensor table: each entry's shards, with the pieces of the sources they came
+    from, and its statistics merged from theirs (none on a ``same_as`` entry)."""
     return [
         TensorEntry(
             key=entry["key"], dtype=entry["dtype"], shape=entry["shape"], kind=entry["kind"],
@@ -86,6 +90,7 @@ def tensor_table(entries: list[dict], shapes: list[tuple[int, ...]], pieces: lis
                       pieces=pieces[src])
                 for src, offsets, shard_rank in entry["shards"]
             ),
+            stats=None if entry["same_as"] is not None else merged_stats([stats[src] for src, _, _ in entry["shards"]]),
         )
         for entry in entries
     ]

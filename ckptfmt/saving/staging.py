@@ -4,8 +4,10 @@ After staging, the training loop may change its tensors at once: the save
 works on the copy. Buffers are kept per tensor key and reused while dtype and
 shape stay the same, so a steady training loop allocates them once (and the
 fingerprint cache sees the same addresses save after save). CUDA tensors are
-copied into pinned buffers on a side stream; staging returns once the copies
-are complete. Containers are rebuilt and plain values copied, so the state's
+copied into pinned buffers on a side stream, and their statistics (spec 6.10)
+reduced on the device beside the copy, so that the host never makes a pass of
+its own over them; staging returns once the copies and reductions are
+complete. Containers are rebuilt and plain values copied, so the state's
 structure may change too.
 """
 
@@ -21,16 +23,28 @@ import torch
 from ckptfmt.format.dtensors import is_dtensor, local_shard
 from ckptfmt.format.per_rank import PerRank
 from ckptfmt.format.sharded import LocalShard, Shard, Sharded
+from ckptfmt.format.tensor_stats import PendingStats, collect
 from ckptfmt.format.values import format_key
+
+
+def memory_key(tensor: torch.Tensor) -> tuple:
+    """What names a staged tensor's memory whatever wraps it (a Parameter, a detached view)."""
+    return tensor.data_ptr(), tensor.dtype, tensor.numel()
 
 
 class StagingArea:
     """Host buffers by tensor key; ``stage(state)`` returns the staged copy of ``state``."""
 
-    def __init__(self):
+    def __init__(self, *, stats: bool = True):
         self.tensors: dict[str, torch.Tensor] = {}
         self.arrays: dict[str, np.ndarray] = {}
-        self.stream = None  # the CUDA side stream, made on first use
+        self.stream: torch.cuda.Stream | None = None  # the CUDA side stream, made on first use
+        #: Whether CUDA tensors' statistics are reduced on their device as they are copied.
+        self.stats = stats
+        #: (host buffer, its statistics being reduced on the device) of the stage in progress.
+        self._pending: list[tuple[torch.Tensor, PendingStats]] = []
+        #: host buffer (``memory_key``) -> statistics taken on the device, for the last state staged.
+        self.device_stats: dict[tuple, dict] = {}
 
     @property
     def nbytes(self) -> int:
@@ -39,10 +53,16 @@ class StagingArea:
                 + sum(a.nbytes for a in self.arrays.values()))
 
     def stage(self, state: Any) -> Any:
+        """The staged copy of ``state``; ``device_stats`` then holds the statistics of its CUDA tensors."""
         copies: dict[int, Any] = {}
+        self._pending = []
         staged = self._stage(state, (), copies)
         if self.stream is not None:
             self.stream.synchronize()
+        buffers = [buffer for buffer, _ in self._pending]
+        self.device_stats = {memory_key(buffer): stats
+                             for buffer, stats in zip(buffers, collect([p for _, p in self._pending]))}
+        self._pending = []
         return staged
 
     def _stage(self, value: Any, path: tuple, copies: dict[int, Any]) -> Any:
@@ -93,6 +113,8 @@ class StagingArea:
             self.stream.wait_stream(torch.cuda.current_stream(tensor.device))
             with torch.cuda.stream(self.stream):
                 buffer.copy_(tensor, non_blocking=True)
+                if self.stats:
+                    self._pending.append((buffer, PendingStats(tensor)))
         else:
             buffer.copy_(tensor)
         return buffer

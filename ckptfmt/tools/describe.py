@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
-from ckptfmt.tools.formatting import human_bytes, human_time, seconds, short
+from ckptfmt.tools.formatting import human_bytes, human_time, number, seconds, short
 
 
 def field(value: Any, *path: str) -> Any:
@@ -77,6 +77,31 @@ def summary(meta: Mapping, url: str, ident: str, *, utc: bool = False) -> list[t
         ("stored", f"{human_bytes(stats.get('stored_bytes'))} in {text(stats.get('chunk_count'))} chunks, "
                    f"{human_bytes(stats.get('new_bytes'))} new"),
     ]
+
+
+# -- tensor statistics -----------------------------------------------------------------------------
+
+def stats_cells(stats: Mapping | None) -> tuple[str, str, str, str, str]:
+    """A tensor's statistics (spec 6.10) as ``show`` prints them: mean, l2, absmax, the non-finite
+    elements ('0', '3 nan', '1 +inf, 2 -inf') and the share of exact zeros; '-' where not recorded."""
+    if not isinstance(stats, Mapping):
+        return ("-",) * 5
+    count = real(stats.get("count"))
+    absmax = stats.get("absmax")
+    if absmax is None and real(stats.get("min")) is not None and real(stats.get("max")) is not None:
+        absmax = max(abs(stats["min"]), abs(stats["max"]))  # integer tensors record their extremes only
+    bad = [(stats.get(name), label) for name, label in (("nan", "nan"), ("posinf", "+inf"), ("neginf", "-inf"))]
+    non_finite = ", ".join(f"{n} {label}" for n, label in bad if real(n)) or ("0" if "nan" in stats else "-")
+    zeros = real(stats.get("zeros"))
+    share = "-" if zeros is None or not count else _share(zeros, count)
+    return number(stats.get("mean")), number(stats.get("l2")), number(absmax), non_finite, share
+
+
+def _share(part: float, whole: float) -> str:
+    """'0%', '<0.01%', '12.5%', '100%': a share that says whether there are none, a few or all."""
+    if part == 0 or part == whole:
+        return f"{100 * part / whole:.0f}%"
+    return "<0.01%" if part / whole < 1e-4 else f"{100 * part / whole:.3g}%"
 
 
 # -- environment -----------------------------------------------------------------------------------
@@ -216,4 +241,5 @@ def step_summary(meta: Mapping) -> str | None:
 
 
 __all__ = ["RankRow", "RngRow", "SaveTiming", "environment", "field", "mapping", "packages", "ranks", "real",
-           "records", "rng", "save_timing", "step_summary", "step_times", "summary", "text", "topology"]
+           "records", "rng", "save_timing", "stats_cells", "step_summary", "step_times", "summary", "text",
+           "topology"]

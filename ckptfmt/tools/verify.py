@@ -1,8 +1,10 @@
 """verify(): check that every byte of a checkpoint, or of a whole repository, is intact.
 
 Each distinct chunk is read once and hashed; a problem names the checkpoint,
-the chunk and every tensor that uses it. Progress goes to an fsspec
-``Callback`` (bytes), which drives the CLI's bar and the TUI's widget alike.
+the chunk and every tensor that uses it. With ``stats``, each tensor's recorded
+statistics are recomputed from the bytes just verified (tools/stats_check.py).
+Progress goes to an fsspec ``Callback`` (bytes), which drives the CLI's bar and
+the TUI's widget alike.
 """
 
 from __future__ import annotations
@@ -22,13 +24,14 @@ from ckptfmt.loading.chunkio import ChunkReader
 from ckptfmt.repository.repository import Repository, resolve
 from ckptfmt.storage.budget import ByteBudget
 from ckptfmt.storage.factory import open_storage
+from ckptfmt.tools.stats_check import StatsCheck
 
 
 @dataclass(frozen=True)
 class Problem:
     """One thing found wrong: what, where, and which tensors it damages."""
 
-    kind: str  # "missing-chunk", "corrupt-chunk", "bad-checkpoint"
+    kind: str  # "missing-chunk", "corrupt-chunk", "bad-checkpoint", "wrong-stats"
     checkpoint: str
     message: str
     chunk: str | None = None
@@ -49,6 +52,8 @@ class VerifyReport:
     warnings: list[str] = field(default_factory=list)
     #: The run was stopped through ``cancel`` before it had checked everything.
     cancelled: bool = False
+    #: Tensors whose statistics were recomputed (``stats=True``); -1 when not asked.
+    stats_checked: int = -1
 
     @property
     def ok(self) -> bool:
@@ -61,12 +66,14 @@ class VerifyReport:
 
 def verify(url: str | os.PathLike, *, storage_options: dict | None = None,
            callback: Callback | None = None, workers: int = 16,
-           cancel: threading.Event | None = None) -> VerifyReport:
+           cancel: threading.Event | None = None, stats: bool = False) -> VerifyReport:
     """Verify a checkpoint URL, or every checkpoint of a repository URL.
 
     A checkpoint URL naming no committed checkpoint raises CheckpointNotFoundError:
     a wrong name is not damage. Setting ``cancel`` (from any thread) stops the run:
     chunks not yet started are skipped and the report says ``cancelled``.
+    ``stats``: also recompute every tensor's recorded statistics (spec 6.10) from
+    its verified bytes; one that disagrees is a ``wrong-stats`` problem.
     """
     callback = callback or NoOpCallback()
     started = time.perf_counter()
@@ -98,7 +105,12 @@ def verify(url: str | os.PathLike, *, storage_options: dict | None = None,
             if not whole_repository and not repo.storage.exists(layout.commit_key(name)):
                 raise  # no such checkpoint
             report.problems.append(Problem("bad-checkpoint", name, str(exc)))
-    _check_chunks(repo, manifests, report, callback, workers, cancel)
+    check = StatsCheck(manifests) if stats else None
+    _check_chunks(repo, manifests, report, callback, workers, cancel, check)
+    if check is not None and not report.cancelled:
+        for wrong in check.finish(repo):
+            report.problems.append(Problem("wrong-stats", wrong.checkpoint, wrong.message, tensors=(wrong.tensor,)))
+        report.stats_checked = len(check.tensors) + len(check.streamed)
     report.seconds = time.perf_counter() - started
     return report
 
@@ -114,7 +126,8 @@ _REUSED_BUFFER = 64 * 2**20
 
 
 def _check_chunks(repo: Repository, manifests: dict[str, Manifest], report: VerifyReport,
-                  callback: Callback, workers: int, cancel: threading.Event | None) -> None:
+                  callback: Callback, workers: int, cancel: threading.Event | None,
+                  stats: StatsCheck | None) -> None:
     # Each distinct chunk once, remembering who uses it, to name the damage.
     users: dict[tuple[str, str], list[tuple[str, str]]] = {}
     jobs: dict[tuple[str, str], tuple[Manifest, int]] = {}
@@ -154,9 +167,12 @@ def _check_chunks(repo: Repository, manifests: dict[str, Manifest], report: Veri
             with budget.take(chunk.size):
                 if reader.can_read_into(index, chunk.size):
                     reader.check_stored_size(index)  # before memory is set aside for what the manifest claims
-                    reader.read_into(index, buffer(chunk.size))
+                    data = buffer(chunk.size)
+                    reader.read_into(index, data)
                 else:
-                    reader.read(index)
+                    data = memoryview(reader.read(index))
+                if stats is not None:
+                    stats.measure(ident, data)
             problem = None
         except CheckpointNotFoundError as exc:
             problem = ("missing-chunk", str(exc))

@@ -18,6 +18,7 @@ import ckptfmt
 from ckptfmt.distributed import collective_save
 from ckptfmt.metadata.step_timer import decode_steps
 from tests.support.ranks import mixed_state, run_ranks, save_mixed_state
+from tests.support.tensor_values import assert_stats_close, expected_stats
 
 WORLD = 4
 
@@ -52,6 +53,23 @@ def test_replicated_tensors_are_stored_once_and_dtensors_as_their_shards(mixed):
     assert sorted(s.rank for s in shards["row"]) == [0, 1, 2, 3]  # each rank wrote its own shard
     assert len(shards["grid"]) == 4
     assert [s.offsets for s in shards["half"]] == [(0, 0), (4, 0)]  # replicated over dp: each box once
+
+
+def test_each_tensors_statistics_merge_its_ranks_shards_exactly(mixed):
+    """Every rank measures the boxes it writes; the coordinator merges them per tensor (spec 6.10)."""
+    results, reader = mixed
+    state = ckptfmt.load(reader.url)
+    sharded = 0
+    for key in reader.keys():
+        value = state
+        for part in key.split("/"):
+            value = value[int(part)] if isinstance(value, list) else value[part]
+        if not isinstance(value, torch.Tensor):
+            continue
+        sharded += len({s.rank for s in reader.tensor_info(key).shards}) > 1
+        assert_stats_close(expected_stats(value), reader.tensor_stats(key), key)
+    assert sharded >= 2  # tensors written by several ranks were merged
+    assert ckptfmt.verify(reader.url, stats=True).ok
 
 
 def test_replicated_bytes_are_spread_over_the_ranks(mixed):

@@ -18,6 +18,7 @@ import ckptfmt
 from ckptfmt.dcp import StorageReader, StorageWriter
 from tests.support.helpers import assert_same
 from tests.support.ranks import mixed_state, run_ranks
+from tests.support.tensor_values import assert_stats_close, expected_stats
 
 #: DCP warns that it saves "in a single process" when no process group is initialised.
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -65,6 +66,7 @@ def test_a_dcp_save_is_a_normal_ckptfmt_checkpoint_and_loads_back_through_dcp(tm
         assert reader.keys() == list(expected)
         for key, tensor in expected.items():
             assert_same(tensor, reader.get_tensor(key), key)
+            assert_stats_close(expected_stats(tensor), reader.tensor_stats(key), key)
     loaded = ckptfmt.load(url)
     assert_same((saved["step"], saved["optim"]["param_groups"]), (loaded["step"], loaded["optim"]["param_groups"]))
 
@@ -169,6 +171,7 @@ def test_dcp_on_4_ranks_then_dcp_load_on_2(tmp_path, asynchronous):
         assert sorted(reader.keys()) == sorted(expected)
         for key, tensor in expected.items():
             assert_same(tensor, reader.get_tensor(key), key)
+            assert_stats_close(expected_stats(tensor), reader.tensor_stats(key), key)  # shards' merged
     assert ckptfmt.load(url)["step"] == 7
     for outcome in run_ranks(dcp_load_on_ranks, 2, tmp_path / "load", url=url):
         assert_same(loaded_through_dcp(full), outcome.unwrap())

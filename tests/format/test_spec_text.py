@@ -357,7 +357,7 @@ def test_nil_is_allowed_only_where_the_tables_say_so(tmp_path):
                 assert ("not nil" in kind) is not optional[field][1], field
                 assert f"`{field}`" in nil_paragraph, field
     assert optional == {"kind": ("tensor", False), "requires_grad": ("tensor", False), "same_as": ("tensor", True),
-                        "rank": ("shard", False)}
+                        "stats": ("tensor", False), "rank": ("shard", False)}
     for field, (where, allowed) in optional.items():
         name = f"nil-{field}".replace("_", "-")
         ckptfmt.save({"w": torch.ones(2)}, f"{repo}/{name}")

@@ -10,51 +10,9 @@ import pytest
 import torch
 
 from ckptfmt.format.tensor_stats import FLOAT_FIELDS, INTEGER_FIELDS, merge_stats, tensor_stats
-
-FLOAT_DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn,
-                torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz]
-INTEGER_DTYPES = [torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool]
-
-
-def expected_float(tensor: torch.Tensor) -> dict:
-    """numpy's figures for the tensor's values (exactly representable in float64)."""
-    values = tensor.to(torch.float64).numpy().reshape(-1)
-    finite = values[np.isfinite(values)]
-    some = finite.size > 0
-    return {"count": values.size,
-            "min": float(finite.min()) if some else None, "max": float(finite.max()) if some else None,
-            "mean": float(finite.mean()) if some else None,
-            "l2": float(np.sqrt(np.sum(finite.astype(np.float64) ** 2))) if some else None,
-            "absmax": float(np.abs(finite).max()) if some else None,
-            "nan": int(np.isnan(values).sum()), "posinf": int(np.isposinf(values).sum()),
-            "neginf": int(np.isneginf(values).sum()), "zeros": int((values == 0).sum())}
-
-
-def assert_close(expected: dict, actual: dict) -> None:
-    assert list(actual) == list(expected)
-    for name, value in expected.items():
-        if value is None or isinstance(value, int):
-            assert actual[name] == value, name
-        else:
-            assert actual[name] == pytest.approx(value, rel=1e-12, abs=1e-300), name
-
-
-def special(dtype: torch.dtype, generator: torch.Generator) -> torch.Tensor:
-    """Random values with zeros of either sign, and NaN and infinities where the dtype has them."""
-    values = torch.randn(5000, generator=generator, dtype=torch.float64) * 3
-    values[::97] = 0.0
-    values[1::97] = -0.0
-    info = torch.finfo(dtype)
-    values = values.clamp(-info.max, info.max)
-    tensor = values.to(dtype)
-    with_nan = torch.tensor([float("nan")]).to(dtype)
-    if torch.isnan(with_nan.to(torch.float64)).all():
-        tensor[7::501] = with_nan
-    with_inf = torch.tensor([float("inf"), float("-inf")]).to(dtype).to(torch.float64)
-    if torch.isinf(with_inf).all():  # the fn/fnuz float8 kinds have no infinity
-        tensor[11::703] = float("inf")
-        tensor[13::907] = float("-inf")
-    return tensor
+from tests.support.tensor_values import FLOAT_DTYPES, INTEGER_DTYPES, special
+from tests.support.tensor_values import assert_stats_close as assert_close
+from tests.support.tensor_values import expected_stats as expected_float
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
@@ -102,6 +60,22 @@ def test_integer_and_bool_statistics_are_exact(dtype):
     assert merge_stats([tensor_stats(tensor[:400]), tensor_stats(tensor[400:])]) == expected
 
 
+def test_float64_near_its_largest_value_neither_overflows_the_mean_nor_loses_the_norm():
+    """Sums of float64 elements near 1.8e308 overflow; the mean does not, and a norm above
+    float64's range is infinite (as it is), below it exact, whole or merged from parts."""
+    from fractions import Fraction
+
+    big = torch.tensor([1.7e308, 1.6e308, -0.9e308, 1.5e308, 1e200, 3e-300] * 1000, dtype=torch.float64)
+    exact_mean = float(sum(map(Fraction, big.tolist())) / big.numel())
+    for stats in (tensor_stats(big, block=7), merge_stats(tensor_stats(part) for part in big.split(1001))):
+        assert stats["mean"] == pytest.approx(exact_mean, rel=1e-12)
+        assert stats["l2"] == math.inf and stats["max"] == 1.7e308 and stats["absmax"] == 1.7e308
+    large = torch.tensor([3e200, -4e200] * 50, dtype=torch.float64)  # squares overflow, the norm does not
+    for stats in (tensor_stats(large, block=3), merge_stats(tensor_stats(part) for part in large.split(33))):
+        assert stats["l2"] == pytest.approx(5e200 * math.sqrt(50), rel=1e-13)
+        assert stats["mean"] == pytest.approx(-0.5e200, rel=1e-13)
+
+
 def test_dtypes_without_arithmetic_get_the_count_alone():
     packed = torch.zeros(6, dtype=torch.uint8).view(torch.float4_e2m1fn_x2)
     assert tensor_stats(packed) == {"count": 6}
@@ -127,3 +101,34 @@ def test_memory_stays_bounded_by_the_block_whatever_the_tensor():
     grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
     assert stats["count"] == 64 << 20 and stats["mean"] == 1.0 and stats["l2"] == 8192.0
     assert grown_mib < 128, f"peak memory grew {grown_mib:.0f} MiB"
+
+
+# -- the device path (PendingStats): the same figures, computed branch-free where the tensor lives --
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES + INTEGER_DTYPES, ids=str)
+def test_statistics_reduced_on_the_device_equal_numpys(dtype, monkeypatch):
+    """Run here on the CPU device: the reductions are the ones a CUDA device runs (no host pass, no
+    branch on the data), in blocks that do not divide the tensor."""
+    from ckptfmt.format import tensor_stats as module
+
+    monkeypatch.setattr(module, "DEVICE_BLOCK", 333)
+    generator = torch.Generator().manual_seed(7)
+    if dtype.is_floating_point:
+        tensor = special(dtype, generator)
+    elif dtype == torch.bool:
+        tensor = torch.rand(999, generator=generator) > 0.3
+    else:
+        tensor = torch.randint(-100 if dtype != torch.uint8 else 0, 100, (999,), generator=generator).to(dtype)
+    assert_close(expected_float(tensor), module.PendingStats(tensor).result())
+
+
+def test_the_device_path_handles_extremes_emptiness_and_collects_in_one_transfer():
+    from ckptfmt.format.tensor_stats import PendingStats, collect
+
+    big = torch.tensor([1.7e308, 1.6e308, -0.9e308, 1.5e308, 1e200, 3e-300] * 1000, dtype=torch.float64)
+    large = torch.tensor([3e200, -4e200] * 50, dtype=torch.float64)
+    nothing = torch.tensor([float("nan"), float("inf")])
+    tensors = [big, large, nothing, torch.empty(0), torch.arange(5), torch.zeros(3, dtype=torch.complex64)]
+    for device, host in zip(collect([PendingStats(t) for t in tensors]), map(tensor_stats, tensors)):
+        assert_close(host, device)
+    assert collect([PendingStats(large)])[0]["l2"] == pytest.approx(5e200 * math.sqrt(50), rel=1e-13)

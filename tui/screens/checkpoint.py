@@ -41,6 +41,18 @@ METADATA_TABS = {
 FILTER_DELAY_S = 0.15
 
 
+def recorded_stats_rows(stats: dict | None) -> list[tuple[str, str]]:
+    """The statistics the writer recorded (spec 6.10), as the detail pane's rows; none when absent."""
+    if not isinstance(stats, dict):
+        return [("statistics", "not recorded")]
+    labels = (("min", "min"), ("max", "max"), ("mean", "mean"), ("l2", "norm (l2)"), ("absmax", "absmax"))
+    rows = [(label, number(stats[name])) for name, label in labels if name in stats]
+    counts = (("nan", "NaN"), ("posinf", "+Inf"), ("neginf", "-Inf"), ("zeros", "zeros"))
+    rows += [(label, f"{stats[name]:,}" if isinstance(stats[name], int) else str(stats[name]))
+             for name, label in counts if name in stats]
+    return rows
+
+
 class CheckpointScreen(WorkerScreen):
     """One opened checkpoint: tensors (tree, filter, detail, statistics) and its metadata tabs."""
 
@@ -139,13 +151,14 @@ class CheckpointScreen(WorkerScreen):
         ]
         if entry.same_as is not None:
             rows.append(("same data as", self.reader.manifest.tensors[entry.same_as].key))
+        rows += recorded_stats_rows(self.reader.tensor_stats(group.tensor))
         table = Table.grid(padding=(0, 2))
         table.add_column(style="bold", no_wrap=True)
         table.add_column(overflow="fold")
         for row in rows:
             table.add_row(*row)
         info.update(table)
-        self.query_one("#stats", Static).update(Text("\nEnter: compute statistics", style="dim"))
+        self.query_one("#stats", Static).update(Text("\nEnter: compute the histogram", style="dim"))
 
     @work(thread=True, exclusive=True, exit_on_error=False, group="stats")
     def compute_stats(self, key: str) -> None:

@@ -2,6 +2,9 @@
 
 A 5,000-tensor checkpoint opens fast because only the top level is built at
 first; the nested index itself is plain dicts, built in one pass over the keys.
+Each tensor's recorded statistics (spec 6.10) show in its row: its norm, and in
+red the NaN and infinite elements it holds; a group counts the tensors below it
+that hold any, so that they can be found from the top of the tree.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from textual.widgets import Tree
 from textual.widgets.tree import TreeNode
 
 from ckptfmt.format.manifest import TensorEntry
-from ckptfmt.tui.widgets.formatting import human_bytes, shape_text, split_key, tensor_count
+from ckptfmt.tui.widgets.formatting import human_bytes, number, shape_text, split_key, tensor_count
 
 EXPAND_ALL_BELOW = 200  # a filter matching fewer tensors than this opens every group
 
@@ -27,19 +30,33 @@ class Group:
     tensor: str | None = None
     count: int = 0
     nbytes: int = 0
+    #: Tensors under this group holding NaN or infinite elements (by their recorded statistics).
+    non_finite: int = 0
+
+
+def non_finite_count(stats: dict | None) -> int:
+    """NaN and infinite elements a tensor's recorded statistics count (0 when none are recorded)."""
+    if not isinstance(stats, dict):
+        return 0
+    return sum(value for name in ("nan", "posinf", "neginf")
+               if isinstance(value := stats.get(name), int) and not isinstance(value, bool))
 
 
 def build_index(entries: list[TensorEntry]) -> Group:
-    """Group tensors by the parts of their keys, counting tensors and bytes under each group."""
+    """Group tensors by the parts of their keys, counting tensors, bytes and tensors with non-finite
+    elements under each group."""
     root = Group("")
     for entry in entries:
+        bad = int(non_finite_count(entry.stats) > 0)
         node = root
         node.count += 1
         node.nbytes += entry.nbytes
+        node.non_finite += bad
         for part in split_key(entry.key):
             node = node.children.setdefault(part, Group(part))
             node.count += 1
             node.nbytes += entry.nbytes
+            node.non_finite += bad
         node.tensor = entry.key
     return root
 
@@ -53,7 +70,11 @@ class TensorTree(Tree[Group]):
         self._entries: dict[str, TensorEntry] = {}
 
     def show(self, entries: list[TensorEntry]) -> None:
-        """Replace the tree's content with ``entries``; opens every group when they are few, else the top ones."""
+        """Replace the tree's content with ``entries``; opens every group when they are few, else the top ones.
+
+        An entry that is the same tensor as an earlier one (``same_as``) shows that one's statistics."""
+        entries = [e._replace(stats=entries[e.same_as].stats) if e.same_as is not None and e.same_as < len(entries)
+                   else e for e in entries]
         self._entries = {e.key: e for e in entries}
         self.clear()
         index = build_index(entries)
@@ -91,12 +112,22 @@ class TensorTree(Tree[Group]):
         if group.tensor is not None and not group.children:
             entry = self._entries[group.tensor]
             shards = len(entry.shards)
-            return Text.assemble(
+            label = Text.assemble(
                 (group.name, "bold"), "  ", (entry.dtype, "magenta"), " ", shape_text(entry.shape), "  ",
                 (human_bytes(entry.nbytes), "cyan"), "  ", (f"{shards} shard{'s' * (shards != 1)}", "dim"),
             )
+            stats = entry.stats if isinstance(entry.stats, dict) else {}
+            if isinstance(stats.get("l2"), (int, float)):
+                label.append(f"  ‖x‖ {number(stats['l2'])}", "green")
+            bad = non_finite_count(stats)
+            if bad:
+                label.append(f"  {bad:,} NaN/Inf", "bold red")
+            return label
         totals = f"{tensor_count(group.count)}, {human_bytes(group.nbytes)}"
-        return Text.assemble((group.name, "bold"), "  ", (totals, "dim"))
+        label = Text.assemble((group.name, "bold"), "  ", (totals, "dim"))
+        if group.non_finite:
+            label.append(f"  {tensor_count(group.non_finite)} with NaN/Inf", "bold red")
+        return label
 
     def on_tree_node_expanded(self, event: Tree.NodeExpanded[Group]) -> None:
         self._populate(event.node)
