@@ -7,6 +7,10 @@
 - ``before_thread_shutdown``: run a function at interpreter exit *before*
   ``concurrent.futures`` refuses new work and joins its threads (threading's own
   exit hooks), where ``atexit`` would be too late.
+- ``single_threaded_kernels``: the OpenMP runtime torch loaded (``libgomp``,
+  ``libiomp5``, ``libomp``) runs this thread's torch operations on this thread
+  alone (``omp_set_num_threads`` sets the calling thread's own limit). Elsewhere:
+  nothing.
 """
 
 from __future__ import annotations
@@ -50,6 +54,39 @@ def start_writeback(fd: int) -> None:
     """
     if _SYNC_FILE_RANGE is not None:
         _SYNC_FILE_RANGE(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)
+
+
+#: The OpenMP runtimes torch builds load, by the names the dynamic loader knows them by.
+_OPENMP_RUNTIMES = ("libgomp.so.1", "libiomp5.so", "libomp.so", "libomp.dylib")
+
+
+def _openmp_set_num_threads() -> Callable | None:
+    for name in _OPENMP_RUNTIMES:
+        try:
+            function = ctypes.CDLL(name).omp_set_num_threads
+        except (OSError, AttributeError):
+            continue
+        function.argtypes = [ctypes.c_int]
+        function.restype = None
+        return function
+    return None
+
+
+_OMP_SET_NUM_THREADS = _openmp_set_num_threads()
+
+
+def single_threaded_kernels() -> None:
+    """Run the torch operations of the calling thread on it alone, leaving every other thread's as
+    they are.
+
+    A save's chunk writers reduce each block of a tensor for its statistics; four of
+    them each opening a team of OpenMP threads on a machine of two cores spent more
+    time waking and parking threads than reducing (85,000 futex calls for one save).
+    ``torch.set_num_threads`` cannot do this: it also changes MKL's count for the whole
+    process, and so the training thread's matrix products while a save runs beside it.
+    """
+    if _OMP_SET_NUM_THREADS is not None:
+        _OMP_SET_NUM_THREADS(1)
 
 
 def die_with_parent() -> None:

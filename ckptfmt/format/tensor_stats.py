@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 from collections.abc import Iterable
 from typing import Any
 
@@ -66,12 +67,6 @@ class StatsAccumulator:
         self.norms: list[float] = []
         self.low: float | int | None = None
         self.high: float | int | None = None
-        if self.fields is FLOAT_FIELDS and not _arithmetic_in_place(dtype):
-            self._convert: torch.dtype | None = torch.float64  # float8 kinds: exactly representable
-        elif dtype == torch.bool:
-            self._convert = torch.uint8
-        else:
-            self._convert = None
 
     def add_bytes(self, data: torch.Tensor) -> None:
         """Add the elements held by ``data``, a 1-D uint8 tensor of whole elements."""
@@ -82,34 +77,49 @@ class StatsAccumulator:
         self.count += values.numel()
         if self.fields is COUNT_FIELDS or values.numel() == 0:
             return
-        if self._convert is not None:
-            values = values.to(self._convert) if self._convert != torch.uint8 else values.view(torch.uint8)
-        self.zeros += values.numel() - int(torch.count_nonzero(values))
         if self.fields is INTEGER_FIELDS:
+            if values.dtype == torch.bool:
+                values = values.view(torch.uint8)
+            self.zeros += values.numel() - int(torch.count_nonzero(values))
             smallest, largest = torch.aminmax(values)
             self._extremes(int(smallest), int(largest))
             return
-        total = float(torch.sum(values, dtype=torch.float64))
-        norm = float(torch.linalg.vector_norm(values, dtype=torch.float64))
-        if not (math.isfinite(total) and math.isfinite(norm)):  # the rare block holding NaN or infinities
-            values = self._drop_non_finite(values)
-            if values.numel() == 0:
-                return
-            total = float(torch.sum(values, dtype=torch.float64))
-            norm = float(torch.linalg.vector_norm(values, dtype=torch.float64))
-            if not math.isfinite(norm):  # torch squares without scaling: float64 elements above 1e154
-                scale = 2.0 ** -math.frexp(float(values.abs().max()))[1]  # a power of two: exact
-                norm = float(torch.linalg.vector_norm(values * scale, dtype=torch.float64)) / scale
+        # Every float dtype converts exactly to float64: one conversion into reused scratch, then
+        # BLAS reductions over it (half the time of torch's float64-accumulating reductions).
+        wide = _scratch(values.numel())
+        wide.copy_(values)
+        total = float(wide.sum())
+        squares = float(torch.dot(wide, wide))
+        if not (math.isfinite(total) and math.isfinite(squares)):  # NaN, infinities, or squares overflowing
+            self._add_unusual(wide)
+            return
+        self.finite += wide.numel()
+        self.total += total
+        self.squares += squares
+        low, high = (float(extreme) for extreme in torch.aminmax(wide))
+        self._extremes(low, high)
+        if low <= 0 <= high:  # else there is no zero to count
+            self.zeros += wide.numel() - int(torch.count_nonzero(wide))
+
+    def _add_unusual(self, wide: torch.Tensor) -> None:
+        """A block holding NaN or infinities, or float64 elements whose sum or squares overflow."""
+        self.zeros += wide.numel() - int(torch.count_nonzero(wide))
+        values = self._drop_non_finite(wide)
+        if values.numel() == 0:
+            return
         self.finite += values.numel()
+        total = float(values.sum())
         if math.isfinite(total) and math.isfinite(self.total + total):
             self.total += total
         else:  # float64 elements near its largest value: their sum overflows, a scaled one cannot
-            self.scaled_total += float(torch.sum(values * _SCALE, dtype=torch.float64))
+            self.scaled_total += float((values * _SCALE).sum())
+        scale = 2.0 ** -math.frexp(float(values.abs().max()))[1]  # a power of two: exact
+        norm = float(torch.linalg.vector_norm(values * scale)) / scale
         if norm < _LARGE_NORM:
             self.squares += norm * norm
         else:  # a square would overflow or lose digits: kept as a norm
             self.norms.append(norm)
-        smallest, largest = torch.aminmax(values)  # exact in the tensor's own dtype
+        smallest, largest = torch.aminmax(values)
         self._extremes(float(smallest), float(largest))
 
     def _drop_non_finite(self, values: torch.Tensor) -> torch.Tensor:
@@ -137,6 +147,18 @@ class StatsAccumulator:
             absmax = max(abs(self.low), abs(self.high))
         return {"count": self.count, "min": self.low, "max": self.high, "mean": mean, "l2": l2, "absmax": absmax,
                 "nan": self.nan, "posinf": self.posinf, "neginf": self.neginf, "zeros": self.zeros}
+
+
+_SCRATCH = threading.local()
+
+
+def _scratch(count: int) -> torch.Tensor:
+    """This thread's float64 scratch of ``count`` elements, grown as needed and reused: fresh memory
+    for every block would cost page faults."""
+    held = getattr(_SCRATCH, "tensor", None)
+    if held is None or held.numel() < count:
+        held = _SCRATCH.tensor = torch.empty(max(count, 1 << 18), dtype=torch.float64)
+    return held[:count]
 
 
 def merge_stats(parts: Iterable[dict[str, Any]]) -> dict[str, Any]:

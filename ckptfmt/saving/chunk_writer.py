@@ -31,6 +31,7 @@ import blake3
 import torch
 import xxhash
 
+from ckptfmt._platform import single_threaded_kernels
 from ckptfmt.errors import CheckpointError
 from ckptfmt.format import codecs, layout
 from ckptfmt.format.hashing import chunk_hash
@@ -189,7 +190,8 @@ class ChunkWriter:
         self.compression = compression
         self.parent_keys = parent_keys
         self.cache = cache
-        self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckptfmt-save")
+        self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckptfmt-save",
+                                       initializer=single_threaded_kernels)
         # Jobs materialise their bytes only when they run (packs, compression, remote
         # copies), so this bounds both the queue and the memory in flight.
         self.slots = threading.BoundedSemaphore(workers)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from fsspec.callbacks import Callback, NoOpCallback
 
+from ckptfmt._platform import single_threaded_kernels
 from ckptfmt.errors import CheckpointError, CheckpointNotFoundError, StorageError
 from ckptfmt.format import layout
 from ckptfmt.format.manifest import Manifest
@@ -190,5 +191,6 @@ def _check_chunks(repo: Repository, manifests: dict[str, Manifest], report: Veri
                     report.problems.append(Problem(problem[0], checkpoint, problem[1], chunk.hash, keys))
         callback.relative_update(chunk.size)
 
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckptfmt-verify") as pool:
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckptfmt-verify",
+                            initializer=single_threaded_kernels) as pool:
         list(pool.map(check, jobs.items()))

@@ -35,7 +35,6 @@ import torch.multiprocessing as mp
 import ckptfmt
 from tests.support import markers
 
-
 #: Imported once by the fork server the ranks are forked from (never run: importing starts no thread).
 FORKSERVER_PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "ckptfmt", "tests.support.ranks"]
 multiprocessing.set_forkserver_preload(FORKSERVER_PRELOAD)
