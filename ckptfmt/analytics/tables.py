@@ -1,8 +1,9 @@
-"""A run's metadata as Arrow tables: checkpoints, saves, steps, tensors, environment (spec/ANALYTICS.md).
+"""A run's metadata as Arrow tables: checkpoints, saves, steps, tensors, environment, system and
+tensor statistics (spec/ANALYTICS.md).
 
 ``tables(repos)`` reads every committed checkpoint's commit record and manifest
 (several at a time: remote stores answer slowly, and the window of manifests
-in flight is bounded) and appends each to five column builders. Columns are
+in flight is bounded) and appends each to seven column builders. Columns are
 built as Python lists and converted once at the end; a value of the wrong type
 in a hostile manifest is found then and named with its checkpoint and rank.
 """
@@ -26,10 +27,12 @@ import pyarrow.parquet as pq
 
 from ckptfmt.errors import ManifestError, quoted
 from ckptfmt.format.manifest import Manifest
+from ckptfmt.format.tensor_stats import FLOAT_FIELDS
 from ckptfmt.metadata.step_timer import decode_steps
+from ckptfmt.metadata.system import decode_samples
 from ckptfmt.repository.repository import CommitRecord, Repository
 
-TABLE_NAMES = ("checkpoints", "saves", "steps", "tensors", "environment")
+TABLE_NAMES = ("checkpoints", "saves", "steps", "tensors", "environment", "system", "tensor_stats")
 #: Manifests read at once from remote stores (and so the most held in memory before they are added).
 #: Local disks answer at once: parsing is the work there, and threads only contend for the GIL.
 READ_WORKERS, LOCAL_READ_WORKERS = 16, 2
@@ -49,7 +52,8 @@ def tables(repos: str | os.PathLike | Iterable | Mapping[str, str | os.PathLike]
     (without labels, a run is labelled by its URL). Checkpoints come in commit order.
     ``workers``: manifests read at once (default: 16 from remote stores, 2 from local disks).
     """
-    builders: list[TableBuilder] = [Checkpoints(), Saves(), Steps(), Tensors(), Environment()]
+    builders: list[TableBuilder] = [Checkpoints(), Saves(), Steps(), Tensors(), Environment(), System(),
+                                    TensorStats()]
     for run, url in _runs(repos):
         repo = Repository.open(url, storage_options)
         readers = workers or (LOCAL_READ_WORKERS if repo.storage.cheap_exists else READ_WORKERS)
@@ -384,6 +388,79 @@ class Tensors(_Builder):
                                 ("kind", tensor.kind), ("shards", len(tensor.shards)), ("same_as", same_as),
                                 ("chunks", hashes)):
                 columns[name].append(value)
+            self.rows += 1
+
+
+class System:
+    """One row per system sample of a rank (spec 9.4 ``system``, format 1.4), with a column per field met
+    anywhere in the run, null where a sample lacked it. Built from whole arrays, like ``Steps``."""
+
+    def __init__(self):
+        self.words = _Words()
+        self.repeats: list[tuple[int, int, int, int, float, int]] = []  # run, checkpoint, rank, host, interval, rows
+        self.times: list[np.ndarray] = []
+        self.named: dict[str, list[tuple[int, np.ndarray]]] = {}
+        self.rows = 0
+
+    def add(self, run: str, record: CommitRecord, manifest: Manifest, where: str) -> None:
+        for index, rank_record in enumerate(_rank_records(manifest, where)):
+            if rank_record.get("system") is None:
+                continue
+            columns = decode_samples(rank_record["system"], f"{where}: timing.ranks[{index}].system")
+            rank = rank_record.get("rank")
+            if type(rank) is not int:
+                raise ManifestError(f"{where}: timing.ranks[{index}].rank is not an int")
+            interval = np.nan if columns.interval_s is None else columns.interval_s
+            self.repeats.append((self.words.id(run), self.words.id(record.name), rank,
+                                 self.words.id(str(rank_record.get("host"))), interval, columns.count))
+            self.times.append(columns.time_ns)
+            for name, values in columns.fields.items():
+                self.named.setdefault(name, []).append((self.rows, values))
+            self.rows += columns.count
+
+    def flush(self) -> None:
+        """Rows are arrays already."""
+
+    def table(self) -> pa.Table:
+        repeats = np.array([r[:4] + (r[5],) for r in self.repeats], dtype=np.int64).reshape(-1, 5)
+        intervals = np.repeat(np.array([r[4] for r in self.repeats], dtype=np.float64), repeats[:, 4])
+        columns = {name: self.words.encode(np.repeat(repeats[:, column], repeats[:, 4]).astype(np.int32))
+                   for column, name in ((0, "run"), (1, "checkpoint"))}
+        columns["rank"] = pa.array(np.repeat(repeats[:, 2], repeats[:, 4]), pa.int64())
+        columns["host"] = self.words.encode(np.repeat(repeats[:, 3], repeats[:, 4]).astype(np.int32))
+        times = np.concatenate(self.times) if self.times else np.array([], np.int64)
+        columns["time"] = pa.array(times // 1000).view(_TIME)
+        columns["interval_s"] = pa.array(intervals, mask=np.isnan(intervals))
+        for name in sorted(self.named):
+            values = np.full(self.rows, np.nan)
+            for start, piece in self.named[name]:
+                values[start:start + len(piece)] = piece
+            columns[name] = pa.array(values, mask=np.isnan(values))
+        return pa.table(columns)
+
+
+_COUNTS = frozenset({"count", "nan", "posinf", "neginf", "zeros"})
+
+
+class TensorStats(_Builder):
+    """One row per checkpoint and tensor with recorded statistics (spec 6.10, format 1.4); a tensor that
+    is the same object as an earlier one (``same_as``) is left out, as its statistics are that one's."""
+
+    fields = (("run", pa.string()), ("name", pa.string()), ("step", pa.int64()), ("key", pa.string()),
+              ("dtype", pa.string()), *((field, pa.int64() if field in _COUNTS else pa.float64())
+                                        for field in FLOAT_FIELDS))
+
+    def add(self, run: str, record: CommitRecord, manifest: Manifest, where: str) -> None:
+        self.origin(where)
+        columns = self.columns
+        for tensor in manifest.tensors:
+            if tensor.stats is None or tensor.same_as is not None:
+                continue
+            for name, value in (("run", run), ("name", record.name), ("step", record.step), ("key", tensor.key),
+                                ("dtype", tensor.dtype)):
+                columns[name].append(value)
+            for field in FLOAT_FIELDS:
+                columns[field].append(tensor.stats.get(field))
             self.rows += 1
 
 

@@ -32,5 +32,5 @@ def gather_steps(timer: StepTimer, *, process_group: Any = None, timeout: float 
     steps = timer.snapshot()
     own = {"rank": current_rank()[0] if ranks is None else ranks.rank, "host": socket.gethostname(), "steps": steps}
     gathered = [own] if ranks is None else ranks.gather(own)
-    timer.forget(steps["count"])
+    timer.forget_stored(steps)
     return gathered

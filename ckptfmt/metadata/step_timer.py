@@ -22,8 +22,10 @@ reads and a dict update per phase.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +34,7 @@ import numpy as np
 import torch
 
 from ckptfmt.errors import ManifestError
+from ckptfmt.metadata.system import DEFAULT_INTERVAL_S, SystemSampler
 
 #: Bytes of a batch digest (BLAKE3 of the indices as little-endian int64).
 BATCH_DIGEST_BYTES = 16
@@ -40,13 +43,39 @@ _I64, _F64 = np.dtype("<i8"), np.dtype("<f8")
 
 class StepTimer:
     """Records, per training step on this rank: start, duration, time in each named phase, a digest
-    of the batch's sample indices and scalar metrics. One timer per training loop, used from its thread."""
+    of the batch's sample indices and scalar metrics. One timer per training loop, used from its thread.
 
-    def __init__(self):
+    From its first step it also samples the rank's resource use (metadata/system.py: CPU, memory,
+    disk and network bytes, load, the data wait, the GPU's memory, clocks and temperature):
+    ``system_interval`` seconds apart on a background thread (1 s by default), ``"step"`` at the
+    end of every step, or None for none. The samples are stored with the steps.
+    """
+
+    def __init__(self, *, system_interval: float | str | None = DEFAULT_INTERVAL_S):
         self._columns = _empty_columns()
         self._current: _Step | None = None
         # Steps finish on the training thread while an asynchronous save's thread forgets what it stored.
         self._lock = threading.Lock()
+        #: Nanoseconds spent in ``data`` phases so far (the samples' data wait).
+        self._data_ns = 0
+        self._sampler: SystemSampler | None
+        if isinstance(system_interval, str) and system_interval != "step":
+            raise ValueError(f"system_interval must be seconds, 'step' or None, not {system_interval!r}")
+        # The sampler reads the data wait through a weak reference: its thread must not keep the timer alive.
+        owner = weakref.ref(self)
+
+        def data_wait() -> float:
+            timer = owner()
+            return math.nan if timer is None else timer._data_ns / 1e9
+        self._sampler = None
+        if system_interval is not None:
+            self._sampler = SystemSampler(None if isinstance(system_interval, str) else system_interval, data_wait)
+        self._sampling = False
+
+    def close(self) -> None:
+        """Stop sampling (a background sampler also stops when the timer is garbage collected)."""
+        if self._sampler is not None:
+            self._sampler.stop()
 
     def step(self, step: int) -> _Step:
         """A context manager around one training step: ``with timer.step(step): ...``."""
@@ -141,9 +170,20 @@ class StepTimer:
                 columns[name][-1] = number
 
     def snapshot(self) -> dict:
-        """The finished steps not yet stored, as the manifest records them (spec 9.4); the timer keeps them."""
+        """The finished steps not yet stored, as the manifest records them (spec 9.4), with the system
+        samples not yet stored under ``system`` (``timing.with_steps`` puts them apart); the timer keeps them."""
         with self._lock:
-            return encode_steps(self._columns)
+            record = encode_steps(self._columns)
+        samples = self._sampler.snapshot() if self._sampler is not None else None
+        if samples is not None:
+            record["system"] = samples
+        return record
+
+    def forget_stored(self, snapshot: dict) -> None:
+        """Drop what ``snapshot`` held, steps and system samples: a committed checkpoint holds them."""
+        self.forget(snapshot["count"])
+        if self._sampler is not None and "system" in snapshot:
+            self._sampler.forget(snapshot["system"]["count"])
 
     def forget(self, rows: int) -> None:
         """Drop the first ``rows`` steps: a committed checkpoint holds them."""
@@ -162,9 +202,16 @@ class StepTimer:
         return len(self._columns["step"])
 
     def _finish(self, step: _Step, end: int) -> None:
+        self._data_ns += step.phases.get("data", 0)
         with self._lock:
             self._append(step, end)
         self._current = None
+        if self._sampler is not None:
+            if self._sampler.interval is None:
+                self._sampler.sample()
+            elif not self._sampling:
+                self._sampling = True
+                self._sampler.start()
 
     def _append(self, step: _Step, end: int) -> None:
         columns, rows = self._columns, len(self._columns["step"])

@@ -32,7 +32,8 @@ class PhaseTimer:
         return time.perf_counter() - self._start
 
     def record(self, rank: int, steps: dict | None = None) -> dict:
-        """This rank's entry of the manifest's ``timing.ranks``, with its training steps if recorded."""
+        """This rank's entry of the manifest's ``timing.ranks``, with its training steps and system
+        samples if recorded (``steps``: a ``StepTimer.snapshot()``)."""
         record = {
             "rank": rank,
             "host": socket.gethostname(),
@@ -40,6 +41,15 @@ class PhaseTimer:
             "phases": list(self.phases),
             "total_s": self.elapsed(),
         }
-        if steps is not None:
-            record["steps"] = steps
-        return record
+        return with_steps(record, steps)
+
+
+def with_steps(entry: dict, steps: dict | None) -> dict:
+    """A ``timing.ranks`` entry with a ``StepTimer.snapshot()``'s steps and its system samples apart
+    (spec 9.4: ``steps`` and ``system``)."""
+    if steps is None:
+        return entry
+    entry = {**entry, "steps": {k: v for k, v in steps.items() if k != "system"}}
+    if "system" in steps:
+        entry["system"] = steps["system"]
+    return entry

@@ -103,7 +103,7 @@ def _save_staged(staged: Any, url: str | os.PathLike, options: SaveOptions, capt
     """The background part; the timer's steps it stored leave the timer before the future is done."""
     committed = run_save(staged, url, options, captured)
     if timer is not None and captured.steps is not None:
-        timer.forget(captured.steps["count"])
+        timer.forget_stored(captured.steps)
     return committed
 
 

@@ -51,7 +51,7 @@ from ckptfmt.format.tiling import check_tiling
 from ckptfmt.format.values import format_key
 from ckptfmt.metadata.environment import capture_environment, merge_environments
 from ckptfmt.metadata.rng import rng_entry
-from ckptfmt.metadata.timing import PhaseTimer
+from ckptfmt.metadata.timing import PhaseTimer, with_steps
 from ckptfmt.repository.leases import Lease, hold_save_lease
 from ckptfmt.repository.repository import CommitRecord, Repository
 from ckptfmt.saving.chunk_writer import checkpoint_stats
@@ -247,8 +247,8 @@ def rank_record(rank: int, timer: PhaseTimer, topology: dict, captured: Captured
 def steps_record(entry: dict, start_ns: int) -> dict:
     """The ``timing.ranks`` entry of a rank that wrote nothing but sent its training steps (a gathered
     entry, see ``SaveOptions.gathered_steps``): no phases, no time in the save (spec 9.4)."""
-    return {"rank": entry["rank"], "host": entry["host"], "start_ns": start_ns, "phases": [], "total_s": 0.0,
-            "steps": entry["steps"]}
+    return with_steps({"rank": entry["rank"], "host": entry["host"], "start_ns": start_ns, "phases": [],
+                       "total_s": 0.0}, entry["steps"])
 
 
 def manifest_for(name: str, options: SaveOptions, *, parent: str | None, chunks: list[Chunk],

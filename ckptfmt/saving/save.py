@@ -99,7 +99,7 @@ def save_with(state: Any, url: str | os.PathLike, options: SaveOptions, *, timer
     steps = step_records(timer)
     committed = run_save(state, url, options, Captured(steps=steps))
     if timer is not None and steps is not None:
-        timer.forget(steps["count"])
+        timer.forget_stored(steps)
     return committed
 
 

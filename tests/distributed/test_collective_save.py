@@ -17,12 +17,11 @@ import torch
 import ckptfmt
 from ckptfmt.distributed import collective_save
 from ckptfmt.metadata.step_timer import decode_steps
+from ckptfmt.metadata.system import decode_samples
 from tests.support.ranks import mixed_state, run_ranks, save_mixed_state
 from tests.support.tensor_values import assert_stats_close, expected_stats
 
 WORLD = 4
-
-
 
 
 @pytest.fixture(scope="module")
@@ -113,6 +112,11 @@ def test_metadata_records_every_rank(mixed):
     for rank, columns in enumerate(steps):  # every rank's training steps, gathered by the save
         assert columns.step.tolist() == list(range(rank + 1)) and columns.batch_size.tolist() == [1] * (rank + 1)
     assert len({columns.batch[0].tobytes() for columns in steps}) == WORLD
+    samples = [decode_samples(record["system"], f"rank {rank}") for rank, record in enumerate(timing)]
+    # Each rank sampled its own process from its first step, before it saved.
+    for record, sample in zip(timing, samples):
+        assert sample.count >= 1 and sample.fields["rss_bytes"][0] > 0 and sample.fields["cpu_user_s"][0] > 0
+        assert sample.time_ns[0] <= record["start_ns"]
     stats = meta["stats"]
     assert stats["new_bytes"] == stats["stored_bytes"] > 8 * 64 * 1024 * 4
 

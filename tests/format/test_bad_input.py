@@ -8,6 +8,7 @@ versions) with the error type it must raise.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import json
 import random
@@ -196,7 +197,9 @@ def _mutate_once(draw, doc: dict) -> None:
         elif isinstance(child, bytes) and draw(st.booleans()):
             container[key] = draw(value_tree_bytes)  # an embedded value tree (state, user)
         else:
-            container[key] = draw(msgpack_values)
+            # A copy: SPECIAL_VALUES holds lists and maps that a later mutation of this manifest would
+            # change in place, and with them every later example (hypothesis: "inconsistent data generation").
+            container[key] = copy.deepcopy(draw(msgpack_values))
         return
 
 
