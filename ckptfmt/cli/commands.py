@@ -89,6 +89,9 @@ def _metadata_rows(meta: dict) -> list[tuple[str, str]]:
     steps = describe.step_summary(meta)
     if steps:
         rows.append(("step times", steps))
+    found = describe.replicas(meta)
+    if found:
+        rows.append(("replicas", found))
     rows.append(("user", short(json.dumps(_jsonable(meta.get("user"))), 500)))
     return rows
 
@@ -102,6 +105,7 @@ def verify(args, console: Console) -> int:
             "bytes_checked": report.bytes_checked, "seconds": report.seconds,
             **({"stats_checked": report.stats_checked} if args.stats else {}),
             "problems": [p.__dict__ | {"tensors": list(p.tensors)} for p in report.problems],
+            "divergences": report.divergences,
             "warnings": report.warnings,
         })
         return 0 if report.ok else 1

@@ -27,6 +27,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
+from ckptfmt.distributed import replicas
 from ckptfmt.distributed.process_group import CollectiveError, RankGroup
 from ckptfmt.distributed.state_merge import MAX_REPORTED, merge_states
 from ckptfmt.errors import CheckpointError, CheckpointWarning
@@ -73,10 +74,12 @@ def collective_save(state: Any, url: str | os.PathLike, group, options: SaveOpti
         entries: list[dict] = []
         collector = TensorCollector(sources, entries, collective=True, frozen=captured.frozen,
                                     stats=options.tensor_stats, device_stats=captured.device_stats)
-        plan, own_failure = _attempt(lambda: {
-            "state": encode_tree(state, collector, rank=ranks.rank), "entries": entries,
-            "shapes": [s.shape for s in sources], "nbytes": [s.nbytes for s in sources], "meshes": collector.meshes,
-        })
+        def prepare() -> dict:
+            encoded = encode_tree(state, collector, rank=ranks.rank)
+            return {"state": encoded, "entries": entries, "shapes": [s.shape for s in sources],
+                    "nbytes": [s.nbytes for s in sources], "meshes": collector.meshes,
+                    "fingerprints": None if options.on_divergence == "ignore" else replicas.fingerprints(sources)}
+        plan, own_failure = _attempt(prepare)
     with ExitStack() as held:
         with timer.phase("plan"):  # mostly waiting for the other ranks to encode theirs
             plans = ranks.gather(_report(plan, own_failure, ranks.rank))
@@ -94,8 +97,14 @@ def _write_and_commit(decision: dict, failure: Failure | None, url: str, name: s
     """Steps 2 and 3 of the protocol, once the plan is broadcast."""
     _raise_failures(decision, url, failure)
     agreed: Plan = decision["ok"]
+    if agreed.divergences and options.on_divergence == "raise":  # every rank has the plan: all raise
+        raise CollectiveError(f"{replicas.message(agreed.divergences, url)}; nothing was committed "
+                              "(on_divergence='raise')")
     if ranks.is_coordinator and agreed.differences:
         warnings.warn(_differences_message(agreed.differences), CheckpointWarning, stacklevel=3)
+    if ranks.is_coordinator and agreed.divergences:
+        warnings.warn(f"{replicas.message(agreed.divergences, url)}; each was stored from a rank of its majority",
+                      CheckpointWarning, stacklevel=3)
 
     def write() -> dict:
         repo = agreed.repo or Repository.open(repo_url, options.storage_options)
@@ -183,13 +192,21 @@ def _differences_message(differences: list[str]) -> str:
 # -- the coordinator's plan ------------------------------------------------------------------
 @dataclass
 class _Box:
-    """One box of a tensor's data, the ranks holding it (rank, source index) and the one writing it."""
+    """One box of a tensor's data, the ranks holding it (rank, source index), their fingerprints of
+    it (none when not compared) and the one writing it."""
 
     offsets: tuple[int, ...]
     shape: tuple[int, ...]
     nbytes: int
     holders: list[tuple[int, int]]
+    prints: list[bytes] = field(default_factory=list)
     writer: tuple[int, int] = (-1, -1)  # (rank, position in that rank's assigned sources)
+
+    def groups(self) -> tuple[tuple[int, ...], ...]:
+        """The holders' ranks grouped by equal bytes, the majority first (one group when not compared)."""
+        if len(self.prints) != len(self.holders):
+            return (tuple(rank for rank, _ in self.holders),)
+        return replicas.agreeing_groups([(rank, p) for (rank, _), p in zip(self.holders, self.prints)])
 
 
 @dataclass
@@ -218,6 +235,9 @@ class Plan:
     assigned: list[list[int]]
     meshes: list[dict]
     differences: list[str]
+    #: Replicated boxes whose holders' bytes differ (spec 9.7), and how many shared boxes were compared.
+    divergences: list[replicas.Divergence] = field(default_factory=list)
+    replicas_checked: int = 0
 
     def __getstate__(self) -> dict:  # what the broadcast sends: everything but the coordinator's repository
         return {**self.__dict__, "repo": None, "lease": None}
@@ -247,8 +267,11 @@ def _plan(plans: list[dict], repo: Repository, lease: Lease, name: str, options:
     assigned = _assign(tensors, len(plans))
     meshes = [mesh for plan in plans for mesh in plan["meshes"]]
     user = encode_tree({} if options.metadata is None else options.metadata)
+    shared = [(tensor, box) for tensor in tensors for box in tensor.boxes if len(box.holders) > 1 and box.prints]
+    divergences = [replicas.Divergence(tensor.key, box.offsets, box.shape, groups) for tensor, box in shared
+                   if len(groups := box.groups()) > 1]
     return Plan(repo, lease, parent_name, parent_keys, state, user, tensors, assigned,
-                [m for i, m in enumerate(meshes) if m not in meshes[:i]], differences)
+                [m for i, m in enumerate(meshes) if m not in meshes[:i]], differences, divergences, len(shared))
 
 
 def _ref(keys: list[str], index: int) -> TensorRef:
@@ -297,6 +320,7 @@ def _boxes(plans: list[dict], holders: list[tuple[int, dict]], key: str) -> list
     for rank, entry in holders:
         if entry["same_as"] is not None:
             continue
+        prints = plans[rank]["fingerprints"]
         for source, offsets, _ in entry["shards"]:
             shape = tuple(plans[rank]["shapes"][source])
             box = boxes.setdefault(tuple(offsets), _Box(tuple(offsets), shape, plans[rank]["nbytes"][source], []))
@@ -304,6 +328,8 @@ def _boxes(plans: list[dict], holders: list[tuple[int, dict]], key: str) -> list
                 raise CheckpointError(f"tensor {key!r}: ranks hold boxes at offsets {list(offsets)} of different "
                                       f"shapes ({list(box.shape)} and {list(shape)})")
             box.holders.append((rank, source))
+            if prints is not None:
+                box.prints.append(prints[source])
     return [boxes[offsets] for offsets in sorted(boxes)]
 
 
@@ -321,7 +347,8 @@ def _assign(tensors: list[_Tensor], world: int) -> list[list[int]]:
         if len(box.holders) == 1:
             give(box, *box.holders[0])
     for box in sorted((b for b in boxes if len(b.holders) > 1), key=lambda b: -b.nbytes):
-        rank, source = min(box.holders, key=lambda holder: (load[holder[0]], holder[0]))
+        majority = set(box.groups()[0])  # the holders whose copies agree with most others'
+        rank, source = min((h for h in box.holders if h[0] in majority), key=lambda h: (load[h[0]], h[0]))
         give(box, rank, source)
     return assigned
 
@@ -347,9 +374,12 @@ def _manifest(plan: Plan, reports: list[dict], ranks: RankGroup, name: str, opti
     topology = topology_record([report["topology"] for report in reports], world_size=ranks.size,
                                writer_ranks=writers, parallelism=options.parallelism, backend=ranks.backend,
                                meshes=plan.meshes)
-    return manifest_for(name, options, parent=plan.parent_name, chunks=table.chunks, tensors=tensors,
-                        new_bytes=table.new_bytes, state=plan.state, user=plan.user, records=reports,
-                        topology=topology, collective=True)
+    manifest = manifest_for(name, options, parent=plan.parent_name, chunks=table.chunks, tensors=tensors,
+                            new_bytes=table.new_bytes, state=plan.state, user=plan.user, records=reports,
+                            topology=topology, collective=True)
+    if options.on_divergence != "ignore":
+        manifest.replicas = {"checked": plan.replicas_checked, "divergent": [d.record() for d in plan.divergences]}
+    return manifest
 
 
 def _rank_topology(ranks: RankGroup) -> dict:

@@ -118,6 +118,8 @@ class Manifest:
     stats: dict = field(default_factory=dict)
     #: Where an imported checkpoint came from (source kind, path, versions, import timing).
     provenance: dict | None = None
+    #: A collective save's comparison of replicated tensors (spec 9.7): ``{"checked", "divergent"}``.
+    replicas: dict | None = None
     version: tuple[int, int] = FORMAT_VERSION
     #: Fields this reader does not know (from a newer minor version), kept as read.
     extra: dict = field(default_factory=dict)
@@ -144,6 +146,8 @@ class Manifest:
         }
         if self.provenance is not None:
             doc["provenance"] = self.provenance
+        if self.replicas is not None:
+            doc["replicas"] = self.replicas
         return {**self.extra, **doc}
 
     def to_bytes(self) -> bytes:
@@ -180,7 +184,7 @@ class Manifest:
 
 
 #: Top-level fields ``from_bytes`` may skip: optional, and nothing else in the manifest refers to them.
-_SKIPPABLE = frozenset({"rng", "environment", "topology", "timing", "stats", "provenance"})
+_SKIPPABLE = frozenset({"rng", "environment", "topology", "timing", "stats", "provenance", "replicas"})
 
 
 def _unpack_skipping(data: bytes, skip: frozenset[str]) -> dict:
@@ -284,7 +288,7 @@ def check_version(version: Any, what: str) -> tuple[int, int]:
 
 _KNOWN_FIELDS = frozenset(
     "format version name step created_ns parent chunks tensors state user rng environment topology timing stats "
-    "provenance".split()
+    "provenance replicas".split()
 )
 
 
@@ -327,7 +331,7 @@ def _parse(doc: Any) -> Manifest:
     if not all(isinstance(r, dict) for r in rng):
         raise ManifestError("rng entries must be maps")
     extra = {k: v for k, v in doc.items() if k not in _KNOWN_FIELDS}
-    for name in ("rng", "environment", "topology", "timing", "stats", "provenance"):
+    for name in ("rng", "environment", "topology", "timing", "stats", "provenance", "replicas"):
         _check_nesting(doc.get(name), name)
     _check_nesting(extra, "unknown fields")
     return Manifest(
@@ -345,6 +349,7 @@ def _parse(doc: Any) -> Manifest:
         timing=_get(doc, "timing", dict, optional=True, default={}),
         stats=_get(doc, "stats", dict, optional=True, default={}),
         provenance=_get(doc, "provenance", dict, optional=True),
+        replicas=_get(doc, "replicas", dict, optional=True),
         version=version,
         extra=extra,
     )

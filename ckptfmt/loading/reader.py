@@ -112,6 +112,7 @@ class CheckpointReader:
             "stats": m.stats,
             "user": decode_tree(m.user),
             "provenance": m.provenance,
+            **({"replicas": m.replicas} if m.replicas is not None else {}),
             **({"extra": m.extra} if m.extra else {}),
         }
 

@@ -34,6 +34,8 @@ class _Latest:
 LATEST = _Latest()
 #: How long a collective save waits for every rank at each of its steps.
 DEFAULT_TIMEOUT_S = 600.0
+#: What a collective save does when the copies of a replicated tensor differ (``on_divergence``).
+DIVERGENCE_POLICIES = ("warn", "raise", "ignore")
 #: Chunk writer threads per rank: they overlap hashing with other chunks' writes and fsyncs; on
 #: remote storage each holds a copy of its chunk, so 4 x 64 MiB bounds the memory.
 DEFAULT_WORKERS = 4
@@ -75,6 +77,9 @@ class SaveOptions:
     timeout: float = DEFAULT_TIMEOUT_S
     #: Take each tensor's statistics (spec 6.10) as its bytes are hashed, and store them in the manifest.
     tensor_stats: bool = True
+    #: A collective save compares the copies of every replicated tensor (spec 9.7): ``"warn"`` records
+    #: and warns of copies that differ, ``"raise"`` fails the save instead, ``"ignore"`` compares nothing.
+    on_divergence: str = "warn"
     #: Every rank's training steps, gathered for a save that one rank makes (a framework that writes
     #: from rank 0): ``[{"rank", "host", "steps": StepTimer.snapshot()}]`` (``distributed.steps.gather_steps``).
     gathered_steps: list | None = None
@@ -102,6 +107,9 @@ class SaveOptions:
                     f"{name} must hold plain values (numbers, strings, lists, dicts): {exc}") from None
         if self.before_commit is not None and not callable(self.before_commit):
             raise TypeError("before_commit must be a callable or None")
+        if self.on_divergence not in DIVERGENCE_POLICIES:
+            raise ValueError(f"on_divergence must be one of {', '.join(DIVERGENCE_POLICIES)}, "
+                             f"not {self.on_divergence!r}")
         if not isinstance(self.tensor_stats, bool):
             raise TypeError(f"tensor_stats must be True or False, not {self.tensor_stats!r}")
         if self.coordinated not in (None, True, False):

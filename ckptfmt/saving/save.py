@@ -40,6 +40,7 @@ def save(
     coordinated: bool | None = None,
     timeout: float = DEFAULT_TIMEOUT_S,
     tensor_stats: bool = True,
+    on_divergence: str = "warn",
     gathered_steps: list | None = None,
     timer: StepTimer | None = None,
 ) -> str:
@@ -75,6 +76,13 @@ def save(
     stored in the manifest, where ``ckptfmt show`` and the health analysis read
     them; False leaves them out.
 
+    ``on_divergence``: a collective save compares every rank's copy of each
+    replicated tensor (DDP's parameters, replicated DTensors), which must be
+    identical; copies that differ (a rank's silent data corruption, or a run
+    out of sync) are recorded in the manifest and warned of (``"warn"``), or
+    fail the save on every rank with nothing committed (``"raise"``); the copy
+    stored is the majority's. ``"ignore"`` compares nothing.
+
     ``timer`` (a ``ckptfmt.StepTimer``): its steps not yet in a checkpoint are
     stored with this one, every rank's (spec 9.4), and leave the timer once it
     is committed. ``gathered_steps``: every rank's steps, gathered for a save
@@ -88,7 +96,7 @@ def save(
         step=step, metadata=metadata, storage_options=storage_options, parent=parent, chunk_size=chunk_size,
         compression=compression, step_times=step_times, parallelism=parallelism, workers=workers, rng=rng,
         provenance=provenance, before_commit=before_commit, process_group=process_group, coordinated=coordinated,
-        timeout=timeout, tensor_stats=tensor_stats, gathered_steps=gathered_steps,
+        timeout=timeout, tensor_stats=tensor_stats, on_divergence=on_divergence, gathered_steps=gathered_steps,
     )
     return save_with(state, url, options, timer=timer)
 

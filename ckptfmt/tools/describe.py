@@ -104,6 +104,37 @@ def _share(part: float, whole: float) -> str:
     return "<0.01%" if part / whole < 1e-4 else f"{100 * part / whole:.3g}%"
 
 
+# -- replicas --------------------------------------------------------------------------------------
+
+def replica_divergences(meta: Mapping) -> list[str]:
+    """Each replicated tensor whose copies differed between ranks when saved (spec 9.7), as text."""
+    lines = []
+    for entry in records(field(meta, "replicas", "divergent")):
+        majority = sorted({r for r in entry.get("majority") or [] if isinstance(r, int)})
+        others = sorted({r for r in entry.get("ranks") or [] if isinstance(r, int)} - set(majority))
+        verb = "differs" if len(others) == 1 else "differ"
+        lines.append(f"{text(entry.get('key'))}: {_ranks(others)} {verb} from the majority ({_ranks(majority)})")
+    return lines
+
+
+def _ranks(ranks: list[int]) -> str:
+    if not ranks:
+        return "no rank"
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+
+
+def replicas(meta: Mapping) -> str | None:
+    """What the save's comparison of replicated tensors found, or None when it made none."""
+    found = meta.get("replicas")
+    if not isinstance(found, Mapping):
+        return None
+    checked = text(found.get("checked"))
+    divergent = replica_divergences(meta)
+    if not divergent:
+        return f"{checked} replicated tensors compared, all copies equal"
+    return f"{checked} compared, {len(divergent)} differ: " + "; ".join(divergent)
+
+
 # -- environment -----------------------------------------------------------------------------------
 
 def _leaf(value: Any, key: str) -> str:
@@ -241,5 +272,5 @@ def step_summary(meta: Mapping) -> str | None:
 
 
 __all__ = ["RankRow", "RngRow", "SaveTiming", "environment", "field", "mapping", "packages", "ranks", "real",
-           "records", "rng", "save_timing", "stats_cells", "step_summary", "step_times", "summary", "text",
-           "topology"]
+           "records", "replica_divergences", "replicas", "rng", "save_timing", "stats_cells", "step_summary",
+           "step_times", "summary", "text", "topology"]

@@ -25,6 +25,7 @@ from ckptfmt.loading.chunkio import ChunkReader
 from ckptfmt.repository.repository import Repository, resolve
 from ckptfmt.storage.budget import ByteBudget
 from ckptfmt.storage.factory import open_storage
+from ckptfmt.tools import describe
 from ckptfmt.tools.stats_check import StatsCheck
 
 
@@ -55,6 +56,9 @@ class VerifyReport:
     cancelled: bool = False
     #: Tensors whose statistics were recomputed (``stats=True``); -1 when not asked.
     stats_checked: int = -1
+    #: Replicated tensors whose copies differed between ranks when a checkpoint was saved (spec 9.7):
+    #: the manifest's entries, each with its ``checkpoint``. Not damage: the stored copy is the majority's.
+    divergences: list[dict] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -106,6 +110,13 @@ def verify(url: str | os.PathLike, *, storage_options: dict | None = None,
             if not whole_repository and not repo.storage.exists(layout.commit_key(name)):
                 raise  # no such checkpoint
             report.problems.append(Problem("bad-checkpoint", name, str(exc)))
+    for name, manifest in manifests.items():
+        divergent = describe.replica_divergences({"replicas": manifest.replicas})
+        if divergent:
+            report.divergences += [{"checkpoint": name, **entry} for entry in
+                                   describe.records((manifest.replicas or {}).get("divergent"))]
+            report.warnings.append(f"{name}: the copies of replicated tensors differed between ranks when it was "
+                                   f"saved (the majority's was stored): {'; '.join(divergent)}")
     check = StatsCheck(manifests) if stats else None
     _check_chunks(repo, manifests, report, callback, workers, cancel, check)
     if check is not None and not report.cancelled:
