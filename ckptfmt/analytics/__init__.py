@@ -7,7 +7,8 @@ ckptfmt needs neither.
 """
 
 from ckptfmt.analytics.compare import compare
+from ckptfmt.analytics.health import health
 from ckptfmt.analytics.stragglers import Thresholds, episode_ranges, stragglers
 from ckptfmt.analytics.tables import TABLE_NAMES, export, tables
 
-__all__ = ["TABLE_NAMES", "Thresholds", "compare", "episode_ranges", "export", "stragglers", "tables"]
+__all__ = ["TABLE_NAMES", "Thresholds", "compare", "episode_ranges", "export", "health", "stragglers", "tables"]

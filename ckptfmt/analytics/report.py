@@ -5,8 +5,10 @@ a file, offline, in any browser. Figures (matplotlib, drawn off-screen):
 step time per rank over steps with the stragglers marked, the delay each rank
 added, save phases per checkpoint, checkpoint size and new bytes over time,
 metrics over steps (both runs' with a second run), and with a second run, the
-tensors that differ per checkpoint and tensor group. Tables: stragglers, slow
-saves, and the recorded differences between the runs. Text in the figures is
+tensors that differ per checkpoint and tensor group, each tensor group's norm
+over checkpoints, the tensors holding NaN or Inf per checkpoint and (``deep``)
+each group's relative update. Tables: the run's health, stragglers, slow saves,
+and the recorded differences between the runs. Text in the figures is
 SVG text (selectable, found by the browser's search); artists a reader or a
 test looks for carry ids (``straggler-marks``, ``metric-<name>-A``,
 ``divergence-cells``, ``divergence-value-<row>-<column>``).
@@ -18,6 +20,7 @@ import html
 import io
 import os
 import re
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +35,7 @@ from matplotlib.ticker import MaxNLocator
 
 from ckptfmt.analytics.compare import compare
 from ckptfmt.analytics.grids import StepGrid, slowest_save_phases
+from ckptfmt.analytics.health import HealthReport, health
 from ckptfmt.analytics.stragglers import Thresholds, episode_ranges, step_delays, stragglers
 from ckptfmt.analytics.tables import tables
 
@@ -48,17 +52,20 @@ class Figure:
 
 def report(repo: str | os.PathLike, *, html_path: str | os.PathLike | None = None,
            png_dir: str | os.PathLike | None = None, compare_with: str | os.PathLike | None = None,
-           thresholds: Thresholds = Thresholds(), storage_options: dict | None = None) -> dict:
+           thresholds: Thresholds = Thresholds(), storage_options: dict | None = None, deep: bool = False) -> dict:
     """Write the report of run ``repo`` (compared with run ``compare_with`` if given) as ``html_path``
     and/or PNG files in ``png_dir``; returns what went in: figure ids, stragglers (judged by
-    ``thresholds``), the comparison."""
+    ``thresholds``), the comparison, the run's health (``deep``: with each tensor group's relative
+    updates between checkpoints, which reads the tensors that changed)."""
     built = tables(repo, storage_options=storage_options)
     found = stragglers(built, thresholds=thresholds)
+    well = health(repo, deep=deep, storage_options=storage_options, built=built)
     comparison = compare(repo, compare_with, storage_options=storage_options) if compare_with else None
     other_steps = tables(compare_with, storage_options=storage_options)["steps"] if compare_with else None
     figures = [f for f in (_step_heatmap(built["steps"], found), _delay_heatmap(built["steps"], thresholds),
                            _save_phases(built["saves"]), _sizes(built["checkpoints"]),
-                           _metrics(built["steps"], other_steps), _divergence(comparison)) if f is not None]
+                           _metrics(built["steps"], other_steps), _norms(well), _non_finite(well),
+                           _updates(well), _divergence(comparison)) if f is not None]
     try:
         if png_dir is not None:
             folder = Path(png_dir)
@@ -66,12 +73,12 @@ def report(repo: str | os.PathLike, *, html_path: str | os.PathLike | None = Non
             for figure in figures:
                 figure.figure.savefig(folder / f"{figure.id}.png", dpi=110, bbox_inches="tight")
         if html_path is not None:
-            Path(html_path).write_text(_page(os.fspath(repo), built, found, comparison, compare_with, figures),
-                                       encoding="utf-8")
+            Path(html_path).write_text(_page(os.fspath(repo), built, found, well, comparison, compare_with,
+                                             figures), encoding="utf-8")
     finally:
         for figure in figures:
             plt.close(figure.figure)
-    return {"figures": [f.id for f in figures], "stragglers": found, "comparison": comparison}
+    return {"figures": [f.id for f in figures], "stragglers": found, "comparison": comparison, "health": well}
 
 
 # -- figures ---------------------------------------------------------------------------------------
@@ -166,7 +173,8 @@ def _metrics(steps: pa.Table, other_steps: pa.Table | None) -> Figure | None:
             if name not in table.column_names:
                 continue
             label = name[len("metric_"):]
-            with np.errstate(all="ignore"):
+            with np.errstate(all="ignore"), warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)  # a step where every rank's value is NaN
                 axes.plot(grid.steps, np.nanmean(grid.values(name), axis=1), style, color=f"C{number}",
                           label=f"{label} ({run})" if other_steps is not None else label, gid=f"metric-{label}-{run}")
     axes.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -177,6 +185,86 @@ def _metrics(steps: pa.Table, other_steps: pa.Table | None) -> Figure | None:
     if other_steps is not None:
         caption += " Solid: this run (A); dashed: the run compared with (B)."
     return Figure("metrics", "Metrics", caption, figure)
+
+
+def _norms(well: HealthReport) -> Figure | None:
+    """Each tensor group's norm over checkpoints (log scale), the jumps circled."""
+    if not well.group_norms:
+        return None
+    x = _checkpoint_axis(well)
+    figure, axes = plt.subplots(figsize=(10, 4))
+    for number, (group, norms) in enumerate(well.group_norms.items()):
+        values = np.array([np.nan if v is None or v <= 0 else v for v in norms], dtype=float)
+        axes.plot(x, values, marker=".", color=f"C{number % 10}", label=group, gid=f"norm-{group}")
+    jumps = [(x[[c["name"] for c in well.checkpoints].index(j["checkpoint"])], j["norm"]) for j in well.jumps
+             if j["norm"] > 0]
+    if jumps:
+        axes.scatter([x for x, _ in jumps], [y for _, y in jumps], s=120, facecolors="none", edgecolors="red",
+                     linewidths=1.5, label="jump (off the group's trend)", gid="norm-jumps")
+    axes.set_yscale("log")
+    axes.set_xlabel("step")
+    axes.set_ylabel("l2 norm")
+    axes.set_title("Norm per tensor group")
+    axes.legend(fontsize="x-small", ncol=3)
+    return Figure("norms", "Norm per tensor group",
+                  "The root of the summed squared norms of each group's tensors (a layer, an optimizer moment), "
+                  "from the statistics each checkpoint records; circled: a change far off the group's own trend.",
+                  figure)
+
+
+def _non_finite(well: HealthReport) -> Figure | None:
+    """How many tensors hold NaN or infinite values, per checkpoint."""
+    if not well.group_norms and not well.non_finite:
+        return None  # no statistics recorded
+    x = _checkpoint_axis(well)
+    counts = {entry["checkpoint"]: entry["tensors"] for entry in well.non_finite}
+    values = [counts.get(c["name"], 0) for c in well.checkpoints]
+    figure, axes = plt.subplots(figsize=(10, 2.5))
+    axes.bar(x, values, color=["red" if v else "lightgrey" for v in values],
+             width=max(1, (max(x) - min(x)) / 60 or 1), gid="non-finite-bars")
+    axes.yaxis.set_major_locator(MaxNLocator(integer=True))
+    axes.set_xlabel("step")
+    axes.set_ylabel("tensors")
+    first = well.first_non_finite
+    axes.set_title("Tensors holding NaN or Inf" + (f": first at step {first['step']}" if first else ": none"))
+    return Figure("non-finite", "NaN and Inf per checkpoint",
+                  "Tensors whose recorded statistics count a NaN or an infinite element.", figure)
+
+
+def _updates(well: HealthReport) -> Figure | None:
+    """Relative update ||W_t - W_prev|| / ||W_t|| per group and checkpoint (``deep`` only)."""
+    if not well.updates:
+        return None
+    names = [c["name"] for c in well.checkpoints]
+    groups = sorted({u["group"] for u in well.updates})
+    sums = np.zeros((len(groups), len(names), 2))
+    for update in well.updates:
+        if update["moved_l2"] is not None and update["l2"] is not None:
+            cell = sums[groups.index(update["group"]), names.index(update["checkpoint"])]
+            cell += (update["moved_l2"] ** 2, update["l2"] ** 2)
+    with np.errstate(all="ignore"):
+        ratios = np.where(sums[..., 1] > 0, np.sqrt(sums[..., 0] / sums[..., 1]), np.nan)
+    figure, axes = plt.subplots(figsize=(10, max(2.5, 0.35 * len(groups) + 1.5)))
+    positive = ratios[np.isfinite(ratios) & (ratios > 0)]
+    norm = matplotlib.colors.LogNorm(vmin=positive.min(), vmax=positive.max()) if positive.size else None
+    cells = axes.pcolormesh(np.ma.masked_invalid(np.where(ratios > 0, ratios, np.nan)), cmap="magma", norm=norm,
+                            edgecolors="white", linewidth=1)
+    cells.set_gid("update-cells")
+    figure.colorbar(cells, ax=axes, label="||W_t - W_prev|| / ||W_t||")
+    steps = [str(c["step"]) for c in well.checkpoints]
+    axes.set_xticks(np.arange(len(names)) + 0.5, steps, fontsize="small")
+    axes.set_yticks(np.arange(len(groups)) + 0.5, groups, fontsize="small")
+    axes.invert_yaxis()
+    axes.set_xlabel("step")
+    axes.set_title("Relative update per tensor group")
+    return Figure("updates", "Relative update per tensor group",
+                  "How far each group's tensors moved since the previous checkpoint, relative to their size "
+                  "(blank: unchanged, or the first checkpoint).", figure)
+
+
+def _checkpoint_axis(well: HealthReport) -> list[float]:
+    """Each checkpoint's step, or its position where it recorded none."""
+    return [c["step"] if c["step"] is not None else index for index, c in enumerate(well.checkpoints)]
 
 
 #: Divergence cells are annotated with their counts up to this many (beyond, the colours say it).
@@ -219,7 +307,8 @@ svg { max-width: 100%; height: auto; }
 """
 
 
-def _page(repo: str, built: dict, found: dict, comparison: dict | None, other, figures: list[Figure]) -> str:
+def _page(repo: str, built: dict, found: dict, well: HealthReport, comparison: dict | None, other,
+          figures: list[Figure]) -> str:
     e = html.escape
     checkpoints = built["checkpoints"]
     parts = [f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>ckptfmt report: {e(repo)}</title>"
@@ -239,6 +328,7 @@ def _page(repo: str, built: dict, found: dict, comparison: dict | None, other, f
         columns = list(dict.fromkeys(key for d in differences for key in d))  # whatever compare records
         parts.append(_table("differences", [c.replace("_", " ") for c in columns],
                             [[d.get(c) for c in columns] for d in differences]))
+    parts += _health_section(well)
     parts.append("<h2>Stragglers</h2>")
     parts.append(_table("stragglers", ["rank", "host", "kind", "steps", "phase", "delay (s)", "x median"],
                         [[s["rank"], s["host"], s["kind"], episode_ranges(s["episodes"]), s["phase"],
@@ -254,6 +344,33 @@ def _page(repo: str, built: dict, found: dict, comparison: dict | None, other, f
                      f"<figcaption>{e(figure.caption)}</figcaption></figure>")
     parts.append("</body></html>")
     return "\n".join(parts)
+
+
+def _health_section(well: HealthReport) -> list[str]:
+    """The run's health as the page says it: NaN/Inf, norm jumps, metric spikes, unchanged, mostly zeros."""
+    e = html.escape
+    first = well.first_non_finite
+    verdict = ("no NaN or Inf in any checkpoint" if first is None else
+               f"NaN or Inf first in {e(first['checkpoint'])} (step {first['step']}): "
+               + ", ".join(f"<code>{e(t['key'])}</code>" for t in first["tensors"][:8]))
+    return [
+        "<h2>Training health</h2>", f"<p id='health-verdict'>{verdict}.</p>",
+        "<h3>Norm jumps</h3>",
+        _table("norm-jumps", ["group", "checkpoint", "step", "norm", "change"],
+               [[j["group"], j["checkpoint"], j["step"], f"{j['norm']:.4g}", f"x{j['factor']:.3g}"]
+                for j in well.jumps]),
+        "<h3>Metric spikes</h3>",
+        _table("metric-spikes", ["metric", "steps", "peak", "baseline", "after", "before"],
+               [[s["metric"], f"{s['first_step']}-{s['last_step']}", "NaN" if s["non_finite"] else f"{s['peak']:.4g}",
+                 "-" if s["baseline"] is None else f"{s['baseline']:.4g}", s["after"], s["before"]]
+                for s in well.metric_spikes]),
+        "<h3>Unchanged tensors</h3>",
+        _table("unchanged", ["tensor", "since", "checkpoints", "by"],
+               [[u["key"], u["since"], u["checkpoints"], u["evidence"]] for u in well.unchanged]),
+        "<h3>Mostly zeros</h3>",
+        _table("mostly-zeros", ["tensor", "checkpoint", "zeros"],
+               [[z["key"], z["checkpoint"], f"{z['share']:.1%}"] for z in well.mostly_zeros]),
+    ]
 
 
 def _table(table_id: str, header: list[str], rows: list[list]) -> str:

@@ -21,7 +21,7 @@ from importlib.metadata import EntryPoint, entry_points
 from rich.console import Console
 
 from ckptfmt import __version__
-from ckptfmt.cli import advise, commands, lifecycle, sync
+from ckptfmt.cli import advise, commands, health, lifecycle, sync
 from ckptfmt.errors import CheckpointError, CheckpointWarning
 from ckptfmt.format.manifest import FORMAT_VERSION
 from ckptfmt.tools.output import Output
@@ -92,9 +92,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compare", metavar="REPO_B", default=None, help="a second run to compare it with")
     p.add_argument("--html", metavar="OUT.html", default=None, help="write the page here")
     p.add_argument("--png", metavar="DIR", default=None, help="write each figure as DIR/<figure>.png")
+    p.add_argument("--deep", action="store_true", help="add each tensor group's relative update between "
+                                                       "checkpoints (reads the tensors that changed)")
     _min_delay_option(p)
     p.set_defaults(run=commands.report)
 
+    health.register(sub)
     lifecycle.register(sub)
     sync.register(sub)
     advise.register(sub)

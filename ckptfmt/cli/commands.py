@@ -251,7 +251,7 @@ def report(args, console: Console) -> int:
     except ImportError as exc:
         raise CheckpointError(f"ckptfmt report needs matplotlib ({exc}): pip install 'ckptfmt[analytics]'") from None
     made = write_report(args.repo, html_path=args.html, png_dir=args.png, compare_with=args.compare,
-                        thresholds=_thresholds(args))
+                        thresholds=_thresholds(args), deep=args.deep)
     out = Output(console)
     for where in (args.html, args.png):
         if where is not None:

@@ -23,8 +23,9 @@ from ckptfmt.analytics.report import report
 from tests.support import markers
 from tests.support.ddp_runs import NOISY_MACHINE, RUNS, flagged
 from tests.support.helpers import needs_tool
+from tests.support.runs import SICK_NAN, SICK_SCALED, sick_run
 
-FIGURES = ["step-time", "delays", "save-phases", "sizes", "metrics", "divergence"]
+FIGURES = ["step-time", "delays", "save-phases", "sizes", "metrics", "norms", "non-finite", "divergence"]
 SVG = "{http://www.w3.org/2000/svg}"
 
 
@@ -179,3 +180,24 @@ def drawn_rows(chromium: str, flags: list[str], url: str, shot: Path) -> int:
     pixels = np.asarray(Image.open(shot).convert("L"), dtype=float)
     assert pixels.shape == (6000, 1200)
     return int(((pixels < 200).mean(axis=1) > 0.05).sum())
+
+
+@pytest.fixture(scope="module")
+def sick_page(tmp_path_factory) -> tuple[Path, dict]:
+    """The page of a run that falls ill on purpose (tests/support/runs.py), with its relative updates."""
+    out = tmp_path_factory.mktemp("sick-page")
+    sick_run(str(out / "run"))
+    return out, report(str(out / "run"), html_path=out / "report.html", deep=True)
+
+
+def test_the_health_figures_show_the_norm_jump_the_nan_and_the_updates(sick_page):
+    out, made = sick_page
+    assert {"norms", "non-finite", "updates"} <= set(made["figures"])
+    text = (out / "report.html").read_text()
+    assert f"NaN or Inf first in step-{SICK_NAN:04d} (step {SICK_NAN}): <code>model/0.bias</code>" in text
+    assert "id='norm-jumps'" in text and "id='metric-spikes'" in text and "id='unchanged'" in text
+    norms = figure_svg(out, "norms")
+    assert by_id(norms, "norm-model.2") and by_id(norms, "norm-jumps")  # the scaled layer's line, the jumps circled
+    assert "Tensors holding NaN or Inf: first at step 55" in text_of(figure_svg(out, "non-finite"))
+    assert by_id(figure_svg(out, "updates"), "update-cells")
+    assert any(j["group"] == "model.2" and j["step"] == SICK_SCALED for j in made["health"].jumps)

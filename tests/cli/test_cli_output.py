@@ -394,7 +394,14 @@ def test_analytics_export(runs, run, mode, tmp_path):
     assert result.code == 0, result.err
     check_layout(mode, result.out)
     files = sorted(str(path) for path in out.iterdir())
-    assert len(files) == 5 and unfolded(mode, result.out, files) == []
+    assert len(files) == 7 and unfolded(mode, result.out, files) == []
+
+
+def test_health(runs, run, mode):
+    result = run("health", runs[0], "--deep")
+    assert result.code == 0, result.err
+    check_layout(mode, result.out)
+    assert "NaN/Inf: none in any checkpoint" in words(result.out) and "relative updates" in words(result.out)
 
 
 # -- import, export, the TUI ---------------------------------------------------------------------------------

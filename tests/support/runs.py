@@ -59,3 +59,40 @@ def train(repo: str, *, seed: int = 0, lr: float = 0.1, shuffle_from: int | None
             if clock:
                 state["saved_at"] = user["saved_at"] = time.time()
             ckptfmt.save(state, f"{repo}/step-{step:04d}", step=step, metadata=user or None, timer=timer)
+
+
+#: What ``sick_run`` does to its model, and when: the health analysis must find exactly these.
+SICK_STEPS, SICK_EVERY = 60, 5
+SICK_LOSS_SPIKE, SICK_SCALED, SICK_NAN = 37, 45, 55
+
+
+def sick_run(repo: str) -> None:
+    """A small MLP trained with AdamW, checkpointed every SICK_EVERY steps, that falls ill on purpose:
+    its loss is multiplied by 50 at step SICK_LOSS_SPIKE, its last layer's weights by 4 after step
+    SICK_SCALED, one bias becomes NaN after step SICK_NAN (the loss is NaN from the next step); a
+    frozen layer, a large frozen table (its own chunk) and an all-zero mask never change."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    frozen = torch.nn.Linear(4, 4).requires_grad_(False)
+    table = torch.randn(300, 256)  # 300 KiB: a chunk of its own
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    timer = ckptfmt.StepTimer(system_interval=None)
+    data = torch.Generator().manual_seed(1)
+    for step in range(1, SICK_STEPS + 1):
+        with timer.step(step):
+            loss = model(torch.randn(16, 8, generator=data)).square().mean()
+            if step == SICK_LOSS_SPIKE:
+                loss = loss * 50
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        timer.metrics(loss=loss.item())
+        with torch.no_grad():
+            if step == SICK_SCALED:
+                model[2].weight.mul_(4)
+            if step == SICK_NAN:
+                model[0].bias[3] = float("nan")
+        if step % SICK_EVERY == 0:
+            state = {"model": model.state_dict(), "frozen": frozen.state_dict(), "table": table,
+                     "optim": optimizer.state_dict(), "mask": torch.zeros(100)}
+            ckptfmt.save(state, f"{repo}/step-{step:04d}", step=step, timer=timer)

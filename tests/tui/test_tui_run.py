@@ -15,7 +15,7 @@ from ckptfmt.tui.app import create_app
 from ckptfmt.tui.screens.repository import RepositoryScreen
 from ckptfmt.tui.screens.run import RunScreen
 from tests.support.ddp_runs import MIN_DELAY_S, NOISY_MACHINE, RUNS, flagged
-from tests.support.runs import train
+from tests.support.runs import SICK_NAN, sick_run, train
 from tests.support.tui_driving import SIZE, async_test, cells, settle, text_of
 
 
@@ -65,6 +65,30 @@ async def test_the_run_screen_compares_two_runs(tmp_path):
         differences = cells(screen.query_one("#differences"))
         assert [(d[0], d[1], d[2], d[6]) for d in differences] == [("yes", "data_order", "batch", "6")]
         assert differences[0][7].endswith("step 6, before the divergence at step 7"), differences[0]
+
+
+@async_test
+async def test_the_health_tab_shows_the_norms_the_nan_and_the_findings(tmp_path):
+    run = str(tmp_path / "sick")
+    sick_run(run)
+    app = create_app([run])
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        await pilot.press("a")
+        await settle(app, pilot)
+        screen = app.screen
+        assert isinstance(screen, RunScreen)
+        screen.query_one("#run-tabs").active = "health-tab"
+        await pilot.pause()
+        verdict = text_of(app, "#health-verdict")
+        assert f"NaN/Inf: first in step-{SICK_NAN:04d} (step {SICK_NAN}): model/0.bias" in verdict
+        norms = text_of(app, "#norms").splitlines()
+        scaled = next(line for line in norms if line.startswith("model.2"))
+        assert "x" in scaled and any(bar in scaled for bar in "▁▂▃▄▅▆▇█")  # bars, and the jump marked
+        findings = cells(screen.query_one("#findings"))
+        kinds = {row[0] for row in findings}
+        assert {"norm jump", "metric spike", "unchanged", "mostly zeros"} <= kinds
+        assert ("unchanged", "table") in {(row[0], row[1]) for row in findings}
 
 
 def test_compare_needs_one_target():

@@ -1,4 +1,6 @@
-"""The run screen: a run's step times per rank with its stragglers, the save timeline, and a comparison.
+"""The run screen: a run's step times per rank with its stragglers, the save timeline, its training health
+(norms per tensor group over checkpoints, NaN/Inf, jumps, loss spikes, unchanged and mostly-zero
+tensors), and a comparison.
 
 Built from ckptfmt.analytics (pyarrow) in a worker thread. The heatmap is text:
 one row per rank, one column per step (or per group of steps when they do not
@@ -34,8 +36,10 @@ class RunScreen(WorkerScreen):
 
     HELP = ("Steps: each rank's step time over the steps (darker: longer), a red x where the rank delayed the "
             "others, and the stragglers found. Saves: each checkpoint's save phases, as its slowest rank spent "
-            "them. Compare (with ckptfmt tui RUN --compare RUN_B): whether the runs are identical, where they "
-            "first diverge, and every recorded difference. [ and ] switch tabs.")
+            "them. Health: each tensor group's norm over the checkpoints (a red x: a jump off its trend), "
+            "NaN/Inf, loss spikes, unchanged and mostly-zero tensors. Compare (with ckptfmt tui RUN --compare "
+            "RUN_B): whether the runs are identical, where they first diverge, and every recorded difference. "
+            "[ and ] switch tabs.")
     BINDINGS = TAB_BINDINGS
     DEFAULT_CSS = """
     RunScreen #summary { padding: 0 1; }
@@ -56,6 +60,10 @@ class RunScreen(WorkerScreen):
                 yield DataTable(id="stragglers", cursor_type="row", zebra_stripes=True)
             with TabPane("Saves", id="saves-tab"), VerticalScroll():
                 yield Static("", id="timeline")
+            with TabPane("Health", id="health-tab"), VerticalScroll():
+                yield Static("", id="health-verdict", markup=False)
+                yield Static("", id="norms")
+                yield DataTable(id="findings", cursor_type="row", zebra_stripes=True)
             if self.compare_with:
                 with TabPane("Compare", id="compare-tab"), VerticalScroll():
                     yield Static("comparing ...", id="verdict", markup=False)
@@ -76,9 +84,24 @@ class RunScreen(WorkerScreen):
         thresholds = analytics.Thresholds() if self.app.min_delay is None \
             else analytics.Thresholds(floor_s=self.app.min_delay)
         found = analytics.stragglers(built, thresholds=thresholds)
+        well = analytics.health(self.url, storage_options=options, built=built)
         comparison = analytics.compare(self.url, self.compare_with, storage_options=options) \
             if self.compare_with else None
         self.app.call_from_thread(self._show, built, found, comparison)
+        self.app.call_from_thread(self._show_health, well)
+
+    def _show_health(self, well) -> None:
+        first = well.first_non_finite
+        self.query_one("#health-verdict", Static).update(Text(
+            "NaN/Inf: none in any checkpoint" if first is None else
+            f"NaN/Inf: first in {first['checkpoint']} (step {first['step']}): "
+            + ", ".join(t["key"] for t in first["tensors"][:8]), style="" if first is None else "bold red"))
+        self.query_one("#norms", Static).update(norm_lines(well))
+        table = self.query_one("#findings", DataTable)
+        for column in ("finding", "what", "where", "detail"):
+            table.add_column(column, key=column)
+        for row in findings(well):
+            table.add_row(*row)
 
     def _show(self, built: dict, found: dict, comparison: dict | None) -> None:
         from ckptfmt.analytics import episode_ranges
@@ -174,3 +197,48 @@ def timeline(saves) -> Table | Text:
         legend.stylize(style[phase], start, start + 1)
     grid.add_row("", legend, "")
     return grid
+
+
+_SPARKS = "▁▂▃▄▅▆▇█"
+
+
+def norm_lines(well) -> Table | Text:
+    """Each tensor group's norm over the checkpoints as a line of bars (log scale, per group), a red x
+    where it jumped off its trend, and its last value."""
+    if not well.group_norms:
+        return Text("No tensor statistics recorded (checkpoints older than format 1.4, or tensor_stats=False).")
+    names = [c["name"] for c in well.checkpoints]
+    jumped = {(j["group"], names.index(j["checkpoint"])) for j in well.jumps}
+    grid = Table.grid(padding=(0, 1))
+    grid.add_column(no_wrap=True)
+    grid.add_column(no_wrap=True)
+    grid.add_column(justify="right", no_wrap=True)
+    for group, norms in well.group_norms.items():
+        logs = [math.log10(v) for v in norms if v]
+        low, high = (min(logs), max(logs)) if logs else (0.0, 0.0)
+        line = Text()
+        for index, value in enumerate(norms[-HEATMAP_COLUMNS:], start=max(0, len(norms) - HEATMAP_COLUMNS)):
+            if (group, index) in jumped:
+                line.append("x", style="bold red")
+            elif not value:
+                line.append(" ")
+            else:
+                level = 0 if high == low else int((math.log10(value) - low) / (high - low) * (len(_SPARKS) - 1))
+                line.append(_SPARKS[level], style="green")
+        last = next((v for v in reversed(norms) if v is not None), None)
+        grid.add_row(group, line, "-" if last is None else f"{last:.4g}")
+    grid.add_row("", Text(f"{len(names)} checkpoints, norms on a log scale per group", style="dim"), "")
+    return grid
+
+
+def findings(well) -> list[tuple[str, str, str, str]]:
+    """The health findings as rows: (finding, what, where, detail)."""
+    rows = [("norm jump", j["group"], j["checkpoint"], f"x{j['factor']:.3g} to {j['norm']:.4g}") for j in well.jumps]
+    rows += [("metric spike", s["metric"], f"steps {s['first_step']}-{s['last_step']}",
+              ("NaN" if s["non_finite"] else f"peak {s['peak']:.4g}") + f", between {s['after']} and {s['before']}")
+             for s in well.metric_spikes]
+    rows += [("unchanged", u["key"], f"since {u['since']}", f"{u['checkpoints']} checkpoints, by {u['evidence']}")
+             for u in well.unchanged]
+    rows += [("mostly zeros", z["key"], z["checkpoint"], f"{z['share']:.1%} of {z['count']:,}")
+             for z in well.mostly_zeros]
+    return rows
