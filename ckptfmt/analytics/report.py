@@ -7,8 +7,8 @@ added, save phases per checkpoint, checkpoint size and new bytes over time,
 metrics over steps (both runs' with a second run), and with a second run, the
 tensors that differ per checkpoint and tensor group, each tensor group's norm
 over checkpoints, the tensors holding NaN or Inf per checkpoint and (``deep``)
-each group's relative update. Tables: the run's health, stragglers, slow saves,
-and the recorded differences between the runs. Text in the figures is
+each group's relative update. Tables: the run's health, stragglers and why they
+straggled, slow saves, and the recorded differences between the runs. Text in the figures is
 SVG text (selectable, found by the browser's search); artists a reader or a
 test looks for carry ids (``straggler-marks``, ``metric-<name>-A``,
 ``divergence-cells``, ``divergence-value-<row>-<column>``).
@@ -58,7 +58,7 @@ def report(repo: str | os.PathLike, *, html_path: str | os.PathLike | None = Non
     ``thresholds``), the comparison, the run's health (``deep``: with each tensor group's relative
     updates between checkpoints, which reads the tensors that changed)."""
     built = tables(repo, storage_options=storage_options)
-    found = stragglers(built, thresholds=thresholds)
+    found = stragglers(built, thresholds=thresholds, explain=True)
     well = health(repo, deep=deep, storage_options=storage_options, built=built)
     comparison = compare(repo, compare_with, storage_options=storage_options) if compare_with else None
     other_steps = tables(compare_with, storage_options=storage_options)["steps"] if compare_with else None
@@ -334,6 +334,11 @@ def _page(repo: str, built: dict, found: dict, well: HealthReport, comparison: d
                         [[s["rank"], s["host"], s["kind"], episode_ranges(s["episodes"]), s["phase"],
                           f"{s['delay_s']:.3f}", "-" if s["ratio"] is None else f"{s['ratio']:.1f}"]
                          for s in found["stragglers"]]))
+    if found["explanations"]:
+        parts.append("<h2>Why they straggled</h2>")
+        parts.append(_table("straggler-causes", ["rank", "host", "steps", "cause", "evidence", "what to do"],
+                            [[e["rank"], e["host"], f"{e['first_step']}-{e['last_step']}", c["cause"], c["evidence"],
+                              c["action"]] for e in found["explanations"] for c in e["causes"]]))
     if found["slow_saves"]:
         parts.append("<h2>Slow saves</h2>")
         parts.append(_table("slow-saves", ["rank", "host", "checkpoints", "phases", "delay (s)"],

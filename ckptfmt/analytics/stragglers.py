@@ -53,6 +53,7 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
+from ckptfmt.analytics.explain import explain as explain_episodes
 from ckptfmt.analytics.grids import StepGrid
 from ckptfmt.analytics.tables import tables
 
@@ -78,13 +79,14 @@ class Thresholds:
 
 
 def stragglers(source: str | os.PathLike | Mapping[str, pa.Table], *, thresholds: Thresholds = Thresholds(),
-               storage_options: dict | None = None) -> dict:
+               storage_options: dict | None = None, explain: bool = False) -> dict:
     """The straggler report of one run: ``source`` is a repository URL or its ``tables()``.
 
     Returns ``{"stragglers": [...], "hosts": [...], "slow_saves": [...], "steps": n, "ranks": n}``:
     per straggler its rank, host, steps, total ``delay_s``, ``ratio`` (its phase's time over the ranks'
     lower median at its worst step, None where that median is shorter than the least delay counted),
-    phase, ``kind`` (persistent or transient) and ``episodes``.
+    phase, ``kind`` (persistent or transient) and ``episodes``. ``explain``: also ``"explanations"``,
+    each episode's likely causes with their evidence and an action (analytics/explain.py).
     """
     built = source if isinstance(source, Mapping) else tables(source, storage_options=storage_options)
     steps = built["steps"]
@@ -94,6 +96,8 @@ def stragglers(source: str | os.PathLike | Mapping[str, pa.Table], *, thresholds
         report.update(steps=delays.steps.size, ranks=delays.ranks.size,
                       stragglers=_stragglers(delays, thresholds), hosts=_hosts(delays))
     report["slow_saves"] = _slow_saves(built["saves"], thresholds)
+    if explain:
+        report["explanations"] = explain_episodes(built, report)
     return report
 
 

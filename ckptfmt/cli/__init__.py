@@ -74,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("stragglers", help="ranks that delayed the others, and slow saves (needs ckptfmt[analytics])")
     p.add_argument("repo", help="repository URL of one run")
     _min_delay_option(p)
+    p.add_argument("--explain", action="store_true",
+                   help="say why each rank straggled (data loading, CPU contention, memory, GPU, storage) from "
+                        "its system samples and save phases, and what to do")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(run=commands.stragglers)
 

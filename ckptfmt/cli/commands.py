@@ -198,7 +198,7 @@ def analytics_export(args, console: Console) -> int:
 def stragglers(args, console: Console) -> int:
     analytics = _analytics()
     thresholds = _thresholds(args)
-    report = analytics.stragglers(args.repo, thresholds=thresholds)
+    report = analytics.stragglers(args.repo, thresholds=thresholds, explain=args.explain)
     if args.json:
         Output(console).json(report)
         return 0
@@ -229,6 +229,12 @@ def stragglers(args, console: Console) -> int:
              seconds(e["delay_s"]), _times(e["ratio"])) for e in report["slow_saves"]))
     if any(entry["ratio"] is None for entry in report["stragglers"] + report["slow_saves"]):
         out.line(f"x median {_times(None)}: the phase's median is too short to compare with")
+    if args.explain and report["explanations"]:
+        columns = [Column("rank", right=True), Column("steps", right=True), Column("cause", NAME),
+                   Column("evidence", TEXT), Column("what to do", TEXT)]
+        out.table("why they straggled", columns, (
+            (str(e["rank"]), _ranges(list(range(e["first_step"], e["last_step"] + 1))), c["cause"], c["evidence"],
+             c["action"]) for e in report["explanations"] for c in e["causes"]))
     return 0
 
 

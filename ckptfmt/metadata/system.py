@@ -150,10 +150,12 @@ def _host_load(row: dict[str, float]) -> None:
     row["load_1m"] = os.getloadavg()[0]
     affinity = getattr(os, "sched_getaffinity", None)
     row["cpu_count"] = float(len(affinity(0)) if affinity is not None else (os.cpu_count() or math.nan))
+    row["host_cpus"] = float(os.cpu_count() or math.nan)
 
 
 class _PsutilProbe:
-    """Resident memory, disk bytes of this process; busy CPUs, memory and network of its host."""
+    """Resident memory, involuntary context switches, disk bytes of this process; busy CPUs, memory and
+    network of its host."""
 
     def __init__(self, psutil: Any):
         self.psutil = psutil
@@ -164,6 +166,7 @@ class _PsutilProbe:
         psutil = self.psutil
         with self.process.oneshot():
             row["rss_bytes"] = float(self.process.memory_info().rss)
+            row["ctx_involuntary"] = float(self.process.num_ctx_switches().involuntary)
             io = getattr(self.process, "io_counters", None)
             if io is not None:
                 counters = io()

@@ -66,7 +66,7 @@ def test_the_page_holds_every_figure_and_table_and_needs_no_network(page):
     text = (out / "report.html").read_text()
     for figure in FIGURES:
         assert re.search(rf"<figure id='figure-{figure}'><svg\b", text), figure
-    assert "id='stragglers'" in text and "id='differences'" in text
+    assert "id='stragglers'" in text and "id='differences'" in text and "id='straggler-causes'" in text
     references = re.findall(r"""(?:src|href)\s*=\s*["']([^"']*)["']""", text)
     assert all(r.startswith("#") or r.startswith("data:") for r in references), references[:5]
     assert "<script" not in text and "@import" not in text

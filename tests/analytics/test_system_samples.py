@@ -18,9 +18,9 @@ from ckptfmt.errors import ManifestError
 from ckptfmt.metadata.system import SystemSampler, decode_samples, encode_samples
 
 #: What a CPU-only Linux machine with psutil gives.
-HOST_FIELDS = {"cpu_user_s", "cpu_system_s", "rss_bytes", "peak_rss_bytes", "load_1m", "cpu_count", "host_cpu_busy",
-               "host_mem_available_bytes", "host_mem_total_bytes", "disk_read_bytes", "disk_write_bytes",
-               "net_sent_bytes", "net_recv_bytes", "data_wait_s"}
+HOST_FIELDS = {"cpu_user_s", "cpu_system_s", "rss_bytes", "ctx_involuntary", "peak_rss_bytes", "load_1m",
+               "cpu_count", "host_cpus", "host_cpu_busy", "host_mem_available_bytes", "host_mem_total_bytes",
+               "disk_read_bytes", "disk_write_bytes", "net_sent_bytes", "net_recv_bytes", "data_wait_s"}
 
 
 def train(timer: ckptfmt.StepTimer, steps: range, data_s: float = 0.004, work_s: float = 0.004) -> float:
@@ -56,7 +56,7 @@ def test_a_timer_samples_in_the_background_and_the_save_stores_what_it_has_not_s
         assert first.count >= 3 and first.interval_s == 0.02
         assert set(first.fields) == HOST_FIELDS  # no CUDA here: no cuda_* or gpu_* field, not even zeros
         assert (np.diff(first.time_ns) > 0).all() and first.time_ns[0] >= began
-        for counter in ("cpu_user_s", "data_wait_s", "peak_rss_bytes"):
+        for counter in ("cpu_user_s", "data_wait_s", "peak_rss_bytes", "ctx_involuntary"):
             assert (np.diff(first.fields[counter]) >= 0).all(), counter  # cumulative
         assert first.fields["data_wait_s"][-1] <= waited + 1e-6  # the data phases' time, never more
         assert 0 <= np.nanmin(first.fields["host_cpu_busy"]) and np.nanmax(first.fields["host_cpu_busy"]) <= 1
@@ -105,7 +105,7 @@ def test_without_psutil_the_fields_it_gives_are_absent(monkeypatch):
     sampler = SystemSampler(None)
     sampler.sample()
     fields = decode_samples(sampler.snapshot(), "test").fields
-    assert set(fields) == {"cpu_user_s", "cpu_system_s", "peak_rss_bytes", "load_1m", "cpu_count"}
+    assert set(fields) == {"cpu_user_s", "cpu_system_s", "peak_rss_bytes", "load_1m", "cpu_count", "host_cpus"}
 
 
 def test_a_field_missing_from_one_sample_is_nan_there_and_a_probe_that_fails_gives_nothing():
