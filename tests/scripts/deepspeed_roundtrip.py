@@ -23,6 +23,7 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
+from tests.support.deepspeed_start import init_distributed
 from tests.support.deepspeed_teardown import destroy_process_groups, release_engine
 from tests.support.exit_check import report_gloo_threads_at_exit
 
@@ -107,7 +108,7 @@ def snapshot(engine, stage: int, client_state) -> dict:
 
 def main() -> None:
     mode, out, specs = sys.argv[1], sys.argv[2], sys.argv[3:]
-    deepspeed.init_distributed(dist_backend="gloo")
+    init_distributed()
     for spec in specs:
         name, stage, dtype = spec.split(":")
         stage = int(stage)

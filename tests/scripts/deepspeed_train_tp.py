@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
+from tests.support.deepspeed_start import init_distributed
 from tests.support.deepspeed_teardown import destroy_process_groups, release_engine
 from tests.support.exit_check import report_gloo_threads_at_exit
 
@@ -145,7 +146,7 @@ def run(out: str, mpu: Mpu, stage: int, dtype: str) -> None:
 
 def main() -> None:
     out, rest = sys.argv[1], sys.argv[2:]
-    deepspeed.init_distributed(dist_backend="gloo")
+    init_distributed()
     mpu = Mpu()
     for stage, dtype in zip(rest[::2], rest[1::2]):
         run(out, mpu, int(stage), dtype)
