@@ -33,6 +33,7 @@ from ckptfmt.format.per_rank import PerRank, PerRankValues
 from ckptfmt.format.sharded import Shard, Sharded
 from ckptfmt.format.values import OpaqueObject
 from ckptfmt.lifecycle.manager import CheckpointManager, Tier
+from ckptfmt.lifecycle.repair import RepairReport, repair
 from ckptfmt.lifecycle.replicate import ReplicationReport, replicate
 from ckptfmt.lifecycle.retention import Retention
 from ckptfmt.loading.reader import CheckpointReader, load, open, restore_rng
@@ -78,6 +79,7 @@ __all__ = [
     "OpaqueObject",
     "PerRank",
     "PerRankValues",
+    "RepairReport",
     "ReplicationReport",
     "Repository",
     "Retention",
@@ -90,6 +92,7 @@ __all__ = [
     "VerifyReport",
     "load",
     "open",
+    "repair",
     "replicate",
     "restore_rng",
     "save",

@@ -1,4 +1,5 @@
-"""``ckptfmt rm REPO/NAME...`` and ``ckptfmt gc REPO``: delete checkpoints, reclaim their space."""
+"""``ckptfmt rm REPO/NAME...`` and ``ckptfmt gc REPO``: delete checkpoints, reclaim their space;
+``ckptfmt repair REPO --from OTHER``: replace damaged objects with verified copies."""
 
 from __future__ import annotations
 
@@ -8,12 +9,14 @@ from datetime import timedelta
 from rich.console import Console
 
 from ckptfmt.cli.advise import parse_duration
+from ckptfmt.cli.render import ByteProgress
 from ckptfmt.errors import CheckpointError
 from ckptfmt.lifecycle.gc import GcReport, collect, remove
+from ckptfmt.lifecycle.repair import RepairReport, repair
 from ckptfmt.lifecycle.retention import Retention, metrics_reader
 from ckptfmt.repository.repository import Repository, split_checkpoint_url
-from ckptfmt.tools.formatting import human_bytes
-from ckptfmt.tools.output import Output
+from ckptfmt.tools.formatting import counted, human_bytes
+from ckptfmt.tools.output import KEY, NAME, TEXT, Column, Output
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -35,6 +38,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="how long to wait for running saves before giving up the sweep (default 60s)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(run=gc_command)
+
+    p = subparsers.add_parser("repair", help="replace missing or damaged chunks, manifests and commit records "
+                                             "with verified copies from other repositories")
+    p.add_argument("repo", help="repository URL")
+    p.add_argument("--from", dest="sources", action="append", default=[], metavar="OTHER",
+                   help="a repository holding copies (another tier, a replica); repeatable, tried in order")
+    p.add_argument("--dry-run", action="store_true", help="report what would be repaired, write nothing")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(run=repair_command)
 
 
 def rm_command(args, console: Console) -> int:
@@ -88,3 +100,44 @@ def _summary(repo: Repository, doomed: list[str], report: GcReport) -> str:
              f"and {report.other} other file(s) (manifests and leftovers of removed or failed saves)")
     return (f"{repo.url}: {removed}; {freed}; {report.kept_chunks} chunk(s), {human_bytes(report.kept_bytes)} "
             f"kept for the remaining checkpoints")
+
+
+def repair_command(args, console: Console) -> int:
+    with ByteProgress("checking", quiet=args.json) as progress:
+        report = repair(args.repo, args.sources, dry_run=args.dry_run, callback=progress)
+    if args.json:
+        Output(console).json({
+            "ok": report.ok, "dry_run": report.dry_run, "url": report.url, "sources": report.sources,
+            "checkpoints": report.checkpoints, "seconds": report.seconds,
+            "repaired": [dict(f.__dict__, checkpoints=list(f.checkpoints)) for f in report.fixed],
+            "unrepaired": [dict(u.__dict__, tensors=list(u.tensors)) for u in report.unrepaired],
+            "verified": None if report.verified is None else report.verified.ok,
+        })
+        return 0 if report.ok else 1
+    out = Output(console)
+    out.line(_repair_summary(report))
+    if report.fixed:
+        out.table("would repair" if report.dry_run else "repaired",
+                  [Column("object", KEY), Column("kind"), Column("from", NAME), Column("damage", TEXT)],
+                  ((f.key, f.kind, f.source, f.damage) for f in report.fixed))
+    if report.unrepaired:
+        out.table("not repaired: no good copy",
+                  [Column("checkpoint", KEY), Column("object", NAME), Column("tensors", NAME),
+                   Column("damage and sources", TEXT)],
+                  ((u.checkpoint, u.key or "manifest, commit record", "\n".join(u.tensors) or "-",
+                    f"{u.damage}; tried: {u.tried}") for u in report.unrepaired))
+    if report.verified is not None and not report.verified.ok and not report.unrepaired:
+        out.line(f"still damaged after the repair: {report.verified.problems[0].message}")
+    return 0 if report.ok else 1
+
+
+def _repair_summary(report: RepairReport) -> str:
+    checked = f"{report.url}: {counted(len(report.checkpoints), 'checkpoint')} checked in {report.seconds:.2f} s"
+    if not report.fixed and not report.unrepaired:
+        return f"{checked}: nothing damaged"
+    done = (f"{'would repair' if report.dry_run else 'repaired'} {counted(len(report.fixed), 'object')}"
+            if report.fixed else "nothing repaired")
+    left = f", {counted(len(report.unrepaired), 'problem')} left: no good copy" if report.unrepaired else ""
+    verified = "" if report.verified is None else (
+        "; the repository verifies" if report.verified.ok else "; the repository still does not verify")
+    return f"{checked}: {done}{left}{verified}"

@@ -21,6 +21,7 @@ docs/design/replication-child.md).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import sys
@@ -42,6 +43,7 @@ from ckptfmt.lifecycle.housekeeping_process import SUPPORTED as PROCESS_SUPPORTE
 from ckptfmt.lifecycle.housekeeping_process import HousekeepingProcess
 from ckptfmt.lifecycle.retention import METRICS_KEY, Retention
 from ckptfmt.loading.reader import load, restore_rng
+from ckptfmt.repository.repository import Repository
 from ckptfmt.saving.asynchronous import AsyncSaver
 from ckptfmt.saving.options import SaveOptions
 from ckptfmt.saving.save import save_with
@@ -241,7 +243,10 @@ class CheckpointManager:
         Returns the state (``into``, filled in place, when given; see
         ``ckptfmt.load``), or None when no tier holds any checkpoint yet and no
         ``step`` was asked for: a fresh start. A copy that is missing or
-        damaged on one tier is read from the next. ``rng=True`` also restores
+        damaged on one tier is read from the next; a chunk missing or damaged on
+        the tier read from is read from another tier that has it, the rest still
+        from the fast one, and the damaged copy is repaired before ``restore``
+        returns, with a warning (``ckptfmt.load(heal_from=...)``). ``rng=True`` also restores
         this rank's RNG states from that copy (``ckptfmt.restore_rng``).
         ``start_step`` then says where the loop resumes.
         """
@@ -258,7 +263,8 @@ class CheckpointManager:
                 continue
             url = f"{tier.url}/{record.name}"
             try:
-                state = load(url, into=into, storage_options=tier.storage_options, **load_options)
+                state = load(url, into=into, storage_options=tier.storage_options,
+                             heal_from=_other_repositories(self.tiers, tier), **load_options)
                 if rng:
                     restore_rng(url, storage_options=tier.storage_options)
             except CheckpointError as exc:
@@ -331,6 +337,16 @@ def _housekeeper(tiers: list[Tier], gc_wait_s: float, where: str) -> Housekeeper
     if where == "process" or (where == "auto" and PROCESS_SUPPORTED and len(tiers) > 1 and not in_memory):
         return HousekeepingProcess(tiers, gc_wait_s)
     return Housekeeper(tiers, gc_wait_s)
+
+
+def _other_repositories(tiers: list[Tier], reading: Tier) -> list[Repository]:
+    """The tiers other than ``reading`` that exist yet, opened, fastest first: where damaged chunks are read."""
+    others = []
+    for tier in tiers:
+        if tier is not reading:
+            with contextlib.suppress(CheckpointError):
+                others.append(Repository.open(tier.url, tier.storage_options))
+    return others
 
 
 def _tier(tier: str | os.PathLike | Tier, default: Retention, storage_options: dict | None) -> Tier:

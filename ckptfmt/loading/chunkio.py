@@ -1,4 +1,5 @@
-"""Reading chunks back: every byte checked against its BLAKE3 name before use."""
+"""Reading chunks back: every byte checked against its BLAKE3 name before use; with a healer, a chunk
+missing or damaged here is read from another repository (``healing.py``)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from ckptfmt.errors import CheckpointNotFoundError, CorruptDataError
 from ckptfmt.format import codecs, layout
 from ckptfmt.format.hashing import check_chunk
 from ckptfmt.format.manifest import Chunk
+from ckptfmt.loading.healing import ChunkHealer
 from ckptfmt.storage.base import Storage
 
 _CACHE_BYTES = 64 * 2**20
@@ -19,9 +21,12 @@ _CACHE_BYTES = 64 * 2**20
 class ChunkReader:
     """Verified chunk reads, with a small shared cache for chunks several tensors use (packs)."""
 
-    def __init__(self, storage: Storage, chunks: list[Chunk]):
+    def __init__(self, storage: Storage, chunks: list[Chunk], healer: ChunkHealer | None = None):
         self.storage = storage
         self.chunks = chunks
+        self.healer = healer
+        #: Chunks found damaged here, with what was wrong: read from elsewhere by the healer from then on.
+        self._damaged: dict[int, CheckpointNotFoundError | CorruptDataError] = {}
         self._cache: OrderedDict[int, bytes] = OrderedDict()
         self._cached_bytes = 0
         self._maps: OrderedDict[int, mmap.mmap | None] = OrderedDict()
@@ -55,8 +60,14 @@ class ChunkReader:
         """Read an uncompressed chunk straight into ``target`` (its exact size), then verify it."""
         chunk = self.chunks[index]
         key = layout.chunk_key(chunk.hash, chunk.codec)
-        self._read_checked(key, lambda: self.storage.read_into(key, target))
-        check_chunk(target, chunk.hash, self.storage.describe(key), parallel=parallel)
+        if index in self._damaged:
+            target[:] = self._heal(index, None)
+            return
+        try:
+            self._read_checked(key, lambda: self.storage.read_into(key, target))
+            check_chunk(target, chunk.hash, self.storage.describe(key), parallel=parallel)
+        except (CheckpointNotFoundError, CorruptDataError) as exc:
+            target[:] = self._heal(index, exc)
 
     def read(self, index: int, *, parallel: bool = False) -> bytes | memoryview:
         """The decoded, verified bytes of chunk ``index`` (cached while small chunks are reused)."""
@@ -108,12 +119,28 @@ class ChunkReader:
         if chunk.codec != codecs.NONE:
             return None
         key = layout.chunk_key(chunk.hash, chunk.codec)
-        mapping = self._read_checked(key, lambda: self.storage.map(key, chunk.size))
-        if mapping is not None:
-            check_chunk(mapping, chunk.hash, self.storage.describe(key), parallel=parallel)
+        if index in self._damaged:
+            return None
+        try:
+            mapping = self._read_checked(key, lambda: self.storage.map(key, chunk.size))
+            if mapping is not None:
+                check_chunk(mapping, chunk.hash, self.storage.describe(key), parallel=parallel)
+        except (CheckpointNotFoundError, CorruptDataError) as exc:
+            if self.healer is None:
+                raise
+            self._damaged[index] = exc  # read into memory instead, from elsewhere (read, read_into)
+            return None
         return mapping
 
     def _fetch(self, index: int, parallel: bool) -> bytes | memoryview:
+        if index in self._damaged:
+            return self._heal(index, None)
+        try:
+            return self._fetch_here(index, parallel)
+        except (CheckpointNotFoundError, CorruptDataError) as exc:
+            return self._heal(index, exc)
+
+    def _fetch_here(self, index: int, parallel: bool) -> bytes | memoryview:
         chunk = self.chunks[index]
         key = layout.chunk_key(chunk.hash, codecs.check_codec(chunk.codec))
         where = self.storage.describe(key)
@@ -123,6 +150,14 @@ class ChunkReader:
         data = codecs.decode(chunk.codec, stored, chunk.size, where)
         check_chunk(data, chunk.hash, where, parallel=parallel)
         return data
+
+    def _heal(self, index: int, damage: CheckpointNotFoundError | CorruptDataError | None) -> bytes | memoryview:
+        """Chunk ``index`` from the healer, this copy found damaged (``damage``; None: found so before)."""
+        damage = damage or self._damaged[index]
+        if self.healer is None:
+            raise damage
+        self._damaged[index] = damage
+        return self.healer.replacement(self.storage, self.chunks[index], damage)
 
     def _read_checked(self, key: str, read):
         try:

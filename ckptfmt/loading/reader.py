@@ -17,6 +17,7 @@ from ckptfmt.format.manifest import Manifest, Piece, TensorEntry
 from ckptfmt.format.tensors import byte_view, empty, finish
 from ckptfmt.format.values import decode_tree
 from ckptfmt.loading.chunkio import ChunkReader
+from ckptfmt.loading.healing import ChunkHealer, HealFrom
 from ckptfmt.loading.load_into import load_into
 from ckptfmt.metadata.rng import apply_rng
 from ckptfmt.metadata.topology import current_rank
@@ -33,26 +34,27 @@ class CheckpointReader:
     """
 
     def __init__(self, url: str | os.PathLike, *, storage_options: dict | None = None,
-                 map_location: str | torch.device | None = "cpu", mmap: bool = True):
+                 map_location: str | torch.device | None = "cpu", mmap: bool = True,
+                 heal_from: HealFrom = None):
         repository, name = resolve(url, storage_options)
-        self._setup(repository, name, map_location, mmap)
+        self._setup(repository, name, map_location, mmap, heal_from)
 
     @classmethod
-    def from_parts(cls, repository: Repository, name: str,
-                   map_location: str | torch.device | None = "cpu", mmap: bool = True) -> CheckpointReader:
+    def from_parts(cls, repository: Repository, name: str, map_location: str | torch.device | None = "cpu",
+                   mmap: bool = True, heal_from: HealFrom = None) -> CheckpointReader:
         """Open checkpoint ``name`` of an already opened repository."""
         reader = cls.__new__(cls)
-        reader._setup(repository, name, map_location, mmap)
+        reader._setup(repository, name, map_location, mmap, heal_from)
         return reader
 
-    def _setup(self, repository: Repository, name: str, map_location, mmap: bool) -> None:
+    def _setup(self, repository: Repository, name: str, map_location, mmap: bool, heal_from: HealFrom) -> None:
         self.repository, self.name = repository, name
         self.mmap = mmap
         self.commit = repository.commit(name)
         self.manifest: Manifest = repository.manifest(name, self.commit)
         self.map_location = torch.device(map_location if map_location is not None else "cpu")
         self._index = {t.key: i for i, t in enumerate(self.manifest.tensors)}
-        self._chunks = ChunkReader(repository.storage, self.manifest.chunks)
+        self._chunks = ChunkReader(repository.storage, self.manifest.chunks, ChunkHealer.of(heal_from))
 
     # -- context manager -----------------------------------------------------
     def __enter__(self) -> CheckpointReader:
@@ -62,8 +64,11 @@ class CheckpointReader:
         self.close()
 
     def close(self) -> None:
-        """Drop cached chunks and memory maps (tensors already returned stay valid)."""
+        """Drop cached chunks and memory maps (tensors already returned stay valid); wait for the repairs
+        of chunks read from ``heal_from``."""
         self._chunks.clear()
+        if self._chunks.healer is not None:
+            self._chunks.healer.finish()
 
     # -- what is inside --------------------------------------------------------
     @property
@@ -324,13 +329,17 @@ def _uses_by_chunk(entry: TensorEntry) -> dict[int, list[tuple[int, int, Piece]]
 
 
 def open(url: str | os.PathLike, *, storage_options: dict | None = None,
-         map_location: str | torch.device | None = "cpu", mmap: bool = True) -> CheckpointReader:
-    """Open a checkpoint (or a repository's latest) for lazy reads. See ``load`` for ``mmap``."""
-    return CheckpointReader(url, storage_options=storage_options, map_location=map_location, mmap=mmap)
+         map_location: str | torch.device | None = "cpu", mmap: bool = True,
+         heal_from: HealFrom = None) -> CheckpointReader:
+    """Open a checkpoint (or a repository's latest) for lazy reads. See ``load`` for ``mmap`` and
+    ``heal_from``."""
+    return CheckpointReader(url, storage_options=storage_options, map_location=map_location, mmap=mmap,
+                            heal_from=heal_from)
 
 
 def load(url: str | os.PathLike, *, map_location: str | torch.device | None = "cpu",
-         storage_options: dict | None = None, mmap: bool = True, into: Any = None, strict: bool = True) -> Any:
+         storage_options: dict | None = None, mmap: bool = True, into: Any = None, strict: bool = True,
+         heal_from: HealFrom = None) -> Any:
     """Load a checkpoint's whole state, type-exact, with every chunk verified against its hash.
 
     On local disks, tensors that lie whole in one uncompressed chunk are, by
@@ -344,8 +353,15 @@ def load(url: str | os.PathLike, *, map_location: str | torch.device | None = "c
     plain values and this rank's ``PerRank`` values are replaced. Missing or
     unexpected entries and shape or dtype mismatches raise a CheckpointError
     listing them before anything changes; ``strict=False`` loads what matches.
+
+    ``heal_from``: other repositories holding copies (slower tiers, replicas: URLs or
+    ``Repository`` objects). A chunk missing or damaged here is read from the first
+    that has a good copy, with a warning, and this copy is repaired in the background
+    (done when ``load`` returns); with no good copy anywhere, the error names the
+    tensor, the chunk and every place looked at.
     """
-    with open(url, storage_options=storage_options, map_location=map_location, mmap=mmap) as reader:
+    with open(url, storage_options=storage_options, map_location=map_location, mmap=mmap,
+              heal_from=heal_from) as reader:
         if into is not None:
             return load_into(reader, into, strict=strict, rank=current_rank()[0])
         return reader.load_state()

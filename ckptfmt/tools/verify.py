@@ -38,6 +38,8 @@ class Problem:
     message: str
     chunk: str | None = None
     tensors: tuple[str, ...] = ()
+    #: The damaged chunk's key in the repository (a chunk of one hash may be stored under several codecs).
+    key: str | None = None
 
 
 @dataclass
@@ -118,7 +120,7 @@ def verify(url: str | os.PathLike, *, storage_options: dict | None = None,
             report.warnings.append(f"{name}: the copies of replicated tensors differed between ranks when it was "
                                    f"saved (the majority's was stored): {'; '.join(divergent)}")
     check = StatsCheck(manifests) if stats else None
-    _check_chunks(repo, manifests, report, callback, workers, cancel, check)
+    check_chunks(repo, manifests, report, callback, workers, cancel, check)
     if check is not None and not report.cancelled:
         for wrong in check.finish(repo):
             report.problems.append(Problem("wrong-stats", wrong.checkpoint, wrong.message, tensors=(wrong.tensor,)))
@@ -137,9 +139,12 @@ _MEMORY_BUDGET = 2**30
 _REUSED_BUFFER = 64 * 2**20
 
 
-def _check_chunks(repo: Repository, manifests: dict[str, Manifest], report: VerifyReport,
-                  callback: Callback, workers: int, cancel: threading.Event | None,
-                  stats: StatsCheck | None) -> None:
+def check_chunks(repo: Repository, manifests: dict[str, Manifest], report: VerifyReport,
+                 callback: Callback | None = None, workers: int = 16, cancel: threading.Event | None = None,
+                 stats: StatsCheck | None = None) -> None:
+    """Read and hash every distinct chunk the ``manifests`` use, once; add what is missing or corrupt
+    to ``report.problems`` (one problem per checkpoint that uses the chunk)."""
+    callback = callback or NoOpCallback()
     # Each distinct chunk once, remembering who uses it, to name the damage.
     users: dict[tuple[str, str], list[tuple[str, str]]] = {}
     jobs: dict[tuple[str, str], tuple[Manifest, int]] = {}
@@ -199,7 +204,8 @@ def _check_chunks(repo: Repository, manifests: dict[str, Manifest], report: Veri
             if problem:
                 for checkpoint in sorted({n for n, _ in users.get(ident, [])}) or [manifest.name]:
                     keys = tuple(sorted({k for n, k in users.get(ident, []) if n == checkpoint}))
-                    report.problems.append(Problem(problem[0], checkpoint, problem[1], chunk.hash, keys))
+                    report.problems.append(Problem(problem[0], checkpoint, problem[1], chunk.hash, keys,
+                                                   layout.chunk_key(chunk.hash, chunk.codec)))
         callback.relative_update(chunk.size)
 
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckptfmt-verify",

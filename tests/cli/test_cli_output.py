@@ -325,6 +325,31 @@ def test_sync(repo, run, mode, tmp_path):
     assert json_of(run("sync", repo, tmp_path / "replica", "--json"))["present"] == NAMES
 
 
+@pytest.mark.parametrize("dry_run", [True, False])
+def test_repair(damaged, repo, run, mode, tmp_path, dry_run):
+    target = tmp_path / "target"
+    shutil.copytree(damaged, target)
+    result = run("repair", target, "--from", repo, *["--dry-run"] * dry_run)
+    assert result.code == 0, result.err
+    check_layout(mode, result.out)
+    fixed = json_of(run("repair", target, "--from", repo, "--dry-run", "--json"))["repaired"]
+    assert len(fixed) == (2 if dry_run else 0)
+    if dry_run:
+        assert "would repair 2 objects" in words(result.out)
+        assert unfolded(mode, result.out, [f["key"] for f in fixed]) == []
+        if mode == "pipe":
+            assert records(result.out, [(f["key"], f["kind"], f["source"]) for f in fixed]) == []
+
+
+def test_repair_without_a_good_copy(damaged, run, mode):
+    result = run("repair", damaged)
+    assert result.code == 1, result.err
+    check_layout(mode, result.out)
+    left = json_of(run("repair", damaged, "--json"))["unrepaired"]
+    assert len(left) == 2 and all(u["tensors"] for u in left)
+    assert unfolded(mode, result.out, [u["checkpoint"] for u in left] + [t for u in left for t in u["tensors"]]) == []
+
+
 # -- the analytics commands ----------------------------------------------------------------------------------
 
 

@@ -181,6 +181,7 @@ def test_the_cli_finds_the_commands_of_the_converters_and_the_tui():
         "health",
         "rm",
         "gc",
+        "repair",
         "sync",
         "advise",
         "export",

@@ -13,9 +13,10 @@ DOCUMENTED_ATTRIBUTES = {"ckptfmt.Repository.open"}
 TOP_LEVEL = [
     "CheckpointError", "CheckpointExistsError", "CheckpointManager", "CheckpointNotFoundError", "CheckpointReader",
     "CheckpointWarning", "CollectiveError", "CorruptDataError", "FORMAT_VERSION", "InvalidNameError",
-    "ManifestError", "OpaqueObject", "PerRank", "PerRankValues", "ReplicationReport", "Repository", "Retention",
-    "Shard", "Sharded", "StepTimer", "StorageError", "Tier", "UnsupportedValueError", "UnsupportedVersionError",
-    "VerifyReport", "async_save", "load", "open", "replicate", "restore_rng", "save", "verify",
+    "ManifestError", "OpaqueObject", "PerRank", "PerRankValues", "RepairReport", "ReplicationReport", "Repository",
+    "Retention", "Shard", "Sharded", "StepTimer", "StorageError", "Tier", "UnsupportedValueError",
+    "UnsupportedVersionError", "VerifyReport", "async_save", "load", "open", "repair", "replicate", "restore_rng",
+    "save", "verify",
 ]
 #: The ``__all__`` of the public subpackages: the DCP storage layer, analytics, converters and the TUI.
 SUBPACKAGES = {

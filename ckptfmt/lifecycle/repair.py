@@ -1,0 +1,258 @@
+"""repair(): replace a repository's damaged or missing chunks, manifests and commit records with verified
+copies from other repositories (its other tiers, replicas, a backup): self-healing (spec 11.8).
+
+Chunks are named by the hash of their decoded bytes, and a replicated checkpoint is the same manifest
+bytes on every tier, so any repository holding an object of the same name holds exactly what was lost:
+a replacement is checked against its name before it is written, never trusted because of where it came
+from. A chunk may come from a copy stored under another codec (decoded, checked, encoded again), the
+damaged repository's own other copies included (``repository/chunk_copies.py``).
+
+Repairs follow the commit protocol's order (a manifest before its commit record) and each object is
+replaced atomically (``Storage.write``), under a save lease so that no collector sweeps meanwhile: a
+repair killed at any point leaves every object either as it was or repaired, never worse.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from fsspec.callbacks import Callback
+
+from ckptfmt.errors import CheckpointError, StorageError
+from ckptfmt.format import layout
+from ckptfmt.format.commit_record import CommitRecord
+from ckptfmt.format.hashing import check_chunk
+from ckptfmt.format.limits import is_valid_name
+from ckptfmt.format.manifest import Manifest
+from ckptfmt.repository.chunk_copies import find_copy
+from ckptfmt.repository.leases import save_lease
+from ckptfmt.repository.repository import Repository
+from ckptfmt.tools.verify import Problem, VerifyReport, check_chunks, verify
+
+
+@dataclass(frozen=True)
+class Fix:
+    """One object replaced (or, in a dry run, that would be)."""
+
+    kind: str  # "chunk", "manifest", "commit-record"
+    key: str  # its key in the repaired repository
+    source: str  # where the verified replacement was read
+    damage: str  # what was wrong with it
+    checkpoints: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Unrepaired:
+    """Damage no source had a good copy for."""
+
+    kind: str  # "chunk" or "checkpoint" (its commit record or manifest)
+    checkpoint: str
+    damage: str
+    tried: str  # what each source had instead
+    key: str | None = None
+    tensors: tuple[str, ...] = ()
+
+
+@dataclass
+class RepairReport:
+    """What a ``repair`` call found and did."""
+
+    url: str
+    sources: list[str]
+    dry_run: bool
+    checkpoints: list[str] = field(default_factory=list)
+    fixed: list[Fix] = field(default_factory=list)
+    unrepaired: list[Unrepaired] = field(default_factory=list)
+    #: The repository verified after the repair (None: a dry run, or nothing could be read).
+    verified: VerifyReport | None = None
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        """Nothing is left damaged: nothing was, or everything was repaired and then verified."""
+        return not self.unrepaired and (self.dry_run or self.verified is None or self.verified.ok)
+
+
+def repair(url: str | os.PathLike, sources: Sequence[str | os.PathLike] = (), *, storage_options: dict | None = None,
+           source_options: list[dict | None] | None = None, dry_run: bool = False, workers: int = 8,
+           callback: Callback | None = None) -> RepairReport:
+    """Repair every committed checkpoint of repository ``url`` from ``sources`` (repository URLs).
+
+    Finds each missing, truncated or corrupt chunk, manifest and commit record (a
+    commit record is looked for where a checkpoint's folder still holds the manifest
+    a source commits under that name), copies a verified replacement, then verifies
+    the repository. ``dry_run`` reports what would be copied and writes nothing.
+    ``source_options``: storage options per source, in order. ``callback`` (fsspec)
+    counts the bytes checked.
+    """
+    started = time.perf_counter()
+    repo = Repository.open(url, storage_options)
+    repo.check_marker()
+    options = list(source_options or [None] * len(sources))
+    if len(options) != len(sources):
+        raise ValueError("give one storage_options entry per source")
+    others = [Repository.open(source, opts) for source, opts in zip(sources, options)]
+    report = RepairReport(url=repo.url, sources=[o.url for o in others], dry_run=dry_run)
+    listing = repo.listing()
+    report.checkpoints = listing.checkpoints + _lost_commits(repo, others, listing.ignored)
+    with save_lease(repo) if not dry_run else contextlib.nullcontext():
+        manifests = _repair_checkpoints(repo, others, report)
+        damage = VerifyReport(url=repo.url, checkpoints=list(manifests))
+        check_chunks(repo, manifests, damage, callback, workers=workers)
+        _repair_chunks(repo, others, manifests, damage.problems, report, workers)
+    if not dry_run and (report.fixed or report.unrepaired):
+        report.verified = verify(url, storage_options=storage_options, workers=workers)
+    elif not dry_run:
+        report.verified = damage
+    report.seconds = time.perf_counter() - started
+    return report
+
+
+def _lost_commits(repo: Repository, others: list[Repository], ignored: list[str]) -> list[str]:
+    """Names whose commit record is gone although their folder holds the manifest a source commits under
+    that name: committed checkpoints that lost their record, not unfinished saves."""
+    lost = []
+    for name in ignored:
+        if not is_valid_name(name):
+            continue
+        for other in others:
+            record = _record_or_none(other, name)
+            if record and repo.storage.exists(layout.manifest_key(name, record.manifest_hash)):
+                lost.append(name)
+                break
+    return lost
+
+
+def _record_or_none(repo: Repository, name: str) -> CommitRecord | None:
+    try:
+        return repo.commit(name)
+    except StorageError:
+        raise
+    except CheckpointError:
+        return None
+
+
+def _repair_checkpoints(repo: Repository, others: list[Repository], report: RepairReport) -> dict[str, Manifest]:
+    """Each checkpoint's manifest, its commit record and manifest replaced from a source where they are
+    damaged; a checkpoint with no good copy anywhere is reported and left out."""
+    manifests = {}
+    for name in report.checkpoints:
+        try:
+            manifests[name] = repo.manifest(name)
+            continue
+        except StorageError:
+            raise
+        except CheckpointError as exc:
+            damage = str(exc)
+        ours = _record_or_none(repo, name)
+        # Which checkpoint this was: its commit record's manifest hash or, the record lost, the hashes in its
+        # manifests' names; a source's checkpoint of that name with another manifest is another checkpoint.
+        wanted = {ours.manifest_hash} if ours is not None else _manifest_hashes(repo, name)
+        tried: list[str] = []
+        for other in others:
+            found = _good_checkpoint(other, name, wanted, tried)
+            if found is None:
+                continue
+            record, manifest, manifest_bytes = found
+            manifest_key = layout.manifest_key(name, record.manifest_hash)
+            if not _intact(repo, manifest_key, record):
+                report.fixed.append(Fix("manifest", manifest_key, other.storage.describe(manifest_key), damage,
+                                        (name,)))
+                if not report.dry_run:
+                    repo.storage.write(manifest_key, manifest_bytes)
+                    repo.storage.sync([manifest_key])
+            if ours is None:
+                commit_key = layout.commit_key(name)
+                report.fixed.append(Fix("commit-record", commit_key, other.storage.describe(commit_key), damage,
+                                        (name,)))
+                if not report.dry_run:
+                    repo.storage.write(commit_key, record.to_bytes())
+                    repo.storage.sync([commit_key])
+            manifests[name] = manifest
+            break
+        else:
+            report.unrepaired.append(Unrepaired("checkpoint", name, damage, _tried_text(tried)))
+    return manifests
+
+
+def _manifest_hashes(repo: Repository, name: str) -> set[str]:
+    """The manifest hashes that the manifest files in checkpoint ``name``'s folder are named by."""
+    prefix, suffix = "manifest-", ".msgpack"
+    return {entry[len(prefix):-len(suffix)] for entry in repo.storage.list(name)
+            if entry.startswith(prefix) and entry.endswith(suffix)}
+
+
+def _good_checkpoint(other: Repository, name: str, wanted: set[str],
+                     tried: list[str]) -> tuple[CommitRecord, Manifest, bytes] | None:
+    """``other``'s copy of checkpoint ``name``, verified, if it is the checkpoint whose manifest hash is
+    one of ``wanted``."""
+    where = other.storage.describe(name)
+    try:
+        record = other.commit(name)
+        if record.manifest_hash not in wanted:
+            tried.append(f"{where}: another checkpoint of that name (manifest {record.manifest_hash[:16]}...)"
+                         if wanted else f"{where}: cannot tell whether it is the same checkpoint (no manifest "
+                         "or commit record is left here to compare)")
+            return None
+        manifest = other.manifest(name, record)
+        key = layout.manifest_key(name, record.manifest_hash)
+        data = other.storage.read(key, max_size=record.manifest_size)
+        check_chunk(data, record.manifest_hash, other.storage.describe(key))  # the bytes just parsed, exactly
+    except StorageError:
+        raise
+    except CheckpointError as exc:
+        tried.append(str(exc))
+        return None
+    return record, manifest, data
+
+
+def _intact(repo: Repository, key: str, record: CommitRecord) -> bool:
+    try:
+        data = repo.storage.read(key, max_size=record.manifest_size)
+        check_chunk(data, record.manifest_hash, key)
+    except StorageError:
+        raise
+    except CheckpointError:
+        return False
+    return len(data) == record.manifest_size
+
+
+def _repair_chunks(repo: Repository, others: list[Repository], manifests: dict[str, Manifest],
+                   problems: list[Problem], report: RepairReport, workers: int) -> None:
+    """Replace each damaged chunk with a verified copy from a source, re-encoded where it is stored
+    under another codec."""
+    rows = {layout.chunk_key(c.hash, c.codec): c for m in manifests.values() for c in m.chunks}
+    damaged: dict[str, list[Problem]] = {}
+    for problem in problems:
+        if problem.key is not None:
+            damaged.setdefault(problem.key, []).append(problem)
+
+    def fix(key: str) -> None:
+        chunk, found = rows[key], damaged[key]
+        tried: list[str] = []
+        # The sources first, then this repository's own copies under other codecs.
+        replacement = find_copy([o.storage for o in others] + [repo.storage], chunk, tried,
+                                skip=(repo.storage, chunk.codec))
+        checkpoints = tuple(sorted({p.checkpoint for p in found}))
+        if replacement is None:
+            for problem in found:
+                report.unrepaired.append(Unrepaired("chunk", problem.checkpoint, problem.message, _tried_text(tried),
+                                                    key, problem.tensors))
+            return
+        if not report.dry_run:
+            repo.storage.write(key, replacement.stored)
+        report.fixed.append(Fix("chunk", key, replacement.where, found[0].message, checkpoints))
+
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckptfmt-repair") as pool:
+        list(pool.map(fix, sorted(damaged)))
+    report.fixed.sort(key=lambda f: (f.kind, f.key))
+    report.unrepaired.sort(key=lambda u: (u.kind, u.checkpoint, u.key or ""))
+
+
+def _tried_text(tried: list[str]) -> str:
+    return "; ".join(tried) or "no source given (--from)"
