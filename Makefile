@@ -64,11 +64,11 @@ test-quick: setup
 	$(BIN)/python -m pytest -q -m "not distributed and not deepspeed and not s3 and not browser and not slow and not exhaustive"
 
 # What make test leaves out for time (kill points of single and collective saves, 20 torchrun jobs
-# ending cleanly, the S3 variants of some tests): .ci/run runs it too.
+# ending cleanly, the S3 variants of some tests, the longest multi-rank runs): .ci/run runs it too.
 test-exhaustive: setup
 	$(BIN)/python -m pytest -q -m exhaustive
 
-# The whole fuzzing run (make test runs a 500-case subset): 10,000 mutated manifests, commit records
+# The whole fuzzing run (make test runs a 200-case subset): 10,000 mutated manifests, commit records
 # and markers, each read by every reader; prints failures, outcome counts, time and memory per case.
 fuzz: setup
 	$(BIN)/python -m tests.support.fuzz_inputs --cases 10000 --seed 1

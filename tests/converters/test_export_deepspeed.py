@@ -22,7 +22,8 @@ import torch
 
 from tests.support.helpers import assert_bits, deepspeed_torchrun, require_module
 
-pytestmark = [pytest.mark.deepspeed, pytest.mark.distributed, pytest.mark.slow]
+#: 19 DeepSpeed runs on 1 to 3 ranks, over a minute: make test-exhaustive (and .ci/run) runs them.
+pytestmark = [pytest.mark.deepspeed, pytest.mark.distributed, pytest.mark.slow, pytest.mark.exhaustive]
 require_module("deepspeed", "DeepSpeed is not installed (a test-only dependency: "
                "DS_BUILD_OPS=0 pip install -c constraints-dev.txt deepspeed)")
 

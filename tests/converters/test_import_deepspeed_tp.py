@@ -18,7 +18,7 @@ import torch
 
 from tests.support.helpers import assert_bits, deepspeed_torchrun, require_module, whole
 
-pytestmark = [pytest.mark.deepspeed, pytest.mark.distributed, pytest.mark.slow]
+pytestmark = [pytest.mark.exhaustive, pytest.mark.deepspeed, pytest.mark.distributed, pytest.mark.slow]
 deepspeed = require_module("deepspeed", "DeepSpeed is not installed (a test-only dependency)")
 
 import ckptfmt

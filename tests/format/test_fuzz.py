@@ -1,6 +1,6 @@
 """A quick subset of the structure-aware fuzzing of tests/support/fuzz_inputs.py (the whole run is ``make fuzz``).
 
-500 mutated manifests, commit records and markers, each read by open, load,
+200 mutated manifests, commit records and markers, each read by open, load,
 restore_rng, verify, diff, show and ls: nothing but CheckpointError subclasses,
 each case within its time and memory bounds.
 """
@@ -21,7 +21,7 @@ from tests.support import fuzz_inputs
 
 @pytest.mark.slow
 def test_quick_subset_of_fuzzed_inputs():
-    cases = fuzz_inputs.run(range(500), seed=1)
+    cases = fuzz_inputs.run(range(200), seed=1)
     report = fuzz_inputs.summary(cases)
     failures = [failure for case in cases for failure in case.failures]
     assert not failures, f"{len(failures)} reads broke the contract; the first:\n{failures[0]}"

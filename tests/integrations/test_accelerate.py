@@ -69,6 +69,7 @@ def test_two_ranks_resume_in_the_middle_of_an_epoch_exactly_and_show_the_slow_ra
     assert_same_training_state(straight, resumed)
 
 
+@pytest.mark.exhaustive  # 20 s: make test keeps the two-rank resume
 def test_automatic_naming_keeps_total_limit_and_resumes_the_newest_exactly(tmp_path):
     """One process, a plain DataLoader: saves every 2 steps as checkpoint_N (total_limit=2) until the
     epoch's end at step 8; load_state(accelerator) takes the newest and the run ends as one never stopped."""

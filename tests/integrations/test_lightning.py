@@ -238,6 +238,7 @@ def test_a_ddp_run_saved_by_rank_zero_holds_every_ranks_steps_and_finds_the_slow
 
 
 @pytest.mark.distributed
+@pytest.mark.exhaustive  # 50 s of 2 ranks: make test keeps the DDP run
 def test_the_sharded_strategy_saves_collectively_and_resumes_bit_identical(tmp_path):
     """FSDP2 through Lightning's ModelParallelStrategy on 2 gloo ranks: each rank writes its shards of
     one checkpoint; a run resumed from its middle ends with the weights and AdamW state of an

@@ -68,6 +68,7 @@ def test_a_cut_run_resumes_exactly_keeps_the_latest_k_and_records_every_ranks_st
     assert stragglers(str(tmp_path / "repo"))["ranks"] == 2
 
 
+@pytest.mark.exhaustive  # 35 s of ranks: make test keeps the cut-and-resumed run
 def test_the_last_save_is_the_model_alone_in_export_dtype_and_load_step_exclusions_hold(tmp_path):
     repo = tmp_path / "repo"
     first = train(tmp_path / "first", 4, folder=str(repo), interval=2, export_dtype="bfloat16")
@@ -86,6 +87,7 @@ def test_the_last_save_is_the_model_alone_in_export_dtype_and_load_step_exclusio
         train(tmp_path / "model-only", 4, folder=str(repo), load_only=True)
 
 
+@pytest.mark.exhaustive  # 45 s of ranks: make test keeps the cut-and-resumed run
 def test_initial_load_path_reads_a_ckptfmt_checkpoint_or_torchtitans_own_dcp_folder(tmp_path):
     options = {"interval": 2, "last_save_model_only": False}
     dcp_run = train(tmp_path / "dcp", 2, folder=str(tmp_path / "dcp-folder"), torchtitan_dcp=True, **options)

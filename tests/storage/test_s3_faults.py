@@ -327,14 +327,14 @@ class Soak:
 
 
 @pytest.mark.parametrize("workers", [
-    pytest.param(WORKERS // 2, id="half"),
+    pytest.param(WORKERS // 4, id="quarter"),
     pytest.param(WORKERS, id="full", marks=pytest.mark.exhaustive),
 ])
 def test_operations_under_random_faults(s3_bucket, make_s3_proxy, workers):
     """Saves, loads, get_tensor and verifies through proxies failing 30% of requests in every way:
     each operation is right or raises a CheckpointError, in bounded time; a failed save leaves no
     commit record, a successful one verifies and loads bit-exact through a fault-free client.
-    make test runs half the workers; make test-exhaustive all of them."""
+    make test runs a quarter of the workers; make test-exhaustive all of them."""
     watchdog = Watchdog()
     soaks = []
     for i in range(workers):
@@ -392,8 +392,8 @@ def test_operations_under_random_faults(s3_bucket, make_s3_proxy, workers):
 
 # -- two writer processes racing for one name ----------------------------------------------------
 
-#: Races per test: 20 in make test, 50 in make test-exhaustive (the README's figures).
-RACE_ROUNDS = [pytest.param(20, id="20-races"), pytest.param(50, id="50-races", marks=pytest.mark.exhaustive)]
+#: Races per test: 10 in make test, 50 in make test-exhaustive (the README's figures).
+RACE_ROUNDS = [pytest.param(10, id="10-races"), pytest.param(50, id="50-races", marks=pytest.mark.exhaustive)]
 MESSAGE_TIMEOUT_S = 60
 
 
