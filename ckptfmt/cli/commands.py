@@ -44,15 +44,20 @@ def show(args, console: Console) -> int:
         meta = ckpt.metadata
         tensors = [ckpt.tensor_info(k) for k in ckpt.keys()]
         stats = [ckpt.tensor_stats(k) for k in ckpt.keys()]
+        deltas = set(describe.delta_tensors(ckpt.manifest))
         if args.json:
             Output(console).json(_jsonable({
                 "url": ckpt.url, "id": ckpt.id, **meta,
                 "tensors": [{"key": t.key, "dtype": t.dtype, "shape": list(t.shape), "bytes": t.nbytes,
-                             "shards": len(t.shards), "kind": t.kind, "stats": s} for t, s in zip(tensors, stats)],
+                             "shards": len(t.shards), "kind": t.kind, "stats": s,
+                             "delta_of": ckpt.manifest.parent if t.key in deltas else None}
+                            for t, s in zip(tensors, stats)],
             }))
             return 0
         out = Output(console)
-        out.table(None, _LABELLED, describe.summary(meta, ckpt.url, ckpt.id), header=False)
+        delta = describe.delta_row(ckpt.manifest)
+        out.table(None, _LABELLED, describe.summary(meta, ckpt.url, ckpt.id) + ([delta] if delta else []),
+                  header=False)
         _show_tensors(out, tensors, stats, args.limit)
         out.table("metadata", _LABELLED, _metadata_rows(meta), header=False)
     return 0

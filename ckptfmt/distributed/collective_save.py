@@ -255,7 +255,7 @@ def _decide(plans: list[dict], repo_url: str, name: str, options: SaveOptions) -
 
 def _plan(plans: list[dict], repo: Repository, lease: Lease, name: str, options: SaveOptions) -> Plan:
     refuse_taken_name(repo, name)
-    parent_name, parent_keys = resolve_parent(repo, options.parent)
+    parent_name, parent_keys, _ = resolve_parent(repo, options.parent)  # no deltas: see saving/delta_bases.py
     trees = []
     for rank, plan in enumerate(plans):
         keys = [entry["key"] for entry in plan["entries"]]

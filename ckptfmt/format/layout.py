@@ -1,7 +1,7 @@
 """Where things live in a repository: the keys of the marker, chunks, manifests and commits.
 
     REPO/ckptfmt.json                          the marker: format name and version
-    REPO/chunks/<h[0:2]>/<h>[.<codec>]         content-addressed chunks
+    REPO/chunks/<h[0:2]>/<h>[.<codec>[.<b>]]   content-addressed chunks (b: a delta's base chunk)
     REPO/NAME/manifest-<manifest hash>.msgpack one checkpoint's manifest
     REPO/NAME/COMMIT                           its commit record, written last
     REPO/_index/...                            the commit index (index.py)
@@ -10,7 +10,7 @@
 
 from __future__ import annotations
 
-from ckptfmt.format.codecs import NONE, check_codec
+from ckptfmt.format.codecs import NONE, check_codec, is_delta
 from ckptfmt.format.limits import check_hash, check_name
 
 MARKER_KEY = "ckptfmt.json"
@@ -20,10 +20,13 @@ COMMIT_NAME = "COMMIT"
 LEASES_DIR = "_leases"
 
 
-def chunk_key(digest: str, codec: str) -> str:
-    """The key of a chunk; the codec suffix keeps differently encoded copies apart."""
+def chunk_key(digest: str, codec: str, base: str | None = None) -> str:
+    """The key of a chunk; the codec suffix keeps differently encoded copies apart, and a delta's
+    ``base`` (the base chunk's hash) those encoded against different bases."""
     check_hash(digest)
-    suffix = "" if check_codec(codec) == NONE else f".{codec}"
+    if is_delta(check_codec(codec)) != (base is not None):
+        raise ValueError(f"a {codec} chunk {'needs' if base is None else 'takes no'} base")
+    suffix = "" if codec == NONE else f".{codec}" if base is None else f".{codec}.{check_hash(base)}"
     return f"{CHUNKS_DIR}/{digest[:2]}/{digest}{suffix}"
 
 

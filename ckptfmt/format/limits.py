@@ -29,6 +29,8 @@ MAX_SHARDS_PER_TENSOR = 1_000_000
 MAX_SHARDS = 2**24
 MAX_PIECES = 2**24
 MAX_CHUNK_BYTES = 4 * 2**30
+#: Bases a delta chunk may be decoded through (spec 5.5): a reader holds that many chunks at once.
+MAX_DELTA_DEPTH = 16
 MAX_TENSOR_BYTES = 2**48
 
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")

@@ -19,11 +19,13 @@ from typing import Any, NamedTuple
 import msgpack
 
 from ckptfmt.errors import CheckpointError, ManifestError, UnsupportedVersionError, quoted
-from ckptfmt.format.codecs import NONE, check_codec
+from ckptfmt.format import layout
+from ckptfmt.format.codecs import NONE, check_codec, is_delta
 from ckptfmt.format.dtypes import itemsize
 from ckptfmt.format.limits import (
     MAX_CHUNK_BYTES,
     MAX_CHUNKS,
+    MAX_DELTA_DEPTH,
     MAX_DIMS,
     MAX_KEY_BYTES,
     MAX_MANIFEST_BYTES,
@@ -40,7 +42,7 @@ from ckptfmt.format.tensor_stats import COUNT_FIELDS, FLOAT_FIELDS, INTEGER_FIEL
 from ckptfmt.format.tiling import check_tiling
 from ckptfmt.format.values import unique_map
 
-FORMAT_VERSION = (1, 4)
+FORMAT_VERSION = (1, 5)
 MANIFEST_FORMAT = "ckptfmt-manifest"
 TENSOR_KINDS = ("tensor", "parameter", "numpy")
 #: The greatest shard ``rank`` (spec 6.5).
@@ -48,12 +50,29 @@ MAX_RANK = 2**31 - 1
 
 
 class Chunk(NamedTuple):
-    """One content-addressed chunk: BLAKE3 of its decoded bytes, codec and sizes."""
+    """One content-addressed chunk: BLAKE3 of its decoded bytes, codec and sizes; a delta chunk's
+    base is the row of the chunk it is stored against (spec 5.5, format 1.5)."""
 
     hash: str
     codec: str
     size: int
     stored_size: int
+    base: int | None = None
+
+
+def stored_key(chunks: list[Chunk] | tuple[Chunk, ...], chunk: Chunk) -> str:
+    """The key ``chunk`` of table ``chunks`` is stored under (a delta's names its base's hash)."""
+    return layout.chunk_key(chunk.hash, chunk.codec, None if chunk.base is None else chunks[chunk.base].hash)
+
+
+def delta_depth(chunks: list[Chunk] | tuple[Chunk, ...], index: int) -> int:
+    """How many bases chunk ``index`` is decoded through (0: stored whole)."""
+    depth = 0
+    while (base := chunks[index].base) is not None:
+        depth, index = depth + 1, base
+        if depth > MAX_DELTA_DEPTH:
+            break
+    return depth
 
 
 class Piece(NamedTuple):
@@ -133,7 +152,8 @@ class Manifest:
             "created_ns": self.created_ns,
             "parent": self.parent,
             "chunks": [
-                {"hash": c.hash, "codec": c.codec, "size": c.size, "stored_size": c.stored_size} for c in self.chunks
+                {"hash": c.hash, "codec": c.codec, "size": c.size, "stored_size": c.stored_size,
+                 **({} if c.base is None else {"base": c.base})} for c in self.chunks
             ],
             "tensors": [_tensor_to_dict(t) for t in self.tensors],
             "state": self.state,
@@ -382,12 +402,28 @@ def _parse_chunk(doc: Any, index: int) -> Chunk:
     codec = check_codec(doc.get("codec"))
     if codec == NONE and stored != size:
         raise ManifestError(f"chunk {index}: uncompressed but stored_size {stored} differs from size {size}")
-    return Chunk(check_hash(doc.get("hash")), codec, size, stored)
+    base = None
+    if is_delta(codec):
+        base = _int(doc.get("base"), f"chunk {index} base", 0, MAX_CHUNKS)
+    elif doc.get("base") is not None:
+        raise ManifestError(f"chunk {index}: a {codec} chunk has no base")
+    return Chunk(check_hash(doc.get("hash")), codec, size, stored, base)
 
 
 def _check_chunk_rows(chunks: list[Chunk]) -> None:
-    """One row per (hash, codec), and rows of one hash agree on its decoded size (they are the same bytes)."""
-    if len({(c.hash, c.codec) for c in chunks}) != len(chunks):
+    """One row per stored key, rows of one hash agree on its decoded size (they are the same bytes), and
+    every delta's base is another row of that size, at most MAX_DELTA_DEPTH bases deep (no cycle)."""
+    for index, chunk in enumerate(chunks):
+        if chunk.base is None:
+            continue
+        if chunk.base >= len(chunks) or chunk.base == index:
+            raise ManifestError(f"chunk {index}: base {chunk.base} is not another row of the table")
+        if chunks[chunk.base].size != chunk.size:
+            raise ManifestError(f"chunk {index}: {chunk.size} bytes, its base chunk {chunk.base} has "
+                                f"{chunks[chunk.base].size}")
+        if delta_depth(chunks, index) > MAX_DELTA_DEPTH:
+            raise ManifestError(f"chunk {index}: more than {MAX_DELTA_DEPTH} bases deep, or bases in a cycle")
+    if len({stored_key(chunks, c) for c in chunks}) != len(chunks):
         raise ManifestError("the chunk table lists a chunk twice")
     sizes: dict[str, int] = {}
     for chunk in chunks:

@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 from ckptfmt.errors import CheckpointError, CheckpointNotFoundError
 from ckptfmt.format import layout
 from ckptfmt.format.limits import is_valid_name
+from ckptfmt.format.manifest import stored_key
 from ckptfmt.repository.leases import Lease, try_gc_lease
 from ckptfmt.repository.repository import CommitRecord, Repository
 
@@ -168,7 +169,7 @@ def _chunk_keys(repo: Repository, record: CommitRecord, known: dict[str, frozens
         except CheckpointError as exc:
             raise CheckpointError(f"cannot collect garbage: {exc}; the chunks of {record.name!r} are unknown, so "
                                   "none can be deleted safely (remove or repair that checkpoint first)") from None
-        known[record.manifest_hash] = frozenset(layout.chunk_key(c.hash, c.codec) for c in manifest.chunks)
+        known[record.manifest_hash] = frozenset(stored_key(manifest.chunks, c) for c in manifest.chunks)
     return known[record.manifest_hash]
 
 

@@ -28,10 +28,11 @@ from ckptfmt.format import layout
 from ckptfmt.format.commit_record import CommitRecord
 from ckptfmt.format.hashing import check_chunk
 from ckptfmt.format.limits import is_valid_name
-from ckptfmt.format.manifest import Manifest
+from ckptfmt.format.manifest import Chunk, Manifest, stored_key
 from ckptfmt.repository.chunk_copies import find_copy
 from ckptfmt.repository.leases import save_lease
 from ckptfmt.repository.repository import Repository
+from ckptfmt.storage.base import Storage
 from ckptfmt.tools.verify import Problem, VerifyReport, check_chunks, verify
 
 
@@ -226,24 +227,33 @@ def _repair_chunks(repo: Repository, others: list[Repository], manifests: dict[s
                    problems: list[Problem], report: RepairReport, workers: int) -> None:
     """Replace each damaged chunk with a verified copy from a source, re-encoded where it is stored
     under another codec."""
-    rows = {layout.chunk_key(c.hash, c.codec): c for m in manifests.values() for c in m.chunks}
+    rows = {stored_key(m.chunks, c): (m, i) for m in manifests.values() for i, c in enumerate(m.chunks)}
     damaged: dict[str, list[Problem]] = {}
     for problem in problems:
         if problem.key is not None:
             damaged.setdefault(problem.key, []).append(problem)
 
+    storages = [o.storage for o in others] + [repo.storage]
+
     def fix(key: str) -> None:
-        chunk, found = rows[key], damaged[key]
+        (manifest, index), found = rows[key], damaged[key]
+        chunk = manifest.chunks[index]
         tried: list[str] = []
         # The sources first, then this repository's own copies under other codecs.
-        replacement = find_copy([o.storage for o in others] + [repo.storage], chunk, tried,
-                                skip=(repo.storage, chunk.codec))
+        try:
+            replacement = find_copy(storages, chunk, tried, skip=(repo.storage, chunk.codec),
+                                    base=_base_of(storages, manifest.chunks, index, tried))
+        except _NoBase as missing:
+            tried.append(f"its base chunk {str(missing)[:16]}... has no good copy anywhere")
+            replacement = None
         checkpoints = tuple(sorted({p.checkpoint for p in found}))
         if replacement is None:
             for problem in found:
                 report.unrepaired.append(Unrepaired("chunk", problem.checkpoint, problem.message, _tried_text(tried),
                                                     key, problem.tensors))
             return
+        if _holds(repo.storage, key, replacement.stored):
+            return  # intact: a delta found unreadable only for want of its base, repaired on its own
         if not report.dry_run:
             repo.storage.write(key, replacement.stored)
         report.fixed.append(Fix("chunk", key, replacement.where, found[0].message, checkpoints))
@@ -252,6 +262,33 @@ def _repair_chunks(repo: Repository, others: list[Repository], manifests: dict[s
         list(pool.map(fix, sorted(damaged)))
     report.fixed.sort(key=lambda f: (f.kind, f.key))
     report.unrepaired.sort(key=lambda u: (u.kind, u.checkpoint, u.key or ""))
+
+
+def _holds(storage: Storage, key: str, stored: bytes) -> bool:
+    """Whether ``key`` holds exactly ``stored``."""
+    try:
+        return storage.read(key, max_size=len(stored)) == stored
+    except StorageError:
+        raise
+    except CheckpointError:
+        return False
+
+
+def _base_of(storages: list[Storage], chunks: list[Chunk], index: int,
+             tried: list[str]) -> tuple[str, bytes | memoryview] | None:
+    """A delta chunk's base: its hash and decoded bytes, from the first good copy anywhere (decoded through
+    its own bases); None for a chunk stored whole. An unavailable base is said in ``tried``."""
+    base = chunks[index].base
+    if base is None:
+        return None
+    copy = find_copy(storages, chunks[base], tried, base=_base_of(storages, chunks, base, tried))
+    if copy is None:
+        raise _NoBase(chunks[base].hash)
+    return chunks[base].hash, copy.decoded
+
+
+class _NoBase(Exception):
+    """A delta's base chunk has no good copy anywhere."""
 
 
 def _tried_text(tried: list[str]) -> str:

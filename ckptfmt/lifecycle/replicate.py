@@ -34,7 +34,8 @@ from ckptfmt.errors import CheckpointError, CheckpointExistsError, CheckpointNot
 from ckptfmt.format import codecs, layout
 from ckptfmt.format.hashing import check_chunk, chunk_hash
 from ckptfmt.format.limits import check_name
-from ckptfmt.format.manifest import Chunk
+from ckptfmt.format.manifest import Chunk, delta_depth, stored_key
+from ckptfmt.loading.chunkio import ChunkReader
 from ckptfmt.repository.leases import Lease, save_lease
 from ckptfmt.repository.repository import CommitRecord, Repository
 from ckptfmt.saving.chunker import DEFAULT_CHUNK_SIZE
@@ -139,9 +140,9 @@ def _on_target(source: Repository, target: Repository, record: CommitRecord) -> 
     return True
 
 
-def read_verified(storage: Storage, chunk: Chunk) -> bytes:
-    """The stored bytes of ``chunk``, after checking their size, encoding and hash (spec 5.4)."""
-    key = layout.chunk_key(chunk.hash, chunk.codec)
+def read_verified(storage: Storage, chunk: Chunk, key: str, base: bytes | memoryview | None = None) -> bytes:
+    """The stored bytes of ``chunk`` (at ``key``; a delta's decoded ``base``), after checking their size,
+    encoding and hash (spec 5.4)."""
     where = storage.describe(key)
     try:
         stored = storage.read(key, max_size=chunk.stored_size)
@@ -149,7 +150,7 @@ def read_verified(storage: Storage, chunk: Chunk) -> bytes:
         raise CheckpointNotFoundError(f"{where}: chunk is missing") from None
     if len(stored) != chunk.stored_size:
         raise CorruptDataError(f"{where}: {len(stored)} bytes stored, manifest says {chunk.stored_size}")
-    check_chunk(codecs.decode(chunk.codec, stored, chunk.size, where), chunk.hash, where)
+    check_chunk(codecs.decode(chunk.codec, stored, chunk.size, where, base), chunk.hash, where)
     return stored
 
 
@@ -177,17 +178,21 @@ class _Copier:
     def copy(self, record: CommitRecord, lease: Lease) -> bool:
         """Copy one checkpoint, committing it last; False if another writer committed it meanwhile."""
         manifest = self.source.manifest(record.name, record, skip=_UNUSED_FIELDS)
-        chunks = list({layout.chunk_key(c.hash, c.codec): c for c in manifest.chunks}.items())
+        # Bases before the deltas stored against them (spec 5.5), though a delta is checked against its
+        # base's bytes in the source, so the order is for readers of a half-copied repository only.
+        order = sorted(range(len(manifest.chunks)), key=lambda i: delta_depth(manifest.chunks, i))
+        chunks = list({stored_key(manifest.chunks, manifest.chunks[i]): (manifest.chunks, i) for i in order}.items())
         local = self.target.storage.cheap_exists
         trusted = self._parent_chunks(manifest.parent) if local else set()
         jobs = []
-        for key, chunk in chunks:
+        for key, (table, index) in chunks:
+            chunk = table[index]
             size = self.stored.get(key)
             if key in self.good or (size == chunk.stored_size and (key in trusted or not local)):
                 self._skipped(chunk)
             else:  # absent, damaged, or on a local disk vouched for by no commit (spec 11.2): checked first
-                jobs.append((key, chunk, size))
-        self.total += sum(chunk.stored_size for _, chunk, _ in jobs)
+                jobs.append((key, (table, index), size))
+        self.total += sum(table[index].stored_size for _, (table, index), _ in jobs)
         self.progress.set_size(self.total)
         written, found = self._run(jobs, record.name)
         self.target.storage.sync(written)
@@ -201,12 +206,13 @@ class _Copier:
         if parent is None:
             return set()
         try:
-            return {layout.chunk_key(c.hash, c.codec)
-                    for c in self.target.manifest(parent, skip=_UNUSED_FIELDS).chunks}
+            chunks = self.target.manifest(parent, skip=_UNUSED_FIELDS).chunks
+            return {stored_key(chunks, c) for c in chunks}
         except CheckpointError:  # absent or unreadable: its chunks are checked like any other
             return set()
 
-    def _run(self, jobs: list[tuple[str, Chunk, int | None]], name: str) -> tuple[list[str], list[str]]:
+    def _run(self, jobs: list[tuple[str, tuple[list[Chunk], int], int | None]],
+             name: str) -> tuple[list[str], list[str]]:
         """Transfer the jobs' chunks, ``workers`` at a time; the keys written, and those found intact."""
         written: list[str] = []
         found: list[str] = []
@@ -241,14 +247,19 @@ class _Copier:
             raise error
         return written, found
 
-    def _transfer(self, key: str, chunk: Chunk, size: int | None) -> bool:
-        """Make ``key`` hold ``chunk`` intact on the target; True if it had to be written."""
-        footprint = chunk.size + (chunk.stored_size if chunk.codec != codecs.NONE else 0)
+    def _transfer(self, key: str, row: tuple[list[Chunk], int], size: int | None) -> bool:
+        """Make ``key`` hold chunk ``row`` (a manifest's table, an index) intact on the target; True if it
+        had to be written."""
+        table, index = row
+        chunk = table[index]
+        footprint = chunk.size * (2 if chunk.base is not None else 1) + (
+            chunk.stored_size if chunk.codec != codecs.NONE else 0)
         with self.budget.take(footprint):
-            if size is not None and self._intact(chunk, size):
+            base = None if chunk.base is None else ChunkReader(self.source.storage, table).read(chunk.base)
+            if size is not None and self._intact(key, chunk, size, base):
                 self._skipped(chunk, progress=True)
                 return False
-            stored = read_verified(self.source.storage, chunk)  # damage in the source stops here
+            stored = read_verified(self.source.storage, chunk, key, base)  # damage in the source stops here
             digest = chunk.hash if chunk.codec == codecs.NONE else chunk_hash(stored)
             self.target.storage.write(key, stored, durable=False)  # synced with the others before the manifest
             del stored
@@ -260,7 +271,7 @@ class _Copier:
             self.progress.relative_update(chunk.stored_size)
         return True
 
-    def _intact(self, chunk: Chunk, size: int) -> bool:
+    def _intact(self, key: str, chunk: Chunk, size: int, base: bytes | memoryview | None) -> bool:
         """Whether the target's existing copy of ``chunk`` checks out; a damaged one is written again.
 
         A compressed chunk can be stored intact under another size (another
@@ -270,11 +281,10 @@ class _Copier:
         if size != chunk.stored_size and (chunk.codec == codecs.NONE or size > chunk.size + chunk.stored_size):
             return False  # damaged (read no further than its budget)
         try:
-            read_verified(self.target.storage, chunk._replace(stored_size=size))
+            read_verified(self.target.storage, chunk._replace(stored_size=size), key, base)
         except (CorruptDataError, CheckpointNotFoundError):
             return False
         if size != chunk.stored_size:
-            key = layout.chunk_key(chunk.hash, chunk.codec)
             raise CheckpointExistsError(
                 f"{self.target.storage.describe(key)}: stored with another encoding ({size} bytes, the source's "
                 f"manifest says {chunk.stored_size}): the checkpoint cannot be copied byte for byte")

@@ -9,9 +9,9 @@ from collections import OrderedDict
 from concurrent.futures import Future
 
 from ckptfmt.errors import CheckpointNotFoundError, CorruptDataError
-from ckptfmt.format import codecs, layout
+from ckptfmt.format import codecs
 from ckptfmt.format.hashing import check_chunk
-from ckptfmt.format.manifest import Chunk
+from ckptfmt.format.manifest import Chunk, stored_key
 from ckptfmt.loading.healing import ChunkHealer
 from ckptfmt.storage.base import Storage
 
@@ -48,7 +48,7 @@ class ChunkReader:
     def check_stored_size(self, index: int) -> None:
         """Refuse a chunk whose stored object is not its row's ``stored_size``, without reading it."""
         chunk = self.chunks[index]
-        key = layout.chunk_key(chunk.hash, chunk.codec)
+        key = stored_key(self.chunks, chunk)
         actual = self.storage.size(key)
         if actual is None:
             raise CheckpointNotFoundError(f"{self.storage.describe(key)}: chunk is missing")
@@ -59,7 +59,7 @@ class ChunkReader:
     def read_into(self, index: int, target: memoryview, *, parallel: bool = False) -> None:
         """Read an uncompressed chunk straight into ``target`` (its exact size), then verify it."""
         chunk = self.chunks[index]
-        key = layout.chunk_key(chunk.hash, chunk.codec)
+        key = stored_key(self.chunks, chunk)
         if index in self._damaged:
             target[:] = self._heal(index, None)
             return
@@ -118,7 +118,7 @@ class ChunkReader:
         chunk = self.chunks[index]
         if chunk.codec != codecs.NONE:
             return None
-        key = layout.chunk_key(chunk.hash, chunk.codec)
+        key = stored_key(self.chunks, chunk)
         if index in self._damaged:
             return None
         try:
@@ -142,14 +142,25 @@ class ChunkReader:
 
     def _fetch_here(self, index: int, parallel: bool) -> bytes | memoryview:
         chunk = self.chunks[index]
-        key = layout.chunk_key(chunk.hash, codecs.check_codec(chunk.codec))
+        key = stored_key(self.chunks, chunk)
         where = self.storage.describe(key)
         stored = self._read_checked(key, lambda: self.storage.read(key, max_size=chunk.stored_size))
         if len(stored) != chunk.stored_size:
             raise CorruptDataError(f"{where}: {len(stored)} bytes stored, manifest says {chunk.stored_size}")
-        data = codecs.decode(chunk.codec, stored, chunk.size, where)
+        data = codecs.decode(chunk.codec, stored, chunk.size, where, self._base(index, where))
         check_chunk(data, chunk.hash, where, parallel=parallel)
         return data
+
+    def _base(self, index: int, where: str) -> bytes | memoryview | None:
+        """The decoded bytes of a delta chunk's base (read, verified and decoded through its own bases);
+        None for a chunk stored whole. A base that cannot be read is named with the delta."""
+        base = self.chunks[index].base
+        if base is None:
+            return None
+        try:
+            return self.read(base)
+        except (CheckpointNotFoundError, CorruptDataError) as exc:
+            raise type(exc)(f"{where}: its base chunk cannot be read: {exc}") from None
 
     def _heal(self, index: int, damage: CheckpointNotFoundError | CorruptDataError | None) -> bytes | memoryview:
         """Chunk ``index`` from the healer, this copy found damaged (``damage``; None: found so before)."""
@@ -157,7 +168,9 @@ class ChunkReader:
         if self.healer is None:
             raise damage
         self._damaged[index] = damage
-        return self.healer.replacement(self.storage, self.chunks[index], damage)
+        chunk = self.chunks[index]
+        base = None if chunk.base is None else (self.chunks[chunk.base].hash, self.read(chunk.base))
+        return self.healer.replacement(self.storage, chunk, damage, stored_key(self.chunks, chunk), base)
 
     def _read_checked(self, key: str, read):
         try:

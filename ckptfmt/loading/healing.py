@@ -16,7 +16,6 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from ckptfmt.errors import CheckpointError, CheckpointWarning, StorageError
-from ckptfmt.format import layout
 from ckptfmt.format.manifest import Chunk
 from ckptfmt.repository.chunk_copies import find_copy
 from ckptfmt.repository.repository import Repository
@@ -42,14 +41,15 @@ class ChunkHealer:
             return None
         return cls([r if isinstance(r, Repository) else Repository.open(r) for r in repositories])
 
-    def replacement(self, storage: Storage, chunk: Chunk, damage: CheckpointError) -> bytes | memoryview:
-        """The decoded, verified bytes of ``chunk`` from another repository, the copy in ``storage`` queued
-        for repair; raises ``damage``'s type, naming every place looked at, when no good copy exists."""
+    def replacement(self, storage: Storage, chunk: Chunk, damage: CheckpointError, key: str,
+                    base: tuple[str, bytes | memoryview] | None) -> bytes | memoryview:
+        """The decoded, verified bytes of ``chunk`` (stored at ``key``; a delta's ``base``: its hash and
+        decoded bytes) from another repository, the copy in ``storage`` queued for repair; raises
+        ``damage``'s type, naming every place looked at, when no good copy exists."""
         tried: list[str] = []
-        found = find_copy([o.storage for o in self.others], chunk, tried)
+        found = find_copy([o.storage for o in self.others], chunk, tried, base=base)
         if found is None:
             raise type(damage)(f"{damage}; no good copy elsewhere: {'; '.join(tried)}")
-        key = layout.chunk_key(chunk.hash, chunk.codec)
         with self._lock:
             if key not in self._queued:
                 self._queued.add(key)

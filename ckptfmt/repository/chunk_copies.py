@@ -27,19 +27,25 @@ class ChunkCopy:
 
 
 def find_copy(storages: list[Storage], chunk: Chunk, tried: list[str], *,
-              skip: tuple[Storage, str] | None = None) -> ChunkCopy | None:
+              skip: tuple[Storage, str] | None = None,
+              base: tuple[str, bytes | memoryview] | None = None) -> ChunkCopy | None:
     """The first verified copy of ``chunk`` among ``storages``, each looked at under the chunk's codec,
     then under the others; None when there is none, with what each copy found had wrong appended to
-    ``tried``. ``skip``: a (storage, codec) not to look at (the damaged copy itself)."""
+    ``tried``. ``skip``: a (storage, codec) not to look at (the damaged copy itself). A delta chunk
+    needs its ``base``: the base chunk's hash and decoded bytes; only copies stored against that base
+    are looked at (a delta cannot be re-encoded against another)."""
+    if codecs.is_delta(chunk.codec) and base is None:
+        raise ValueError("a delta chunk's copy needs its base")
+    others = [] if base is not None else sorted(codecs.CODECS - codecs.DELTA_CODECS - {chunk.codec})
     for storage in storages:
-        for codec in [chunk.codec, *sorted(codecs.CODECS - {chunk.codec})]:
+        for codec in [chunk.codec, *others]:
             if skip is not None and storage is skip[0] and codec == skip[1]:
                 continue
-            key = layout.chunk_key(chunk.hash, codec)
+            key = layout.chunk_key(chunk.hash, codec, base[0] if base is not None else None)
             where = storage.describe(key)
             try:
                 stored = storage.read(key, max_size=_stored_bound(chunk.size))
-                decoded = codecs.decode(codec, stored, chunk.size, where)
+                decoded = codecs.decode(codec, stored, chunk.size, where, base[1] if base is not None else None)
                 check_chunk(decoded, chunk.hash, where)
             except StorageError:
                 raise

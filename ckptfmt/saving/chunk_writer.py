@@ -17,6 +17,12 @@ written block by block straight from the buffer.
 Each tensor's statistics (format/tensor_stats.py) are taken in the same pass,
 block by block from the bytes being hashed, so they describe exactly the bytes
 stored; unchanged bytes reuse the statistics remembered with their hash.
+
+``compression="delta-zstd"`` and ``"auto"`` choose each chunk's codec from its
+bytes (``_store_chosen``): a private copy is hashed, then encoded against the
+parent's chunk for the same region (``delta_bases.py``) and whole, and the
+smaller kept where it pays; ``auto`` also keeps bytes that compress by less than
+10% uncompressed. A chunk equal to its base reuses the base's row.
 """
 
 from __future__ import annotations
@@ -36,11 +42,12 @@ from ckptfmt.errors import CheckpointError
 from ckptfmt.format import codecs, layout
 from ckptfmt.format.hashing import chunk_hash
 from ckptfmt.format.limits import MAX_CHUNK_BYTES
-from ckptfmt.format.manifest import Chunk, Piece, TensorEntry
+from ckptfmt.format.manifest import Chunk, Piece, TensorEntry, stored_key
 from ckptfmt.format.tensor_stats import StatsAccumulator, merge_stats
 from ckptfmt.format.tensors import TensorSource
 from ckptfmt.repository.repository import Repository
 from ckptfmt.saving.chunker import DEFAULT_CHUNK_SIZE, ChunkJob, ChunkPlanner, PieceRef
+from ckptfmt.saving.delta_bases import DeltaBases
 from ckptfmt.saving.hashcache import HashCache
 from ckptfmt.storage.base import Staged
 
@@ -52,6 +59,10 @@ BLOCK_BYTES = 2**20
 PartStats = tuple[int, dict[str, Any]]
 
 
+#: How much smaller than the alternative an encoding must be to be chosen (delta over whole, compressed over raw).
+PAYS = 0.9
+
+
 @dataclass
 class StoredChunk:
     """A chunk row for the manifest, and how many bytes this save wrote for it."""
@@ -60,6 +71,8 @@ class StoredChunk:
     written: int
     #: The statistics of the job's parts (none when statistics are off, or come with their source).
     stats: list[PartStats]
+    #: The table ``chunk.base`` indexes (the parent's), for a delta or a reused parent row; else None.
+    table: list[Chunk] | None = None
 
 
 @dataclass
@@ -79,13 +92,14 @@ class StoredSources:
 
 def store_sources(repo: Repository, sources: list[TensorSource], *, compression: str | None, parent_keys: set[str],
                   cache: HashCache, chunk_size: int | None, workers: int, timer,
-                  stats: bool = True) -> StoredSources:
+                  stats: bool = True, bases: DeltaBases | None = None) -> StoredSources:
     """Cut ``sources`` into chunks, store them (durably) and return the chunk table and pieces;
-    with ``stats``, each source's statistics too, taken as its bytes are hashed.
+    with ``stats``, each source's statistics too, taken as its bytes are hashed. ``bases``: the
+    parent's chunks that delta chunks may be stored against.
 
     ``timer`` gets the phases ``write_chunks`` and ``sync``.
     """
-    writer = ChunkWriter(repo, sources, compression, parent_keys, cache, workers, stats)
+    writer = ChunkWriter(repo, sources, compression, parent_keys, cache, workers, stats, bases)
     try:
         with timer.phase("write_chunks"):
             planner = ChunkPlanner(chunk_size or DEFAULT_CHUNK_SIZE)
@@ -116,11 +130,21 @@ class ChunkTable:
     def __init__(self):
         self.chunks: list[Chunk] = []
         self.written: set[int] = set()
-        self._rows: dict[tuple[str, str], int] = {}
+        self._rows: dict[str, int] = {}
+
+    def add_with_bases(self, chunk: Chunk, table: list[Chunk] | None, written: bool) -> int:
+        """The row of ``chunk``, whose ``base`` (if any) indexes ``table``: its bases are added first,
+        and its own row points at theirs."""
+        if chunk.base is None:
+            return self.add(chunk, written)
+        assert table is not None
+        base = self.add_with_bases(table[chunk.base], table, False)
+        return self.add(chunk._replace(base=base), written)
 
     def add(self, chunk: Chunk, written: bool) -> int:
-        """The row of ``chunk``; ``written``: this writer stored it (it was not stored before)."""
-        row = self._rows.setdefault((chunk.hash, chunk.codec), len(self.chunks))
+        """The row of ``chunk`` (its base, if any, a row of this table); ``written``: this writer stored
+        it (it was not stored before)."""
+        row = self._rows.setdefault(stored_key(self.chunks, chunk), len(self.chunks))
         if row == len(self.chunks):
             self.chunks.append(chunk)
         elif self.chunks[row].stored_size < 0:
@@ -154,7 +178,8 @@ def _table(stored: dict[int, StoredChunk], refs: list[list[PieceRef]], sources: 
     """One chunk row per distinct chunk (twins take the row with a stored size); pieces point at rows;
     each source's statistics merged from its parts'."""
     table = ChunkTable()
-    job_row = {index: table.add(stored[index].chunk, stored[index].written > 0) for index in sorted(stored)}
+    job_row = {index: table.add_with_bases(stored[index].chunk, stored[index].table, stored[index].written > 0)
+               for index in sorted(stored)}
     pieces = [tuple(Piece(job_row[p.job], p.offset, p.length) for p in source_refs) for source_refs in refs]
     return StoredSources(table.chunks, pieces, table.new_bytes, frozenset(table.written),
                          _source_stats(stored, sources) if stats else [None] * len(sources))
@@ -182,9 +207,13 @@ class ChunkWriter:
     """
 
     def __init__(self, repo: Repository, sources: list[TensorSource], compression: str | None,
-                 parent_keys: set[str], cache: HashCache, workers: int, stats: bool = True):
+                 parent_keys: set[str], cache: HashCache, workers: int, stats: bool = True,
+                 bases: DeltaBases | None = None):
         self.repo = repo
         self.sources = sources
+        self.bases = bases
+        #: Codecs chosen per chunk from its bytes (delta against the parent, whole, or none).
+        self.choosing = compression in ("delta-zstd", "auto")
         #: Whether to take each part's statistics (sources that come with theirs are passed over).
         self.stats = stats
         self.compression = compression
@@ -240,6 +269,8 @@ class ChunkWriter:
 
     # -- one job -------------------------------------------------------------------
     def _store(self, job: ChunkJob) -> StoredChunk:
+        if self.choosing:
+            return self._store_chosen(job)
         codec = codecs.codec_for(self.compression, job.itemsize)
         data, address = self._bytes(job)
         if address is None:  # private bytes (a pack, a copy): hash and write them as they are
@@ -257,6 +288,34 @@ class ChunkWriter:
             if stored is not None:
                 return stored
         return self._snapshot(job, codec, data, address, copy=not source.frozen)
+
+    def _store_chosen(self, job: ChunkJob) -> StoredChunk:
+        """Store a private copy of the job's bytes under the codec that stores them smallest (see the
+        module docstring); a chunk equal to the parent's for its region reuses that row."""
+        data, _ = self._bytes(job)
+        private = memoryview(bytearray(data))  # what is hashed is what is stored, whatever the caller does
+        digest = chunk_hash(private)
+        source_index, start, length, _ = job.parts[0]
+        source = self.sources[source_index]
+        if job.packed:
+            stats = self._pack_stats(job, private)
+        else:
+            stats = [(source_index, _stats_of(source.tensor.dtype, _as_tensor(private)))] \
+                if self._wants_stats(source) else []
+        row = None if job.packed or self.bases is None else self.bases.base_for(source_index, start, length)
+        if row is not None and self.bases is not None and self.bases.table[row].hash == digest:
+            return StoredChunk(self.bases.table[row], 0, stats, self.bases.table)
+        codec = codecs.codec_for(self.compression, job.itemsize)
+        encoded = codecs.encode(codec, private)
+        base = None
+        if row is not None and self.bases is not None:
+            delta_codec = codecs.delta_codec_for(job.itemsize)
+            delta = codecs.encode(delta_codec, private, self.bases.read(row))
+            if len(delta) < PAYS * len(encoded):
+                codec, encoded, base = delta_codec, delta, (self.bases.table, row)
+        if self.compression == "auto" and base is None and len(encoded) > PAYS * len(private):
+            codec, encoded = codecs.NONE, private
+        return self._put(job, codec, digest, lambda key: self._write_encoded(key, encoded), stats, base)
 
     def _wants_stats(self, source: TensorSource) -> bool:
         return self.stats and source.stats is None
@@ -339,20 +398,21 @@ class ChunkWriter:
 
     @overload
     def _put(self, job: ChunkJob, codec: str, digest: str, write: None,
-             stats: list[PartStats]) -> StoredChunk | None: ...
+             stats: list[PartStats], base: tuple[list[Chunk], int] | None = None) -> StoredChunk | None: ...
 
     @overload
     def _put(self, job: ChunkJob, codec: str, digest: str, write: Callable[[str], int],
-             stats: list[PartStats]) -> StoredChunk: ...
+             stats: list[PartStats], base: tuple[list[Chunk], int] | None = None) -> StoredChunk: ...
 
     def _put(self, job: ChunkJob, codec: str, digest: str, write: Callable[[str], int] | None,
-             stats: list[PartStats]) -> StoredChunk | None:
-        """The chunk row for ``digest`` (with its parts' ``stats``), storing it with ``write(key)``
-        unless it is stored already.
+             stats: list[PartStats], base: tuple[list[Chunk], int] | None = None) -> StoredChunk | None:
+        """The chunk row for ``digest`` (with its parts' ``stats``; a delta's ``base``: the parent's table
+        and row), storing it with ``write(key)`` unless it is stored already.
 
         Without ``write``, returns None when the chunk is not stored.
         """
-        key = layout.chunk_key(digest, codec)
+        table, row = base if base is not None else (None, None)
+        key = layout.chunk_key(digest, codec, None if table is None or row is None else table[row].hash)
         stored_size = self._present(key, digest, job.size, codec)
         if stored_size is None and write is None:
             return None
@@ -360,17 +420,17 @@ class ChunkWriter:
             twin = key in self.claimed
             self.claimed.add(key)
         if twin:  # another job of this save stores the same bytes; the manifest takes its stored size
-            return StoredChunk(Chunk(digest, codec, job.size, -1), 0, stats)
+            return StoredChunk(Chunk(digest, codec, job.size, -1, row), 0, stats, table)
         if stored_size is not None:
             if key not in self.parent_keys:
                 with self.lock:
                     self.found_keys.append(key)
-            return StoredChunk(Chunk(digest, codec, job.size, stored_size), 0, stats)
+            return StoredChunk(Chunk(digest, codec, job.size, stored_size, row), 0, stats, table)
         assert write is not None  # not stored, so the caller gave a writer (checked above)
         written = write(key)
         with self.lock:
             self.written_keys.append(key)
-        return StoredChunk(Chunk(digest, codec, job.size, written), written, stats)
+        return StoredChunk(Chunk(digest, codec, job.size, written, row), written, stats, table)
 
     def _present(self, key: str, digest: str, size: int, codec: str) -> int | None:
         """The stored size of ``key`` if a usable copy is stored, else None.
@@ -395,6 +455,8 @@ class ChunkWriter:
         return stored
 
     def _intact(self, key: str, digest: str, size: int, codec: str) -> bool:
+        if codecs.is_delta(codec):
+            return False  # checking it needs its base: written again instead (the same bytes)
         try:
             stored = self.repo.storage.read(key, max_size=MAX_CHUNK_BYTES)
             return chunk_hash(codecs.decode(codec, stored, size, self.repo.storage.describe(key))) == digest
@@ -412,7 +474,9 @@ class ChunkWriter:
         return publish
 
     def _write(self, key: str, codec: str, data) -> int:
-        encoded = codecs.encode(codec, memoryview(data))
+        return self._write_encoded(key, codecs.encode(codec, memoryview(data)))
+
+    def _write_encoded(self, key: str, encoded) -> int:
         self.repo.storage.write(key, encoded, durable=False)  # made durable with the others in make_durable
         return len(memoryview(encoded).cast("B"))
 

@@ -42,7 +42,7 @@ from ckptfmt.format import layout
 from ckptfmt.format.dtensors import is_dtensor, local_shard
 from ckptfmt.format.hashing import chunk_hash
 from ckptfmt.format.limits import MAX_KEY_BYTES, check_name
-from ckptfmt.format.manifest import MAX_RANK, Chunk, Manifest, Shard, TensorEntry
+from ckptfmt.format.manifest import MAX_RANK, Chunk, Manifest, Shard, TensorEntry, stored_key
 from ckptfmt.format.sharded import LocalShard, Sharded
 from ckptfmt.format.sharded import Shard as ShardInput
 from ckptfmt.format.tensor_stats import PendingStats, merge_stats
@@ -213,26 +213,26 @@ def refuse_taken_name(repo: Repository, name: str) -> None:
         raise CheckpointExistsError(f"{repo.storage.describe(name)}: checkpoint already exists")
 
 
-def resolve_parent(repo: Repository, parent: Any) -> tuple[str | None, set[str]]:
-    """The parent's name, and the keys of its chunks: committed, hence present and durable."""
+def resolve_parent(repo: Repository, parent: Any) -> tuple[str | None, set[str], Manifest | None]:
+    """The parent's name, the keys of its chunks (committed, hence present and durable), and its manifest."""
     if parent is None:
-        return None, set()
+        return None, set(), None
     if parent is LATEST:
         latest = repo.latest_record()  # through the commit index: a few requests whatever the repository holds
         if latest is None:
-            return None, set()
+            return None, set(), None
         parent = latest.name
         try:
             manifest = repo.manifest(parent, latest)
         except CheckpointError as exc:  # a damaged latest checkpoint must not block new saves
             warnings.warn(f"not using {parent!r} as parent: {exc}", stacklevel=3, category=CheckpointWarning)
-            return None, set()
+            return None, set(), None
     else:
         try:
             manifest = repo.manifest(check_name(parent))
         except CheckpointNotFoundError:
             raise CheckpointNotFoundError(f"parent checkpoint {parent!r} not found in {repo.url}") from None
-    return parent, {layout.chunk_key(c.hash, c.codec) for c in manifest.chunks}
+    return parent, {stored_key(manifest.chunks, c) for c in manifest.chunks}, manifest
 
 
 def rank_record(rank: int, timer: PhaseTimer, topology: dict, captured: Captured) -> dict:

@@ -50,7 +50,11 @@ def save(
     must be new. Returns the checkpoint's URL. Durable when it returns.
 
     ``parent`` defaults to the repository's latest checkpoint (None for none);
-    ``compression`` is None, 'zstd' or 'shuffle-zstd'; ``step_times`` are the
+    ``compression`` is None, 'zstd', 'shuffle-zstd', 'delta-zstd' (each chunk
+    stored as its XOR against the parent's chunk for the same tensor region,
+    where that is smaller by 10%; the rest as 'shuffle-zstd') or 'auto' (per
+    chunk, what stores it smallest, uncompressed unless compression saves 10%);
+    deltas need a single-process save with a parent. ``step_times`` are the
     caller's per-step timings, stored under ``timing``; ``parallelism`` records
     the run's layout (e.g. ``{"dp": 8, "tp": 2}``). Converters pass ``rng``
     (entries recorded by another tool, replacing this process's states) and

@@ -26,6 +26,7 @@ from ckptfmt.saving.core import (
     resolve_parent,
     steps_record,
 )
+from ckptfmt.saving.delta_bases import DeltaBases
 from ckptfmt.saving.hashcache import DEFAULT_CACHE
 from ckptfmt.saving.options import SaveOptions
 
@@ -48,16 +49,18 @@ def _save_leased(repo: Repository, name: str, state: Any, timer: PhaseTimer, lea
     rank, world_size = current_rank()
     with timer.phase("prepare"):
         refuse_taken_name(repo, name)
-        parent_name, parent_keys = resolve_parent(repo, options.parent)
+        parent_name, parent_keys, parent = resolve_parent(repo, options.parent)
         sources: list[TensorSource] = []
         entries: list[dict] = []
         collector = TensorCollector(sources, entries, frozen=captured.frozen, stats=options.tensor_stats,
                                     device_stats=captured.device_stats)
         state_bytes = encode_tree(state, collector, rank=rank)
         user_bytes = encode_tree({} if options.metadata is None else options.metadata, None)
+        bases = DeltaBases(repo, parent, entries) if parent is not None and options.compression in (
+            "delta-zstd", "auto") else None
     stored = store_sources(repo, sources, compression=options.compression, parent_keys=parent_keys,
                            cache=DEFAULT_CACHE, chunk_size=options.chunk_size,
-                           workers=options.chunk_workers, timer=timer, stats=options.tensor_stats)
+                           workers=options.chunk_workers, timer=timer, stats=options.tensor_stats, bases=bases)
     gathered = {entry["rank"]: entry for entry in options.gathered_steps or ()}
     if captured.steps is None and rank in gathered:  # this rank's steps came with the others'
         captured = dataclasses.replace(captured, steps=gathered[rank]["steps"])

@@ -79,6 +79,22 @@ def summary(meta: Mapping, url: str, ident: str, *, utc: bool = False) -> list[t
     ]
 
 
+def delta_tensors(manifest) -> list[str]:
+    """Keys of the tensors with a chunk stored as a delta against another (spec 5.5)."""
+    return [tensor.key for tensor in manifest.tensors
+            if any(manifest.chunks[piece.chunk].base is not None for shard in tensor.shards for piece in shard.pieces)]
+
+
+def delta_row(manifest) -> tuple[str, str] | None:
+    """``show``'s line on delta-encoded tensors: how many, against which checkpoint, the first few."""
+    keys = delta_tensors(manifest)
+    if not keys:
+        return None
+    shown = ", ".join(keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
+    return "deltas", (f"{len(keys)} of {len(manifest.tensors)} tensors stored against {manifest.parent or '-'} "
+                      f"(the parent): {shown}")
+
+
 # -- tensor statistics -----------------------------------------------------------------------------
 
 def stats_cells(stats: Mapping | None) -> tuple[str, str, str, str, str]:

@@ -25,7 +25,7 @@ import torch
 
 from ckptfmt.errors import CheckpointError
 from ckptfmt.format.dtypes import DTYPES, itemsize
-from ckptfmt.format.manifest import Manifest, TensorEntry
+from ckptfmt.format.manifest import Manifest, TensorEntry, stored_key
 from ckptfmt.format.tensor_stats import StatsAccumulator, merge_stats
 from ckptfmt.loading.chunkio import ChunkReader
 from ckptfmt.repository.repository import Repository
@@ -34,8 +34,8 @@ from ckptfmt.repository.repository import Repository
 ROUNDING = 1e-9
 
 #: A piece's statistics are keyed by where its bytes are and how they are read:
-#: ((chunk hash, codec), offset, length, dtype name).
-PartKey = tuple[tuple[str, str], int, int, str]
+#: (chunk key, offset, length, dtype name).
+PartKey = tuple[str, int, int, str]
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,7 @@ class StatsCheck:
 
     def __init__(self, manifests: dict[str, Manifest]):
         #: Per chunk (hash, codec), the pieces to measure in it.
-        self.parts: dict[tuple[str, str], set[PartKey]] = {}
+        self.parts: dict[str, set[PartKey]] = {}
         #: (checkpoint, tensor) -> the part keys of its pieces, shard by shard
         self.tensors: dict[tuple[str, int], list[PartKey]] = {}
         #: Tensors whose pieces do not hold whole elements: measured by ``finish``.
@@ -82,12 +82,12 @@ class StatsCheck:
                     self.streamed.append((name, index))
                     return
                 chunk = manifest.chunks[piece.chunk]
-                keys.append(((chunk.hash, chunk.codec), piece.offset, piece.length, tensor.dtype))
+                keys.append((stored_key(manifest.chunks, chunk), piece.offset, piece.length, tensor.dtype))
         self.tensors[(name, index)] = keys
         for key in keys:
             self.parts.setdefault(key[0], set()).add(key)
 
-    def measure(self, ident: tuple[str, str], data: memoryview) -> None:
+    def measure(self, ident: str, data: memoryview) -> None:
         """Take the statistics of every planned piece of chunk ``ident``, whose verified bytes are ``data``."""
         wanted = self.parts.get(ident)
         if not wanted:

@@ -20,7 +20,7 @@ from fsspec.callbacks import Callback, NoOpCallback
 from ckptfmt._platform import single_threaded_kernels
 from ckptfmt.errors import CheckpointError, CheckpointNotFoundError, StorageError
 from ckptfmt.format import layout
-from ckptfmt.format.manifest import Manifest
+from ckptfmt.format.manifest import Manifest, stored_key
 from ckptfmt.loading.chunkio import ChunkReader
 from ckptfmt.repository.repository import Repository, resolve
 from ckptfmt.storage.budget import ByteBudget
@@ -146,16 +146,16 @@ def check_chunks(repo: Repository, manifests: dict[str, Manifest], report: Verif
     to ``report.problems`` (one problem per checkpoint that uses the chunk)."""
     callback = callback or NoOpCallback()
     # Each distinct chunk once, remembering who uses it, to name the damage.
-    users: dict[tuple[str, str], list[tuple[str, str]]] = {}
-    jobs: dict[tuple[str, str], tuple[Manifest, int]] = {}
+    users: dict[str, list[tuple[str, str]]] = {}
+    jobs: dict[str, tuple[Manifest, int]] = {}
     for name, manifest in manifests.items():
         for tensor in manifest.tensors:
             for shard in tensor.shards:
                 for piece in shard.pieces:
                     chunk = manifest.chunks[piece.chunk]
-                    users.setdefault((chunk.hash, chunk.codec), []).append((name, tensor.key))
+                    users.setdefault(stored_key(manifest.chunks, chunk), []).append((name, tensor.key))
         for index, chunk in enumerate(manifest.chunks):
-            jobs.setdefault((chunk.hash, chunk.codec), (manifest, index))
+            jobs.setdefault(stored_key(manifest.chunks, chunk), (manifest, index))
     callback.set_size(sum(m.chunks[i].size for m, i in jobs.values()))
     lock = threading.Lock()
     budget = ByteBudget(_MEMORY_BUDGET)
@@ -205,7 +205,7 @@ def check_chunks(repo: Repository, manifests: dict[str, Manifest], report: Verif
                 for checkpoint in sorted({n for n, _ in users.get(ident, [])}) or [manifest.name]:
                     keys = tuple(sorted({k for n, k in users.get(ident, []) if n == checkpoint}))
                     report.problems.append(Problem(problem[0], checkpoint, problem[1], chunk.hash, keys,
-                                                   layout.chunk_key(chunk.hash, chunk.codec)))
+                                                   stored_key(manifest.chunks, chunk)))
         callback.relative_update(chunk.size)
 
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckptfmt-verify",

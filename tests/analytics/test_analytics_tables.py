@@ -71,7 +71,7 @@ def test_checkpoints_and_steps_hold_what_the_run_recorded(local_run):
     checkpoints = built["checkpoints"].to_pylist()
     assert [c["name"] for c in checkpoints] == ["step-0004", "step-0008", "step-0012"]
     assert [c["step"] for c in checkpoints] == [4, 8, 12]
-    assert all(c["world_size"] == 1 and c["save_s"] > 0 and c["format_version"] == "1.4" for c in checkpoints)
+    assert all(c["world_size"] == 1 and c["save_s"] > 0 and c["format_version"] == "1.5" for c in checkpoints)
     assert checkpoints[0]["new_bytes"] == checkpoints[0]["stored_bytes"] > 0
     steps = built["steps"].to_pylist()
     assert [s["step"] for s in steps] == list(range(12))

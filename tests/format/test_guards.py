@@ -34,7 +34,8 @@ def test_writer_refuses_what_readers_would_refuse(tmp_path, state, message):
     ({"chunk_size": 100}, ValueError, r"^chunk_size must be between 4096 and 4294967296 bytes$"),
     ({"step_times": [object()]}, UnsupportedValueError, r"^step_times must hold plain values .*'object'"),
     ({"parallelism": {"dp": object()}}, UnsupportedValueError, r"^parallelism must hold plain values .*'object'"),
-    ({"compression": "lz4"}, ValueError, r"^unknown compression 'lz4': use None, 'zstd' or 'shuffle-zstd'$"),
+    ({"compression": "lz4"}, ValueError,
+     r"^unknown compression 'lz4': use one of None, 'none', 'zstd', 'shuffle-zstd', 'delta-zstd', 'auto'$"),
 ], ids=["chunk_size", "step_times", "parallelism", "compression"])
 def test_bad_arguments_fail_before_anything_is_written(tmp_path, kwargs, error, message):
     with pytest.raises(error, match=message) as info:

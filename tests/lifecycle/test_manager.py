@@ -356,9 +356,10 @@ def test_restore_reads_the_next_tier_when_the_fast_copy_is_damaged(tmp_path):
     data = bytearray(path.read_bytes())
     data[100] ^= 0xFF
     path.write_bytes(bytes(data))
-    with pytest.warns(ckptfmt.CheckpointWarning, match="from the next tier"):
+    with pytest.warns(ckptfmt.CheckpointWarning, match=f"read from {slow}/{key} instead, and repairing this copy"):
         restored = CheckpointManager(tiers=[fast, slow]).restore(mmap=False)
     assert restored["step"] == 1 and torch.equal(restored["frozen"], torch.arange(65536, dtype=torch.float32))
+    assert ckptfmt.verify(fast).ok  # the chunk alone came from the next tier, and was repaired
 
 
 @pytest.mark.slow
