@@ -201,7 +201,7 @@ def test_retention_rules_combine_with_or():
 
 
 @pytest.mark.parametrize("backend, rounds", [
-    ("local", 200), pytest.param("s3", 200, marks=[pytest.mark.exhaustive, pytest.mark.timeout(900)])])
+    ("local", 100), pytest.param("s3", 200, marks=[pytest.mark.exhaustive, pytest.mark.timeout(900)])])
 @pytest.mark.slow
 def test_gc_and_retention_race_two_saving_processes(backend, rounds, tmp_path, request):
     """Rounds of retention + collection while a sync and an async saver write to the same
