@@ -3,11 +3,12 @@ loads, for checkpoints of a small transformer trained on CPU in fp32 and in bf16
 
 Usage (from the repository root)::
 
-    python bench/delta.py [--steps 1000] [--dim 256] [--layers 2]
+    python bench/delta.py [--steps 2000] [--bf16-steps 600] [--dim 256] [--layers 2]
 
 A byte-level GPT (embedding, ``--layers`` pre-norm blocks of attention and a 4x MLP, a tied
-head) trains on ckptfmt's own source code with AdamW for ``--steps`` steps, once with fp32
-weights and once with bf16 weights (AdamW's moments then bf16 too). Its state (model and
+head) trains on ckptfmt's own source code with AdamW for ``--steps`` steps with fp32 weights
+and ``--bf16-steps`` with bf16 weights (AdamW's moments then bf16 too; CPUs run bf16 about 3x
+slower). Its state (model and
 optimizer) is kept at every 10th step. Each sequence of checkpoints (every 10, 100 and 1000
 steps) is then saved into a fresh repository with each compression (``none``, ``zstd``,
 ``shuffle-zstd``, ``delta-zstd``, ``auto``), in an order that rotates between sequences.
@@ -128,18 +129,19 @@ def run_sequence(states: list[dict], compression: str | None, root: Path) -> dic
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--steps", type=int, default=2000)
+    parser.add_argument("--bf16-steps", type=int, default=600)
     parser.add_argument("--dim", type=int, default=256)
     parser.add_argument("--layers", type=int, default=2)
     args = parser.parse_args()
     console.print(f"ckptfmt {ckptfmt.__version__}, torch {torch.__version__}")
-    rows = []
-    for dtype in (torch.float32, torch.bfloat16):
-        kept = train(dtype, args.steps, args.dim, args.layers)
+    for dtype, steps in ((torch.float32, args.steps), (torch.bfloat16, args.bf16_steps)):
+        rows = []
+        kept = train(dtype, steps, args.dim, args.layers)
         nbytes = sum(v.numel() * v.element_size() for v in kept[10]["model"].values())
         console.print(f"  model state {nbytes / 2**20:.1f} MiB, with AdamW's moments about 3x")
-        for turn, interval in enumerate(i for i in (10, 100, 1000) if i < args.steps):
-            states = [kept[s] for s in range(interval, args.steps + 1, interval) if s in kept]
+        for turn, interval in enumerate(i for i in (10, 100, 1000) if i < steps):
+            states = [kept[s] for s in range(interval, steps + 1, interval) if s in kept]
             if interval == 10:
                 states = states[:30]  # 30 checkpoints are enough to see a chain restart (every 8)
             if len(states) < 2:
@@ -152,7 +154,10 @@ def main() -> None:
                 r = results[compression]
                 rows.append((str(dtype).removeprefix("torch."), interval, len(states), compression or "none",
                              r["new"], base / r["new"] if r["new"] else math.inf, r["save"], r["load"]))
-    console.print()
+        print_rows(rows)
+
+
+def print_rows(rows: list[tuple]) -> None:
     console.print(f"{'dtype':9} {'every':>5} {'ckpts':>5} {'compression':13} {'stored after 1st':>16} "
                   f"{'vs none':>7} {'save/ckpt':>9} {'load last':>9}")
     for dtype, interval, count, compression, new, ratio, save, load in rows:
