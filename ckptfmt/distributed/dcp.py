@@ -168,7 +168,8 @@ class StorageWriter(dcp_storage.StorageWriter):
                                cache=DEFAULT_CACHE, chunk_size=self.options.chunk_size,
                                workers=self.options.chunk_workers, timer=self.timer, stats=self.options.tensor_stats)
         for item, source, pieces, stats in zip(items, sources, stored.pieces, stored.stats):
-            rows = [(*stored.chunks[p.chunk], p.offset, p.length, p.chunk in stored.written_rows) for p in pieces]
+            rows = [(*stored.chunks[p.chunk][:4], p.offset, p.length, p.chunk in stored.written_rows)
+                    for p in pieces]  # hash, codec, size, stored size: no deltas without a parent
             results.append(dcp_storage.WriteResult(item.index, source.nbytes, {"pieces": rows, "stats": stats}))
         results.append(dcp_storage.WriteResult(RANK_RECORD, 0, {"rank_record": self._rank_record(planner)}))
         future: Future = Future()

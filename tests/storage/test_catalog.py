@@ -104,7 +104,7 @@ def test_ls_latest_and_parent_lookup_make_bounded_requests(s3_bucket, capsys):
             assert Repository.open(url).latest() == newest
         latest_count = len(sent)
         with requests(repo.storage) as sent:
-            parent, keys = resolve_parent(Repository.open(url), LATEST)
+            parent, keys, _ = resolve_parent(Repository.open(url), LATEST)
         parent_count = len(sent)
         assert parent == newest and keys
         counts[n] = (ls_count, latest_count, parent_count, packs)
