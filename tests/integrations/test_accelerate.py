@@ -44,6 +44,7 @@ def assert_same_training_state(expected_file, actual_file) -> None:
 
 
 @pytest.mark.distributed
+@pytest.mark.exhaustive  # 40 s of 2 ranks: make test keeps the single-process save_state tests
 def test_two_ranks_resume_in_the_middle_of_an_epoch_exactly_and_show_the_slow_rank(tmp_path):
     """A StatefulDataLoader and a seedable sampler: stopped after step 6 of 12 (an epoch is 4 steps on
     2 ranks) and resumed in a new process, the run ends with the weights, AdamW moments and schedule
@@ -69,7 +70,7 @@ def test_two_ranks_resume_in_the_middle_of_an_epoch_exactly_and_show_the_slow_ra
     assert_same_training_state(straight, resumed)
 
 
-@pytest.mark.exhaustive  # 20 s: make test keeps the two-rank resume
+@pytest.mark.exhaustive  # 20 s: make test keeps the single-process save_state tests
 def test_automatic_naming_keeps_total_limit_and_resumes_the_newest_exactly(tmp_path):
     """One process, a plain DataLoader: saves every 2 steps as checkpoint_N (total_limit=2) until the
     epoch's end at step 8; load_state(accelerator) takes the newest and the run ends as one never stopped."""

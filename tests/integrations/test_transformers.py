@@ -169,6 +169,7 @@ def test_resume_folder_is_none_on_a_fresh_start_and_names_a_missing_step(tmp_pat
 
 
 @pytest.mark.distributed
+@pytest.mark.exhaustive  # 45 s of 2 ranks: make test keeps the Trainer's single-process runs
 def test_a_ddp_run_saves_collectively_resumes_exactly_and_shows_the_slow_rank(tmp_path):
     """Two gloo ranks under torchrun: every checkpoint holds both ranks' steps (stragglers finds the
     rank slow to collate its batches), and a run stopped at step 8 and resumed ends with the weights

@@ -155,7 +155,8 @@ def test_the_manager_example_runs_as_written(uninterrupted):
     assert uninterrupted[1] == 90
 
 
-@pytest.mark.parametrize("kill_at", [pytest.param(0, marks=pytest.mark.exhaustive), 45])
+@pytest.mark.exhaustive  # 2 x 30 s: make test runs the example once as written
+@pytest.mark.parametrize("kill_at", [0, 45])
 def test_the_manager_example_resumes_after_a_kill(uninterrupted, bucket, tmp_path, kill_at):
     example = manager_example()
     expected, expected_step = uninterrupted
