@@ -327,14 +327,15 @@ class Soak:
 
 
 @pytest.mark.parametrize("workers", [
-    pytest.param(WORKERS // 6, id="sixth"),
+    pytest.param(WORKERS // 2, id="half"),
     pytest.param(WORKERS, id="full", marks=pytest.mark.exhaustive),
 ])
 def test_operations_under_random_faults(s3_bucket, make_s3_proxy, workers):
     """Saves, loads, get_tensor and verifies through proxies failing 30% of requests in every way:
     each operation is right or raises a CheckpointError, in bounded time; a failed save leaves no
     commit record, a successful one verifies and loads bit-exact through a fault-free client.
-    make test runs a sixth of the workers; make test-exhaustive all of them."""
+    make test runs half the workers (fewer saw no operation fail, now and then, so the failure paths
+    went unchecked); make test-exhaustive all of them."""
     watchdog = Watchdog()
     soaks = []
     for i in range(workers):
