@@ -75,6 +75,7 @@ def simulate(repo_url: str, checkpoints: int, ranks: int, steps: int) -> int:
     from ckptfmt.metadata.environment import capture_environment
     from ckptfmt.metadata.rng import capture_rng
     from ckptfmt.metadata.step_timer import encode_steps
+    from ckptfmt.repository.leases import save_lease
     from ckptfmt.repository.repository import Repository
     from ckptfmt.saving.core import commit_manifest
 
@@ -124,7 +125,8 @@ def simulate(repo_url: str, checkpoints: int, ranks: int, steps: int) -> int:
             stats={"tensor_count": 1, "tensor_bytes": 4, "chunk_count": 1, "stored_bytes": 4, "new_bytes": 4},
         )
         total += len(manifest.to_bytes())
-        commit_manifest(repo, manifest)
+        with save_lease(repo) as lease:
+            commit_manifest(repo, manifest, lease)
     return total
 
 

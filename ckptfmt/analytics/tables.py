@@ -27,6 +27,7 @@ import pyarrow.parquet as pq
 
 from ckptfmt.errors import ManifestError, quoted
 from ckptfmt.format.manifest import Manifest
+from ckptfmt.format.shards import chunk_rows
 from ckptfmt.format.tensor_stats import FLOAT_FIELDS
 from ckptfmt.metadata.step_timer import decode_steps
 from ckptfmt.metadata.system import decode_samples
@@ -381,7 +382,7 @@ class Tensors(_Builder):
         chunks = manifest.chunks
         columns = self.columns
         for tensor in manifest.tensors:
-            hashes = list(dict.fromkeys(chunks[p.chunk].hash for shard in tensor.shards for p in shard.pieces))
+            hashes = list(dict.fromkeys(chunks[row].hash for row in chunk_rows(tensor.shards)))
             same_as = None if tensor.same_as is None else manifest.tensors[tensor.same_as].key
             for name, value in (("run", run), ("name", record.name), ("step", record.step), ("key", tensor.key),
                                 ("dtype", tensor.dtype), ("shape", list(tensor.shape)), ("nbytes", tensor.nbytes),

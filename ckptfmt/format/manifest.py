@@ -8,19 +8,22 @@ gets one, and validates everything a hostile or damaged file could lie about
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import math
 import operator
+import re
 from dataclasses import dataclass, field
 from functools import partial
-from itertools import chain
+from itertools import chain, repeat
 from typing import Any, NamedTuple
 
 import msgpack
+import numpy as np
 
 from ckptfmt.errors import CheckpointError, ManifestError, UnsupportedVersionError, quoted
 from ckptfmt.format import layout
-from ckptfmt.format.codecs import NONE, check_codec, is_delta
+from ckptfmt.format.codecs import CODECS, NONE, check_codec, is_delta
 from ckptfmt.format.dtypes import itemsize
 from ckptfmt.format.limits import (
     MAX_CHUNK_BYTES,
@@ -38,15 +41,14 @@ from ckptfmt.format.limits import (
     check_hash,
     check_name,
 )
+from ckptfmt.format.shards import MAX_RANK, Piece, Shard, ShardGrid, grid_of, grid_to_dict, parse_grid
 from ckptfmt.format.tensor_stats import COUNT_FIELDS, FLOAT_FIELDS, INTEGER_FIELDS
 from ckptfmt.format.tiling import check_tiling
 from ckptfmt.format.values import unique_map
 
-FORMAT_VERSION = (1, 5)
+FORMAT_VERSION = (1, 6)
 MANIFEST_FORMAT = "ckptfmt-manifest"
 TENSOR_KINDS = ("tensor", "parameter", "numpy")
-#: The greatest shard ``rank`` (spec 6.5).
-MAX_RANK = 2**31 - 1
 
 
 class Chunk(NamedTuple):
@@ -75,34 +77,14 @@ def delta_depth(chunks: list[Chunk] | tuple[Chunk, ...], index: int) -> int:
     return depth
 
 
-class Piece(NamedTuple):
-    """A byte range of one chunk; a shard's pieces, concatenated, are its C-order bytes."""
-
-    chunk: int
-    offset: int
-    length: int
-
-
-class Shard(NamedTuple):
-    """A box of a tensor: where it starts in the global tensor, its shape, who wrote it."""
-
-    offsets: tuple[int, ...]
-    shape: tuple[int, ...]
-    rank: int
-    pieces: tuple[Piece, ...]
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-
 class TensorEntry(NamedTuple):
     """A tensor of the state: key, dtype, global shape, and the shards that tile it."""
 
     key: str
     dtype: str
     shape: tuple[int, ...]
-    shards: tuple[Shard, ...]
+    #: One ``Shard`` per box, or (format 1.6, many shards) a ``ShardGrid`` of packed columns.
+    shards: tuple[Shard, ...] | ShardGrid
     kind: str = "tensor"
     requires_grad: bool = False
     same_as: int | None = None
@@ -250,13 +232,15 @@ def _collector_paused():
 
 
 def _tensor_to_dict(t: TensorEntry) -> dict:
+    width = itemsize(t.dtype)
+    grid = t.shards if isinstance(t.shards, ShardGrid) else grid_of(t.shape, t.shards, width)
     doc = {
         "key": t.key,
         "dtype": t.dtype,
         "shape": list(t.shape),
         "kind": t.kind,
         "requires_grad": t.requires_grad,
-        "shards": [
+        "shards": grid_to_dict(grid, width) if grid is not None else [
             {
                 "offsets": list(s.offsets),
                 "shape": list(s.shape),
@@ -312,6 +296,14 @@ _KNOWN_FIELDS = frozenset(
 )
 
 
+class _Sizes(list):
+    """The chunk table's decoded sizes, as a list, and as an array for shard grids (made once, if needed)."""
+
+    @functools.cached_property
+    def array(self) -> np.ndarray:
+        return np.array(self, dtype=np.int64)
+
+
 class _Budget:
     """Pieces and shards left for the rest of the manifest (spec 14), so that work stays bounded."""
 
@@ -338,9 +330,11 @@ def _parse(doc: Any) -> Manifest:
     raw_tensors = _get(doc, "tensors", list)
     if len(raw_chunks) > MAX_CHUNKS or len(raw_tensors) > MAX_TENSORS:
         raise ManifestError("too many chunks or tensors")
-    chunks = [_parse_chunk(c, i) for i, c in enumerate(raw_chunks)]
-    _check_chunk_rows(chunks)
-    sizes = [c.size for c in chunks]
+    chunks = _plain_chunk_rows(raw_chunks)
+    if chunks is None:  # delta rows, or something wrong: row by row, each problem named
+        chunks = [_parse_chunk(c, i) for i, c in enumerate(raw_chunks)]
+        _check_chunk_rows(chunks)
+    sizes = _Sizes(c.size for c in chunks)
     budget = _Budget()
     tensors = [_parse_tensor(t, i, sizes, budget) for i, t in enumerate(raw_tensors)]
     if len({t.key for t in tensors}) != len(tensors):
@@ -410,6 +404,30 @@ def _parse_chunk(doc: Any, index: int) -> Chunk:
     return Chunk(check_hash(doc.get("hash")), codec, size, stored, base)
 
 
+_HEX = re.compile(r"[0-9a-f]*")
+_new_chunk = partial(tuple.__new__, Chunk)
+_PLAIN_FIELDS = frozenset({"hash", "codec", "size", "stored_size"})
+
+
+def _plain_chunk_rows(raw: list) -> list[Chunk] | None:
+    """A chunk table of valid rows without deltas, checked a column at a time (a many-rank save has tens
+    of thousands of rows); None for anything else, which the row-by-row parse then names."""
+    if not set(map(type, raw)) <= {dict} or not all(map(_PLAIN_FIELDS.issuperset, raw)):
+        return None
+    hashes, codecs = [row.get("hash") for row in raw], [row.get("codec") for row in raw]
+    sizes, stored = [row.get("size") for row in raw], [row.get("stored_size") for row in raw]
+    if not (set(map(type, hashes)) <= {str} and set(map(len, hashes)) <= {64} and _HEX.fullmatch("".join(hashes))
+            and set(map(type, codecs)) <= {str} and set(codecs) <= CODECS and not any(map(is_delta, set(codecs)))
+            and _all_ints(sizes, 0, MAX_CHUNK_BYTES) and _all_ints(stored, 0, MAX_CHUNK_BYTES)):
+        return None
+    if NONE in codecs and any(c == NONE and a != b for c, a, b in zip(codecs, sizes, stored)):
+        return None
+    if len(set(hashes)) != len(raw) and (len(set(zip(hashes, codecs))) != len(raw)  # a row twice
+                                         or len(set(zip(hashes, sizes))) != len(set(hashes))):  # two sizes
+        return None
+    return list(map(_new_chunk, zip(hashes, codecs, sizes, stored, repeat(None))))
+
+
 def _check_chunk_rows(chunks: list[Chunk]) -> None:
     """One row per stored key, rows of one hash agree on its decoded size (they are the same bytes), and
     every delta's base is another row of that size, at most MAX_DELTA_DEPTH bases deep (no cycle)."""
@@ -451,7 +469,7 @@ def _parse_dims(value: Any, what: str) -> tuple[int, ...]:
     return tuple(value)
 
 
-def _parse_tensor(doc: Any, index: int, sizes: list[int], budget: _Budget) -> TensorEntry:
+def _parse_tensor(doc: Any, index: int, sizes: _Sizes, budget: _Budget) -> TensorEntry:
     if not isinstance(doc, dict):
         raise ManifestError(f"tensor {index} is not a map")
     key = doc.get("key")
@@ -477,11 +495,16 @@ def _parse_tensor(doc: Any, index: int, sizes: list[int], budget: _Budget) -> Te
         if index == 0:
             raise ManifestError(f"{what}: same_as must name an earlier tensor")
     raw_shards = doc.get("shards")
-    if not isinstance(raw_shards, list) or not raw_shards or len(raw_shards) > MAX_SHARDS_PER_TENSOR:
-        raise ManifestError(f"{what}: shards must be a non-empty list of at most {MAX_SHARDS_PER_TENSOR}")
-    budget.take(len(raw_shards), 0)
-    shards = tuple(_parse_shard(s, what, shape, width, sizes, budget) for s in raw_shards)
-    check_tiling(what, shape, shards)
+    shards: tuple[Shard, ...] | ShardGrid
+    if type(raw_shards) is dict:
+        shards = parse_grid(raw_shards, what, shape, width, sizes.array, budget)
+    elif not isinstance(raw_shards, list) or not raw_shards or len(raw_shards) > MAX_SHARDS_PER_TENSOR:
+        raise ManifestError(f"{what}: shards must be a shard grid or a non-empty list of at most "
+                            f"{MAX_SHARDS_PER_TENSOR}")
+    else:
+        budget.take(len(raw_shards), 0)
+        shards = tuple(_parse_shard(s, what, shape, width, sizes, budget) for s in raw_shards)
+        check_tiling(what, shape, shards)
     stats = _parse_stats(doc["stats"], what, math.prod(shape)) if "stats" in doc else None
     return TensorEntry(key, dtype, shape, shards, kind, requires_grad, same_as, stats)
 

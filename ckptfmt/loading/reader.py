@@ -14,6 +14,7 @@ import torch
 from ckptfmt.errors import CheckpointError, CheckpointNotFoundError, CheckpointWarning, CorruptDataError, ManifestError
 from ckptfmt.format.dtypes import dtype_from_name, itemsize
 from ckptfmt.format.manifest import Manifest, Piece, TensorEntry
+from ckptfmt.format.shards import Shard, ShardGrid
 from ckptfmt.format.tensors import byte_view, empty, finish
 from ckptfmt.format.values import decode_tree
 from ckptfmt.loading.chunkio import ChunkReader
@@ -152,7 +153,7 @@ class CheckpointReader:
             raise ValueError(f"out must be a contiguous CPU {dtype} tensor of shape {list(shape)}")
         if out.numel() == 0:
             return out
-        for shard in entry.shards:
+        for shard in _overlapping(entry.shards, offsets, shape):
             low = [max(o, s) for o, s in zip(offsets, shard.offsets)]
             high = [min(o + n, s + m) for o, n, s, m in zip(offsets, shape, shard.offsets, shard.shape)]
             if any(lo >= hi for lo, hi in zip(low, high)):
@@ -315,6 +316,13 @@ class CheckpointReader:
                         shard_index
                     )
         return tensor
+
+
+def _overlapping(shards: tuple[Shard, ...] | ShardGrid, offsets: tuple[int, ...], shape: tuple[int, ...]):
+    """The shards a box may overlap: a grid's are found by a search per dimension, no object per cell."""
+    if isinstance(shards, ShardGrid):
+        return [shards[cell] for cell in shards.overlapping(offsets, shape).tolist()]
+    return shards
 
 
 def _uses_by_chunk(entry: TensorEntry) -> dict[int, list[tuple[int, int, Piece]]]:

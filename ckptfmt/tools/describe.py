@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
+from ckptfmt.format.shards import chunk_rows
 from ckptfmt.tools.formatting import human_bytes, human_time, number, seconds, short
 
 
@@ -82,7 +83,7 @@ def summary(meta: Mapping, url: str, ident: str, *, utc: bool = False) -> list[t
 def delta_tensors(manifest) -> list[str]:
     """Keys of the tensors with a chunk stored as a delta against another (spec 5.5)."""
     return [tensor.key for tensor in manifest.tensors
-            if any(manifest.chunks[piece.chunk].base is not None for shard in tensor.shards for piece in shard.pieces)]
+            if any(manifest.chunks[row].base is not None for row in set(chunk_rows(tensor.shards)))]
 
 
 def delta_row(manifest) -> tuple[str, str] | None:

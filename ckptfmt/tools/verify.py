@@ -21,6 +21,7 @@ from ckptfmt._platform import single_threaded_kernels
 from ckptfmt.errors import CheckpointError, CheckpointNotFoundError, StorageError
 from ckptfmt.format import layout
 from ckptfmt.format.manifest import Manifest, stored_key
+from ckptfmt.format.shards import chunk_rows
 from ckptfmt.loading.chunkio import ChunkReader
 from ckptfmt.repository.repository import Repository, resolve
 from ckptfmt.storage.budget import ByteBudget
@@ -150,10 +151,9 @@ def check_chunks(repo: Repository, manifests: dict[str, Manifest], report: Verif
     jobs: dict[str, tuple[Manifest, int]] = {}
     for name, manifest in manifests.items():
         for tensor in manifest.tensors:
-            for shard in tensor.shards:
-                for piece in shard.pieces:
-                    chunk = manifest.chunks[piece.chunk]
-                    users.setdefault(stored_key(manifest.chunks, chunk), []).append((name, tensor.key))
+            for row in dict.fromkeys(chunk_rows(tensor.shards)):
+                chunk = manifest.chunks[row]
+                users.setdefault(stored_key(manifest.chunks, chunk), []).append((name, tensor.key))
         for index, chunk in enumerate(manifest.chunks):
             jobs.setdefault(stored_key(manifest.chunks, chunk), (manifest, index))
     callback.set_size(sum(m.chunks[i].size for m, i in jobs.values()))

@@ -19,6 +19,7 @@ import torch
 
 import ckptfmt
 from ckptfmt import analytics
+from ckptfmt.format.manifest import FORMAT_VERSION
 from ckptfmt.repository.repository import Repository
 from tests.support.helpers import rewrite_manifest
 from tests.support.ranks import run_ranks
@@ -71,7 +72,8 @@ def test_checkpoints_and_steps_hold_what_the_run_recorded(local_run):
     checkpoints = built["checkpoints"].to_pylist()
     assert [c["name"] for c in checkpoints] == ["step-0004", "step-0008", "step-0012"]
     assert [c["step"] for c in checkpoints] == [4, 8, 12]
-    assert all(c["world_size"] == 1 and c["save_s"] > 0 and c["format_version"] == "1.5" for c in checkpoints)
+    version = "{}.{}".format(*FORMAT_VERSION)
+    assert all(c["world_size"] == 1 and c["save_s"] > 0 and c["format_version"] == version for c in checkpoints)
     assert checkpoints[0]["new_bytes"] == checkpoints[0]["stored_bytes"] > 0
     steps = built["steps"].to_pylist()
     assert [s["step"] for s in steps] == list(range(12))

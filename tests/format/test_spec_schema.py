@@ -171,7 +171,10 @@ def test_schema_vocabulary_and_limits_match_the_implementation():
     assert defs["chunk"]["properties"]["size"]["maximum"] == limits.MAX_CHUNK_BYTES
     assert defs["dims"]["maxItems"] == limits.MAX_DIMS
     assert defs["tensor"]["properties"]["key"]["maxLength"] == limits.MAX_KEY_BYTES
-    assert defs["tensor"]["properties"]["shards"]["maxItems"] == limits.MAX_SHARDS_PER_TENSOR
+    shard_list, grid = defs["tensor"]["properties"]["shards"]["oneOf"]
+    assert shard_list["maxItems"] == limits.MAX_SHARDS_PER_TENSOR
+    assert grid["$ref"] == "#/$defs/shard_grid"
+    assert defs["shard_grid"]["properties"]["cells"]["items"]["maximum"] == limits.MAX_SHARDS_PER_TENSOR
     top = _schema("manifest.schema.json")["properties"]
     assert top["chunks"]["maxItems"] == limits.MAX_CHUNKS
     assert top["tensors"]["maxItems"] == limits.MAX_TENSORS

@@ -127,7 +127,7 @@ class SpecReader:
         numel = math.prod(shape)
         out = bytearray(numel * width)
         covered = 0
-        for shard in entry["shards"]:
+        for shard in shard_maps(entry["shards"], shape, width):
             offsets, box = shard["offsets"], shard["shape"]
             assert len(offsets) == len(box) == len(shape)
             assert all(o + n <= d for o, n, d in zip(offsets, box, shape))
@@ -141,6 +141,44 @@ class SpecReader:
             _place(out, shape, width, offsets, box, data)
         assert covered == numel
         return entry, bytes(out)
+
+
+def shard_maps(shards, shape: list[int], width: int) -> list[dict]:
+    """A tensor's shards as the maps of FORMAT.md 6.5, from either form: the list itself, or a shard
+    grid's cells (FORMAT.md 6.11), each with offsets, shape, rank and pieces."""
+    if isinstance(shards, list):
+        return shards
+    cuts = [_column(column, count + 1) for column, count in zip(shards["cuts"], shards["cells"], strict=True)]
+    assert [(c[0], c[-1]) for c in cuts] == [(0, extent) for extent in shape] and len(cuts) == len(shape)
+    assert all(a <= b for c in cuts for a, b in zip(c, c[1:]))
+    intervals = [list(zip(c, c[1:])) for c in cuts]
+    cells = list(itertools.product(*intervals))  # C order: the last dimension varies fastest
+    counts = _column(shards["counts"], len(cells)) if "counts" in shards else [
+        1 if math.prod(end - start for start, end in cell) else 0 for cell in cells]
+    chunk, offset = _column(shards["chunk"], sum(counts)), _column(shards["offset"], sum(counts))
+    if "length" in shards:
+        length = _column(shards["length"], sum(counts))
+    else:
+        length = [math.prod(end - start for start, end in cell) * width for cell in cells if
+                  math.prod(end - start for start, end in cell)]
+    ranks = _column(shards["ranks"], len(cells)) if "ranks" in shards else [0] * len(cells)
+    maps, row = [], 0
+    for cell, count, rank in zip(cells, counts, ranks):
+        pieces = [[chunk[i], offset[i], length[i]] for i in range(row, row + count)]
+        maps.append({"offsets": [start for start, _ in cell], "shape": [end - start for start, end in cell],
+                     "rank": rank, "pieces": pieces})
+        row += count
+    return maps
+
+
+def _column(data: bytes, count: int) -> list[int]:
+    """A grid column: ``count`` unsigned little-endian ints of one width, 1, 2, 4 or 8 bytes."""
+    if count == 0:
+        assert data == b""
+        return []
+    width, rest = divmod(len(data), count)
+    assert rest == 0 and width in (1, 2, 4, 8)
+    return [int.from_bytes(data[i : i + width], "little") for i in range(0, len(data), width)]
 
 
 def _place(out: bytearray, shape, width, offsets, box, data: bytes) -> None:

@@ -17,6 +17,7 @@ from textual.timer import Timer
 from textual.widgets import Footer, Header, Input, Static, TabbedContent, TabPane, Tree
 from textual.worker import get_current_worker
 
+from ckptfmt.format.shards import chunk_rows
 from ckptfmt.loading.reader import CheckpointReader
 from ckptfmt.tools import describe
 from ckptfmt.tui.screens.base import TAB_BINDINGS, ErrorPanel, WorkerScreen
@@ -142,7 +143,7 @@ class CheckpointScreen(WorkerScreen):
             self.query_one("#stats", Static).update("")
             return
         entry = self.reader.tensor_info(group.tensor)
-        chunks = sorted({self.reader.manifest.chunks[p.chunk].hash[:12] for s in entry.shards for p in s.pieces})
+        chunks = sorted({self.reader.manifest.chunks[row].hash[:12] for row in set(chunk_rows(entry.shards))})
         rows = [
             ("key", entry.key), ("dtype", entry.dtype), ("shape", shape_text(entry.shape)),
             ("elements", f"{entry.numel:,}"), ("size", human_bytes(entry.nbytes)), ("kind", entry.kind),

@@ -16,6 +16,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ckptfmt.format.manifest import TensorEntry
+from ckptfmt.format.shards import shard_ranks
 from ckptfmt.tools import describe
 from ckptfmt.tui.widgets.charts import bar_chart
 from ckptfmt.tui.widgets.formatting import seconds
@@ -50,7 +51,7 @@ def rng(meta: dict) -> Table:
 
 
 def topology(meta: dict, entries: list[TensorEntry]) -> RenderGroup:
-    shards = Counter(shard.rank for entry in entries for shard in entry.shards)
+    shards = Counter(rank for entry in entries for rank in shard_ranks(entry.shards))
     table = Table(title="ranks", title_justify="left")
     for column in ("rank", "host", "local rank", "device", "shards written"):
         table.add_column(column)
