@@ -4,11 +4,12 @@ loads, for checkpoints of a small transformer trained on CPU in fp32 and in bf16
 Usage (from the repository root)::
 
     python bench/delta.py [--steps 2000] [--bf16-steps 600] [--dim 256] [--layers 2]
+                          [--bf16-dim D] [--bf16-layers L] [--only fp32|bf16]
 
 A byte-level GPT (embedding, ``--layers`` pre-norm blocks of attention and a 4x MLP, a tied
 head) trains on ckptfmt's own source code with AdamW for ``--steps`` steps with fp32 weights
 and ``--bf16-steps`` with bf16 weights (AdamW's moments then bf16 too; CPUs run bf16 about 3x
-slower). Its state (model and
+slower; ``--bf16-dim`` and ``--bf16-layers`` train a smaller model in bf16). Its state (model and
 optimizer) is kept at every 10th step. Each sequence of checkpoints (every 10, 100 and 1000
 steps) is then saved into a fresh repository with each compression (``none``, ``zstd``,
 ``shuffle-zstd``, ``delta-zstd``, ``auto``), in an order that rotates between sequences.
@@ -133,11 +134,18 @@ def main() -> None:
     parser.add_argument("--bf16-steps", type=int, default=600)
     parser.add_argument("--dim", type=int, default=256)
     parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--bf16-dim", type=int, help="model width in bf16 (default: --dim)")
+    parser.add_argument("--bf16-layers", type=int, help="blocks in bf16 (default: --layers)")
+    parser.add_argument("--only", choices=["fp32", "bf16"], help="train and measure one dtype")
     args = parser.parse_args()
     console.print(f"ckptfmt {ckptfmt.__version__}, torch {torch.__version__}")
-    for dtype, steps in ((torch.float32, args.steps), (torch.bfloat16, args.bf16_steps)):
+    runs = {"fp32": (torch.float32, args.steps, args.dim, args.layers),
+            "bf16": (torch.bfloat16, args.bf16_steps, args.bf16_dim or args.dim, args.bf16_layers or args.layers)}
+    for name, (dtype, steps, dim, layers) in runs.items():
+        if args.only not in (None, name):
+            continue
         rows = []
-        kept = train(dtype, steps, args.dim, args.layers)
+        kept = train(dtype, steps, dim, layers)
         nbytes = sum(v.numel() * v.element_size() for v in kept[10]["model"].values())
         console.print(f"  model state {nbytes / 2**20:.1f} MiB, with AdamW's moments about 3x")
         for turn, interval in enumerate(i for i in (10, 100, 1000) if i < steps):

@@ -129,10 +129,10 @@ def components(state: Mapping[str, torch.Tensor]) -> None:
     def copy(piece, into):
         into[:] = piece
 
-    accumulators = {}
+    accumulator = StatsAccumulator(torch.float32)
 
     def stats(piece, into):
-        accumulators.setdefault(0, StatsAccumulator(torch.float32)).add_bytes(torch.frombuffer(piece, dtype=torch.uint8))
+        accumulator.add_bytes(torch.frombuffer(piece, dtype=torch.uint8))
 
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
