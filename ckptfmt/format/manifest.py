@@ -233,7 +233,7 @@ def _collector_paused():
 
 def _tensor_to_dict(t: TensorEntry) -> dict:
     width = itemsize(t.dtype)
-    grid = t.shards if isinstance(t.shards, ShardGrid) else grid_of(t.shape, t.shards, width)
+    grid = t.shards if isinstance(t.shards, ShardGrid) else grid_of(t.shape, t.shards)
     doc = {
         "key": t.key,
         "dtype": t.dtype,

@@ -131,7 +131,7 @@ class _Budget(Protocol):
 
 # -- the wire form (spec 6.11) -------------------------------------------------
 
-def grid_of(shape: tuple[int, ...], shards: Sequence[Shard], width: int) -> ShardGrid | None:
+def grid_of(shape: tuple[int, ...], shards: Sequence[Shard]) -> ShardGrid | None:
     """``shards`` as a grid when those holding elements are exactly its cells (each dimension's
     distinct intervals chaining from 0 to the extent), else None: a writer then keeps one map per
     shard. Empty shards are left out of a grid: ranks that held nothing of an uneven split."""
