@@ -326,16 +326,14 @@ class Soak:
         assert report.ok and report.checkpoints == names, report.problems
 
 
-@pytest.mark.parametrize("workers", [
-    pytest.param(WORKERS // 2, id="half"),
-    pytest.param(WORKERS, id="full", marks=pytest.mark.exhaustive),
-])
+@pytest.mark.exhaustive  # about 40 s each; make test runs the directed fault tests above
+@pytest.mark.parametrize("workers", [pytest.param(WORKERS // 2, id="half"), pytest.param(WORKERS, id="full")])
 def test_operations_under_random_faults(s3_bucket, make_s3_proxy, workers):
     """Saves, loads, get_tensor and verifies through proxies failing 30% of requests in every way:
     each operation is right or raises a CheckpointError, in bounded time; a failed save leaves no
     commit record, a successful one verifies and loads bit-exact through a fault-free client.
-    make test runs half the workers (fewer saw no operation fail, now and then, so the failure paths
-    went unchecked); make test-exhaustive all of them."""
+    make test-exhaustive (which .ci/run runs after make test) soaks with half the workers and with
+    all (fewer than half saw no operation fail, now and then, so the failure paths went unchecked)."""
     watchdog = Watchdog()
     soaks = []
     for i in range(workers):
