@@ -83,6 +83,7 @@ def ls_json(url: str, capsys) -> list[dict]:
 # -- bounded requests on S3 ---------------------------------------------------------------------
 
 
+@pytest.mark.exhaustive  # 22 s of a moto server filled twice; make test checks the index on local and memory
 def test_ls_latest_and_parent_lookup_make_bounded_requests(s3_bucket, capsys):
     """At 20 and 120 checkpoints: latest and the parent lookup cost the same few requests, ls one listing
     page per 1,000 checkpoints, one read per pack and at most COMPACT_AT commit records; without the
