@@ -25,16 +25,17 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import blake3
-import safetensors.torch as st
 import torch
 import xxhash
-from harness import build_state, fsync_path, refresh_content, round_robin, state_nbytes
+from competitors import save_safetensors
+from harness import Scratch, build_state, fsync_path, refresh_content, round_robin, state_nbytes
 from run import changed_keys
 
 import ckptfmt
@@ -43,9 +44,9 @@ from ckptfmt.format.tensor_stats import StatsAccumulator
 BLOCK = 2**20
 
 
-def save_write(state: Mapping[str, torch.Tensor], out: Path) -> None:
+def save_write(state: Mapping[str, torch.Tensor], out: Path, name: str) -> None:
     """Every tensor's bytes to one file, then fsync of the file and its folder."""
-    path = out / "state.bin"
+    path = out / f"{name}.bin"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         for tensor in state.values():
@@ -56,34 +57,6 @@ def save_write(state: Mapping[str, torch.Tensor], out: Path) -> None:
     finally:
         os.close(fd)
     fsync_path(out)
-
-
-def save_safetensors(state: Mapping[str, torch.Tensor], out: Path) -> None:
-    path = out / "state.safetensors"
-    st.save_file(dict(state), path)
-    fsync_path(path)
-    fsync_path(out)
-
-
-class Scratch:
-    """Fresh folders under one root; each saver's previous output removed before its next repeat."""
-
-    def __init__(self, root: Path):
-        self.root = root
-        self.count = 0
-
-    def fresh(self, name: str) -> Path:
-        for old in self.root.glob(f"{name.replace(' ', '_')}-*"):
-            _remove(old)
-        self.count += 1
-        path = self.root / f"{name.replace(' ', '_')}-{self.count}"
-        path.mkdir(parents=True)
-        return path
-
-
-def _remove(path: Path) -> None:
-    import shutil
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def phases_of(url: str) -> dict[str, float]:
@@ -186,11 +159,11 @@ def main() -> None:
             return seconds
         return run
 
-    def other(save: Callable[[Mapping, Path], None], name: str) -> Callable[[int], float]:
+    def other(save: Callable[..., object], name: str) -> Callable[[int], float]:
         def run(rep: int) -> float:
             out = scratch.fresh(name)
             start = time.perf_counter()
-            save(state, out)
+            save(state, out, "state")
             return time.perf_counter() - start
         return run
 
@@ -224,7 +197,7 @@ def main() -> None:
     again = round_robin("second save", seconds, args.repeats, before_repeat=mutate)
     report(f"second save, {len(changed)} tensors changed ({changed_bytes / 1e9:.2f} GB), against full saves",
            again, "ckptfmt", ["safetensors", "write"])
-    _remove(scratch.root)
+    shutil.rmtree(scratch.root, ignore_errors=True)
 
 
 if __name__ == "__main__":
