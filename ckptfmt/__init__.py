@@ -25,6 +25,7 @@ from ckptfmt.errors import (
     InvalidNameError,
     ManifestError,
     StorageError,
+    UnsafePathError,
     UnsupportedValueError,
     UnsupportedVersionError,
 )
@@ -87,6 +88,7 @@ __all__ = [
     "Sharded",
     "StorageError",
     "Tier",
+    "UnsafePathError",
     "UnsupportedValueError",
     "UnsupportedVersionError",
     "VerifyReport",

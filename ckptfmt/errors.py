@@ -37,6 +37,11 @@ class InvalidNameError(CheckpointError, ValueError):
     """A checkpoint name, key or hash breaks the naming rules (e.g. path traversal)."""
 
 
+class UnsafePathError(CheckpointError, PermissionError):
+    """An operation that deletes or overwrites would act through a symbolic link or outside its repository's
+    folder (another repository's checkpoint, a user's files): refused, naming the link."""
+
+
 class UnsupportedValueError(CheckpointError, TypeError):
     """save() was given a value the format cannot represent exactly."""
 

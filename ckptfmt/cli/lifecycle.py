@@ -57,7 +57,7 @@ def rm_command(args, console: Console) -> int:
                               f"{', '.join(sorted(repos))}")
     repo = Repository.open(repos.pop())
     removed = remove(repo, [name for _, name in parts])
-    Output(console).line(f"{repo.url}: removed {len(removed)} checkpoint(s): {', '.join(removed)}; "
+    Output(console).line(f"{repo.url}: removed {counted(len(removed), 'checkpoint')}: {', '.join(removed)}; "
                          "run ckptfmt gc to reclaim their chunks")
     return 0
 

@@ -76,9 +76,12 @@ def remove(repo: Repository, names: list[str]) -> list[str]:
     """Delete the checkpoints ``names`` (``Repository.remove``: the commit record first).
 
     Chunks stay until ``collect``. Raises CheckpointNotFoundError for a name
-    without a commit record, before deleting anything.
+    without a commit record, and UnsafePathError for one whose folder is a
+    symbolic link (it would delete another repository's checkpoint), before
+    deleting anything.
     """
     for name in names:
+        repo.storage.refuse_links(layout.commit_key(name))
         if not repo.storage.exists(layout.commit_key(name)):
             raise CheckpointNotFoundError(f"{repo.storage.describe(name)}: no such checkpoint (no commit record)")
     for name in names:

@@ -34,7 +34,7 @@ from ckptfmt.format.manifest import FORMAT_VERSION, Manifest, check_version
 from ckptfmt.format.values import unique_map
 from ckptfmt.repository.index import INDEX_DIR, CommitIndex, IndexDamagedError, read_each
 from ckptfmt.storage.base import Storage
-from ckptfmt.storage.factory import open_storage
+from ckptfmt.storage.factory import check_no_parent_segments, open_storage
 
 REPO_FORMAT = "ckptfmt-repository"
 #: The version of the commit index (spec 4.4) that this ckptfmt reads and keeps: the marker's ``index``.
@@ -380,7 +380,7 @@ class Repository:
 
 def resolve(url: str | os.PathLike, storage_options: dict[str, Any] | None = None) -> tuple[Repository, str]:
     """Map a checkpoint URL (REPO/NAME) or a repository URL (its latest checkpoint) to both parts."""
-    text = os.fspath(url).rstrip("/")
+    text = check_no_parent_segments(os.fspath(url).rstrip("/"))
     storage = open_storage(text, storage_options)
     if storage.exists(layout.MARKER_KEY):
         repo = Repository(storage)
@@ -403,7 +403,7 @@ def split_checkpoint_url(url: str | os.PathLike) -> tuple[str, str]:
     A bare name (``"step-100"``, ``"s3://bucket"``) is refused rather than read as a checkpoint
     of the current directory or of a bucket's parent: that would make a repository of them.
     """
-    text = os.fspath(url).rstrip("/")
+    text = check_no_parent_segments(os.fspath(url).rstrip("/"))
     protocol, scheme, path = text.rpartition("://")
     parent, sep, name = path.rpartition("/")
     if not sep or (scheme and not parent):

@@ -156,6 +156,10 @@ class Storage:
         with backend_errors(self.describe(key), passing=(FileExistsError,)):
             self.fs.pipe_file(self.path(key), bytes(data), mode="create")
 
+    def refuse_links(self, key: str, checked: builtins.set[str] | None = None) -> None:
+        """Raise UnsafePathError where deleting or replacing ``key`` would act through a symbolic link
+        (local disks); object stores and memory:// have none."""
+
     def delete(self, key: str) -> None:
         with backend_errors(self.describe(key)), contextlib.suppress(FileNotFoundError):
             self.fs.rm_file(self.path(key))

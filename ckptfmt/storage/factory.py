@@ -9,7 +9,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 from fsspec.implementations.memory import MemoryFileSystem
 
-from ckptfmt.errors import StorageError
+from ckptfmt.errors import InvalidNameError, StorageError, quoted
 from ckptfmt.storage.base import Storage
 from ckptfmt.storage.errors import backend_errors
 from ckptfmt.storage.local import LocalStorage
@@ -23,7 +23,7 @@ def open_storage(url: str | os.PathLike, storage_options: dict[str, Any] | None 
     shell, from the standard AWS environment variables (``AWS_ENDPOINT_URL``, ...).
     s3:// storages get bounded timeouts and retries by default (``s3_options``).
     """
-    url = os.fspath(url)
+    url = check_no_parent_segments(os.fspath(url))
     options = dict(storage_options or {})
     s3 = fsspec.core.split_protocol(url)[0] in ("s3", "s3a")
     if s3:
@@ -41,6 +41,27 @@ def open_storage(url: str | os.PathLike, storage_options: dict[str, Any] | None 
         fs.retries = S3FS_TRIES
         fail_fast_when_refused(fs)
     return ObjectStorage(fs, root, url)
+
+
+def check_no_parent_segments(url: str) -> str:
+    """``url``, refused if a ``..`` segment follows another segment (``repo/../escape``).
+
+    Resolved away, it would make another folder the repository than the one the
+    user named (``save(state, "repo/../escape")`` made the parent folder one), and
+    on object stores ``..`` is a literal key. Leading ``..`` in a local relative path
+    (``../runs/exp1``) names a folder plainly and is kept.
+    """
+    protocol, _, path = url.rpartition("://")
+    segments = path.split("/")
+    leading = 0
+    if not protocol or protocol == "file":
+        while leading < len(segments) and segments[leading] in ("..", "."):
+            leading += 1
+    if ".." in segments[leading:]:
+        raise InvalidNameError(f"{quoted(url)}: a '..' segment inside a checkpoint or repository URL is refused: "
+                               "it would be resolved away and make another folder the repository; give the path "
+                               "without it")
+    return url
 
 
 def in_process_memory(url: str | os.PathLike) -> bool:

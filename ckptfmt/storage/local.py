@@ -13,7 +13,7 @@ import uuid
 import fsspec
 
 from ckptfmt._platform import start_writeback
-from ckptfmt.errors import CheckpointError, CorruptDataError
+from ckptfmt.errors import CheckpointError, CorruptDataError, UnsafePathError
 from ckptfmt.storage.base import Staged, Storage
 from ckptfmt.storage.errors import backend_errors
 
@@ -76,6 +76,7 @@ class _StagedFile(Staged):
         try:
             with backend_errors(self._storage.describe(key)):
                 self._storage.makedirs(os.path.dirname(key))
+                self._storage.refuse_links(key)
                 os.replace(self.path, self._storage.path(key))
         except CheckpointError:
             self.discard()
@@ -202,6 +203,7 @@ class LocalStorage(Storage):
 
     def _staged(self, key: str, data) -> _StagedFile:
         """``data`` in a temporary file beside ``key``, not yet sealed."""
+        self.refuse_links(key)  # before the temporary file goes into a linked folder
         directory, name = os.path.split(key)
         staged = _StagedFile(self, directory, name)
         staged.write(data)
@@ -220,16 +222,41 @@ class LocalStorage(Storage):
             staged.discard()
         self._sync_folders([key])  # the file itself was fsynced before it was linked
 
+    def refuse_links(self, key: str, checked: set[str] | None = None) -> None:
+        """Raise UnsafePathError if ``key`` or a folder between the root and it is a symbolic link.
+
+        Deleting or replacing through a link would act outside this repository (a link
+        ``REPO/victim`` to another repository's checkpoint: its commit record, manifest,
+        a user's notes). The root may be reached through links: it is the repository.
+        ``checked``: folders already found to be no links, for a batch of keys.
+        """
+        path = self.root
+        for part in key.split("/"):
+            path = os.path.join(path, part)
+            if checked is not None and path in checked:
+                continue
+            if os.path.islink(path):
+                raise UnsafePathError(
+                    f"{self.describe(key)}: refused, {path} is a symbolic link (to {os.readlink(path)}); ckptfmt "
+                    "never deletes or overwrites through a link, which would act outside the repository's folder")
+            if checked is not None and path != self.path(key):
+                checked.add(path)
+
     def delete(self, key: str) -> None:
+        self.refuse_links(key)
         with backend_errors(self.describe(key)), contextlib.suppress(FileNotFoundError):
             os.unlink(self.path(key))
 
     def delete_many(self, keys: builtins.list[str]) -> None:
+        checked: set[str] = set()
         for key in keys:
-            self.delete(key)
+            self.refuse_links(key, checked)
+            with backend_errors(self.describe(key)), contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path(key))
 
     def remove_folder(self, key: str) -> None:
         """Remove the folder ``key`` if it is empty (object stores have no folders)."""
+        self.refuse_links(key)
         try:
             os.rmdir(self.path(key))
         except (FileNotFoundError, OSError):

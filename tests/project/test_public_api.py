@@ -14,7 +14,7 @@ TOP_LEVEL = [
     "CheckpointError", "CheckpointExistsError", "CheckpointManager", "CheckpointNotFoundError", "CheckpointReader",
     "CheckpointWarning", "CollectiveError", "CorruptDataError", "FORMAT_VERSION", "InvalidNameError",
     "ManifestError", "OpaqueObject", "PerRank", "PerRankValues", "RepairReport", "ReplicationReport", "Repository",
-    "Retention", "Shard", "Sharded", "StepTimer", "StorageError", "Tier", "UnsupportedValueError",
+    "Retention", "Shard", "Sharded", "StepTimer", "StorageError", "Tier", "UnsafePathError", "UnsupportedValueError",
     "UnsupportedVersionError", "VerifyReport", "async_save", "load", "open", "repair", "replicate", "restore_rng",
     "save", "verify",
 ]
