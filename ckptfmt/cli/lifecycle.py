@@ -91,15 +91,16 @@ def _best(text: str | None) -> tuple[str, str, int] | None:
 
 def _summary(repo: Repository, doomed: list[str], report: GcReport) -> str:
     verb = "would free" if report.dry_run else "freed"
-    removed = f"{'would remove' if report.dry_run else 'removed'} {len(doomed)} checkpoint(s)" + (
+    removed = f"{'would remove' if report.dry_run else 'removed'} {counted(len(doomed), 'checkpoint')}" + (
         f" ({', '.join(doomed[:5])}{', ...' if len(doomed) > 5 else ''})" if doomed else "")
     if report.busy:
-        return (f"{repo.url}: {removed}; no chunk deleted: {len(report.busy)} save(s) still running after the wait "
-                f"({report.busy[0]}); run gc again later")
-    freed = (f"{verb} {human_bytes(report.chunk_bytes + report.other_bytes)}: {report.chunks} unreferenced chunk(s) "
-             f"and {report.other} other file(s) (manifests and leftovers of removed or failed saves)")
-    return (f"{repo.url}: {removed}; {freed}; {report.kept_chunks} chunk(s), {human_bytes(report.kept_bytes)} "
-            f"kept for the remaining checkpoints")
+        return (f"{repo.url}: {removed}; no chunk deleted: held back by {counted(len(report.busy), 'live save lease')}"
+                f" (a running save, or a killed one's until it expires): {'; '.join(report.busy)}; run gc again then")
+    freed = (f"{verb} {human_bytes(report.chunk_bytes + report.other_bytes)}: "
+             f"{counted(report.chunks, 'unreferenced chunk')} and {counted(report.other, 'other file')} (manifests "
+             "and leftovers of removed or failed saves)")
+    return (f"{repo.url}: {removed}; {freed}; {counted(report.kept_chunks, 'chunk')}, "
+            f"{human_bytes(report.kept_bytes)} kept for the remaining checkpoints")
 
 
 def repair_command(args, console: Console) -> int:

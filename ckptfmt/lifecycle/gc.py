@@ -25,6 +25,7 @@ from ckptfmt.format import layout
 from ckptfmt.format.limits import is_valid_name
 from ckptfmt.format.manifest import stored_key
 from ckptfmt.repository.leases import Lease, try_gc_lease
+from ckptfmt.repository.lost_commits import lost_commits
 from ckptfmt.repository.repository import CommitRecord, Repository
 
 #: Manifest fields a collector never needs (the chunk table is what it reads).
@@ -75,14 +76,15 @@ class _Mark:
 def remove(repo: Repository, names: list[str]) -> list[str]:
     """Delete the checkpoints ``names`` (``Repository.remove``: the commit record first).
 
-    Chunks stay until ``collect``. Raises CheckpointNotFoundError for a name
-    without a commit record, and UnsafePathError for one whose folder is a
+    Chunks stay until ``collect``. A folder whose commit record is already gone (a
+    removal interrupted half way) is removed too. Raises CheckpointNotFoundError
+    for a name with neither, and UnsafePathError for one whose folder is a
     symbolic link (it would delete another repository's checkpoint), before
     deleting anything.
     """
     for name in names:
         repo.storage.refuse_links(layout.commit_key(name))
-        if not repo.storage.exists(layout.commit_key(name)):
+        if not repo.storage.exists(layout.commit_key(name)) and not repo.storage.list(name):
             raise CheckpointNotFoundError(f"{repo.storage.describe(name)}: no such checkpoint (no commit record)")
     for name in names:
         repo.remove(name)
@@ -130,6 +132,7 @@ def _mark(repo: Repository, assume_removed: frozenset[str], known: dict[str, fro
                  if key.endswith(f"/{layout.COMMIT_NAME}") and is_valid_name(key.partition("/")[0])
                  and key.count("/") == 1} - assume_removed
     records = _records(repo, committed)
+    _refuse_lost_commits(repo, objects, records, assume_removed)
     referenced: set[str] = set()
     for record in records.values():
         referenced.update(_chunk_keys(repo, record, known))
@@ -148,6 +151,19 @@ def _mark(repo: Repository, assume_removed: frozenset[str], known: dict[str, fro
         elif top in assume_removed and rest:
             other[key] = size
     return _Mark(records, referenced, chunks, other, kept_bytes)
+
+
+def _refuse_lost_commits(repo: Repository, objects: dict[str, int], records: dict[str, CommitRecord],
+                         assume_removed: frozenset[str]) -> None:
+    """Stop the collection where a folder holds the manifest of a checkpoint that was surely committed but
+    lost its commit record: sweeping it as an unfinished save would delete the checkpoint for good
+    (spec 11.6: its chunks cannot be known). A save killed before its commit record is swept as usual."""
+    uncommitted = sorted({key.partition("/")[0] for key in objects if "/" in key} - set(records) - assume_removed)
+    lost = [found for found in lost_commits(repo, uncommitted, {n: r.parent for n, r in records.items()})
+            if found.certain]
+    if lost:
+        raise CheckpointError(f"cannot collect garbage: {lost[0].message(repo.url)}; or, if it was being "
+                              f"removed, `ckptfmt rm {repo.url}/{lost[0].name}` finishes the removal")
 
 
 def _records(repo: Repository, names: set[str]) -> dict[str, CommitRecord]:

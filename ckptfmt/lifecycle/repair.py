@@ -23,16 +23,17 @@ from dataclasses import dataclass, field
 
 from fsspec.callbacks import Callback
 
-from ckptfmt.errors import CheckpointError, StorageError
+from ckptfmt.errors import CheckpointError, CheckpointNotFoundError, CorruptDataError, StorageError
 from ckptfmt.format import layout
 from ckptfmt.format.commit_record import CommitRecord
 from ckptfmt.format.hashing import check_chunk
-from ckptfmt.format.limits import is_valid_name
+from ckptfmt.format.limits import MAX_MARKER_BYTES, is_valid_name
 from ckptfmt.format.manifest import Chunk, Manifest, stored_key
 from ckptfmt.repository.chunk_copies import find_copy
 from ckptfmt.repository.leases import save_lease
-from ckptfmt.repository.repository import Repository
+from ckptfmt.repository.repository import MarkerDamagedError, Repository, no_repository, parse_marker
 from ckptfmt.storage.base import Storage
+from ckptfmt.storage.factory import open_storage
 from ckptfmt.tools.verify import Problem, VerifyReport, check_chunks, verify
 
 
@@ -40,7 +41,7 @@ from ckptfmt.tools.verify import Problem, VerifyReport, check_chunks, verify
 class Fix:
     """One object replaced (or, in a dry run, that would be)."""
 
-    kind: str  # "chunk", "manifest", "commit-record"
+    kind: str  # "marker", "chunk", "manifest", "commit-record"
     key: str  # its key in the repaired repository
     source: str  # where the verified replacement was read
     damage: str  # what was wrong with it
@@ -92,16 +93,18 @@ def repair(url: str | os.PathLike, sources: Sequence[str | os.PathLike] = (), *,
     counts the bytes checked.
     """
     started = time.perf_counter()
-    repo = Repository.open(url, storage_options)
-    repo.check_marker()
     options = list(source_options or [None] * len(sources))
     if len(options) != len(sources):
         raise ValueError("give one storage_options entry per source")
     others = [Repository.open(source, opts) for source, opts in zip(sources, options)]
+    repo = Repository(open_storage(url, storage_options))
+    marker_damage = _marker_damage(repo)
     report = RepairReport(url=repo.url, sources=[o.url for o in others], dry_run=dry_run)
-    listing = repo.listing()
-    report.checkpoints = listing.checkpoints + _lost_commits(repo, others, listing.ignored)
     with save_lease(repo) if not dry_run else contextlib.nullcontext():
+        if marker_damage is not None:
+            _repair_marker(repo, others, marker_damage, report)
+        listing = repo.listing()
+        report.checkpoints = listing.checkpoints + _lost_commits(repo, others, listing.ignored)
         manifests = _repair_checkpoints(repo, others, report)
         damage = VerifyReport(url=repo.url, checkpoints=list(manifests))
         check_chunks(repo, manifests, damage, callback, workers=workers)
@@ -112,6 +115,43 @@ def repair(url: str | os.PathLike, sources: Sequence[str | os.PathLike] = (), *,
         report.verified = damage
     report.seconds = time.perf_counter() - started
     return report
+
+
+def _marker_damage(repo: Repository) -> str | None:
+    """What is wrong with the repository's marker (None: nothing). A folder with neither a marker nor a
+    chunk store is no repository at all: that raises, as a wrong URL should."""
+    try:
+        repo.check_marker(hint=False)
+        return None
+    except (MarkerDamagedError, CorruptDataError) as exc:  # CorruptDataError: over the size limit
+        return str(exc)
+    except CheckpointNotFoundError:
+        if not repo.storage.exists(layout.CHUNKS_DIR):
+            raise no_repository(repo.storage) from None
+        return f"{repo.storage.describe(layout.MARKER_KEY)}: missing"
+
+
+def _repair_marker(repo: Repository, others: list[Repository], damage: str, report: RepairReport) -> None:
+    """Restore the marker from the first source whose marker is valid (checked as a reader checks it);
+    without one, the marker is unrepaired and the repair cannot go on."""
+    tried = []
+    for other in others:
+        where = other.storage.describe(layout.MARKER_KEY)
+        try:
+            data = other.storage.read(layout.MARKER_KEY, max_size=MAX_MARKER_BYTES)
+            doc = parse_marker(data, where)
+        except StorageError:
+            raise
+        except CheckpointError as exc:
+            tried.append(str(exc))
+            continue
+        report.fixed.append(Fix("marker", layout.MARKER_KEY, where, damage))
+        if not report.dry_run:
+            repo.storage.write(layout.MARKER_KEY, data)
+            repo.storage.sync([layout.MARKER_KEY])
+        repo.index_version = doc.get("index")
+        return
+    raise MarkerDamagedError(f"{damage}; no source holds a valid marker to restore it from ({_tried_text(tried)})")
 
 
 def _lost_commits(repo: Repository, others: list[Repository], ignored: list[str]) -> list[str]:

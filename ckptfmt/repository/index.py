@@ -195,21 +195,27 @@ class CommitIndex:
     def vouched(self, names: set[str]) -> dict[str, CommitRecord]:
         """Packed records of ``names`` that readers may take without reading them: one packed record for
         the name and no entry (an entry means a save of that name since its compaction)."""
-        for _ in range(_LIST_TRIES):
-            entries, refs = self.entries(), self.packs()  # entries first: compaction packs, then deletes
-            try:
-                packed = [r for ref in refs for r in self._read_or_skip(ref)]
-                break
-            except _PackGone:
-                continue
-        else:
+        listed = self.listed()
+        if listed is None:
             return {}  # compactions keep replacing packs: the commit records say it all
+        entries, packed = listed
         loose = {e.name for e in entries}
         found: dict[str, dict[str, CommitRecord]] = {}
         for record in packed:
             if record.name in names and record.name not in loose:
                 found.setdefault(record.name, {})[record.manifest_hash] = record
         return {name: next(iter(records.values())) for name, records in found.items() if len(records) == 1}
+
+    def listed(self) -> tuple[list[Entry], list[CommitRecord]] | None:
+        """The entries and every packed record (damaged packs skipped with a warning), listed consistently;
+        None when compactions kept replacing packs while they were read."""
+        for _ in range(_LIST_TRIES):
+            entries, refs = self.entries(), self.packs()  # entries first: compaction packs, then deletes
+            try:
+                return entries, [r for ref in refs for r in self._read_or_skip(ref)]
+            except _PackGone:
+                continue
+        return None
 
     def _read_or_skip(self, ref: PackRef) -> list[CommitRecord]:
         """A pack's records, or none with a warning when it is damaged (its names' commit records are read)."""

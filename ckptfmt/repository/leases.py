@@ -54,6 +54,13 @@ class LeaseRecord:
     def live(self, now_ns: int) -> bool:
         return now_ns <= self.expires_ns + int(CLOCK_SKEW_S * 1e9)
 
+    def describe(self, now_ns: int) -> str:
+        """Who holds it and until when, for messages: '_leases/save-....json, held by host:4242 until 12:03:07
+        UTC (in 41 s)'; the time is the holder's expiry plus the allowed clock skew, when others stop waiting."""
+        until_ns = self.expires_ns + int(CLOCK_SKEW_S * 1e9)
+        clock = time.strftime("%H:%M:%S UTC", time.gmtime(until_ns / 1e9))
+        return f"{self.key}, held by {self.holder} until {clock} (in {max(0, round((until_ns - now_ns) / 1e9))} s)"
+
 
 class Lease:
     """One lease object, renewed by a daemon thread until released."""
@@ -110,6 +117,11 @@ class Lease:
         while not self._stop.wait(min(RENEW_EVERY_S, self.ttl_s / 4)):
             if give_up is not None and time.monotonic() > give_up:
                 return
+            if time.time_ns() > self._valid_until_ns:
+                # Lapsed (the process was paused): others may have reclaimed it and acted meanwhile, so it is
+                # never written again; check() refuses from now on.
+                self._renew_error = LeaseLostError("it expired before it could be renewed")
+                return
             try:
                 self._write()
                 self._renew_error = None
@@ -148,17 +160,33 @@ def _parse(data: bytes, key: str) -> LeaseRecord:
     return LeaseRecord(key=key, kind=doc["kind"], holder=str(doc.get("holder", "?")), expires_ns=expires)
 
 
-def live_leases(repo: Repository, kind: str) -> list[str]:
-    """Descriptions of the live leases of ``kind``.
+def live_leases(repo: Repository, kind: str, *, reclaim_for: str | None = None) -> list[str]:
+    """Descriptions of the live leases of ``kind``: key, holder, and until when it holds.
 
     Unreadable leases count as save leases: they stop the collector (which is
     what failing safe means for deletion) but never a save, since a collector
-    only sweeps behind a lease it wrote whole.
+    only sweeps behind a lease it wrote whole. ``reclaim_for``: the caller's own
+    lease key; the expired leases of others are deleted on the way (``reclaim``).
     """
     records, unreadable = read_leases(repo)
     now = time.time_ns()
-    live = [f"{r.key} ({r.holder})" for r in records if r.kind == kind and r.live(now)]
-    return live + [f"{key} (unreadable)" for key in unreadable] if kind == SAVE else live
+    if reclaim_for is not None:
+        reclaim(repo, [r.key for r in records if not r.live(now) and r.key != reclaim_for])
+    live = [r.describe(now) for r in records if r.kind == kind and r.live(now)]
+    return live + [f"{key} (unreadable: delete it if no save runs)" for key in unreadable] if kind == SAVE else live
+
+
+def reclaim(repo: Repository, expired: list[str]) -> None:
+    """Delete expired leases (past their expiry and the clock skew): their holders were killed or lost them,
+    and a holder never renews a lapsed lease (``Lease``), so none comes back to life. Best effort: an
+    expired lease left behind is ignored anyway. Unreadable leases are never reclaimed: they may be a live
+    holder's, as far as anyone can tell."""
+    if not expired:
+        return
+    try:
+        repo.storage.delete_many(expired)
+    except CheckpointError:
+        pass
 
 
 @contextmanager
@@ -184,7 +212,7 @@ def hold_save_lease(repo: Repository, *, timeout_s: float = 2 * (LEASE_TTL_S + C
     deadline = time.monotonic() + timeout_s
     while True:
         lease = Lease(repo, SAVE, ttl_s, max_hold_s).acquire()
-        sweeping = live_leases(repo, GC)
+        sweeping = live_leases(repo, GC, reclaim_for=lease.key)
         if not sweeping:
             return lease
         lease.release()
@@ -211,7 +239,7 @@ def try_gc_lease(repo: Repository, drain_s: float = 0.0) -> tuple[Lease | None, 
     lease = Lease(repo, GC).acquire()
     deadline = time.monotonic() + drain_s
     pause = 0.01
-    while saving := live_leases(repo, SAVE):
+    while saving := live_leases(repo, SAVE, reclaim_for=lease.key):
         if time.monotonic() >= deadline:
             lease.release()
             return None, saving

@@ -43,6 +43,11 @@ INDEX_VERSION = 1
 _READ_BACK_TRIES = 4
 
 
+class MarkerDamagedError(ManifestError):
+    """The repository marker is unreadable (not JSON, not a marker): every read of the repository needs it,
+    and ``repair`` restores it from another copy."""
+
+
 @dataclass(frozen=True)
 class Listing:
     """A repository's top-level entries, sorted."""
@@ -89,7 +94,7 @@ class Repository:
             except FileExistsError:  # another writer created it first
                 repo.check_marker()
         else:
-            raise CheckpointNotFoundError(f"{repo.url}: not a ckptfmt repository (no {layout.MARKER_KEY})")
+            raise no_repository(repo.storage)
         return repo
 
     @staticmethod
@@ -98,29 +103,18 @@ class Repository:
         return json.dumps({"format": REPO_FORMAT, "version": list(FORMAT_VERSION), "index": INDEX_VERSION},
                           indent=1).encode()
 
-    def check_marker(self) -> None:
-        self._read_marker()
+    def check_marker(self, *, hint: bool = True) -> None:
+        """Read and check the marker; a damaged one's error says how to repair it (``hint``)."""
+        self._read_marker(hint=hint)
 
-    def _read_marker(self) -> dict:
+    def _read_marker(self, *, hint: bool = True) -> dict:
         """The marker, checked (spec 10.2); notes whether the repository keeps a commit index (spec 4.4)."""
         where = self.storage.describe(layout.MARKER_KEY)
-        try:
-            doc = json.loads(
-                self.storage.read(layout.MARKER_KEY, max_size=MAX_MARKER_BYTES), object_pairs_hook=unique_map
-            )
-        except CheckpointError:
-            raise
-        except (ValueError, RecursionError):  # RecursionError: deep JSON nesting
-            raise ManifestError(f"{where}: not valid JSON") from None
-        except ManifestError as exc:  # a duplicate key
-            raise ManifestError(f"{where}: {exc}") from None
-        if not isinstance(doc, dict) or doc.get("format") != REPO_FORMAT:
-            raise ManifestError(f"{where}: not a ckptfmt repository marker")
-        check_version(doc.get("version"), where)
-        index = doc.get("index")
-        if index is not None and (type(index) is not int or index < 1):
-            raise ManifestError(f"{where}: index {quoted(index)} is not a positive integer")
-        self.index_version = index
+        repair_hint = (f"; `ckptfmt repair {self.url} --from REPLICA` restores it from another copy (a tier, "
+                       "a replica)") if hint else ""
+        doc = parse_marker(self.storage.read(layout.MARKER_KEY, max_size=MAX_MARKER_BYTES), where,
+                           repair_hint=repair_hint)
+        self.index_version = doc.get("index")
         return doc
 
     # -- checkpoints ---------------------------------------------------------
@@ -205,11 +199,22 @@ class Repository:
         except CheckpointExistsError:
             index.discard(record)
             raise
+        except CheckpointError:  # the disk filled up, the store failed: the entry goes if the record is absent
+            if not self._exists_or_unknown(key):
+                index.discard(record)
+            raise
         try:
             index.after_commit(record)
         except CheckpointError as exc:  # committed all the same: the next save or a rebuild compacts
             warnings.warn(f"{where}: committed, but the commit index was not compacted: {exc}", stacklevel=3,
                           category=CheckpointWarning)
+
+    def _exists_or_unknown(self, key: str) -> bool:
+        """Whether ``key`` exists, True where that cannot be told (the store fails): keep what may be needed."""
+        try:
+            return self.storage.exists(key)
+        except CheckpointError:
+            return True
 
     def _create_record(self, key: str, data: bytes, where: str) -> None:
         """Create commit record ``key``. Where the storage's create cannot be taken on trust
@@ -335,10 +340,11 @@ class Repository:
 
     def remove(self, name: str) -> None:
         """Delete checkpoint ``name``: its commit record first, so that it is never seen half deleted, then
-        the rest of its folder (manifests, a failed save's leftovers). Its chunks stay for the collector.
+        the rest of its folder (manifests, a failed save's leftovers); a folder whose commit record is
+        already gone (a removal interrupted half way) goes too. Its chunks stay for the collector.
         Packed index records of it are then ignored by readers: its name is gone from the listing."""
         key = layout.commit_key(check_name(name))
-        if not self.storage.exists(key):
+        if not self.storage.exists(key) and not self.storage.list(name):
             raise CheckpointNotFoundError(f"{self.storage.describe(name)}: no such checkpoint (no commit record)")
         self.storage.delete(key)
         self.storage.delete_many([f"{name}/{entry}" for entry in self.storage.list(name)])
@@ -378,6 +384,27 @@ class Repository:
         return manifest
 
 
+def parse_marker(data: bytes, where: str, *, repair_hint: str = "") -> dict:
+    """A repository marker's members, checked (spec 10.2): MarkerDamagedError (ending in ``repair_hint``)
+    where the bytes are no marker; UnsupportedVersionError for a marker of another major version."""
+    try:
+        doc = json.loads(data, object_pairs_hook=unique_map)
+    except ManifestError as exc:  # a duplicate key
+        raise MarkerDamagedError(f"{where}: the repository marker is damaged ({exc}){repair_hint}") from None
+    except (ValueError, RecursionError):  # RecursionError: deep JSON nesting
+        raise MarkerDamagedError(f"{where}: the repository marker is damaged (not valid JSON){repair_hint}") from None
+    if not isinstance(doc, dict) or doc.get("format") != REPO_FORMAT:
+        raise MarkerDamagedError(f"{where}: not a ckptfmt repository marker{repair_hint}")
+    try:
+        check_version(doc.get("version"), where)
+    except ManifestError as exc:  # malformed; another major version raises UnsupportedVersionError
+        raise MarkerDamagedError(f"{exc}{repair_hint}") from None
+    index = doc.get("index")
+    if index is not None and (type(index) is not int or index < 1):
+        raise MarkerDamagedError(f"{where}: index {quoted(index)} is not a positive integer{repair_hint}")
+    return doc
+
+
 def resolve(url: str | os.PathLike, storage_options: dict[str, Any] | None = None) -> tuple[Repository, str]:
     """Map a checkpoint URL (REPO/NAME) or a repository URL (its latest checkpoint) to both parts."""
     text = check_no_parent_segments(os.fspath(url).rstrip("/"))
@@ -388,13 +415,32 @@ def resolve(url: str | os.PathLike, storage_options: dict[str, Any] | None = Non
         return repo, repo.latest()
     parent, sep, name = text.rpartition("/")
     if not sep or not name:
-        raise CheckpointNotFoundError(f"{text}: not a ckptfmt repository or checkpoint")
+        raise no_repository(storage, "repository or checkpoint")
     check_name(name)
     try:
         repo = Repository.open(parent or "/", storage_options)
+    except MarkerLostError:
+        raise
     except CheckpointNotFoundError:
-        raise CheckpointNotFoundError(f"{text}: not a ckptfmt repository or checkpoint") from None
+        raise no_repository(storage, "repository or checkpoint") from None
     return repo, name
+
+
+class MarkerLostError(CheckpointNotFoundError):
+    """A folder holds a chunk store but no marker: a repository that lost it (``repair`` restores it)."""
+
+
+def no_repository(storage: Storage, what: str = "repository") -> CheckpointNotFoundError:
+    """The error for a URL without a marker, saying why where that can be told: the bucket does not
+    exist, or the folder holds a chunk store and lost its marker."""
+    missing = storage.missing_container()
+    if missing:
+        return CheckpointNotFoundError(f"{storage.url}: {missing}")
+    if storage.exists(layout.CHUNKS_DIR):
+        return MarkerLostError(
+            f"{storage.url}: a repository that lost its marker ({layout.MARKER_KEY}): it holds a chunk store; "
+            f"`ckptfmt repair {storage.url} --from REPLICA` restores the marker from another copy")
+    return CheckpointNotFoundError(f"{storage.url}: not a ckptfmt {what} (no {layout.MARKER_KEY})")
 
 
 def split_checkpoint_url(url: str | os.PathLike) -> tuple[str, str]:

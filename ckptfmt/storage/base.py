@@ -98,6 +98,11 @@ class Storage:
         with backend_errors(self.describe(key)):
             return bool(self.fs.exists(self.path(key)))
 
+    def missing_container(self) -> str | None:
+        """Why nothing at all can be at this storage's root, for messages ("the bucket ... does not
+        exist"), or None where it may simply be empty."""
+        return None
+
     def list(self, key: str = "") -> list[str]:
         """Names of the entries directly under ``key`` (empty when it does not exist)."""
         with backend_errors(self.describe(key)):

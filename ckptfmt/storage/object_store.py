@@ -51,6 +51,14 @@ class ObjectStorage(Storage):
                 time.sleep(0.05 * 2**attempt * (1 + _JITTER.random()))
 
 
+    def missing_container(self) -> str | None:
+        bucket = self.fs._strip_protocol(self.root).split("/", 1)[0]
+        with backend_errors(self.url):
+            if bucket and not self.fs.exists(bucket):
+                return f"the bucket {bucket!r} does not exist (or these credentials cannot see it)"
+        return None
+
+
 #: botocore client settings for s3:// storages; each key of the caller's
 #: ``storage_options["config_kwargs"]`` replaces the one here.
 S3_CONFIG_DEFAULTS: dict[str, Any] = {

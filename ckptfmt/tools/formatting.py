@@ -72,9 +72,10 @@ def seconds(value: object) -> str:
     return f"{real * 1000:.1f} ms" if real < 10 else f"{real:.1f} s"
 
 
-def counted(n: int, noun: str) -> str:
-    """'1 checkpoint', '3 checkpoints': a count with its noun, plural unless it is one."""
-    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+def counted(n: int, noun: str, plural: str | None = None) -> str:
+    """'1 checkpoint', '3 checkpoints': a count with its noun, plural unless it is one (``plural`` where
+    adding an s is wrong: 'entries')."""
+    return f"{n} {noun}" if n == 1 else f"{n} {plural or noun + 's'}"
 
 
 __all__ = ["counted", "human_bytes", "human_time", "number", "seconds", "shape_text", "short"]

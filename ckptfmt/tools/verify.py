@@ -23,10 +23,13 @@ from ckptfmt.format import layout
 from ckptfmt.format.manifest import Manifest, stored_key
 from ckptfmt.format.shards import chunk_rows
 from ckptfmt.loading.chunkio import ChunkReader
+from ckptfmt.repository.leases import SAVE, live_leases
+from ckptfmt.repository.lost_commits import lost_commits
 from ckptfmt.repository.repository import Repository, resolve
 from ckptfmt.storage.budget import ByteBudget
 from ckptfmt.storage.factory import open_storage
 from ckptfmt.tools import describe
+from ckptfmt.tools.formatting import counted
 from ckptfmt.tools.stats_check import StatsCheck
 
 
@@ -34,7 +37,7 @@ from ckptfmt.tools.stats_check import StatsCheck
 class Problem:
     """One thing found wrong: what, where, and which tensors it damages."""
 
-    kind: str  # "missing-chunk", "corrupt-chunk", "bad-checkpoint", "wrong-stats"
+    kind: str  # "missing-chunk", "corrupt-chunk", "bad-checkpoint", "missing-commit", "wrong-stats"
     checkpoint: str
     message: str
     chunk: str | None = None
@@ -86,20 +89,17 @@ def verify(url: str | os.PathLike, *, storage_options: dict | None = None,
     callback = callback or NoOpCallback()
     started = time.perf_counter()
     storage = open_storage(url, storage_options)
-    warnings = []
     whole_repository = storage.exists(layout.MARKER_KEY)
+    ignored: list[str] = []
     if whole_repository:
         repo = Repository(storage)
         repo.check_marker()
         listing = repo.listing()
-        names = listing.checkpoints
-        if listing.ignored:
-            warnings.append(f"ignored {len(listing.ignored)} entries that are not committed checkpoints "
-                            f"(foreign files, invalid names or unfinished saves): {', '.join(listing.ignored)}")
+        names, ignored = listing.checkpoints, listing.ignored
     else:
         repo, name = resolve(url, storage_options)
         names = [name]
-    report = VerifyReport(url=os.fspath(url), checkpoints=names, warnings=warnings)
+    report = VerifyReport(url=os.fspath(url), checkpoints=names)
     manifests: dict[str, Manifest] = {}
     for name in names:
         if _is_set(cancel):
@@ -113,6 +113,8 @@ def verify(url: str | os.PathLike, *, storage_options: dict | None = None,
             if not whole_repository and not repo.storage.exists(layout.commit_key(name)):
                 raise  # no such checkpoint
             report.problems.append(Problem("bad-checkpoint", name, str(exc)))
+    if ignored:
+        _report_lost_commits(repo, ignored, manifests, report)
     for name, manifest in manifests.items():
         divergent = describe.replica_divergences({"replicas": manifest.replicas})
         if divergent:
@@ -128,6 +130,22 @@ def verify(url: str | os.PathLike, *, storage_options: dict | None = None,
         report.stats_checked = len(check.tensors) + len(check.streamed)
     report.seconds = time.perf_counter() - started
     return report
+
+
+def _report_lost_commits(repo: Repository, ignored: list[str], manifests: dict[str, Manifest],
+                         report: VerifyReport) -> None:
+    """Checkpoints that lost their commit record are problems (they vanished from every listing); the rest
+    of what readers ignore is a warning. While a save runs, an index entry alone proves nothing: it may be
+    committing right now."""
+    lost = lost_commits(repo, ignored, {name: m.parent for name, m in manifests.items()})
+    if lost and not all(found.certain for found in lost) and live_leases(repo, SAVE):
+        lost = [found for found in lost if found.certain]
+    for found in lost:
+        report.problems.append(Problem("missing-commit", found.name, found.message(repo.url)))
+    others = sorted(set(ignored) - {found.name for found in lost})
+    if others:
+        report.warnings.append(f"ignored {counted(len(others), 'entry', 'entries')} that are not committed "
+                               f"checkpoints (foreign files, invalid names or unfinished saves): {', '.join(others)}")
 
 
 def _is_set(event: threading.Event | None) -> bool:

@@ -157,8 +157,8 @@ def expected_codes(what: str) -> dict[str, int]:
         return {**WORKS, "verify": 1, "verify b": 1, "diff": 2, "export b": 2, "import": 2}
     if target == "chunk":  # b's tensor w
         return {**WORKS, "verify": 1, "verify b": 1, "diff": 2, "export b": 2}
-    if what == "commit-missing":  # b is no checkpoint, only a save's leftovers: ignored, and a wrong name
-        return {**WORKS, "show b": 2, "verify b": 2, "diff": 2, "export b": 2}
+    if what == "commit-missing":  # b is no checkpoint, but the commit index names it: verify reports it
+        return {**WORKS, "show b": 2, "verify": 1, "verify b": 2, "diff": 2, "export b": 2}
     # b's commit record or manifest (all-damaged: a's and b's records) cannot be read
     return {**WORKS, "show b": 2, "verify": 1, "verify b": 1, "diff": 2, "export b": 2,
             "show latest": 2 if target == "manifest" or what == "all-damaged" else 0}  # the latest record is b's
