@@ -25,6 +25,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "(bytes, or 5GB, 500MB, 2GiB)")
     p.add_argument("--prefix", help="safetensors: export only the tensors under this key prefix, without it "
                                     "(e.g. model/ gives layers.0.weight)")
+    p.add_argument("--provenance", action="store_true",
+                   help="safetensors: add the checkpoint's URL and id to the metadata (ckptfmt.source, ckptfmt.id); "
+                        "without it a checkpoint imported from safetensors is written back as it came")
     p.add_argument("--world-size", type=int, metavar="N",
                    help="deepspeed: data-parallel ranks the ZeRO files are for (default: the source's)")
     p.add_argument("--zero-stage", type=int, choices=(1, 2, 3), help="deepspeed: ZeRO stage (default: the config's)")
@@ -51,7 +54,8 @@ def export(args, console: Console) -> int:
 
     result = export_checkpoint(args.checkpoint, args.dest, format=args.format,
                                max_shard_size=args.max_shard_size, prefix=args.prefix, world_size=args.world_size,
-                               zero_stage=args.zero_stage, ds_config=_json_file(args.ds_config))
+                               zero_stage=args.zero_stage, ds_config=_json_file(args.ds_config),
+                               provenance=args.provenance)
     out = Output(console)
     out.line(f"wrote {result.path} ({counted(result.tensors, 'tensor')}, {human_bytes(result.bytes)})")
     for note in result.notes:

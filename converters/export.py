@@ -18,7 +18,7 @@ from ckptfmt.errors import CheckpointError
 #: format -> the writer of that format, and the options only it takes.
 WRITERS = {
     "torch": (to_torch, ()),
-    "safetensors": (to_safetensors, ("max_shard_size", "prefix")),
+    "safetensors": (to_safetensors, ("max_shard_size", "prefix", "provenance")),
     "dcp": (to_dcp, ()),
     "deepspeed": (to_deepspeed, ("world_size", "zero_stage", "ds_config")),
 }
@@ -28,14 +28,17 @@ FORMATS = tuple(WRITERS)
 def export_checkpoint(url: str | os.PathLike, dest: str | os.PathLike, *, format: str,
                       storage_options: dict | None = None, max_shard_size: int | str | None = None,
                       prefix: str | None = None, world_size: int | None = None, zero_stage: int | None = None,
-                      ds_config: dict | None = None) -> ExportResult:
+                      ds_config: dict | None = None, provenance: bool = False) -> ExportResult:
     """Write checkpoint ``url`` to the local path ``dest`` as ``format`` (one of ``FORMATS``).
 
     safetensors only: ``prefix`` (e.g. ``"model/"``) exports only the keys under it, with
     the prefix stripped; ``max_shard_size`` (bytes, or ``"5GB"``, ``"100MB"``, ``"2GiB"``)
     writes ``dest`` as a folder of ``model-0000i-of-0000N.safetensors`` shards and
     ``model.safetensors.index.json``, as Hugging Face does (also when ``dest`` is an
-    existing folder or ends with a path separator, with shards of at most 5GB).
+    existing folder or ends with a path separator, with shards of at most 5GB). A checkpoint
+    imported from safetensors keeps its source's ``__metadata__``, so an import then an
+    export gives back the file byte for byte; ``provenance`` adds ``ckptfmt.source`` and
+    ``ckptfmt.id`` (the checkpoint's URL and id) to the metadata.
 
     deepspeed only (a checkpoint imported from DeepSpeed ZeRO): ``world_size`` data-parallel
     ranks, ``zero_stage`` and the ``ds_config`` the files will be loaded with; see
@@ -44,9 +47,10 @@ def export_checkpoint(url: str | os.PathLike, dest: str | os.PathLike, *, format
     if format not in FORMATS:
         raise CheckpointError(f"unknown export format {format!r}: choose from {', '.join(FORMATS)}")
     given = {"max_shard_size": max_shard_size, "prefix": prefix, "world_size": world_size, "zero_stage": zero_stage,
-             "ds_config": ds_config}
+             "ds_config": ds_config, "provenance": provenance}
+    chosen = {name for name, value in given.items() if value is not None and value is not False}  # False: a default
     for other, (_, names) in WRITERS.items():
-        if other != format and any(given[name] is not None for name in names):
+        if other != format and chosen.intersection(names):
             listed = ", ".join(names[:-1]) + f" and {names[-1]}"
             raise CheckpointError(f"{listed} apply to --format {other} only")
     writer, names = WRITERS[format]

@@ -2,7 +2,8 @@
 
 The format: an 8-byte little-endian header length N, N bytes of JSON
 ``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {str: str}}``,
-then the byte buffer the offsets index. Files are read directly and memory mapped
+then the byte buffer the offsets index, which the tensors must tile exactly (as safetensors
+requires: bytes no tensor covers could hold another file). Files are read directly and memory mapped
 (copy-on-write, so the file is never written and pages come from the page cache):
 each tensor is a zero-copy view of the mapping, never a second copy of the file.
 
@@ -18,6 +19,7 @@ import os
 import posixpath
 import struct
 import sys
+from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -58,6 +60,10 @@ TORCH_TO_SAFETENSORS: dict[torch.dtype, str] = {
     getattr(torch, name): st for st, (name, _) in SAFETENSORS_DTYPES.items()
     if isinstance(getattr(torch, name, None), torch.dtype)
 }
+#: safetensors' Dtype enum order, narrowest first: its writer puts the highest first, then sorts by name.
+_WRITE_RANK = {st: rank for rank, st in enumerate((
+    "BOOL", "F4", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0", "F8_E4M3FNUZ", "F8_E5M2FNUZ",
+    "I16", "U16", "F16", "BF16", "I32", "U32", "F32", "C64", "F64", "I64", "U64"))}
 
 
 # -- parsing -----------------------------------------------------------------------------------------------
@@ -82,7 +88,6 @@ class Header:
     size: int                       # the file's size
     tensors: tuple[TensorSpec, ...] # in buffer order
     metadata: dict[str, str] | None
-    holes: int                      # buffer bytes no tensor covers
 
 
 def read_header(path: str) -> Header:
@@ -127,19 +132,42 @@ def read_header(path: str) -> Header:
         raise CorruptDataError(f"{path}: __metadata__ must map strings to strings")
     specs = [_tensor_spec(path, name, entry, buffer_len) for name, entry in header.items()]
     specs.sort(key=lambda s: (s.begin, s.end))
-    covered, position = 0, 0
-    previous = None
-    for spec in specs:
+    _check_tiling(path, specs, data_start, buffer_len)
+    return Header(path, data_start, size, tuple(specs), metadata)
+
+
+def _check_tiling(path: str, specs: list[TensorSpec], data_start: int, buffer_len: int) -> None:
+    """Refuse overlapping tensors and bytes no tensor covers, as safetensors does: such bytes
+    could hold another file (a zip appended after the data makes a polyglot)."""
+    position, previous = 0, None
+    for spec in specs:  # sorted by offsets
         if spec.begin < position:
             raise CorruptDataError(
                 f"{path}: tensor {spec.name!r} (bytes {spec.begin}-{spec.end}) overlaps "
                 f"tensor {previous.name!r} (bytes {previous.begin}-{previous.end})"
             )
-        covered += spec.end - spec.begin
-        position = max(position, spec.end)
-        if spec.end > spec.begin:
-            previous = spec
-    return Header(path, data_start, size, tuple(specs), metadata, buffer_len - covered)
+        if spec.begin > position:
+            raise _not_covered(path, data_start, position, spec.begin, _gap(previous, spec))
+        position, previous = spec.end, spec
+    if position < buffer_len:
+        raise _not_covered(path, data_start, position, buffer_len, _gap(previous, None))
+
+
+def _not_covered(path: str, data_start: int, begin: int, end: int, where: str) -> CorruptDataError:
+    """safetensors' "file not fully covered", naming the bytes in the file and in the buffer."""
+    return CorruptDataError(
+        f"{path}: file not fully covered: {end - begin} byte(s) {where} belong to no tensor "
+        f"(file offsets [{data_start + begin}, {data_start + end}), data offsets [{begin}, {end}))"
+    )
+
+
+def _gap(before: TensorSpec | None, after: TensorSpec | None) -> str:
+    """Where uncovered bytes lie, by the tensors around them."""
+    if before is None:
+        return "after the header" if after is None else f"before the first tensor, {after.name!r},"
+    if after is None:
+        return f"after the last tensor, {before.name!r},"
+    return f"between tensors {before.name!r} and {after.name!r}"
 
 
 class _DuplicateName(Exception):
@@ -341,8 +369,6 @@ def read(path: str) -> Imported:
                 raise CorruptDataError(f"{header.path}: tensor {name!r} is also in {origin[name]}")
             state[name] = tensor
             origin[name] = header.path
-        if header.holes:
-            notes.append(f"{header.path}: {header.holes} byte(s) of the buffer belong to no tensor (ignored)")
     if weight_map is not None:  # the index's order (the model's, in files written by transformers)
         state = {name: state[name] for name in weight_map if name in state} | {
             name: t for name, t in state.items() if name not in weight_map
@@ -350,8 +376,8 @@ def read(path: str) -> Imported:
 
     metas = [h.metadata for h in headers]
     distinct = [m for i, m in enumerate(metas) if m is not None and m not in metas[:i]]
-    if len(distinct) <= 1:
-        metadata["safetensors_metadata"] = dict(distinct[0]) if distinct else {}
+    if len(distinct) <= 1:  # None: no file has a __metadata__ (an export then writes none either)
+        metadata["safetensors_metadata"] = dict(distinct[0]) if distinct else None
     else:
         metadata["safetensors_metadata"] = {
             k: v for k, v in distinct[0].items() if all(m.get(k) == v for m in distinct)
@@ -360,7 +386,7 @@ def read(path: str) -> Imported:
         notes.append("the shards' __metadata__ differ: each is kept under safetensors_shard_metadata")
     metadata["safetensors_files"] = [os.path.basename(h.path) for h in headers]
     versions = {}
-    fmt = metadata["safetensors_metadata"].get("format")
+    fmt = (metadata["safetensors_metadata"] or {}).get("format")
     if fmt is not None:
         versions["safetensors_format"] = fmt
     return Imported(state=state, kind="safetensors", step=None, metadata=metadata, rng=None,
@@ -389,14 +415,13 @@ class OutTensor:
 
 
 def _header_bytes(tensors: list[OutTensor], metadata: dict[str, str] | None) -> bytes:
+    """The length and JSON header as safetensors writes them: compact, padded with spaces to 8 bytes."""
     header: dict[str, Any] = {}
-    if metadata:
+    if metadata is not None:
         header["__metadata__"] = metadata
     position = 0
     for t in tensors:
-        st = TORCH_TO_SAFETENSORS.get(t.dtype)
-        if st is None:
-            raise CheckpointError(f"tensor {t.name!r}: dtype {t.dtype} has no safetensors equivalent")
+        st = TORCH_TO_SAFETENSORS[t.dtype]
         shape = list(t.shape)
         if st in _PACKED:
             if not shape:
@@ -412,15 +437,17 @@ def _header_bytes(tensors: list[OutTensor], metadata: dict[str, str] | None) -> 
 def write_file(path: str, tensors: Iterable[OutTensor], metadata: dict[str, str] | None = None) -> int:
     """Write a safetensors file reading one tensor at a time; returns the bytes written.
 
-    Tensors are ordered by element size, largest first (stable), so each one is
-    aligned to its element size in the buffer, as safetensors' own writer does.
+    The file is the one safetensors' own writer makes of the same tensors and metadata:
+    tensors ordered by dtype, widest first (so each is aligned to its element size),
+    then by name, and the same header bytes.
     """
     if sys.byteorder != "little":  # pragma: no cover
         raise CheckpointError("writing safetensors on a big-endian machine is not supported")
-    ordered = sorted(tensors, key=lambda t: -t.dtype.itemsize)
+    ordered = sorted(tensors, key=_write_order)
     names = [t.name for t in ordered]
-    if len(set(names)) != len(names):
-        raise CheckpointError(f"{path}: duplicate tensor names")
+    repeated = sorted(name for name, count in Counter(names).items() if count > 1)
+    if repeated:
+        raise CheckpointError(f"{path}: tensor name(s) given twice: {', '.join(map(repr, repeated))}")
     if "__metadata__" in names:
         raise CheckpointError(f"{path}: a tensor cannot be named '__metadata__' in safetensors")
     header = _header_bytes(ordered, metadata)
@@ -442,3 +469,11 @@ def write_file(path: str, tensors: Iterable[OutTensor], metadata: dict[str, str]
         f.flush()
         os.fsync(f.fileno())
     return written
+
+
+def _write_order(t: OutTensor) -> tuple[int, str]:
+    """safetensors' writer order: the widest dtype first (by its enum), then the name."""
+    st = TORCH_TO_SAFETENSORS.get(t.dtype)
+    if st is None:
+        raise CheckpointError(f"tensor {t.name!r}: dtype {t.dtype} has no safetensors equivalent")
+    return -_WRITE_RANK[st], t.name

@@ -6,18 +6,21 @@ damaged ones, and by ckptfmt's export; everything is small.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import struct
+import zipfile
 
 import numpy as np
 import pytest
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file, save_model
 
 import ckptfmt
 from ckptfmt import CheckpointError, CheckpointNotFoundError
+from ckptfmt.cli import main
 from ckptfmt.converters import safetensors_format as stf
 from ckptfmt.converters.export import export_checkpoint
 from ckptfmt.converters.export_files import parse_size
@@ -257,6 +260,36 @@ def test_detect(tmp_path):
 GOOD_HEADER = {"__metadata__": {"format": "pt"}, "w": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]}}
 
 
+def _f32(begin: int, count: int = 1) -> dict:
+    return {"dtype": "F32", "shape": [count], "data_offsets": [begin, begin + 4 * count]}
+
+
+#: Buffers the tensors do not tile exactly: (header, buffer, what the error must say). safetensors
+#: refuses each ("file not fully covered", "invalid offset").
+COVERAGE = {
+    "trailing_bytes": ({"w": _f32(0, 2)}, b"\x00" * 12,
+                       r"file not fully covered: 4 byte\(s\) after the last tensor, 'w', .*"
+                       r"file offsets \[\d+, \d+\), data offsets \[8, 12\)"),
+    "trailing_no_tensor": ({}, b"\x00" * 4, r"file not fully covered: 4 byte\(s\) after the header.*\[0, 4\)"),
+    "hole": ({"a": _f32(0), "b": _f32(8)}, b"\x00" * 12,
+             r"file not fully covered: 4 byte\(s\) between tensors 'a' and 'b'.*data offsets \[4, 8\)"),
+    "leading_hole": ({"a": _f32(4)}, b"\x00" * 8,
+                     r"file not fully covered: 4 byte\(s\) before the first tensor, 'a'.*data offsets \[0, 4\)"),
+    "overlap": ({"a": _f32(0, 2), "b": _f32(4, 2)}, b"\x00" * 12, r"'b' \(bytes 4-12\) overlaps tensor 'a'"),
+    "empty_inside": ({"a": _f32(0, 2), "e": _f32(4, 0)}, b"\x00" * 8, r"'e' \(bytes 4-4\) overlaps tensor 'a'"),
+}
+
+
+def write_zip_polyglot(path) -> None:
+    """A file written by safetensors with a zip archive appended: zipfile opens it too."""
+    save_file({"w": torch.ones(4)}, path)
+    archive = io.BytesIO()
+    with zipfile.ZipFile(archive, "w") as zf:
+        zf.writestr("hello.txt", "not a tensor")
+    with open(path, "ab") as f:
+        f.write(archive.getvalue())
+
+
 def _damage(kind: str, tmp_path):
     """Write a damaged input; returns (path given to the importer, file the error must name)."""
     p = tmp_path / "bad.safetensors"
@@ -279,9 +312,11 @@ def _damage(kind: str, tmp_path):
         write_raw(p, {"w": {"dtype": "F32", "shape": [2, 2], "data_offsets": [8, 24]}}, b"\x00" * 16)
     elif kind == "offsets_negative":
         write_raw(p, {"w": {"dtype": "F32", "shape": [1], "data_offsets": [-4, 0]}}, b"\x00" * 16)
-    elif kind == "overlap":
-        write_raw(p, {"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
-                      "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}, b"\x00" * 12)
+    elif kind in COVERAGE:
+        header, buffer, _ = COVERAGE[kind]
+        write_raw(p, header, buffer)
+    elif kind == "zip_polyglot":
+        write_zip_polyglot(p)
     elif kind == "size_mismatch":
         write_raw(p, {"w": {"dtype": "F32", "shape": [3], "data_offsets": [0, 16]}}, b"\x00" * 16)
     elif kind == "unknown_dtype":
@@ -315,7 +350,7 @@ def _damage(kind: str, tmp_path):
 
 
 DAMAGE = ["empty", "truncated_length", "header_past_eof", "absurd_header", "not_json", "not_object",
-          "truncated_buffer", "offsets_outside", "offsets_negative", "overlap", "size_mismatch",
+          "truncated_buffer", "offsets_outside", "offsets_negative", *COVERAGE, "zip_polyglot", "size_mismatch",
           "unknown_dtype", "bad_shape", "duplicate_name", "bad_metadata", "missing_shard", "tensor_not_in_shard",
           "index_not_json", "index_traversal"]
 
@@ -342,6 +377,47 @@ def test_missing_input_and_errors_are_specific(tmp_path):
         stf.read(str(src))
     with pytest.raises(ckptfmt.CorruptDataError, match="overlaps"):
         stf.read(str(_damage("overlap", tmp_path)[0]))
+
+
+@pytest.mark.parametrize("kind", COVERAGE)
+def test_buffer_not_tiled_exactly_is_refused_as_safetensors_refuses_it(tmp_path, kind):
+    """Bytes no tensor covers (trailing, before the first tensor, between two) and overlapping tensors."""
+    src, _ = _damage(kind, tmp_path)
+    with pytest.raises(SafetensorError, match="file not fully covered|invalid offset"):
+        safe_open(src, framework="pt")
+    with pytest.raises(ckptfmt.CorruptDataError, match=COVERAGE[kind][2]):
+        stf.read(str(src))
+
+
+def test_zip_polyglot_is_refused_naming_the_uncovered_bytes(tmp_path):
+    """safetensors' polyglot case: a valid file with another file's bytes after its data."""
+    src = tmp_path / "poly.safetensors"
+    write_zip_polyglot(src)
+    assert zipfile.ZipFile(src).read("hello.txt") == b"not a tensor"
+    with pytest.raises(SafetensorError, match="file not fully covered"):
+        load_file(src)
+    size = src.stat().st_size
+    (n,) = struct.unpack("<Q", src.read_bytes()[:8])
+    extra = size - (8 + n + 16)
+    with pytest.raises(ckptfmt.CorruptDataError) as info:
+        stf.read(str(src))
+    assert str(info.value) == (
+        f"{src}: file not fully covered: {extra} byte(s) after the last tensor, 'w', belong to no tensor "
+        f"(file offsets [{8 + n + 16}, {size}), data offsets [16, {16 + extra}))"
+    )
+
+
+def test_cli_refuses_the_polyglot_in_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "500")
+    src = tmp_path / "poly.safetensors"
+    write_zip_polyglot(src)
+    dest = tmp_path / "repo" / "poly"
+    assert main(["import", str(src), str(dest)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1, captured.err
+    assert captured.err.startswith("ckptfmt: error:") and "file not fully covered" in captured.err
+    assert "after the last tensor, 'w'" in captured.err and "poly.safetensors" in captured.err
+    assert not (tmp_path / "repo").exists() or ckptfmt.Repository.open(tmp_path / "repo").names() == []
 
 
 # -- export ------------------------------------------------------------------------------------------------
@@ -373,10 +449,10 @@ def test_export_single_file_default_names(saved, tmp_path):
     assert torch.equal(flat["extra/counts"], torch.arange(4, dtype=torch.int32))
     for k, t in model.items():
         assert_tensor_exact(t, flat[f"model/{k}"], k)
-    assert any("plain values" in n for n in result.notes)
+    assert "safetensors holds tensors only: the state's plain values are not exported (1: step)" in result.notes
     assert any("model/tied is the same tensor as model/layers.1.weight" in n for n in result.notes)
     with safe_open(dest, framework="pt") as f:
-        assert f.metadata()["ckptfmt.step"] == "3" and f.metadata()["format"] == "pt"
+        assert f.metadata() == {"format": "pt", "ckptfmt.step": "3"}  # no provenance unless asked for
 
 
 def test_export_sharded_with_prefix_and_import_back(saved, tmp_path):
@@ -399,6 +475,7 @@ def test_export_sharded_with_prefix_and_import_back(saved, tmp_path):
             seen[k] = t
     assert_flat_equal(model, seen)
     assert result.tensors == len(model) and any("outside 'model/'" in n for n in result.notes)
+    assert not any("plain values" in n for n in result.notes)  # the state's 'step' is outside the prefix
     assert not [p for p in dest.iterdir() if ".tmp-" in p.name]
     # and back in
     imported = stf.read(str(dest))
@@ -429,6 +506,10 @@ def test_export_errors(saved, tmp_path):
     with pytest.raises(CheckpointError, match="safetensors only"):
         export_checkpoint(url, tmp_path / "x.pt", format="torch", prefix="model/")
     assert not (tmp_path / "x").exists()
+    ckptfmt.save({"a/b": torch.ones(1), "a": {"b": torch.zeros(1)}}, tmp_path / "repo" / "clash")
+    with pytest.raises(CheckpointError, match="tensors 'a%2Fb' and 'a/b' would both be named 'a/b'"):
+        export_checkpoint(tmp_path / "repo" / "clash", tmp_path / "clash.safetensors", format="safetensors")
+    assert not (tmp_path / "clash.safetensors").exists()
 
 
 def test_parse_size():
@@ -464,3 +545,71 @@ def test_export_streams_one_tensor_at_a_time(saved, tmp_path, monkeypatch, shard
     dest = tmp_path / ("one.safetensors" if shard is None else "shards")
     result = export_checkpoint(url, dest, format="safetensors", max_shard_size=shard, prefix="model/")
     assert result.tensors == len(model) and peak[0] == 0  # none alive when the next was read
+
+
+# -- round trip: an import then an export gives back the file ----------------------------------------------
+
+
+def round_trip_tensors() -> dict:
+    """Every dtype twice, under names out of order; a scalar, an empty tensor; names with '/', '%' and non-ASCII."""
+    tensors = {}
+    for i, (st, dtype) in enumerate(sorted(SUPPORTED.items())):
+        tensors[f"z.{st.lower()}"] = random_tensor(dtype, (3, 4), seed=i)
+        tensors[f"a.{st.lower()}"] = random_tensor(dtype, (2,), seed=50 + i)
+    tensors["model/layers.0.weight"] = random_tensor(torch.float32, (2, 3), 90)
+    tensors["100%/\u00e9"] = random_tensor(torch.bfloat16, (), 91)
+    tensors["empty"] = torch.empty((0, 3), dtype=torch.float16)
+    return tensors
+
+
+@pytest.mark.parametrize("metadata", [None, {}, {"format": "pt"},
+                                      {"format": "pt", "producer": "unit test", "lr": "0.001",
+                                       "text": "\u00e9\n\x01\x7f/\u2028\U0001f600\"quoted\""}],
+                         ids=["none", "empty", "format", "several"])
+def test_import_then_export_gives_back_the_file_byte_for_byte(tmp_path, metadata):
+    src = tmp_path / "src.safetensors"
+    save_file(round_trip_tensors(), src, metadata=metadata)
+    url = tmp_path / "repo" / "imported"
+    import_into(src, url)
+    out = tmp_path / "out.safetensors"
+    result = export_checkpoint(url, out, format="safetensors")
+    assert header_of(out) == header_of(src)
+    assert out.read_bytes() == src.read_bytes()
+    assert result.notes == []  # no "plain values are not exported": the import recorded none
+
+
+def test_provenance_is_added_only_when_asked_for(tmp_path, capsys):
+    src = tmp_path / "src.safetensors"
+    meta = {"format": "pt", "producer": "unit test"}
+    save_file({"w": torch.arange(6.0), "b": torch.ones(2, dtype=torch.int8)}, src, metadata=meta)
+    url = tmp_path / "repo" / "imported"
+    import_into(src, url)
+    out = tmp_path / "out.safetensors"
+    export_checkpoint(url, out, format="safetensors", provenance=True)
+    with ckptfmt.open(url) as reader:
+        expected = {**meta, "ckptfmt.source": reader.url, "ckptfmt.id": reader.id}
+    with safe_open(out, framework="pt") as f:
+        assert f.metadata() == expected
+    assert_flat_equal(load_file(src), load_file(out))
+    for flags, same_as in (["--provenance"], out), ([], src):
+        dest = tmp_path / f"cli{len(flags)}.safetensors"
+        assert main(["export", str(url), str(dest), "--format", "safetensors", *flags]) == 0
+        assert dest.read_bytes() == same_as.read_bytes()
+    assert "note:" not in capsys.readouterr().out
+    with pytest.raises(CheckpointError, match="provenance apply to --format safetensors only"):
+        export_checkpoint(url, tmp_path / "x.pt", format="torch", provenance=True)
+
+
+def test_plain_values_note_only_when_an_export_leaves_plain_values_out(tmp_path):
+    """A safetensors import records its metadata beside the state, not in it: its export notes nothing.
+    A state with plain values gets a note naming those under the exported prefix."""
+    make_sharded(tmp_path / "hf")
+    import_into(tmp_path / "hf", tmp_path / "repo" / "hf")
+    result = export_checkpoint(tmp_path / "repo" / "hf", tmp_path / "out", format="safetensors")
+    assert result.notes == []
+    state = {"model": {"w": torch.ones(2), "lr": 0.1, "betas": (0.9, 0.99), "empty": {}}, "step": 3}
+    ckptfmt.save(state, tmp_path / "repo" / "plain", step=3)
+    result = export_checkpoint(tmp_path / "repo" / "plain", tmp_path / "p.safetensors", format="safetensors",
+                               prefix="model/")
+    assert result.notes == ["safetensors holds tensors only: the state's plain values are not exported "
+                            "(2: model/lr, model/betas)"]
