@@ -144,14 +144,17 @@ def read_verified(storage: Storage, chunk: Chunk, key: str, base: bytes | memory
     """The stored bytes of ``chunk`` (at ``key``; a delta's decoded ``base``), after checking their size,
     encoding and hash (spec 5.4)."""
     where = storage.describe(key)
+
+    def checked(stored: bytes) -> bytes:
+        if len(stored) != chunk.stored_size:
+            raise CorruptDataError(f"{where}: {len(stored)} bytes stored, manifest says {chunk.stored_size}")
+        check_chunk(codecs.decode(chunk.codec, stored, chunk.size, where, base), chunk.hash, where)
+        return stored
+
     try:
-        stored = storage.read(key, max_size=chunk.stored_size)
+        return storage.read_checked(key, max_size=chunk.stored_size, check=checked)
     except CheckpointNotFoundError:
         raise CheckpointNotFoundError(f"{where}: chunk is missing") from None
-    if len(stored) != chunk.stored_size:
-        raise CorruptDataError(f"{where}: {len(stored)} bytes stored, manifest says {chunk.stored_size}")
-    check_chunk(codecs.decode(chunk.codec, stored, chunk.size, where, base), chunk.hash, where)
-    return stored
 
 
 class _Copier:
@@ -293,11 +296,16 @@ class _Copier:
     def _check_arrival(self, key: str, chunk: Chunk, digest: str) -> None:
         """Read the copy back from the target and compare its hash with what was sent."""
         where = self.target.storage.describe(key)
-        arrived = self.target.storage.read(key, max_size=chunk.stored_size)
-        if len(arrived) == chunk.stored_size and chunk_hash(arrived) == digest:
-            return
-        self.target.storage.delete(key)  # so that a later run writes it again rather than trusting it
-        raise CorruptDataError(f"{where}: the copy read back differs from the bytes written (removed)")
+
+        def same(arrived: bytes) -> None:
+            if len(arrived) != chunk.stored_size or chunk_hash(arrived) != digest:
+                raise CorruptDataError(f"{where}: the copy read back differs from the bytes written")
+
+        try:
+            self.target.storage.read_checked(key, max_size=chunk.stored_size, check=same)
+        except CorruptDataError as exc:
+            self.target.storage.delete(key)  # so that a later run writes it again rather than trusting it
+            raise CorruptDataError(f"{exc} (removed)") from None
 
     def _skipped(self, chunk: Chunk, progress: bool = False) -> None:
         with self.lock:
@@ -309,8 +317,13 @@ class _Copier:
     def _commit(self, record: CommitRecord, lease: Lease) -> bool:
         """Write the source's manifest bytes, then the commit record (spec 11.1 steps 3 and 4)."""
         key = layout.manifest_key(record.name, record.manifest_hash)
-        data = self.source.storage.read(key, max_size=record.manifest_size)
-        check_chunk(data, record.manifest_hash, self.source.storage.describe(key))  # what was parsed, exactly
+        where = self.source.storage.describe(key)
+
+        def exactly_what_was_parsed(data: bytes) -> bytes:
+            check_chunk(data, record.manifest_hash, where)
+            return data
+
+        data = self.source.storage.read_checked(key, max_size=record.manifest_size, check=exactly_what_was_parsed)
         self.target.storage.write(key, data)
         self.target.storage.sync([key])
         with self.lock:

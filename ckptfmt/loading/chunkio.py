@@ -144,12 +144,17 @@ class ChunkReader:
         chunk = self.chunks[index]
         key = stored_key(self.chunks, chunk)
         where = self.storage.describe(key)
-        stored = self._read_checked(key, lambda: self.storage.read(key, max_size=chunk.stored_size))
-        if len(stored) != chunk.stored_size:
-            raise CorruptDataError(f"{where}: {len(stored)} bytes stored, manifest says {chunk.stored_size}")
-        data = codecs.decode(chunk.codec, stored, chunk.size, where, self._base(index, where))
-        check_chunk(data, chunk.hash, where, parallel=parallel)
-        return data
+        base = self._base(index, where)
+
+        def decoded(stored: bytes) -> bytes | memoryview:
+            if len(stored) != chunk.stored_size:
+                raise CorruptDataError(f"{where}: {len(stored)} bytes stored, manifest says {chunk.stored_size}")
+            data = codecs.decode(chunk.codec, stored, chunk.size, where, base)
+            check_chunk(data, chunk.hash, where, parallel=parallel)
+            return data
+
+        return self._read_checked(key, lambda: self.storage.read_checked(key, max_size=chunk.stored_size,
+                                                                          check=decoded))
 
     def _base(self, index: int, where: str) -> bytes | memoryview | None:
         """The decoded bytes of a delta chunk's base (read, verified and decoded through its own bases);

@@ -43,10 +43,13 @@ def find_copy(storages: list[Storage], chunk: Chunk, tried: list[str], *,
                 continue
             key = layout.chunk_key(chunk.hash, codec, base[0] if base is not None else None)
             where = storage.describe(key)
-            try:
-                stored = storage.read(key, max_size=_stored_bound(chunk.size))
+            def decoded_copy(stored: bytes, codec: str = codec, where: str = where) -> tuple[bytes, bytes | memoryview]:
                 decoded = codecs.decode(codec, stored, chunk.size, where, base[1] if base is not None else None)
                 check_chunk(decoded, chunk.hash, where)
+                return stored, decoded
+
+            try:
+                stored, decoded = storage.read_checked(key, max_size=_stored_bound(chunk.size), check=decoded_copy)
             except StorageError:
                 raise
             except CheckpointNotFoundError:

@@ -174,14 +174,14 @@ class CommitIndex:
         """A pack's records; _PackGone if it was deleted since it was listed."""
         where = self.storage.describe(ref.key)
         try:
-            data = self.storage.read(ref.key, max_size=MAX_INDEX_PACK_BYTES)
+            return self.storage.read_checked(ref.key, max_size=MAX_INDEX_PACK_BYTES,
+                                             check=lambda data: decode_pack(data, ref, where))
         except CheckpointNotFoundError:
             raise _PackGone(where) from None
-        except StorageError:
+        except (StorageError, IndexDamagedError):
             raise
         except CheckpointError as exc:  # over the limit, not a regular file
             raise IndexDamagedError(str(exc)) from None
-        return decode_pack(data, ref, where)
 
     def confirm(self, entry: Entry) -> CommitRecord | CheckpointError | None:
         """What the authority says of ``entry``: its commit record, the error reading a damaged one, or None

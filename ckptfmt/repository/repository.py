@@ -112,8 +112,8 @@ class Repository:
         where = self.storage.describe(layout.MARKER_KEY)
         repair_hint = (f"; `ckptfmt repair {self.url} --from REPLICA` restores it from another copy (a tier, "
                        "a replica)") if hint else ""
-        doc = parse_marker(self.storage.read(layout.MARKER_KEY, max_size=MAX_MARKER_BYTES), where,
-                           repair_hint=repair_hint)
+        doc = self.storage.read_checked(layout.MARKER_KEY, max_size=MAX_MARKER_BYTES,
+                                        check=lambda data: parse_marker(data, where, repair_hint=repair_hint))
         self.index_version = doc.get("index")
         return doc
 
@@ -164,16 +164,18 @@ class Repository:
     def commit(self, name: str) -> CommitRecord:
         key = layout.commit_key(name)
         where = self.storage.describe(key)
+        def parsed(data: bytes) -> CommitRecord:
+            record = CommitRecord.from_bytes(data, where)
+            if record.name != name:
+                raise ManifestError(f"{where}: commit record names checkpoint {record.name!r}")
+            return record
+
         try:
-            data = self.storage.read(key, max_size=MAX_COMMIT_BYTES)
+            return self.storage.read_checked(key, max_size=MAX_COMMIT_BYTES, check=parsed)
         except CheckpointNotFoundError:
             raise CheckpointNotFoundError(
                 f"{self.storage.describe(name)}: no such checkpoint (no commit record)"
             ) from None
-        record = CommitRecord.from_bytes(data, where)
-        if record.name != name:
-            raise ManifestError(f"{where}: commit record names checkpoint {record.name!r}")
-        return record
 
     def create_commit(self, record: CommitRecord) -> None:
         """Write ``record`` as its checkpoint's commit record, once; CheckpointExistsError if the name is taken.
@@ -252,7 +254,7 @@ class Repository:
         for check in range(2):
             if check:
                 time.sleep(settle_s)
-            stored = self._read_back(key, where)
+            stored = self._read_back(key, where, data)
             if stored == data:
                 continue
             if stored is None:
@@ -265,20 +267,30 @@ class Repository:
                     "the conditional create (If-None-Match), so both writes landed and the other one stands")
             raise CheckpointExistsError(f"{where}: checkpoint already exists")
 
-    def _read_back(self, key: str, where: str) -> bytes | None:
+    def _read_back(self, key: str, where: str, expected: bytes) -> bytes | None:
         """The bytes of commit record ``key``, or None when absent.
 
         The commit's outcome hinges on this read, so it gets a few more tries than
         other reads: the client retries most failures itself, but a truncated body
         only once (s3fs), and an unknown outcome is worse than a slower save.
         """
+        seen: list[bytes] = []
+
+        def ours(stored: bytes) -> bytes:  # other bytes are read again: they may have been damaged in transit
+            seen.append(stored)
+            if stored != expected:
+                raise CorruptDataError(f"{where}: not this save's commit record")
+            return stored
+
         for attempt in range(_READ_BACK_TRIES):
             if attempt:
                 time.sleep(0.2 * 2**attempt)
             try:
-                return self.storage.read(key, max_size=MAX_COMMIT_BYTES)
+                return self.storage.read_checked(key, max_size=MAX_COMMIT_BYTES, check=ours)
             except CheckpointNotFoundError:
                 return None
+            except CorruptDataError:  # the same other bytes read twice: another writer's record
+                return seen[-1]
             except StorageError as exc:
                 error = exc
         raise StorageError(f"{where}: cannot read the commit record back, the checkpoint may or may not be "
@@ -372,11 +384,14 @@ class Repository:
         record = record or self.commit(name)
         key = layout.manifest_key(name, record.manifest_hash)
         where = self.storage.describe(key)
-        data = self.storage.read(key, max_size=record.manifest_size)
-        if len(data) != record.manifest_size:
-            raise CorruptDataError(f"{where}: {len(data)} bytes, commit record says {record.manifest_size}")
-        check_chunk(data, record.manifest_hash, where)
-        manifest = Manifest.from_bytes(data, where, skip=skip)
+
+        def parsed(data: bytes) -> Manifest:
+            if len(data) != record.manifest_size:
+                raise CorruptDataError(f"{where}: {len(data)} bytes, commit record says {record.manifest_size}")
+            check_chunk(data, record.manifest_hash, where)
+            return Manifest.from_bytes(data, where, skip=skip)
+
+        manifest = self.storage.read_checked(key, max_size=record.manifest_size, check=parsed)
         if (manifest.name, manifest.step, manifest.created_ns, manifest.parent) != (
             name, record.step, record.created_ns, record.parent
         ):

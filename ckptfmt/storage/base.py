@@ -17,11 +17,15 @@ import builtins
 import contextlib
 import errno
 import mmap
+from collections.abc import Callable
+from typing import TypeVar
 
 import fsspec
 
 from ckptfmt.errors import CheckpointNotFoundError, CorruptDataError
 from ckptfmt.storage.errors import backend_errors
+
+T = TypeVar("T")
 
 
 class Storage:
@@ -74,6 +78,11 @@ class Storage:
         if len(data) > max_size:
             raise CorruptDataError(f"{self.describe(key)}: over the limit of {max_size} bytes")
         return data
+
+    def read_checked(self, key: str, *, max_size: int, check: Callable[[bytes], T]) -> T:
+        """``check(data)`` of the bytes of ``key``: where bytes can be damaged on their way (object
+        stores), a failed check reads them again; here the store's bytes are the bytes read."""
+        return check(self.read(key, max_size=max_size))
 
     def read_into(self, key: str, buffer: memoryview) -> None:
         """Fill ``buffer`` with the bytes of ``key``, which must be exactly that long."""

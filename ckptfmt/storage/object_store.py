@@ -4,18 +4,28 @@ What ckptfmt sets on an s3:// storage: botocore's timeouts and "standard"
 retries (``S3_CONFIG_DEFAULTS``), two tries of s3fs's own retry loop
 (``S3FS_TRIES``), a quick failure when the endpoint refuses connections
 (``REFUSED_ATTEMPTS``), and retries of S3's 409 ConditionalRequestConflict.
-The reasons are in docs/design/s3-retries.md.
+Reads are tried again above all that (``READ_TRIES``, within ``READ_DEADLINE_S``):
+a response cut short or failing botocore's checksum, which its retries do not
+cover, and bytes that fail their own check (a chunk's hash, a manifest's, a
+commit record's JSON) while a second read gives other bytes: damage in transit,
+not in the store. The reasons are in docs/design/s3-retries.md.
 """
 
 from __future__ import annotations
 
+import builtins
+import errno
 import os
 import random
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
+from ckptfmt.errors import CheckpointError, CorruptDataError, ManifestError, StorageError
 from ckptfmt.storage.base import Storage
 from ckptfmt.storage.errors import backend_errors
+
+T = TypeVar("T")
 
 #: Tries of a conditional create that S3 answers with 409 ConditionalRequestConflict.
 _CONFLICT_TRIES = 5
@@ -37,6 +47,58 @@ class ObjectStorage(Storage):
     #: Seconds between the two read-backs of a commit record.
     create_settle_s: float | None = 0.25
 
+    # -- reads, tried again ----------------------------------------------------
+    def read(self, key: str, *, max_size: int) -> bytes:
+        return self._retried(key, lambda: super(ObjectStorage, self).read(key, max_size=max_size))
+
+    def size(self, key: str) -> int | None:
+        return self._retried(key, lambda: super(ObjectStorage, self).size(key))
+
+    def exists(self, key: str) -> bool:
+        return self._retried(key, lambda: super(ObjectStorage, self).exists(key))
+
+    def list(self, key: str = "") -> builtins.list[str]:
+        return self._retried(key, lambda: super(ObjectStorage, self).list(key))
+
+    def find(self, key: str) -> dict[str, int]:
+        return self._retried(key, lambda: super(ObjectStorage, self).find(key))
+
+    def read_checked(self, key: str, *, max_size: int, check: Callable[[bytes], T]) -> T:
+        """``check`` of the bytes of ``key``, read again while they fail it with other bytes each time:
+        bytes damaged in transit differ from read to read, bytes damaged in the store do not (the same
+        bytes twice are the store's, and their error stands)."""
+        previous = None
+        for attempt in range(1, READ_TRIES + 1):
+            data = self.read(key, max_size=max_size)
+            try:
+                return check(data)
+            except (CorruptDataError, ManifestError) as exc:
+                if data == previous:
+                    raise
+                if attempt == READ_TRIES:
+                    raise type(exc)(f"{exc} (read {attempt} times, different bytes each time: the connection "
+                                    "damages data)") from exc
+                previous = data
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _retried(self, key: str, operation: Callable[[], T]) -> T:
+        """``operation``, tried again on a failure that may pass (a cut or damaged response, a 5xx that
+        outlasted the client's retries), up to READ_TRIES times within READ_DEADLINE_S; the error that
+        stays says how many tries it made."""
+        started = time.monotonic()
+        for attempt in range(1, READ_TRIES + 1):
+            try:
+                return operation()
+            except StorageError as exc:
+                pause = 0.1 * 2 ** (attempt - 1) * (1 + _JITTER.random())
+                spent = time.monotonic() - started
+                if not _may_pass(exc) or attempt == READ_TRIES or spent + pause > READ_DEADLINE_S:
+                    if attempt == 1:
+                        raise
+                    raise StorageError(f"{exc} (after {attempt} tries over {spent:.1f} s)", exc.errno) from exc
+                time.sleep(pause)
+        raise AssertionError("unreachable")  # pragma: no cover
+
     def create(self, key: str, data: bytes) -> None:
         # S3's 409 ConditionalRequestConflict is retried here (docs/design/s3-retries.md); the
         # retry gets 412 (the other write won: FileExistsError) or succeeds.
@@ -57,6 +119,21 @@ class ObjectStorage(Storage):
             if bucket and not self.fs.exists(bucket):
                 return f"the bucket {bucket!r} does not exist (or these credentials cannot see it)"
         return None
+
+
+#: Tries of a read (a request, or a read whose bytes fail their check) before its error stands.
+READ_TRIES = 5
+#: The most time a read spends on its tries; the next one is not started past it.
+READ_DEADLINE_S = 120.0
+
+
+def _may_pass(exc: CheckpointError) -> bool:
+    """Whether a storage failure may pass if tried again: not a refusal (permissions, credentials), not
+    a refused connection (nothing listens: ``fail_fast_when_refused``)."""
+    if getattr(exc, "errno", None) in (errno.EACCES, errno.EPERM):
+        return False
+    cause = exc.__cause__
+    return not isinstance(cause, PermissionError) and not _refused(cause)
 
 
 #: botocore client settings for s3:// storages; each key of the caller's

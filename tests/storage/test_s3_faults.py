@@ -1,7 +1,7 @@
 """S3 under faults and concurrency: a fault-injecting proxy in front of moto, racing writer processes.
 
 The proxy (tests/support/s3_fault_proxy.py) answers requests with 500s, 503 SlowDowns,
-dropped connections, stalls and truncated bodies. What must hold whatever it does:
+dropped connections, stalls, truncated bodies and flipped bits. What must hold whatever it does:
 a save commits a complete checkpoint or raises a CheckpointError and leaves no
 commit record; a read returns the saved bytes or raises a CheckpointError; nothing
 runs longer than the retry and timeout settings allow.
@@ -25,8 +25,9 @@ import pytest
 import torch
 
 import ckptfmt
-from ckptfmt import CheckpointError, CheckpointExistsError, StorageError
+from ckptfmt import CheckpointError, CheckpointExistsError, CorruptDataError, StorageError
 from ckptfmt.format import layout
+from ckptfmt.format.hashing import check_chunk
 from ckptfmt.repository.repository import CommitRecord, Repository
 from ckptfmt.storage.factory import open_storage
 from ckptfmt.storage.object_store import S3FS_TRIES, ObjectStorage
@@ -173,7 +174,7 @@ def test_store_ignoring_the_condition_is_noticed(memory_root, when):
     ours = CommitRecord("a", "1" * 64, 10, 1, 1, None, {})
     with pytest.raises(CheckpointExistsError, match="did not honour the conditional create"):
         store.repo.create_commit(ours)
-    assert store.reads == (1 if when == "create" else 2)
+    assert store.reads == (2 if when == "create" else 3)  # a rival's record is read twice: not a flip in transit
     assert store.storage.read(layout.commit_key("a"), max_size=ANY_SIZE) == store.rival
 
 
@@ -219,6 +220,144 @@ def test_unreadable_commit_record_does_not_change_latest(s3_bucket, s3_proxy):
     with pytest.raises(StorageError, match="internal error"):
         ckptfmt.load(url, storage_options=through(s3_proxy, retries=NO_RETRIES))
     assert_same(small_state(8), ckptfmt.load(url))
+
+
+# -- reads tried again ----------------------------------------------------------------------------
+
+READS = {
+    "load": lambda url, options: ckptfmt.load(url, storage_options=options),
+    "get_tensor": lambda url, options: _get_tensor(url, options),
+    "verify": lambda url, options: ckptfmt.verify(url, storage_options=options),
+}
+
+
+def _get_tensor(url: str, options: dict) -> torch.Tensor:
+    with ckptfmt.open(url, storage_options=options) as reader:
+        return reader.get_tensor("w")
+
+
+def check_read(what: str, result, saved: dict) -> None:
+    if what == "load":
+        assert_same(saved, result)
+    elif what == "get_tensor":
+        assert_same(saved["w"], result)
+    else:
+        assert result.ok and result.checkpoints == ["a"], result.problems
+
+
+@pytest.mark.parametrize(("kind", "target", "what"), [
+    ("flip", "chunk", "load"), ("flip", "chunk", "get_tensor"), ("flip", "chunk", "verify"),
+    ("flip", "manifest", "load"), ("flip", "commit record", "get_tensor"), ("flip", "commit record", "verify"),
+    ("truncate", "chunk", "verify"), ("truncate", "manifest", "get_tensor"), ("truncate", "commit record", "load"),
+])
+def test_a_damaged_or_cut_response_is_read_again(s3_bucket, s3_proxy, kind, target, what):
+    """One response with a flipped bit or cut short: a second read gets the stored bytes."""
+    url = f"{s3_bucket}/reread"
+    saved = small_state(3)
+    ckptfmt.save(saved, f"{url}/a", chunk_size=65536)
+    record = Repository.open(url).commit("a")
+    chunk = Repository.open(url).manifest("a").chunks[0]
+    suffix = {"chunk": layout.chunk_key(chunk.hash, chunk.codec), "commit record": "/a/COMMIT",
+              "manifest": layout.manifest_key("a", record.manifest_hash)}[target]
+    s3_proxy.script(kind, op="GET", key_suffix=suffix)
+
+    result = READS[what](f"{url}/a", through(s3_proxy, retries=NO_RETRIES))
+
+    check_read(what, result, saved)
+    assert s3_proxy.injected() == Counter({(kind, "GET"): 1})
+
+
+def test_a_read_that_keeps_failing_says_how_many_tries_it_made(s3_bucket, s3_proxy):
+    url = f"{s3_bucket}/tries"
+    ckptfmt.save(small_state(4), f"{url}/a", chunk_size=65536)
+    chunk = Repository.open(url).manifest("a").chunks[0]
+    key = layout.chunk_key(chunk.hash, chunk.codec)
+    options = through(s3_proxy, retries=NO_RETRIES)
+
+    s3_proxy.script("truncate", op="GET", key_suffix=key, times=100)
+    with pytest.raises(StorageError, match=r"after 5 tries over \d+\.\d s"):
+        ckptfmt.load(f"{url}/a", storage_options=options)
+    s3_proxy.unscript()
+
+    # botocore checks a whole object's checksum (a StorageError once its tries are spent); ckptfmt checks
+    # the chunk's hash wherever botocore cannot (a ranged read): either way the error counts the tries.
+    s3_proxy.script("flip", op="GET", key_suffix=key, times=100)
+    with pytest.raises(CheckpointError, match=r"after 5 tries over|read 5 times, different bytes each time"):
+        ckptfmt.load(f"{url}/a", storage_options=options)
+    s3_proxy.unscript()
+    assert ckptfmt.verify(url, storage_options=options).ok
+
+
+def test_bytes_that_keep_failing_their_hash_are_named_with_the_reads_made():
+    """Where no transport checksum catches a flip, the chunk's hash does, and five different wrong
+    readings are the connection's fault, said so (memory:// reads stand in for a flipping link)."""
+    calls = []
+
+    def flipping_read(self, key, *, max_size):
+        calls.append(key)
+        data = bytearray(b"chunk bytes")
+        data[len(calls) % len(data)] ^= 1
+        return bytes(data)
+
+    storage = ObjectStorage(fsspec.filesystem("memory"), "/flips", "s3://flips")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ObjectStorage, "read", flipping_read)
+        with pytest.raises(CorruptDataError, match="read 5 times, different bytes each time"):
+            storage.read_checked("k", max_size=100, check=lambda data: check_chunk(data, "0" * 64, "k"))
+    assert len(calls) == 5
+
+
+def test_bytes_damaged_in_the_store_are_read_twice_not_five_times(s3_bucket, s3_client, s3_proxy):
+    """The same wrong bytes twice are the store's: the error stands after the second read."""
+    url = f"{s3_bucket}/stored-damage"
+    ckptfmt.save(small_state(5), f"{url}/a", chunk_size=65536)
+    chunk = Repository.open(url).manifest("a").chunks[0]
+    key = layout.chunk_key(chunk.hash, chunk.codec)
+    bucket, _, prefix = s3_bucket.removeprefix("s3://").partition("/")
+    object_key = f"{prefix}/stored-damage/{key}".lstrip("/")
+    data = bytearray(s3_client.get_object(Bucket=bucket, Key=object_key)["Body"].read())
+    data[100] ^= 1
+    s3_client.put_object(Bucket=bucket, Key=object_key, Body=bytes(data))
+    s3_proxy.reset_counts()
+
+    report = ckptfmt.verify(f"{url}/a", storage_options=through(s3_proxy))
+
+    assert [p.kind for p in report.problems] == ["corrupt-chunk"] and "hash mismatch" in report.problems[0].message
+    gets = s3_proxy.requests()["GET"]
+    assert gets <= 2 + len(Repository.open(url).manifest("a").chunks) + 2  # commit, manifest, chunks, the re-read
+
+
+#: Reads under random faults: 60 in make test, 200 in make test-exhaustive (the fault campaign's count).
+READ_SOAK = [pytest.param(60, id="60-reads"), pytest.param(200, id="200-reads", marks=pytest.mark.exhaustive)]
+
+
+@pytest.mark.parametrize("reads", READ_SOAK)
+def test_reads_succeed_through_a_link_that_faults_a_quarter_of_responses(s3_bucket, s3_proxy, reads):
+    """The fault campaign's link: every read (load, open + get_tensor, verify) right, none given up, through
+    flipped bits, truncated bodies, cut and dropped connections and 5xx answers on a quarter of requests."""
+    url = f"{s3_bucket}/soak-reads"
+    saved = {name: small_state(10 + i) for i, name in enumerate(("a", "b"))}
+    for name, state in saved.items():
+        ckptfmt.save(state, f"{url}/{name}", chunk_size=65536)
+    options = through(s3_proxy)
+    kinds = ("flip", "truncate", "cut", "drop", "internal_error", "slow_down")
+    failed = []
+    with s3_proxy.faults(0.25, kinds):
+        for i in range(reads):
+            what, name = list(READS)[i % 3], "ab"[i // 3 % 2]
+            try:
+                result = READS[what](f"{url}/{name}", options)
+            except CheckpointError as exc:
+                failed.append(f"{what} {name}: {exc}")
+                continue
+            if what == "verify":
+                assert result.ok and result.checkpoints == [name], result.problems
+            else:
+                assert_same(saved[name] if what == "load" else saved[name]["w"], result)
+    injected = s3_proxy.injected()
+    assert failed == []
+    assert {kind for kind, _ in injected} == set(kinds), injected
+    assert injected[("flip", "GET")] >= reads // 10
 
 
 # -- many operations under random faults ---------------------------------------------------------

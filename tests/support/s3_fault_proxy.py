@@ -11,7 +11,10 @@ and with a seeded RNG, answers some of them badly instead:
 - ``stall``: forwarded or not, then nothing is sent for ``stall_s`` (longer than the
   client's read timeout) and the connection is closed;
 - ``truncate``: forwarded, the headers (with the full Content-Length) and half the body
-  are sent, then the connection is closed. Responses without a body get ``cut`` instead.
+  are sent, then the connection is closed. Responses without a body get ``cut`` instead;
+- ``flip``: forwarded, and the whole response sent with one bit of its body flipped (a
+  corruption in transit that no length check sees), for GETs of objects; others get ``cut``
+  (a listing's XML carries no checksum that any client could check: only TLS protects it).
 
 ``conflict`` (HTTP 409 ``ConditionalRequestConflict``, as AWS answers concurrent
 conditional writes) is available to ``script`` only. With ``strip_if_none_match``
@@ -36,7 +39,7 @@ from urllib.parse import urlsplit
 import aiohttp
 from yarl import URL
 
-RANDOM_KINDS = ("internal_error", "slow_down", "drop", "cut", "stall", "truncate")
+RANDOM_KINDS = ("internal_error", "slow_down", "drop", "cut", "stall", "truncate", "flip")
 KINDS = RANDOM_KINDS + ("conflict",)
 OPERATIONS = ("GET", "PUT", "HEAD", "LIST", "DELETE")
 
@@ -47,6 +50,8 @@ _ERRORS = {  # kind -> (status, reason, S3 error code, message)
     "conflict": (409, "Conflict", "ConditionalRequestConflict",
                  "A conflicting operation occurred. If using PutObject you can retry the request."),
 }
+#: Faults that need the store's answer.
+_FORWARDED = ("cut", "truncate", "flip")
 _HOP_BY_HOP = {b"connection", b"keep-alive", b"transfer-encoding", b"content-length", b"expect",
                b"host", b"proxy-connection", b"te", b"trailer", b"upgrade"}
 _MAX_HEAD = 64 * 1024
@@ -150,6 +155,11 @@ class FaultProxy:
         with self._lock:
             self._scripts.append(_Script(kind, op, key_suffix, forward, times))
 
+    def unscript(self) -> None:
+        """Drop the scripted faults not yet injected."""
+        with self._lock:
+            self._scripts.clear()
+
     def injected(self) -> Counter[tuple[str, str]]:
         """Faults injected so far, per (kind, operation)."""
         with self._lock:
@@ -221,10 +231,10 @@ class FaultProxy:
                     script.times -= 1
                     if script.times <= 0:
                         self._scripts.remove(script)
-                    return script.kind, script.kind in ("cut", "truncate") or bool(script.forward)
+                    return script.kind, script.kind in _FORWARDED or bool(script.forward)
             if self._rate and self._rng.random() < self._rate:
                 kind = self._rng.choice(self._kinds)
-                forward = kind in ("cut", "truncate") or (kind in ("drop", "stall") and self._rng.random() < 0.5)
+                forward = kind in _FORWARDED or (kind in ("drop", "stall") and self._rng.random() < 0.5)
                 return kind, forward
         return None, True
 
@@ -246,7 +256,8 @@ class FaultProxy:
             writer.write(response.head() + response.body)
             await writer.drain()
             return True
-        if kind == "truncate" and (request.method == "HEAD" or len(response.body) < 2):
+        if (kind == "truncate" and (request.method == "HEAD" or len(response.body) < 2)) or (
+                kind == "flip" and (op != "GET" or response.status not in (200, 206) or not response.body)):
             kind = "cut"
         self._count(kind, op)
         if kind == "stall":
@@ -256,6 +267,14 @@ class FaultProxy:
             writer.write(head[: len(head) // 2])
         elif kind == "truncate":
             writer.write(response.head() + response.body[: len(response.body) // 2])
+        elif kind == "flip":
+            body = bytearray(response.body)
+            with self._lock:
+                position = self._rng.randrange(len(body) * 8)
+            body[position // 8] ^= 1 << position % 8
+            writer.write(response.head() + bytes(body))
+            await writer.drain()
+            return True
         await writer.drain()
         return False
 
