@@ -2,8 +2,9 @@
 
 A collective save keeps one copy of every plain value (the coordinator's) and
 reports ranks whose copy differs. Wrap a value in ``PerRank`` to keep every
-rank's instead; a single-process ``load`` returns it as ``PerRankValues``
-(rank -> value), and a collective load gives each rank its own value.
+rank's instead; ``load`` returns it as ``PerRankValues`` (rank -> value), and
+``load(into=)`` gives each rank a ``PerRank`` of its own value, which the next
+save keeps per rank again.
 """
 
 from __future__ import annotations
@@ -21,6 +22,10 @@ class PerRank:
 
     def __repr__(self) -> str:
         return f"PerRank({self.value!r})"
+
+    def __eq__(self, other: object) -> bool:
+        """Equal to a ``PerRank`` of an equal value (unhashable, as its value usually is)."""
+        return self.value == other.value if isinstance(other, PerRank) else NotImplemented
 
 
 class PerRankValues(dict):

@@ -4,8 +4,10 @@ Each tensor of ``state`` receives its saved value: a plain tensor the whole
 tensor, a DTensor its local shard for its own mesh and placements, read with
 ``CheckpointReader.read_box`` (only the chunks overlapping it), whatever world
 size and layout the checkpoint was saved with. Plain values are replaced by
-the saved ones, and a ``PerRank`` value by this rank's. Reading needs no
-collective: every rank reads what it needs by itself.
+the saved ones. A value saved as ``PerRank`` gives this rank its own; through
+``load(into=)`` it stays a ``PerRank`` (the caller's, filled in place), so the
+next save keeps every rank's value again. Reading needs no collective: every
+rank reads what it needs by itself.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 from ckptfmt.errors import CheckpointError
 from ckptfmt.format.dtensors import is_dtensor, local_shard
 from ckptfmt.format.dtypes import dtype_from_name
-from ckptfmt.format.per_rank import PerRankValues
+from ckptfmt.format.per_rank import PerRank, PerRankValues
 from ckptfmt.format.values import TensorRef, decode_tree, format_key
 
 #: Names listed per kind of problem in the error, at most.
@@ -31,9 +33,11 @@ _LISTED = 20
 class _Fill:
     """One walk over the target state: checks it against the saved state, collects the reads to do."""
 
-    def __init__(self, reader, rank: int):
+    def __init__(self, reader, rank: int, world_size: int | None, keep_per_rank: bool):
         self.reader = reader
         self.rank = rank
+        self.loading = range(world_size) if world_size else (rank,)  # the ranks a PerRank value must have
+        self.keep_per_rank = keep_per_rank
         self.reads: list[Callable[[], None]] = []
         self.problems: dict[str, list[str]] = {"missing from the checkpoint": [], "not in the state": [],
                                                "different": []}
@@ -41,12 +45,10 @@ class _Fill:
     def fill(self, target: Any, saved: Any, path: tuple) -> Any:
         """``target`` with the saved value in place where it can be (tensors, lists, dicts), else the new value."""
         if isinstance(saved, PerRankValues):
-            if self.rank not in saved:
-                self.problems["missing from the checkpoint"].append(
-                    f"{format_key(path)} (no value for rank {self.rank})"
-                )
-                return target
-            saved = saved[self.rank]
+            return self._per_rank(target, saved, path)
+        if isinstance(target, PerRank):  # the caller's own per-rank value stays one
+            target.value = self.fill(target.value, saved, path)
+            return target
         if isinstance(target, (torch.Tensor, np.ndarray)):
             if not isinstance(saved, TensorRef):
                 self.problems["different"].append(f"{format_key(path)} (a tensor in the state, a "
@@ -78,6 +80,24 @@ class _Fill:
                                               f"{type(saved).__name__} in the checkpoint)")
             return target
         return saved
+
+    def _per_rank(self, target: Any, saved: PerRankValues, path: tuple) -> Any:
+        """This rank's saved value, a ``PerRank`` with ``keep_per_rank``; every rank's into a ``PerRankValues``.
+
+        A rank loading without a saved value is a problem on every rank (each knows the world size),
+        so a strict load fails everywhere alike; a load that is not strict leaves that rank its own.
+        """
+        if isinstance(target, PerRankValues):  # as a plain load returns it: all ranks', kept for the next save
+            target.clear()
+            target.update(saved)
+            return target
+        lacking = [rank for rank in self.loading if rank not in saved]
+        if lacking:
+            self.problems["missing from the checkpoint"].append(
+                f"{format_key(path)} (a PerRank value saved for {_ranks(saved)}: none for {_ranks(lacking)}; "
+                "with strict=False such a rank keeps its own value)")
+        own = self.fill(target, saved[self.rank], path) if self.rank in saved else target
+        return PerRank(own) if self.keep_per_rank and not isinstance(own, PerRank) else own
 
     def _unexpected(self, saved: Any, path: tuple) -> None:
         refs = _tensor_refs(saved)
@@ -124,6 +144,15 @@ class _Fill:
         return "; ".join(parts) or None
 
 
+def _ranks(ranks: Collection[int]) -> str:
+    """``rank 2``, ``ranks 0, 1``, ``ranks 512-1023``."""
+    ranks = sorted(ranks)
+    if len(ranks) > 2 and ranks[-1] - ranks[0] == len(ranks) - 1:
+        return f"ranks {ranks[0]}-{ranks[-1]}"
+    listed = ", ".join(map(str, ranks[:_LISTED])) + (", ..." if len(ranks) > _LISTED else "")
+    return ("rank " if len(ranks) == 1 else "ranks ") + listed
+
+
 def _holds_tensors(value: Any) -> bool:
     if isinstance(value, (torch.Tensor, np.ndarray)):
         return True
@@ -145,13 +174,17 @@ def _tensor_refs(value: Any) -> list[str]:
 
 
 def load_into(reader, into: Any, *, strict: bool, rank: int, workers: int = 16,
-              within: Collection[str] | None = None) -> Any:
+              within: Collection[str] | None = None, world_size: int | None = None,
+              keep_per_rank: bool = False) -> Any:
     """Fill ``into`` from ``reader``'s checkpoint; returns it (a new object only where ``into`` is a tuple).
 
     With ``strict``, any missing or unexpected tensor or value, or a tensor of another shape or dtype,
     raises a CheckpointError listing them before anything is changed; without it, what matches is loaded.
     ``within``: only these top-level entries of a saved map are compared and loaded (the rest of the
     checkpoint is neither loaded nor reported), for a caller that reads the other entries itself.
+    ``world_size``: the ranks loading, each of which a saved ``PerRank`` value must have (None: ``rank``).
+    ``keep_per_rank``: a saved ``PerRank`` value becomes a ``PerRank`` of this rank's, for a state that is
+    saved again; without it, the bare value, for a caller that hands it to a ``load_state_dict``.
     """
     keys = reader.keys()
     saved = decode_tree(reader.manifest.state, lambda index: TensorRef(keys[index]))
@@ -159,9 +192,9 @@ def load_into(reader, into: Any, *, strict: bool, rank: int, workers: int = 16,
         if not isinstance(saved, dict):
             raise CheckpointError(f"{reader.url}: the saved state is a {type(saved).__name__}, not a map of entries")
         saved = {key: value for key, value in saved.items() if key in set(within)}
-    walk = _Fill(reader, rank)
+    walk = _Fill(reader, rank, world_size, keep_per_rank)
     if strict:
-        dry = _Fill(reader, rank)  # a dry run first: nothing changes on error
+        dry = _Fill(reader, rank, world_size, keep_per_rank)  # a dry run first: nothing changes on error
         dry.fill(_shadow(into), saved, ())
         if dry.error():
             raise CheckpointError(f"{reader.url}: the state does not match the checkpoint: {dry.error()}")
@@ -183,4 +216,6 @@ def _shadow(value: Any) -> Any:
         return [_shadow(v) for v in value]
     if isinstance(value, tuple):
         return tuple(_shadow(v) for v in value)
+    if isinstance(value, PerRank):
+        return PerRank(_shadow(value.value))
     return value

@@ -358,9 +358,11 @@ def load(url: str | os.PathLike, *, map_location: str | torch.device | None = "c
 
     ``into=state`` fills ``state`` in place instead and returns it: each tensor
     gets its saved value (a DTensor its own shard, at any world size or mesh),
-    plain values and this rank's ``PerRank`` values are replaced. Missing or
-    unexpected entries and shape or dtype mismatches raise a CheckpointError
-    listing them before anything changes; ``strict=False`` loads what matches.
+    plain values are replaced, and a value saved as ``PerRank`` becomes a
+    ``PerRank`` of this rank's own, so the next save keeps every rank's. Missing or
+    unexpected entries, shape or dtype mismatches, and ranks a ``PerRank`` value
+    was not saved for raise a CheckpointError listing them before anything changes;
+    ``strict=False`` loads what matches (a rank without a saved value keeps its own).
 
     ``heal_from``: other repositories holding copies (slower tiers, replicas: URLs or
     ``Repository`` objects). A chunk missing or damaged here is read from the first
@@ -371,7 +373,8 @@ def load(url: str | os.PathLike, *, map_location: str | torch.device | None = "c
     with open(url, storage_options=storage_options, map_location=map_location, mmap=mmap,
               heal_from=heal_from) as reader:
         if into is not None:
-            return load_into(reader, into, strict=strict, rank=current_rank()[0])
+            rank, world_size = current_rank()
+            return load_into(reader, into, strict=strict, rank=rank, world_size=world_size, keep_per_rank=True)
         return reader.load_state()
 
 

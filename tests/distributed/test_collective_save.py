@@ -169,7 +169,7 @@ def test_a_checkpoint_saved_on_4_ranks_loads_into_dtensors_on_fewer(mixed, tmp_p
             assert torch.equal(got, want)
         assert torch.equal(loaded["bias"], full["bias"])
         assert (loaded["step"], loaded["seen_by"]) == (7, "rank-0")
-        assert loaded["loader"] == {"position": 100 * rank}  # this rank's own
+        assert loaded["loader"] == ckptfmt.PerRank({"position": 100 * rank})  # this rank's own, still per rank
         assert loaded["next_random"] == results[rank]["next_random"]  # this rank's RNG restored
     assert outcomes[0]["warnings"] == [f"{reader.url}: saved with RNG states for ranks 0-3; resuming on {world} "
                                        f"rank(s), the states of {'ranks 2, 3' if world == 2 else 'rank 3'} are "

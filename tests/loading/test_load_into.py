@@ -82,7 +82,7 @@ def test_load_into_fills_the_state_in_place(saved):
     loaded = ckptfmt.load(url, into=state)
     assert loaded is state and state["model"]["weight"] is weight  # the same tensor, filled
     assert torch.equal(weight, model.weight.detach())
-    assert state["step"] == 9 and state["loader"] == {"position": 40}
+    assert state["step"] == 9 and state["loader"] == ckptfmt.PerRank({"position": 40})
     assert state["pair"][0] == 1 and torch.equal(state["pair"][1], torch.arange(4))
     assert np.array_equal(state["table"], np.arange(6.0))
 
@@ -130,3 +130,72 @@ def test_within_compares_and_loads_only_the_named_entries(tmp_path):
                       within=["model"])
         with pytest.raises(ckptfmt.CheckpointError, match=r"2 not in the state: loops, extra"):
             load_into(reader, {"model": {"w": torch.zeros(4)}}, strict=True, rank=0)  # without within
+
+
+# -- PerRank values through load(into=) (issue 27, 4) --------------------------------------------
+@pytest.mark.parametrize("held", [ckptfmt.PerRank({"position": -1}), {"position": -1}, None],
+                         ids=["per-rank", "plain", "none"])
+def test_a_per_rank_value_comes_back_per_rank_and_a_save_keeps_it(saved, tmp_path, held):
+    """Whatever the state held there: a PerRank of this rank's value (the caller's own object, filled)."""
+    url, _ = saved
+    state = fresh_state()
+    state["loader"] = held
+    ckptfmt.load(url, into=state)
+    assert type(state["loader"]) is ckptfmt.PerRank and state["loader"].value == {"position": 40}
+    assert state["loader"] is held or not isinstance(held, ckptfmt.PerRank)
+    again = ckptfmt.save(state, tmp_path / "repo" / "b")
+    assert ckptfmt.load(again)["loader"] == ckptfmt.PerRankValues({0: {"position": 40}})
+
+
+def test_a_failed_strict_load_leaves_per_rank_values_as_they_were(saved):
+    url, _ = saved
+    state = fresh_state()
+    state["loader"] = ckptfmt.PerRank({"position": -1})
+    state["model"]["extra"] = torch.zeros(1)
+    with pytest.raises(ckptfmt.CheckpointError, match="missing from the checkpoint: model/extra"):
+        ckptfmt.load(url, into=state)
+    assert state["loader"].value == {"position": -1}
+
+
+def test_every_ranks_values_load_into_per_rank_values(tmp_path):
+    """A state as a plain load returns it holds every rank's values: load(into=) then save loses none."""
+    values = ckptfmt.PerRankValues({0: {"position": 0}, 1: {"position": 1000}})
+    url = ckptfmt.save({"loader": values}, tmp_path / "repo" / "a")
+    state = ckptfmt.load(url)
+    held = state["loader"]
+    held[2] = {"position": -1}
+    ckptfmt.load(url, into=state)
+    assert state["loader"] is held and held == values
+    assert ckptfmt.load(ckptfmt.save(state, tmp_path / "repo" / "b"))["loader"] == values
+
+
+def test_a_per_rank_state_entry_stays_per_rank_for_a_value_saved_plain(tmp_path):
+    url = ckptfmt.save({"loader": {"position": 7}}, tmp_path / "repo" / "a")
+    state = {"loader": ckptfmt.PerRank({"position": -1})}
+    ckptfmt.load(url, into=state)
+    assert state["loader"] == ckptfmt.PerRank({"position": 7})
+
+
+def test_a_rank_the_checkpoint_lacks_is_named_with_the_ranks_it_has(tmp_path, monkeypatch):
+    """Rank 2 of 3 (the launcher's environment, no process group) and a value saved on ranks 0 and 1."""
+    values = ckptfmt.PerRankValues({0: {"position": 0}, 1: {"position": 1000}})
+    url = ckptfmt.save({"loader": values, "step": 5}, tmp_path / "repo" / "a")
+    monkeypatch.setenv("RANK", "2")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    state = {"loader": ckptfmt.PerRank({"position": -2}), "step": 0}
+    with pytest.raises(ckptfmt.CheckpointError, match=r"loader \(a PerRank value saved for ranks 0, 1: none for "
+                                                      r"rank 2; with strict=False such a rank keeps its own value\)"):
+        ckptfmt.load(url, into=state)
+    assert state == {"loader": ckptfmt.PerRank({"position": -2}), "step": 0}
+    ckptfmt.load(url, into=state, strict=False)
+    assert state == {"loader": ckptfmt.PerRank({"position": -2}), "step": 5}
+
+
+def test_load_into_for_a_load_state_dict_gives_the_bare_value(saved):
+    """Integrations hand what they load to the framework's load_state_dict: no PerRank there."""
+    from ckptfmt.loading.load_into import load_into
+
+    url, _ = saved
+    with ckptfmt.open(url) as reader:
+        target = load_into(reader, {"loader": {"position": 0}}, strict=True, rank=0, within=["loader"])
+    assert target == {"loader": {"position": 40}}

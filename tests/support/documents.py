@@ -6,8 +6,10 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-#: Names that look like dotted paths in the docs but are files or entry point groups, not attributes.
-NOT_ATTRIBUTES = {"ckptfmt.json", "ckptfmt.commands"}
+#: Names that look like dotted paths in the docs but are files, entry point groups or the metadata keys of
+#: exported safetensors files, not attributes.
+NOT_ATTRIBUTES = {"ckptfmt.json", "ckptfmt.commands", "ckptfmt.step", "ckptfmt.prefix", "ckptfmt.source",
+                  "ckptfmt.id"}
 #: Packages of their own (``import ckptfmt.converters``): the core never imports them.
 PACKAGES = {"ckptfmt.converters", "ckptfmt.tui", "ckptfmt.integrations"}
 
