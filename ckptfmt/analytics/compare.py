@@ -446,12 +446,12 @@ def _change_along_a_run(field: str, series: list[tuple[int, tuple[dict, dict]]])
 
 
 def _shown(value: Any) -> Any:
-    """A plain value as JSON holds it: numbers, strings, booleans, None and lists of them as they are; NaN,
-    infinities and other types as their repr."""
+    """A plain value as JSON holds it: numbers, strings, booleans, None and lists of them as they are; NaN and
+    infinities as ``NaN``, ``Inf`` and ``-Inf`` (JSON has no such number); other types as their repr."""
     if value is None or isinstance(value, (bool, int, str)):
         return value
     if isinstance(value, float):
-        return value if math.isfinite(value) else repr(value)
+        return value if math.isfinite(value) else {"nan": "NaN", "inf": "Inf", "-inf": "-Inf"}[repr(value)]
     if isinstance(value, (list, tuple)):
         return [_shown(item) for item in value]
     return quoted(value)  # ABSENT shows as <absent>

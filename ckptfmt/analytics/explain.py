@@ -7,9 +7,10 @@ samples the rank took in the window, and the same rank's samples elsewhere in
 the run (its baseline), each cause below is weighed; every cause whose evidence
 holds is given, the likeliest first, with the evidence in figures and an action:
 
-- **data loading**: the rank spent at least half the window in its ``data``
-  phase (the data wait the samples carry, or the episode's slow phase is
-  ``data``): its input pipeline could not keep up.
+- **data loading**: the rank spent at least half of these steps' time in its
+  ``data`` phase (from its step records: each step's data phase lies within
+  the step, so the share is at most 1), or the episode's slow phase is
+  ``data``: its input pipeline could not keep up.
 - **CPU contention**: the rank's process got at most ``CONTENDED`` of the CPU
   time it gets elsewhere in the run while it computed (the slow phase is not
   ``data``), or its involuntary context switches per second rose ``SWITCHES``-fold:
@@ -65,10 +66,11 @@ def explain(built: Mapping[str, pa.Table], found: dict) -> list[dict]:
     for straggler in found["stragglers"]:
         rank, host = straggler["rank"], straggler["host"]
         for episode in straggler["episodes"]:
-            start, end = windows.span(rank, episode["first_step"], episode["last_step"])
+            first, last = episode["first_step"], episode["last_step"]
+            start, end = windows.span(rank, first, last)
             inside, outside = samples.split(rank, start, end)
             causes = _causes(rank, host, episode["phase"], start, end, inside, outside, samples,
-                             hosts.get(host, [rank]), saves)
+                             hosts.get(host, [rank]), saves, windows.data_share(rank, first, last))
             explained.append({"rank": rank, "host": host, "first_step": episode["first_step"],
                               "last_step": episode["last_step"], "phase": episode["phase"],
                               "samples": int(inside.size), "causes": causes})
@@ -127,17 +129,39 @@ class _Samples:
 
 
 class _StepWindows:
-    """Each (rank, step)'s start and end, seconds since the epoch, from the steps table."""
+    """Per rank, each step's number, start (seconds since the epoch), duration and seconds in its ``data``
+    phase (NaN where it recorded none), from the steps table."""
 
     def __init__(self, steps: pa.Table):
-        starts = steps.column("start").cast(pa.int64()).to_numpy(zero_copy_only=False) / 1e6
-        ends = starts + steps.column("duration_s").to_numpy(zero_copy_only=False)
-        self.spans = {(rank, step): (start, end) for rank, step, start, end in zip(
-            steps.column("rank").to_pylist(), steps.column("step").to_pylist(), starts.tolist(), ends.tolist())}
+        ranks = steps.column("rank").to_numpy(zero_copy_only=False)
+        columns = np.stack([
+            steps.column("step").to_numpy(zero_copy_only=False).astype(float),
+            steps.column("start").cast(pa.int64()).to_numpy(zero_copy_only=False) / 1e6,
+            steps.column("duration_s").to_numpy(zero_copy_only=False).astype(float),
+            (steps.column("phase_data").to_numpy(zero_copy_only=False).astype(float)
+             if "phase_data" in steps.column_names else np.full(steps.num_rows, np.nan))], axis=1)
+        self.by_rank = {rank: columns[ranks == rank] for rank in np.unique(ranks).tolist()}
+
+    def _chosen(self, rank: int, first: int, last: int) -> np.ndarray:
+        """The rank's steps ``first`` to ``last``: rows of (step, start, duration, data)."""
+        rows = self.by_rank[rank]
+        return rows[(rows[:, 0] >= first) & (rows[:, 0] <= last)]
 
     def span(self, rank: int, first: int, last: int) -> tuple[float, float]:
-        chosen = [span for (r, step), span in self.spans.items() if r == rank and first <= step <= last]
-        return min(s for s, _ in chosen), max(e for _, e in chosen)
+        """From the start of the rank's first step to the end of its last."""
+        chosen = self._chosen(rank, first, last)
+        return float(chosen[:, 1].min()), float((chosen[:, 1] + chosen[:, 2]).max())
+
+    def data_share(self, rank: int, first: int, last: int) -> float | None:
+        """The share of these steps' time the rank spent in its ``data`` phase, None where none recorded one.
+
+        Both come from the step records, timed by one clock around the same work, so the share is at most 1.
+        The samples' data wait cannot give it: that counter grows by a step's whole data phase when the step
+        ends, so a sample interval can hold data time spent before it began (over 100% of the interval)."""
+        chosen = self._chosen(rank, first, last)
+        if not np.isfinite(chosen[:, 3]).any() or chosen[:, 2].sum() <= 0:
+            return None
+        return float(np.nansum(chosen[:, 3]) / chosen[:, 2].sum())  # a step without the phase spent no time in it
 
 
 def _host_ranks(steps: pa.Table) -> dict[str, list[int]]:
@@ -148,16 +172,17 @@ def _host_ranks(steps: pa.Table) -> dict[str, list[int]]:
 
 
 def _causes(rank: int, host: str, phase: str, start: float, end: float, inside: np.ndarray, outside: np.ndarray,
-            samples: _Samples, neighbours: list[int], saves: pa.Table) -> list[dict]:
+            samples: _Samples, neighbours: list[int], saves: pa.Table, waited: float | None) -> list[dict]:
+    """The episode's causes, likeliest first; ``waited``: the share of its steps' time spent in ``data``."""
     causes: list[tuple[float, dict]] = []
     where = f"rank {rank}"
     span = end - start
-    # Data loading: the share of the window spent waiting for data.
-    waited = samples.rate(rank, "data_wait_s", inside)
+    # Data loading: the share of the steps' time spent waiting for data.
     if phase == "data" or (waited is not None and waited >= 0.5):
-        share = f"{waited:.0%} of the time" if waited is not None else "its slow phase"
+        waiting = (f"{where} waited for its data {waited:.0%} of the time in these steps" if waited is not None
+                   else f"{where} was slowest in its data phase in these steps")
         causes.append((waited or 0.5, {
-            "cause": "data loading", "evidence": f"{where} waited for its data {share} in these steps",
+            "cause": "data loading", "evidence": waiting,
             "action": f"give {where}'s data loader more workers (num_workers), prefetch or pin memory, and check "
                       "the storage it reads from"}))
     # CPU contention: the process got less CPU than usual while it computed, or was switched out more.

@@ -7,8 +7,11 @@ added, save phases per checkpoint, checkpoint size and new bytes over time,
 metrics over steps (both runs' with a second run), and with a second run, the
 tensors that differ per checkpoint and tensor group, each tensor group's norm
 over checkpoints, the tensors holding NaN or Inf per checkpoint and (``deep``)
-each group's relative update. Tables: the run's health, stragglers and why they
-straggled, slow saves, and the recorded differences between the runs. Text in the figures is
+each group's relative update. A figure with nothing to draw (a run without
+NaN or Inf, runs whose tensors never differ) is left out, and the page says so
+in its place. Tables: the run's health, stragglers and why they straggled,
+slow saves, and the recorded differences between the runs, their cells in
+words (yes/no, -, NaN), never Python's reprs. Text in the figures is
 SVG text (selectable, found by the browser's search); artists a reader or a
 test looks for carry ids (``straggler-marks``, ``metric-<name>-A``,
 ``divergence-cells``, ``divergence-value-<row>-<column>``).
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import html
 import io
+import math
 import os
 import re
 import warnings
@@ -36,8 +40,9 @@ from matplotlib.ticker import MaxNLocator
 from ckptfmt.analytics.compare import compare
 from ckptfmt.analytics.grids import StepGrid, slowest_save_phases
 from ckptfmt.analytics.health import HealthReport, health
-from ckptfmt.analytics.stragglers import Thresholds, episode_ranges, step_delays, stragglers
+from ckptfmt.analytics.stragglers import Thresholds, episode_ranges, step_delays, step_range, stragglers
 from ckptfmt.analytics.tables import tables
+from ckptfmt.tools.formatting import counted
 
 
 @dataclass
@@ -48,6 +53,15 @@ class Figure:
     title: str
     caption: str
     figure: Any
+
+
+@dataclass
+class Omitted:
+    """A figure with nothing to draw (no NaN at all, no delay found): the page says why in its place."""
+
+    id: str
+    title: str
+    reason: str
 
 
 def report(repo: str | os.PathLike, *, html_path: str | os.PathLike | None = None,
@@ -62,10 +76,11 @@ def report(repo: str | os.PathLike, *, html_path: str | os.PathLike | None = Non
     well = health(repo, deep=deep, storage_options=storage_options, built=built)
     comparison = compare(repo, compare_with, storage_options=storage_options) if compare_with else None
     other_steps = tables(compare_with, storage_options=storage_options)["steps"] if compare_with else None
-    figures = [f for f in (_step_heatmap(built["steps"], found), _delay_heatmap(built["steps"], thresholds),
-                           _save_phases(built["saves"]), _sizes(built["checkpoints"]),
-                           _metrics(built["steps"], other_steps), _norms(well), _non_finite(well),
-                           _updates(well), _divergence(comparison)) if f is not None]
+    shown = [f for f in (_step_heatmap(built["steps"], found), _delay_heatmap(built["steps"], thresholds),
+                         _save_phases(built["saves"]), _sizes(built["checkpoints"]),
+                         _metrics(built["steps"], other_steps), _norms(well), _non_finite(well),
+                         _updates(well), _divergence(comparison)) if f is not None]
+    figures = [f for f in shown if isinstance(f, Figure)]
     try:
         if png_dir is not None:
             folder = Path(png_dir)
@@ -74,7 +89,7 @@ def report(repo: str | os.PathLike, *, html_path: str | os.PathLike | None = Non
                 figure.figure.savefig(folder / f"{figure.id}.png", dpi=110, bbox_inches="tight")
         if html_path is not None:
             Path(html_path).write_text(_page(os.fspath(repo), built, found, well, comparison, compare_with,
-                                             figures), encoding="utf-8")
+                                             shown), encoding="utf-8")
     finally:
         for figure in figures:
             plt.close(figure.figure)
@@ -87,12 +102,17 @@ def _heatmap(title: str, steps: np.ndarray, ranks: np.ndarray, values: np.ndarra
     image = axes.imshow(values, aspect="auto", interpolation="nearest", cmap="viridis",
                         extent=(steps[0] - 0.5, steps[-1] + 0.5, ranks[-1] + 0.5, ranks[0] - 0.5))
     figure.colorbar(image, ax=axes, label=label)
-    axes.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps and ranks are whole numbers
-    axes.yaxis.set_major_locator(MaxNLocator(integer=True))
+    axes.xaxis.set_major_locator(_whole_numbers())  # steps and ranks
+    axes.yaxis.set_major_locator(_whole_numbers())
     axes.set_xlabel("step")
     axes.set_ylabel("rank")
     axes.set_title(title)
     return figure, axes
+
+
+def _whole_numbers() -> MaxNLocator:
+    """Ticks at whole numbers only, even where the axis spans one (a single rank: 0, not -0.5 to 0.5)."""
+    return MaxNLocator(integer=True, min_n_ticks=1)
 
 
 def _step_heatmap(steps: pa.Table, found: dict) -> Figure | None:
@@ -111,10 +131,12 @@ def _step_heatmap(steps: pa.Table, found: dict) -> Figure | None:
                   "end of a phase of their own work last.", figure)
 
 
-def _delay_heatmap(steps: pa.Table, thresholds: Thresholds) -> Figure | None:
+def _delay_heatmap(steps: pa.Table, thresholds: Thresholds) -> Figure | Omitted | None:
     if steps.num_rows == 0 or not any(c.startswith("phase_") for c in steps.column_names):
         return None
     delays = step_delays(steps, thresholds)
+    if not (delays.delay_s > 0).any():
+        return Omitted("delays", "Delay each rank added", "No rank delayed the others beyond the jitter in any step.")
     figure, _ = _heatmap("Delay each rank added", delays.steps, delays.ranks, delays.delay_s.T, "seconds")
     return Figure("delays", "Delay each rank added",
                   "Seconds a rank reached the end of a phase of its own work after the other ranks' median, "
@@ -145,12 +167,14 @@ def _sizes(checkpoints: pa.Table) -> Figure | None:
         return None
     rows = checkpoints.to_pylist()
     x = [r["step"] if r["step"] is not None else i for i, r in enumerate(rows)]
+    stored, new = ([r[column] or 0 for r in rows] for column in ("stored_bytes", "new_bytes"))
+    size, unit = _byte_unit(max(stored + new))
     figure, axes = plt.subplots(figsize=(10, 3.5))
-    axes.plot(x, [(r["stored_bytes"] or 0) / 2**20 for r in rows], marker="o", label="checkpoint size")
-    axes.bar(x, [(r["new_bytes"] or 0) / 2**20 for r in rows], width=max(1, (max(x) - min(x)) / 60 or 1),
+    axes.plot(x, [b / size for b in stored], marker="o", label="checkpoint size")
+    axes.bar(x, [b / size for b in new], width=max(1, (max(x) - min(x)) / 60 or 1),
              color="orange", label="new bytes (not shared with earlier checkpoints)")
     axes.set_xlabel("step")
-    axes.set_ylabel("MiB")
+    axes.set_ylabel(unit)
     axes.set_title("Checkpoint size and new bytes")
     axes.legend(fontsize="small")
     return Figure("sizes", "Checkpoint size and new bytes",
@@ -158,12 +182,23 @@ def _sizes(checkpoints: pa.Table) -> Figure | None:
                   figure)
 
 
-def _metrics(steps: pa.Table, other_steps: pa.Table | None) -> Figure | None:
+def _byte_unit(largest: float) -> tuple[int, str]:
+    """The largest binary unit in which ``largest`` bytes is 1 or more (bytes up to TiB): 68 bytes are not
+    6.5e-5 MiB."""
+    units = ("B", "KiB", "MiB", "GiB", "TiB")
+    power = max((p for p in range(len(units)) if largest >= 1024**p), default=0)
+    return 1024**power, units[power]
+
+
+def _metrics(steps: pa.Table, other_steps: pa.Table | None) -> Figure | Omitted | None:
     """Each metric averaged over ranks, per step: this run's solid (A), the compared run's dashed (B)."""
     runs = [("A", "-", steps)] + ([("B", "--", other_steps)] if other_steps is not None else [])
     names = list(dict.fromkeys(c for _, _, table in runs for c in table.column_names if c.startswith("metric_")))
     if not names or not any(table.num_rows for _, _, table in runs):
         return None
+    if not any(np.isfinite(table.column(name).to_numpy(zero_copy_only=False).astype(float)).any()
+               for _, _, table in runs for name in names if name in table.column_names):
+        return Omitted("metrics", "Metrics", "Every recorded metric value is NaN or infinite: nothing to draw.")
     figure, axes = plt.subplots(figsize=(10, 3.5))
     for run, style, table in runs:
         if table.num_rows == 0:
@@ -187,10 +222,12 @@ def _metrics(steps: pa.Table, other_steps: pa.Table | None) -> Figure | None:
     return Figure("metrics", "Metrics", caption, figure)
 
 
-def _norms(well: HealthReport) -> Figure | None:
+def _norms(well: HealthReport) -> Figure | Omitted | None:
     """Each tensor group's norm over checkpoints (log scale), the jumps circled."""
     if not well.group_norms:
         return None
+    if not any(v for norms in well.group_norms.values() for v in norms):
+        return Omitted("norms", "Norm per tensor group", "Every tensor group's norm is zero in every checkpoint.")
     x = _checkpoint_axis(well)
     figure, axes = plt.subplots(figsize=(10, 4))
     for number, (group, norms) in enumerate(well.group_norms.items()):
@@ -212,26 +249,29 @@ def _norms(well: HealthReport) -> Figure | None:
                   figure)
 
 
-def _non_finite(well: HealthReport) -> Figure | None:
+def _non_finite(well: HealthReport) -> Figure | Omitted | None:
     """How many tensors hold NaN or infinite values, per checkpoint."""
     if not well.group_norms and not well.non_finite:
         return None  # no statistics recorded
+    if not well.non_finite:
+        return Omitted("non-finite", "NaN and Inf per checkpoint",
+                       "No tensor holds a NaN or an infinite value in any checkpoint.")
     x = _checkpoint_axis(well)
     counts = {entry["checkpoint"]: entry["tensors"] for entry in well.non_finite}
     values = [counts.get(c["name"], 0) for c in well.checkpoints]
     figure, axes = plt.subplots(figsize=(10, 2.5))
-    axes.bar(x, values, color=["red" if v else "lightgrey" for v in values],
-             width=max(1, (max(x) - min(x)) / 60 or 1), gid="non-finite-bars")
+    axes.bar(x, values, color="red", width=max(1, (max(x) - min(x)) / 60 or 1), gid="non-finite-bars")
     axes.yaxis.set_major_locator(MaxNLocator(integer=True))
     axes.set_xlabel("step")
     axes.set_ylabel("tensors")
-    first = well.first_non_finite
-    axes.set_title("Tensors holding NaN or Inf" + (f": first at step {first['step']}" if first else ": none"))
+    first = well.non_finite[0]  # the checkpoints holding any, in commit order
+    where = f"at step {first['step']}" if first["step"] is not None else f"in {first['checkpoint']}"
+    axes.set_title(f"Tensors holding NaN or Inf: first {where}")
     return Figure("non-finite", "NaN and Inf per checkpoint",
                   "Tensors whose recorded statistics count a NaN or an infinite element.", figure)
 
 
-def _updates(well: HealthReport) -> Figure | None:
+def _updates(well: HealthReport) -> Figure | Omitted | None:
     """Relative update ||W_t - W_prev|| / ||W_t|| per group and checkpoint (``deep`` only)."""
     if not well.updates:
         return None
@@ -244,9 +284,12 @@ def _updates(well: HealthReport) -> Figure | None:
             cell += (update["moved_l2"] ** 2, update["l2"] ** 2)
     with np.errstate(all="ignore"):
         ratios = np.where(sums[..., 1] > 0, np.sqrt(sums[..., 0] / sums[..., 1]), np.nan)
-    figure, axes = plt.subplots(figsize=(10, max(2.5, 0.35 * len(groups) + 1.5)))
     positive = ratios[np.isfinite(ratios) & (ratios > 0)]
-    norm = matplotlib.colors.LogNorm(vmin=positive.min(), vmax=positive.max()) if positive.size else None
+    if not positive.size:
+        return Omitted("updates", "Relative update per tensor group",
+                       "No tensor moved between consecutive checkpoints.")
+    figure, axes = plt.subplots(figsize=(10, max(2.5, 0.35 * len(groups) + 1.5)))
+    norm = matplotlib.colors.LogNorm(vmin=positive.min(), vmax=positive.max())
     cells = axes.pcolormesh(np.ma.masked_invalid(np.where(ratios > 0, ratios, np.nan)), cmap="magma", norm=norm,
                             edgecolors="white", linewidth=1)
     cells.set_gid("update-cells")
@@ -259,7 +302,7 @@ def _updates(well: HealthReport) -> Figure | None:
     axes.set_title("Relative update per tensor group")
     return Figure("updates", "Relative update per tensor group",
                   "How far each group's tensors moved since the previous checkpoint, relative to their size "
-                  "(blank: unchanged, or the first checkpoint).", figure)
+                  "(blank: unchanged, not finite, or the first checkpoint).", figure)
 
 
 def _checkpoint_axis(well: HealthReport) -> list[float]:
@@ -271,17 +314,20 @@ def _checkpoint_axis(well: HealthReport) -> list[float]:
 ANNOTATED_CELLS = 400
 
 
-def _divergence(comparison: dict | None) -> Figure | None:
+def _divergence(comparison: dict | None) -> Figure | Omitted | None:
     if not comparison or not comparison["checkpoints"]:
         return None
     entries = comparison["checkpoints"]
-    groups = sorted({g for e in entries for g in e["groups_differing"]}) or ["(none)"]
+    groups = sorted({g for e in entries for g in e["groups_differing"]})
+    if not groups:
+        return Omitted("divergence", "Divergence per checkpoint and tensor group",
+                       "No tensor's bytes differ between the runs at any common step.")
     counts = np.array([[e["groups_differing"].get(g, 0) for e in entries] for g in groups], dtype=float)
     figure, axes = plt.subplots(figsize=(10, max(2.5, 0.4 * len(groups) + 1.5)))
     top = max(1.0, counts.max())
     cells = axes.pcolormesh(counts, cmap="Reds", vmin=0, vmax=top, edgecolors="white", linewidth=2)
     cells.set_gid("divergence-cells")  # white edges: equal neighbours still read as separate cells
-    figure.colorbar(cells, ax=axes, label="tensors whose bytes differ")
+    figure.colorbar(cells, ax=axes, label="tensors whose bytes differ", ticks=MaxNLocator(integer=True))
     if counts.size <= ANNOTATED_CELLS:
         for (row, column), value in np.ndenumerate(counts):
             axes.text(column + 0.5, row + 0.5, f"{value:.0f}", ha="center", va="center", fontsize="small",
@@ -308,55 +354,76 @@ svg { max-width: 100%; height: auto; }
 
 
 def _page(repo: str, built: dict, found: dict, well: HealthReport, comparison: dict | None, other,
-          figures: list[Figure]) -> str:
+          figures: list[Figure | Omitted]) -> str:
     e = html.escape
     checkpoints = built["checkpoints"]
     parts = [f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>ckptfmt report: {e(repo)}</title>"
              f"<style>{_STYLE}</style></head><body>",
              f"<h1>Run report: {e(repo)}</h1>",
-             f"<p>{checkpoints.num_rows} checkpoints, {found['steps']} recorded steps on {found['ranks']} ranks.</p>"]
+             f"<p>{counted(checkpoints.num_rows, 'checkpoint')}, {counted(found['steps'], 'recorded step')} on "
+             f"{counted(found['ranks'], 'rank')}.</p>"]
     if comparison is not None:
-        divergence = comparison["first_divergence"]
-        verdict = "identical" if comparison["identical"] else "different"
-        parts.append(f"<h2>Compared with {e(os.fspath(other))}</h2><p class='verdict' id='verdict'>The runs are "
-                     f"{verdict}.</p>")
-        if divergence:
-            parts.append(f"<p>First divergence: step {divergence['step']} ({e(divergence['checkpoint'])}), "
-                         f"tensor <code>{e(divergence['tensor'])}</code>, max abs difference "
-                         f"{e(str(divergence['max_abs']))}.</p>")
-        differences = comparison["differences"]
-        columns = list(dict.fromkeys(key for d in differences for key in d))  # whatever compare records
-        parts.append(_table("differences", [c.replace("_", " ") for c in columns],
-                            [[d.get(c) for c in columns] for d in differences]))
+        parts += _comparison_section(comparison, other)
     parts += _health_section(well)
-    parts.append("<h2>Stragglers</h2>")
-    parts.append(_table("stragglers", ["rank", "host", "kind", "steps", "phase", "delay (s)", "x median"],
-                        [[s["rank"], s["host"], s["kind"], episode_ranges(s["episodes"]), s["phase"],
-                          f"{s['delay_s']:.3f}", "-" if s["ratio"] is None else f"{s['ratio']:.1f}"]
-                         for s in found["stragglers"]]))
+    parts += _stragglers_section(found)
+    for figure in figures:
+        parts.append(f"<h2>{e(figure.title)}</h2>")
+        if isinstance(figure, Omitted):
+            parts.append(f"<p id='figure-{figure.id}-omitted'>{e(figure.reason)}</p>")
+        else:
+            parts.append(f"<figure id='figure-{figure.id}'>{_svg(figure.figure)}"
+                         f"<figcaption>{e(figure.caption)}</figcaption></figure>")
+    parts.append("</body></html>")
+    return "\n".join(parts)
+
+
+def _comparison_section(comparison: dict, other) -> list[str]:
+    """The verdict, the first divergence and every recorded difference between the runs."""
+    e = html.escape
+    verdict = "identical" if comparison["identical"] else "different"
+    parts = [f"<h2>Compared with {e(os.fspath(other))}</h2><p class='verdict' id='verdict'>The runs are "
+             f"{verdict}.</p>"]
+    divergence = comparison["first_divergence"]
+    if divergence:
+        how = (e(divergence["reason"]) if divergence["max_abs"] is None else
+               f"max abs difference {divergence['max_abs']:.3g}, max relative {divergence['max_rel']:.3g}")
+        parts.append(f"<p>First divergence: step {divergence['step']} ({e(divergence['checkpoint'])}), "
+                     f"tensor <code>{e(divergence['tensor'])}</code>, {how}.</p>")
+    differences = comparison["differences"]
+    columns = list(dict.fromkeys(key for d in differences for key in d))  # whatever compare records
+    parts += ["<h3>Recorded differences</h3>",
+              _table("differences", [c.replace("_", " ") for c in columns],
+                     [[d.get(c) for c in columns] for d in differences])]
+    return parts
+
+
+def _stragglers_section(found: dict) -> list[str]:
+    """The stragglers, why they straggled and the slow saves."""
+    parts = ["<h2>Stragglers</h2>",
+             _table("stragglers", ["rank", "host", "kind", "steps", "phase", "delay (s)", "x median"],
+                    [[s["rank"], s["host"], s["kind"], episode_ranges(s["episodes"]), s["phase"],
+                      f"{s['delay_s']:.3f}", "-" if s["ratio"] is None else f"{s['ratio']:.1f}"]
+                     for s in found["stragglers"]])]
     if found["explanations"]:
         parts.append("<h2>Why they straggled</h2>")
         parts.append(_table("straggler-causes", ["rank", "host", "steps", "cause", "evidence", "what to do"],
-                            [[e["rank"], e["host"], f"{e['first_step']}-{e['last_step']}", c["cause"], c["evidence"],
-                              c["action"]] for e in found["explanations"] for c in e["causes"]]))
+                            [[e["rank"], e["host"], step_range(e["first_step"], e["last_step"]), c["cause"],
+                              c["evidence"], c["action"]] for e in found["explanations"] for c in e["causes"]]))
     if found["slow_saves"]:
         parts.append("<h2>Slow saves</h2>")
         parts.append(_table("slow-saves", ["rank", "host", "checkpoints", "phases", "delay (s)"],
                             [[s["rank"], s["host"], ", ".join(s["checkpoints"]), ", ".join(sorted(set(s["phases"]))),
                               f"{s['delay_s']:.3f}"] for s in found["slow_saves"]]))
-    for figure in figures:
-        parts.append(f"<h2>{e(figure.title)}</h2><figure id='figure-{figure.id}'>{_svg(figure.figure)}"
-                     f"<figcaption>{e(figure.caption)}</figcaption></figure>")
-    parts.append("</body></html>")
-    return "\n".join(parts)
+    return parts
 
 
 def _health_section(well: HealthReport) -> list[str]:
     """The run's health as the page says it: NaN/Inf, norm jumps, metric spikes, unchanged, mostly zeros."""
     e = html.escape
     first = well.first_non_finite
-    verdict = ("no NaN or Inf in any checkpoint" if first is None else
-               f"NaN or Inf first in {e(first['checkpoint'])} (step {first['step']}): "
+    step = "" if first is None or first["step"] is None else f" (step {first['step']})"
+    verdict = ("No NaN or Inf in any checkpoint" if first is None else
+               f"NaN or Inf first in {e(first['checkpoint'])}{step}: "
                + ", ".join(f"<code>{e(t['key'])}</code>" for t in first["tensors"][:8]))
     return [
         "<h2>Training health</h2>", f"<p id='health-verdict'>{verdict}.</p>",
@@ -365,10 +432,11 @@ def _health_section(well: HealthReport) -> list[str]:
                [[j["group"], j["checkpoint"], j["step"], f"{j['norm']:.4g}", f"x{j['factor']:.3g}"]
                 for j in well.jumps]),
         "<h3>Metric spikes</h3>",
-        _table("metric-spikes", ["metric", "steps", "peak", "baseline", "after", "before"],
-               [[s["metric"], f"{s['first_step']}-{s['last_step']}", "NaN" if s["non_finite"] else f"{s['peak']:.4g}",
-                 "-" if s["baseline"] is None else f"{s['baseline']:.4g}", s["after"], s["before"]]
-                for s in well.metric_spikes]),
+        _table("metric-spikes", ["metric", "steps", "peak", "baseline", "between checkpoints"],
+               [[s["metric"], step_range(s["first_step"], s["last_step"]),
+                 "NaN" if s["non_finite"] else f"{s['peak']:.4g}",
+                 "-" if s["baseline"] is None else f"{s['baseline']:.4g}",
+                 f"{s['after'] or 'the start'} and {s['before'] or 'the end'}"] for s in well.metric_spikes]),
         "<h3>Unchanged tensors</h3>",
         _table("unchanged", ["tensor", "since", "checkpoints", "by"],
                [[u["key"], u["since"], u["checkpoints"], u["evidence"]] for u in well.unchanged]),
@@ -383,9 +451,24 @@ def _table(table_id: str, header: list[str], rows: list[list]) -> str:
         return f"<p id='{table_id}'>None.</p>"
     e = html.escape
     head = "".join(f"<th>{e(h)}</th>" for h in header)
-    body = "".join("<tr>" + "".join(f"<td>{e('' if v is None else str(v))}</td>" for v in row) + "</tr>"
-                   for row in rows)
+    body = "".join("<tr>" + "".join(f"<td>{e(_cell(v))}</td>" for v in row) + "</tr>" for row in rows)
     return f"<table id='{table_id}'><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def _cell(value: Any) -> str:
+    """A value as a reader says it, not as Python prints it: yes/no, - for nothing, NaN and Inf, lists and
+    maps spelt out."""
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("Inf" if value > 0 else "-Inf")
+    if isinstance(value, (list, tuple)):
+        return ", ".join(_cell(item) for item in value) or "(none)"
+    if isinstance(value, dict):
+        return ", ".join(f"{key}: {_cell(item)}" for key, item in value.items()) or "(none)"
+    return str(value)
 
 
 def _svg(figure) -> str:

@@ -223,12 +223,14 @@ def _episode(delays: Delays, column: int, rows: np.ndarray) -> dict:
             "phase": max(set(phases), key=phases.count)}
 
 
+def step_range(first: int, last: int) -> str:
+    """Steps ``first`` to ``last`` as text: ``4-7``, and one step as itself, ``12``."""
+    return str(first) if first == last else f"{first}-{last}"
+
+
 def episode_ranges(episodes: list[dict]) -> str:
     """A straggler's episodes as text: ``4-7, 12``."""
-    return ", ".join(
-        str(e["first_step"]) if e["first_step"] == e["last_step"] else f"{e['first_step']}-{e['last_step']}"
-        for e in episodes
-    )
+    return ", ".join(step_range(e["first_step"], e["last_step"]) for e in episodes)
 
 
 def _finite(value: float | np.ndarray) -> float | None:

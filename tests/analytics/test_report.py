@@ -17,15 +17,31 @@ import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pytest
+import torch
 
-from ckptfmt.analytics.report import report
+import ckptfmt
+from ckptfmt.analytics import Thresholds
+from ckptfmt.analytics.health import HealthReport
+from ckptfmt.analytics.report import (
+    Omitted,
+    _delay_heatmap,
+    _divergence,
+    _metrics,
+    _non_finite,
+    _norms,
+    _stragglers_section,
+    _updates,
+    report,
+)
 from tests.support import markers
 from tests.support.ddp_runs import NOISY_MACHINE, RUNS, flagged
 from tests.support.helpers import needs_tool
-from tests.support.runs import SICK_NAN, SICK_SCALED, sick_run
+from tests.support.runs import SICK_LOSS_SPIKE, SICK_NAN, SICK_SCALED, sick_run, train
 
-FIGURES = ["step-time", "delays", "save-phases", "sizes", "metrics", "norms", "non-finite", "divergence"]
+#: The 4-rank run's figures: it holds no NaN or Inf, so its page says so instead of drawing an empty chart.
+FIGURES = ["step-time", "delays", "save-phases", "sizes", "metrics", "norms", "divergence"]
 SVG = "{http://www.w3.org/2000/svg}"
 
 
@@ -45,9 +61,9 @@ def two_rank_page(ddp_runs, tmp_path_factory) -> Path:
     return out
 
 
-def figure_svg(out: Path, figure: str) -> ElementTree.Element:
+def figure_svg(out: Path, figure: str, page: str = "report.html") -> ElementTree.Element:
     """The parsed inline SVG of one figure of the page."""
-    text = (out / "report.html").read_text()
+    text = (out / page).read_text()
     markup = re.search(rf"<figure id='figure-{figure}'>(<svg\b.*?</svg>)", text, flags=re.S).group(1)
     return ElementTree.fromstring(markup)
 
@@ -67,6 +83,7 @@ def test_the_page_holds_every_figure_and_table_and_needs_no_network(page):
     for figure in FIGURES:
         assert re.search(rf"<figure id='figure-{figure}'><svg\b", text), figure
     assert "id='stragglers'" in text and "id='differences'" in text and "id='straggler-causes'" in text
+    assert "<p id='figure-non-finite-omitted'>" in text
     references = re.findall(r"""(?:src|href)\s*=\s*["']([^"']*)["']""", text)
     assert all(r.startswith("#") or r.startswith("data:") for r in references), references[:5]
     assert "<script" not in text and "@import" not in text
@@ -201,3 +218,115 @@ def test_the_health_figures_show_the_norm_jump_the_nan_and_the_updates(sick_page
     assert "Tensors holding NaN or Inf: first at step 55" in text_of(figure_svg(out, "non-finite"))
     assert by_id(figure_svg(out, "updates"), "update-cells")
     assert any(j["group"] == "model.2" and j["step"] == SICK_SCALED for j in made["health"].jumps)
+
+
+# -- what a reader sees: ranges, words, axes, and nothing drawn where there is nothing to draw -----------------
+def cells(out: Path, page: str = "report.html") -> list[str]:
+    """The text of every table cell of the page."""
+    return re.findall(r"<td>(.*?)</td>", (out / page).read_text(), flags=re.S)
+
+
+def ticks(svg: ElementTree.Element, axes: str, axis: str) -> list[str]:
+    """The tick labels of one axis of a figure (``axes_2``: a colour bar's)."""
+    return [text_of(tick) for tick in by_id(by_id(svg, axes)[0], f"{axis}tick_")]
+
+
+PYTHON_REPRS = {"True", "False", "None", "nan", "inf", "-inf", "[]", "{}"}
+
+
+def test_a_one_step_range_is_one_step(sick_page):
+    out, made = sick_page
+    spikes = re.search(r"<table id='metric-spikes'>.*?</table>", (out / "report.html").read_text(), flags=re.S)
+    assert f"<td>{SICK_LOSS_SPIKE}</td>" in spikes.group(0)
+    assert f"{SICK_LOSS_SPIKE}-{SICK_LOSS_SPIKE}" not in spikes.group(0)
+    explained = {"rank": 3, "host": "h", "first_step": 20, "last_step": 20, "phase": "data", "samples": 2,
+                 "causes": [{"cause": "data loading", "evidence": "e", "action": "a"}]}
+    found = {"stragglers": [], "slow_saves": [], "explanations": [explained]}
+    section = "".join(_stragglers_section(found))
+    assert "<td>20</td>" in section and "20-20" not in section
+
+
+@pytest.fixture(scope="module")
+def small_pages(tmp_path_factory) -> Path:
+    """One-rank runs: one compared with another seed (different.html) and with itself (same.html)."""
+    out = tmp_path_factory.mktemp("small-pages")
+    train(str(out / "a"))
+    train(str(out / "b"), seed=1)
+    report(str(out / "a"), html_path=out / "different.html", compare_with=str(out / "b"))
+    report(str(out / "a"), html_path=out / "same.html", compare_with=str(out / "a"))
+    return out
+
+
+def test_the_differences_read_as_words_not_python(small_pages):
+    found = cells(small_pages, "different.html")
+    assert "yes" in found  # the seed explains the divergence
+    assert not PYTHON_REPRS & set(found), found
+    text = (small_pages / "different.html").read_text()
+    assert "max relative" in text and not re.search(r"max abs difference \d\.\d{4}", text)  # 3 digits
+    assert "12 recorded steps on 1 rank." in text
+
+
+def test_booleans_nan_and_a_missing_tensor_read_as_words(tmp_path):
+    """Plain values True against False and NaN against 1.0; a tensor only in one run: no max abs difference."""
+    for name, flag, scale, extra in (("a", True, float("nan"), True), ("b", False, 1.0, False)):
+        state = {"flag": flag, "scale": scale, **({"extra": torch.ones(3)} if extra else {}), "w": torch.ones(2)}
+        ckptfmt.save(state, f"{tmp_path / name}/step-0001", step=1)
+    report(str(tmp_path / "a"), html_path=tmp_path / "report.html", compare_with=str(tmp_path / "b"))
+    text, found = (tmp_path / "report.html").read_text(), cells(tmp_path)
+    assert {"yes", "no", "NaN", "1.0"} <= set(found) and not PYTHON_REPRS & set(found), found
+    assert "<code>extra</code>, only in a." in text
+    assert not re.search(r"\bNone\b(?!\.</p>)", text)  # "None." says a table is empty
+
+
+def test_a_run_without_nan_says_so_instead_of_an_empty_chart(small_pages):
+    text = (small_pages / "different.html").read_text()
+    assert "id='figure-non-finite'" not in text
+    assert "<p id='figure-non-finite-omitted'>No tensor holds a NaN or an infinite value in any checkpoint.</p>" in text
+
+
+def test_identical_runs_draw_no_divergence_and_differing_ones_count_in_whole_tensors(small_pages):
+    same = (small_pages / "same.html").read_text()
+    assert "id='figure-divergence'" not in same
+    assert "<p id='figure-divergence-omitted'>No tensor&#x27;s bytes differ" in same
+    colour_bar = ticks(figure_svg(small_pages, "divergence", "different.html"), "axes_2", "y")
+    assert colour_bar and all(re.fullmatch(r"\d+", tick) for tick in colour_bar), colour_bar
+
+
+def test_one_rank_is_one_tick_and_bytes_are_in_a_unit_that_fits(small_pages):
+    assert ticks(figure_svg(small_pages, "step-time", "different.html"), "axes_1", "y") == ["0"]  # not -0.5 to 0.5
+    sizes = figure_svg(small_pages, "sizes", "different.html")  # a few dozen bytes: not 6.5e-5 MiB
+    assert all(re.fullmatch(r"\d+", tick) for tick in ticks(sizes, "axes_1", "y"))
+    assert "MiB" not in text_of(sizes) and "e−" not in text_of(sizes), text_of(sizes)
+
+
+def steady_steps(ranks: int = 2, steps: int = 12, loss: float = 1.0) -> pa.Table:
+    """A steps table of ranks that all take 100 ms a step, 10 of it in ``data``: nobody delays anybody."""
+    rows = [(rank, step) for rank in range(ranks) for step in range(steps)]
+    starts = [1_700_000_000_000_000 + 100_000 * step for _, step in rows]
+    return pa.table({"rank": [r for r, _ in rows], "host": ["h"] * len(rows), "step": [s for _, s in rows],
+                     "start": pa.array(starts, pa.timestamp("us", tz="UTC")), "duration_s": [0.1] * len(rows),
+                     "phase_data": [0.01] * len(rows), "phase_forward": [0.09] * len(rows),
+                     "metric_loss": [loss] * len(rows)})
+
+
+def still_health(norm: float = 0.0, moved: float = 0.0) -> HealthReport:
+    """A run of two checkpoints whose one tensor group has norm ``norm`` and moved ``moved`` between them."""
+    return HealthReport(run="r", checkpoints=[{"name": "c1", "step": 1}, {"name": "c2", "step": 2}],
+                        first_non_finite=None, non_finite=[], group_norms={"model": [norm, norm]}, jumps=[],
+                        unchanged=[], mostly_zeros=[], metric_spikes=[],
+                        updates=[{"key": "model/w", "group": "model", "checkpoint": "c2", "previous": "c1",
+                                  "moved_l2": moved, "l2": norm, "ratio": None}])
+
+
+@pytest.mark.parametrize(("figure", "drawn"), [
+    ("delays", lambda: _delay_heatmap(steady_steps(), Thresholds())),
+    ("metrics", lambda: _metrics(steady_steps(loss=float("nan")), None)),
+    ("norms", lambda: _norms(still_health())),
+    ("non-finite", lambda: _non_finite(still_health(1.0))),
+    ("updates", lambda: _updates(still_health(1.0))),
+    ("divergence", lambda: _divergence({"checkpoints": [{"step": 1, "groups_differing": {}}]})),
+])
+def test_a_figure_with_nothing_to_draw_is_left_out_with_a_sentence(figure, drawn):
+    """No delay, only NaN metrics, zero norms, no NaN, nothing moved, nothing differs: no empty chart."""
+    omitted = drawn()
+    assert isinstance(omitted, Omitted) and omitted.id == figure and omitted.reason.endswith("."), omitted

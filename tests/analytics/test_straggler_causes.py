@@ -1,6 +1,7 @@
 """Why ranks straggled (``ckptfmt stragglers --explain``) on a real gloo DDP run of 2 ranks, each pinned to
 a core of its own: rank 0 sleeps in its data phase for a few steps, and rank 1 shares its core with CPU-bound
-processes for a few others. Each episode is explained by its own cause, with evidence and an action."""
+processes for a few others. Each episode is explained by its own cause, with evidence and an action. And on
+constructed step records and samples: the share of time spent waiting for data."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import pyarrow as pa
 import pytest
 import torch
 
@@ -20,8 +22,6 @@ from ckptfmt.analytics import Thresholds, tables
 from ckptfmt.analytics.explain import explain
 from ckptfmt.cli import main
 from tests.support.ranks import run_ranks
-
-pytestmark = pytest.mark.distributed
 
 STEPS, SLEEP_S = 28, 0.5
 DATA_SLOW = range(5, 8)  # rank 0 sleeps in its data phase
@@ -100,6 +100,7 @@ def injected_episodes(repo: str) -> dict:
     ]}
 
 
+@pytest.mark.distributed
 def test_each_slow_rank_is_explained_by_its_own_cause(contended):
     built = tables(contended)
     data, cpu = explain(built, injected_episodes(contended))
@@ -114,12 +115,14 @@ def test_each_slow_rank_is_explained_by_its_own_cause(contended):
     assert not any(c["cause"] in ("CPU contention", "host saturated by other processes") for c in data["causes"])
 
 
+@pytest.mark.distributed
 def test_a_normal_stretch_of_steps_is_unexplained(contended):
     (quiet,) = explain(tables(contended), {"stragglers": [{"rank": 1, "host": socket.gethostname(), "episodes": [
         {"first_step": 24, "last_step": 26, "phase": "forward"}]}]})
     assert [c["cause"] for c in quiet["causes"]] == ["unexplained"]
 
 
+@pytest.mark.distributed
 def test_the_cli_prints_why_and_what_to_do(contended, capsys):
     """End to end: the data episode (half-second sleeps) is found on any machine, and explained."""
     assert main(["stragglers", contended, "--min-delay", str(PINNED.floor_s), "--explain"]) == 0
@@ -129,3 +132,36 @@ def test_the_cli_prints_why_and_what_to_do(contended, capsys):
     document = json.loads(capsys.readouterr().out)
     found = [e for e in document["explanations"] if e["rank"] == 0 and e["first_step"] in DATA_SLOW]
     assert found and found[0]["causes"][0]["cause"] == "data loading"
+
+
+def data_bound_run(steps: int = 10, step_s: float = 2.0, data_s: float = 1.9) -> dict[str, pa.Table]:
+    """The tables of one rank whose steps last ``step_s``, ``data_s`` of it in ``data``, sampled every second
+    in the background, half a second off the step boundaries: the samples' data wait grows only when a
+    step ends, by the whole step's data phase, as a StepTimer's does."""
+    epoch = 1_700_000_000.0
+    starts = [epoch + step_s * step for step in range(steps)]
+    times = [epoch + 0.5 + second for second in range(int(step_s * steps))]
+    waited = [data_s * sum(start + step_s <= time for start in starts) for time in times]
+
+    def stamps(seconds: list[float]) -> pa.Array:
+        return pa.array([round(s * 1e6) for s in seconds], pa.timestamp("us", tz="UTC"))
+    return {
+        "steps": pa.table({"rank": [0] * steps, "host": ["h"] * steps, "step": list(range(steps)),
+                           "start": stamps(starts), "duration_s": [step_s] * steps,
+                           "phase_data": [data_s] * steps, "phase_forward": [step_s - data_s] * steps}),
+        "system": pa.table({"rank": [0] * len(times), "host": ["h"] * len(times), "time": stamps(times),
+                            "data_wait_s": waited}),
+        "saves": pa.table({"rank": pa.array([], pa.int64()), "start": stamps([]),
+                           "duration_s": pa.array([], pa.float64())}),
+    }
+
+
+@pytest.mark.parametrize(("first", "last"), [(4, 4), (3, 6)])
+def test_the_data_wait_is_a_share_of_the_steps_time_never_over_all_of_it(first, last):
+    """The samples around one 2 s step hold the data phases of two steps in 3 s (127%): the share comes
+    from the step records, whose data phases lie within their steps."""
+    episode = {"first_step": first, "last_step": last, "phase": "data"}
+    (explained,) = explain(data_bound_run(), {"stragglers": [{"rank": 0, "host": "h", "episodes": [episode]}]})
+    cause = explained["causes"][0]
+    assert cause["cause"] == "data loading"
+    assert cause["evidence"] == "rank 0 waited for its data 95% of the time in these steps", cause
