@@ -505,22 +505,33 @@ def _parse_tensor(doc: Any, index: int, sizes: _Sizes, budget: _Budget) -> Tenso
         budget.take(len(raw_shards), 0)
         shards = tuple(_parse_shard(s, what, shape, width, sizes, budget) for s in raw_shards)
         check_tiling(what, shape, shards)
-    stats = _parse_stats(doc["stats"], what, math.prod(shape)) if "stats" in doc else None
+    stats = _parse_stats(doc["stats"], what, math.prod(shape), dtype) if "stats" in doc else None
     return TensorEntry(key, dtype, shape, shards, kind, requires_grad, same_as, stats)
 
 
 _STAT_COUNTS = ("count", "nan", "posinf", "neginf", "zeros")
-_STAT_FIELD_SETS = {frozenset(FLOAT_FIELDS), frozenset(INTEGER_FIELDS), frozenset(COUNT_FIELDS)}
+_FLOAT_DTYPES = frozenset({"float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e4m3fnuz",
+                           "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu"})
+_INTEGER_DTYPES = frozenset({"bool", "uint8", "uint16", "uint32", "uint64", "int8", "int16", "int32", "int64"})
 
 
-def _parse_stats(doc: Any, what: str, numel: int) -> dict:
-    """A tensor's ``stats`` (spec 6.10): one of the three field sets, counts within the element
+def _stat_sets(dtype: str) -> tuple[frozenset, ...]:
+    """The statistics sets a tensor of ``dtype`` may carry (spec 6.10): its own, or the count alone."""
+    if dtype in _FLOAT_DTYPES:
+        return frozenset(FLOAT_FIELDS), frozenset(COUNT_FIELDS)
+    if dtype in _INTEGER_DTYPES:
+        return frozenset(INTEGER_FIELDS), frozenset(COUNT_FIELDS)
+    return (frozenset(COUNT_FIELDS),)
+
+
+def _parse_stats(doc: Any, what: str, numel: int, dtype: str) -> dict:
+    """A tensor's ``stats`` (spec 6.10): a field set its dtype allows, counts within the element
     count, the other fields numbers or nil; names a newer writer adds are kept as read."""
     if type(doc) is not dict or not all(type(name) is str for name in doc):
         raise ManifestError(f"{what}: stats must be a map of names to values")
     known = frozenset(name for name in doc if name in FLOAT_FIELDS)
-    if known not in _STAT_FIELD_SETS:
-        raise ManifestError(f"{what}: stats fields {sorted(known)} are none of the sets spec 6.10 defines")
+    if known not in _stat_sets(dtype):
+        raise ManifestError(f"{what}: stats fields {sorted(known)} are none of the sets spec 6.10 defines for {dtype}")
     if doc["count"] != numel:
         raise ManifestError(f"{what}: stats count {quoted(doc['count'])} differs from the {numel} elements")
     for name in known:

@@ -2,7 +2,8 @@
 
 For a floating-point tensor: ``count`` (elements), ``min``, ``max``, ``mean``, ``l2`` (the Euclidean
 norm) and ``absmax`` over its finite elements (None where it has none), and the counts ``nan``,
-``posinf``, ``neginf`` and ``zeros`` (exact zeros, either sign). For an integer or bool tensor:
+``posinf``, ``neginf`` and ``zeros`` (exact zeros, either sign); -0.0 is below +0.0 for ``min`` and
+``max``, so a zero extreme's sign does not depend on the elements' order. For an integer or bool tensor:
 ``count``, ``min``, ``max`` and ``zeros``. Dtypes without arithmetic on this machine (packed float4,
 the ``bits`` kinds) and complex tensors get ``count`` alone (spec 6.10).
 
@@ -106,7 +107,7 @@ class StatsAccumulator:
         # either way): its SIMD min, max and == 0 take 40% of the time torch's aminmax and
         # count_nonzero take on a 1 MiB block.
         array = (values if values.dtype in _NUMPY_FLOATS else wide).numpy()
-        low, high = float(array.min()), float(array.max())
+        low, high = _signed_zeros(float(array.min()), float(array.max()), np.signbit, array)
         self._extremes(low, high)
         if low <= 0 <= high:  # else there is no zero to count
             self.zeros += int(np.count_nonzero(array == 0))
@@ -130,7 +131,7 @@ class StatsAccumulator:
         else:  # a square would overflow or lose digits: kept as a norm
             self.norms.append(norm)
         smallest, largest = torch.aminmax(values)
-        self._extremes(float(smallest), float(largest))
+        self._extremes(*_signed_zeros(float(smallest), float(largest), torch.signbit, values))
 
     def _drop_non_finite(self, values: torch.Tensor) -> torch.Tensor:
         is_nan, is_inf = torch.isnan(values), torch.isinf(values)
@@ -140,8 +141,8 @@ class StatsAccumulator:
         return values[~(is_nan | is_inf)]
 
     def _extremes(self, smallest, largest) -> None:
-        self.low = smallest if self.low is None else min(self.low, smallest)
-        self.high = largest if self.high is None else max(self.high, largest)
+        self.low = smallest if self.low is None else _lower(self.low, smallest)
+        self.high = largest if self.high is None else _higher(self.high, largest)
 
     def result(self) -> dict[str, Any]:
         """The statistics of every element added so far."""
@@ -157,6 +158,29 @@ class StatsAccumulator:
             absmax = max(abs(self.low), abs(self.high))
         return {"count": self.count, "min": self.low, "max": self.high, "mean": mean, "l2": l2, "absmax": absmax,
                 "nan": self.nan, "posinf": self.posinf, "neginf": self.neginf, "zeros": self.zeros}
+
+
+def _signed_zeros(low: float, high: float, signbit, values) -> tuple[float, float]:
+    """A block's extremes with -0.0 below +0.0 (spec 6.10): min and max reductions return either zero
+    of a tie, by the elements' order. ``values`` are finite, so a zero ``low`` means no element has its
+    sign bit but a -0.0, and a zero ``high`` none lacks it but a +0.0."""
+    if low == 0 or high == 0:
+        negative = signbit(values)
+        if low == 0:
+            low = -0.0 if negative.any() else 0.0
+        if high == 0:
+            high = -0.0 if negative.all() else 0.0
+    return low, high
+
+
+def _lower(a, b):
+    """The smaller extreme, -0.0 below +0.0 whichever comes first (``min`` keeps the first of equals)."""
+    return a if a < b or (a == b and math.copysign(1.0, a) < 0) else b
+
+
+def _higher(a, b):
+    """The larger extreme, +0.0 above -0.0 whichever comes first."""
+    return a if a > b or (a == b and math.copysign(1.0, a) > 0) else b
 
 
 _SCRATCH = threading.local()
@@ -185,10 +209,10 @@ def merge_stats(parts: Iterable[dict[str, Any]]) -> dict[str, Any]:
     for name in ("nan", "posinf", "neginf", "zeros"):
         if name in fields:
             merged[name] = sum(part[name] for part in parts)
-    for name, pick in (("min", min), ("max", max), ("absmax", max)):
+    for name, pick in (("min", _lower), ("max", _higher), ("absmax", _higher)):
         if name in fields:
             present = [part[name] for part in parts if part[name] is not None]
-            merged[name] = pick(present) if present else None
+            merged[name] = functools.reduce(pick, present) if present else None
     if "mean" in fields:
         finite = [(_finite(part), part) for part in parts]
         total = sum(n for n, _ in finite)
@@ -236,7 +260,8 @@ def _has_arithmetic(dtype: torch.dtype) -> bool:
 #: Elements reduced at a time on a device: bounds the masks and the cleaned copy (float64: 512 MiB).
 DEVICE_BLOCK = 1 << 26
 #: Where a field's figure lies in a pending float result.
-_FLOAT_SLOTS = ("nan", "posinf", "neginf", "zeros", "finite", "total", "scaled_total", "l2", "min", "max")
+_FLOAT_SLOTS = ("nan", "posinf", "neginf", "zeros", "finite", "total", "scaled_total", "negative_zeros", "l2", "min",
+                "max")
 
 
 class PendingStats:
@@ -289,17 +314,18 @@ class PendingStats:
                 torch.isnan(block).sum().to(f64), torch.isposinf(block).sum().to(f64),
                 torch.isneginf(block).sum().to(f64), (block == 0).sum().to(f64), finite.sum().to(f64),
                 clean.sum(dtype=f64), (clean.to(f64) * _SCALE).sum(),
+                ((block == 0) & torch.signbit(block)).sum().to(f64),  # signs a zero extreme (spec 6.10)
                 torch.linalg.vector_norm(clean.to(f64) * scale) / scale,
                 torch.where(finite, block, infinity).amin().to(f64),
                 torch.where(finite, block, -infinity).amax().to(f64),
             ]))
         table = torch.stack(rows)
-        norms = table[:, 7]
+        norms = table[:, 8]
         peak = norms.amax()  # the blocks' norms combined scaled by the largest, as math.hypot does
         usable = (peak > 0) & torch.isfinite(peak)
         l2 = torch.where(usable, torch.linalg.vector_norm(norms / torch.where(usable, peak, 1)) * peak, peak)
-        return torch.cat([table[:, :7].sum(0), l2.reshape(1), table[:, 8].amin().reshape(1),
-                          table[:, 9].amax().reshape(1)])
+        return torch.cat([table[:, :8].sum(0), l2.reshape(1), table[:, 9].amin().reshape(1),
+                          table[:, 10].amax().reshape(1)])
 
     def result(self, figures: torch.Tensor | None = None) -> dict[str, Any]:
         """The statistics, from ``figures`` (this tensor's, already on the host) or by waiting for them."""
@@ -312,6 +338,10 @@ class PendingStats:
         named = dict(zip(_FLOAT_SLOTS, values))
         finite = int(named["finite"])
         some = finite > 0
+        if named["min"] == 0:  # -0.0 below +0.0 (spec 6.10), whatever the reduction's order
+            named["min"] = -0.0 if named["negative_zeros"] else 0.0
+        if named["max"] == 0:
+            named["max"] = 0.0 if named["zeros"] > named["negative_zeros"] else -0.0
         mean = None
         if some:  # float64 elements near its largest value overflow the plain sum, never the scaled one
             mean = (named["total"] / finite if math.isfinite(named["total"])

@@ -713,7 +713,8 @@ def test_newer_minor_versions_with_unknown_fields_are_read(repo_url):
 
 HOSTILE_CONTENT = {
     # id: (change to the manifest document, the entry point that must refuse it)
-    "numpy-bfloat16": (lambda d: find_tensor(d, "array").update(dtype="bfloat16"), "load"),  # numpy lacks it
+    # numpy lacks bfloat16; the statistics of a float dtype (spec 6.10: an int16 array has the integer set)
+    "numpy-bfloat16": (lambda d: find_tensor(d, "array").update(dtype="bfloat16", stats={"count": 5}), "load"),
     "int-parameter-grad": (lambda d: find_tensor(d, "big").update(kind="parameter", requires_grad=True), "load"),
     "rng-huge-int": (lambda d: [r.update(torch_cpu=2**62) for r in d["rng"]], "restore_rng"),  # no bytearray(2**62)
     "rng-numpy-overflow": (lambda d: [r["numpy"].update(pos=2**64 - 1) for r in d["rng"]], "restore_rng"),

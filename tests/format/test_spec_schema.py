@@ -9,6 +9,9 @@
 * ``write_by_spec`` is a writer written from FORMAT.md alone: it lays out a
   multi-shard, multi-piece, partly compressed checkpoint by hand, and
   ckptfmt's own reader loads it.
+* Delta chunks (FORMAT.md 4.1, 5.5): ``SpecReader`` reads runs of delta saves
+  (chains 1 to 8 deep, elements of 1 to 16 bytes) bit-exactly, and ckptfmt
+  reads a delta chunk the text's writer stored.
 """
 
 from __future__ import annotations
@@ -29,8 +32,10 @@ import torch
 from tests.support.helpers import require_module
 from tests.support.spec_reader import (
     SpecReader,
+    blake3_hex,
     json_image,
     shuffle,
+    store_chunk,
     tree_hook,
     unpack,
     unshuffle,
@@ -169,6 +174,9 @@ def test_schema_vocabulary_and_limits_match_the_implementation():
     assert set(defs["dtype"]["enum"]) == set(dtypes.ITEMSIZES)
     assert set(defs["codec"]["enum"]) == set(codecs.CODECS)
     assert defs["chunk"]["properties"]["size"]["maximum"] == limits.MAX_CHUNK_BYTES
+    # A piece lies within its chunk, in both forms of shards (FORMAT.md 6.5, 6.11, 14): offset and length
+    # are bounded by a chunk's size, in the schema as in the reader.
+    assert [item.get("maximum") for item in defs["piece"]["prefixItems"][1:]] == [limits.MAX_CHUNK_BYTES] * 2
     assert defs["dims"]["maxItems"] == limits.MAX_DIMS
     assert defs["tensor"]["properties"]["key"]["maxLength"] == limits.MAX_KEY_BYTES
     shard_list, grid = defs["tensor"]["properties"]["shards"]["oneOf"]
@@ -336,3 +344,83 @@ def test_checkpoint_written_from_the_spec_is_read_by_ckptfmt(tmp_path):
     assert reader.tensor_bytes("grid")[1] == expected["grid"].tobytes()
     assert reader.tensor_bytes("grid_again")[1] == expected["grid"].tobytes()
     assert reader.tensor_bytes("n")[1] == np.array(-5, dtype="<i8").tobytes()
+
+
+# -- delta chunks (FORMAT.md 4.1, 5.5): the reader follows the key the text gives ------------
+
+#: Tensors of every element size a delta codec shuffles by (16-byte elements: delta1), each over
+#: 256 KiB so that it is cut into chunks of its own, and a small one that goes into a pack.
+DELTA_DTYPES = {"i8": torch.int8, "bf16": torch.bfloat16, "f32": torch.float32, "f64": torch.float64,
+                "c128": torch.complex128}
+
+
+def delta_run(repo: Path, saves: int, compression: str = "delta-zstd") -> list[dict]:
+    """``saves`` checkpoints ``s0``, ``s1``, ... of a state that changes a little each time, saved with
+    ``compression``; returns each save's state (copies)."""
+    gen = torch.Generator().manual_seed(27)
+    state = {key: (torch.randint(-100, 100, (320_000,), generator=gen, dtype=torch.int8) if dtype == torch.int8
+                   else torch.randn(320_000 // torch.empty(0, dtype=dtype).element_size(), generator=gen,
+                                    dtype=torch.float64).to(dtype))
+             for key, dtype in DELTA_DTYPES.items()}
+    state["small"] = torch.arange(10.0)
+    saved = []
+    for step in range(saves):
+        for key, tensor in state.items():
+            if tensor.dtype == torch.int8:
+                tensor[step::997] += 1
+            elif key != "small":
+                tensor += (torch.randn(tensor.shape, generator=gen, dtype=torch.float64) * 1e-5).to(tensor.dtype)
+        state["small"] += 1
+        ckptfmt.save(state, f"{repo}/s{step}", compression=compression, chunk_size=2**17)
+        saved.append({key: tensor.clone() for key, tensor in state.items()})
+    return saved
+
+
+def _depth(chunks: list[dict], row: int) -> int:
+    depth = 0
+    while "base" in chunks[row]:
+        row, depth = chunks[row]["base"], depth + 1
+    return depth
+
+
+def test_independent_reader_reads_delta_chains_of_every_element_size_bit_exactly(tmp_path):
+    repo = tmp_path / "repo"
+    saved = delta_run(repo, 10)
+    depths, codecs = set(), set()
+    for step, state in enumerate(saved):
+        reader = SpecReader(repo, f"s{step}")
+        for key, value in state.items():
+            assert reader.tensor_bytes(key)[1] == _expected_bytes(value), (step, key)
+        depths |= {_depth(reader.chunks, row) for row in range(len(reader.chunks))}
+        codecs |= {row["codec"] for row in reader.chunks}
+        _validator("manifest.schema.json").validate(json_image(reader.manifest))
+    assert depths == set(range(9))  # chains 1 to 8 deep (ckptfmt stacks at most 8 deltas)
+    assert {"delta1-zstd", "delta2-zstd", "delta4-zstd", "delta8-zstd"} <= codecs
+
+
+def test_a_delta_chunk_written_from_the_spec_is_read_by_ckptfmt(tmp_path):
+    """The text's writer stores a delta chunk at the key 4.1 gives, against a base no piece names."""
+    repo = tmp_path / "handmade"
+    repo.mkdir()
+    (repo / "ckptfmt.json").write_text(json.dumps({"format": "ckptfmt-repository", "version": [1, 6]}))
+    expected = write_by_spec(repo, "by-hand")
+    manifest_path = next((repo / "by-hand").glob("manifest-*.msgpack"))
+    doc = unpack(manifest_path.read_bytes())
+    reader = SpecReader(repo, "by-hand")
+    old = bytearray(reader.chunk(1))
+    old[0] ^= 0x40  # the base: the chunk as a previous checkpoint held it, then named by no piece
+    base_row = store_chunk(repo, bytes(old), "shuffle4-zstd")
+    doc["chunks"].append(base_row)
+    doc["chunks"][1] = store_chunk(repo, reader.chunk(1), "delta4-zstd",
+                                   (len(doc["chunks"]) - 1, base_row, bytes(old)))
+    data = msgpack.packb(doc, use_bin_type=True)
+    digest = blake3_hex(data)
+    manifest_path.unlink()
+    (repo / "by-hand" / f"manifest-{digest}.msgpack").write_bytes(data)
+    commit = json.loads((repo / "by-hand" / "COMMIT").read_text())
+    (repo / "by-hand" / "COMMIT").write_text(json.dumps({**commit, "manifest": digest, "manifest_size": len(data)}))
+    key = f"chunks/{doc['chunks'][1]['hash'][:2]}/{doc['chunks'][1]['hash']}.delta4-zstd.{base_row['hash']}"
+    assert (repo / key).is_file()
+    assert torch.equal(ckptfmt.load(f"{repo}/by-hand")["grid"], torch.from_numpy(expected["grid"]))
+    assert ckptfmt.verify(str(repo)).ok
+    assert SpecReader(repo, "by-hand").tensor_bytes("grid")[1] == expected["grid"].tobytes()

@@ -11,13 +11,21 @@ against real files that ``ckptfmt.save`` wrote, or against what ``ckptfmt.load``
 * the rules the text states (reserved names in any case, key bytes, nil, map key sameness,
   tensors never in keys, the nesting depth, numpy scalar type strings, shard ranks, codecs,
   how shards are packed) hold in the writer and the reader;
-* every section heading says who needs it, as the reading guide at the top lists.
+* every section heading says who needs it, as the reading guide at the top lists;
+* what a second reader of 1.6 found (issue 27): every chunk a delta save stores has a key of
+  section 4.1's grammar, base rows need no piece, packs are never deltas, a grid's ``length``
+  comes exactly with its ``counts``, the statistics sets of each dtype are section 6.10's table,
+  a zero extreme's sign does not depend on order or cut, a ``same_as`` entry's statistics are
+  checked and not used, section 14 bounds and checks every top-level map (from the schema) and
+  bounds piece offsets as 6.11 does; no version range ends before this version, and every
+  cross-reference names a section, step, version or file that exists.
 """
 
 from __future__ import annotations
 
 import base64
 import json
+import math
 import re
 from pathlib import Path
 
@@ -675,3 +683,496 @@ def test_every_heading_says_who_needs_it_as_the_reading_guide_lists():
             (following.start() if following else len(FORMAT)) - match.start())
     assert "three fifths of this document" in guide
     assert 0.55 <= share["readers"] / sum(share.values()) <= 0.65
+
+
+# -- what a second reader of 1.6 found (issue 27) ---------------------------------------------
+#
+# Each test takes the statement from the text, and checks it against files ckptfmt writes (a run of
+# delta saves over every element size, grids, statistics of every dtype) or against what its reader
+# accepts.
+
+#: Dtypes that FORMAT.md 8 lists, by name.
+DTYPE_NAMES = list(table_rows(section("8")))
+
+
+def _codecs_of_the_table() -> set[str]:
+    """The codec names the first column of section 5.3's table lists."""
+    table = section("5.3")[:section("5.3").index("No other codec")]
+    return {name for line in table.splitlines() if line.startswith("| `")
+            for name in re.findall(r"`([a-z0-9-]+)`", line.split("|")[1])}
+
+
+@pytest.fixture(scope="module")
+def delta_saves(tmp_path_factory):
+    """Two runs of 10 saves, one with compression="delta-zstd", one with "auto": chains 1 to 8 deep over
+    elements of 1, 2, 4, 8 and 16 bytes, and a pack in each save. -> {compression: (repo, manifests)}"""
+    from tests.format.test_spec_schema import delta_run
+
+    runs = {}
+    for compression in ("delta-zstd", "auto"):
+        repo = tmp_path_factory.mktemp(compression) / "repo"
+        delta_run(repo, 10, compression)
+        runs[compression] = (repo, [_manifest_doc(repo, f"s{step}")[0] for step in range(10)])
+    return runs
+
+
+def _key_patterns() -> list[tuple[str, re.Pattern]]:
+    """The chunk keys of section 4.1's list, as patterns (placeholders become groups), with their line."""
+    keys = code_blocks(section("4.1"), "")[0]
+    codecs = "|".join(sorted(_codecs_of_the_table(), key=len, reverse=True))
+    patterns = []
+    for line in keys.splitlines():
+        if line.startswith("REPO/chunks/"):
+            key = line.split()[0][len("REPO/"):]
+            pattern = re.escape(key)
+            for placeholder, group in (("<h[0:2]>", "(?P<prefix>[0-9a-f]{2})"), ("<h>", "(?P<h>[0-9a-f]{64})"),
+                                       ("<codec>", f"(?P<codec>{codecs})"), ("<b>", "(?P<b>[0-9a-f]{64})")):
+                pattern = pattern.replace(re.escape(placeholder), group)
+            patterns.append((line, re.compile(pattern)))
+    return patterns
+
+
+def test_every_stored_chunk_has_a_key_that_section_4_1_gives(delta_saves):
+    """A reader that follows 4.1 finds every chunk: each row's object matches exactly one key form of the
+    list, whose placeholders are the row's hash, codec and (a delta) its base's hash (5.5, 6.3)."""
+    patterns = _key_patterns()
+    assert patterns
+    for repo, manifests in delta_saves.values():
+        stored = {path.relative_to(repo).as_posix() for path in (repo / "chunks").rglob("*") if path.is_file()}
+        named = set()
+        for manifest in manifests:
+            chunks = manifest["chunks"]
+            for row in chunks:
+                found = [(line, m) for line, pattern in patterns for key in stored if (m := pattern.fullmatch(key))
+                         and m["h"] == row["hash"] and (m.groupdict().get("codec") or "none") == row["codec"]
+                         and m.groupdict().get("b") == (chunks[row["base"]]["hash"] if "base" in row else None)]
+                assert len(found) == 1, (row, [line for line, _ in found])
+                assert found[0][1]["prefix"] == row["hash"][:2]
+                named.add(found[0][1].string)
+        assert named == stored  # and every object stored is some row's
+        assert any(key.count(".") == 2 for key in named)  # delta chunks were among them
+
+
+def test_sections_3_and_5_4_name_every_codec_of_the_table():
+    """The codec lists of 3 and 5.3 and the decoding step of 5.4 cover every codec, delta codecs included."""
+    from ckptfmt.format import codecs
+
+    assert _codecs_of_the_table() == set(codecs.CODECS)
+    bullet = section("3")[section("3").index("- **Codec**"):section("3").index("- **Manifest**")]
+    listed = [re.compile(name.replace("N", "[0-9]+")) for name in re.findall(r"`([A-Za-z0-9-]+)`", bullet)]
+    assert all(any(p.fullmatch(codec) for p in listed) for codec in codecs.CODECS), bullet
+    decode = re.search(r"^3\. Decode:(.*?)^4\.", section("5.4"), re.M | re.S)[1]
+    for family in ("`none`", "zstd", "shuffle", "delta"):
+        assert family in decode, family
+    assert "XOR" in decode and "§5.5" in decode
+
+
+def _referenced_rows(manifest: dict) -> tuple[set[int], set[int]]:
+    """The chunk rows that pieces name, and those that a row's ``base`` names."""
+    pieces = {piece[0] for entry in manifest["tensors"]
+              for shard in shard_maps(entry["shards"], entry["shape"], 1) for piece in shard["pieces"]}
+    return pieces, {row["base"] for row in manifest["chunks"] if "base" in row}
+
+
+def test_every_row_is_named_by_a_piece_or_a_base(delta_saves):
+    assert ("Every row SHOULD be referenced by at least one piece or by\nanother row's `base`"
+            in section("6.3"))
+    only_bases = 0
+    for _, manifests in delta_saves.values():
+        for manifest in manifests:
+            pieces, bases = _referenced_rows(manifest)
+            assert pieces | bases == set(range(len(manifest["chunks"])))
+            only_bases += len(bases - pieces)
+    assert only_bases  # base rows that no piece names: what the text's exception is for
+
+
+DELTA_WIDTH = {"int8": 1, "bfloat16": 2, "float32": 4, "float64": 8, "complex128": 16}
+
+
+def test_delta_saves_use_the_codecs_section_5_5_names(delta_saves):
+    """Chunks of a tensor: a delta with N its element size (1 for 16 bytes), or whole with the codec of
+    'shuffle-zstd'; packs: never a delta, 'zstd' (or, with "auto", 'none')."""
+    from ckptfmt.format.codecs import codec_for
+
+    writers = section("5.5")[section("5.5").index("**Writers.**"):]
+    said = re.search(r"`delta-zstd` stores every pack with `([a-z0-9-]+)`", writers)
+    assert said, "5.5 does not say which codec a delta save stores packs with"
+    pack_codec = said[1]
+    assert "a pack included, uncompressed (`none`)" in writers
+    assert "(1 for elements of 16 bytes)" in writers
+    for compression, (_, manifests) in delta_saves.items():
+        for manifest in manifests:
+            chunks = manifest["chunks"]
+            for entry in manifest["tensors"]:
+                width = DELTA_WIDTH[entry["dtype"]]
+                rows = {piece[0] for shard in shard_maps(entry["shards"], entry["shape"], 1)
+                        for piece in shard["pieces"]}
+                for row in rows:
+                    codec = chunks[row]["codec"]
+                    if entry["key"] == "small":  # a pack
+                        assert codec in ({pack_codec} if compression == "delta-zstd" else {pack_codec, "none"})
+                    elif "base" in chunks[row]:
+                        assert codec == f"delta{width if width <= 8 else 1}-zstd", (entry["dtype"], codec)
+                    else:
+                        assert codec in {codec_for("shuffle-zstd", width)} | ({"none"} if compression == "auto"
+                                                                              else set())
+    codecs_used = {row["codec"] for _, manifests in delta_saves.values() for m in manifests for row in m["chunks"]}
+    assert {"delta1-zstd", "delta2-zstd", "delta4-zstd", "delta8-zstd", "zstd"} <= codecs_used
+
+
+# -- shard grids: length and counts (6.11) ----------------------------------------------------
+
+def test_a_grids_length_is_present_exactly_when_its_counts_is(tmp_path):
+    row = table_rows(section("6.11"))["length"]
+    assert row[0] == "present exactly when `counts` is", row
+    assert "`counts` and `length` both present or both absent" in section("6.11")
+    schema = json.loads((SPEC / "manifest.schema.json").read_text())["$defs"]["shard_grid"]
+    assert schema["dependentRequired"] == {"length": ["counts"], "counts": ["length"]}
+
+    repo = tmp_path / "repo"
+    gen = torch.Generator().manual_seed(6)
+    whole = torch.randn(4, 70_000, generator=gen)  # 280,000 bytes a row (not packed): three chunks of 2**17
+    one_piece = ckptfmt.Sharded((4, 10), [ckptfmt.Shard((r, 0), torch.ones(1, 10), r) for r in range(4)])
+    several = ckptfmt.Sharded((4, 70_000), [ckptfmt.Shard((r, 0), whole[r:r + 1].clone(), r) for r in range(4)])
+    ckptfmt.save({"one": one_piece, "several": several}, f"{repo}/a", chunk_size=2**17)
+    manifest, _ = _manifest_doc(repo, "a")
+    grids = {entry["key"]: entry["shards"] for entry in manifest["tensors"]}
+    assert not {"counts", "length"} & set(grids["one"]) and {"counts", "length"} <= set(grids["several"])
+    assert SpecReader(repo, "a").tensor_bytes("several")[1] == whole.numpy().tobytes()
+
+    storage = Repository.open(str(repo)).storage
+    for field in ("counts", "length"):
+        ckptfmt.save({"several": several}, f"{repo}/{field}", chunk_size=2**17)
+        rewrite_manifest(storage, field, lambda doc, field=field: doc["tensors"][0]["shards"].pop(field))
+        broken, _ = _manifest_doc(repo, field)
+        assert not VALIDATORS["manifest.schema.json"].is_valid(json_image(broken))
+        with pytest.raises(ManifestError, match="length|counts"):
+            ckptfmt.open(f"{repo}/{field}")
+        with pytest.raises(AssertionError, match="length present exactly when counts is"):
+            SpecReader(repo, field).tensor_bytes("several")
+
+
+# -- statistics (6.10): the sets by dtype, signed zeros, same_as ------------------------------
+
+def _stat_sets() -> dict[str, list[str]]:
+    """Section 6.10's field sets, by name."""
+    text = section("6.10")
+    assert "| set | fields |" in text, "6.10 names no field sets"
+    table = text[text.index("| set | fields |"):text.index("Which set a tensor carries")]
+    return {name: re.findall(r"`(\w+)`", cells[0]) for name, cells in
+            ((line.split("|")[1].strip(), line.split("|")[2:]) for line in table.splitlines()[2:] if line.strip())}
+
+
+def _sets_by_dtype() -> dict[str, list[str]]:
+    """Section 6.10's table of the sets a reader accepts, by dtype name, in the order the row lists them."""
+    text = section("6.10")
+    assert "| dtypes | sets a reader accepts |" in text, "6.10 does not say which sets each dtype may carry"
+    table = text[text.index("| dtypes | sets a reader accepts |"):text.index("| field | type | meaning |")]
+    accepted = {}
+    for line in table.splitlines()[2:]:
+        if line.strip():
+            dtypes, sets = line.split("|")[1:3]
+            for name in re.findall(r"`(\w+)`", dtypes):
+                assert name not in accepted, f"{name} in two rows"
+                accepted[name] = [s.strip() for s in sets.split(",")]
+    return accepted
+
+
+def _stats_of_set(fields: list[str], count: int) -> dict:
+    zero = {"count": count, "min": 0.0, "max": 0.0, "mean": 0.0, "l2": 0.0, "absmax": 0.0, "nan": 0, "posinf": 0,
+            "neginf": 0, "zeros": count}
+    return {field: zero[field] for field in fields}
+
+
+@pytest.fixture(scope="module")
+def every_dtype(tmp_path_factory):
+    """A checkpoint with a tensor of 8 zero bytes of every dtype this torch has, keyed by the dtype's name."""
+    from ckptfmt.format.dtypes import DTYPES
+
+    repo = tmp_path_factory.mktemp("dtypes") / "repo"
+    state = {name: torch.zeros(16, dtype=torch.uint8).view(dtype) for name, dtype in DTYPES.items()}
+    ckptfmt.save(state, f"{repo}/all")
+    return repo, state
+
+
+def test_the_statistics_sets_by_dtype_are_the_table_of_section_6_10(every_dtype):
+    from ckptfmt.format.tensor_stats import COUNT_FIELDS, FLOAT_FIELDS, INTEGER_FIELDS, fields_for
+
+    sets, accepted = _stat_sets(), _sets_by_dtype()
+    assert sets == {"float": list(FLOAT_FIELDS), "integer": list(INTEGER_FIELDS), "count": list(COUNT_FIELDS)}
+    assert sorted(accepted) == sorted(DTYPE_NAMES)  # every dtype of section 8, each in one row
+    assert all(row[-1] == "count" and set(row) <= set(sets) for row in accepted.values())  # the count alone: always
+
+    # What ckptfmt writes is the first set of the dtype's row, or the count alone where its torch cannot
+    # reduce the dtype, as the text names those.
+    repo, state = every_dtype
+    text = section("6.10")
+    count_only = set(re.findall(r"`(\w+)`", text[text.index("which with torch"):text.index("So a reader")]))
+    manifest, _ = _manifest_doc(repo, "all")
+    for entry in manifest["tensors"]:
+        written = next(name for name, fields in sets.items() if list(entry["stats"]) == fields)
+        assert written in accepted[entry["dtype"]], entry
+        reduced = fields_for(state[entry["dtype"]].dtype) is not COUNT_FIELDS
+        assert written == (accepted[entry["dtype"]][0] if reduced else "count"), entry
+        if written != accepted[entry["dtype"]][0]:
+            assert entry["dtype"] in count_only, entry["dtype"]
+
+    # Every set a row lists is read, whichever writer wrote it; the schema agrees.
+    storage = Repository.open(str(repo)).storage
+    for choice in range(2):
+        name = f"all-{choice}"
+        ckptfmt.save(state, f"{repo}/{name}")
+
+        def give(doc, choice=choice):
+            for entry in doc["tensors"]:
+                row = accepted[entry["dtype"]]
+                entry["stats"] = _stats_of_set(sets[row[min(choice, len(row) - 1)]], 16 // DTYPE_SIZES[entry["dtype"]])
+        rewrite_manifest(storage, name, give)
+        validate(json_image(_manifest_doc(repo, name)[0]))
+        with ckptfmt.open(f"{repo}/{name}") as checkpoint:
+            assert checkpoint.tensor_stats("float32") == _stats_of_set(sets[accepted["float32"][choice]], 4)
+
+
+def _misfits() -> list[tuple[str, str]]:
+    """(dtype, set) pairs section 6.10 does not allow."""
+    accepted, sets = _sets_by_dtype(), _stat_sets()
+    return [(dtype, name) for dtype in DTYPE_NAMES for name in sets if name not in accepted[dtype]]
+
+
+def test_the_schema_refuses_statistics_sets_a_dtype_does_not_list(every_dtype):
+    repo, _ = every_dtype
+    manifest, _ = _manifest_doc(repo, "all")
+    image = json_image(manifest)
+    sets, misfits = _stat_sets(), _misfits()
+    assert ("float32", "integer") in misfits and ("int64", "float") in misfits and ("complex64", "integer") in misfits
+    written = {entry["dtype"] for entry in image["tensors"]}
+    for dtype, name in (pair for pair in misfits if pair[0] in written):
+        entry = {**next(e for e in image["tensors"] if e["dtype"] == dtype)}
+        entry["stats"] = _stats_of_set(sets[name], entry["stats"]["count"])
+        assert not VALIDATORS["manifest.schema.json"].is_valid({**image, "tensors": [entry]}), (dtype, name)
+
+
+def test_the_reader_refuses_statistics_sets_a_dtype_does_not_list(every_dtype):
+    repo, state = every_dtype
+    storage = Repository.open(str(repo)).storage
+    sets, refused = _stat_sets(), []
+    misfits = [(dtype, name) for dtype, name in _misfits() if dtype in state]
+    for dtype, name in misfits:
+        checkpoint = f"misfit-{dtype}-{name}".replace("_", "-")
+        ckptfmt.save({dtype: state[dtype]}, f"{repo}/{checkpoint}")
+        rewrite_manifest(storage, checkpoint, lambda doc, name=name: doc["tensors"][0].update(
+            stats=_stats_of_set(sets[name], doc["tensors"][0]["stats"]["count"])))
+        try:
+            ckptfmt.open(f"{repo}/{checkpoint}").close()
+        except ManifestError as exc:
+            assert "stats" in str(exc)
+            refused.append((dtype, name))
+    assert refused == misfits
+
+
+DTYPE_SIZES = {name: int(cells[0]) for name, cells in table_rows(section("8")).items()}
+
+
+def _extremes_by_the_text(values: list[float]) -> tuple[float, float]:
+    """min and max as the row of 6.10 says: the finite extremes, -0.0 below +0.0."""
+    finite = [v for v in values if math.isfinite(v)]
+    low, high = min(finite), max(finite)
+    signs = [math.copysign(1.0, v) for v in finite if v == 0]
+    if low == 0:
+        low = -0.0 if -1.0 in signs else 0.0
+    if high == 0:
+        high = 0.0 if 1.0 in signs else -0.0
+    return low, high
+
+
+def _same(a: float, b: float) -> bool:
+    return a == b and math.copysign(1.0, a) == math.copysign(1.0, b)
+
+
+def test_a_zero_extreme_has_one_sign_whatever_the_order_and_the_cut(tmp_path):
+    """Writers agree exactly on min and max (6.10): the sign of a zero extreme comes from the elements,
+    not from their order, the chunks or the shards."""
+    row = table_rows(section("6.10"))["min`, `max"]
+    assert "-0.0 is below +0.0" in row[1]
+    assert "the sign of a zero `min` or `max` included" in section("6.10")
+    repo = tmp_path / "repo"
+    cases = [[0.0, -0.0], [-0.0, 0.0], [-0.0, -0.0], [0.0, 0.0], [0.0, 3.0, -0.0], [-3.0, -0.0, 0.0],
+             [-0.0, -3.0], [float("nan"), 0.0, -0.0]]
+    state = {f"{dtype}-{i}": torch.tensor(values, dtype=torch.float64).to(getattr(torch, dtype))
+             for dtype in ("float32", "float64", "bfloat16", "float8_e5m2") for i, values in enumerate(cases)}
+    big = 70_000  # 280,000 bytes of float32: cut into chunks of 2**16 bytes, the zeros far apart
+    for i, (first, second) in enumerate(((0.0, -0.0), (-0.0, 0.0))):
+        tensor = torch.full((big,), first)
+        tensor[-1] = second
+        state[f"chunked-{i}"] = tensor
+        shards = [ckptfmt.Shard((0,), torch.full((4,), first), 0), ckptfmt.Shard((4,), torch.full((4,), second), 1)]
+        state[f"sharded-{i}"] = ckptfmt.Sharded((8,), shards)
+    ckptfmt.save(state, f"{repo}/a", chunk_size=2**16)
+    manifest, _ = _manifest_doc(repo, "a")
+    loaded = ckptfmt.load(f"{repo}/a")
+    for entry in manifest["tensors"]:
+        low, high = _extremes_by_the_text(loaded[entry["key"]].to(torch.float64).tolist())
+        stats = entry["stats"]
+        assert _same(stats["min"], low) and _same(stats["max"], high), (entry["key"], stats)
+
+
+def test_a_same_as_entrys_statistics_are_checked_and_not_used(tmp_path):
+    text = section("6.10")
+    assert "writers SHOULD NOT give it `stats`" in text and "carries none" not in text
+    assert "MUST NOT use them" in text
+    repo = tmp_path / "repo"
+    tied = torch.tensor([1.0, -2.0, 3.0])
+    ckptfmt.save({"a": tied, "b": tied}, f"{repo}/tied")
+    manifest, _ = _manifest_doc(repo, "tied")
+    assert manifest["tensors"][1]["same_as"] == 0 and "stats" not in manifest["tensors"][1]  # ckptfmt gives none
+    storage = Repository.open(str(repo)).storage
+    for name, count in (("other", 3), ("wrong-count", 4)):
+        ckptfmt.save({"a": tied, "b": tied}, f"{repo}/{name}")
+        rewrite_manifest(storage, name, lambda doc, count=count: doc["tensors"][1].update(
+            stats=_stats_of_set(_stat_sets()["float"], count)))
+        if count == 3:  # accepted, and the named entry's statistics are the tensor's
+            with ckptfmt.open(f"{repo}/{name}") as checkpoint:
+                assert checkpoint.tensor_stats("b") == checkpoint.tensor_stats("a") == manifest["tensors"][0]["stats"]
+        else:
+            with pytest.raises(ManifestError, match="stats count"):
+                ckptfmt.open(f"{repo}/{name}")
+
+
+# -- limits (14) --------------------------------------------------------------------------------
+
+def _limit_rows() -> dict[str, str]:
+    """Section 14's table of limits: the first cell -> the second."""
+    text = section("14")
+    table = text[text.index("| limit | value |"):text.index("Consistency checks")]
+    return {line.split("|")[1].strip(): line.split("|")[2].strip() for line in table.splitlines()[2:] if line.strip()}
+
+
+def _metadata_fields() -> tuple[set[str], set[str]]:
+    """The optional top-level fields of the manifest schema that hold maps or arrays (run metadata),
+    and of those the ones that are maps."""
+    schema = json.loads((SPEC / "manifest.schema.json").read_text())
+
+    def types(node) -> set[str]:
+        if "$ref" in node:
+            return types(schema["$defs"][node["$ref"].split("/")[-1]])
+        found = set(node["type"]) if isinstance(node.get("type"), list) else {node["type"]} if "type" in node else set()
+        for choice in node.get("oneOf", []):
+            found |= types(choice)
+        return found
+    optional = {name: types(node) for name, node in schema["properties"].items() if name not in schema["required"]}
+    containers = {name for name, kinds in optional.items() if kinds & {"object", "array"}}
+    return containers, {name for name in containers if "object" in optional[name]}
+
+
+def test_section_14_bounds_and_checks_every_top_level_map(tmp_path):
+    containers, maps = _metadata_fields()
+    assert {"environment", "provenance", "replicas"} <= maps and "rng" in containers - maps
+    nesting = next(value for limit, value in _limit_rows().items() if limit.startswith("nesting of maps"))
+    nested = next(limit for limit in _limit_rows() if limit.startswith("nesting of maps"))
+    assert containers <= set(re.findall(r"`(\w+)`", nested)), nested
+    bullet = next(item for item in section("14").split("\n- ") if "are maps or nil" in item)
+    assert maps <= set(re.findall(r"`(\w+)`", bullet[:bullet.index("are maps or nil")])), bullet
+
+    # ckptfmt checks each as the text says: nested 65 deep, or not a map, refused; nil accepted.
+    depth = int(nesting)
+    repo = tmp_path / "repo"
+    storage = Repository.open(str(repo), create=True).storage
+    deep: object = 1
+    for _ in range(depth + 1):
+        deep = [deep]
+    for field in sorted(containers):
+        nested, other = ({"x": deep}, [1]) if field in maps else ([{"x": deep}], {"x": 1})
+        for name, value, refused in ((f"{field}-deep".replace("_", "-"), nested, "nested deeper"),
+                                     (f"{field}-nil", None, None), (f"{field}-other", other, "has type")):
+            ckptfmt.save({"w": torch.ones(2)}, f"{repo}/{name}")
+            rewrite_manifest(storage, name, lambda doc, field=field, value=value: doc.update({field: value}))
+            if refused is None:
+                ckptfmt.open(f"{repo}/{name}").close()
+            else:
+                with pytest.raises(ManifestError, match=refused):
+                    ckptfmt.open(f"{repo}/{name}")
+
+
+def test_a_piece_offset_has_one_bound_in_both_forms_of_shards(tmp_path):
+    from ckptfmt.format.limits import MAX_CHUNK_BYTES
+
+    rows = _limit_rows()
+    piece_rows = {limit: value for limit, value in rows.items() if "piece" in limit}
+    assert piece_rows.get("piece `offset`", "").startswith("int in [0, 4 GiB]"), piece_rows
+    assert not any("offset" in limit for limit in piece_rows if limit != "piece `offset`")
+    assert "every `offset` and\n`length` at most 4 GiB" in section("6.11")
+    repo = tmp_path / "repo"
+    storage = Repository.open(str(repo), create=True).storage
+    sharded = ckptfmt.Sharded((4,), [ckptfmt.Shard((0,), torch.ones(2), 0), ckptfmt.Shard((2,), torch.ones(2), 1)])
+    for name, state in (("maps", {"w": torch.ones(2)}), ("grid", {"w": sharded})):
+        ckptfmt.save(state, f"{repo}/{name}")
+
+        def far(doc, name=name):
+            shards = doc["tensors"][0]["shards"]
+            if name == "maps":
+                shards[0]["pieces"][0][1] = MAX_CHUNK_BYTES + 1
+            else:
+                shards["offset"] = np.array([MAX_CHUNK_BYTES + 1] * 2, dtype="<u8").tobytes()
+        rewrite_manifest(storage, name, far)
+        if name == "maps":  # a grid's columns are bins: their bounds are the prose's alone
+            assert not VALIDATORS["manifest.schema.json"].is_valid(json_image(_manifest_doc(repo, name)[0]))
+        with pytest.raises(ManifestError, match="runs past chunk|outside"):
+            ckptfmt.open(f"{repo}/{name}")
+
+
+# -- the text against itself: versions and cross-references ----------------------------------
+
+def _spec_texts(changelog: bool = True) -> dict[str, str]:
+    """FORMAT.md (without its changelog, which names versions as historical facts, if not ``changelog``),
+    ANALYTICS.md, and every schema's text."""
+    history = FORMAT[FORMAT.index("**Versions**"):FORMAT.index("Contents:")]
+    texts = {"FORMAT.md": FORMAT if changelog else FORMAT.replace(history, ""),
+             "ANALYTICS.md": (SPEC / "ANALYTICS.md").read_text()}
+    texts.update({path.name: path.read_text() for path in SPEC.glob("*.schema.json")})
+    return texts
+
+
+#: "1.0 to 1.5", "up to 1.6", "up to version 1.6": format versions (major 1), not figures ("1.3x to 1.6x", "1.5 GiB").
+_RANGE = re.compile(r"\b(1)\.(\d+)\s+(?:to|up\s+to|through)\s+(1)\.(\d+)|\bup\s+to\s+(?:version\s+)?(1)\.(\d+)")
+_NOT_A_VERSION = re.compile(r"\.\d|x\b|\s*(?:s\b|[KMGT]i?B\b|%)")
+
+
+def test_no_version_range_ends_before_this_version():
+    """A range of versions outside the changelog speaks of this document's version: '1.0 to 1.5' in a
+    1.6 document is stale (it was true when 1.5 was current)."""
+    found = 0
+    for name, text in _spec_texts(changelog=False).items():
+        for match in _RANGE.finditer(text):
+            if _NOT_A_VERSION.match(text, match.end()):
+                continue
+            groups = [int(g) for g in match.groups() if g is not None]
+            end = tuple(groups[-2:])
+            found += 1
+            assert end == FORMAT_VERSION, f"{name}: {match[0]!r} ends before {FORMAT_VERSION}"
+    assert found >= 3
+
+
+#: "§6.5", "§4.4, 1.3", "§11.1 step 4", "§11.1 steps 3 and 4"; not another document's ("RFC 4648 §4").
+_SECTION_REF = re.compile(r"(?<!RFC \d{4} )§(\d+(?:\.\d+)?)(?:,? (1\.\d+)\b)?(?:\s+steps?\s+(\d+)(?:\s+and\s+(\d+))?)?")
+#: "steps 2 and 3 of §5.4"
+_STEPS_OF = re.compile(r"\bsteps?\s+(\d+)(?:\s+and\s+(\d+))?\s+of\s+§(\d+(?:\.\d+)?)")
+
+
+def test_cross_references_name_sections_steps_versions_and_files_that_exist():
+    headings = {".".join(filter(None, m.group(2, 3))): m[4] for m in _HEADING.finditer(FORMAT)}
+    for name, text in _spec_texts().items():
+        if name.endswith(".md"):
+            refs = _SECTION_REF.findall(text) + [(number, "", *steps) for *steps, number in _STEPS_OF.findall(text)]
+        else:  # a schema's description: "FORMAT.md 6.10"
+            refs = [(ref, "", "", "") for ref in re.findall(r"FORMAT\.md §?(\d+(?:\.\d+)?)", text)]
+        assert refs or name in ("commit.schema.json", "repository.schema.json"), name
+        for number, version, *steps in refs:
+            assert number in headings, f"{name}: §{number} is no section"
+            added = re.search(r"\((1\.\d+)\)", headings[number])
+            if version and added:
+                assert version == added[1], f"{name}: §{number} is {added[1]}'s, cited as {version}'s"
+            for step in filter(None, steps):
+                assert re.search(rf"^{step}\. ", section(number), re.M), f"{name}: §{number} has no step {step}"
+    root = SPEC.parent
+    for path in set(re.findall(r"`((?:tests|spec|ckptfmt)/[\w/.-]+|[\w-]+\.schema\.json)`", FORMAT)):
+        assert (root / path).exists() or (SPEC / path).exists(), f"FORMAT.md names {path}, which does not exist"

@@ -132,3 +132,46 @@ def test_the_device_path_handles_extremes_emptiness_and_collects_in_one_transfer
     for device, host in zip(collect([PendingStats(t) for t in tensors]), map(tensor_stats, tensors)):
         assert_close(host, device)
     assert collect([PendingStats(large)])[0]["l2"] == pytest.approx(5e200 * math.sqrt(50), rel=1e-13)
+
+
+# -- zeros of either sign: -0.0 is below +0.0 (spec 6.10), whatever the order or the cut ---------
+
+SIGNED_ZERO_CASES = [  # elements, then the min and max spec 6.10 gives them
+    ([0.0, -0.0], -0.0, 0.0), ([-0.0, 0.0], -0.0, 0.0), ([-0.0, -0.0], -0.0, -0.0), ([0.0, 0.0], 0.0, 0.0),
+    ([0.0, 2.0, -0.0], -0.0, 2.0), ([2.0, 0.0], 0.0, 2.0), ([-2.0, -0.0, 0.0], -2.0, 0.0), ([-0.0, -2.0], -2.0, -0.0),
+    ([float("nan"), -0.0, float("inf"), 0.0], -0.0, 0.0),
+]
+
+
+def _same_float(a: float, b: float) -> bool:
+    return a == b and math.copysign(1.0, a) == math.copysign(1.0, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e5m2],
+                         ids=str)
+def test_a_zero_extreme_has_the_sign_spec_6_10_gives_it_whatever_the_order_or_the_cut(dtype):
+    from ckptfmt.format.tensor_stats import PendingStats
+
+    for elements, low, high in SIGNED_ZERO_CASES:
+        for order in (elements, elements[::-1]):
+            tensor = torch.tensor(order, dtype=torch.float64).to(dtype)
+            parts = [tensor_stats(tensor), tensor_stats(tensor, block=1), PendingStats(tensor).result(),
+                     merge_stats([tensor_stats(tensor[:1]), tensor_stats(tensor[1:])]),
+                     merge_stats([tensor_stats(tensor[1:]), tensor_stats(tensor[:1])])]
+            for stats in parts:
+                assert _same_float(stats["min"], low) and _same_float(stats["max"], high), (order, stats)
+                assert _same_float(stats["absmax"], abs(high) if abs(high) > abs(low) else abs(low))
+
+
+def test_zero_extremes_of_a_large_tensor_do_not_depend_on_where_its_zeros_are():
+    """Blocks of 1 M elements reduced by numpy (float32, float64) and by torch (float16): the sign of a
+    zero extreme comes from the elements, never from which block or which position held which zero."""
+    for dtype in (torch.float32, torch.float64, torch.float16):
+        for first, second in ((0.0, -0.0), (-0.0, 0.0)):
+            tensor = torch.full((3 << 19,), first, dtype=dtype)  # 1.5 blocks
+            tensor[-5:] = second
+            stats = tensor_stats(tensor)
+            assert _same_float(stats["min"], -0.0) and _same_float(stats["max"], 0.0), (dtype, first)
+        positive = torch.zeros(3 << 19, dtype=dtype).abs()
+        assert _same_float(tensor_stats(positive)["min"], 0.0)
+        assert _same_float(tensor_stats(-positive)["max"], -0.0)

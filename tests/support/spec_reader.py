@@ -61,8 +61,21 @@ def shuffle(data: bytes, width: int) -> bytes:
     return b"".join(data[j:whole:width] for j in range(width)) + data[whole:]
 
 
-_ITEMSIZE = {"bool": 1, "uint8": 1, "int8": 1, "int16": 2, "float16": 2, "bfloat16": 2,
-             "int32": 4, "float32": 4, "int64": 8, "float64": 8, "complex64": 8}
+_ITEMSIZE = {"bool": 1, "uint8": 1, "int8": 1, "int16": 2, "uint16": 2, "float16": 2, "bfloat16": 2,
+             "int32": 4, "uint32": 4, "float32": 4, "int64": 8, "uint64": 8, "float64": 8, "complex64": 8,
+             "complex128": 16}
+#: FORMAT.md 5.3: the codecs and the element width N each shuffles by (1: no shuffle).
+_WIDTHS = {"none": 1, "zstd": 1, "shuffle2-zstd": 2, "shuffle4-zstd": 4, "shuffle8-zstd": 8,
+           "delta1-zstd": 1, "delta2-zstd": 2, "delta4-zstd": 4, "delta8-zstd": 8}
+#: FORMAT.md 5.5: bases a delta chunk may be decoded through.
+_MAX_DELTA_DEPTH = 16
+
+
+def chunk_key(digest: str, codec: str, base_digest: str | None = None) -> str:
+    """FORMAT.md 4.1: a chunk's key, relative to REPO; a delta chunk's names its base chunk's hash."""
+    assert (base_digest is not None) == codec.startswith("delta"), "a base exactly for the delta codecs"
+    suffix = "" if codec == "none" else f".{codec}" if base_digest is None else f".{codec}.{base_digest}"
+    return f"chunks/{digest[:2]}/{digest}{suffix}"
 
 
 _NAME_CHARS = set("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-")
@@ -94,23 +107,31 @@ class SpecReader:
         self._decoded: dict[int, bytes] = {}
         self.chunks_read = 0
 
-    def chunk(self, index: int) -> bytes:
+    def chunk(self, index: int, depth: int = 0) -> bytes:
+        """Chunk row ``index``'s decoded, verified bytes (FORMAT.md 5.4; a delta chunk's through its base, 5.5)."""
         if index in self._decoded:
             return self._decoded[index]
         row = self.chunks[index]
         digest, codec = row["hash"], row["codec"]
-        suffix = "" if codec == "none" else f".{codec}"
-        path = self.repo / "chunks" / digest[:2] / f"{digest}{suffix}"
+        assert codec in _WIDTHS, f"unknown chunk codec {codec}"
+        base = None
+        if codec.startswith("delta"):
+            base = row["base"]
+            assert type(base) is int and base != index and self.chunks[base]["size"] == row["size"]
+            assert depth < _MAX_DELTA_DEPTH, "at most 16 bases deep"
+        else:
+            assert "base" not in row, "a base only for the delta codecs"
+        path = self.repo / chunk_key(digest, codec, None if base is None else self.chunks[base]["hash"])
         assert path.stat().st_size == row["stored_size"], "stored size checked before reading"
         stored = path.read_bytes()
         if codec == "none":
             data = stored
         else:
-            assert codec == "zstd" or codec in ("shuffle2-zstd", "shuffle4-zstd", "shuffle8-zstd"), codec
             assert zstandard.frame_content_size(stored) == row["size"], "frame declares its content size"
             data = zstandard.ZstdDecompressor().decompress(stored, max_output_size=row["size"])
-            if codec != "zstd":
-                data = unshuffle(data, int(codec[len("shuffle") : -len("-zstd")]))
+            data = unshuffle(data, _WIDTHS[codec])
+            if base is not None:
+                data = xor(data, self.chunk(base, depth + 1))
         assert len(data) == row["size"]
         assert blake3_hex(data) == digest, f"chunk {index} is corrupt"
         self.chunks_read += 1
@@ -143,6 +164,12 @@ class SpecReader:
         return entry, bytes(out)
 
 
+def xor(data: bytes, base: bytes) -> bytes:
+    """FORMAT.md 5.5: byte by byte."""
+    assert len(data) == len(base)
+    return (int.from_bytes(data, "little") ^ int.from_bytes(base, "little")).to_bytes(len(data), "little")
+
+
 def shard_maps(shards, shape: list[int], width: int) -> list[dict]:
     """A tensor's shards as the maps of FORMAT.md 6.5, from either form: the list itself, or a shard
     grid's cells (FORMAT.md 6.11), each with offsets, shape, rank and pieces."""
@@ -151,6 +178,7 @@ def shard_maps(shards, shape: list[int], width: int) -> list[dict]:
     cuts = [_column(column, count + 1) for column, count in zip(shards["cuts"], shards["cells"], strict=True)]
     assert [(c[0], c[-1]) for c in cuts] == [(0, extent) for extent in shape] and len(cuts) == len(shape)
     assert all(a <= b for c in cuts for a, b in zip(c, c[1:]))
+    assert ("counts" in shards) == ("length" in shards), "length present exactly when counts is"
     intervals = [list(zip(c, c[1:])) for c in cuts]
     cells = list(itertools.product(*intervals))  # C order: the last dimension varies fastest
     counts = _column(shards["counts"], len(cells)) if "counts" in shards else [
@@ -207,19 +235,19 @@ def tree_hook(code: int, data: bytes):
     return ("<ext>", code)
 
 
-def store_chunk(repo: Path, data: bytes, codec: str) -> dict:
+def store_chunk(repo: Path, data: bytes, codec: str, base: tuple[int, dict, bytes] | None = None) -> dict:
+    """Store ``data`` under ``codec`` and return its chunk row; a delta codec needs its ``base``: the
+    base's row number, its row and its decoded bytes (FORMAT.md 5.5)."""
     digest = blake3_hex(data)
-    if codec == "none":
-        stored, suffix = data, ""
-    else:
-        width = 1 if codec == "zstd" else int(codec[len("shuffle") : -len("-zstd")])
-        payload = shuffle(data, width) if width > 1 else data
-        stored = zstandard.ZstdCompressor(level=3, write_content_size=True).compress(payload)
-        suffix = f".{codec}"
-    folder = repo / "chunks" / digest[:2]
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / f"{digest}{suffix}").write_bytes(stored)
-    return {"hash": digest, "codec": codec, "size": len(data), "stored_size": len(stored)}
+    stored = data
+    if codec != "none":
+        payload = data if base is None else xor(data, base[2])
+        stored = zstandard.ZstdCompressor(level=3, write_content_size=True).compress(shuffle(payload, _WIDTHS[codec]))
+    path = repo / chunk_key(digest, codec, None if base is None else base[1]["hash"])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(stored)
+    row = {"hash": digest, "codec": codec, "size": len(data), "stored_size": len(stored)}
+    return row if base is None else {**row, "base": base[0]}
 
 
 def write_by_spec(repo: Path, name: str) -> dict:
