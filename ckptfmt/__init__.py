@@ -32,11 +32,13 @@ from ckptfmt.errors import (
 from ckptfmt.format.manifest import FORMAT_VERSION
 from ckptfmt.format.per_rank import PerRank, PerRankValues
 from ckptfmt.format.sharded import Shard, Sharded
+from ckptfmt.format.signatures import SignatureError, SigningKey
 from ckptfmt.format.values import OpaqueObject
 from ckptfmt.lifecycle.manager import CheckpointManager, Tier
 from ckptfmt.lifecycle.repair import RepairReport, repair
 from ckptfmt.lifecycle.replicate import ReplicationReport, replicate
 from ckptfmt.lifecycle.retention import Retention
+from ckptfmt.lifecycle.signing import generate_key, sign
 from ckptfmt.loading.reader import CheckpointReader, load, open, restore_rng
 from ckptfmt.metadata.step_timer import StepTimer
 from ckptfmt.repository.repository import Repository
@@ -65,6 +67,7 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "async_save",
+    "generate_key",
     "CheckpointError",
     "CheckpointExistsError",
     "CheckpointManager",
@@ -86,6 +89,8 @@ __all__ = [
     "Retention",
     "Shard",
     "Sharded",
+    "SignatureError",
+    "SigningKey",
     "StorageError",
     "Tier",
     "UnsafePathError",
@@ -98,5 +103,6 @@ __all__ = [
     "replicate",
     "restore_rng",
     "save",
+    "sign",
     "verify",
 ]

@@ -14,6 +14,7 @@ libraries' warnings show only with ``--debug``.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import warnings
 from importlib.metadata import EntryPoint, entry_points
@@ -21,7 +22,7 @@ from importlib.metadata import EntryPoint, entry_points
 from rich.console import Console
 
 from ckptfmt import __version__
-from ckptfmt.cli import advise, commands, health, lifecycle, sync
+from ckptfmt.cli import advise, commands, health, lifecycle, signing, sync
 from ckptfmt.errors import CheckpointError, CheckpointWarning
 from ckptfmt.format.manifest import FORMAT_VERSION
 from ckptfmt.tools.output import Output
@@ -45,7 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("show", help="show a checkpoint's tensors and metadata")
     p.add_argument("checkpoint", help="checkpoint URL REPO/NAME, or a repository for its latest")
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.add_argument("--limit", type=int, default=50, help="tensors to list (0: all)")
+    p.add_argument("--limit", type=int, default=None,
+                   help=f"tensors to list (0: all; default: {commands.SHOW_LIMIT} in a terminal, all into a pipe)")
+    p.add_argument("--filter", metavar="PATTERN", default=None,
+                   help="only the tensors whose key holds PATTERN (a glob if it has * ? or [: 'model/*/weight')")
     p.set_defaults(run=commands.show)
 
     p = sub.add_parser("verify", help="check every byte of a checkpoint or a whole repository")
@@ -53,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--stats", action="store_true",
                    help="also recompute each tensor's recorded statistics from its bytes")
+    p.add_argument("--trusted-key", dest="trusted_keys", action="append", metavar="KEY.pub",
+                   help="an Ed25519 public key; a checkpoint no trusted key signed is a problem (repeatable)")
     p.set_defaults(run=commands.verify)
 
     p = sub.add_parser("diff", help="compare two checkpoints")
@@ -103,11 +109,25 @@ def build_parser() -> argparse.ArgumentParser:
     health.register(sub)
     lifecycle.register(sub)
     sync.register(sub)
+    signing.register(sub)
     advise.register(sub)
 
     for plugin in sorted(entry_points(group=COMMANDS_GROUP), key=lambda ep: ep.name):
         _register(plugin, sub)
+    _debug_anywhere(parser)
     return parser
+
+
+def _debug_anywhere(parser: argparse.ArgumentParser) -> None:
+    """Accept --debug after the command too (``ckptfmt ls X --debug``), on every command and subcommand;
+    SUPPRESS keeps a subcommand from resetting what the top level parsed."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for command in action.choices.values():
+                if "--debug" not in command._option_string_actions:
+                    command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                                         help="show tracebacks on errors")
+                _debug_anywhere(command)
 
 
 def _version() -> str:
@@ -142,7 +162,7 @@ def _register(plugin: EntryPoint, sub: argparse._SubParsersAction) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    console = Console()
+    console = _Stdout()
     errors = Console(stderr=True)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -155,6 +175,9 @@ def _run(args, console: Console, errors: Console) -> int:
     """The command's exit code; an exception becomes one line on stderr (and code 2, or 130)."""
     try:
         return args.run(args, console) or 0
+    except BrokenPipeError:  # the reader went away (`ckptfmt show X | head`): what it took was all it wanted
+        _quiet_stdout()
+        return 0
     except KeyboardInterrupt:
         errors.print("ckptfmt: interrupted")
         return 130
@@ -168,6 +191,21 @@ def _run(args, console: Console, errors: Console) -> int:
             errors.print_exception()
         _error_line(errors, f"unexpected failure ({exc or 'no message'}); rerun with --debug for details")
         return 2
+
+
+class _Stdout(Console):
+    """stdout, where a closed pipe ends the command (``_run``): rich's own reaction is to exit with 1,
+    which fails a ``set -o pipefail`` script piping ``ckptfmt show`` into ``head``."""
+
+    def on_broken_pipe(self) -> None:
+        raise BrokenPipeError
+
+
+def _quiet_stdout() -> None:
+    """Point stdout at /dev/null, so that the interpreter's last flush of a closed pipe raises nothing."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
 
 
 def _error_line(errors: Console, message: str) -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import fnmatch
 import json
 import warnings
 from typing import Any
@@ -13,7 +15,9 @@ from rich.text import Text
 from ckptfmt.cli.render import ByteProgress
 from ckptfmt.errors import CheckpointError, CheckpointWarning, quoted
 from ckptfmt.loading.reader import open as open_checkpoint
+from ckptfmt.repository.pointers import POINTER_SUFFIX, pointers
 from ckptfmt.repository.repository import Repository
+from ckptfmt.repository.signatures import signatures
 from ckptfmt.tools import describe
 from ckptfmt.tools import diff as diff_module
 from ckptfmt.tools.describe import text
@@ -25,18 +29,28 @@ from ckptfmt.tools.verify import verify as verify_url
 def ls(args, console: Console) -> int:
     repo = Repository.open(args.repo)
     records = repo.commits()
+    names = {r.name for r in records}
+    pointed = pointers(repo.storage, [e for e in repo.storage.list("") if e.endswith(POINTER_SUFFIX)])
     if args.json:
         Output(console).json([{
             **r.stats, "name": r.name, "step": r.step, "created_ns": r.created_ns, "parent": r.parent,
-            "manifest": r.manifest_hash,
+            "parent_exists": r.parent is None or r.parent in names, "manifest": r.manifest_hash,
+            "pointers": pointed.get(r.name, []),
         } for r in records])
         return 0
     columns = [Column("name", KEY), Column("step", right=True), Column("created"), Column("size", right=True),
                Column("new bytes", right=True), Column("parent", NAME)]
     Output(console).table(f"{repo.url}: {counted(len(records), 'checkpoint')}", columns, (
-        (r.name, text(r.step), human_time(r.created_ns), human_bytes(r.stats.get("stored_bytes")),
-         human_bytes(r.stats.get("new_bytes")), r.parent or "-") for r in records))
+        (_listed_name(r.name, pointed), text(r.step), human_time(r.created_ns),
+         human_bytes(r.stats.get("stored_bytes")), human_bytes(r.stats.get("new_bytes")),
+         "-" if r.parent is None else r.parent if r.parent in names else f"{r.parent} (removed)")
+        for r in records))
     return 0
+
+
+def _listed_name(name: str, pointed: dict[str, list[str]]) -> str:
+    """A checkpoint's name, with the paths that point at it (Lightning's ``last.ckpt``): 'last-4 (last.ckpt)'."""
+    return f"{name} ({', '.join(pointed[name])})" if name in pointed else name
 
 
 def show(args, console: Console) -> int:
@@ -45,9 +59,10 @@ def show(args, console: Console) -> int:
         tensors = [ckpt.tensor_info(k) for k in ckpt.keys()]
         stats = [ckpt.tensor_stats(k) for k in ckpt.keys()]
         deltas = set(describe.delta_tensors(ckpt.manifest))
+        signed = _signatures(ckpt)
         if args.json:
             Output(console).json(_jsonable({
-                "url": ckpt.url, "id": ckpt.id, **meta,
+                "url": ckpt.url, "id": ckpt.id, **meta, "signatures": signed,
                 "tensors": [{"key": t.key, "dtype": t.dtype, "shape": list(t.shape), "bytes": t.nbytes,
                              "shards": len(t.shards), "kind": t.kind, "stats": s,
                              "delta_of": ckpt.manifest.parent if t.key in deltas else None}
@@ -56,28 +71,72 @@ def show(args, console: Console) -> int:
             return 0
         out = Output(console)
         delta = describe.delta_row(ckpt.manifest)
-        out.table(None, _LABELLED, describe.summary(meta, ckpt.url, ckpt.id) + ([delta] if delta else []),
-                  header=False)
-        _show_tensors(out, tensors, stats, args.limit)
+        out.table(None, _LABELLED, describe.summary(meta, ckpt.url, ckpt.id) + ([delta] if delta else []) +
+                  [("signed", _signed_text(signed))], header=False)
+        _show_tensors(out, tensors, stats, args, ckpt.keys())
         out.table("metadata", _LABELLED, _metadata_rows(meta), header=False)
     return 0
+
+
+def _signatures(ckpt) -> list[dict]:
+    """The checkpoint's signature objects (spec 10.3): key id, signer, when, and whether each signs this
+    checkpoint under its own key (who to trust is ``verify --trusted-key``'s question)."""
+    found = []
+    for entry in signatures(ckpt.repository, ckpt.name):
+        sig = entry.signature
+        found.append({"key": entry.key, "key_id": sig.key_id if sig else None, "signer": sig.signer if sig else None,
+                      "created_ns": sig.created_ns if sig else None,
+                      "intact": sig is not None and sig.verifies(ckpt.commit), "damage": entry.damage})
+    return found
+
+
+def _signed_text(signed: list[dict]) -> str:
+    if not signed:
+        return "no (ckptfmt sign adds a signature)"
+    return "; ".join(f"key {s['key_id']} by {s['signer'] or '?'}, {human_time(s['created_ns'])}"
+                     + ("" if s["intact"] else ": DOES NOT VERIFY (forged or damaged)")
+                     if s["key_id"] else f"{s['key']}: unreadable" for s in signed)
 
 
 #: Label and value: the summary and metadata of ``show``.
 _LABELLED = (Column("label", style="bold"), Column("value", TEXT))
 
 
-def _show_tensors(out: Output, tensors: list, stats: list, limit: int) -> None:
+#: Tensors ``show`` lists in a terminal unless told otherwise (into a pipe: all of them).
+SHOW_LIMIT = 50
+
+
+def _show_tensors(out: Output, tensors: list, stats: list, args, keys: list[str]) -> None:
     """The tensor table: what each tensor is and, where recorded, what its values look like (spec 6.10);
-    a shards column only when some tensor has several. Every column but the key fits 100 columns."""
-    shown = list(zip(tensors, stats)) if limit <= 0 else list(zip(tensors, stats))[:limit]
+    a shards column only when some tensor has several. Every column but the key fits 100 columns.
+    ``--filter`` keeps the tensors whose key matches; a terminal lists SHOW_LIMIT of them unless
+    ``--limit`` says otherwise, and says so; a pipe lists every one (a grep must find what is there)."""
+    rows = [(t, s) for t, s in zip(tensors, stats) if args.filter is None or _matches(t.key, args.filter)]
+    if args.filter is not None and not rows:
+        near = difflib.get_close_matches(args.filter, keys, n=3)
+        hint = f"; did you mean {', '.join(near)}?" if near else ""
+        out.line(f"no tensor key matches {args.filter!r}{hint}")
+        return
+    limit = args.limit if args.limit is not None else (SHOW_LIMIT if out.terminal else 0)
+    shown = rows if limit <= 0 else rows[:limit]
     sharded = any(len(t.shards) > 1 for t, _ in shown)
     columns = [Column("key", KEY), Column("dtype"), Column("shape"), Column("size", right=True)]
     columns += [Column("shards", right=True)] * sharded
     columns += [Column(name, right=True) for name in ("mean", "l2", "absmax", "nan/inf", "zeros")]
-    out.table(f"tensors ({len(shown)} of {len(tensors)})", columns, (
+    matching = f" matching {args.filter!r}" if args.filter is not None else ""
+    out.table(f"tensors{matching} ({len(shown)} of {len(rows)})", columns, (
         (t.key, t.dtype, shape_text(t.shape), human_bytes(t.nbytes), *[str(len(t.shards))] * sharded,
          *describe.stats_cells(s)) for t, s in shown))
+    if len(shown) < len(rows):
+        out.line(f"{len(rows) - len(shown)} more: --limit 0 lists every tensor, --filter PATTERN some of them "
+                 "(into a pipe, every tensor is listed)")
+
+
+def _matches(key: str, pattern: str) -> bool:
+    """A glob when the pattern has wildcards, else a substring: as a user filters keys."""
+    if any(c in pattern for c in "*?["):
+        return fnmatch.fnmatchcase(key, pattern)
+    return pattern in key
 
 
 def _metadata_rows(meta: dict) -> list[tuple[str, str]]:
@@ -103,7 +162,7 @@ def _metadata_rows(meta: dict) -> list[tuple[str, str]]:
 
 def verify(args, console: Console) -> int:
     with ByteProgress("verifying", quiet=args.json) as progress:
-        report = verify_url(args.url, callback=progress, stats=args.stats)
+        report = verify_url(args.url, callback=progress, stats=args.stats, trusted_keys=args.trusted_keys)
     if args.json:
         Output(console).json({
             "ok": report.ok, "checkpoints": report.checkpoints, "chunks_checked": report.chunks_checked,
@@ -116,10 +175,9 @@ def verify(args, console: Console) -> int:
         return 0 if report.ok else 1
     for message in report.warnings:
         warnings.warn(message, CheckpointWarning, stacklevel=1)
-    rate = report.bytes_checked / report.seconds / 1e9 if report.seconds else 0.0
     checked = f", statistics of {counted(report.stats_checked, 'tensor')}" if args.stats else ""
     summary = (f"{counted(len(report.checkpoints), 'checkpoint')}, {counted(report.chunks_checked, 'chunk')}, "
-               f"{human_bytes(report.bytes_checked)}{checked} in {report.seconds:.2f} s ({rate:.2f} GB/s)")
+               f"{human_bytes(report.bytes_checked)}{checked} in {seconds(report.seconds)}{_rate(report)}")
     out = Output(console)
     if report.ok:
         out.line(Text.assemble(("OK", "green"), f": {summary}"))
@@ -132,6 +190,17 @@ def verify(args, console: Console) -> int:
     return 1
 
 
+#: Below this much data or time a rate says nothing (a few KiB in a millisecond is not a throughput).
+_RATE_FLOOR_BYTES, _RATE_FLOOR_S = 64 * 2**20, 0.05
+
+
+def _rate(report) -> str:
+    """' (2.6 GiB/s)', or nothing where the run was too small to measure a rate."""
+    if report.bytes_checked < _RATE_FLOOR_BYTES or report.seconds < _RATE_FLOOR_S:
+        return ""
+    return f" ({human_bytes(report.bytes_checked / report.seconds)}/s)"
+
+
 def diff(args, console: Console) -> int:
     report = diff_module.diff(args.a, args.b, measure=args.measure)
     if args.json:
@@ -141,7 +210,7 @@ def diff(args, console: Console) -> int:
             "values": [{"key": k, "a": va, "b": vb} for k, va, vb in report.values],
             "metadata": [{"field": f, "a": va, "b": vb} for f, va, vb in report.metadata],
         }))
-        return 0
+        return _found(report.differs)
     out = Output(console)
     counts = {s: len(report.by_status(s)) for s in ("changed", "added", "removed", "unchanged")}
     out.line(Text.assemble((report.a, "bold"), " -> ", (report.b, "bold"), ": ",
@@ -160,7 +229,7 @@ def diff(args, console: Console) -> int:
     if report.metadata:
         out.table(f"metadata that differs ({len(report.metadata)} fields; RNG states and packages summarised)",
                   [Column("field", KEY), Column("A", TEXT), Column("B", TEXT)], _metadata_differences(report.metadata))
-    return 0
+    return _found(report.differs)
 
 
 def _tensor_difference(t) -> tuple[str, ...]:
@@ -206,7 +275,7 @@ def stragglers(args, console: Console) -> int:
     report = analytics.stragglers(args.repo, thresholds=thresholds, explain=args.explain)
     if args.json:
         Output(console).json(report)
-        return 0
+        return _found(report["stragglers"] or report["slow_saves"])
     out = Output(console)
     out.line(f"{args.repo}: {counted(report['steps'], 'step')} of {counted(report['ranks'], 'rank')}")
     if report["stragglers"]:
@@ -240,7 +309,7 @@ def stragglers(args, console: Console) -> int:
         out.table("why they straggled", columns, (
             (str(e["rank"]), _ranges(list(range(e["first_step"], e["last_step"] + 1))), c["cause"], c["evidence"],
              c["action"]) for e in report["explanations"] for c in e["causes"]))
-    return 0
+    return _found(report["stragglers"] or report["slow_saves"])
 
 
 def _thresholds(args):
@@ -274,7 +343,7 @@ def compare(args, console: Console) -> int:
     report = _analytics().compare(args.a, args.b, atol=args.atol, rtol=args.rtol)
     if args.json:
         Output(console).json(report)
-        return 0
+        return _found(not report["identical"])
     out = Output(console)
     tolerance = f" within atol {args.atol:g}, rtol {args.rtol:g}" if args.atol or args.rtol else " bit for bit"
     verdict = "identical" + tolerance if report["identical"] else "different"
@@ -297,7 +366,13 @@ def compare(args, console: Console) -> int:
             out.table(f"{counted(len(found), 'recorded difference')} {title}", columns, (
                 (d["field"], d["kind"], text(d.get("rank")), text(d["a"]), text(d["b"]), text(d["first_step"]),
                  text(d.get("evidence"))) for d in found))
-    return 0
+    return _found(not report["identical"])
+
+
+def _found(something) -> int:
+    """An analysis command's exit code (docs/usage.md, Exit codes): 1 when it found something (a difference,
+    a straggler), 0 when it found nothing; 2, when it cannot run, comes from the error."""
+    return 1 if something else 0
 
 
 def _ranges(steps: list[int]) -> str:

@@ -15,7 +15,7 @@ from ckptfmt.lifecycle.gc import GcReport, collect, remove
 from ckptfmt.lifecycle.repair import RepairReport, repair
 from ckptfmt.lifecycle.retention import Retention, metrics_reader
 from ckptfmt.repository.repository import Repository, split_checkpoint_url
-from ckptfmt.tools.formatting import counted, human_bytes
+from ckptfmt.tools.formatting import counted, human_bytes, seconds
 from ckptfmt.tools.output import KEY, NAME, TEXT, Column, Output
 
 
@@ -133,7 +133,7 @@ def repair_command(args, console: Console) -> int:
 
 
 def _repair_summary(report: RepairReport) -> str:
-    checked = f"{report.url}: {counted(len(report.checkpoints), 'checkpoint')} checked in {report.seconds:.2f} s"
+    checked = f"{report.url}: {counted(len(report.checkpoints), 'checkpoint')} checked in {seconds(report.seconds)}"
     if not report.fixed and not report.unrepaired:
         return f"{checked}: nothing damaged"
     done = (f"{'would repair' if report.dry_run else 'repaired'} {counted(len(report.fixed), 'object')}"

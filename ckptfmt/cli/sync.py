@@ -9,7 +9,7 @@ from rich.console import Console
 
 from ckptfmt.cli.render import ByteProgress
 from ckptfmt.lifecycle.replicate import replicate
-from ckptfmt.tools.formatting import human_bytes
+from ckptfmt.tools.formatting import counted, human_bytes, seconds
 from ckptfmt.tools.output import Output
 
 
@@ -34,9 +34,12 @@ def sync_command(args, console: Console) -> int:
     if args.json:
         Output(console).json(dataclasses.asdict(report))
         return 0
-    rate = report.bytes_copied / report.seconds / 1e6 if report.seconds else 0.0
-    Output(console).line(f"{report.destination}: copied {len(report.copied)} checkpoint(s), "
-                         f"{len(report.present)} already there; {report.chunks_copied} chunks, "
-                         f"{human_bytes(report.bytes_copied)} in {report.seconds:.2f} s ({rate:.1f} MB/s); "
-                         f"{report.chunks_skipped} chunks ({human_bytes(report.bytes_skipped)}) were there already")
+    rate = f" ({human_bytes(report.bytes_copied / report.seconds)}/s)" if (
+        report.bytes_copied >= 64 * 2**20 and report.seconds >= 0.05) else ""
+    signatures = f", {counted(report.signatures_copied, 'signature')}" if report.signatures_copied else ""
+    Output(console).line(f"{report.destination}: copied {counted(len(report.copied), 'checkpoint')}, "
+                         f"{len(report.present)} already there; {counted(report.chunks_copied, 'chunk')}, "
+                         f"{human_bytes(report.bytes_copied)}{signatures} in {seconds(report.seconds)}{rate}; "
+                         f"{counted(report.chunks_skipped, 'chunk')} ({human_bytes(report.bytes_skipped)}) "
+                         "were there already")
     return 0

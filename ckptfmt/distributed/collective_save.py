@@ -122,7 +122,7 @@ def _write_and_commit(decision: dict, failure: Failure | None, url: str, name: s
         assert repo is not None and lease is not None  # run on the coordinator, which holds both
         reports[0]["timing"] = timer.record(ranks.rank, captured.steps)  # the coordinator's, with its wait
         manifest = _manifest(agreed, reports, ranks, name, options)
-        commit_manifest(repo, manifest, lease)
+        commit_manifest(repo, manifest, lease, options.signer)
         return repo.storage.describe(name)
     outcome, failure = _coordinate(results, ranks, commit)
     try:

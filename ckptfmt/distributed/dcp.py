@@ -224,7 +224,7 @@ class StorageWriter(dcp_storage.StorageWriter):
             raise CheckpointError(f"{self.url}: finish() on a writer that never planned this save "
                                   "(prepare_global_plan takes the save lease)")
         try:
-            commit_manifest(repo, manifest, self.lease)
+            commit_manifest(repo, manifest, self.lease, self.options.signer)
         finally:
             self._release_lease()
 

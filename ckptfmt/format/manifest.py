@@ -46,7 +46,7 @@ from ckptfmt.format.tensor_stats import COUNT_FIELDS, FLOAT_FIELDS, INTEGER_FIEL
 from ckptfmt.format.tiling import check_tiling
 from ckptfmt.format.values import unique_map
 
-FORMAT_VERSION = (1, 6)
+FORMAT_VERSION = (1, 7)
 MANIFEST_FORMAT = "ckptfmt-manifest"
 TENSOR_KINDS = ("tensor", "parameter", "numpy")
 

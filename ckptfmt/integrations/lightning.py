@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import os
-import posixpath
 import re
 import threading
 import time
@@ -40,7 +39,7 @@ from lightning.pytorch.plugins.io import CheckpointIO, TorchCheckpointIO
 from lightning.pytorch.strategies import ModelParallelStrategy
 
 from ckptfmt.distributed.steps import gather_steps
-from ckptfmt.errors import CheckpointError, CheckpointNotFoundError, CorruptDataError, InvalidNameError
+from ckptfmt.errors import CheckpointNotFoundError, CorruptDataError, InvalidNameError
 from ckptfmt.format import layout
 from ckptfmt.format.limits import MAX_NAME_LENGTH
 from ckptfmt.lifecycle.gc import collect, remove
@@ -49,6 +48,7 @@ from ckptfmt.loading.reader import load
 from ckptfmt.loading.reader import open as open_checkpoint
 from ckptfmt.metadata.step_timer import StepTimer
 from ckptfmt.metadata.topology import current_rank
+from ckptfmt.repository.pointers import POINTER_FORMAT, looks_like_pointer, pointed_name, read_small
 from ckptfmt.repository.repository import Repository
 from ckptfmt.saving.asynchronous import AsyncSaver
 from ckptfmt.saving.options import SaveOptions
@@ -56,10 +56,6 @@ from ckptfmt.saving.save import save_with
 from ckptfmt.storage.base import Storage
 from ckptfmt.storage.factory import open_storage
 
-#: The ``format`` of a pointer file.
-POINTER_FORMAT = "ckptfmt-lightning-pointer"
-#: A pointer file is small; a larger object at a checkpoint path is not one.
-MAX_POINTER_BYTES = 64 * 2**10
 #: Where ``StepTimingCallback`` leaves every rank's steps in the checkpoint dict for the plugin.
 STEPS_KEY = "ckptfmt_gathered_steps"
 #: Where it leaves each rank's own StepTimer for a collective save (``CkptfmtModelParallelStrategy``).
@@ -152,9 +148,9 @@ class CkptfmtCheckpointIO(CheckpointIO):
         storage = open_storage(repo_url, self.storage_options)
         if storage.exists(layout.MARKER_KEY):  # a ckptfmt repository: a pointer, or a checkpoint's own URL
             repo = Repository.open(repo_url, self.storage_options)
-            data = _read_if_small(repo, pointer)
-            if data is not None and _looks_like_pointer(data):
-                return f"{repo_url}/{_pointed_name(data, repo.storage.describe(pointer))}"
+            data = read_small(repo.storage, pointer)
+            if data is not None and looks_like_pointer(data):
+                return f"{repo_url}/{pointed_name(data, repo.storage.describe(pointer))}"
             if data is None and repo.storage.exists(layout.commit_key(pointer)):
                 return f"{repo_url}/{pointer}"
         if _size(storage, pointer) is not None:  # a torch.save file: a run that switched to ckptfmt
@@ -193,8 +189,8 @@ class CkptfmtCheckpointIO(CheckpointIO):
 
     def _point(self, repo: Repository, pointer: str, name: str) -> None:
         """Point ``pointer`` at the committed checkpoint ``name``; the checkpoint it pointed at goes."""
-        data = _read_if_small(repo, pointer)
-        previous = _pointed_name(data, pointer) if data is not None and _looks_like_pointer(data) else None
+        data = read_small(repo.storage, pointer)
+        previous = pointed_name(data, pointer) if data is not None and looks_like_pointer(data) else None
         body = {"format": POINTER_FORMAT, "checkpoint": name}
         repo.storage.write(pointer, (json.dumps(body) + "\n").encode())
         if previous is not None and previous != name:  # off the training thread, after what is queued
@@ -202,11 +198,11 @@ class CkptfmtCheckpointIO(CheckpointIO):
 
     def _remove(self, repo_url: str, pointer: str) -> None:
         repo = Repository.open(repo_url, self.storage_options)
-        data = _read_if_small(repo, pointer)
-        if data is None or not _looks_like_pointer(data):
+        data = read_small(repo.storage, pointer)
+        if data is None or not looks_like_pointer(data):
             return  # nothing of ours there (Lightning may remove what it never saved through us)
         repo.storage.delete(pointer)
-        self._drop(repo, [_pointed_name(data, repo.storage.describe(pointer))])
+        self._drop(repo, [pointed_name(data, repo.storage.describe(pointer))])
 
     def _drop(self, repo: Repository, names: list[str]) -> None:
         remove(repo, names)
@@ -402,6 +398,14 @@ def _saves_through_ckptfmt(trainer) -> bool:
     return io is not None
 
 
+def _size(storage: Storage, key: str) -> int | None:
+    """The size of the object at ``key``; None where there is none, or a folder."""
+    try:
+        return storage.size(key)
+    except CorruptDataError:  # a folder (a checkpoint's), a device: no object
+        return None
+
+
 def _locate(path: str | os.PathLike) -> tuple[str, str]:
     """The repository (the path's folder) and the pointer's key (its last segment) of a Lightning path."""
     text = os.fspath(path)
@@ -412,36 +416,3 @@ def _locate(path: str | os.PathLike) -> tuple[str, str]:
     return folder, key
 
 
-def _size(storage: Storage, key: str) -> int | None:
-    """The size of the object at ``key``; None where there is none, or a folder."""
-    try:
-        return storage.size(key)
-    except CorruptDataError:  # a folder (a checkpoint's), a device: no object
-        return None
-
-
-def _read_if_small(repo: Repository, key: str) -> bytes | None:
-    """The bytes at ``key`` if it is a small object (a pointer may be there), else None."""
-    size = _size(repo.storage, key)
-    if size is None or size > MAX_POINTER_BYTES:
-        return None
-    try:
-        return repo.storage.read(key, max_size=MAX_POINTER_BYTES)
-    except CheckpointNotFoundError:
-        return None
-
-
-def _looks_like_pointer(data: bytes) -> bool:
-    return data.lstrip().startswith(b"{") and POINTER_FORMAT.encode() in data
-
-
-def _pointed_name(data: bytes, where: str) -> str:
-    """The checkpoint name a pointer file holds."""
-    try:
-        document = json.loads(data)
-        name = document["checkpoint"]
-        if document.get("format") != POINTER_FORMAT or not isinstance(name, str):
-            raise ValueError("not a pointer")
-    except (ValueError, KeyError, TypeError) as exc:
-        raise CheckpointError(f"{where}: a damaged ckptfmt pointer ({exc})") from None
-    return posixpath.basename(name)

@@ -266,7 +266,8 @@ class CheckpointManager:
                 state = load(url, into=into, storage_options=tier.storage_options,
                              heal_from=_other_repositories(self.tiers, tier), **load_options)
                 if rng:
-                    restore_rng(url, storage_options=tier.storage_options)
+                    restore_rng(url, storage_options=tier.storage_options,
+                                trusted_keys=load_options.get("trusted_keys"))
             except CheckpointError as exc:
                 failures.append(str(exc))
                 warnings.warn(f"restoring step {step} from the next tier: {exc}", CheckpointWarning, stacklevel=2)

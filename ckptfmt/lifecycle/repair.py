@@ -32,6 +32,7 @@ from ckptfmt.format.manifest import Chunk, Manifest, stored_key
 from ckptfmt.repository.chunk_copies import find_copy
 from ckptfmt.repository.leases import save_lease
 from ckptfmt.repository.repository import MarkerDamagedError, Repository, no_repository, parse_marker
+from ckptfmt.repository.signatures import signatures
 from ckptfmt.storage.base import Storage
 from ckptfmt.storage.factory import open_storage
 from ckptfmt.tools.verify import Problem, VerifyReport, check_chunks, verify
@@ -41,7 +42,7 @@ from ckptfmt.tools.verify import Problem, VerifyReport, check_chunks, verify
 class Fix:
     """One object replaced (or, in a dry run, that would be)."""
 
-    kind: str  # "marker", "chunk", "manifest", "commit-record"
+    kind: str  # "marker", "chunk", "manifest", "commit-record", "signature"
     key: str  # its key in the repaired repository
     source: str  # where the verified replacement was read
     damage: str  # what was wrong with it
@@ -106,6 +107,7 @@ def repair(url: str | os.PathLike, sources: Sequence[str | os.PathLike] = (), *,
         listing = repo.listing()
         report.checkpoints = listing.checkpoints + _lost_commits(repo, others, listing.ignored)
         manifests = _repair_checkpoints(repo, others, report)
+        _repair_signatures(repo, others, list(manifests), report)
         damage = VerifyReport(url=repo.url, checkpoints=list(manifests))
         check_chunks(repo, manifests, damage, callback, workers=workers)
         _repair_chunks(repo, others, manifests, damage.problems, report, workers)
@@ -219,6 +221,30 @@ def _repair_checkpoints(repo: Repository, others: list[Repository], report: Repa
         else:
             report.unrepaired.append(Unrepaired("checkpoint", name, damage, _tried_text(tried)))
     return manifests
+
+
+def _repair_signatures(repo: Repository, others: list[Repository], names: list[str], report: RepairReport) -> None:
+    """Restore the signature objects (spec 10.3) a source holds for a checkpoint and this repository lacks
+    or holds damaged; each must sign this very checkpoint under its own key."""
+    for name in names:
+        ours = _record_or_none(repo, name)
+        here = {found.key: found for found in signatures(repo, name)}
+        for other in others:
+            theirs = _record_or_none(other, name)
+            record = ours or theirs
+            if theirs is None or record is None or theirs.manifest_hash != record.manifest_hash:
+                continue
+            for found in signatures(other, name):
+                mine = here.get(found.key)
+                if found.signature is None or not found.signature.verifies(record) or (
+                        mine is not None and mine.signature is not None and mine.signature.verifies(record)):
+                    continue
+                damage = "missing" if mine is None else (mine.damage or "does not sign the checkpoint")
+                report.fixed.append(Fix("signature", found.key, other.storage.describe(found.key),
+                                        f"{repo.storage.describe(found.key)}: {damage}", (name,)))
+                if not report.dry_run:
+                    repo.storage.write(found.key, found.signature.to_bytes())
+                here[found.key] = found
 
 
 def _manifest_hashes(repo: Repository, name: str) -> set[str]:

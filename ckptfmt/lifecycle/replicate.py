@@ -38,6 +38,7 @@ from ckptfmt.format.manifest import Chunk, delta_depth, stored_key
 from ckptfmt.loading.chunkio import ChunkReader
 from ckptfmt.repository.leases import Lease, save_lease
 from ckptfmt.repository.repository import CommitRecord, Repository
+from ckptfmt.repository.signatures import copy_signatures
 from ckptfmt.saving.chunker import DEFAULT_CHUNK_SIZE
 from ckptfmt.storage.base import Storage
 from ckptfmt.storage.budget import ByteBudget
@@ -63,6 +64,9 @@ class ReplicationReport:
     bytes_copied: int
     bytes_skipped: int
     seconds: float
+    #: Signature objects (spec 10.3) written to the destination: those of the copied checkpoints, and
+    #: those added to checkpoints it already had (signed since they were copied).
+    signatures_copied: int = 0
 
 
 def replicate(src: str | os.PathLike | Repository, dst: str | os.PathLike | Repository,
@@ -90,12 +94,13 @@ def replicate(src: str | os.PathLike | Repository, dst: str | os.PathLike | Repo
     copied: list[str] = []
     present: list[str] = []
     missing: list[CommitRecord] = []
+    copier = _Copier(source, target, workers, verify, progress or NoOpCallback(), yield_to)
     for record in _records(source, name):
         if _on_target(source, target, record):
             present.append(record.name)
+            copier.signatures_copied += copy_signatures(source, target, record)
         else:
             missing.append(record)
-    copier = _Copier(source, target, workers, verify, progress or NoOpCallback(), yield_to)
     if missing:
         with save_lease(target) as lease:  # before the listing: a collector must not delete what it finds
             copier.stored = target.storage.find(layout.CHUNKS_DIR)
@@ -105,7 +110,7 @@ def replicate(src: str | os.PathLike | Repository, dst: str | os.PathLike | Repo
         source=source.url, destination=target.url, copied=tuple(copied), present=tuple(present),
         chunks_copied=copier.chunks_copied, chunks_skipped=copier.chunks_skipped,
         bytes_copied=copier.bytes_copied, bytes_skipped=copier.bytes_skipped,
-        seconds=time.perf_counter() - started,
+        seconds=time.perf_counter() - started, signatures_copied=copier.signatures_copied,
     )
 
 
@@ -176,6 +181,7 @@ class _Copier:
         self.budget = ByteBudget(workers * DEFAULT_CHUNK_SIZE)
         self.lock = threading.Lock()
         self.chunks_copied = self.chunks_skipped = self.bytes_copied = self.bytes_skipped = 0
+        self.signatures_copied = 0
         self.total = 0
 
     def copy(self, record: CommitRecord, lease: Lease) -> bool:
@@ -328,6 +334,7 @@ class _Copier:
         self.target.storage.sync([key])
         with self.lock:
             self.bytes_copied += len(data)
+        self.signatures_copied += copy_signatures(self.source, self.target, record)  # signed when it appears
         lease.check("writing the commit record")
         try:
             self.target.create_commit(record)

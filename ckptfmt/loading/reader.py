@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import os
 import warnings
 from collections.abc import Iterable
@@ -15,6 +16,7 @@ from ckptfmt.errors import CheckpointError, CheckpointNotFoundError, CheckpointW
 from ckptfmt.format.dtypes import dtype_from_name, itemsize
 from ckptfmt.format.manifest import Manifest, Piece, TensorEntry
 from ckptfmt.format.shards import Shard, ShardGrid
+from ckptfmt.format.signatures import TrustedKeys, trusted_public_keys
 from ckptfmt.format.tensors import byte_view, empty, finish
 from ckptfmt.format.values import decode_tree
 from ckptfmt.loading.chunkio import ChunkReader
@@ -23,6 +25,7 @@ from ckptfmt.loading.load_into import load_into
 from ckptfmt.metadata.rng import apply_rng
 from ckptfmt.metadata.topology import current_rank
 from ckptfmt.repository.repository import Repository, resolve
+from ckptfmt.repository.signatures import check_signed
 
 
 class CheckpointReader:
@@ -36,22 +39,26 @@ class CheckpointReader:
 
     def __init__(self, url: str | os.PathLike, *, storage_options: dict | None = None,
                  map_location: str | torch.device | None = "cpu", mmap: bool = True,
-                 heal_from: HealFrom = None):
+                 heal_from: HealFrom = None, trusted_keys: TrustedKeys = None):
         repository, name = resolve(url, storage_options)
-        self._setup(repository, name, map_location, mmap, heal_from)
+        self._setup(repository, name, map_location, mmap, heal_from, trusted_keys)
 
     @classmethod
     def from_parts(cls, repository: Repository, name: str, map_location: str | torch.device | None = "cpu",
-                   mmap: bool = True, heal_from: HealFrom = None) -> CheckpointReader:
+                   mmap: bool = True, heal_from: HealFrom = None, trusted_keys: TrustedKeys = None) -> CheckpointReader:
         """Open checkpoint ``name`` of an already opened repository."""
         reader = cls.__new__(cls)
-        reader._setup(repository, name, map_location, mmap, heal_from)
+        reader._setup(repository, name, map_location, mmap, heal_from, trusted_keys)
         return reader
 
-    def _setup(self, repository: Repository, name: str, map_location, mmap: bool, heal_from: HealFrom) -> None:
+    def _setup(self, repository: Repository, name: str, map_location, mmap: bool, heal_from: HealFrom,
+               trusted_keys: TrustedKeys) -> None:
         self.repository, self.name = repository, name
         self.mmap = mmap
         self.commit = repository.commit(name)
+        #: The trusted key's signature that vouches for this checkpoint (None: no key was given to check).
+        self.signature = None if trusted_keys is None else check_signed(
+            repository, self.commit, trusted_public_keys(trusted_keys))
         self.manifest: Manifest = repository.manifest(name, self.commit)
         self.map_location = torch.device(map_location if map_location is not None else "cpu")
         self._index = {t.key: i for i, t in enumerate(self.manifest.tensors)}
@@ -250,7 +257,9 @@ class CheckpointReader:
         try:
             return self._index[key]
         except KeyError:
-            raise CheckpointNotFoundError(f"{self.url}: no tensor {key!r}") from None
+            near = difflib.get_close_matches(key, self._index, n=3)
+            hint = f"; did you mean {', '.join(map(repr, near))}?" if near else ""
+            raise CheckpointNotFoundError(f"{self.url}: no tensor {key!r}{hint}") from None
 
     def _read(self, index: int, parallel: bool = False):
         entry = self.manifest.tensors[index]
@@ -338,16 +347,16 @@ def _uses_by_chunk(entry: TensorEntry) -> dict[int, list[tuple[int, int, Piece]]
 
 def open(url: str | os.PathLike, *, storage_options: dict | None = None,
          map_location: str | torch.device | None = "cpu", mmap: bool = True,
-         heal_from: HealFrom = None) -> CheckpointReader:
-    """Open a checkpoint (or a repository's latest) for lazy reads. See ``load`` for ``mmap`` and
-    ``heal_from``."""
+         heal_from: HealFrom = None, trusted_keys: TrustedKeys = None) -> CheckpointReader:
+    """Open a checkpoint (or a repository's latest) for lazy reads. See ``load`` for ``mmap``,
+    ``heal_from`` and ``trusted_keys``."""
     return CheckpointReader(url, storage_options=storage_options, map_location=map_location, mmap=mmap,
-                            heal_from=heal_from)
+                            heal_from=heal_from, trusted_keys=trusted_keys)
 
 
 def load(url: str | os.PathLike, *, map_location: str | torch.device | None = "cpu",
          storage_options: dict | None = None, mmap: bool = True, into: Any = None, strict: bool = True,
-         heal_from: HealFrom = None) -> Any:
+         heal_from: HealFrom = None, trusted_keys: TrustedKeys = None) -> Any:
     """Load a checkpoint's whole state, type-exact, with every chunk verified against its hash.
 
     On local disks, tensors that lie whole in one uncompressed chunk are, by
@@ -369,9 +378,13 @@ def load(url: str | os.PathLike, *, map_location: str | torch.device | None = "c
     that has a good copy, with a warning, and this copy is repaired in the background
     (done when ``load`` returns); with no good copy anywhere, the error names the
     tensor, the chunk and every place looked at.
+
+    ``trusted_keys``: Ed25519 public keys (``.pub`` files of ``ckptfmt keygen``, key objects); the
+    checkpoint is read only if one of them signed it (spec 10.3), else SignatureError names it
+    (unsigned, signed by other keys, or a signature that does not verify: forged or damaged).
     """
     with open(url, storage_options=storage_options, map_location=map_location, mmap=mmap,
-              heal_from=heal_from) as reader:
+              heal_from=heal_from, trusted_keys=trusted_keys) as reader:
         if into is not None:
             rank, world_size = current_rank()
             return load_into(reader, into, strict=strict, rank=rank, world_size=world_size, keep_per_rank=True)
@@ -379,15 +392,15 @@ def load(url: str | os.PathLike, *, map_location: str | torch.device | None = "c
 
 
 def restore_rng(url_or_reader: str | os.PathLike | CheckpointReader, *, rank: int | None = None,
-                storage_options: dict | None = None) -> None:
+                storage_options: dict | None = None, trusted_keys: TrustedKeys = None) -> None:
     """Restore the torch, CUDA, numpy and Python RNG states rank ``rank`` (default: this rank) had at save.
 
     Resuming at another world size, a rank the checkpoint has no state for gets
     an error naming the ranks it has; with fewer ranks than saved, a warning
-    says which saved states no rank restores.
+    says which saved states no rank restores. ``trusted_keys``: as ``load``'s.
     """
     reader = url_or_reader if isinstance(url_or_reader, CheckpointReader) else open(
-        url_or_reader, storage_options=storage_options
+        url_or_reader, storage_options=storage_options, trusted_keys=trusted_keys
     )
     this_rank, world_size = current_rank()
     rank = this_rank if rank is None else rank

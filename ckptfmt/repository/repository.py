@@ -33,6 +33,7 @@ from ckptfmt.format.limits import MAX_COMMIT_BYTES, MAX_MARKER_BYTES, check_name
 from ckptfmt.format.manifest import FORMAT_VERSION, Manifest, check_version
 from ckptfmt.format.values import unique_map
 from ckptfmt.repository.index import INDEX_DIR, CommitIndex, IndexDamagedError, read_each
+from ckptfmt.repository.pointers import POINTER_SUFFIX, read_pointer
 from ckptfmt.storage.base import Storage
 from ckptfmt.storage.factory import check_no_parent_segments, open_storage
 
@@ -431,14 +432,25 @@ def resolve(url: str | os.PathLike, storage_options: dict[str, Any] | None = Non
     parent, sep, name = text.rpartition("/")
     if not sep or not name:
         raise no_repository(storage, "repository or checkpoint")
-    check_name(name)
+    if not name.endswith(POINTER_SUFFIX):
+        check_name(name)
     try:
         repo = Repository.open(parent or "/", storage_options)
     except MarkerLostError:
         raise
     except CheckpointNotFoundError:
         raise no_repository(storage, "repository or checkpoint") from None
+    if name.endswith(POINTER_SUFFIX) and not (is_valid_name(name) and repo.storage.exists(layout.commit_key(name))):
+        return repo, _pointed(repo, name)
     return repo, name
+
+
+def _pointed(repo: Repository, key: str) -> str:
+    """The checkpoint the pointer file ``key`` of ``repo`` names (a path Lightning saved to)."""
+    name = read_pointer(repo.storage, key)
+    if name is None:
+        raise CheckpointNotFoundError(f"{repo.storage.describe(key)}: no checkpoint and no ckptfmt pointer there")
+    return name
 
 
 class MarkerLostError(CheckpointNotFoundError):

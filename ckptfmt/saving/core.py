@@ -45,6 +45,7 @@ from ckptfmt.format.limits import MAX_KEY_BYTES, check_name
 from ckptfmt.format.manifest import MAX_RANK, Chunk, Manifest, Shard, TensorEntry, stored_key
 from ckptfmt.format.sharded import LocalShard, Sharded
 from ckptfmt.format.sharded import Shard as ShardInput
+from ckptfmt.format.signatures import SigningKey
 from ckptfmt.format.tensor_stats import PendingStats, merge_stats
 from ckptfmt.format.tensors import TensorSource, prepare
 from ckptfmt.format.tiling import check_tiling
@@ -54,6 +55,7 @@ from ckptfmt.metadata.rng import rng_entry
 from ckptfmt.metadata.timing import PhaseTimer, with_steps
 from ckptfmt.repository.leases import Lease, hold_save_lease
 from ckptfmt.repository.repository import CommitRecord, Repository
+from ckptfmt.repository.signatures import write_signature
 from ckptfmt.saving.chunk_writer import checkpoint_stats
 from ckptfmt.saving.options import LATEST, SaveOptions
 from ckptfmt.saving.staging import memory_key
@@ -276,9 +278,10 @@ def manifest_for(name: str, options: SaveOptions, *, parent: str | None, chunks:
     )
 
 
-def commit_manifest(repo: Repository, manifest: Manifest, lease: Lease) -> None:
+def commit_manifest(repo: Repository, manifest: Manifest, lease: Lease, signer: SigningKey | None = None) -> None:
     """Write the manifest, then the commit record that makes the checkpoint exist, unless the save's
-    lease has run out (a collector may have swept a chunk it reuses)."""
+    lease has run out (a collector may have swept a chunk it reuses). With a ``signer``, the signature
+    goes between the two (spec 10.3): a signed save is never seen committed and unsigned."""
     data = manifest.to_bytes()
     Manifest.from_bytes(data, repo.storage.describe(manifest.name))  # never commit what readers refuse
     digest = chunk_hash(data)
@@ -289,5 +292,7 @@ def commit_manifest(repo: Repository, manifest: Manifest, lease: Lease) -> None:
         name=manifest.name, manifest_hash=digest, manifest_size=len(data), step=manifest.step,
         created_ns=manifest.created_ns, parent=manifest.parent, stats=manifest.stats,
     )
+    if signer is not None:
+        write_signature(repo, record, signer)
     lease.check("writing the commit record")
     repo.create_commit(record)

@@ -20,6 +20,7 @@ import msgpack
 from ckptfmt.errors import ManifestError, UnsupportedValueError
 from ckptfmt.format import codecs
 from ckptfmt.format.limits import MAX_CHUNK_BYTES
+from ckptfmt.format.signatures import SigningKey
 from ckptfmt.metadata.step_timer import decode_steps
 
 
@@ -83,6 +84,9 @@ class SaveOptions:
     #: Every rank's training steps, gathered for a save that one rank makes (a framework that writes
     #: from rank 0): ``[{"rank", "host", "steps": StepTimer.snapshot()}]`` (``distributed.steps.gather_steps``).
     gathered_steps: list | None = None
+    #: Sign the checkpoint (spec 10.3) with this Ed25519 private key: a PEM file (``ckptfmt keygen``), a
+    #: ``cryptography`` key or a ``SigningKey``; loaded once, here. The key never enters the repository.
+    signer: Any = None
 
     def __post_init__(self) -> None:
         step = self.step
@@ -118,6 +122,8 @@ class SaveOptions:
             raise ValueError("timeout must be a positive number of seconds")
         if self.gathered_steps is not None:
             check_gathered_steps(self.gathered_steps)
+        if self.signer is not None:
+            object.__setattr__(self, "signer", SigningKey.load(self.signer))
 
     @classmethod
     def from_keywords(cls, caller: str, keywords: dict[str, Any]) -> SaveOptions:

@@ -42,6 +42,7 @@ def save(
     tensor_stats: bool = True,
     on_divergence: str = "warn",
     gathered_steps: list | None = None,
+    signer: Any = None,
     timer: StepTimer | None = None,
 ) -> str:
     """Save ``state`` (nested dicts/lists/tuples of tensors and plain values) as checkpoint ``url``.
@@ -93,6 +94,13 @@ def save(
     made by one rank (``ckptfmt.distributed.steps.gather_steps``; frameworks
     that write from rank 0 only), stored as each rank's.
 
+    ``signer``: an Ed25519 private key (a PEM file: ``ckptfmt keygen``, a
+    ``cryptography`` key, a ``ckptfmt.SigningKey``) that signs the checkpoint
+    (spec 10.3) before it is committed: readers given its public key
+    (``trusted_keys=``, ``verify --trusted-key``) then refuse any checkpoint it
+    did not sign. The key never enters the repository. In a collective save
+    the coordinator (rank 0) signs.
+
     An asynchronous save of the same repository still running in this process
     is waited for first (its error, if it failed, is raised here).
     """
@@ -101,6 +109,7 @@ def save(
         compression=compression, step_times=step_times, parallelism=parallelism, workers=workers, rng=rng,
         provenance=provenance, before_commit=before_commit, process_group=process_group, coordinated=coordinated,
         timeout=timeout, tensor_stats=tensor_stats, on_divergence=on_divergence, gathered_steps=gathered_steps,
+        signer=signer,
     )
     return save_with(state, url, options, timer=timer)
 

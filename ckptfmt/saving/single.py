@@ -76,7 +76,7 @@ def _save_leased(repo: Repository, name: str, state: Any, timer: PhaseTimer, lea
     )
     if options.before_commit is not None:
         options.before_commit()
-    commit_manifest(repo, manifest, lease)
+    commit_manifest(repo, manifest, lease, options.signer)
     return repo.storage.describe(name)
 
 

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 from ckptfmt.format.shards import chunk_rows
-from ckptfmt.tools.formatting import human_bytes, human_time, number, seconds, short
+from ckptfmt.tools.formatting import counted, human_bytes, human_time, number, seconds, short
 
 
 def field(value: Any, *path: str) -> Any:
@@ -66,6 +66,11 @@ def _list(value: Any) -> str:
 
 # -- the summary -----------------------------------------------------------------------------------
 
+def _chunks(count: object) -> str:
+    """'1 chunk', '12 chunks', or the recorded value as it is where it is no count."""
+    return counted(count, "chunk") if type(count) is int else f"{text(count)} chunks"
+
+
 def summary(meta: Mapping, url: str, ident: str, *, utc: bool = False) -> list[tuple[str, str]]:
     """The checkpoint's headline rows: where, which, step, when, parent, format, tensors, storage."""
     stats = mapping(meta.get("stats"))
@@ -75,7 +80,7 @@ def summary(meta: Mapping, url: str, ident: str, *, utc: bool = False) -> list[t
         ("created", human_time(meta.get("created_ns"), utc=utc)), ("parent", text(meta.get("parent") or None)),
         ("format", ".".join(map(str, version)) if isinstance(version, (list, tuple)) else text(version)),
         ("tensors", f"{text(stats.get('tensor_count'))} ({human_bytes(stats.get('tensor_bytes'))})"),
-        ("stored", f"{human_bytes(stats.get('stored_bytes'))} in {text(stats.get('chunk_count'))} chunks, "
+        ("stored", f"{human_bytes(stats.get('stored_bytes'))} in {_chunks(stats.get('chunk_count'))}, "
                    f"{human_bytes(stats.get('new_bytes'))} new"),
     ]
 

@@ -66,6 +66,12 @@ class DiffReport:
     def by_status(self, status: str) -> list[TensorDiff]:
         return [t for t in self.tensors if t.status == status]
 
+    @property
+    def differs(self) -> bool:
+        """Whether the saved states differ: a tensor or a plain value (metadata, such as when each was saved,
+        always differs and does not count)."""
+        return bool(self.values) or any(t.status != "unchanged" for t in self.tensors)
+
 
 def _signature(entry: TensorEntry, manifest: Manifest) -> tuple:
     """Everything that determines a tensor's bytes, from the manifest alone."""

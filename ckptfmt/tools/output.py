@@ -5,7 +5,9 @@ A terminal gets styled lines that fit its width: a table's key (a tensor key, a
 checkpoint name) moves to a line of its own when the other columns need the
 room, other names are shortened in the middle, prose wraps between values,
 never inside one: a size ('996.5 KiB'), a shape ('(10, 256)'), a date or a
-number stays whole on one line. A pipe or a file gets plain lines: one record
+number stays whole on one line; a path wider than the line is printed whole on a
+line of its own (the one kind of line that may overflow the terminal: a user
+copies it to act on it). A pipe or a file gets plain lines: one record
 per line, every value whole, no trailing spaces, no escape codes, no box
 drawing. ``--json`` output is printed as is.
 """
@@ -95,7 +97,8 @@ def _pieces(plain: str) -> list[tuple[int, int]]:
 
 def wrap(text: str | Text, width: int, indent: int = 0) -> list[Text]:
     """``text`` as lines of at most ``width`` cells, broken only between values; continuation lines are
-    indented by ``indent``. A part longer than a line (a long name) is shortened in the middle."""
+    indented by ``indent``. A part longer than a line is shortened in the middle (a long name), or, a path,
+    left whole on a line of its own."""
     text = Text(text) if isinstance(text, str) else text
     lines: list[Text] = []
     line = Text()
@@ -109,9 +112,16 @@ def wrap(text: str | Text, width: int, indent: int = 0) -> list[Text]:
         if line.plain:
             lines.append(line)
             room = width - indent
-        line = piece if piece.cell_len <= room else Text(shorten(piece.plain, room), style=_style_at(piece))
+        whole = piece.cell_len <= room or is_path(piece.plain)
+        line = piece if whole else Text(shorten(piece.plain, room), style=_style_at(piece))
     lines.append(line)
     return [lines[0], *(Text(" " * indent) + line for line in lines[1:])]
+
+
+def is_path(word: str) -> bool:
+    """Whether a word is a path or URL (a chunk's, a checkpoint's): something a user copies to act on,
+    so printed whole on a line of its own, wider than the terminal if it must be, never shortened."""
+    return "/" in word.strip("'\"(),:;")
 
 
 def _style_at(text: Text) -> str:
@@ -243,12 +253,17 @@ class _Layout:
                 cell = ""
             cells.append(self._cell_lines(column, width, cell))
         for depth in range(max(len(c) for c in cells)):
-            line = Text()
+            line, paths = Text(), []
             for i, (column, width, lines_of_cell) in enumerate(zip(self.columns, widths, cells)):
                 cell = lines_of_cell[depth] if depth < len(lines_of_cell) else ""
+                if cell_len(cell) > width:  # a path wider than its column (``wrap``): whole, on a line of its own
+                    paths.append(cell)
+                    cell = ""
                 line.append(" " * _GAP * bool(i))
                 line.append(_pad(cell, width, column.right), style=column.style)
-            lines.append(line)
+            if line.plain.strip() or not paths:
+                lines.append(line)
+            lines += [Text(" " * _INDENT + path) for path in paths]
         return lines
 
     def _record(self, row: list[str], total: int) -> list[Text]:

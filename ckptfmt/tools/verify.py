@@ -22,10 +22,12 @@ from ckptfmt.errors import CheckpointError, CheckpointNotFoundError, StorageErro
 from ckptfmt.format import layout
 from ckptfmt.format.manifest import Manifest, stored_key
 from ckptfmt.format.shards import chunk_rows
+from ckptfmt.format.signatures import TrustedKeys, trusted_public_keys
 from ckptfmt.loading.chunkio import ChunkReader
 from ckptfmt.repository.leases import SAVE, live_leases
 from ckptfmt.repository.lost_commits import lost_commits
-from ckptfmt.repository.repository import Repository, resolve
+from ckptfmt.repository.repository import CommitRecord, Repository, resolve
+from ckptfmt.repository.signatures import judge, signature_problems
 from ckptfmt.storage.budget import ByteBudget
 from ckptfmt.storage.factory import open_storage
 from ckptfmt.tools import describe
@@ -37,7 +39,8 @@ from ckptfmt.tools.stats_check import StatsCheck
 class Problem:
     """One thing found wrong: what, where, and which tensors it damages."""
 
-    kind: str  # "missing-chunk", "corrupt-chunk", "bad-checkpoint", "missing-commit", "wrong-stats"
+    kind: str  # "missing-chunk", "corrupt-chunk", "bad-checkpoint", "missing-commit", "unsigned", "bad-signature",
+    # "wrong-stats"
     checkpoint: str
     message: str
     chunk: str | None = None
@@ -77,7 +80,8 @@ class VerifyReport:
 
 def verify(url: str | os.PathLike, *, storage_options: dict | None = None,
            callback: Callback | None = None, workers: int = 16,
-           cancel: threading.Event | None = None, stats: bool = False) -> VerifyReport:
+           cancel: threading.Event | None = None, stats: bool = False,
+           trusted_keys: TrustedKeys = None) -> VerifyReport:
     """Verify a checkpoint URL, or every checkpoint of a repository URL.
 
     A checkpoint URL naming no committed checkpoint raises CheckpointNotFoundError:
@@ -85,7 +89,11 @@ def verify(url: str | os.PathLike, *, storage_options: dict | None = None,
     chunks not yet started are skipped and the report says ``cancelled``.
     ``stats``: also recompute every tensor's recorded statistics (spec 6.10) from
     its verified bytes; one that disagrees is a ``wrong-stats`` problem.
+    Every signature object must sign its checkpoint under its own key (``bad-signature``);
+    with ``trusted_keys`` (spec 10.3), a checkpoint no trusted key signed is ``unsigned``
+    and one whose trusted signature does not verify (forged or damaged) ``bad-signature``.
     """
+    trusted = None if trusted_keys is None else trusted_public_keys(trusted_keys)
     callback = callback or NoOpCallback()
     started = time.perf_counter()
     storage = open_storage(url, storage_options)
@@ -106,13 +114,16 @@ def verify(url: str | os.PathLike, *, storage_options: dict | None = None,
             report.cancelled = True
             break
         try:
-            manifests[name] = repo.manifest(name)
+            record = repo.commit(name)
+            manifests[name] = repo.manifest(name, record)
         except StorageError:  # the store failed, not the data: no verdict
             raise
         except CheckpointError as exc:
             if not whole_repository and not repo.storage.exists(layout.commit_key(name)):
                 raise  # no such checkpoint
             report.problems.append(Problem("bad-checkpoint", name, str(exc)))
+            continue
+        report.problems += _signature_problems(repo, record, trusted)
     if ignored:
         _report_lost_commits(repo, ignored, manifests, report)
     for name, manifest in manifests.items():
@@ -130,6 +141,16 @@ def verify(url: str | os.PathLike, *, storage_options: dict | None = None,
         report.stats_checked = len(check.tensors) + len(check.streamed)
     report.seconds = time.perf_counter() - started
     return report
+
+
+def _signature_problems(repo: Repository, record: CommitRecord, trusted: dict[str, bytes] | None) -> list[Problem]:
+    """A checkpoint's signature objects that do not sign it; with ``trusted`` keys, also no trusted one."""
+    found = [Problem("bad-signature", record.name, message) for message in signature_problems(repo, record)]
+    if trusted is not None:
+        verdict = judge(repo, record, trusted)
+        if verdict.problem is not None and not (found and verdict.problem == "bad-signature"):
+            found.append(Problem(verdict.problem, record.name, verdict.message))
+    return found
 
 
 def _report_lost_commits(repo: Repository, ignored: list[str], manifests: dict[str, Manifest],

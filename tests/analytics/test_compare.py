@@ -118,7 +118,7 @@ def test_diff_shows_the_learning_rate_saved_only_in_the_optimizer(runs):
     assert diff(a, b).values == [("optim/param_groups/0/lr", 0.01, 0.05)]
     result = subprocess.run([sys.executable, "-m", "ckptfmt.cli", "diff", a, b, "--json"], capture_output=True,
                             text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
+    assert result.returncode == 1, result.stderr  # the states differ
     assert json.loads(result.stdout)["values"] == [{"key": "optim/param_groups/0/lr", "a": 0.01, "b": 0.05}]
 
 
@@ -228,7 +228,7 @@ def test_another_world_size_is_a_topology_difference(runs, tmp_path):
 def test_the_cli_prints_the_json_of_the_issue(runs):
     result = subprocess.run([sys.executable, "-m", "ckptfmt.cli", "compare", runs["base"], runs["order"], "--json"],
                             capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
+    assert result.returncode == 1, result.stderr  # the runs differ
     report = json.loads(result.stdout)
     assert report["identical"] is False
     assert set(report["first_divergence"]) >= {"step", "checkpoint", "tensor", "max_abs"}

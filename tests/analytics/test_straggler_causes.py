@@ -125,10 +125,10 @@ def test_a_normal_stretch_of_steps_is_unexplained(contended):
 @pytest.mark.distributed
 def test_the_cli_prints_why_and_what_to_do(contended, capsys):
     """End to end: the data episode (half-second sleeps) is found on any machine, and explained."""
-    assert main(["stragglers", contended, "--min-delay", str(PINNED.floor_s), "--explain"]) == 0
+    assert main(["stragglers", contended, "--min-delay", str(PINNED.floor_s), "--explain"]) == 1  # found
     out = capsys.readouterr().out
     assert "why they straggled" in out and "data loading" in out and "num_workers" in out
-    assert main(["stragglers", contended, "--min-delay", str(PINNED.floor_s), "--explain", "--json"]) == 0
+    assert main(["stragglers", contended, "--min-delay", str(PINNED.floor_s), "--explain", "--json"]) == 1
     document = json.loads(capsys.readouterr().out)
     found = [e for e in document["explanations"] if e["rank"] == 0 and e["first_step"] in DATA_SLOW]
     assert found and found[0]["causes"][0]["cause"] == "data loading"

@@ -77,14 +77,14 @@ def test_the_cli_prints_the_report_as_json(ddp_runs):
     repo, min_delay = ddp_runs["four"], ["--min-delay", str(MIN_DELAY_S)]
     result = subprocess.run([sys.executable, "-m", "ckptfmt.cli", "stragglers", repo, "--json", *min_delay],
                             capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
+    assert result.returncode == 1, result.stderr  # stragglers found
     report = json.loads(result.stdout)
     assert report["stragglers"] == stragglers(repo, thresholds=NOISY_MACHINE)["stragglers"]
     assert {(s["rank"], s["host"]) for s in report["stragglers"]} >= {(1, report["stragglers"][0]["host"])}
     assert {"rank", "host", "steps", "delay_s", "ratio", "phase", "kind", "episodes"} <= set(report["stragglers"][0])
     text = subprocess.run([sys.executable, "-m", "ckptfmt.cli", "stragglers", repo, *min_delay],
                           capture_output=True, text=True, timeout=120)
-    assert text.returncode == 0 and "rank" in text.stdout and "4-7" in text.stdout
+    assert text.returncode == 1 and "rank" in text.stdout and "4-7" in text.stdout
     refused = subprocess.run([sys.executable, "-m", "ckptfmt.cli", "stragglers", repo, "--min-delay", "-1"],
                              capture_output=True, text=True, timeout=120)
     assert refused.returncode == 2 and "--min-delay" in refused.stderr and refused.stderr.count("\n") == 1

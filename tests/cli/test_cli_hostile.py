@@ -141,13 +141,13 @@ def commands(repo: Path, out: Path, source: Path) -> list[tuple[str, list[str]]]
 
 
 #: Exit codes on an intact repository: b was not imported from DeepSpeed, so it has no DeepSpeed layout.
-WORKS = {"ls": 0, "show b": 0, "show latest": 0, "verify": 0, "verify b": 0, "diff": 0, "export b": 0,
-         "export b as deepspeed": 2, "import": 0}
+WORKS = {"ls": 0, "show b": 0, "show latest": 0, "verify": 0, "verify b": 0, "diff": 1, "export b": 0,
+         "export b as deepspeed": 2, "import": 0}  # diff: a and b differ
 
 
 def expected_codes(what: str) -> dict[str, int]:
     """The exit code of each kind of command on a repository damaged by ``what``: 0 it works, 1 verify
-    found damage, 2 refused with one line."""
+    found damage (or diff a difference), 2 refused with one line."""
     target, _, how = what.partition("-")
     if what in ("strays", "odd-metadata"):  # ignored, and shown as text
         return WORKS
@@ -199,9 +199,9 @@ def test_every_command_fails_cleanly_or_works(tmp_path, capsys, monkeypatch, sou
             lines = [line for line in captured.err.splitlines() if line.strip()]
             assert len(lines) == 1 and lines[0].startswith("ckptfmt: error: "), where
             assert "unexpected failure" not in lines[0], where
-        if code == 1:
-            assert argv[0] == "verify" and not captured.err.strip(), where
-            if "--json" in argv:
+        if code == 1:  # found something: damage (verify), a difference (diff)
+            assert argv[0] in ("verify", "diff") and not captured.err.strip(), where
+            if "--json" in argv and argv[0] == "verify":
                 problems = json.loads(captured.out)["problems"]
                 assert sorted({p["checkpoint"] for p in problems}) == damaged_checkpoints(what), where
                 if what.startswith("chunk-"):

@@ -213,6 +213,23 @@ def test_a_collective_async_save_keeps_the_state_at_the_call(tmp_path):
 
 
 # -- over a subgroup ------------------------------------------------------------------------------
+def signed_save(rank: int, world: int, folder: Path, repo: str, key: str) -> str:
+    """A collective save signed by the coordinator: only rank 0 has the private key."""
+    return ckptfmt.save({"w": torch.arange(8.0), "rank": ckptfmt.PerRank(rank)}, f"{repo}/signed",
+                        signer=key if rank == 0 else None)
+
+
+def test_a_collective_save_is_signed_by_its_coordinator(tmp_path):
+    from ckptfmt.lifecycle.signing import generate_key
+
+    key, public, _ = generate_key(tmp_path / "key")
+    outcomes = [o.unwrap() for o in run_ranks(signed_save, WORLD, tmp_path / "ranks", repo=str(tmp_path / "repo"),
+                                              key=key)]
+    assert len(set(outcomes)) == 1
+    assert ckptfmt.verify(outcomes[0], trusted_keys=public).ok
+    assert ckptfmt.load(outcomes[0], trusted_keys=public)["rank"] == {r: r for r in range(WORLD)}
+
+
 def save_in_pairs(rank: int, world: int, folder: Path, repo: str) -> str:
     """Ranks {0, 1} and {2, 3} each save their own checkpoint into one repository, at the same time,
     over their own subgroup (pair 1 asynchronously); the pairs never wait for each other."""

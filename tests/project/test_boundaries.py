@@ -183,6 +183,8 @@ def test_the_cli_finds_the_commands_of_the_converters_and_the_tui():
         "gc",
         "repair",
         "sync",
+        "keygen",
+        "sign",
         "advise",
         "export",
         "import",
