@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import html
 import io
-import math
 import os
 import re
 import warnings
@@ -40,9 +39,9 @@ from matplotlib.ticker import MaxNLocator
 from ckptfmt.analytics.compare import compare
 from ckptfmt.analytics.grids import StepGrid, slowest_save_phases
 from ckptfmt.analytics.health import HealthReport, health
-from ckptfmt.analytics.stragglers import Thresholds, episode_ranges, step_delays, step_range, stragglers
+from ckptfmt.analytics.stragglers import Thresholds, episode_ranges, step_delays, stragglers
 from ckptfmt.analytics.tables import tables
-from ckptfmt.tools.formatting import counted
+from ckptfmt.tools.formatting import counted, step_range, words
 
 
 @dataclass
@@ -451,24 +450,8 @@ def _table(table_id: str, header: list[str], rows: list[list]) -> str:
         return f"<p id='{table_id}'>None.</p>"
     e = html.escape
     head = "".join(f"<th>{e(h)}</th>" for h in header)
-    body = "".join("<tr>" + "".join(f"<td>{e(_cell(v))}</td>" for v in row) + "</tr>" for row in rows)
+    body = "".join("<tr>" + "".join(f"<td>{e(words(v))}</td>" for v in row) + "</tr>" for row in rows)
     return f"<table id='{table_id}'><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
-
-
-def _cell(value: Any) -> str:
-    """A value as a reader says it, not as Python prints it: yes/no, - for nothing, NaN and Inf, lists and
-    maps spelt out."""
-    if value is None:
-        return "-"
-    if isinstance(value, bool):
-        return "yes" if value else "no"
-    if isinstance(value, float) and not math.isfinite(value):
-        return "NaN" if math.isnan(value) else ("Inf" if value > 0 else "-Inf")
-    if isinstance(value, (list, tuple)):
-        return ", ".join(_cell(item) for item in value) or "(none)"
-    if isinstance(value, dict):
-        return ", ".join(f"{key}: {_cell(item)}" for key, item in value.items()) or "(none)"
-    return str(value)
 
 
 def _svg(figure) -> str:

@@ -56,6 +56,7 @@ import pyarrow as pa
 from ckptfmt.analytics.explain import explain as explain_episodes
 from ckptfmt.analytics.grids import StepGrid
 from ckptfmt.analytics.tables import tables
+from ckptfmt.tools.formatting import step_range
 
 #: Phases of a collective save that are waits for other ranks, not a rank's own work.
 SAVE_WAITS = frozenset({"join", "plan", "wait_ranks"})
@@ -221,11 +222,6 @@ def _episode(delays: Delays, column: int, rows: np.ndarray) -> dict:
             "steps": int(rows.size), "delay_s": float(delays.delay_s[rows, column].sum()),
             "ratio": _finite(_nanmedian(delays.ratio[rows, column], axis=0)),
             "phase": max(set(phases), key=phases.count)}
-
-
-def step_range(first: int, last: int) -> str:
-    """Steps ``first`` to ``last`` as text: ``4-7``, and one step as itself, ``12``."""
-    return str(first) if first == last else f"{first}-{last}"
 
 
 def episode_ranges(episodes: list[dict]) -> str:

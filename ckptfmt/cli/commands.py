@@ -21,7 +21,16 @@ from ckptfmt.repository.signatures import signatures
 from ckptfmt.tools import describe
 from ckptfmt.tools import diff as diff_module
 from ckptfmt.tools.describe import text
-from ckptfmt.tools.formatting import counted, human_bytes, human_time, number, seconds, shape_text, short
+from ckptfmt.tools.formatting import (
+    counted,
+    human_bytes,
+    human_time,
+    number,
+    seconds,
+    shape_text,
+    short,
+    words,
+)
 from ckptfmt.tools.output import KEY, NAME, TEXT, Column, Output
 from ckptfmt.tools.verify import verify as verify_url
 
@@ -364,8 +373,8 @@ def compare(args, console: Console) -> int:
         found = [d for d in report["differences"] if d.get("explains", True) is explains]
         if found:
             out.table(f"{counted(len(found), 'recorded difference')} {title}", columns, (
-                (d["field"], d["kind"], text(d.get("rank")), text(d["a"]), text(d["b"]), text(d["first_step"]),
-                 text(d.get("evidence"))) for d in found))
+                (d["field"], d["kind"], words(d.get("rank")), words(d["a"]), words(d["b"]), words(d["first_step"]),
+                 words(d.get("evidence"))) for d in found))
     return _found(not report["identical"])
 
 

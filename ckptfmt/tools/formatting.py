@@ -8,6 +8,8 @@ shown as it is, never raised on.
 from __future__ import annotations
 
 import datetime
+import math
+from typing import Any
 
 
 def _real(value: object) -> float | None:
@@ -72,10 +74,32 @@ def seconds(value: object) -> str:
     return f"{real * 1000:.1f} ms" if real < 10 else f"{real:.1f} s"
 
 
+def words(value: Any) -> str:
+    """A value as a reader says it, not as Python prints it: yes/no, - for nothing, NaN and Inf, lists and
+    maps spelt out (the report's tables, compare's a and b in the CLI and the TUI)."""
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("Inf" if value > 0 else "-Inf")
+    if isinstance(value, (list, tuple)):
+        return ", ".join(words(item) for item in value) or "(none)"
+    if isinstance(value, dict):
+        return ", ".join(f"{key}: {words(item)}" for key, item in value.items()) or "(none)"
+    return str(value)
+
+
+def step_range(first: int, last: int) -> str:
+    """Steps ``first`` to ``last`` as text: ``4-7``, and one step as itself, ``12``."""
+    return str(first) if first == last else f"{first}-{last}"
+
+
 def counted(n: int, noun: str, plural: str | None = None) -> str:
     """'1 checkpoint', '3 checkpoints': a count with its noun, plural unless it is one (``plural`` where
     adding an s is wrong: 'entries')."""
     return f"{n} {noun}" if n == 1 else f"{n} {plural or noun + 's'}"
 
 
-__all__ = ["counted", "human_bytes", "human_time", "number", "seconds", "shape_text", "short"]
+__all__ = ["counted", "human_bytes", "human_time", "number", "seconds", "shape_text", "short", "step_range",
+           "words"]

@@ -18,8 +18,6 @@ import torch
 
 pytest.importorskip("textual")
 
-from textual.worker import WorkerFailed
-
 import ckptfmt
 from ckptfmt.storage.factory import open_storage
 from ckptfmt.tools.verify import VerifyReport
@@ -34,41 +32,8 @@ from ckptfmt.tui.widgets.formatting import split_key
 from ckptfmt.tui.widgets.tensor_tree import TensorTree
 from tests.support.helpers import rewrite_manifest
 from tests.support.tui_driving import SIZE, async_test, cells, settle, text_of
-
-
-def model_state(seed: int) -> dict:
-    generator = torch.Generator().manual_seed(seed)
-    return {
-        "model": {
-            "embed.weight": torch.randn(8, 4, generator=generator),
-            "layers.0.attn.q_proj.weight": torch.randn(4, 4, generator=generator),
-            "layers.0.attn.k_proj.weight": torch.randn(4, 4, generator=generator),
-            "layers.1.attn.q_proj.weight": torch.randn(4, 4, generator=generator),
-            "head.bias": torch.tensor([0.0, 1.0, float("nan"), float("inf")]),
-        },
-        "step": seed,
-    }
-
-
-@pytest.fixture
-def repo(tmp_path) -> str:
-    """A repository with two checkpoints: step-1, then step-2 where the q projections moved."""
-    url = str(tmp_path / "runs" / "exp")
-    ckptfmt.save(model_state(1), f"{url}/step-1", step=1, metadata={"lr": 0.1, "note": "first"})
-    state = model_state(1)
-    state["model"]["layers.0.attn.q_proj.weight"] += 1.0
-    state["model"]["layers.1.attn.q_proj.weight"][0, 0] += 0.01
-    state["model"]["new.weight"] = torch.ones(2)
-    ckptfmt.save(state, f"{url}/step-2", step=2, metadata={"lr": 0.05, "note": "second"})
-    return url
-
-
-
-
-
-
-
-
+from tests.tui.states import model_state
+from tests.tui.terminal import find_node, pressing, snapshot
 
 
 def test_split_key_and_statistics():
@@ -97,11 +62,11 @@ async def test_repository_screen_lists_sorts_and_opens(repo):
         screen.sort_by("step")
         screen.sort_by("step")  # again: reversed
         assert [r[1] for r in cells(table)] == ["step-2", "step-1"]
-        assert table.cursor_row == 1  # the cursor stays on its checkpoint, step-1
-        await pilot.press("up", "enter")
+        assert table.cursor_row == 0  # the cursor stays on its checkpoint, step-2, the newest
+        await pilot.press("down", "enter")
         await settle(app, pilot)
         assert isinstance(app.screen, CheckpointScreen)
-        assert app.screen.reader.name == "step-2"
+        assert app.screen.reader.name == "step-1"
         await pilot.press("escape")
         assert app.screen is screen
 
@@ -134,7 +99,7 @@ async def test_checkpoint_tree_filter_and_statistics(repo):
         await pilot.press("enter")
         await settle(app, pilot)
         stats = text_of(app, "#stats")
-        assert "statistics of model/head.bias" in stats
+        assert "statistics of 4 values" in stats
         assert "NaN" in stats and "25.00%" in stats  # one zero among four elements
         assert "histogram" in stats
 
@@ -203,17 +168,6 @@ async def test_user_tab_shows_metadata_of_any_allowed_depth(tmp_path):
     async with app.run_test(size=SIZE) as pilot:
         await settle(app, pilot)
         assert "inner" in text_of(app, "#user-body")
-
-
-def find_node(tree, key: str):
-    """The tree node of tensor ``key`` among the nodes built so far."""
-    pending = list(tree.root.children)
-    while pending:
-        node = pending.pop()
-        if node.data.tensor == key:
-            return node
-        pending.extend(node.children)
-    raise AssertionError(f"{key} is not in the tree")
 
 
 def damage_chunk_of(repo: str, key: str) -> None:
@@ -340,7 +294,7 @@ async def test_diff_from_repository_marks(repo):
         await settle(app, pilot)
         await pilot.press("d")  # nothing marked yet: a warning, no diff
         assert isinstance(app.screen, RepositoryScreen)
-        await pilot.press("space", "down", "space", "d")
+        await pilot.press("space", "up", "space", "d")  # the cursor starts on the newest, step-2
         await settle(app, pilot)
         screen = app.screen
         assert isinstance(screen, DiffScreen)
@@ -451,23 +405,38 @@ async def test_opening_many_tensors_scales_linearly_and_builds_the_tree_lazily(t
 
 @pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
 def test_smoke_in_tmux(repo, tmp_path):
-    """Drive the real `ckptfmt tui` in a terminal: open the repository, a checkpoint, then quit."""
+    """Drive the real `ckptfmt tui` in an 80x24 terminal: the repository with the whole footer; Enter and ]
+    sent at once open the newest checkpoint on its Environment tab; back, v verifies the repository, Enter
+    goes back; q quits."""
     session = f"ckptfmt-tui-{os.getpid()}"
     command = f"{shlex.quote(sys.executable)} -m ckptfmt.cli tui {shlex.quote(str(repo))}"
-    subprocess.run(["tmux", "new-session", "-d", "-s", session, "-x", "160", "-y", "45", command], check=True)
+    subprocess.run(["tmux", "new-session", "-d", "-s", session, "-x", "80", "-y", "24", command], check=True)
     try:
-        assert wait_for_screen(session, "step-2"), capture(session)
+        assert wait_for_screen(session, "? Help"), capture(session)  # the footer is drawn last
         screen = capture(session)
-        assert "step-1" in screen and "not verified" in screen
-        subprocess.run(["tmux", "send-keys", "-t", session, "Enter"], check=True)
-        assert wait_for_screen(session, "Environment"), capture(session)
-        subprocess.run(["tmux", "send-keys", "-t", session, "q"], check=True)
+        assert "step-1" in screen and "step-2" in screen and "not verified" in screen
+        assert "q Quit" in screen.splitlines()[-1] and "? Help" in screen.splitlines()[-1], screen
+        send_keys(session, "Enter", "]")
+        assert wait_for_screen(session, torch.__version__), capture(session)  # on the Environment tab
+        assert "step 2" in capture(session)  # of the newest checkpoint (its summary: "step 2  2026-...")
+        send_keys(session, "Escape")  # alone: a terminal sends Escape and v at once as Alt+v
+        assert wait_for_screen(session, "not verified"), capture(session)
+        send_keys(session, "v")
+        assert wait_for_screen(session, "OK: 2 checkpoint(s)"), capture(session)
+        send_keys(session, "Enter")
+        assert wait_for_screen(session, "not verified", present=False), capture(session)
+        send_keys(session, "q")
         deadline = time.monotonic() + 30  # as long as wait_for_screen allows: a hang guard, not a bound
         while time.monotonic() < deadline and session_alive(session):
             time.sleep(0.1)
         assert not session_alive(session), capture(session)
     finally:
         subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True, check=False)
+
+
+def send_keys(session: str, *keys: str) -> None:
+    """Type ``keys`` in one go, as fast as a terminal delivers them."""
+    subprocess.run(["tmux", "send-keys", "-t", session, *keys], check=True)
 
 
 def capture(session: str) -> str:
@@ -480,10 +449,11 @@ def session_alive(session: str) -> bool:
     return subprocess.run(["tmux", "has-session", "-t", session], capture_output=True, check=False).returncode == 0
 
 
-def wait_for_screen(session: str, text: str, timeout: float = 30.0) -> bool:
+def wait_for_screen(session: str, text: str, timeout: float = 30.0, present: bool = True) -> bool:
+    """Whether ``text`` shows (or, with ``present=False``, has gone) within ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if text in capture(session):
+        if (text in capture(session)) is present:
             return True
         time.sleep(0.2)
     return False
@@ -491,51 +461,9 @@ def wait_for_screen(session: str, text: str, timeout: float = 30.0) -> bool:
 
 # -- snapshots ---------------------------------------------------------------------------------------------
 # Deterministic screens: fixed seeds, a relative repository path (the app shows targets as given) and
-# a frozen clock while saving (commit times show in the repository table and checkpoint summaries).
-# Update with: pytest tests/tui/test_tui.py --snapshot-update
+# a frozen clock while saving (tests/tui/conftest.py). Update with: pytest tests/tui/test_tui.py --snapshot-update
 
-try:
-    import pytest_textual_snapshot  # noqa: F401
-except ImportError:  # pragma: no cover - an optional test dependency
-    HAVE_SNAPSHOTS = False
-else:
-    HAVE_SNAPSHOTS = True
-snapshot = pytest.mark.skipif(not HAVE_SNAPSHOTS, reason="pytest-textual-snapshot is not installed")
 SNAP_SIZE = (120, 34)
-FROZEN_NS = 1_767_225_600_000_000_000  # 2026-01-01 00:00:00 UTC
-
-
-@pytest.fixture
-def fixed_repo(tmp_path, monkeypatch) -> str:
-    """The ``repo`` fixture's content at the relative path runs/exp, committed at FROZEN_NS."""
-    monkeypatch.chdir(tmp_path)
-    with monkeypatch.context() as frozen:
-        frozen.setattr(time, "time_ns", lambda: FROZEN_NS)
-        ckptfmt.save(model_state(1), "runs/exp/step-1", step=1, metadata={"note": "first"})
-        state = model_state(1)
-        state["model"]["layers.0.attn.q_proj.weight"] += 1.0
-        state["model"]["new.weight"] = torch.ones(2)
-        ckptfmt.save(state, "runs/exp/step-2", step=2, metadata={"note": "second"})
-    return "runs/exp"
-
-
-async def wait_for_workers(pilot) -> None:
-    for _ in range(3):
-        try:
-            await pilot.app.workers.wait_for_complete()
-        except WorkerFailed:
-            pass
-        await pilot.pause()
-
-
-def pressing(*keys: str):
-    """A run_before for snap_compare: wait for the app's workers, press keys, wait again."""
-    async def run_before(pilot) -> None:
-        await wait_for_workers(pilot)
-        for key in keys:
-            await pilot.press(key)
-            await wait_for_workers(pilot)
-    return run_before
 
 
 @snapshot
@@ -589,7 +517,7 @@ async def test_on_the_s3_test_server(s3_bucket):
         tree.move_cursor(bias)
         await pilot.press("enter")
         await settle(app, pilot)
-        assert "statistics of model/head.bias" in text_of(app, "#stats")
+        assert "statistics of 4 values" in text_of(app, "#stats")
     diff_app = create_app([f"{url}/step-1", f"{url}/step-2"])
     async with diff_app.run_test(size=SIZE) as pilot:
         await settle(diff_app, pilot)

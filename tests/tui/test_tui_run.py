@@ -10,13 +10,15 @@ from tests.support.helpers import require_module
 
 require_module("textual")
 
-from ckptfmt.analytics import stragglers
+from ckptfmt.analytics import stragglers, tables
+from ckptfmt.analytics.grids import slowest_save_phases
 from ckptfmt.tui.app import create_app
 from ckptfmt.tui.screens.repository import RepositoryScreen
 from ckptfmt.tui.screens.run import RunScreen
 from tests.support.ddp_runs import MIN_DELAY_S, NOISY_MACHINE, RUNS, flagged
 from tests.support.runs import SICK_NAN, sick_run, train
 from tests.support.tui_driving import SIZE, async_test, cells, settle, text_of
+from tests.tui.terminal import SMALL, region_lines, screen_lines
 
 
 @async_test
@@ -68,6 +70,47 @@ async def test_the_run_screen_compares_two_runs(tmp_path):
 
 
 @async_test
+async def test_the_run_screen_fits_80x24(ddp_runs):
+    """The title names the run and the summary shows from its start; the heatmap has every rank; the save
+    timeline shows each checkpoint's name and duration whole, and every phase of its legend."""
+    run = ddp_runs["four"]
+    names, phases, _ = slowest_save_phases(tables(run)["saves"])
+    app = create_app([run], min_delay=MIN_DELAY_S)
+    async with app.run_test(size=SMALL) as pilot:
+        await settle(app, pilot)
+        await pilot.press("a")
+        await settle(app, pilot)
+        lines = screen_lines(app)
+        assert app.screen.sub_title == f"run {run}" and "ckptfmt — run /" in lines[0], lines[0]
+        assert lines[1].startswith(" Run /"), lines[1]
+        assert [line.split()[:2] for line in lines if line.startswith("rank ")] == [["rank", str(r)] for r in range(4)]
+        await pilot.press("right_square_bracket")
+        await settle(app, pilot)
+        lines = screen_lines(app)
+        for name in names:
+            row = next(line for line in lines if line.startswith(f"{name} "))
+            assert row.endswith(" ms"), row  # "185.2 ms", not "185.2 …"
+        legend = " ".join(lines)
+        assert all(f"█ {phase}" in legend for phase in phases), lines
+
+
+@async_test
+async def test_the_compare_tab_shows_both_values_at_80_columns(tmp_path):
+    base, reordered = str(tmp_path / "base"), str(tmp_path / "reordered")
+    train(base)
+    train(reordered, shuffle_from=6)
+    app = create_app([base], compare_with=reordered)
+    async with app.run_test(size=SMALL) as pilot:
+        await settle(app, pilot)
+        app.screen.query_one("#run-tabs").active = "compare-tab"
+        await pilot.pause()
+        table = app.screen.query_one("#differences")
+        header, first, *_ = region_lines(app, table)
+        row = cells(table)[0]
+        assert header.split()[4:6] == ["a", "b"] and row[4] in first and row[5] in first, (header, first)
+
+
+@async_test
 async def test_the_health_tab_shows_the_norms_the_nan_and_the_findings(tmp_path):
     run = str(tmp_path / "sick")
     sick_run(run)
@@ -99,3 +142,22 @@ def test_compare_needs_one_target():
 def test_a_negative_least_delay_is_refused():
     with pytest.raises(ValueError, match="--min-delay must be 0 or more"):
         create_app(["a"], min_delay=-0.5)
+
+
+def test_findings_and_differences_read_as_words():
+    """A one-step spike is one step, a spike at the run's start or end says so, and compare's values are
+    words (yes/no, -, NaN), not Python's True, None and nan."""
+    from types import SimpleNamespace
+
+    from ckptfmt.tui.screens.run import difference_rows, findings
+
+    well = SimpleNamespace(jumps=[], unchanged=[], mostly_zeros=[], metric_spikes=[
+        {"metric": "loss", "first_step": 30, "last_step": 30, "non_finite": False, "peak": 9.5, "after": None,
+         "before": "step-40"},
+        {"metric": "loss", "first_step": 4, "last_step": 7, "non_finite": True, "peak": None, "after": "step-0",
+         "before": None}])
+    assert [row[2:] for row in findings(well)] == [("step 30", "peak 9.5, between the start and step-40"),
+                                                   ("steps 4-7", "NaN, between step-0 and the end")]
+    rows = difference_rows([{"explains": False, "kind": "data", "field": "f", "rank": None, "a": True,
+                             "b": float("nan"), "first_step": 3, "evidence": None}], width=200)
+    assert rows == [("no", "data", "f", "-", "yes", "NaN", "3", "-")]

@@ -26,6 +26,7 @@ from ckptfmt.tui.stats import TensorStats, tensor_statistics
 from ckptfmt.tui.widgets import metadata
 from ckptfmt.tui.widgets.charts import histogram
 from ckptfmt.tui.widgets.formatting import (
+    KeyText,
     human_bytes,
     human_time,
     number,
@@ -54,6 +55,21 @@ def recorded_stats_rows(stats: dict | None) -> list[tuple[str, str]]:
     return rows
 
 
+def statistics_grid(stats: TensorStats) -> Table:
+    """The statistics of a tensor's values read, two to a row."""
+    of = " |x|" if stats.magnitude else ""  # complex values: of their magnitude
+    cells = [("min" + of, number(stats.minimum)), ("max" + of, number(stats.maximum)),
+             ("mean" + of, number(stats.mean)), ("std" + of, number(stats.std)),
+             ("NaN", f"{stats.nan:,}"), ("Inf", f"{stats.inf:,}"), ("zeros", f"{stats.zero_fraction:.2%}")]
+    table = Table.grid(padding=(0, 1))
+    for _ in range(2):
+        table.add_column(style="bold", no_wrap=True)
+        table.add_column(no_wrap=True)
+    for left, right in zip(cells[::2], [*cells[1::2], ("", "")]):
+        table.add_row(*left, *right)
+    return table
+
+
 class CheckpointScreen(WorkerScreen):
     """One opened checkpoint: tensors (tree, filter, detail, statistics) and its metadata tabs."""
 
@@ -66,14 +82,16 @@ class CheckpointScreen(WorkerScreen):
     CheckpointScreen #filter.shown { display: block; }
     CheckpointScreen TensorTree { width: 3fr; }
     CheckpointScreen #detail-pane { width: 2fr; border-left: solid $primary; padding: 0 1; }
+    CheckpointScreen.-narrow TensorTree, CheckpointScreen.-narrow #detail-pane { width: 1fr; }
+    CheckpointScreen #info { margin-bottom: 1; }
     CheckpointScreen #summary { padding: 0 1; }
     CheckpointScreen #tabs { height: 1fr; }
     """
+    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (100, "-wide")]  # narrow: the detail pane gets half
     BINDINGS = [
         Binding("slash", "filter", "Filter", key_display="/"),
         Binding("v", "verify", "Verify"),
         *TAB_BINDINGS,
-        Binding("escape", "close", "Back"),
     ]
 
     def __init__(self, reader: CheckpointReader, url: str | None = None) -> None:
@@ -83,6 +101,7 @@ class CheckpointScreen(WorkerScreen):
         self.entries = [reader.tensor_info(k) for k in reader.keys()]
         self.meta = reader.metadata
         self._filter_timer: Timer | None = None
+        self.sub_title = self.url
 
     def compose(self) -> ComposeResult:
         yield Header()
@@ -132,7 +151,7 @@ class CheckpointScreen(WorkerScreen):
     def on_tree_node_selected(self, event: Tree.NodeSelected[Group]) -> None:
         group = event.node.data
         if group is not None and group.tensor is not None:
-            self.query_one("#stats", Static).update(Text(f"computing statistics of {group.tensor} ...", style="dim"))
+            self.query_one("#stats", Static).update(Text("computing statistics ...", style="dim"))
             self.compute_stats(group.tensor)
 
     def _show_info(self, group: Group) -> None:
@@ -142,24 +161,27 @@ class CheckpointScreen(WorkerScreen):
             info.update(Text.assemble((group.name, "bold"), totals))
             self.query_one("#stats", Static).update("")
             return
-        entry = self.reader.tensor_info(group.tensor)
+        info.update(RenderGroup(KeyText(group.tensor, "bold"), self._tensor_rows(group.tensor)))
+        self.query_one("#stats", Static).update(Text("Enter: compute the histogram", style="dim"))
+
+    def _tensor_rows(self, key: str) -> Table:
+        """What the manifest says of a tensor, and the statistics its writer recorded."""
+        entry = self.reader.tensor_info(key)
         chunks = sorted({self.reader.manifest.chunks[row].hash[:12] for row in set(chunk_rows(entry.shards))})
         rows = [
-            ("key", entry.key), ("dtype", entry.dtype), ("shape", shape_text(entry.shape)),
-            ("elements", f"{entry.numel:,}"), ("size", human_bytes(entry.nbytes)), ("kind", entry.kind),
-            ("requires grad", str(entry.requires_grad)), ("shards", str(len(entry.shards))),
-            ("chunks", ", ".join(chunks) or "-"),
+            ("dtype", entry.dtype), ("shape", shape_text(entry.shape)), ("elements", f"{entry.numel:,}"),
+            ("size", human_bytes(entry.nbytes)), ("kind", entry.kind), ("requires grad", str(entry.requires_grad)),
+            ("shards", str(len(entry.shards))), ("chunks", ", ".join(chunks) or "-"),
         ]
         if entry.same_as is not None:
-            rows.append(("same data as", self.reader.manifest.tensors[entry.same_as].key))
-        rows += recorded_stats_rows(self.reader.tensor_stats(group.tensor))
+            rows.append(("same data as", KeyText(self.reader.manifest.tensors[entry.same_as].key)))
+        rows += recorded_stats_rows(self.reader.tensor_stats(key))
         table = Table.grid(padding=(0, 2))
         table.add_column(style="bold", no_wrap=True)
         table.add_column(overflow="fold")
         for row in rows:
             table.add_row(*row)
-        info.update(table)
-        self.query_one("#stats", Static).update(Text("\nEnter: compute the histogram", style="dim"))
+        return table
 
     @work(thread=True, exclusive=True, exit_on_error=False, group="stats")
     def compute_stats(self, key: str) -> None:
@@ -169,19 +191,17 @@ class CheckpointScreen(WorkerScreen):
             self.app.call_from_thread(self._show_stats, key, stats)
 
     def _show_stats(self, key: str, stats: TensorStats) -> None:
-        table = Table.grid(padding=(0, 2))
-        table.add_column(style="bold", no_wrap=True)
-        table.add_column()
-        of = " (of |x|)" if stats.magnitude else ""
-        for label, value in (("min" + of, number(stats.minimum)), ("max" + of, number(stats.maximum)),
-                             ("mean" + of, number(stats.mean)), ("std" + of, number(stats.std)),
-                             ("NaN", f"{stats.nan:,}"), ("Inf", f"{stats.inf:,}"),
-                             ("zeros", f"{stats.zero_fraction:.2%}")):
-            table.add_row(label, value)
-        parts = [Text(f"\nstatistics of {key}", style="bold underline"), table]
+        """The statistics and histogram, scrolled into view (at 80x24 they fill the pane), unless the cursor
+        has moved on to another tensor meanwhile."""
+        node = self.query_one(TensorTree).cursor_node
+        if node is None or node.data is None or node.data.tensor != key:
+            return
+        parts = [Text(f"statistics of {stats.numel:,} values", style="bold underline"), statistics_grid(stats)]
         if stats.histogram:
-            parts += [Text("\nhistogram of finite values", style="bold"), histogram(stats, width=20)]
-        self.query_one("#stats", Static).update(RenderGroup(*parts))
+            parts += [Text("histogram of finite values", style="bold"), histogram(stats, width=20)]
+        box = self.query_one("#stats", Static)
+        box.update(RenderGroup(*parts))
+        self.call_after_refresh(box.scroll_visible, top=True, animate=False)
 
     # -- filter ------------------------------------------------------------------
     def action_filter(self) -> None:
@@ -205,7 +225,13 @@ class CheckpointScreen(WorkerScreen):
     def on_input_submitted(self, event: Input.Submitted) -> None:
         self.query_one(TensorTree).focus()
 
-    def action_close(self) -> None:
+    def check_action(self, action: str, parameters: tuple) -> bool | None:
+        """Escape also closes an open filter, even where there is no screen to go back to."""
+        if action == "back" and self.query_one("#filter", Input).has_class("shown"):
+            return True
+        return super().check_action(action, parameters)
+
+    def action_back(self) -> None:
         """Escape: clear an open filter first; otherwise go back."""
         box = self.query_one("#filter", Input)
         if box.has_class("shown"):
@@ -213,7 +239,7 @@ class CheckpointScreen(WorkerScreen):
             box.remove_class("shown")
             self.query_one(TensorTree).focus()
         else:
-            self.app.action_back()
+            super().action_back()
 
     # -- other actions -----------------------------------------------------------
     def action_verify(self) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich.table import Table
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.containers import Vertical
+from textual.containers import VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Static
 
@@ -15,7 +15,9 @@ class HelpScreen(ModalScreen):
 
     DEFAULT_CSS = """
     HelpScreen { align: center middle; }
-    HelpScreen > Vertical { width: 64; height: auto; border: round $accent; background: $surface; padding: 1 2; }
+    HelpScreen > VerticalScroll {
+        width: 64; height: auto; max-height: 100%; border: round $accent; background: $surface; padding: 1 2;
+    }
     HelpScreen #help-text { margin-top: 1; }
     """
     BINDINGS = [Binding("escape,q,question_mark", "dismiss", "Close")]
@@ -31,7 +33,7 @@ class HelpScreen(ModalScreen):
         table.add_column()
         for key, description in self.key_help:
             table.add_row(key, description)
-        with Vertical():
+        with VerticalScroll():  # scrolls where the terminal is lower than the help
             yield Static("[b]Keys[/b]")
             yield Static(table, id="help-keys")
-            yield Static(self.text, id="help-text")
+            yield Static(self.text, id="help-text", markup=False)  # "[ and ]" is text

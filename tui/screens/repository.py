@@ -11,7 +11,7 @@ from textual.widgets import DataTable, Footer, Header, Static
 from ckptfmt.loading.reader import CheckpointReader
 from ckptfmt.repository.repository import CommitRecord, Repository
 from ckptfmt.tools import describe
-from ckptfmt.tui.screens.base import ErrorPanel, WorkerScreen
+from ckptfmt.tui.screens.base import ErrorPanel, RowTable, WorkerScreen
 from ckptfmt.tui.screens.checkpoint import CheckpointScreen
 from ckptfmt.tui.screens.diff import DiffScreen
 from ckptfmt.tui.screens.run import RunScreen
@@ -28,10 +28,13 @@ SORT_KEYS = {
     "verified": lambda r, verified: verified or "",
 }
 VERIFIED_STYLE = {"ok": "green", "damaged": "bold red"}
+#: Column titles other than their key; commit times show in UTC, said once in the title (80 columns fit).
+TITLES = {"created": "created (UTC)"}
 
 
 class RepositoryScreen(WorkerScreen):
-    """Checkpoints of one repository, oldest first until sorted otherwise."""
+    """Checkpoints of one repository, oldest first until sorted otherwise; the cursor starts on the newest,
+    scrolled into view, so that Enter opens the latest state as ``ckptfmt.load(REPO)`` does."""
 
     HELP = ("Enter opens the checkpoint under the cursor. Space marks it; with two marked, d compares them "
             "(older as A). s sorts by the next column, or click a header; again reverses. v verifies every "
@@ -42,27 +45,30 @@ class RepositoryScreen(WorkerScreen):
     RepositoryScreen #summary { padding: 0 1; }
     RepositoryScreen #checkpoints { height: 1fr; }
     """
+    # The footer fits 80 columns; the help screen (?) shows each key's longer tooltip.
     BINDINGS = [
-        Binding("space", "mark", "Mark for diff"),
-        Binding("d", "diff", "Diff marked"),
-        Binding("v", "verify", "Verify all"),
-        Binding("s", "sort", "Sort"),
-        Binding("a", "analytics", "Run analytics"),
+        Binding("space", "mark", "Mark", tooltip="Mark for diff (the two latest marks)"),
+        Binding("d", "diff", "Diff", tooltip="Diff the two marked checkpoints"),
+        Binding("v", "verify", "Verify", tooltip="Verify every checkpoint"),
+        Binding("s", "sort", "Sort", tooltip="Sort by the next column (again: reverse)"),
+        Binding("a", "analytics", "Analytics", tooltip="Run analytics: step times, stragglers, saves, health"),
     ]
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, repo: Repository, records: list[CommitRecord]) -> None:
+        """``records``: the repository's committed checkpoints, listed by whoever opened it."""
         super().__init__()
         self.url = url.rstrip("/")
-        self.repo: Repository | None = None
-        self.records: list[CommitRecord] = []
+        self.repo, self.records = repo, records
         self.marked: list[str] = []
         self.sort_column, self.sort_reverse = "created", False
+        self.sub_title = self.url
 
     def compose(self) -> ComposeResult:
         yield Header()
-        yield Static(f"Repository {self.url}: loading ...", id="summary", markup=False)
+        yield Static(f"Repository {self.url}: {len(self.records)} checkpoints. Enter opens one; space marks two "
+                     "to diff (d).", id="summary", markup=False)
         yield ErrorPanel()
-        yield DataTable(id="checkpoints", cursor_type="row", zebra_stripes=True)
+        yield RowTable(id="checkpoints", cursor_type="row", zebra_stripes=True)
         yield Footer()
 
     def on_mount(self) -> None:
@@ -70,25 +76,15 @@ class RepositoryScreen(WorkerScreen):
         table.add_column("", key="mark", width=1)
         for label in SORT_KEYS:
             table.add_column(label, key=label)
-        self.load()
+        self._fill()
+        if self.records:
+            newest = max(reversed(self.records), key=lambda r: r.created_ns)  # the last of equal times
+            table.move_cursor(row=table.get_row_index(newest.name))
 
     def on_screen_resume(self) -> None:
         """Coming back from a verify: show its outcome in the verified column."""
         if self.records:
             self._fill()
-
-    @work(thread=True, exclusive=True, exit_on_error=False)
-    def load(self) -> None:
-        repo = Repository.open(self.url, self.app.storage_options)
-        records = repo.commits()
-        self.app.call_from_thread(self._loaded, repo, records)
-
-    def _loaded(self, repo: Repository, records: list[CommitRecord]) -> None:
-        self.repo, self.records = repo, records
-        self.query_one("#summary", Static).update(
-            f"Repository {self.url}: {len(records)} checkpoints. Enter opens one; space marks two to diff (d)."
-        )
-        self._fill()
 
     def checkpoint_url(self, name: str) -> str:
         return f"{self.url}/{name}"
@@ -105,14 +101,15 @@ class RepositoryScreen(WorkerScreen):
             status = verified[r.name]
             table.add_row(
                 "*" if r.name in self.marked else "", r.name, "-" if r.step is None else str(r.step),
-                human_time(r.created_ns), Text(human_bytes(r.stats.get("stored_bytes")), justify="right"),
+                human_time(r.created_ns).removesuffix(" UTC"),
+                Text(human_bytes(r.stats.get("stored_bytes")), justify="right"),
                 Text(human_bytes(r.stats.get("new_bytes")), justify="right"),
                 Text(status or "not verified", style=VERIFIED_STYLE.get(status, "dim")),
                 key=r.name,
             )
         for label in SORT_KEYS:
             arrow = (" ▼" if self.sort_reverse else " ▲") if label == self.sort_column else ""
-            table.columns[label].label = Text(label + arrow)
+            table.columns[label].label = Text(TITLES.get(label, label) + arrow)
         if current is not None:
             table.move_cursor(row=table.get_row_index(current))
 
@@ -136,8 +133,16 @@ class RepositoryScreen(WorkerScreen):
         if event.column_key.value in SORT_KEYS:
             self.sort_by(event.column_key.value)
 
+    def action_select_row(self) -> None:
+        """Enter: open the checkpoint under the cursor; what is typed while its manifest is read is meant for it."""
+        name = self._current_name()
+        if name is not None:
+            self.app.hold_keys()
+            self.open_checkpoint(name)
+
     def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
-        self.open_checkpoint(event.row_key.value)
+        """A click on the row under the cursor opens it, as Enter does."""
+        self.action_select_row()
 
     @work(thread=True, exclusive=True, exit_on_error=False, group="open")
     def open_checkpoint(self, name: str) -> None:

@@ -18,7 +18,7 @@ from textual.binding import Binding
 from textual.widgets import DataTable, Footer, Header, ProgressBar, Static
 
 from ckptfmt.tools.verify import VerifyReport, verify
-from ckptfmt.tui.screens.base import ErrorPanel, WorkerScreen
+from ckptfmt.tui.screens.base import ErrorPanel, RowTable, WorkerScreen
 from ckptfmt.tui.widgets.formatting import human_bytes
 
 
@@ -47,9 +47,13 @@ class VerifyScreen(WorkerScreen):
     DEFAULT_CSS = """
     VerifyScreen #title, VerifyScreen #rate, VerifyScreen #result { padding: 0 1; }
     VerifyScreen #progress { margin: 1 1 0 1; }
-    VerifyScreen #problems { height: 1fr; }
+    VerifyScreen #problems { height: 1fr; display: none; }
+    VerifyScreen #problems.shown { display: block; }
     """
-    BINDINGS = [Binding("escape", "cancel_or_back", "Cancel / back")]
+    BINDINGS = [
+        Binding("escape", "back", "Cancel / back"),
+        Binding("enter", "select_row", "Back"),
+    ]
 
     def __init__(self, url: str, checkpoints: dict[str, str]) -> None:
         """``checkpoints`` maps the names verified to their URLs, to record each one's outcome."""
@@ -60,6 +64,7 @@ class VerifyScreen(WorkerScreen):
         self.cancel = threading.Event()
         self.started = 0.0
         self.report: VerifyReport | None = None
+        self.sub_title = f"verify {url}"
 
     def compose(self) -> ComposeResult:
         yield Header()
@@ -68,7 +73,7 @@ class VerifyScreen(WorkerScreen):
         yield Static("", id="rate")
         yield ErrorPanel()
         yield Static("", id="result")
-        yield DataTable(id="problems", cursor_type="row")
+        yield RowTable(id="problems", cursor_type="row")
         yield Footer()
 
     def on_mount(self) -> None:
@@ -104,31 +109,49 @@ class VerifyScreen(WorkerScreen):
     def _finish(self, report: VerifyReport) -> None:
         self.report = report
         self._tick()
-        for name, url in self.checkpoints.items():
-            if not report.cancelled:
+        if not report.cancelled:  # a cancelled verify proves nothing
+            for name, url in self.checkpoints.items():
                 damaged = any(p.checkpoint == name for p in report.problems)
                 self.app.verified[url] = "damaged" if damaged else "ok"
-        rate = report.bytes_checked / report.seconds if report.seconds else 0.0
-        summary = (f"{len(report.checkpoints)} checkpoint(s), {report.chunks_checked} chunks, "
-                   f"{human_bytes(report.bytes_checked)} in {report.seconds:.2f} s ({human_bytes(rate)}/s)")
-        result = self.query_one("#result", Static)
-        if report.cancelled:
-            result.update(Text(f"CANCELLED after {summary}", style="bold yellow"))
-        elif report.ok:
-            result.update(Text(f"OK: {summary}", style="bold green"))
-        else:
-            result.update(Text(f"DAMAGED: {len(report.problems)} problem(s); damaged tensors: "
-                               f"{', '.join(report.damaged_tensors) or '-'}", style="bold red"))
+        self.query_one("#result", Static).update(outcome(report))
+        self.refresh_bindings()  # Enter now goes back
+        if report.problems:
+            self._show_problems(report)
+
+    def _show_problems(self, report: VerifyReport) -> None:
+        """List each damaged or missing chunk; the table shows only then (an intact verify has none)."""
         table = self.query_one(DataTable)
         for p in report.problems:
             table.add_row(p.checkpoint, p.kind, (p.chunk or "-")[:16], "\n".join(p.tensors) or "-", p.message,
                           height=max(1, len(p.tensors)))
-        if report.problems:
-            table.focus()
+        table.add_class("shown")
+        table.focus()
 
-    def action_cancel_or_back(self) -> None:
+    def check_action(self, action: str, parameters: tuple) -> bool | None:
+        """Enter goes back once the verify has ended (a verify always has a screen below it)."""
+        return action != "select_row" or self.report is not None
+
+    def action_back(self) -> None:
+        """Cancel a running verify; once it has ended, go back."""
         if self.report is None:
             self.cancel.set()
             self.query_one("#title", Static).update(f"Cancelling verify of {self.url} ...")
         else:
-            self.app.action_back()
+            super().action_back()
+
+    def action_select_row(self) -> None:
+        """Enter, on the problems or anywhere: go back."""
+        super().action_back()
+
+
+def outcome(report: VerifyReport) -> Text:
+    """The verify's result in a line: cancelled, OK, or the damaged tensors."""
+    rate = report.bytes_checked / report.seconds if report.seconds else 0.0
+    summary = (f"{len(report.checkpoints)} checkpoint(s), {report.chunks_checked} chunks, "
+               f"{human_bytes(report.bytes_checked)} in {report.seconds:.2f} s ({human_bytes(rate)}/s)")
+    if report.cancelled:
+        return Text(f"CANCELLED after {summary}", style="bold yellow")
+    if report.ok:
+        return Text(f"OK: {summary}", style="bold green")
+    return Text(f"DAMAGED: {len(report.problems)} problem(s); damaged tensors: "
+                f"{', '.join(report.damaged_tensors) or '-'}", style="bold red")

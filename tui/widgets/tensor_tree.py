@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from rich.style import Style
 from rich.text import Text
 from textual.widgets import Tree
 from textual.widgets.tree import TreeNode
@@ -109,25 +110,49 @@ class TensorTree(Tree[Group]):
             node.add(self._label(child), data=child, allow_expand=bool(child.children))
 
     def _label(self, group: Group) -> Text:
+        """A group's or tensor's row; NaN/Inf counts come right after the name, so that a narrow tree
+        cuts the sizes and norms before them."""
+        label = Text.assemble((group.name, "bold"))
         if group.tensor is not None and not group.children:
-            entry = self._entries[group.tensor]
-            shards = len(entry.shards)
-            label = Text.assemble(
-                (group.name, "bold"), "  ", (entry.dtype, "magenta"), " ", shape_text(entry.shape), "  ",
-                (human_bytes(entry.nbytes), "cyan"), "  ", (f"{shards} shard{'s' * (shards != 1)}", "dim"),
-            )
-            stats = entry.stats if isinstance(entry.stats, dict) else {}
-            if isinstance(stats.get("l2"), (int, float)):
-                label.append(f"  ‖x‖ {number(stats['l2'])}", "green")
-            bad = non_finite_count(stats)
-            if bad:
-                label.append(f"  {bad:,} NaN/Inf", "bold red")
-            return label
-        totals = f"{tensor_count(group.count)}, {human_bytes(group.nbytes)}"
-        label = Text.assemble((group.name, "bold"), "  ", (totals, "dim"))
+            return label + _tensor_details(self._entries[group.tensor])
         if group.non_finite:
             label.append(f"  {tensor_count(group.non_finite)} with NaN/Inf", "bold red")
+        label.append(f"  {tensor_count(group.count)}, {human_bytes(group.nbytes)}", "dim")
+        return label
+
+    def render_label(self, node: TreeNode[Group], base_style: Style, style: Style) -> Text:
+        """The row's label, cut with an ellipsis where it would run past the tree's right edge (the detail
+        pane shows all of it)."""
+        label = super().render_label(node, base_style, style)
+        width = self.size.width - self.styles.scrollbar_size_vertical  # room for a scrollbar, shown or not
+        room = width - self.guide_depth * _depth(node)
+        if width and label.cell_len > room:
+            label.truncate(max(room, 1), overflow="ellipsis")
         return label
 
     def on_tree_node_expanded(self, event: Tree.NodeExpanded[Group]) -> None:
         self._populate(event.node)
+
+
+def _tensor_details(entry: TensorEntry) -> Text:
+    """What a tensor's row says after its name: NaN/Inf count, dtype, shape, size, norm, shards."""
+    stats = entry.stats if isinstance(entry.stats, dict) else {}
+    details = Text()
+    bad = non_finite_count(stats)
+    if bad:
+        details.append(f"  {bad:,} NaN/Inf", "bold red")
+    details.append_text(Text.assemble("  ", (entry.dtype, "magenta"), " ", shape_text(entry.shape), "  ",
+                                      (human_bytes(entry.nbytes), "cyan")))
+    if isinstance(stats.get("l2"), (int, float)):
+        details.append(f"  ‖x‖ {number(stats['l2'])}", "green")
+    shards = len(entry.shards)
+    details.append(f"  {shards} shard{'s' * (shards != 1)}", "dim")
+    return details
+
+
+def _depth(node: TreeNode[Group]) -> int:
+    """How many groups a node lies below the top level (the hidden root's children are at 0)."""
+    depth = 0
+    while node.parent is not None and node.parent.parent is not None:
+        node, depth = node.parent, depth + 1
+    return depth
