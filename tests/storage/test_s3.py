@@ -97,9 +97,9 @@ def test_racing_writers_one_commit_wins(s3_bucket, monkeypatch):
     barrier = threading.Barrier(2, timeout=60)
     original_commit = single_save.commit_manifest
 
-    def commit_together(repo, manifest, lease):
+    def commit_together(repo, manifest, lease, *signer):
         barrier.wait()  # both saves have written chunks and manifests: now race for the commit
-        original_commit(repo, manifest, lease)
+        original_commit(repo, manifest, lease, *signer)
 
     monkeypatch.setattr(single_save, "commit_manifest", commit_together)
     outcomes: dict[int, object] = {}
