@@ -21,10 +21,13 @@ def open_storage(url: str | os.PathLike, storage_options: dict[str, Any] | None 
 
     S3 endpoint and credentials come from ``storage_options`` or, as in a user's
     shell, from the standard AWS environment variables (``AWS_ENDPOINT_URL``, ...).
-    s3:// storages get bounded timeouts and retries by default (``s3_options``).
+    s3:// storages get bounded timeouts and retries by default (``s3_options``);
+    ``storage_options["read_tries"]`` and ``["read_deadline_s"]`` (ckptfmt's own,
+    not passed to fsspec) bound how often and how long a remote read is tried.
     """
     url = check_no_parent_segments(os.fspath(url))
     options = dict(storage_options or {})
+    read_bounds = {key: options.pop(key) for key in ("read_tries", "read_deadline_s") if key in options}
     s3 = fsspec.core.split_protocol(url)[0] in ("s3", "s3a")
     if s3:
         options = s3_options(options)
@@ -40,7 +43,7 @@ def open_storage(url: str | os.PathLike, storage_options: dict[str, Any] | None 
     if s3:
         fs.retries = S3FS_TRIES
         fail_fast_when_refused(fs)
-    return ObjectStorage(fs, root, url)
+    return ObjectStorage(fs, root, url, **read_bounds)
 
 
 def check_no_parent_segments(url: str) -> str:

@@ -47,6 +47,18 @@ class ObjectStorage(Storage):
     #: Seconds between the two read-backs of a commit record.
     create_settle_s: float | None = 0.25
 
+    def __init__(self, fs, root: str, url: str, *, read_tries: int = 0, read_deadline_s: float = 0.0):
+        super().__init__(fs, root, url)
+        if read_tries and (isinstance(read_tries, bool) or not isinstance(read_tries, int) or read_tries < 1):
+            raise ValueError(f"read_tries must be a positive integer, not {read_tries!r}")
+        #: Tries of a read, and the most time they may take (0: ``READ_TRIES``, ``READ_DEADLINE_S``).
+        self.read_tries = read_tries or READ_TRIES
+        self.read_deadline_s = float(read_deadline_s or READ_DEADLINE_S)
+
+    def child(self, key: str) -> ObjectStorage:
+        return ObjectStorage(self.fs, self.path(key), self.describe(key), read_tries=self.read_tries,
+                             read_deadline_s=self.read_deadline_s)
+
     # -- reads, tried again ----------------------------------------------------
     def read(self, key: str, *, max_size: int) -> bytes:
         return self._retried(key, lambda: super(ObjectStorage, self).read(key, max_size=max_size))
@@ -68,14 +80,14 @@ class ObjectStorage(Storage):
         bytes damaged in transit differ from read to read, bytes damaged in the store do not (the same
         bytes twice are the store's, and their error stands)."""
         previous = None
-        for attempt in range(1, READ_TRIES + 1):
+        for attempt in range(1, self.read_tries + 1):
             data = self.read(key, max_size=max_size)
             try:
                 return check(data)
             except (CorruptDataError, ManifestError) as exc:
                 if data == previous:
                     raise
-                if attempt == READ_TRIES:
+                if attempt == self.read_tries:
                     raise type(exc)(f"{exc} (read {attempt} times, different bytes each time: the connection "
                                     "damages data)") from exc
                 previous = data
@@ -83,16 +95,16 @@ class ObjectStorage(Storage):
 
     def _retried(self, key: str, operation: Callable[[], T]) -> T:
         """``operation``, tried again on a failure that may pass (a cut or damaged response, a 5xx that
-        outlasted the client's retries), up to READ_TRIES times within READ_DEADLINE_S; the error that
-        stays says how many tries it made."""
+        outlasted the client's retries), up to ``read_tries`` times within ``read_deadline_s``; the error
+        that stays says how many tries it made."""
         started = time.monotonic()
-        for attempt in range(1, READ_TRIES + 1):
+        for attempt in range(1, self.read_tries + 1):
             try:
                 return operation()
             except StorageError as exc:
                 pause = 0.1 * 2 ** (attempt - 1) * (1 + _JITTER.random())
                 spent = time.monotonic() - started
-                if not _may_pass(exc) or attempt == READ_TRIES or spent + pause > READ_DEADLINE_S:
+                if not _may_pass(exc) or attempt == self.read_tries or spent + pause > self.read_deadline_s:
                     if attempt == 1:
                         raise
                     raise StorageError(f"{exc} (after {attempt} tries over {spent:.1f} s)", exc.errno) from exc

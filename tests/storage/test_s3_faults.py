@@ -288,6 +288,20 @@ def test_a_read_that_keeps_failing_says_how_many_tries_it_made(s3_bucket, s3_pro
     assert ckptfmt.verify(url, storage_options=options).ok
 
 
+def test_read_tries_are_the_callers_to_bound(s3_bucket, s3_proxy):
+    """storage_options' read_tries (ckptfmt's, not fsspec's): 1 gives up at the first bad response."""
+    url = f"{s3_bucket}/bounded"
+    ckptfmt.save(small_state(7), f"{url}/a", chunk_size=65536)
+    chunk = Repository.open(url).manifest("a").chunks[0]
+    s3_proxy.script("truncate", op="GET", key_suffix=layout.chunk_key(chunk.hash, chunk.codec), times=2)
+    options = {**through(s3_proxy, retries=NO_RETRIES), "read_tries": 1}
+    with pytest.raises(StorageError) as failed:
+        ckptfmt.load(f"{url}/a", storage_options=options)
+    assert "tries" not in str(failed.value)  # one try: nothing to count
+    with pytest.raises(ValueError, match="read_tries"):
+        open_storage(url, {"read_tries": 0.5})
+
+
 def test_bytes_that_keep_failing_their_hash_are_named_with_the_reads_made():
     """Where no transport checksum catches a flip, the chunk's hash does, and five different wrong
     readings are the connection's fault, said so (memory:// reads stand in for a flipping link)."""
@@ -368,8 +382,8 @@ OPERATION_LIMIT_S = 45
 WORKERS = 12
 ROUNDS = 2
 FAULT_RATE = 0.3
-#: Half the workers keep the library's retries; the other half allow 2 attempts, so that
-#: some operations fail and the failure paths are exercised too.
+#: Half the workers keep the library's retries; the other half allow 2 attempts and no read tried again
+#: (``read_tries``), so that some operations fail and the failure paths are exercised too.
 FEW_RETRIES = {"mode": "standard", "total_max_attempts": 2}
 
 
@@ -477,7 +491,7 @@ def test_operations_under_random_faults(s3_bucket, make_s3_proxy, workers):
     soaks = []
     for i in range(workers):
         proxy = make_s3_proxy(seed=i, stall_s=0.6)
-        options = through(proxy, retries=FEW_RETRIES) if i % 2 else through(proxy)
+        options = {**through(proxy, retries=FEW_RETRIES), "read_tries": 1} if i % 2 else through(proxy)
         soaks.append(Soak(i, f"{s3_bucket}/soak/w{i}", proxy, watchdog, options))
         proxy.set_faults(FAULT_RATE)
     started = time.monotonic()
