@@ -39,7 +39,7 @@ from harness import Scratch, build_state, fsync_path, refresh_content, round_rob
 from run import changed_keys
 
 import ckptfmt
-from ckptfmt.format.tensor_stats import StatsAccumulator
+from ckptfmt.tensors.stats import StatsAccumulator
 
 BLOCK = 2**20
 

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import Scratch, build_state, console, refresh_content, state_nbytes
 
 import ckptfmt
-from ckptfmt.format.tensor_stats import tensor_stats
+from ckptfmt.tensors.stats import tensor_stats
 
 
 def timed_save(state: dict, scratch: Scratch, slot: str, with_stats: bool) -> tuple[float, int]:

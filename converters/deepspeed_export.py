@@ -45,8 +45,9 @@ from ckptfmt.converters.export_files import (
 )
 from ckptfmt.converters.safetensors_format import OutTensor, write_file
 from ckptfmt.errors import CheckpointError
-from ckptfmt.format.dtypes import dtype_from_name
 from ckptfmt.format.values import OpaqueObject, decode_tree
+from ckptfmt.tensors.dtypes import dtype_from_name
+from ckptfmt.tensors.values import torch_value
 
 #: The DeepSpeed version whose save layout this module writes, when the source names none.
 LAYOUT_VERSION = "0.19.8"
@@ -65,7 +66,7 @@ def to_deepspeed(reader: ckptfmt.CheckpointReader, dest: str, *, world_size: int
     ``parameter_alignment``. ``zero_stage`` (1, 2 or 3) and ``world_size`` override its stage
     and the recorded data-parallel degree.
     """
-    state = decode_tree(reader.manifest.state, lambda index: _Lazy(reader, index))
+    state = decode_tree(reader.manifest.state, lambda index: _Lazy(reader, index), torch_value=torch_value)
     source = _Source(reader, state)
     config = dict(ds_config if ds_config is not None else source.config)
     zero = dict(config.get("zero_optimization") or {})

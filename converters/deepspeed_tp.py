@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from ckptfmt.errors import CheckpointError
-from ckptfmt.format.sharded import Shard, Sharded
+from ckptfmt.tensors.sharded import Shard, Sharded
 
 #: universal_checkpoint_info keys (deepspeed/checkpoint/constants.py) and how ds_to_universal merges them
 #: (vocabulary parameters: on dim 0, their padding rows kept rather than cut to original_vocab_size)

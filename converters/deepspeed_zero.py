@@ -23,8 +23,8 @@ import torch
 
 from ckptfmt.converters.pickles import Node, PickleError, restricted_loads
 from ckptfmt.errors import CheckpointError
-from ckptfmt.format.sharded import Shard, Sharded
 from ckptfmt.format.values import OpaqueObject
+from ckptfmt.tensors.sharded import Shard, Sharded
 
 #: Keys of a ZeRO optimizer state dict that are per-rank layout, not state (rebuilt or dropped).
 _LAYOUT_KEYS = {"base_optimizer_state", "optimizer_state_dict", "single_partition_of_fp32_groups",

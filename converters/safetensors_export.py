@@ -9,7 +9,7 @@ import ckptfmt
 from ckptfmt.converters.export_files import DEFAULT_SHARD_SIZE, ExportResult, safetensors_shards, write_atomically
 from ckptfmt.converters.safetensors_format import TORCH_TO_SAFETENSORS, OutTensor, write_file
 from ckptfmt.errors import CheckpointError
-from ckptfmt.format.dtypes import dtype_from_name
+from ckptfmt.tensors.dtypes import dtype_from_name
 from ckptfmt.tools.diff import plain_values
 
 

@@ -21,7 +21,7 @@ from textual.screen import Screen
 from textual.widgets import Footer, Header, Static
 
 from ckptfmt.errors import CheckpointNotFoundError
-from ckptfmt.loading.reader import CheckpointReader
+from ckptfmt.loading.checkpoint import Checkpoint
 from ckptfmt.repository.repository import Repository
 from ckptfmt.tui.screens.base import ErrorPanel, WorkerScreen
 from ckptfmt.tui.screens.checkpoint import CheckpointScreen
@@ -62,7 +62,7 @@ class OpenScreen(WorkerScreen):
         try:
             repo = Repository.open(target, options)
         except CheckpointNotFoundError:
-            reader = CheckpointReader(target, storage_options=options)
+            reader = Checkpoint.open(target, storage_options=options)
             self.app.call_from_thread(self.app.push_screen, CheckpointScreen(reader, target))
         else:
             screen = RepositoryScreen(target, repo, repo.commits())

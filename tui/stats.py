@@ -8,7 +8,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 
 @dataclass(frozen=True)
@@ -28,28 +27,27 @@ class TensorStats:
 
 
 def tensor_statistics(value, bins: int = 12) -> TensorStats:
-    """Compute ``TensorStats`` of a tensor (or numpy array) as float64."""
-    tensor = value if isinstance(value, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(value))
-    flat = tensor.detach().reshape(-1)
-    magnitude = flat.is_complex()
-    if magnitude:
-        flat = flat.abs()
-    flat = flat.to(torch.float64)
-    numel = flat.numel()
+    """Compute ``TensorStats`` of a numpy array (or a tensor) as float64, with numpy: torch is not loaded
+    for it (a tensor given converts itself)."""
+    if type(value).__module__.split(".")[0] == "torch":  # only a caller that already has torch passes one
+        value = value.detach().cpu()
+        value = (value.float() if value.dtype.is_floating_point and value.element_size() < 4 else value).numpy()
+    flat = np.asarray(value).reshape(-1)
+    magnitude = np.iscomplexobj(flat)
+    flat = (np.abs(flat) if magnitude else flat).astype(np.float64)
+    numel = flat.size
     if numel == 0:
         return TensorStats(0, 0, 0, 0.0, None, None, None, None, ())
-    nan = int(torch.isnan(flat).sum())
-    inf = int(torch.isinf(flat).sum())
-    zero_fraction = float((flat == 0).double().mean())
-    finite = flat[torch.isfinite(flat)]
-    if finite.numel() == 0:
+    nan = int(np.isnan(flat).sum())
+    inf = int(np.isinf(flat).sum())
+    zero_fraction = float(np.mean(flat == 0))
+    finite = flat[np.isfinite(flat)]
+    if finite.size == 0:
         return TensorStats(numel, nan, inf, zero_fraction, None, None, None, None, (), magnitude)
     lo, hi = float(finite.min()), float(finite.max())
     if lo == hi:
-        histogram = (finite.numel(),)
+        histogram: tuple[int, ...] = (finite.size,)
     else:
-        histogram = tuple(int(c) for c in torch.histc(finite, bins=bins, min=lo, max=hi))
-    return TensorStats(
-        numel, nan, inf, zero_fraction, lo, hi, float(finite.mean()),
-        float(finite.std(unbiased=False)), histogram, magnitude,
-    )
+        histogram = tuple(int(c) for c in np.histogram(finite, bins=bins, range=(lo, hi))[0])
+    return TensorStats(numel, nan, inf, zero_fraction, lo, hi, float(finite.mean()), float(finite.std()), histogram,
+                       magnitude)

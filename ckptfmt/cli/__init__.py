@@ -14,43 +14,46 @@ libraries' warnings show only with ``--debug``.
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 import warnings
-from importlib.metadata import EntryPoint, entry_points
 
 from rich.console import Console
 
-from ckptfmt import __version__
-from ckptfmt.cli import advise, commands, health, lifecycle, signing, sync
+import ckptfmt
+from ckptfmt.cli import advise, health, lifecycle, signing, sync
+from ckptfmt.cli.shared import SHOW_LIMIT
 from ckptfmt.errors import CheckpointError, CheckpointWarning
-from ckptfmt.format.manifest import FORMAT_VERSION
+from ckptfmt.format.version import FORMAT_VERSION
 from ckptfmt.tools.output import Output
 
 #: The entry point group of commands that live outside the core.
 COMMANDS_GROUP = "ckptfmt.commands"
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(*, plugins: bool = True) -> argparse.ArgumentParser:
+    """The ``ckptfmt`` command's parser; ``plugins``: with the commands other packages register (finding
+    them scans every installed package's metadata: left out where the command is a core one)."""
     parser = _Parser(prog="ckptfmt", description="Inspect, verify and convert ckptfmt checkpoints.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
-    parser.add_argument("--version", action="version", version=_version(),
+    parser.add_argument("--version", action=_Version, nargs=0,
                         help="show the package version and the format version it writes, and exit")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("ls", help="list a repository's checkpoints")
     p.add_argument("repo", help="repository URL (local path, s3://, memory://)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.set_defaults(run=commands.ls)
+    p.set_defaults(run=command("listing", "ls"))
 
     p = sub.add_parser("show", help="show a checkpoint's tensors and metadata")
     p.add_argument("checkpoint", help="checkpoint URL REPO/NAME, or a repository for its latest")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--limit", type=int, default=None,
-                   help=f"tensors to list (0: all; default: {commands.SHOW_LIMIT} in a terminal, all into a pipe)")
+                   help=f"tensors to list (0: all; default: {SHOW_LIMIT} in a terminal, all into a pipe)")
     p.add_argument("--filter", metavar="PATTERN", default=None,
                    help="only the tensors whose key holds PATTERN (a glob if it has * ? or [: 'model/*/weight')")
-    p.set_defaults(run=commands.show)
+    p.set_defaults(run=command("showing", "show"))
 
     p = sub.add_parser("verify", help="check every byte of a checkpoint or a whole repository")
     p.add_argument("url", help="checkpoint or repository URL")
@@ -59,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also recompute each tensor's recorded statistics from its bytes")
     p.add_argument("--trusted-key", dest="trusted_keys", action="append", metavar="KEY.pub",
                    help="an Ed25519 public key; a checkpoint no trusted key signed is a problem (repeatable)")
-    p.set_defaults(run=commands.verify)
+    p.set_defaults(run=command("checking", "verify"))
 
     p = sub.add_parser("diff", help="compare two checkpoints")
     p.add_argument("a")
@@ -67,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--no-measure", dest="measure", action="store_false", help="do not read changed tensors")
     p.add_argument("--limit", type=int, default=25, help="differing tensors to list (0: all)")
-    p.set_defaults(run=commands.diff)
+    p.set_defaults(run=command("checking", "diff"))
 
     p = sub.add_parser("analytics", help="a run's metadata as tables (needs ckptfmt[analytics])")
     actions = p.add_subparsers(dest="action", required=True, metavar="ACTION")
@@ -75,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("repo", help="repository URL")
     e.add_argument("out", help="folder for checkpoints.parquet, saves.parquet, steps.parquet, ...")
     e.add_argument("--format", choices=["parquet", "csv"], default="parquet")
-    e.set_defaults(run=commands.analytics_export)
+    e.set_defaults(run=command("analysis", "analytics_export"))
 
     p = sub.add_parser("stragglers", help="ranks that delayed the others, and slow saves (needs ckptfmt[analytics])")
     p.add_argument("repo", help="repository URL of one run")
@@ -84,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="say why each rank straggled (data loading, CPU contention, memory, GPU, storage) from "
                         "its system samples and save phases, and what to do")
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.set_defaults(run=commands.stragglers)
+    p.set_defaults(run=command("analysis", "stragglers"))
 
     p = sub.add_parser("compare", help="compare two runs: identical? where they diverge, and why (needs "
                                        "ckptfmt[analytics])")
@@ -93,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--atol", type=float, default=0.0, help="absolute tolerance for equal tensors")
     p.add_argument("--rtol", type=float, default=0.0, help="relative tolerance for equal tensors")
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.set_defaults(run=commands.compare)
+    p.set_defaults(run=command("analysis", "compare"))
 
     p = sub.add_parser("report", help="a run's figures and tables as one self-contained HTML file and/or PNGs "
                                       "(needs ckptfmt[analytics])")
@@ -104,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--deep", action="store_true", help="add each tensor group's relative update between "
                                                        "checkpoints (reads the tensors that changed)")
     _min_delay_option(p)
-    p.set_defaults(run=commands.report)
+    p.set_defaults(run=command("analysis", "report"))
 
     health.register(sub)
     lifecycle.register(sub)
@@ -112,8 +115,11 @@ def build_parser() -> argparse.ArgumentParser:
     signing.register(sub)
     advise.register(sub)
 
-    for plugin in sorted(entry_points(group=COMMANDS_GROUP), key=lambda ep: ep.name):
-        _register(plugin, sub)
+    if plugins:
+        from importlib.metadata import entry_points  # a scan of every installed package's metadata
+
+        for plugin in sorted(entry_points(group=COMMANDS_GROUP), key=lambda ep: ep.name):
+            _register(plugin, sub)
     _debug_anywhere(parser)
     return parser
 
@@ -130,8 +136,34 @@ def _debug_anywhere(parser: argparse.ArgumentParser) -> None:
                 _debug_anywhere(command)
 
 
-def _version() -> str:
-    return f"ckptfmt {__version__} (writes format {'.'.join(map(str, FORMAT_VERSION))})"
+def command(module: str, function: str):
+    """Command ``function`` of ``ckptfmt.cli.<module>``, imported when it runs: building the parser loads
+    none of what the other commands need (``ckptfmt ls`` starts in a fraction of ``verify``'s imports)."""
+    def run(args, console: Console) -> int:
+        return getattr(importlib.import_module(f"{__name__}.{module}"), function)(args, console)
+    return run
+
+
+class _Version(argparse.Action):
+    """``--version``: the package's version, read from its metadata only when asked for."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"ckptfmt {ckptfmt.__version__} (writes format {'.'.join(map(str, FORMAT_VERSION))})")  # noqa: T201
+        parser.exit()
+
+
+def _needs_plugins(argv: list[str]) -> bool:
+    """Whether the command line may name a command that another package registers (or asks for the list):
+    anything but a core command's name as its first word, and not ``--version``."""
+    if "--version" in argv:
+        return False
+    first = next((word for word in argv if not word.startswith("-")), None)
+    return first not in _core_commands()
+
+
+def _core_commands() -> set[str]:
+    action = next(a for a in build_parser(plugins=False)._actions if isinstance(a, argparse._SubParsersAction))
+    return set(action.choices)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -150,7 +182,7 @@ def _min_delay_option(parser: argparse.ArgumentParser) -> None:
                              "ranks for longer, as on oversubscribed machines)")
 
 
-def _register(plugin: EntryPoint, sub: argparse._SubParsersAction) -> None:
+def _register(plugin, sub: argparse._SubParsersAction) -> None:
     """Let an installed package add its commands; one that cannot load is left out, with a warning."""
     try:
         register = plugin.load()
@@ -161,7 +193,8 @@ def _register(plugin: EntryPoint, sub: argparse._SubParsersAction) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser(plugins=_needs_plugins(argv)).parse_args(argv)
     console = _Stdout()
     errors = Console(stderr=True)
     with warnings.catch_warnings(record=True) as caught:

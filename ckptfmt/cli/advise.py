@@ -5,11 +5,14 @@ from __future__ import annotations
 import argparse
 import math
 import re
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 
-from ckptfmt.lifecycle.advise import Plan, advise
 from ckptfmt.tools.output import Column, Output
+
+if TYPE_CHECKING:
+    from ckptfmt.lifecycle.advise import Plan
 
 #: Seconds per duration unit; a bare number is seconds.
 _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -38,6 +41,8 @@ def parse_duration(value: str) -> float:
 
 def advise_command(args, console: Console) -> int:
     """Print the advice for ``args.repo`` as a table, or as JSON with ``args.json``."""
+    from ckptfmt.lifecycle.advise import advise  # the command's work, imported when it runs: CLI startup
+
     advice = advise(args.repo, mtbf_s=args.mtbf)
     if args.json:
         Output(console).json(advice.to_dict())

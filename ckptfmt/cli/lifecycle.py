@@ -1,22 +1,24 @@
 """``ckptfmt rm REPO/NAME...`` and ``ckptfmt gc REPO``: delete checkpoints, reclaim their space;
-``ckptfmt repair REPO --from OTHER``: replace damaged objects with verified copies."""
+``ckptfmt repair REPO --from OTHER``: replace damaged objects with verified copies. Each command
+imports its work when it runs, so that building the parser stays cheap for every command."""
 
 from __future__ import annotations
 
 import argparse
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 
 from ckptfmt.cli.advise import parse_duration
-from ckptfmt.cli.render import ByteProgress
 from ckptfmt.errors import CheckpointError
-from ckptfmt.lifecycle.gc import GcReport, collect, remove
-from ckptfmt.lifecycle.repair import RepairReport, repair
-from ckptfmt.lifecycle.retention import Retention, metrics_reader
-from ckptfmt.repository.repository import Repository, split_checkpoint_url
 from ckptfmt.tools.formatting import counted, human_bytes, seconds
 from ckptfmt.tools.output import KEY, NAME, TEXT, Column, Output
+
+if TYPE_CHECKING:
+    from ckptfmt.lifecycle.gc import GcReport
+    from ckptfmt.lifecycle.repair import RepairReport
+    from ckptfmt.repository.repository import Repository
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -50,6 +52,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def rm_command(args, console: Console) -> int:
+    from ckptfmt.lifecycle.gc import remove  # each command's work, imported when it runs: CLI startup
+    from ckptfmt.repository.repository import Repository, split_checkpoint_url
+
     parts = [split_checkpoint_url(url) for url in args.checkpoints]
     repos = {repo for repo, _ in parts}
     if len(repos) > 1:
@@ -63,6 +68,10 @@ def rm_command(args, console: Console) -> int:
 
 
 def gc_command(args, console: Console) -> int:
+    from ckptfmt.lifecycle.gc import collect, remove
+    from ckptfmt.lifecycle.retention import Retention, metrics_reader
+    from ckptfmt.repository.repository import Repository
+
     repo = Repository.open(args.repo)
     retention = Retention(keep_last=args.keep_last, keep_every=args.keep_every, keep_best=_best(args.keep_best),
                           keep_within=None if args.keep_within is None else timedelta(seconds=args.keep_within))
@@ -84,6 +93,8 @@ def _best(text: str | None) -> tuple[str, str, int] | None:
     metric, _, rest = text.rpartition(":")
     metric, _, mode = metric.rpartition(":")
     try:
+        from ckptfmt.lifecycle.retention import Retention
+
         return Retention(keep_best=(metric, mode, int(rest))).keep_best
     except ValueError:
         raise CheckpointError(f"--keep-best {text!r}: expected METRIC:min|max:N, e.g. val_loss:min:3") from None
@@ -104,6 +115,9 @@ def _summary(repo: Repository, doomed: list[str], report: GcReport) -> str:
 
 
 def repair_command(args, console: Console) -> int:
+    from ckptfmt.cli.render import ByteProgress
+    from ckptfmt.lifecycle.repair import repair
+
     with ByteProgress("checking", quiet=args.json) as progress:
         report = repair(args.repo, args.sources, dry_run=args.dry_run, callback=progress)
     if args.json:

@@ -7,7 +7,6 @@ import argparse
 
 from rich.console import Console
 
-from ckptfmt.lifecycle.signing import generate_key, sign
 from ckptfmt.tools.formatting import counted
 from ckptfmt.tools.output import Output
 
@@ -27,6 +26,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def keygen_command(args, console: Console) -> int:
+    from ckptfmt.lifecycle.signing import generate_key  # imported when it runs: CLI startup
+
     private, public, key_id = generate_key(args.key)
     out = Output(console)
     out.line(f"wrote the private key {private} (keep it secret) and the public key {public} (give it to "
@@ -35,6 +36,8 @@ def keygen_command(args, console: Console) -> int:
 
 
 def sign_command(args, console: Console) -> int:
+    from ckptfmt.lifecycle.signing import sign
+
     report = sign(args.url, args.key)
     if args.json:
         Output(console).json({"url": report.url, "key_id": report.key_id, "signed": report.signed,

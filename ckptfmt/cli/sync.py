@@ -7,8 +7,6 @@ import dataclasses
 
 from rich.console import Console
 
-from ckptfmt.cli.render import ByteProgress
-from ckptfmt.lifecycle.replicate import replicate
 from ckptfmt.tools.formatting import counted, human_bytes, seconds
 from ckptfmt.tools.output import Output
 
@@ -29,6 +27,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def sync_command(args, console: Console) -> int:
     """Replicate ``args.src`` to ``args.dst``; print a one-line summary, or JSON with ``args.json``."""
+    from ckptfmt.cli.render import ByteProgress  # imported when it runs: CLI startup
+    from ckptfmt.lifecycle.replicate import replicate
+
     with ByteProgress("copying", quiet=args.json) as progress:
         report = replicate(args.src, args.dst, args.name, verify=args.verify, progress=progress)
     if args.json:

@@ -32,7 +32,6 @@ from ckptfmt.distributed.process_group import CollectiveError, RankGroup
 from ckptfmt.distributed.state_merge import MAX_REPORTED, merge_states
 from ckptfmt.errors import CheckpointError, CheckpointWarning
 from ckptfmt.format.manifest import Manifest, Piece, Shard, TensorEntry
-from ckptfmt.format.tensors import TensorSource
 from ckptfmt.format.values import TensorRef, decode_tree, encode_tree
 from ckptfmt.metadata.timing import PhaseTimer
 from ckptfmt.metadata.topology import rank_entry, topology_record
@@ -52,6 +51,7 @@ from ckptfmt.saving.core import (
 )
 from ckptfmt.saving.hashcache import DEFAULT_CACHE
 from ckptfmt.saving.options import SaveOptions
+from ckptfmt.tensors.sources import TensorSource
 
 
 def collective_save(state: Any, url: str | os.PathLike, group, options: SaveOptions, captured: Captured) -> str:

@@ -31,10 +31,7 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict, unflat
 from torch.futures import Future
 
 from ckptfmt.errors import CheckpointError, UnsupportedValueError
-from ckptfmt.format.dtensors import meshes_of
-from ckptfmt.format.dtypes import dtype_from_name, dtype_name
 from ckptfmt.format.manifest import Chunk, Piece, Shard, TensorEntry
-from ckptfmt.format.tensors import prepare
 from ckptfmt.format.values import TensorRef, decode_tree, encode_tree, format_key
 from ckptfmt.loading.reader import CheckpointReader
 from ckptfmt.metadata.timing import PhaseTimer
@@ -53,6 +50,10 @@ from ckptfmt.saving.core import (
 )
 from ckptfmt.saving.hashcache import DEFAULT_CACHE
 from ckptfmt.saving.options import DEFAULT_WORKERS, SaveOptions
+from ckptfmt.tensors.dtensors import meshes_of
+from ckptfmt.tensors.dtypes import dtype_from_name, dtype_name
+from ckptfmt.tensors.sources import prepare
+from ckptfmt.tensors.values import torch_value
 
 #: The index of the write result that carries a rank's own record: no state key can be this fqn.
 RANK_RECORD = dcp_metadata.MetadataIndex("\x00ckptfmt: rank record")
@@ -257,7 +258,7 @@ def _gather(metadata: dcp_metadata.Metadata, results: list[list[dcp_storage.Writ
                 records.append(result.storage_data["rank_record"])
                 continue
             if "value" in result.storage_data:
-                flat[fqn] = decode_tree(result.storage_data["value"])
+                flat[fqn] = decode_tree(result.storage_data["value"], torch_value=torch_value)
                 continue
             md = _tensor_metadata(metadata, fqn)
             offsets = tuple(result.index.offset) if result.index.offset is not None else (0,) * len(md.size)
@@ -310,7 +311,7 @@ class StorageReader(dcp_storage.StorageReader):
             tensor = torch.empty(entry.shape, dtype=dtype_from_name(entry.dtype), device="meta")
             placeholders[id(tensor)] = entry.key
             return tensor
-        state = decode_tree(reader.manifest.state, placeholder)
+        state = decode_tree(reader.manifest.state, placeholder, torch_value=torch_value)
         flat, mappings = flatten_state_dict(state if isinstance(state, dict) else {"state": state})
         described: dict[str, Any] = {}
         storage_data: dict[dcp_metadata.MetadataIndex, Any] = {}

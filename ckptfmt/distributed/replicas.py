@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import xxhash
 
-from ckptfmt.format.tensors import TensorSource
+from ckptfmt.tensors.sources import TensorSource
 
 #: Divergent boxes named in a warning or error message (the manifest records them all).
 MAX_NAMED = 8

@@ -10,12 +10,12 @@ bytes XORed with those of a base chunk of the same size (the same tensor region
 in the parent checkpoint), then shuffled over N-byte elements and zstd-compressed.
 Weights that moved a little keep their sign, exponent and high mantissa bits, so
 the XOR is mostly zero bytes in the planes the shuffle puts together.
+
+The codec table needs nothing; the transforms import numpy and zstandard when
+they run, so that listing a repository (which parses no chunk) loads neither.
 """
 
 from __future__ import annotations
-
-import numpy as np
-import zstandard
 
 from ckptfmt.errors import CorruptDataError, ManifestError, quoted
 
@@ -69,6 +69,8 @@ def _shuffle_width(codec: str) -> int:
 
 def xor(data: memoryview | bytes, base: memoryview | bytes) -> bytes:
     """Byte-wise XOR of two equally long byte strings (8 bytes at a time where the length allows)."""
+    import numpy as np
+
     a, b = np.frombuffer(data, dtype=np.uint8), np.frombuffer(base, dtype=np.uint8)
     if len(a) != len(b):
         raise ValueError(f"delta of {len(a)} bytes against a base of {len(b)}")
@@ -79,6 +81,8 @@ def xor(data: memoryview | bytes, base: memoryview | bytes) -> bytes:
 
 def _shuffle(data: memoryview, width: int) -> bytes:
     """Byte-shuffle: all first bytes of each element, then all second bytes, ... (tail kept)."""
+    import numpy as np
+
     raw = np.frombuffer(data, dtype=np.uint8)
     whole = len(raw) - len(raw) % width
     body = raw[:whole].reshape(-1, width).T.tobytes()
@@ -86,6 +90,8 @@ def _shuffle(data: memoryview, width: int) -> bytes:
 
 
 def _unshuffle(data: bytes, width: int) -> bytes:
+    import numpy as np
+
     raw = np.frombuffer(data, dtype=np.uint8)
     whole = len(raw) - len(raw) % width
     body = raw[:whole].reshape(width, -1).T.tobytes()
@@ -101,6 +107,8 @@ def encode(codec: str, data: memoryview, base: memoryview | bytes | None = None)
         if base is None:
             raise ValueError(f"codec {codec} needs a base chunk")
         data = memoryview(xor(data, base))
+    import zstandard
+
     width = _shuffle_width(codec)
     payload = _shuffle(data, width) if width > 1 else data
     return zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_content_size=True).compress(payload)
@@ -116,6 +124,8 @@ def decode(codec: str, stored: bytes, size: int, where: str,
         if len(stored) != size:
             raise CorruptDataError(f"{where}: {len(stored)} bytes stored, manifest says {size}")
         return stored
+    import zstandard
+
     try:
         declared = zstandard.frame_content_size(stored)
         if declared != size:

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 from ckptfmt.errors import CheckpointError, ManifestError, quoted
 from ckptfmt.format.limits import MAX_MANIFEST_BYTES, check_hash, check_name
-from ckptfmt.format.manifest import FORMAT_VERSION, check_version
-from ckptfmt.format.values import unique_map
+from ckptfmt.format.maps import unique_map
+from ckptfmt.format.version import FORMAT_VERSION, check_version
 
 COMMIT_FORMAT = "ckptfmt-commit"
 

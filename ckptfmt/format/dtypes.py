@@ -1,16 +1,18 @@
-"""The dtype table: the format's names for tensor element types, and their torch dtypes.
+"""The dtype table (spec 8): the format's names for tensor element types, and their item sizes.
 
-Names are torch's own (``torch.float32`` -> ``"float32"``). The table is part of
-the format, so a manifest parses even where the installed torch lacks a dtype;
-only reading such a tensor needs a torch that has it. Quantized dtypes carry
-scales and zero points outside their bytes and are not storable as plain bytes.
+Names are torch's own (``torch.float32`` -> ``"float32"``), but the table is the
+format's and needs no torch: a manifest parses anywhere. The torch dtype of each
+name is the torch side's (``ckptfmt/tensors/dtypes.py``).
 """
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
-from ckptfmt.errors import CheckpointError, ManifestError, UnsupportedValueError, quoted
+from ckptfmt.errors import ManifestError, quoted
+
+if TYPE_CHECKING:  # numpy is imported where it is used: not to list or describe a checkpoint
+    import numpy as np
 
 #: format dtype name -> bytes per element (format version 1.0).
 ITEMSIZES: dict[str, int] = {
@@ -24,22 +26,6 @@ ITEMSIZES: dict[str, int] = {
     "bits8": 1, "bits16": 2, "bits1x8": 1, "bits2x4": 1, "bits4x2": 1,
 }
 
-#: format name -> torch dtype, for the dtypes this torch build has.
-DTYPES: dict[str, torch.dtype] = {
-    name: getattr(torch, name) for name in ITEMSIZES if isinstance(getattr(torch, name, None), torch.dtype)
-}
-_BY_DTYPE = {dtype: name for name, dtype in DTYPES.items()}
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """The format's name for a torch dtype; raises for dtypes it cannot store."""
-    try:
-        return _BY_DTYPE[dtype]
-    except KeyError:
-        raise UnsupportedValueError(
-            f"dtype {dtype} cannot be stored (quantized and sub-byte integer dtypes are not in format 1.0)"
-        ) from None
-
 
 def itemsize(name: str) -> int:
     """Bytes per element of a format dtype name; raises ManifestError for unknown names."""
@@ -49,10 +35,22 @@ def itemsize(name: str) -> int:
         raise ManifestError(f"unknown dtype {quoted(name)} (written by a newer ckptfmt?)") from None
 
 
-def dtype_from_name(name: str) -> torch.dtype:
-    """The torch dtype for a format dtype name."""
-    itemsize(name)
-    try:
-        return DTYPES[name]
-    except KeyError:
-        raise CheckpointError(f"dtype {name} needs a newer torch than {torch.__version__}") from None
+#: format dtype name -> the numpy dtype of the same bytes, where numpy has one (bfloat16: ``numeric``).
+NUMPY_DTYPES: dict[str, str] = {
+    "bool": "?", "uint8": "u1", "int8": "i1", "uint16": "<u2", "int16": "<i2", "uint32": "<u4", "int32": "<i4",
+    "uint64": "<u8", "int64": "<i8", "float16": "<f2", "float32": "<f4", "float64": "<f8",
+    "complex64": "<c8", "complex128": "<c16",
+}
+
+
+def numeric(raw: np.ndarray, name: str) -> np.ndarray | None:
+    """Raw items of dtype ``name`` (an array of ``V<itemsize>``) as numbers numpy can compute with, without
+    a copy where numpy has the dtype; bfloat16 widened exactly to float32; None for the dtypes numpy cannot
+    represent (the float8 and float4 kinds, complex32, the bits kinds)."""
+    import numpy as np
+
+    if name in NUMPY_DTYPES:
+        return raw.view(np.dtype(NUMPY_DTYPES[name]))
+    if name == "bfloat16":  # the top half of a float32: shift the bits into place
+        return (raw.view("<u2").astype("<u4") << 16).view("<f4")
+    return None

@@ -19,9 +19,8 @@ from itertools import chain, repeat
 from typing import Any, NamedTuple
 
 import msgpack
-import numpy as np
 
-from ckptfmt.errors import CheckpointError, ManifestError, UnsupportedVersionError, quoted
+from ckptfmt.errors import CheckpointError, ManifestError, quoted
 from ckptfmt.format import layout
 from ckptfmt.format.codecs import CODECS, NONE, check_codec, is_delta
 from ckptfmt.format.dtypes import itemsize
@@ -41,12 +40,12 @@ from ckptfmt.format.limits import (
     check_hash,
     check_name,
 )
+from ckptfmt.format.maps import unique_map
 from ckptfmt.format.shards import MAX_RANK, Piece, Shard, ShardGrid, grid_of, grid_to_dict, parse_grid
 from ckptfmt.format.tensor_stats import COUNT_FIELDS, FLOAT_FIELDS, INTEGER_FIELDS
 from ckptfmt.format.tiling import check_tiling
-from ckptfmt.format.values import unique_map
+from ckptfmt.format.version import FORMAT_VERSION, check_version
 
-FORMAT_VERSION = (1, 7)
 MANIFEST_FORMAT = "ckptfmt-manifest"
 TENSOR_KINDS = ("tensor", "parameter", "numpy")
 
@@ -278,18 +277,6 @@ def _int(value: Any, what: str, low: int = 0, high: int = 2**63 - 1) -> int:
     return value
 
 
-def check_version(version: Any, what: str) -> tuple[int, int]:
-    """Accept any 1.x version (unknown fields of newer minors are ignored); refuse other majors."""
-    if not isinstance(version, list) or len(version) != 2 or not all(type(v) is int for v in version):
-        raise ManifestError(f"{what}: malformed version {quoted(version)}")
-    if version[0] != FORMAT_VERSION[0]:
-        raise UnsupportedVersionError(
-            f"{what}: format version {version[0]}.{version[1]} is not readable by this ckptfmt "
-            f"(reads {FORMAT_VERSION[0]}.x); upgrade ckptfmt"
-        )
-    return version[0], version[1]
-
-
 _KNOWN_FIELDS = frozenset(
     "format version name step created_ns parent chunks tensors state user rng environment topology timing stats "
     "provenance replicas".split()
@@ -300,7 +287,10 @@ class _Sizes(list):
     """The chunk table's decoded sizes, as a list, and as an array for shard grids (made once, if needed)."""
 
     @functools.cached_property
-    def array(self) -> np.ndarray:
+    def array(self) -> Any:
+        """The sizes as an int64 numpy array (shard grids only: numpy is imported then)."""
+        import numpy as np
+
         return np.array(self, dtype=np.int64)
 
 

@@ -13,17 +13,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
-from typing import Any, NamedTuple, Protocol
-
-import numpy as np
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from ckptfmt.errors import ManifestError
 from ckptfmt.format.limits import MAX_CHUNK_BYTES, MAX_SHARDS_PER_TENSOR
 
+if TYPE_CHECKING:  # numpy is imported where it is used: not to list or describe a checkpoint
+    import numpy as np
+
 #: The greatest shard ``rank`` (spec 6.5).
 MAX_RANK = 2**31 - 1
 _WIDTHS = (1, 2, 4, 8)
-_DTYPES: dict[int, np.dtype] = {1: np.dtype("<u1"), 2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
 _MAX_INT64 = 2**63 - 1
 
 
@@ -69,6 +69,8 @@ class ShardGrid(Sequence[Shard]):
     @property
     def starts(self) -> np.ndarray:
         """Cell ``i``'s pieces are rows ``starts[i]:starts[i + 1]`` of the piece columns."""
+        import numpy as np
+
         if self._starts is None:
             self._starts = np.arange(len(self.ranks) + 1, dtype=np.int64)
         return self._starts
@@ -77,6 +79,8 @@ class ShardGrid(Sequence[Shard]):
         return len(self.ranks)
 
     def __getitem__(self, index):
+        import numpy as np
+
         if isinstance(index, slice):
             return tuple(self[i] for i in range(*index.indices(len(self))))
         count = len(self)
@@ -110,6 +114,8 @@ class ShardGrid(Sequence[Shard]):
         This is how a resharding load plans its reads: the cost is that of the
         cells it reads, not of the grid.
         """
+        import numpy as np
+
         index = np.zeros(1, dtype=np.int64)
         for cuts, count, start, size in zip(self.cuts, self.cells, offsets, shape):
             if size <= 0:
@@ -135,6 +141,8 @@ def grid_of(shape: tuple[int, ...], shards: Sequence[Shard]) -> ShardGrid | None
     """``shards`` as a grid when those holding elements are exactly its cells (each dimension's
     distinct intervals chaining from 0 to the extent), else None: a writer then keeps one map per
     shard. Empty shards are left out of a grid: ranks that held nothing of an uneven split."""
+    import numpy as np
+
     shards = [s for s in shards if math.prod(s.shape)]
     if len(shards) < 2 or not shape:
         return None
@@ -171,6 +179,8 @@ def grid_of(shape: tuple[int, ...], shards: Sequence[Shard]) -> ShardGrid | None
 
 def grid_to_dict(grid: ShardGrid, width: int) -> dict:
     """The grid's map (spec 6.11): columns packed in the narrowest width, defaults left out."""
+    import numpy as np
+
     doc: dict[str, Any] = {"cells": list(grid.cells), "cuts": [_pack(c) for c in grid.cuts]}
     if np.any(grid.ranks):
         doc["ranks"] = _pack(grid.ranks)
@@ -186,6 +196,8 @@ def grid_to_dict(grid: ShardGrid, width: int) -> dict:
 
 def _pack(values: np.ndarray) -> bytes:
     """Unsigned little-endian integers of the narrowest of 1, 2, 4 or 8 bytes that holds them all."""
+    import numpy as np
+
     top = int(values.max()) if len(values) else 0
     width = next(w for w in _WIDTHS if top < 1 << (8 * w))
     return np.ascontiguousarray(values, dtype=f"<u{width}").tobytes()
@@ -196,6 +208,8 @@ def parse_grid(doc: dict, what: str, shape: tuple[int, ...], width: int, chunk_s
     """Check a shard grid's map against its tensor and the chunk table (spec 6.11, 14), whole
     columns at a time: its cost is that of its bytes, whatever it claims, and about 20 numpy
     operations for the usual grid (one dimension split, a piece a cell)."""
+    import numpy as np
+
     per_dim, raw_cuts = doc.get("cells"), doc.get("cuts")
     if (type(per_dim) is not list or len(per_dim) != len(shape)
             or not set(map(type, per_dim)) <= {int} or (shape and min(per_dim) < 1)):
@@ -253,6 +267,8 @@ def parse_grid(doc: dict, what: str, shape: tuple[int, ...], width: int, chunk_s
 
 def _cuts(raw: Any, count: int, extent: int, name: str, what: str) -> np.ndarray:
     """One dimension's boundaries: a column of ``count`` ints, 0 first, ``extent`` last, never decreasing."""
+    import numpy as np
+
     if count == 2 and type(raw) is bytes and len(raw) in (2, 4, 8, 16):  # a dimension not split: [0, extent]
         half = len(raw) // 2
         if int.from_bytes(raw[:half], "little") == 0 and int.from_bytes(raw[half:], "little") == extent:
@@ -267,6 +283,8 @@ def _cuts(raw: Any, count: int, extent: int, name: str, what: str) -> np.ndarray
 def _column(raw: Any, name: str, count: int, what: str, *, low: int = 0, high: int = _MAX_INT64) -> np.ndarray:
     """A column of ``count`` unsigned little-endian ints in [low, high]: a bin of count x w bytes,
     w in 1, 2, 4, 8 (spec 6.11). Read in place, without a copy, except 8-byte ints (made int64)."""
+    import numpy as np
+
     if type(raw) is not bytes:
         raise ManifestError(f"{what}: shard grid column {name!r} must be a bin")
     if count == 0:
@@ -277,7 +295,7 @@ def _column(raw: Any, name: str, count: int, what: str, *, low: int = 0, high: i
     if rest or width not in _WIDTHS:
         raise ManifestError(f"{what}: shard grid column {name!r} of {len(raw)} bytes does not hold {count} "
                             "integers of 1, 2, 4 or 8 bytes")
-    values = np.frombuffer(raw, dtype=_DTYPES[width])
+    values = np.frombuffer(raw, dtype=np.dtype(f"<u{width}"))
     if (low and values.min() < low) or (high < 256 ** width - 1 and values.max() > high):
         raise ManifestError(f"{what}: shard grid column {name!r} holds values outside [{low}, {high}]")
     return values if width < 8 else values.astype(np.int64)
@@ -285,6 +303,8 @@ def _column(raw: Any, name: str, count: int, what: str, *, low: int = 0, high: i
 
 def _cell_volumes(cuts: Sequence[np.ndarray], per_dim: Sequence[int], shape: tuple[int, ...]) -> np.ndarray:
     """Every cell's element count, in C order (no overflow: each is at most the tensor's, or all are 0)."""
+    import numpy as np
+
     split = [dim for dim, count in enumerate(per_dim) if count > 1]
     if len(split) <= 1:  # the usual grid: one dimension cut, each cell spans the others whole
         rest = math.prod(extent for dim, extent in enumerate(shape) if dim not in split)

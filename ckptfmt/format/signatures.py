@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any
 from ckptfmt.errors import CheckpointError, ManifestError, quoted
 from ckptfmt.format.commit_record import CommitRecord
 from ckptfmt.format.limits import check_hash
-from ckptfmt.format.manifest import FORMAT_VERSION, check_version
-from ckptfmt.format.values import unique_map
+from ckptfmt.format.maps import unique_map
+from ckptfmt.format.version import FORMAT_VERSION, check_version
 
 if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Protocol
-
-import numpy as np
+from typing import TYPE_CHECKING, Protocol
 
 from ckptfmt.errors import ManifestError
+
+if TYPE_CHECKING:  # numpy is imported where it is used: not to list or describe a checkpoint
+    import numpy as np
 
 #: Non-empty shards a tensor may have without forming a grid.
 PAIRWISE_LIMIT = 256
@@ -48,6 +49,8 @@ def check_tiling(what: str, shape: tuple[int, ...], boxes: Sequence[Box]) -> Non
     solid = [b for b, volume in zip(boxes, volumes) if volume]  # empty boxes overlap nothing
     if len(solid) <= 1:
         return
+    import numpy as np  # several boxes: checked as arrays
+
     low = np.array([b.offsets for b in solid], dtype=np.int64)
     high = low + np.array([b.shape for b in solid], dtype=np.int64)  # no overflow: inside a valid shape
     if _is_grid(shape, low, high):
@@ -59,6 +62,8 @@ def check_tiling(what: str, shape: tuple[int, ...], boxes: Sequence[Box]) -> Non
 
 def _is_grid(shape: tuple[int, ...], low: np.ndarray, high: np.ndarray) -> bool:
     """Whether the boxes [low, high) are exactly the Cartesian product of per-dimension intervals tiling ``shape``."""
+    import numpy as np
+
     count = len(low)
     distinct = 1 + np.count_nonzero(np.diff(np.sort(low, axis=0), axis=0), axis=0)
     if math.prod(distinct.tolist()) != count:  # cheap refusal of most layouts that are not grids
@@ -75,6 +80,8 @@ def _is_grid(shape: tuple[int, ...], low: np.ndarray, high: np.ndarray) -> bool:
 
 def _check_disjoint(what: str, low: np.ndarray, high: np.ndarray) -> None:
     """Raise on the first two boxes that overlap; a sweep along the most spread dimension."""
+    import numpy as np
+
     spread = [len(np.unique(low[:, d])) for d in range(low.shape[1])]
     dim = int(np.argmax(spread))
     order = np.argsort(low[:, dim], kind="stable")

@@ -22,24 +22,28 @@ Extension types carry the rest, each payload itself a msgpack document:
                          saving rank (format 1.1)
 
 Anything else is refused at save time with the path of the offending value.
+
+This module knows no torch: a torch tensor, dtype, Size or device is recognised by its type only
+when torch is loaded (a value cannot be one otherwise), and extensions 8-10 decode to
+``TorchValue`` placeholders unless the caller passes ``torch_value`` (the torch side's
+``tensors/values.py``), so that inspecting a checkpoint never loads torch.
 """
 
 from __future__ import annotations
 
+import sys
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import msgpack
-import numpy as np
-import torch
 
 from ckptfmt.errors import ManifestError, UnsupportedValueError, quoted
-from ckptfmt.format.dtypes import dtype_from_name, dtype_name
+from ckptfmt.format.dtypes import ITEMSIZES, itemsize
 from ckptfmt.format.limits import MAX_NESTING
+from ckptfmt.format.maps import first_repeat, unique_map
 from ckptfmt.format.per_rank import PerRank, PerRankValues
-from ckptfmt.format.sharded import LocalShard, Sharded
 
 EXT_TENSOR, EXT_TUPLE, EXT_BIGINT, EXT_ODICT, EXT_SET, EXT_FROZENSET = 1, 2, 3, 4, 5, 6
 EXT_COMPLEX, EXT_DTYPE, EXT_SIZE, EXT_DEVICE, EXT_NUMPY_SCALAR, EXT_OPAQUE = 7, 8, 9, 10, 11, 12
@@ -56,6 +60,8 @@ def _scalar_typestrs() -> frozenset[str]:
     bytes, on x86-64, but IEEE binary128 under the same string on 64-bit ARM Linux: it is storable
     and readable only where it means the former, so that no two readers decode one scalar differently.
     """
+    import numpy as np
+
     sizes = {"i": (2, 4, 8), "u": (2, 4, 8), "f": (2, 4, 8), "c": (8, 16)}
     typestrs = {"|b1", "|i1", "|u1"} | {f"{order}{kind}{n}" for order in "<>" for kind in sizes for n in sizes[kind]}
     long_double = np.finfo(np.longdouble)
@@ -64,10 +70,23 @@ def _scalar_typestrs() -> frozenset[str]:
     return frozenset(typestrs)
 
 
-NUMPY_SCALAR_TYPESTRS = _scalar_typestrs()
+def _typestrs() -> frozenset[str]:
+    """``NUMPY_SCALAR_TYPESTRS``, computed on first use (it asks numpy, which is imported then)."""
+    if "NUMPY_SCALAR_TYPESTRS" not in globals():
+        globals()["NUMPY_SCALAR_TYPESTRS"] = _scalar_typestrs()
+    return globals()["NUMPY_SCALAR_TYPESTRS"]
 
-#: A leaf that goes to the tensor table: torch tensors, numpy arrays, sharded tensors.
-TensorLike = torch.Tensor | np.ndarray | Sharded
+
+def __getattr__(name: str) -> Any:
+    if name == "NUMPY_SCALAR_TYPESTRS":  # the portable numpy scalar dtype strings, computed on first use
+        return _typestrs()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _numpy() -> Any:
+    """numpy where it is loaded, else None: a value cannot be a numpy array or scalar unless it is."""
+    return sys.modules.get("numpy")
+
 #: Called for each tensor leaf with its key path and the leaf (a TensorLike, a DTensor's LocalShard, or a
 #: TensorRef in trees rebuilt from encoded ones); returns its tensor-table index.
 OnTensor = Callable[[tuple, Any], int]
@@ -79,6 +98,48 @@ class TensorRef:
     tensors that live on other ranks (``on_tensor`` maps it to its tensor-table index)."""
 
     key: str
+
+
+@dataclass(frozen=True)
+class TorchValue:
+    """A torch.dtype, torch.Size or torch.device of a value tree (extensions 8-10), read without torch:
+    equal to another of the same kind and value, printed as torch prints it, and written back as it came."""
+
+    kind: str  # "dtype", "size" or "device"
+    value: str | tuple[int, ...]
+
+    def __repr__(self) -> str:
+        if self.kind == "dtype":
+            return f"torch.{self.value}"
+        if self.kind == "size":
+            return f"torch.Size({list(self.value)})"
+        return f"device(type={self.value!r})" if ":" not in str(self.value) else \
+            "device(type={!r}, index={})".format(*str(self.value).split(":"))
+
+
+#: Builds the value of extension 8, 9 or 10 from its kind and payload (``TorchValue`` by default).
+MakeTorchValue = Callable[[str, Any], Any]
+
+
+def is_tensor_leaf(value: Any) -> bool:
+    """Whether ``value`` goes to the tensor table: a torch tensor (when torch is loaded: a value cannot be
+    one otherwise), a numpy array, a TensorRef, or a leaf type of the torch side marked ``TENSOR_LEAF``
+    (``Sharded``, a DTensor's ``LocalShard``)."""
+    kind = type(value)
+    np = _numpy()
+    if (np is not None and kind is np.ndarray) or kind is TensorRef or getattr(kind, "TENSOR_LEAF", False):
+        return True
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.Tensor)
+
+
+def _torch_kind(value: Any) -> str | None:
+    """'dtype', 'size' or 'device' for a torch.dtype, torch.Size or torch.device (torch loaded), else None."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    kind = type(value)
+    return {torch.dtype: "dtype", torch.Size: "size", torch.device: "device"}.get(kind)
 
 
 @dataclass(frozen=True)
@@ -142,7 +203,7 @@ class _Encoder:
             return self.ext(EXT_ODICT, body)
         if kind is tuple:
             return self.ext(EXT_TUPLE, [self.pack(item, (*path, i)) for i, item in enumerate(value)])
-        if isinstance(value, torch.Tensor) or kind in (np.ndarray, Sharded, TensorRef, LocalShard):
+        if is_tensor_leaf(value):
             if self.in_key:
                 raise UnsupportedValueError(
                     f"{_where(path)}: tensors cannot be dict keys or set items (nor part of one)"
@@ -157,19 +218,16 @@ class _Encoder:
             return self.per_rank(PerRankValues({self.rank: value.value}), path)
         if kind is PerRankValues:
             return self.per_rank(value, path)
-        if kind is torch.Size:
-            return self.ext(EXT_SIZE, list(value))
+        if kind is TorchValue or _torch_kind(value) is not None:
+            return self.torch_value(value, path)
         if kind in (set, frozenset):
             items = [self.key(item, path) for item in value]
             return self.ext(EXT_SET if kind is set else EXT_FROZENSET, items)
         if kind is complex:
             return self.ext(EXT_COMPLEX, [value.real, value.imag])
-        if kind is torch.dtype:
-            return self.ext(EXT_DTYPE, dtype_name(value))
-        if kind is torch.device:
-            return self.ext(EXT_DEVICE, str(value))
-        if isinstance(value, np.generic) and value.dtype.kind in "biufc":
-            if value.dtype.str not in NUMPY_SCALAR_TYPESTRS:
+        np = _numpy()
+        if np is not None and isinstance(value, np.generic) and value.dtype.kind in "biufc":
+            if value.dtype.str not in _typestrs():
                 raise UnsupportedValueError(f"{_where(path)}: a numpy {value.dtype} scalar means different "
                                             "things on different platforms; convert it to float64 or complex128")
             return self.ext(EXT_NUMPY_SCALAR, [value.dtype.str, value.tobytes()])
@@ -198,6 +256,19 @@ class _Encoder:
             self.in_per_rank -= 1
         return self.ext(EXT_PER_RANK, body)
 
+    def torch_value(self, value: Any, path: tuple) -> msgpack.ExtType:
+        """Extension 8, 9 or 10 of a torch.dtype, torch.Size or torch.device, or of its ``TorchValue``."""
+        kind, payload = (value.kind, value.value) if type(value) is TorchValue else (_torch_kind(value), value)
+        if kind == "size":
+            return self.ext(EXT_SIZE, [int(d) for d in payload])
+        if kind == "device":
+            return self.ext(EXT_DEVICE, str(payload))
+        name = str(payload).rpartition(".")[2]
+        if name not in ITEMSIZES:
+            raise UnsupportedValueError(f"{_where(path)}: dtype {payload} cannot be stored (quantized and sub-byte "
+                                        "integer dtypes are not in format 1.0)")
+        return self.ext(EXT_DTYPE, name)
+
     def ext(self, code: int, body: Any) -> msgpack.ExtType:
         return msgpack.ExtType(code, _packb(body))
 
@@ -217,40 +288,20 @@ def encode_tree(value: Any, on_tensor: OnTensor | None = None, rank: int = 0) ->
     return _packb(_Encoder(on_tensor, rank).pack(value, ()))
 
 
-def unique_map(pairs: list[tuple]) -> dict:
-    """A msgpack map as a dict, refusing duplicate keys: readers must not differ on which one wins.
-
-    Keys are the same when they are equal as Python values (spec 7.1): ``1``, ``True``, ``1.0`` and
-    ``np.int64(1)`` are one key, ``0.0`` and ``-0.0`` too; a NaN equals nothing, not even a NaN.
-    """
-    value = dict(pairs)
-    if len(value) != len(pairs):
-        raise ManifestError(f"map has the key {quoted(_first_repeat(k for k, _ in pairs))} twice")
-    return value
-
-
-def _first_repeat(items) -> Any:
-    """The first item equal to an earlier one (in one pass: a hostile map may hold millions)."""
-    seen = set()
-    for item in items:
-        if item in seen:
-            return item
-        seen.add(item)
-    raise AssertionError("no item repeats")
-
-
 #: What a decoded map key or set item may be (spec 7.1), besides numpy scalars and the sequences below.
-_KEY_TYPES = frozenset({type(None), bool, int, float, str, bytes, complex, torch.dtype, torch.device, OpaqueObject})
+_KEY_TYPES = frozenset({type(None), bool, int, float, str, bytes, complex, OpaqueObject, TorchValue})
 #: Keys that hold items, each of which must be a key in turn.
-_KEY_SEQUENCES = frozenset({tuple, frozenset, torch.Size})
+_KEY_SEQUENCES = frozenset({tuple, frozenset})
 
 
 def _is_key(value: Any) -> bool:
     """Whether a decoded value may be a map key or set item: a plain value, never a tensor nor one holding one."""
     kind = type(value)
-    if kind in _KEY_TYPES or isinstance(value, np.generic):
+    np = _numpy()
+    if kind in _KEY_TYPES or (np is not None and isinstance(value, np.generic)) or \
+            _torch_kind(value) in ("dtype", "device"):
         return True
-    return kind in _KEY_SEQUENCES and all(map(_is_key, value))
+    return (kind in _KEY_SEQUENCES or _torch_kind(value) == "size") and all(map(_is_key, value))
 
 
 def _tree_map(pairs: list[tuple]) -> dict:
@@ -273,13 +324,14 @@ def _set_items(body: Any) -> list:
     items = _expect(body, list)
     _check_keys(items, "set item")
     if len(set(items)) != len(items):
-        raise ManifestError(f"value tree: a set holds the item {quoted(_first_repeat(items))} twice")
+        raise ManifestError(f"value tree: a set holds the item {quoted(first_repeat(items))} twice")
     return items
 
 
 class _Decoder:
-    def __init__(self, resolve_tensor: Callable[[int], Any] | None):
+    def __init__(self, resolve_tensor: Callable[[int], Any] | None, torch_value: MakeTorchValue):
         self.resolve_tensor = resolve_tensor
+        self.torch_value = torch_value
         self.depth = 0
 
     def unpack(self, data: bytes) -> Any:
@@ -341,15 +393,18 @@ class _Decoder:
             real, imag = _expect(body, list)
             return complex(_expect(real, float), _expect(imag, float))
         if code == EXT_DTYPE:
-            return dtype_from_name(body)
+            itemsize(body)  # a dtype name of the table
+            return self.torch_value("dtype", body)
         if code == EXT_SIZE:
-            return torch.Size([int(_expect(d, int)) for d in _expect(body, list)])
+            return self.torch_value("size", tuple(int(_expect(d, int)) for d in _expect(body, list)))
         if code == EXT_DEVICE:
-            return torch.device(_expect(body, str))
+            return self.torch_value("device", _device(_expect(body, str)))
         if code == EXT_NUMPY_SCALAR:
             typestr, raw = _expect(body, list)
-            if _expect(typestr, str) not in NUMPY_SCALAR_TYPESTRS:
+            if _expect(typestr, str) not in _typestrs():
                 raise ManifestError(f"value tree: numpy scalar of unsupported dtype {quoted(typestr)}")
+            import numpy as np
+
             dtype = np.dtype(typestr)
             if len(_expect(raw, bytes)) != dtype.itemsize or (dtype.kind == "b" and raw not in (b"\0", b"\1")):
                 raise ManifestError("value tree: malformed numpy scalar")
@@ -367,14 +422,29 @@ class _Decoder:
         raise ManifestError(f"value tree: unknown extension type {code}")
 
 
+#: torch's device types (c10's DeviceType), the first part of an extension 10 string: ``"cuda:0"``.
+DEVICE_TYPES = frozenset({"cpu", "cuda", "mkldnn", "opengl", "opencl", "ideep", "hip", "fpga", "maia", "xla", "vulkan",
+                          "metal", "xpu", "mps", "meta", "hpu", "ve", "lazy", "ipu", "mtia", "privateuseone"})
+
+
+def _device(text: str) -> str:
+    """A device string as torch writes it (``str(device)``: a type, and ``:index``), checked without torch."""
+    kind, colon, index = text.partition(":")
+    if kind not in DEVICE_TYPES or (colon and not (index.isdigit() and index.isascii())):
+        raise ManifestError(f"value tree: {quoted(text)} is not a torch device")
+    return text
+
+
 def _expect(value: Any, kind: type) -> Any:
     if type(value) is not kind:
         raise ManifestError(f"value tree: expected {kind.__name__}, found {type(value).__name__}")
     return value
 
 
-def decode_tree(data: bytes, resolve_tensor: Callable[[int], Any] | None = None) -> Any:
-    """Rebuild a value tree; tensor references are passed to ``resolve_tensor``."""
+def decode_tree(data: bytes, resolve_tensor: Callable[[int], Any] | None = None, *,
+                torch_value: MakeTorchValue = TorchValue) -> Any:
+    """Rebuild a value tree; tensor references are passed to ``resolve_tensor``, torch dtypes, Sizes and
+    devices to ``torch_value`` (the torch side's gives torch objects; the default, ``TorchValue``s)."""
     if type(data) is not bytes:
         raise ManifestError("value tree: expected an embedded msgpack document (bin)")
-    return _Decoder(resolve_tensor).unpack(data)
+    return _Decoder(resolve_tensor, torch_value).unpack(data)

@@ -21,10 +21,11 @@ import numpy as np
 import torch
 
 from ckptfmt.errors import CheckpointError
-from ckptfmt.format.dtensors import is_dtensor, local_shard
-from ckptfmt.format.dtypes import dtype_from_name
 from ckptfmt.format.per_rank import PerRank, PerRankValues
 from ckptfmt.format.values import TensorRef, decode_tree, format_key
+from ckptfmt.tensors.dtensors import is_dtensor, local_shard
+from ckptfmt.tensors.dtypes import dtype_from_name
+from ckptfmt.tensors.values import torch_value
 
 #: Names listed per kind of problem in the error, at most.
 _LISTED = 20
@@ -187,7 +188,7 @@ def load_into(reader, into: Any, *, strict: bool, rank: int, workers: int = 16,
     saved again; without it, the bare value, for a caller that hands it to a ``load_state_dict``.
     """
     keys = reader.keys()
-    saved = decode_tree(reader.manifest.state, lambda index: TensorRef(keys[index]))
+    saved = decode_tree(reader.manifest.state, lambda index: TensorRef(keys[index]), torch_value=torch_value)
     if within is not None:
         if not isinstance(saved, dict):
             raise CheckpointError(f"{reader.url}: the saved state is a {type(saved).__name__}, not a map of entries")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import difflib
 import os
 import warnings
 from collections.abc import Iterable
@@ -13,22 +12,23 @@ from typing import Any
 import torch
 
 from ckptfmt.errors import CheckpointError, CheckpointNotFoundError, CheckpointWarning, CorruptDataError, ManifestError
-from ckptfmt.format.dtypes import dtype_from_name, itemsize
-from ckptfmt.format.manifest import Manifest, Piece, TensorEntry
+from ckptfmt.format.dtypes import itemsize
+from ckptfmt.format.manifest import Piece, TensorEntry
 from ckptfmt.format.shards import Shard, ShardGrid
-from ckptfmt.format.signatures import TrustedKeys, trusted_public_keys
-from ckptfmt.format.tensors import byte_view, empty, finish
+from ckptfmt.format.signatures import TrustedKeys
 from ckptfmt.format.values import decode_tree
-from ckptfmt.loading.chunkio import ChunkReader
-from ckptfmt.loading.healing import ChunkHealer, HealFrom
+from ckptfmt.loading.checkpoint import Checkpoint
+from ckptfmt.loading.healing import HealFrom
 from ckptfmt.loading.load_into import load_into
 from ckptfmt.metadata.rng import apply_rng
 from ckptfmt.metadata.topology import current_rank
 from ckptfmt.repository.repository import Repository, resolve
-from ckptfmt.repository.signatures import check_signed
+from ckptfmt.tensors.dtypes import dtype_from_name
+from ckptfmt.tensors.sources import byte_view, empty, finish
+from ckptfmt.tensors.values import torch_value
 
 
-class CheckpointReader:
+class CheckpointReader(Checkpoint):
     """A committed checkpoint, opened lazily: tensors are read only when asked for.
 
     Use as a context manager, like safetensors' ``safe_open``::
@@ -51,88 +51,18 @@ class CheckpointReader:
         reader._setup(repository, name, map_location, mmap, heal_from, trusted_keys)
         return reader
 
+    torch_value = staticmethod(torch_value)
+
     def _setup(self, repository: Repository, name: str, map_location, mmap: bool, heal_from: HealFrom,
                trusted_keys: TrustedKeys) -> None:
-        self.repository, self.name = repository, name
+        Checkpoint.__init__(self, repository, name, trusted_keys=trusted_keys, heal_from=heal_from)
         self.mmap = mmap
-        self.commit = repository.commit(name)
-        #: The trusted key's signature that vouches for this checkpoint (None: no key was given to check).
-        self.signature = None if trusted_keys is None else check_signed(
-            repository, self.commit, trusted_public_keys(trusted_keys))
-        self.manifest: Manifest = repository.manifest(name, self.commit)
         self.map_location = torch.device(map_location if map_location is not None else "cpu")
-        self._index = {t.key: i for i, t in enumerate(self.manifest.tensors)}
-        self._chunks = ChunkReader(repository.storage, self.manifest.chunks, ChunkHealer.of(heal_from))
-
-    # -- context manager -----------------------------------------------------
-    def __enter__(self) -> CheckpointReader:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def close(self) -> None:
-        """Drop cached chunks and memory maps (tensors already returned stay valid); wait for the repairs
-        of chunks read from ``heal_from``."""
-        self._chunks.clear()
-        if self._chunks.healer is not None:
-            self._chunks.healer.finish()
-
-    # -- what is inside --------------------------------------------------------
-    @property
-    def url(self) -> str:
-        return self.repository.storage.describe(self.name)
-
-    @property
-    def id(self) -> str:
-        """The BLAKE3 hash of the manifest: identifies this checkpoint's exact content."""
-        return self.commit.manifest_hash
-
-    def keys(self) -> list[str]:
-        """Every tensor's key (path segments joined by '/'), in save order."""
-        return list(self._index)
-
-    def __contains__(self, key: str) -> bool:
-        return key in self._index
-
-    def tensor_info(self, key: str) -> TensorEntry:
-        """Dtype, shape, shards and chunk references of one tensor, without reading it."""
-        return self.manifest.tensors[self._lookup(key)]
-
-    def tensor_stats(self, key: str) -> dict | None:
-        """The statistics of one tensor's elements as its writer recorded them (spec 6.10: count, min,
-        max, mean, l2, absmax, nan, posinf, neginf, zeros), without reading it; None where not recorded.
-        A tensor that is the same object as an earlier one (tied weights) has that one's."""
-        entry = self.manifest.tensors[self._lookup(key)]
-        if entry.same_as is not None:
-            entry = self.manifest.tensors[entry.same_as]
-        return entry.stats
-
-    @property
-    def metadata(self) -> dict:
-        """Run metadata: step, environment, rng, topology, timing, user, and more."""
-        m = self.manifest
-        return {
-            "name": m.name,
-            "step": m.step,
-            "created_ns": m.created_ns,
-            "parent": m.parent,
-            "format_version": list(m.version),
-            "environment": m.environment,
-            "rng": m.rng,
-            "topology": m.topology,
-            "timing": m.timing,
-            "stats": m.stats,
-            "user": decode_tree(m.user),
-            "provenance": m.provenance,
-            **({"replicas": m.replicas} if m.replicas is not None else {}),
-            **({"extra": m.extra} if m.extra else {}),
-        }
 
     # -- reading -------------------------------------------------------------
     def get_tensor(self, key: str):
         """Read one tensor (only its chunks), verified, on ``map_location``."""
-        return self._read(self._lookup(key), parallel=True)
+        return self._read(self.lookup(key), parallel=True)
 
     def read_box(self, key: str, offsets: tuple[int, ...], shape: tuple[int, ...], *,
                  out: torch.Tensor | None = None) -> torch.Tensor:
@@ -145,7 +75,7 @@ class CheckpointReader:
         CPU tensor of the box's shape and the tensor's dtype) receives the box
         in place; a span that is a whole uncompressed chunk is read straight into it.
         """
-        entry = self.manifest.tensors[self._lookup(key)]
+        entry = self.manifest.tensors[self.lookup(key)]
         if entry.same_as is not None:
             entry = self.manifest.tensors[entry.same_as]
         offsets, shape = tuple(int(o) for o in offsets), tuple(int(n) for n in shape)
@@ -226,7 +156,7 @@ class CheckpointReader:
         left_out = set(without)
         wanted: Iterable[int] = range(len(tensors))
         if left_out:
-            tree = decode_tree(self.manifest.state, _Unread)
+            tree = decode_tree(self.manifest.state, _Unread, torch_value=torch_value)
             if not isinstance(tree, dict):
                 raise CheckpointError(f"{self.url}: load_state(without=...) needs a state that is a dict, "
                                       f"not a {type(tree).__name__}")
@@ -248,18 +178,10 @@ class CheckpointReader:
                 raise CheckpointError(f"{self.url}: state refers to tensor {index}, table has {len(loaded)}")
             return loaded[index]
 
-        state = decode_tree(self.manifest.state, resolve_tensor)
+        state = decode_tree(self.manifest.state, resolve_tensor, torch_value=torch_value)
         if left_out:
             state = type(state)((key, value) for key, value in state.items() if key not in left_out)
         return state
-
-    def _lookup(self, key: str) -> int:
-        try:
-            return self._index[key]
-        except KeyError:
-            near = difflib.get_close_matches(key, self._index, n=3)
-            hint = f"; did you mean {', '.join(map(repr, near))}?" if near else ""
-            raise CheckpointNotFoundError(f"{self.url}: no tensor {key!r}{hint}") from None
 
     def _read(self, index: int, parallel: bool = False):
         entry = self.manifest.tensors[index]

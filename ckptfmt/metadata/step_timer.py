@@ -23,6 +23,7 @@ reads and a dict update per phase.
 from __future__ import annotations
 
 import math
+import sys
 import threading
 import time
 import weakref
@@ -31,7 +32,6 @@ from typing import Any
 
 import blake3
 import numpy as np
-import torch
 
 from ckptfmt.errors import ManifestError
 from ckptfmt.metadata.system import DEFAULT_INTERVAL_S, SystemSampler
@@ -283,7 +283,8 @@ def _append_row(columns: dict[str, list], row: dict, rows: int) -> None:
 
 def _indices(indices: Any) -> np.ndarray:
     """Sample indices as a flat little-endian int64 array, or a clear error."""
-    if isinstance(indices, torch.Tensor):
+    torch = sys.modules.get("torch")  # a tensor of indices means torch is loaded: the timer never loads it
+    if torch is not None and isinstance(indices, torch.Tensor):
         if indices.is_floating_point() or indices.is_complex():
             raise ValueError(f"StepTimer.batch() takes integer indices, got a {indices.dtype} tensor")
         indices = indices.detach().cpu().numpy()

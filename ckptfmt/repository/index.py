@@ -36,8 +36,8 @@ from ckptfmt.errors import (
 )
 from ckptfmt.format.commit_record import CommitRecord
 from ckptfmt.format.limits import MAX_INDEX_PACK_BYTES, is_valid_name
-from ckptfmt.format.manifest import FORMAT_VERSION, check_version
-from ckptfmt.format.values import unique_map
+from ckptfmt.format.maps import unique_map
+from ckptfmt.format.version import FORMAT_VERSION, check_version
 from ckptfmt.storage.base import Storage
 
 INDEX_DIR = "_index"

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 from ckptfmt.errors import CheckpointError, StorageError
 from ckptfmt.format.layout import LEASES_DIR
-from ckptfmt.format.manifest import FORMAT_VERSION
-from ckptfmt.format.values import unique_map
+from ckptfmt.format.maps import unique_map
+from ckptfmt.format.version import FORMAT_VERSION
 from ckptfmt.repository.repository import Repository
 
 LEASE_FORMAT = "ckptfmt-lease"

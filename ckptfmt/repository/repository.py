@@ -12,7 +12,7 @@ import os
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptfmt.errors import (
     CheckpointError,
@@ -30,12 +30,15 @@ from ckptfmt.format import layout
 from ckptfmt.format.commit_record import CommitRecord
 from ckptfmt.format.hashing import check_chunk
 from ckptfmt.format.limits import MAX_COMMIT_BYTES, MAX_MARKER_BYTES, check_name, is_valid_name
-from ckptfmt.format.manifest import FORMAT_VERSION, Manifest, check_version
-from ckptfmt.format.values import unique_map
+from ckptfmt.format.maps import unique_map
+from ckptfmt.format.version import FORMAT_VERSION, check_version
 from ckptfmt.repository.index import INDEX_DIR, CommitIndex, IndexDamagedError, read_each
 from ckptfmt.repository.pointers import POINTER_SUFFIX, read_pointer
 from ckptfmt.storage.base import Storage
 from ckptfmt.storage.factory import check_no_parent_segments, open_storage
+
+if TYPE_CHECKING:
+    from ckptfmt.format.manifest import Manifest
 
 REPO_FORMAT = "ckptfmt-repository"
 #: The version of the commit index (spec 4.4) that this ckptfmt reads and keeps: the marker's ``index``.
@@ -385,6 +388,8 @@ class Repository:
         record = record or self.commit(name)
         key = layout.manifest_key(name, record.manifest_hash)
         where = self.storage.describe(key)
+
+        from ckptfmt.format.manifest import Manifest  # parsing needs numpy: only when a manifest is read (not ls)
 
         def parsed(data: bytes) -> Manifest:
             if len(data) != record.manifest_size:

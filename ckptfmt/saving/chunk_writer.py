@@ -43,13 +43,14 @@ from ckptfmt.format import codecs, layout
 from ckptfmt.format.hashing import chunk_hash
 from ckptfmt.format.limits import MAX_CHUNK_BYTES
 from ckptfmt.format.manifest import Chunk, Piece, TensorEntry, stored_key
-from ckptfmt.format.tensor_stats import StatsAccumulator, merge_stats
-from ckptfmt.format.tensors import TensorSource
+from ckptfmt.format.tensor_stats import merge_stats
 from ckptfmt.repository.repository import Repository
 from ckptfmt.saving.chunker import DEFAULT_CHUNK_SIZE, ChunkJob, ChunkPlanner, PieceRef
 from ckptfmt.saving.delta_bases import DeltaBases
 from ckptfmt.saving.hashcache import HashCache
 from ckptfmt.storage.base import Staged
+from ckptfmt.tensors.sources import TensorSource
+from ckptfmt.tensors.stats import StatsAccumulator
 
 #: Bytes copied, hashed and written at a time from the caller's memory.
 BLOCK_BYTES = 2**20

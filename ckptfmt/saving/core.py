@@ -39,15 +39,11 @@ from ckptfmt.errors import (
     UnsupportedValueError,
 )
 from ckptfmt.format import layout
-from ckptfmt.format.dtensors import is_dtensor, local_shard
 from ckptfmt.format.hashing import chunk_hash
 from ckptfmt.format.limits import MAX_KEY_BYTES, check_name
 from ckptfmt.format.manifest import MAX_RANK, Chunk, Manifest, Shard, TensorEntry, stored_key
-from ckptfmt.format.sharded import LocalShard, Sharded
-from ckptfmt.format.sharded import Shard as ShardInput
 from ckptfmt.format.signatures import SigningKey
-from ckptfmt.format.tensor_stats import PendingStats, merge_stats
-from ckptfmt.format.tensors import TensorSource, prepare
+from ckptfmt.format.tensor_stats import merge_stats
 from ckptfmt.format.tiling import check_tiling
 from ckptfmt.format.values import format_key
 from ckptfmt.metadata.environment import capture_environment, merge_environments
@@ -59,6 +55,11 @@ from ckptfmt.repository.signatures import write_signature
 from ckptfmt.saving.chunk_writer import checkpoint_stats
 from ckptfmt.saving.options import LATEST, SaveOptions
 from ckptfmt.saving.staging import memory_key
+from ckptfmt.tensors.dtensors import is_dtensor, local_shard
+from ckptfmt.tensors.sharded import LocalShard, Sharded
+from ckptfmt.tensors.sharded import Shard as ShardInput
+from ckptfmt.tensors.sources import TensorSource, prepare
+from ckptfmt.tensors.stats import PendingStats
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,6 @@ import os
 from typing import Any
 
 from ckptfmt.format.manifest import Piece, Shard, TensorEntry
-from ckptfmt.format.tensors import TensorSource
 from ckptfmt.format.values import encode_tree
 from ckptfmt.metadata.timing import PhaseTimer
 from ckptfmt.metadata.topology import current_rank, rank_entry, topology_record
@@ -29,6 +28,7 @@ from ckptfmt.saving.core import (
 from ckptfmt.saving.delta_bases import DeltaBases
 from ckptfmt.saving.hashcache import DEFAULT_CACHE
 from ckptfmt.saving.options import SaveOptions
+from ckptfmt.tensors.sources import TensorSource
 
 
 def save_single(state: Any, url: str | os.PathLike, options: SaveOptions, captured: Captured) -> str:

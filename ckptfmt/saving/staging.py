@@ -20,11 +20,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from ckptfmt.format.dtensors import is_dtensor, local_shard
 from ckptfmt.format.per_rank import PerRank
-from ckptfmt.format.sharded import LocalShard, Shard, Sharded
-from ckptfmt.format.tensor_stats import PendingStats, collect
 from ckptfmt.format.values import format_key
+from ckptfmt.tensors.dtensors import is_dtensor, local_shard
+from ckptfmt.tensors.sharded import LocalShard, Shard, Sharded
+from ckptfmt.tensors.stats import PendingStats, collect
 
 
 def memory_key(tensor: torch.Tensor) -> tuple:

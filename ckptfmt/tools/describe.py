@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 from ckptfmt.format.shards import chunk_rows
-from ckptfmt.tools.formatting import counted, human_bytes, human_time, number, seconds, short
+from ckptfmt.tools.formatting import counted, human_bytes, human_time, number, seconds, short, text
 
 
 def field(value: Any, *path: str) -> Any:
@@ -43,11 +43,6 @@ def real(value: Any) -> float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
     return float(value)
-
-
-def text(value: Any, default: str = "-") -> str:
-    """A metadata leaf as text; None (absent) as ``default``."""
-    return default if value is None else short(value)
 
 
 def _pairs(value: Any) -> str:

@@ -12,17 +12,16 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
+from ckptfmt.format.dtypes import numeric
 from ckptfmt.format.hashing import chunk_hash
 from ckptfmt.format.manifest import Manifest, TensorEntry
 from ckptfmt.format.values import decode_tree, format_key
-from ckptfmt.loading.reader import CheckpointReader
-from ckptfmt.loading.reader import open as open_checkpoint
+from ckptfmt.loading.checkpoint import Checkpoint
 
-_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+if TYPE_CHECKING:
+    import numpy as np
 
 
 @dataclass
@@ -84,31 +83,49 @@ def _signature(entry: TensorEntry, manifest: Manifest) -> tuple:
     )
 
 
-def tensor_difference(a, b) -> tuple[float, float, float]:
-    """(max |a-b|, ||a-b|| / ||a||, fraction of elements whose bits differ) for same-shape tensors or arrays."""
-    a, b = torch.as_tensor(a), torch.as_tensor(b)
-    if a.numel() == 0:
+def array_difference(a: np.ndarray, b: np.ndarray) -> tuple[float, float, float]:
+    """(max |a-b|, ||a-b|| / ||a||, fraction of elements whose bits differ) of two same-shape numeric arrays."""
+    import numpy as np  # measuring moved tensors: the manifests alone need no numpy
+
+    if a.size == 0:
         return 0.0, 0.0, 0.0
-    width = a.element_size()
-    if a.dtype == b.dtype and width in _INT_VIEW and not a.is_complex():
-        differs = a.reshape(-1).view(_INT_VIEW[width]) != b.reshape(-1).view(_INT_VIEW[width])
+    a, b = a.reshape(-1), b.reshape(-1)
+    if a.dtype == b.dtype and a.dtype.kind in "biuf" and a.dtype.itemsize in (1, 2, 4, 8):
+        bits = np.dtype(f"u{a.dtype.itemsize}")
+        frac = float(np.mean(a.view(bits) != b.view(bits)))  # bit for bit: NaN equals NaN, -0.0 is not 0.0
     else:
-        differs = a.reshape(-1) != b.reshape(-1)
-    frac = differs.double().mean().item()
-    da = a.to(torch.complex128 if a.is_complex() else torch.float64)
-    db = b.to(torch.complex128 if b.is_complex() else torch.float64)
-    delta = (da - db).abs()
-    norm = da.abs().pow(2).sum().sqrt().item()
-    change = delta.pow(2).sum().sqrt().item()
+        frac = float(np.mean(a != b))
+    wide = np.complex128 if np.iscomplexobj(a) or np.iscomplexobj(b) else np.float64
+    with np.errstate(invalid="ignore", over="ignore"):  # inf - inf is NaN, as it is in the figures
+        da, db = a.astype(wide), b.astype(wide)
+        delta = np.abs(da - db)
+        norm = float(np.sqrt(np.sum(np.abs(da) ** 2)))
+        change = float(np.sqrt(np.sum(delta**2)))
     rel = change / norm if norm else (0.0 if change == 0 else float("inf"))
-    return delta.max().item(), rel, frac
+    return float(delta.max()), rel, frac
 
 
-def diff(url_a: str | os.PathLike | CheckpointReader, url_b: str | os.PathLike | CheckpointReader, *,
+def _measure(a: Checkpoint, b: Checkpoint, key: str,
+             dtypes: tuple[str | None, str | None]) -> tuple[float, float, float]:
+    """How far tensor ``key`` moved from ``a`` to ``b``: read as numpy arrays, no torch; the dtypes numpy
+    lacks (float8, float4, complex32) through torch, loaded then."""
+    left, right = (numeric(c.read_array(key), str(dtype)) for c, dtype in ((a, dtypes[0]), (b, dtypes[1])))
+    if left is not None and right is not None:
+        return array_difference(left, right)
+    import torch
+
+    from ckptfmt.loading.reader import CheckpointReader
+
+    tensors = [CheckpointReader.from_parts(c.repository, c.name).get_tensor(key) for c in (a, b)]
+    return array_difference(*(t.detach().cpu().to(torch.complex128 if t.is_complex() else torch.float64).numpy()
+                              for t in tensors))
+
+
+def diff(url_a: str | os.PathLike | Checkpoint, url_b: str | os.PathLike | Checkpoint, *,
          storage_options: dict | None = None, measure: bool = True) -> DiffReport:
     """Compare two checkpoints. ``measure=False`` skips reading changed tensors."""
-    a = url_a if isinstance(url_a, CheckpointReader) else open_checkpoint(url_a, storage_options=storage_options)
-    b = url_b if isinstance(url_b, CheckpointReader) else open_checkpoint(url_b, storage_options=storage_options)
+    a = url_a if isinstance(url_a, Checkpoint) else Checkpoint.open(url_a, storage_options=storage_options)
+    b = url_b if isinstance(url_b, Checkpoint) else Checkpoint.open(url_b, storage_options=storage_options)
     report = DiffReport(a.url, b.url)
     keys_b = set(b.keys())
     for key in a.keys():
@@ -121,7 +138,7 @@ def diff(url_a: str | os.PathLike | CheckpointReader, url_b: str | os.PathLike |
         if _signature(ea, a.manifest) == _signature(eb, b.manifest):
             item.status = "unchanged"
         elif measure and not item.layout_changed:
-            item.max_abs_diff, item.rel_l2, item.frac_changed = tensor_difference(a.get_tensor(key), b.get_tensor(key))
+            item.max_abs_diff, item.rel_l2, item.frac_changed = _measure(a, b, key, item.dtype)
             if item.frac_changed == 0:  # same bytes in a different chunk (e.g. a pack of small tensors)
                 item.status = "unchanged"
         report.tensors.append(item)
@@ -201,9 +218,9 @@ def same_value(a: Any, b: Any) -> bool:
     return bool(a == b) or (a != a and b != b)
 
 
-def metadata_difference(a: CheckpointReader, b: CheckpointReader) -> list[tuple[str, Any, Any]]:
+def metadata_difference(a: Checkpoint, b: Checkpoint) -> list[tuple[str, Any, Any]]:
     """Differing metadata leaves as (dotted path, value in A, value in B)."""
-    def comparable(reader: CheckpointReader) -> dict:
+    def comparable(reader: Checkpoint) -> dict:
         m = reader.manifest
         return {
             "step": m.step,

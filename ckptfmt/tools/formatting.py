@@ -74,6 +74,11 @@ def seconds(value: object) -> str:
     return f"{real * 1000:.1f} ms" if real < 10 else f"{real:.1f} s"
 
 
+def text(value: Any, default: str = "-") -> str:
+    """A metadata leaf as text; None (absent) as ``default``."""
+    return default if value is None else short(value)
+
+
 def words(value: Any) -> str:
     """A value as a reader says it, not as Python prints it: yes/no, - for nothing, NaN and Inf, lists and
     maps spelt out (the report's tables, compare's a and b in the CLI and the TUI)."""
@@ -102,4 +107,4 @@ def counted(n: int, noun: str, plural: str | None = None) -> str:
 
 
 __all__ = ["counted", "human_bytes", "human_time", "number", "seconds", "shape_text", "short", "step_range",
-           "words"]
+           "text", "words"]

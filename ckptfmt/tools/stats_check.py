@@ -24,11 +24,13 @@ from typing import Any
 import torch
 
 from ckptfmt.errors import CheckpointError
-from ckptfmt.format.dtypes import DTYPES, itemsize
+from ckptfmt.format.dtypes import itemsize
 from ckptfmt.format.manifest import Manifest, TensorEntry, stored_key
-from ckptfmt.format.tensor_stats import StatsAccumulator, merge_stats
+from ckptfmt.format.tensor_stats import merge_stats
 from ckptfmt.loading.chunkio import ChunkReader
 from ckptfmt.repository.repository import Repository
+from ckptfmt.tensors.dtypes import DTYPES
+from ckptfmt.tensors.stats import StatsAccumulator
 
 #: How far float64 sums of the same elements in another order may drift (see the module's docstring).
 ROUNDING = 1e-9

@@ -14,6 +14,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from fsspec.callbacks import Callback, NoOpCallback
 
@@ -32,7 +33,9 @@ from ckptfmt.storage.budget import ByteBudget
 from ckptfmt.storage.factory import open_storage
 from ckptfmt.tools import describe
 from ckptfmt.tools.formatting import counted
-from ckptfmt.tools.stats_check import StatsCheck
+
+if TYPE_CHECKING:
+    from ckptfmt.tools.stats_check import StatsCheck
 
 
 @dataclass(frozen=True)
@@ -133,7 +136,7 @@ def verify(url: str | os.PathLike, *, storage_options: dict | None = None,
                                    describe.records((manifest.replicas or {}).get("divergent"))]
             report.warnings.append(f"{name}: the copies of replicated tensors differed between ranks when it was "
                                    f"saved (the majority's was stored): {'; '.join(divergent)}")
-    check = StatsCheck(manifests) if stats else None
+    check = _stats_check(manifests) if stats else None
     check_chunks(repo, manifests, report, callback, workers, cancel, check)
     if check is not None and not report.cancelled:
         for wrong in check.finish(repo):
@@ -167,6 +170,13 @@ def _report_lost_commits(repo: Repository, ignored: list[str], manifests: dict[s
     if others:
         report.warnings.append(f"ignored {counted(len(others), 'entry', 'entries')} that are not committed "
                                f"checkpoints (foreign files, invalid names or unfinished saves): {', '.join(others)}")
+
+
+def _stats_check(manifests: dict[str, Manifest]) -> StatsCheck:
+    """The statistics check of ``verify --stats``: it reduces tensors, so torch is loaded then, and only then."""
+    from ckptfmt.tools.stats_check import StatsCheck
+
+    return StatsCheck(manifests)
 
 
 def _is_set(event: threading.Event | None) -> bool:

@@ -887,7 +887,7 @@ def _stats_of_set(fields: list[str], count: int) -> dict:
 @pytest.fixture(scope="module")
 def every_dtype(tmp_path_factory):
     """A checkpoint with a tensor of 8 zero bytes of every dtype this torch has, keyed by the dtype's name."""
-    from ckptfmt.format.dtypes import DTYPES
+    from ckptfmt.tensors.dtypes import DTYPES
 
     repo = tmp_path_factory.mktemp("dtypes") / "repo"
     state = {name: torch.zeros(16, dtype=torch.uint8).view(dtype) for name, dtype in DTYPES.items()}
@@ -896,7 +896,8 @@ def every_dtype(tmp_path_factory):
 
 
 def test_the_statistics_sets_by_dtype_are_the_table_of_section_6_10(every_dtype):
-    from ckptfmt.format.tensor_stats import COUNT_FIELDS, FLOAT_FIELDS, INTEGER_FIELDS, fields_for
+    from ckptfmt.format.tensor_stats import COUNT_FIELDS, FLOAT_FIELDS, INTEGER_FIELDS
+    from ckptfmt.tensors.stats import fields_for
 
     sets, accepted = _stat_sets(), _sets_by_dtype()
     assert sets == {"float": list(FLOAT_FIELDS), "integer": list(INTEGER_FIELDS), "count": list(COUNT_FIELDS)}

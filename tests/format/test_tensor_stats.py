@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from ckptfmt.format.tensor_stats import FLOAT_FIELDS, INTEGER_FIELDS, merge_stats, tensor_stats
+from ckptfmt.format.tensor_stats import FLOAT_FIELDS, INTEGER_FIELDS, merge_stats
+from ckptfmt.tensors.stats import tensor_stats
 from tests.support.tensor_values import FLOAT_DTYPES, INTEGER_DTYPES, special
 from tests.support.tensor_values import assert_stats_close as assert_close
 from tests.support.tensor_values import expected_stats as expected_float
@@ -109,7 +110,7 @@ def test_memory_stays_bounded_by_the_block_whatever_the_tensor():
 def test_statistics_reduced_on_the_device_equal_numpys(dtype, monkeypatch):
     """Run here on the CPU device: the reductions are the ones a CUDA device runs (no host pass, no
     branch on the data), in blocks that do not divide the tensor."""
-    from ckptfmt.format import tensor_stats as module
+    from ckptfmt.tensors import stats as module
 
     monkeypatch.setattr(module, "DEVICE_BLOCK", 333)
     generator = torch.Generator().manual_seed(7)
@@ -123,7 +124,7 @@ def test_statistics_reduced_on_the_device_equal_numpys(dtype, monkeypatch):
 
 
 def test_the_device_path_handles_extremes_emptiness_and_collects_in_one_transfer():
-    from ckptfmt.format.tensor_stats import PendingStats, collect
+    from ckptfmt.tensors.stats import PendingStats, collect
 
     big = torch.tensor([1.7e308, 1.6e308, -0.9e308, 1.5e308, 1e200, 3e-300] * 1000, dtype=torch.float64)
     large = torch.tensor([3e200, -4e200] * 50, dtype=torch.float64)
@@ -150,7 +151,7 @@ def _same_float(a: float, b: float) -> bool:
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e5m2],
                          ids=str)
 def test_a_zero_extreme_has_the_sign_spec_6_10_gives_it_whatever_the_order_or_the_cut(dtype):
-    from ckptfmt.format.tensor_stats import PendingStats
+    from ckptfmt.tensors.stats import PendingStats
 
     for elements, low, high in SIGNED_ZERO_CASES:
         for order in (elements, elements[::-1]):

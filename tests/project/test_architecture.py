@@ -23,6 +23,7 @@ LAYERS = [
     {"format"},
     {"storage"},
     {"repository"},
+    {"tensors"},  # the torch side of the line: nothing below it imports torch
     {"metadata"},
     {"loading"},
     {"saving", "distributed"},

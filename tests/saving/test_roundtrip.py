@@ -14,7 +14,7 @@ from torch import nn
 
 import ckptfmt
 from ckptfmt import CheckpointExistsError, CheckpointReader, UnsupportedValueError
-from ckptfmt.format.dtypes import DTYPES
+from ckptfmt.tensors.dtypes import DTYPES
 from tests.support.helpers import assert_same, assert_tensor_exact, chunk_keys, tensor_chunk_keys
 
 # -- a real training state -------------------------------------------------------

@@ -14,10 +14,10 @@ import torch
 import ckptfmt
 from ckptfmt.cli import main
 from ckptfmt.errors import ManifestError
-from ckptfmt.format import tensor_stats as stats_module
 from ckptfmt.saving import single
 from ckptfmt.saving.hashcache import HashCache
 from ckptfmt.storage.factory import open_storage
+from ckptfmt.tensors import stats as stats_module
 from tests.support.helpers import rewrite_manifest
 from tests.support.tensor_values import FLOAT_DTYPES, INTEGER_DTYPES, assert_stats_close, expected_stats, special
 
@@ -281,7 +281,7 @@ def test_statistics_taken_on_the_device_while_staging_are_stored_without_a_host_
 
 
 def tensor_stats_of(tensor: torch.Tensor) -> dict:
-    from ckptfmt.format.tensor_stats import PendingStats
+    from ckptfmt.tensors.stats import PendingStats
 
     return PendingStats(tensor).result()
 

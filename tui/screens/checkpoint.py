@@ -1,7 +1,7 @@
 """The checkpoint screen: the tensor tree with a detail pane, and one tab per kind of metadata.
 
 Statistics of a tensor are computed when it is selected (Enter), in a worker
-that reads only that tensor's chunks through ``CheckpointReader.get_tensor``.
+that reads only that tensor's chunks through ``Checkpoint.get_tensor``.
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ from textual.timer import Timer
 from textual.widgets import Footer, Header, Input, Static, TabbedContent, TabPane, Tree
 from textual.worker import get_current_worker
 
+from ckptfmt.format.dtypes import numeric
 from ckptfmt.format.shards import chunk_rows
-from ckptfmt.loading.reader import CheckpointReader
+from ckptfmt.loading.checkpoint import Checkpoint
 from ckptfmt.tools import describe
 from ckptfmt.tui.screens.base import TAB_BINDINGS, ErrorPanel, WorkerScreen
 from ckptfmt.tui.screens.verify import VerifyScreen
@@ -94,7 +95,7 @@ class CheckpointScreen(WorkerScreen):
         *TAB_BINDINGS,
     ]
 
-    def __init__(self, reader: CheckpointReader, url: str | None = None) -> None:
+    def __init__(self, reader: Checkpoint, url: str | None = None) -> None:
         super().__init__()
         self.reader = reader
         self.url = url or reader.url
@@ -186,7 +187,7 @@ class CheckpointScreen(WorkerScreen):
     @work(thread=True, exclusive=True, exit_on_error=False, group="stats")
     def compute_stats(self, key: str) -> None:
         """Read one tensor (only its chunks, verified) and summarise it, off the UI thread."""
-        stats = tensor_statistics(self.reader.get_tensor(key))
+        stats = tensor_statistics(values_of(self.reader, key))
         if not get_current_worker().is_cancelled:
             self.app.call_from_thread(self._show_stats, key, stats)
 
@@ -252,3 +253,14 @@ class CheckpointScreen(WorkerScreen):
 
     def on_unmount(self) -> None:
         self.reader.close()
+
+
+def values_of(checkpoint: Checkpoint, key: str):
+    """Tensor ``key``'s values as a numpy array (no torch); the dtypes numpy lacks (float8, float4,
+    complex32) through torch, loaded then."""
+    values = numeric(checkpoint.read_array(key), checkpoint.tensor_info(key).dtype)
+    if values is not None:
+        return values
+    from ckptfmt.loading.reader import CheckpointReader
+
+    return CheckpointReader.from_parts(checkpoint.repository, checkpoint.name).get_tensor(key)

@@ -132,7 +132,9 @@ class DiffScreen(WorkerScreen):
                           f"{counted(len(report.values), 'value')} and "
                           f"{counted(len(report.metadata), 'metadata field')} differ")
         )
-        self._fill()
+        # After the next refresh: a diff that comes back before the screen's first layout (a fast one)
+        # would fit the tables to a width the screen does not have yet.
+        self.call_after_refresh(self._fill)
 
     def on_resize(self, event: events.Resize) -> None:
         """Fit the keys to the new width."""

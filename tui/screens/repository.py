@@ -8,7 +8,7 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.widgets import DataTable, Footer, Header, Static
 
-from ckptfmt.loading.reader import CheckpointReader
+from ckptfmt.loading.checkpoint import Checkpoint
 from ckptfmt.repository.repository import CommitRecord, Repository
 from ckptfmt.tools import describe
 from ckptfmt.tui.screens.base import ErrorPanel, RowTable, WorkerScreen
@@ -147,7 +147,7 @@ class RepositoryScreen(WorkerScreen):
     @work(thread=True, exclusive=True, exit_on_error=False, group="open")
     def open_checkpoint(self, name: str) -> None:
         """Read the checkpoint's manifest off the UI thread, then show it."""
-        reader = CheckpointReader.from_parts(self.repo, name)
+        reader = Checkpoint(self.repo, name)
         self.app.call_from_thread(self.app.push_screen, CheckpointScreen(reader, self.checkpoint_url(name)))
 
     def action_mark(self) -> None:

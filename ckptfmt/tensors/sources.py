@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from ckptfmt.errors import UnsupportedValueError
-from ckptfmt.format.dtypes import dtype_from_name, dtype_name
+from ckptfmt.tensors.dtypes import dtype_from_name, dtype_name
 
 if sys.byteorder != "little":  # pragma: no cover - every supported platform is little-endian
     raise ImportError("ckptfmt stores little-endian bytes and supports little-endian hosts only")

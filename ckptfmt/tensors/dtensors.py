@@ -17,7 +17,7 @@ import sys
 import torch
 
 from ckptfmt.errors import UnsupportedValueError
-from ckptfmt.format.sharded import LocalShard
+from ckptfmt.tensors.sharded import LocalShard
 
 
 def is_dtensor(value: object) -> bool:

@@ -3,12 +3,13 @@
 Converters (DCP, DeepSpeed) build ``Sharded`` so a checkpoint keeps each shard
 with its offsets and owning rank (spec 6.5) instead of a reassembled copy;
 ``ckptfmt.load`` returns the assembled tensor. ``LocalShard`` is one rank's part
-of a DTensor in a collective save (made by ckptfmt/distributed/dtensors.py).
+of a DTensor in a collective save (made by ckptfmt/tensors/dtensors.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -30,6 +31,9 @@ class Shard:
 class Sharded:
     """A tensor of global ``shape`` made of ``shards`` that tile it exactly (no gaps, no overlaps)."""
 
+    #: A value-tree leaf that goes to the tensor table (``format.values.is_tensor_leaf``).
+    TENSOR_LEAF: ClassVar[bool] = True
+
     shape: tuple[int, ...]
     shards: tuple[Shard, ...]
 
@@ -41,6 +45,9 @@ class Sharded:
 @dataclass(frozen=True)
 class LocalShard:
     """This rank's part of a DTensor: its data and where it lies in the global tensor."""
+
+    #: A value-tree leaf that goes to the tensor table (``format.values.is_tensor_leaf``).
+    TENSOR_LEAF: ClassVar[bool] = True
 
     tensor: torch.Tensor
     offsets: tuple[int, ...]

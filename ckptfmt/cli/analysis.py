@@ -1,0 +1,148 @@
+"""The analysis commands that need ``ckptfmt.analytics`` (pyarrow): ``analytics export``, ``stragglers``,
+``compare`` and ``report``."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from rich.console import Console
+
+from ckptfmt.cli.shared import found
+from ckptfmt.errors import CheckpointError
+from ckptfmt.tools.formatting import counted, number, seconds, text, words
+from ckptfmt.tools.output import KEY, NAME, TEXT, Column, Output
+
+
+def analytics_export(args, console: Console) -> int:
+    analytics = _analytics()
+    built = analytics.tables(args.repo)
+    paths = analytics.export(built, args.out, args.format)
+    columns = [Column("table"), Column("rows", right=True), Column("columns", right=True), Column("file", NAME)]
+    Output(console).table(f"{args.repo}: {counted(built['checkpoints'].num_rows, 'checkpoint')}", columns, (
+        (name, number(data.num_rows), number(data.num_columns), str(path))
+        for (name, data), path in zip(built.items(), paths)))
+    return 0
+
+
+def stragglers(args, console: Console) -> int:
+    analytics = _analytics()
+    thresholds = _thresholds(args)
+    report = analytics.stragglers(args.repo, thresholds=thresholds, explain=args.explain)
+    if args.json:
+        Output(console).json(report)
+        return found(report["stragglers"] or report["slow_saves"])
+    out = Output(console)
+    out.line(f"{args.repo}: {counted(report['steps'], 'step')} of {counted(report['ranks'], 'rank')}")
+    if report["stragglers"]:
+        columns = [Column("rank", right=True), Column("host", NAME), Column("kind"), Column("steps", TEXT),
+                   Column("phase", NAME), *(Column(header, right=True) for header in ("delay", "worst", "x median"))]
+        out.table(f"{counted(len(report['stragglers']), 'straggler')} (delays in a rank's own phases, beyond the "
+                  "jitter)", columns, (
+                      (str(s["rank"]), text(s["host"]), s["kind"], analytics.episode_ranges(s["episodes"]),
+                       s["phase"], seconds(s["delay_s"]), seconds(s["max_delay_s"]), _times(s["ratio"]))
+                      for s in report["stragglers"]))
+    else:
+        out.line(f"no stragglers found: no rank was delayed in its own phases by {seconds(thresholds.floor_s)} "
+                 "or more beyond the jitter")
+    if report["hosts"]:
+        columns = [Column("host", KEY), Column("slow ranks", TEXT), Column("steps", TEXT),
+                   Column("delay", right=True)]
+        out.table("hosts with several slow ranks at once", columns, (
+            (text(h["host"]), f"{', '.join(map(str, h['ranks']))} of {h['of_ranks']}", _ranges(h["steps"]),
+             seconds(h["delay_s"])) for h in report["hosts"]))
+    if report["slow_saves"]:
+        columns = [Column("rank", right=True), Column("host", NAME), Column("checkpoints", TEXT),
+                   Column("phases", TEXT), Column("delay", right=True), Column("x median", right=True)]
+        out.table("slow saves (a rank's own save phases lagging the others')", columns, (
+            (str(e["rank"]), text(e["host"]), ", ".join(e["checkpoints"]), ", ".join(sorted(set(e["phases"]))),
+             seconds(e["delay_s"]), _times(e["ratio"])) for e in report["slow_saves"]))
+    if any(entry["ratio"] is None for entry in report["stragglers"] + report["slow_saves"]):
+        out.line(f"x median {_times(None)}: the phase's median is too short to compare with")
+    if args.explain and report["explanations"]:
+        columns = [Column("rank", right=True), Column("steps", right=True), Column("cause", NAME),
+                   Column("evidence", TEXT), Column("what to do", TEXT)]
+        out.table("why they straggled", columns, (
+            (str(e["rank"]), _ranges(list(range(e["first_step"], e["last_step"] + 1))), c["cause"], c["evidence"],
+             c["action"]) for e in report["explanations"] for c in e["causes"]))
+    return found(report["stragglers"] or report["slow_saves"])
+
+
+def _thresholds(args):
+    """The straggler thresholds the command line asks for."""
+    thresholds = _analytics().Thresholds()
+    if args.min_delay is None:
+        return thresholds
+    if not args.min_delay >= 0:
+        raise CheckpointError(f"--min-delay must be 0 or more seconds, not {args.min_delay}")
+    return dataclasses.replace(thresholds, floor_s=args.min_delay)
+
+
+def report(args, console: Console) -> int:
+    if args.html is None and args.png is None:
+        raise CheckpointError("say where the report goes: --html OUT.html and/or --png DIR")
+    _analytics()
+    try:
+        from ckptfmt.analytics.report import report as write_report
+    except ImportError as exc:
+        raise CheckpointError(f"ckptfmt report needs matplotlib ({exc}): pip install 'ckptfmt[analytics]'") from None
+    made = write_report(args.repo, html_path=args.html, png_dir=args.png, compare_with=args.compare,
+                        thresholds=_thresholds(args), deep=args.deep)
+    out = Output(console)
+    for where in (args.html, args.png):
+        if where is not None:
+            out.line(f"wrote {where} ({counted(len(made['figures']), 'figure')}: {', '.join(made['figures'])})")
+    return 0
+
+
+def compare(args, console: Console) -> int:
+    report = _analytics().compare(args.a, args.b, atol=args.atol, rtol=args.rtol)
+    if args.json:
+        Output(console).json(report)
+        return found(not report["identical"])
+    out = Output(console)
+    tolerance = f" within atol {args.atol:g}, rtol {args.rtol:g}" if args.atol or args.rtol else " bit for bit"
+    verdict = "identical" + tolerance if report["identical"] else "different"
+    out.line(f"{args.a} vs {args.b}: {counted(len(report['checkpoints']), 'checkpoint')} at common steps; "
+             f"the runs are {verdict}")
+    for side, key in (("a", "steps_only_in_a"), ("b", "steps_only_in_b")):
+        if report[key]:
+            out.line(f"steps saved only in {side}: {_ranges(report[key])}")
+    divergence = report["first_divergence"]
+    if divergence:
+        amount = "" if divergence["max_abs"] is None else \
+            f": max abs difference {divergence['max_abs']:.3g}, max relative {divergence['max_rel']:.3g}"
+        out.line(f"first divergence: step {divergence['step']} ({divergence['checkpoint']}), tensor "
+                 f"{divergence['tensor']}{amount}")
+    columns = [Column("field", KEY), Column("kind"), Column("rank", right=True), Column("a", TEXT),
+               Column("b", TEXT), Column("from step", right=True), Column("evidence", TEXT)]
+    for explains, title in ((True, "that could explain it"), (False, "that cannot explain it")):
+        shown = [d for d in report["differences"] if d.get("explains", True) is explains]
+        if shown:
+            out.table(f"{counted(len(shown), 'recorded difference')} {title}", columns, (
+                (d["field"], d["kind"], words(d.get("rank")), words(d["a"]), words(d["b"]), words(d["first_step"]),
+                 words(d.get("evidence"))) for d in shown))
+    return found(not report["identical"])
+
+
+def _ranges(steps: list[int]) -> str:
+    """Step numbers as ranges: 3, 5-9."""
+    runs: list[list[int]] = []
+    for step in steps:
+        if runs and step == runs[-1][1] + 1:
+            runs[-1][1] = step
+        else:
+            runs.append([step, step])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def _times(ratio: float | None) -> str:
+    return "-" if ratio is None else f"{ratio:.1f}x"
+
+
+def _analytics():
+    """ckptfmt.analytics, or a one-line error naming the extra that brings pyarrow."""
+    try:
+        from ckptfmt import analytics
+    except ImportError as exc:
+        raise CheckpointError(f"ckptfmt analytics needs pyarrow ({exc}): pip install 'ckptfmt[analytics]'") from None
+    return analytics

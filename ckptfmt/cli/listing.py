@@ -1,0 +1,38 @@
+"""``ckptfmt ls``: a repository's checkpoints, from their commit records alone: no manifest is parsed, so
+neither numpy nor torch is loaded."""
+
+from __future__ import annotations
+
+from rich.console import Console
+
+from ckptfmt.repository.pointers import POINTER_SUFFIX, pointers
+from ckptfmt.repository.repository import Repository
+from ckptfmt.tools.formatting import counted, human_bytes, human_time, text
+from ckptfmt.tools.output import KEY, NAME, Column, Output
+
+
+def ls(args, console: Console) -> int:
+    repo = Repository.open(args.repo)
+    records = repo.commits()
+    names = {r.name for r in records}
+    pointed = pointers(repo.storage, [e for e in repo.storage.list("") if e.endswith(POINTER_SUFFIX)])
+    if args.json:
+        Output(console).json([{
+            **r.stats, "name": r.name, "step": r.step, "created_ns": r.created_ns, "parent": r.parent,
+            "parent_exists": r.parent is None or r.parent in names, "manifest": r.manifest_hash,
+            "pointers": pointed.get(r.name, []),
+        } for r in records])
+        return 0
+    columns = [Column("name", KEY), Column("step", right=True), Column("created"), Column("size", right=True),
+               Column("new bytes", right=True), Column("parent", NAME)]
+    Output(console).table(f"{repo.url}: {counted(len(records), 'checkpoint')}", columns, (
+        (_listed_name(r.name, pointed), text(r.step), human_time(r.created_ns),
+         human_bytes(r.stats.get("stored_bytes")), human_bytes(r.stats.get("new_bytes")),
+         "-" if r.parent is None else r.parent if r.parent in names else f"{r.parent} (removed)")
+        for r in records))
+    return 0
+
+
+def _listed_name(name: str, pointed: dict[str, list[str]]) -> str:
+    """A checkpoint's name, with the paths that point at it (Lightning's ``last.ckpt``): 'last-4 (last.ckpt)'."""
+    return f"{name} ({', '.join(pointed[name])})" if name in pointed else name
