@@ -49,8 +49,10 @@ from ckptfmt.saving.core import (
     refuse_taken_name,
     resolve_parent,
 )
+from ckptfmt.saving.delta_bases import DeltaBases
 from ckptfmt.saving.hashcache import DEFAULT_CACHE
 from ckptfmt.saving.options import SaveOptions
+from ckptfmt.saving.plan import PlannedTensor
 from ckptfmt.tensors.sources import TensorSource
 
 
@@ -71,7 +73,7 @@ def collective_save(state: Any, url: str | os.PathLike, group, options: SaveOpti
 
     with timer.phase("prepare"):
         sources: list[TensorSource] = []
-        entries: list[dict] = []
+        entries: list[PlannedTensor] = []
         collector = TensorCollector(sources, entries, collective=True, frozen=captured.frozen,
                                     stats=options.tensor_stats, device_stats=captured.device_stats)
         def prepare() -> dict:
@@ -87,13 +89,13 @@ def collective_save(state: Any, url: str | os.PathLike, group, options: SaveOpti
             if decision and "ok" in decision:  # the coordinator holds the save lease until the outcome
                 held.callback(decision["ok"].lease.release)
             decision = ranks.broadcast(decision)
-        return _write_and_commit(decision, own_failure or failure, url, name, repo_url, sources, timer, ranks,
-                                 options, captured)
+        return _write_and_commit(decision, own_failure or failure, url, name, repo_url, sources, entries, timer,
+                                 ranks, options, captured)
 
 
 def _write_and_commit(decision: dict, failure: Failure | None, url: str, name: str, repo_url: str,
-                      sources: list[TensorSource], timer: PhaseTimer, ranks: RankGroup, options: SaveOptions,
-                      captured: Captured) -> str:
+                      sources: list[TensorSource], entries: list[PlannedTensor], timer: PhaseTimer,
+                      ranks: RankGroup, options: SaveOptions, captured: Captured) -> str:
     """Steps 2 and 3 of the protocol, once the plan is broadcast."""
     _raise_failures(decision, url, failure)
     agreed: Plan = decision["ok"]
@@ -108,10 +110,12 @@ def _write_and_commit(decision: dict, failure: Failure | None, url: str, name: s
 
     def write() -> dict:
         repo = agreed.repo or Repository.open(repo_url, options.storage_options)
-        mine = [sources[i] for i in agreed.assigned[ranks.rank]]
+        assigned = agreed.assigned[ranks.rank]
+        mine = [sources[i] for i in assigned]
+        bases = _delta_bases(repo, agreed.parent_name, entries, sources, assigned, options)
         stored = store_sources(repo, mine, compression=options.compression, parent_keys=agreed.parent_keys,
                                cache=DEFAULT_CACHE, chunk_size=options.chunk_size,
-                               workers=options.chunk_workers, timer=timer, stats=options.tensor_stats)
+                               workers=options.chunk_workers, timer=timer, stats=options.tensor_stats, bases=bases)
         return {"stored": stored, **rank_record(ranks.rank, timer, _rank_topology(ranks), captured)}
     written, own_failure = _attempt(write)
     with timer.phase("wait_ranks"):
@@ -136,6 +140,15 @@ def _write_and_commit(decision: dict, failure: Failure | None, url: str, name: s
         raise
     _raise_failures(outcome, url, own_failure or failure)
     return outcome["ok"]
+
+
+def _delta_bases(repo: Repository, parent: str | None, entries: list[PlannedTensor], sources: list[TensorSource],
+                 assigned: list[int], options: SaveOptions) -> DeltaBases | None:
+    """The parent's chunks this rank's boxes may be stored as deltas against (``compression`` delta-zstd or
+    auto): each rank reads the parent's manifest itself; the plan carries only its name."""
+    if parent is None or options.compression not in ("delta-zstd", "auto"):
+        return None
+    return DeltaBases.for_entries(repo, repo.manifest(parent), entries, [s.shape for s in sources], assigned)
 
 
 # -- messages between ranks --------------------------------------------------------------
@@ -255,10 +268,10 @@ def _decide(plans: list[dict], repo_url: str, name: str, options: SaveOptions) -
 
 def _plan(plans: list[dict], repo: Repository, lease: Lease, name: str, options: SaveOptions) -> Plan:
     refuse_taken_name(repo, name)
-    parent_name, parent_keys, _ = resolve_parent(repo, options.parent)  # no deltas: see saving/delta_bases.py
+    parent_name, parent_keys, _ = resolve_parent(repo, options.parent)
     trees = []
     for rank, plan in enumerate(plans):
-        keys = [entry["key"] for entry in plan["entries"]]
+        keys = [entry.key for entry in plan["entries"]]
         trees.append((rank, decode_tree(plan["state"], functools.partial(_ref, keys))))
     merged, differences = merge_states(trees)
     order: dict[str, int] = {}
@@ -281,17 +294,17 @@ def _ref(keys: list[str], index: int) -> TensorRef:
 
 def _tensors(plans: list[dict], order: list[str]) -> list[_Tensor]:
     """The tensor table in state order: each key's dtype and shape (ranks must agree) and data boxes."""
-    holding: dict[str, list[tuple[int, dict]]] = {}
+    holding: dict[str, list[tuple[int, PlannedTensor]]] = {}
     for rank, plan in enumerate(plans):
         for entry in plan["entries"]:
-            holding.setdefault(entry["key"], []).append((rank, entry))
+            holding.setdefault(entry.key, []).append((rank, entry))
     disagreements = []
     for key in order:
         first_rank, first = holding[key][0]
         for rank, entry in holding[key][1:]:
-            if (entry["dtype"], tuple(entry["shape"])) != (first["dtype"], tuple(first["shape"])):
-                disagreements.append(f"{key!r} is {first['dtype']} {list(first['shape'])} on rank {first_rank}, "
-                                     f"{entry['dtype']} {list(entry['shape'])} on rank {rank}")
+            if (entry.dtype, tuple(entry.shape)) != (first.dtype, tuple(first.shape)):
+                disagreements.append(f"{key!r} is {first.dtype} {list(first.shape)} on rank {first_rank}, "
+                                     f"{entry.dtype} {list(entry.shape)} on rank {rank}")
                 break
     if disagreements:
         raise CheckpointError(f"ranks disagree on {len(disagreements)} tensor(s): " + "; ".join(disagreements[:8]))
@@ -299,7 +312,7 @@ def _tensors(plans: list[dict], order: list[str]) -> list[_Tensor]:
     def data_key(key: str) -> str:
         """The key whose boxes hold this tensor's data: an alias (same_as) on its first rank points elsewhere."""
         rank, entry = holding[key][0]
-        return key if entry["same_as"] is None else plans[rank]["entries"][entry["same_as"]]["key"]
+        return key if entry.same_as is None else plans[rank]["entries"][entry.same_as].key
 
     tensors: list[_Tensor] = []
     primary: dict[str, int] = {}
@@ -307,7 +320,7 @@ def _tensors(plans: list[dict], order: list[str]) -> list[_Tensor]:
         rank, entry = holding[key][0]
         source_key = data_key(key)
         alias_of = primary.get(source_key)
-        tensor = _Tensor(key, entry["dtype"], tuple(entry["shape"]), entry["kind"], entry["requires_grad"], alias_of)
+        tensor = _Tensor(key, entry.dtype, tuple(entry.shape), entry.kind, entry.requires_grad, alias_of)
         if alias_of is None:
             primary[source_key] = len(tensors)
             tensor.boxes = _boxes(plans, holding[source_key], key)
@@ -315,13 +328,14 @@ def _tensors(plans: list[dict], order: list[str]) -> list[_Tensor]:
     return tensors
 
 
-def _boxes(plans: list[dict], holders: list[tuple[int, dict]], key: str) -> list[_Box]:
+def _boxes(plans: list[dict], holders: list[tuple[int, PlannedTensor]], key: str) -> list[_Box]:
     boxes: dict[tuple[int, ...], _Box] = {}
     for rank, entry in holders:
-        if entry["same_as"] is not None:
+        if entry.same_as is not None:
             continue
         prints = plans[rank]["fingerprints"]
-        for source, offsets, _ in entry["shards"]:
+        for held in entry.boxes:
+            source, offsets = held.source, held.offsets
             shape = tuple(plans[rank]["shapes"][source])
             box = boxes.setdefault(tuple(offsets), _Box(tuple(offsets), shape, plans[rank]["nbytes"][source], []))
             if box.shape != shape:
@@ -356,8 +370,9 @@ def _assign(tensors: list[_Tensor], world: int) -> list[list[int]]:
 # -- the coordinator's manifest --------------------------------------------------------------
 def _manifest(plan: Plan, reports: list[dict], ranks: RankGroup, name: str, options: SaveOptions) -> Manifest:
     table = ChunkTable()
-    rows = [[table.add(chunk, index in stored.written_rows) for index, chunk in enumerate(stored.chunks)]
-            for stored in (report["stored"] for report in reports)]
+    rows = [[table.add_with_bases(chunk, stored.chunks, index in stored.written_rows)
+             for index, chunk in enumerate(stored.chunks)]
+            for stored in (report["stored"] for report in reports)]  # a delta's base: a row of its rank's table
     tensors = []
     for tensor in plan.tensors:
         shards, stats = [], []

@@ -54,6 +54,7 @@ from ckptfmt.repository.repository import CommitRecord, Repository
 from ckptfmt.repository.signatures import write_signature
 from ckptfmt.saving.chunk_writer import checkpoint_stats
 from ckptfmt.saving.options import LATEST, SaveOptions
+from ckptfmt.saving.plan import PlannedTensor, SourceBox
 from ckptfmt.saving.staging import memory_key
 from ckptfmt.tensors.dtensors import is_dtensor, local_shard
 from ckptfmt.tensors.sharded import LocalShard, Sharded
@@ -92,7 +93,7 @@ class TensorCollector:
     device when they were staged (by ``staging.memory_key``).
     """
 
-    def __init__(self, sources: list[TensorSource], entries: list[dict], *, collective: bool = False,
+    def __init__(self, sources: list[TensorSource], entries: list[PlannedTensor], *, collective: bool = False,
                  frozen: bool = False, stats: bool = True, device_stats: dict[tuple, dict] | None = None):
         self.sources = sources
         self.entries = entries
@@ -116,7 +117,7 @@ class TensorCollector:
         index = len(self.entries)
         first = self.seen.get(id(value))
         if first is not None:
-            self.entries.append({**self.entries[first], "key": key, "same_as": first})
+            self.entries.append(self.entries[first].alias(key, first))
             return index
         self.seen[id(value)] = index
         where = "state" + "".join(f"[{p!r}]" for p in path)
@@ -127,13 +128,11 @@ class TensorCollector:
             self.entries.append(self._dtensor(key, value, where))
             return index
         source = self._source(value, where)
-        self.entries.append({
-            "key": key, "same_as": None, "dtype": source.dtype, "shape": source.shape, "kind": source.kind,
-            "requires_grad": source.requires_grad, "shards": [(len(self.sources) - 1, (0,) * len(source.shape), None)],
-        })
+        self.entries.append(PlannedTensor(key, source.dtype, source.shape, source.kind, source.requires_grad,
+                                          (SourceBox(len(self.sources) - 1, (0,) * len(source.shape)),)))
         return index
 
-    def _dtensor(self, key: str, value, where: str) -> dict:
+    def _dtensor(self, key: str, value, where: str) -> PlannedTensor:
         """An entry for this rank's shard of a DTensor, or of a staged one (the other ranks add theirs)."""
         if not self.collective:
             raise UnsupportedValueError(
@@ -144,9 +143,8 @@ class TensorCollector:
         if shard.mesh not in self.meshes:
             self.meshes.append(shard.mesh)
         source = self._source(shard.tensor, where)
-        return {"key": key, "same_as": None, "dtype": source.dtype, "shape": shard.global_shape,
-                "kind": shard.kind, "requires_grad": shard.requires_grad,
-                "shards": [(len(self.sources) - 1, shard.offsets, None)]}
+        return PlannedTensor(key, source.dtype, tuple(shard.global_shape), shard.kind, shard.requires_grad,
+                             (SourceBox(len(self.sources) - 1, tuple(shard.offsets)),))
 
     def _source(self, value, where: str) -> TensorSource:
         """A new source for ``value`` (frozen: staged memory that nothing changes during the save),
@@ -162,7 +160,7 @@ class TensorCollector:
         self.sources.append(source)
         return source
 
-    def _sharded(self, key: str, value: Sharded, where: str) -> dict:
+    def _sharded(self, key: str, value: Sharded, where: str) -> PlannedTensor:
         """An entry whose shards are separate sources; refuses layouts readers would refuse."""
         if not value.shards:
             raise UnsupportedValueError(f"{where}: a sharded tensor needs at least one shard")
@@ -172,10 +170,11 @@ class TensorCollector:
                 raise UnsupportedValueError(f"{where}: shards must be ckptfmt.Shard(offsets, tensor, rank)")
             source = self._source(shard.tensor, where)
             dtypes.add(source.dtype)
-            shards.append((len(self.sources) - 1, tuple(int(o) for o in shard.offsets), _shard_rank(shard, where)))
+            shards.append(SourceBox(len(self.sources) - 1, tuple(int(o) for o in shard.offsets),
+                                    _shard_rank(shard, where)))
         if len(dtypes) != 1:
             raise UnsupportedValueError(f"{where}: shards have different dtypes {sorted(dtypes)}")
-        boxes = tuple(Shard(offsets, self.sources[src].shape, rank, ()) for src, offsets, rank in shards)
+        boxes = tuple(Shard(b.offsets, self.sources[b.source].shape, b.owner or 0, ()) for b in shards)
         try:
             if any(len(b.offsets) != len(value.shape) or len(b.shape) != len(value.shape) or
                    any(o + n > d for o, n, d in zip(b.offsets, b.shape, value.shape)) for b in boxes):
@@ -183,8 +182,7 @@ class TensorCollector:
             check_tiling(where, value.shape, boxes)
         except ManifestError as exc:
             raise UnsupportedValueError(str(exc)) from None
-        return {"key": key, "same_as": None, "dtype": dtypes.pop(), "shape": value.shape, "kind": "tensor",
-                "requires_grad": False, "shards": shards}
+        return PlannedTensor(key, dtypes.pop(), tuple(value.shape), "tensor", False, tuple(shards))
 
 
 def _shard_rank(shard: ShardInput, where: str) -> int:

@@ -55,11 +55,12 @@ def save(
     stored as its XOR against the parent's chunk for the same tensor region,
     where that is smaller by 10%; the rest as 'shuffle-zstd') or 'auto' (per
     chunk, what stores it smallest, uncompressed unless compression saves 10%);
-    deltas need a single-process save with a parent. ``step_times`` are the
-    caller's per-step timings, stored under ``timing``; ``parallelism`` records
-    the run's layout (e.g. ``{"dp": 8, "tp": 2}``). Converters pass ``rng``
-    (entries recorded by another tool, replacing this process's states) and
-    ``provenance`` (where an imported checkpoint came from).
+    deltas need a parent, and are taken on every rank of a collective save
+    alike. ``step_times`` are the caller's per-step timings, stored under
+    ``timing``; ``parallelism`` records the run's layout (e.g.
+    ``{"dp": 8, "tp": 2}``). Converters pass ``rng`` (entries recorded by
+    another tool, replacing this process's states) and ``provenance`` (where
+    an imported checkpoint came from).
 
     ``before_commit`` is called once every chunk is durable, just before the
     manifest and commit record are written; if it raises, the save stops there

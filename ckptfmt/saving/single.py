@@ -28,6 +28,7 @@ from ckptfmt.saving.core import (
 from ckptfmt.saving.delta_bases import DeltaBases
 from ckptfmt.saving.hashcache import DEFAULT_CACHE
 from ckptfmt.saving.options import SaveOptions
+from ckptfmt.saving.plan import PlannedTensor
 from ckptfmt.tensors.sources import TensorSource
 
 
@@ -51,13 +52,13 @@ def _save_leased(repo: Repository, name: str, state: Any, timer: PhaseTimer, lea
         refuse_taken_name(repo, name)
         parent_name, parent_keys, parent = resolve_parent(repo, options.parent)
         sources: list[TensorSource] = []
-        entries: list[dict] = []
+        entries: list[PlannedTensor] = []
         collector = TensorCollector(sources, entries, frozen=captured.frozen, stats=options.tensor_stats,
                                     device_stats=captured.device_stats)
         state_bytes = encode_tree(state, collector, rank=rank)
         user_bytes = encode_tree({} if options.metadata is None else options.metadata, None)
-        bases = DeltaBases(repo, parent, entries) if parent is not None and options.compression in (
-            "delta-zstd", "auto") else None
+        bases = DeltaBases.for_entries(repo, parent, entries, [s.shape for s in sources]) if (
+            parent is not None and options.compression in ("delta-zstd", "auto")) else None
     stored = store_sources(repo, sources, compression=options.compression, parent_keys=parent_keys,
                            cache=DEFAULT_CACHE, chunk_size=options.chunk_size,
                            workers=options.chunk_workers, timer=timer, stats=options.tensor_stats, bases=bases)
@@ -80,20 +81,20 @@ def _save_leased(repo: Repository, name: str, state: Any, timer: PhaseTimer, lea
     return repo.storage.describe(name)
 
 
-def tensor_table(entries: list[dict], shapes: list[tuple[int, ...]], pieces: list[tuple[Piece, ...]],
+def tensor_table(entries: list[PlannedTensor], shapes: list[tuple[int, ...]], pieces: list[tuple[Piece, ...]],
                  rank: int, stats: list[dict | None]) -> list[TensorEntry]:
     """The manifest's tensor table: each entry's shards, with the pieces of the sources they came
     from, and its statistics merged from theirs (none on a ``same_as`` entry)."""
     return [
         TensorEntry(
-            key=entry["key"], dtype=entry["dtype"], shape=entry["shape"], kind=entry["kind"],
-            requires_grad=entry["requires_grad"], same_as=entry["same_as"],
+            key=entry.key, dtype=entry.dtype, shape=entry.shape, kind=entry.kind,
+            requires_grad=entry.requires_grad, same_as=entry.same_as,
             shards=tuple(
-                Shard(offsets=offsets, shape=shapes[src], rank=rank if shard_rank is None else shard_rank,
-                      pieces=pieces[src])
-                for src, offsets, shard_rank in entry["shards"]
+                Shard(offsets=box.offsets, shape=shapes[box.source], rank=rank if box.owner is None else box.owner,
+                      pieces=pieces[box.source])
+                for box in entry.boxes
             ),
-            stats=None if entry["same_as"] is not None else merged_stats([stats[src] for src, _, _ in entry["shards"]]),
+            stats=None if entry.same_as is not None else merged_stats([stats[box.source] for box in entry.boxes]),
         )
         for entry in entries
     ]
