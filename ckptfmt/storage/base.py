@@ -118,9 +118,10 @@ class Storage:
             try:
                 self.fs.invalidate_cache(self.path(key))  # other processes may have written since
                 entries = self.fs.ls(self.path(key), detail=False)
+                self.fs.invalidate_cache(self.path(key))  # s3fs would answer exists and size from it, gone stale
             except FileNotFoundError:
                 return []
-        return sorted({e.rstrip("/").rsplit("/", 1)[-1] for e in entries})
+        return sorted({e.rstrip("/").rsplit("/", 1)[-1] for e in entries if e.rstrip("/") != self.path(key)})
 
     def find(self, key: str) -> dict[str, int]:
         """Every object below ``key`` (recursively), as {key relative to the storage: size}.

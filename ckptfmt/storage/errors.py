@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from errno import EACCES
 
 from ckptfmt.errors import CheckpointError, CheckpointNotFoundError, StorageError
 
@@ -26,7 +27,7 @@ def translate_error(exc: BaseException, what: str) -> CheckpointError:
     elif isinstance(exc, NotADirectoryError):  # a folder on the way is a file: nothing can be at this key
         error = CheckpointNotFoundError(f"{what}: not found (a folder on its path is a file)")
     elif isinstance(exc, PermissionError):
-        error = StorageError(f"{what}: permission denied", errno)
+        error = StorageError(f"{what}: permission denied", EACCES if errno is None else errno)  # S3's 403s have none
     elif isinstance(exc, OSError) and exc.strerror:  # "Not a directory", not "NotADirectoryError: [Errno 20] ..."
         error = StorageError(f"{what}: {exc.strerror}", errno)
     else:

@@ -171,7 +171,7 @@ class LocalStorage(Storage):
         with backend_errors(self.describe(key)):
             try:
                 info = os.stat(self.path(key))
-            except FileNotFoundError:
+            except (FileNotFoundError, NotADirectoryError):  # below a file too: nothing is there
                 return None
         if not stat.S_ISREG(info.st_mode):
             raise CorruptDataError(f"{self.describe(key)}: not a regular file ({_file_kind(info.st_mode)})")
