@@ -7,18 +7,23 @@ BLAKE3-named chunks, a msgpack manifest, no pickle, every byte verified on
 read. What DCP hands over as pickled bytes (plain values: steps, learning
 rates) is stored as the original object in the value tree instead.
 
-Writing: every rank stores the chunks of its write items (``write_data``) and
-adds to its results one record of its own (RNG state, environment, topology
-entry, phase timings: DCP passes nothing else from the ranks to ``finish``);
-the coordinator's ``finish`` builds the manifest from DCP's metadata and every
-rank's results, rebuilds the state's nesting from the planner's mappings, and
-commits. Reading: ``read_metadata`` describes any ckptfmt checkpoint in DCP's
+Writing: the coordinator takes the save lease and chooses the parent (the
+repository's latest checkpoint by default), whose name reaches every rank in its
+plan; every rank stores the chunks of its write items (``write_data``, with
+their statistics, and as deltas against the parent's same boxes where
+``compression`` asks) and adds to its results one record of its own (its chunk
+table, RNG state, environment, topology entry, phase timings and training
+steps: DCP passes nothing else from the ranks to ``finish``); the coordinator's
+``finish`` builds the manifest from DCP's metadata and every rank's results with
+the tables every save shares (``saving/tables.py``), rebuilds the state's
+nesting from the planner's mappings, and commits. Reading: ``read_metadata`` describes any ckptfmt checkpoint in DCP's
 terms (each tensor as one whole chunk, keys as DCP flattens the state), and
 ``read_data`` reads exactly the box each read item asks for.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 from typing import Any
@@ -31,25 +36,29 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict, unflat
 from torch.futures import Future
 
 from ckptfmt.errors import CheckpointError, UnsupportedValueError
-from ckptfmt.format.manifest import Chunk, Piece, Shard, TensorEntry
+from ckptfmt.format.manifest import Piece, Shard
 from ckptfmt.format.values import TensorRef, decode_tree, encode_tree, format_key
 from ckptfmt.loading.reader import CheckpointReader
+from ckptfmt.metadata.step_timer import StepTimer
 from ckptfmt.metadata.timing import PhaseTimer
 from ckptfmt.metadata.topology import current_rank, rank_entry, topology_record
 from ckptfmt.repository.leases import Lease
 from ckptfmt.repository.repository import Repository, split_checkpoint_url
-from ckptfmt.saving.chunk_writer import ChunkTable, store_sources
+from ckptfmt.saving.chunk_writer import store_sources
 from ckptfmt.saving.core import (
     Captured,
     commit_manifest,
     manifest_for,
-    merged_stats,
     open_for_save,
     rank_record,
     refuse_taken_name,
+    resolve_parent,
 )
+from ckptfmt.saving.delta_bases import DeltaBases, Region
 from ckptfmt.saving.hashcache import DEFAULT_CACHE
-from ckptfmt.saving.options import DEFAULT_WORKERS, SaveOptions
+from ckptfmt.saving.options import DEFAULT_WORKERS, LATEST, SaveOptions
+from ckptfmt.saving.save import step_records
+from ckptfmt.saving.tables import ManifestTables, tensor_entry
 from ckptfmt.tensors.dtensors import meshes_of
 from ckptfmt.tensors.dtypes import dtype_from_name, dtype_name
 from ckptfmt.tensors.sources import prepare
@@ -97,18 +106,30 @@ PROVENANCE = {"source_kind": "dcp", "writer": "ckptfmt.dcp.StorageWriter"}
 
 
 class StorageWriter(dcp_storage.StorageWriter):
-    """Writes a DCP save as the ckptfmt checkpoint ``url`` (``REPO/NAME``; the repository is created if needed)."""
+    """Writes a DCP save as the ckptfmt checkpoint ``url`` (``REPO/NAME``; the repository is created if needed).
+
+    The options are ``ckptfmt.save``'s: ``parent`` (the repository's latest checkpoint by default; None for
+    none), ``compression`` (``delta-zstd`` and ``auto`` store chunks against the parent's same boxes),
+    ``tensor_stats``, ``signer``, and ``timer``: this rank's ``ckptfmt.StepTimer``, whose steps since the
+    last save are stored as this rank's (spec 9.4).
+    """
 
     def __init__(self, url: str | os.PathLike | None = None, *, storage_options: dict | None = None,
                  compression: str | None = None, chunk_size: int | None = None, workers: int = DEFAULT_WORKERS,
-                 step: int | None = None):
+                 step: int | None = None, parent: Any = LATEST, tensor_stats: bool = True, signer: Any = None,
+                 timer: StepTimer | None = None):
         super().__init__()
         self.url = None if url is None else _checkpoint_url(url, None)
         self.options = SaveOptions(storage_options=storage_options, compression=compression, chunk_size=chunk_size,
-                                   workers=workers, step=step, provenance=PROVENANCE)
+                                   workers=workers, step=step, provenance=PROVENANCE, parent=parent,
+                                   tensor_stats=tensor_stats, signer=signer)
+        self.step_timer = timer
+        step_records(timer)  # a timer of another kind is refused now, not when a rank writes
         self.timer = PhaseTimer()
         #: The coordinator's save lease (spec 11.6), from the global plan to ``finish``.
         self.lease: Lease | None = None
+        #: The parent the coordinator chose, known to every rank once the global plan reaches it.
+        self.parent_name: str | None = None
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         self._release_lease()  # a save that failed on some rank never reached finish()
@@ -136,23 +157,27 @@ class StorageWriter(dcp_storage.StorageWriter):
         return plan
 
     def prepare_global_plan(self, plans: list[dcp_planner.SavePlan]) -> list[dcp_planner.SavePlan]:
-        """On the coordinator, before any rank writes: create the repository, refuse a taken name."""
+        """On the coordinator, before any rank writes: create the repository, refuse a taken name, choose
+        the parent and tell every rank its name (in the plans' ``storage_data``)."""
         repo_url, name = split_checkpoint_url(_named(self.url))
         self._release_lease()
         repo, self.lease = open_for_save(repo_url, self.options, max_hold_s=DCP_MAX_HOLD_S)
         try:
             refuse_taken_name(repo, name)
+            parent_name, _, _ = resolve_parent(repo, self.options.parent)
         except BaseException:
             self._release_lease()
             raise
-        return plans
+        return [dataclasses.replace(plan, storage_data={"parent": parent_name}) for plan in plans]
 
     def write_data(self, plan: dcp_planner.SavePlan,
                    planner: dcp_planner.SavePlanner) -> Future[list[dcp_storage.WriteResult]]:
         """Store this rank's tensors as chunks; plain values travel to the coordinator in the results."""
         repo = Repository.open(split_checkpoint_url(_named(self.url))[0], self.options.storage_options, create=True)
-        results, items, sources = [], [], []
+        steps = step_records(self.step_timer)
+        results, items, sources, regions = [], [], [], []
         with self.timer.phase("prepare"):
+            keys = _manifest_keys(planner)
             for item in plan.items:
                 if item.type == dcp_planner.WriteItemType.BYTE_IO:
                     value = _original_object(planner, item)
@@ -165,28 +190,44 @@ class StorageWriter(dcp_storage.StorageWriter):
                                               f"a {type(tensor).__name__}")
                     sources.append(prepare(tensor.detach(), item.index.fqn))
                     items.append(item)
-        stored = store_sources(repo, sources, compression=self.options.compression, parent_keys=set(),
+                    regions.append(_region(item, keys, sources[-1].dtype, tuple(sources[-1].shape)))
+            self.parent_name = (plan.storage_data or {}).get("parent")
+            bases, parent_keys = self._delta_bases(repo, regions)
+        stored = store_sources(repo, sources, compression=self.options.compression, parent_keys=parent_keys,
                                cache=DEFAULT_CACHE, chunk_size=self.options.chunk_size,
-                               workers=self.options.chunk_workers, timer=self.timer, stats=self.options.tensor_stats)
+                               workers=self.options.chunk_workers, timer=self.timer, stats=self.options.tensor_stats,
+                               bases=bases)
         for item, source, pieces, stats in zip(items, sources, stored.pieces, stored.stats):
-            rows = [(*stored.chunks[p.chunk][:4], p.offset, p.length, p.chunk in stored.written_rows)
-                    for p in pieces]  # hash, codec, size, stored size: no deltas without a parent
-            results.append(dcp_storage.WriteResult(item.index, source.nbytes, {"pieces": rows, "stats": stats}))
-        results.append(dcp_storage.WriteResult(RANK_RECORD, 0, {"rank_record": self._rank_record(planner)}))
+            results.append(dcp_storage.WriteResult(item.index, source.nbytes, {"pieces": pieces, "stats": stats}))
+        record = {"rank_record": self._rank_record(planner, steps), "chunks": stored.chunks,
+                  "written": stored.written_rows}
+        results.append(dcp_storage.WriteResult(RANK_RECORD, 0, record))
+        if self.step_timer is not None and steps is not None:
+            self.step_timer.forget_stored(steps)
         future: Future = Future()
         future.set_result(results)
         return future
 
-    def _rank_record(self, planner: dcp_planner.SavePlanner) -> dict:
-        """This rank's record (RNG state, environment, topology entry, timing) for the coordinator's
-        manifest, with the device meshes of the DTensors it saved and its process group's backend.
+    def _delta_bases(self, repo: Repository, regions: list[Region | None]) -> tuple[DeltaBases | None, set[str]]:
+        """The parent's chunks that this rank's items may be stored as deltas against, and the parent's keys."""
+        if self.parent_name is None:
+            return None, set()
+        _, parent_keys, parent = resolve_parent(repo, self.parent_name)
+        if parent is None or self.options.compression not in ("delta-zstd", "auto"):
+            return None, parent_keys
+        return DeltaBases(repo, parent, regions), parent_keys
+
+    def _rank_record(self, planner: dcp_planner.SavePlanner, steps: dict | None) -> dict:
+        """This rank's record (RNG state, environment, topology entry, timing with its training steps) for
+        the coordinator's manifest, with the device meshes of the DTensors it saved and its process
+        group's backend.
 
         Under ``dcp.async_save`` DCP plans and writes on its background thread, so
         the RNG state is the one when that thread got here.
         """
         state = getattr(planner, "state_dict", None)  # DefaultSavePlanner's, flattened: DTensors are values
         dist = torch.distributed
-        return {**rank_record(self.rank, self.timer, rank_entry(self.rank), Captured()),
+        return {**rank_record(self.rank, self.timer, rank_entry(self.rank), Captured(steps=steps)),
                 "meshes": meshes_of(state.values()) if isinstance(state, dict) else [],
                 "backend": dist.get_backend() if dist.is_available() and dist.is_initialized() else None}
 
@@ -194,7 +235,7 @@ class StorageWriter(dcp_storage.StorageWriter):
         """On the coordinator, once every rank has written: the manifest, then the commit record."""
         repo_url, name = split_checkpoint_url(_named(self.url))
         repo = Repository.open(repo_url, self.options.storage_options)
-        gathered, shards_of, table, records = _gather(metadata, results)
+        gathered, shards_of, tables, records = _gather(metadata, results)
         flat = {fqn: gathered[fqn] for fqn in metadata.state_dict_metadata if fqn in gathered}  # state order
         mappings = metadata.planner_data
         state = unflatten_state_dict(flat, mappings) if _is_mapping_table(mappings, flat) else flat
@@ -207,19 +248,17 @@ class StorageWriter(dcp_storage.StorageWriter):
                 numbers[ref.key], keys[ref.key] = len(numbers), format_key(path)
             return numbers[ref.key]
         state_bytes = encode_tree(state, number)
-        tensors = []
-        for fqn, key in keys.items():
-            md = _tensor_metadata(metadata, fqn)
-            tensors.append(TensorEntry(key=key, dtype=dtype_name(md.properties.dtype), shape=tuple(md.size),
-                                       shards=tuple(shard for shard, _ in shards_of[fqn]),
-                                       stats=merged_stats([stats for _, stats in shards_of[fqn]])))
+        tensors = [tensor_entry(key, dtype_name(_tensor_metadata(metadata, fqn).properties.dtype),
+                                tuple(_tensor_metadata(metadata, fqn).size), shards_of[fqn])
+                   for fqn, key in keys.items()]
         meshes = [mesh for record in records for mesh in record["meshes"]]
         topology = topology_record(
             [record["topology"] for record in records], world_size=len(results),
             writer_ranks=sorted({s.rank for t in tensors for s in t.shards}), parallelism=None,
             backend=records[0]["backend"], meshes=[m for i, m in enumerate(meshes) if m not in meshes[:i]])
-        manifest = manifest_for(name, self.options, parent=None, chunks=table.chunks, tensors=tensors,
-                                new_bytes=table.new_bytes, state=state_bytes, user=encode_tree({}),
+        manifest = manifest_for(name, self.options, parent=self.parent_name, chunks=tables.chunks.chunks,
+                                tensors=tensors, new_bytes=tables.chunks.new_bytes, state=state_bytes,
+                                user=encode_tree({}),
                                 records=records, topology=topology, collective=True)
         if self.lease is None:
             raise CheckpointError(f"{self.url}: finish() on a writer that never planned this save "
@@ -245,17 +284,22 @@ def _is_mapping_table(mappings: Any, flat: dict) -> bool:
 
 
 def _gather(metadata: dcp_metadata.Metadata, results: list[list[dcp_storage.WriteResult]]):
-    """Every rank's results as: fqn -> value (TensorRef for tensors), fqn -> (shard, its statistics)
-    in offset order, one chunk table, and each rank's own record."""
+    """Every rank's results as: fqn -> value (TensorRef for tensors), fqn -> [(shard, its statistics)],
+    the manifest's chunk table from every rank's, and each rank's own record."""
     flat: dict[str, Any] = {}
     shards_of: dict[str, list[tuple[Shard, dict | None]]] = {}
-    table = ChunkTable()
+    tables = ManifestTables()
     records = []
     for rank, rank_results in enumerate(results):
+        own = [result.storage_data for result in rank_results if result.index == RANK_RECORD]
+        if not own:
+            raise CheckpointError(f"rank {rank} of {len(results)} sent no rank record: every rank must save "
+                                  "through ckptfmt.dcp.StorageWriter")
+        records.append(own[0]["rank_record"])
+        writer = tables.add_writer(own[0]["chunks"], own[0]["written"])
         for result in rank_results:
             fqn = result.index.fqn
             if result.index == RANK_RECORD:
-                records.append(result.storage_data["rank_record"])
                 continue
             if "value" in result.storage_data:
                 flat[fqn] = decode_tree(result.storage_data["value"], torch_value=torch_value)
@@ -263,17 +307,30 @@ def _gather(metadata: dcp_metadata.Metadata, results: list[list[dcp_storage.Writ
             md = _tensor_metadata(metadata, fqn)
             offsets = tuple(result.index.offset) if result.index.offset is not None else (0,) * len(md.size)
             sizes = next(tuple(c.sizes) for c in md.chunks if tuple(c.offsets) == offsets)
-            pieces = [Piece(table.add(Chunk(hash_, codec, size, stored_size), written), offset, length)
-                      for hash_, codec, size, stored_size, offset, length, written in result.storage_data["pieces"]]
+            pieces = tables.pieces(writer, [Piece(*piece) for piece in result.storage_data["pieces"]])
             flat[fqn] = TensorRef(fqn)
-            shards_of.setdefault(fqn, []).append((Shard(offsets, sizes, rank, tuple(pieces)),
+            shards_of.setdefault(fqn, []).append((Shard(offsets, sizes, rank, pieces),
                                                   result.storage_data.get("stats")))
-    for shards in shards_of.values():
-        shards.sort(key=lambda shard: shard[0].offsets)
-    if len(records) != len(results):
-        raise CheckpointError(f"{len(results) - len(records)} of {len(results)} ranks sent no rank record: "
-                              "every rank must save through ckptfmt.dcp.StorageWriter")
-    return flat, shards_of, table, records
+    return flat, shards_of, tables, records
+
+
+def _manifest_keys(planner: dcp_planner.SavePlanner) -> dict[str, str]:
+    """fqn -> the key its tensor gets in the manifest (its path in the nested state, as ``finish`` rebuilds
+    it from the planner's mappings); empty when the planner kept none (the keys are then the fqns)."""
+    mappings = getattr(planner, "mappings", None)
+    if not isinstance(mappings, dict):
+        return {}
+    return {fqn: format_key(path) for fqn, path in mappings.items() if isinstance(path, tuple)}
+
+
+def _region(item: dcp_planner.WriteItem, keys: dict[str, str], dtype: str,
+            shape: tuple[int, ...]) -> Region | None:
+    """Where a write item's bytes lie in its tensor, for finding its base in the parent."""
+    chunk = item.tensor_data
+    if chunk is None:
+        return None
+    fqn = item.index.fqn
+    return Region(keys.get(fqn, format_key((fqn,))), dtype, tuple(chunk.size), tuple(chunk.chunk.offsets), shape)
 
 
 class StorageReader(dcp_storage.StorageReader):

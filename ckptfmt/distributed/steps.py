@@ -12,7 +12,7 @@ from __future__ import annotations
 import socket
 from typing import Any
 
-from ckptfmt.distributed.process_group import RankGroup, distributed_group
+from ckptfmt.groups.process_group import RankGroup, distributed_group
 from ckptfmt.metadata.step_timer import StepTimer
 from ckptfmt.metadata.topology import current_rank
 from ckptfmt.saving.options import DEFAULT_TIMEOUT_S

@@ -1,4 +1,4 @@
-"""The collectives of a collective save, on torch.distributed, each bounded by a timeout.
+"""The ranks of a torch.distributed process group as a save's group, each collective bounded by a timeout.
 
 Metadata travels by torch's object collectives (gather to the coordinator,
 broadcast from it) on a gloo group of the same ranks made for ckptfmt: it
@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from ckptfmt.errors import CheckpointError, CollectiveError
+from ckptfmt.metadata.topology import rank_entry
 
 #: gloo groups made for saves: (the training group, its ranks, timeout) -> group.
 _SIDE_GROUPS: dict[tuple, Any] = {}
@@ -36,7 +37,7 @@ _MADE: weakref.WeakSet = weakref.WeakSet()
 
 def distributed_group(process_group) -> Any | None:
     """The group a save is collective over: ``process_group``, else the default one if initialised and
-    larger than one process, else None (a single-process save)."""
+    larger than one process, else None (the process saves alone)."""
     dist = torch.distributed
     if process_group is not None:
         if not (dist.is_available() and dist.is_initialized()):
@@ -48,14 +49,17 @@ def distributed_group(process_group) -> Any | None:
 
 
 class RankGroup:
-    """This process's view of the ranks saving together: its rank, the coordinator, the collectives."""
+    """This process's view of the ranks of ``group`` saving together (``groups.ranks.Ranks``): its rank
+    in the group (its position too), the coordinator (rank 0), the collectives."""
+
+    collective = True
 
     def __init__(self, group, timeout_s: float, what: str):
         dist = torch.distributed
         self.what = what
         self.group = group
-        self.rank = dist.get_rank(group)
-        self.size = dist.get_world_size(group)
+        self.rank = self.position = dist.get_rank(group)
+        self.size = self.count = dist.get_world_size(group)
         self.global_ranks = dist.get_process_group_ranks(group)
         self.timeout_s = float(timeout_s)
         self.backend = str(dist.get_backend(group))
@@ -64,6 +68,13 @@ class RankGroup:
     @property
     def is_coordinator(self) -> bool:
         return self.rank == 0
+
+    def rank_of(self, position: int) -> int:
+        return position
+
+    def topology_entry(self) -> dict:
+        """This rank's entry, by its rank in the group, with its rank in the job (``global_rank``)."""
+        return {**rank_entry(self.rank), "global_rank": self.global_ranks[self.rank]}
 
     def join(self) -> None:
         """Wait until every rank has called in; the coordinator learns which ranks did not."""

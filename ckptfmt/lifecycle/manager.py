@@ -35,8 +35,8 @@ from typing import Any
 
 import torch
 
-from ckptfmt.distributed.process_group import distributed_group
 from ckptfmt.errors import CheckpointError, CheckpointNotFoundError, CheckpointWarning
+from ckptfmt.groups.process_group import distributed_group
 from ckptfmt.lifecycle.advise import auto_interval
 from ckptfmt.lifecycle.housekeeping import Housekeeper, Tier, tier_records
 from ckptfmt.lifecycle.housekeeping_process import SUPPORTED as PROCESS_SUPPORTED

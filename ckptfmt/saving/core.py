@@ -1,9 +1,6 @@
-"""What every way of saving shares: one pipeline behind three front-ends.
-
-The single-process save (saving/single.py), the collective save
-(distributed/collective_save.py) and the DCP storage writer
-(distributed/dcp.py) differ in who encodes which tensors and how ranks agree;
-they share everything else, here:
+"""The parts of a save that the save pipeline (saving/pipeline.py, for every
+save by one process or many) and the DCP storage writer (distributed/dcp.py,
+whose planning is DCP's) share:
 
 - ``TensorCollector``: the value tree's tensor hook, turning leaves into sources;
 - ``open_for_save`` / ``refuse_taken_name`` / ``resolve_parent``: the repository,

@@ -1,8 +1,8 @@
 """``ckptfmt.save``: write a training state as a new checkpoint, durably and atomically.
 
-The public keywords become one ``SaveOptions``; ``run_save`` hands the state to
-the front-end that fits (the collective save under torch.distributed, else the
-single-process save), both built on saving/core.py.
+The public keywords become one ``SaveOptions``; ``run_save`` runs the one save
+pipeline (saving/pipeline.py) over the ranks saving together: the process group
+under torch.distributed, else this process alone, a group of one.
 """
 
 from __future__ import annotations
@@ -11,13 +11,15 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from ckptfmt.distributed.collective_save import collective_save
-from ckptfmt.distributed.process_group import distributed_group
+from ckptfmt.errors import CollectiveError
+from ckptfmt.groups.process_group import RankGroup, distributed_group
+from ckptfmt.groups.ranks import Ranks, SoloRanks
 from ckptfmt.metadata.step_timer import StepTimer
+from ckptfmt.metadata.topology import current_rank
 from ckptfmt.saving import in_flight
 from ckptfmt.saving.core import Captured
 from ckptfmt.saving.options import DEFAULT_TIMEOUT_S, LATEST, SaveOptions
-from ckptfmt.saving.single import save_single
+from ckptfmt.saving.pipeline import EVERY_RANK, save_over
 
 
 def save(
@@ -126,15 +128,25 @@ def save_with(state: Any, url: str | os.PathLike, options: SaveOptions, *, timer
 
 
 def run_save(state: Any, url: str | os.PathLike, options: SaveOptions, captured: Captured) -> str:
-    """The save, by the front-end that fits: collective under torch.distributed, else single-process."""
+    """The save pipeline over the ranks saving together."""
+    return save_over(state, url, saving_ranks(url, options), options, captured)
+
+
+def saving_ranks(url: str | os.PathLike, options: SaveOptions) -> Ranks:
+    """Who saves: every rank of the process group under torch.distributed (unless ``coordinated=False``),
+    else this process alone, recording its rank in the job."""
     group = None if options.coordinated is False else distributed_group(options.process_group)
     if group is None:
         if options.coordinated:
             raise ValueError("coordinated=True needs an initialised torch.distributed process group")
-        return save_single(state, url, options, captured)
-    if options.before_commit is not None or options.gathered_steps is not None:
-        raise ValueError("before_commit and gathered_steps are for single-process saves (coordinated=False)")
-    return collective_save(state, url, group, options, captured)
+        return SoloRanks(*current_rank())
+    if options.gathered_steps is not None:
+        raise ValueError("gathered_steps is for a save made by one rank (coordinated=False): in a collective "
+                         "save every rank records its own steps")
+    try:
+        return RankGroup(group, options.timeout, f"collective save of {os.fspath(url)}")
+    except CollectiveError as exc:
+        raise CollectiveError(f"{exc}. {EVERY_RANK}") from None
 
 
 def step_records(timer: StepTimer | None) -> dict | None:

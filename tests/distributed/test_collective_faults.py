@@ -24,8 +24,8 @@ import pytest
 import torch
 
 import ckptfmt
-from ckptfmt.distributed import collective_save
-from ckptfmt.distributed.process_group import RankGroup
+from ckptfmt.saving import pipeline
+from ckptfmt.groups.process_group import RankGroup
 from ckptfmt.repository.repository import Repository
 from ckptfmt.saving.chunk_writer import ChunkWriter
 from tests.support.ranks import run_ranks
@@ -76,7 +76,7 @@ def _arm(point: str) -> None:
     elif kind == "sync":
         _die_on_call(ChunkWriter, "make_durable", 1)
     elif value == "before_manifest":
-        _die_on_call(collective_save, "commit_manifest", 1)
+        _die_on_call(pipeline, "commit_manifest", 1)
     elif value == "before_record":
         _die_on_call(Repository, "create_commit", 1)
     elif value == "after_record":

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 import ckptfmt
-from ckptfmt.distributed import collective_save
+from ckptfmt.saving import pipeline
+from ckptfmt.format.layout import commit_key
 from ckptfmt.metadata.step_timer import decode_steps
 from ckptfmt.metadata.system import decode_samples
 from tests.support.ranks import mixed_state, run_ranks, save_mixed_state
@@ -257,6 +258,29 @@ def test_a_collective_save_stores_deltas_against_its_parent_and_loads_bit_exact(
         assert torch.equal(delta_loaded[key], whole_loaded[key])  # same values, bit for bit
 
 
+def save_tied_weights(rank: int, world: int, folder: Path, repo: str) -> dict:
+    """Tied weights (one tensor under two keys) in a collective save, with a hook run before the commit."""
+    embedding = torch.arange(64.0).reshape(8, 8)
+    calls = []
+
+    def before_commit() -> None:  # records whether the checkpoint is committed yet
+        calls.append(ckptfmt.Repository.open(repo).storage.exists(commit_key("tied")))
+    url = ckptfmt.save({"embed": embedding, "head": embedding, "rank": ckptfmt.PerRank(rank)}, f"{repo}/tied",
+                       timeout=60, before_commit=before_commit)
+    return {"url": url, "calls": calls}
+
+
+def test_tied_weights_stay_one_tensor_and_the_coordinator_runs_before_commit(tmp_path):
+    results = [o.unwrap() for o in run_ranks(save_tied_weights, 2, tmp_path / "ranks", repo=str(tmp_path / "repo"))]
+    assert [r["calls"] for r in results] == [[False], []]  # once, on the coordinator, before the commit
+    loaded = ckptfmt.load(results[0]["url"])
+    assert loaded["embed"] is loaded["head"] and torch.equal(loaded["head"], torch.arange(64.0).reshape(8, 8))
+    with ckptfmt.open(results[0]["url"]) as reader:
+        embed, head = reader.manifest.tensors
+    assert head.same_as == 0 and head.shards == embed.shards  # spec 6.9: the named entry's shards
+    assert ckptfmt.verify(results[0]["url"]).ok
+
+
 # -- over a subgroup ------------------------------------------------------------------------------
 def signed_save(rank: int, world: int, folder: Path, repo: str, key: str) -> str:
     """A collective save signed by the coordinator: only rank 0 has the private key."""
@@ -316,14 +340,14 @@ def fail_on_one_rank(rank: int, world: int, folder: Path, repo: str, where: str)
     if where == "write" and rank == 2:
         def store_fails(*args, **kwargs):
             raise OSError(28, "No space left on device")
-        collective_save.store_sources = store_fails
+        pipeline.store_sources = store_fails
     ckptfmt.save(state, f"{repo}/next", timeout=60)
     return "committed"
 
 
 def side_groups_after_a_failed_save(rank: int, world: int, folder: Path, repo: str) -> int:
     """The side groups still alive once released as at exit, after a save that raised on every rank."""
-    from ckptfmt.distributed import process_group
+    from ckptfmt.groups import process_group
 
     with pytest.raises(ckptfmt.CollectiveError):
         fail_on_one_rank(rank, world, folder, repo, "plan")

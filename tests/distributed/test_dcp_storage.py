@@ -16,6 +16,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import ckptfmt
 from ckptfmt.dcp import StorageReader, StorageWriter
+from ckptfmt.metadata.step_timer import decode_steps
 from tests.support.helpers import assert_same
 from tests.support.ranks import mixed_state, run_ranks
 from tests.support.tensor_values import assert_stats_close, expected_stats
@@ -97,6 +98,40 @@ def test_a_dcp_save_to_a_taken_name_fails_and_keeps_the_checkpoint(tmp_path):
         dcp.save({"w": torch.zeros(3)}, storage_writer=StorageWriter(url))
     assert [type(error) for error, _ in info.value.failures.values()] == [ckptfmt.CheckpointExistsError]
     assert torch.equal(ckptfmt.load(url)["w"], torch.ones(3))
+
+
+def test_the_dcp_writer_takes_a_saves_options_deltas_statistics_and_steps(tmp_path):
+    """A run saved through DCP: each checkpoint names its parent, stores deltas against it with delta-zstd
+    (fewer new bytes than shuffle-zstd, loaded bit for bit), records its rank's training steps, and takes
+    its tensor statistics unless told not to."""
+    generator = torch.Generator().manual_seed(0)
+    weights = [torch.randn(512, 1024, generator=generator), torch.randn(256, 1024, generator=generator)]
+    new_bytes = {}
+    for compression in ("delta-zstd", "shuffle-zstd"):
+        repo = tmp_path / compression
+        timer = ckptfmt.StepTimer()
+        for step in range(2):
+            with timer.step(step):
+                timer.batch([step])
+            state = {"model": {"a": weights[0] + 1e-3 * step, "b": weights[1] * (1 + 1e-4 * step)}, "step": step}
+            dcp.save(state, storage_writer=StorageWriter(repo / f"step-{step}", compression=compression,
+                                                         chunk_size=2**18, timer=timer, tensor_stats=step == 0))
+        new_bytes[compression] = ckptfmt.Repository.open(str(repo)).commit("step-1").stats["new_bytes"]
+        with ckptfmt.open(str(repo / "step-1")) as reader:
+            assert reader.manifest.parent == "step-0"
+            assert reader.tensor_stats("model/a") is None  # tensor_stats=False
+            deltas = [chunk for chunk in reader.manifest.chunks if chunk.base is not None]
+            (rank,) = reader.metadata["timing"]["ranks"]
+            assert decode_steps(rank["steps"], "rank 0").step.tolist() == [1]  # the step since step-0
+            assert_same(reader.get_tensor("model/a"), state["model"]["a"], "model/a")
+        with ckptfmt.open(str(repo / "step-0")) as reader:
+            assert_stats_close(expected_stats(weights[0]), reader.tensor_stats("model/a"), "model/a")
+        assert bool(deltas) == (compression == "delta-zstd")
+        assert ckptfmt.verify(str(repo)).ok
+        loaded = {"model": {"a": torch.zeros(512, 1024), "b": torch.zeros(256, 1024)}, "step": -1}
+        dcp.load(loaded, storage_reader=StorageReader(repo / "step-1"))
+        assert_same(state, loaded)
+    assert new_bytes["delta-zstd"] < 0.8 * new_bytes["shuffle-zstd"]
 
 
 def test_checkpoint_ids_are_checked():

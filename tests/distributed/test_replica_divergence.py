@@ -12,7 +12,7 @@ import torch
 
 import ckptfmt
 from ckptfmt.cli import main
-from ckptfmt.distributed.process_group import CollectiveError
+from ckptfmt.errors import CollectiveError
 from tests.support.ranks import run_ranks
 
 WORLD = 4

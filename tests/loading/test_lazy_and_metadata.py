@@ -197,7 +197,7 @@ def test_metadata(repo_url, monkeypatch):
     (rank,) = timing["ranks"]
     assert rank["rank"] == 1 and rank["host"] == socket.gethostname()
     names = [p["name"] for p in rank["phases"]]
-    assert names == ["lease", "prepare", "write_chunks", "sync", "environment"]
+    assert names == ["prepare", "lease", "write_chunks", "sync", "environment"]
     for phase in rank["phases"]:
         assert before <= phase["start_ns"] <= after
         assert 0 <= phase["duration_s"] <= rank["total_s"]

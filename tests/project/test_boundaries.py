@@ -68,7 +68,7 @@ def test_core_imports_stay_lean(tmp_path):
             "format.values",
             "tools.verify",
             "format.layout",
-            "distributed.collective_save",
+            "saving.pipeline",
             "dcp",
         )
     } <= set(modules)

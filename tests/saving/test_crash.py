@@ -41,7 +41,7 @@ SAVER = textwrap.dedent(
     import ckptfmt.repository.leases as leases
     import ckptfmt.storage.local as storage
     import ckptfmt.metadata.timing as timing
-    import ckptfmt.saving.single as single_save
+    import ckptfmt.saving.pipeline as pipeline
     from ckptfmt.repository.repository import Repository
 
     repo, elements, chunk_size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
@@ -78,7 +78,7 @@ SAVER = textwrap.dedent(
         elif kind == "write":
             die_on_call(storage, "_write_all", int(value))
         elif kind == "before_manifest":
-            die_on_call(single_save, "commit_manifest", 1)
+            die_on_call(pipeline, "commit_manifest", 1)
         elif kind in ("before_record", "after_record"):
             die_on_call(Repository, "create_commit", 1, after=kind == "after_record")
         elif kind == "before_lease_release":

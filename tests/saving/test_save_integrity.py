@@ -20,7 +20,7 @@ import torch
 import ckptfmt
 from ckptfmt.format import layout
 from ckptfmt.repository.repository import Repository
-from ckptfmt.saving import single as single_save
+from ckptfmt.saving import pipeline
 from ckptfmt.saving.hashcache import HashCache
 from ckptfmt.storage.local import LocalStorage
 from tests.support.helpers import assert_same
@@ -147,7 +147,7 @@ def test_first_save_of_a_new_process_reuses_the_parents_chunks_without_writing(t
     repo = tmp_path / "repo"
     state = {"w": torch.randn(2**20), "v": torch.randn(2**20)}
     ckptfmt.save(state, repo / "a", chunk_size=2**20)
-    monkeypatch.setattr(single_save, "DEFAULT_CACHE", HashCache())  # what a new process starts with
+    monkeypatch.setattr(pipeline, "DEFAULT_CACHE", HashCache())  # what a new process starts with
     staged = []
     real_stage = LocalStorage.stage
     monkeypatch.setattr(LocalStorage, "stage", lambda self, directory: staged.append(directory)

@@ -14,7 +14,7 @@ import torch
 import ckptfmt
 from ckptfmt.cli import main
 from ckptfmt.errors import ManifestError
-from ckptfmt.saving import single
+from ckptfmt.saving import pipeline
 from ckptfmt.saving.hashcache import HashCache
 from ckptfmt.storage.factory import open_storage
 from ckptfmt.tensors import stats as stats_module
@@ -106,7 +106,7 @@ def count_block_passes(monkeypatch) -> list[int]:
 
 
 def test_unchanged_bytes_reuse_their_statistics_and_changed_ones_are_measured_again(tmp_path, monkeypatch):
-    monkeypatch.setattr(single, "DEFAULT_CACHE", HashCache())
+    monkeypatch.setattr(pipeline, "DEFAULT_CACHE", HashCache())
     state = {"a": torch.randn(200_000), "b": torch.randn(300_000)}
     repo = tmp_path / "repo"
     ckptfmt.save(state, f"{repo}/one")
@@ -126,7 +126,7 @@ def test_a_new_process_measures_bytes_it_finds_in_the_parent(tmp_path, monkeypat
     state = {"a": torch.randn(200_000)}
     repo = tmp_path / "repo"
     ckptfmt.save(state, f"{repo}/one")
-    monkeypatch.setattr(single, "DEFAULT_CACHE", HashCache())  # what a new process starts with
+    monkeypatch.setattr(pipeline, "DEFAULT_CACHE", HashCache())  # what a new process starts with
     ckptfmt.save(state, f"{repo}/two")
     with ckptfmt.open(f"{repo}/two") as reader:
         assert reader.manifest.stats["new_bytes"] == 0  # found in the parent, not written again

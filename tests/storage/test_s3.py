@@ -12,7 +12,7 @@ import ckptfmt
 from ckptfmt import CheckpointExistsError
 from ckptfmt.format import layout
 from ckptfmt.repository.repository import Repository
-from ckptfmt.saving import single as single_save
+from ckptfmt.saving import pipeline
 from tests.support.helpers import assert_same, run_in_threads
 
 
@@ -95,13 +95,13 @@ def test_racing_writers_one_commit_wins(s3_bucket, monkeypatch):
     url = f"{s3_bucket}/race"
     ckptfmt.save({"x": 0}, f"{url}/base")
     barrier = threading.Barrier(2, timeout=60)
-    original_commit = single_save.commit_manifest
+    original_commit = pipeline.commit_manifest
 
     def commit_together(repo, manifest, lease, *signer):
         barrier.wait()  # both saves have written chunks and manifests: now race for the commit
         original_commit(repo, manifest, lease, *signer)
 
-    monkeypatch.setattr(single_save, "commit_manifest", commit_together)
+    monkeypatch.setattr(pipeline, "commit_manifest", commit_together)
     outcomes: dict[int, object] = {}
 
     def save(seed: int) -> None:

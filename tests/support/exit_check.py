@@ -40,7 +40,7 @@ def gloo_threads() -> list[str]:
 
 
 def _report() -> None:
-    side_groups = sys.modules.get("ckptfmt.distributed.process_group")
+    side_groups = sys.modules.get("ckptfmt.groups.process_group")
     if side_groups is not None:  # its exit hook may run after this one; it is idempotent
         side_groups.release_side_groups()
     remaining = gloo_threads()

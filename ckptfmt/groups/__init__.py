@@ -1,0 +1,7 @@
+"""Who saves together: the ranks of a save and the collectives between them.
+
+``ranks.py`` says what a save needs of its group (``Ranks``) and gives the group
+of one, this process alone (``SoloRanks``: no collectives); ``process_group.py``
+gives the ranks of a torch.distributed process group (``RankGroup``). The save
+pipeline (``saving/pipeline.py``) runs the same protocol on either.
+"""

@@ -1,0 +1,47 @@
+"""The manifest's chunk table and tensor table from what the writing ranks stored: one builder for every
+save, the pipeline's coordinator and the DCP storage writer's ``finish`` alike.
+
+Each writer reports its own chunk table (``StoredSources.chunks``: its chunks, and the parent's chunks
+its deltas are stored against, each delta's ``base`` a row of that table) and each source's pieces in
+it. ``ManifestTables`` takes every writer's table into one (a chunk two writers stored keeps one row)
+and turns each writer's pieces into rows of it; ``tensor_entry`` makes a tensor's row from its shards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ckptfmt.format.manifest import Chunk, Piece, Shard, TensorEntry
+from ckptfmt.saving.chunk_writer import ChunkTable
+from ckptfmt.saving.core import merged_stats
+
+
+class ManifestTables:
+    """The chunk table being built from every writer's, and the pieces of each writer's sources."""
+
+    def __init__(self):
+        self.chunks = ChunkTable()
+        self._rows: list[list[int]] = []
+
+    def add_writer(self, chunks: Sequence[Chunk], written_rows: frozenset[int] | set[int]) -> int:
+        """Take a writer's chunk table (``written_rows``: the rows it stored, not found stored); returns
+        the writer's number for ``pieces``."""
+        table = list(chunks)
+        self._rows.append([self.chunks.add_with_bases(chunk, table, row in written_rows)
+                           for row, chunk in enumerate(table)])
+        return len(self._rows) - 1
+
+    def pieces(self, writer: int, pieces: Sequence[Piece]) -> tuple[Piece, ...]:
+        """A writer's pieces of one source, pointing at rows of the merged table."""
+        rows = self._rows[writer]
+        return tuple(Piece(rows[piece.chunk], piece.offset, piece.length) for piece in pieces)
+
+
+def tensor_entry(key: str, dtype: str, shape: tuple[int, ...], shards: Sequence[tuple[Shard, dict | None]], *,
+                 kind: str = "tensor", requires_grad: bool = False, same_as: int | None = None) -> TensorEntry:
+    """A tensor's row: its shards (each with its statistics), in offset order, and its statistics merged
+    from theirs (none on a ``same_as`` entry, whose data is another's)."""
+    ordered = sorted(shards, key=lambda shard: shard[0].offsets)
+    return TensorEntry(key=key, dtype=dtype, shape=tuple(shape), shards=tuple(shard for shard, _ in ordered),
+                       kind=kind, requires_grad=requires_grad, same_as=same_as,
+                       stats=None if same_as is not None else merged_stats([stats for _, stats in ordered]))
