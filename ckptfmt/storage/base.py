@@ -17,6 +17,7 @@ import builtins
 import contextlib
 import errno
 import mmap
+import threading
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -26,6 +27,9 @@ from ckptfmt.errors import CheckpointNotFoundError, CorruptDataError
 from ckptfmt.storage.errors import backend_errors
 
 T = TypeVar("T")
+
+#: Serialises ``Storage.create`` within this process: fsspec's create on memory:// is check-then-write.
+_CREATE_LOCK = threading.Lock()
 
 
 class Storage:
@@ -168,7 +172,9 @@ class Storage:
         racing for one key cannot both succeed where the store honours it (see
         ``ObjectStorage`` for those that do not).
         """
-        with backend_errors(self.describe(key), passing=(FileExistsError,)):
+        # memory:// (the filesystem this class serves as it is) checks, then writes: two threads could both
+        # win, yet create_settle_s is None. memory:// lives in this process, so a lock makes it write-once.
+        with backend_errors(self.describe(key), passing=(FileExistsError,)), _CREATE_LOCK:
             self.fs.pipe_file(self.path(key), bytes(data), mode="create")
 
     def refuse_links(self, key: str, checked: builtins.set[str] | None = None) -> None:
@@ -180,11 +186,12 @@ class Storage:
             self.fs.rm_file(self.path(key))
 
     def delete_many(self, keys: builtins.list[str]) -> None:
-        """Delete ``keys`` (absent ones are no error); object stores batch them (1,000 per request)."""
-        if not keys:
-            return
-        with backend_errors(self.describe(keys[0])), contextlib.suppress(FileNotFoundError):
-            self.fs.rm([self.path(k) for k in keys])
+        """Delete exactly ``keys``, taken literally (absent ones are no error); S3 batches them (1,000 per request)."""
+        # One rm_file per key, not fs.rm: rm expands glob characters (a root ``runs[12]`` would delete
+        # ``runs1/k``), and memory://'s rm stops at the first absent key. ObjectStorage batches S3's.
+        for key in keys:
+            with backend_errors(self.describe(key)), contextlib.suppress(FileNotFoundError):
+                self.fs.rm_file(self.path(key))
 
     def stage(self, directory: str) -> Staged:
         """A new object written block by block, visible under no key until published.

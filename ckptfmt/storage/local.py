@@ -178,7 +178,14 @@ class LocalStorage(Storage):
         return info.st_size
 
     def exists(self, key: str) -> bool:
-        return os.path.exists(self.path(key))
+        # os.stat, not os.path.exists: that answers False when a folder cannot be searched (EACCES),
+        # and a checkpoint must not vanish for want of a permission. Only "nothing there" is False.
+        with backend_errors(self.describe(key)):
+            try:
+                os.stat(self.path(key))
+            except (FileNotFoundError, NotADirectoryError):  # below a file too: nothing is there
+                return False
+        return True
 
     def list(self, key: str = "") -> list[str]:
         with backend_errors(self.describe(key)):

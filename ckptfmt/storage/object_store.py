@@ -23,10 +23,12 @@ from typing import Any, TypeVar
 
 from ckptfmt.errors import CheckpointError, CorruptDataError, ManifestError, StorageError
 from ckptfmt.storage.base import Storage
-from ckptfmt.storage.errors import backend_errors
+from ckptfmt.storage.errors import backend_errors, translate_error
 
 T = TypeVar("T")
 
+#: The most keys one S3 DeleteObjects request takes.
+_DELETE_BATCH = 1000
 #: Tries of a conditional create that S3 answers with 409 ConditionalRequestConflict.
 _CONFLICT_TRIES = 5
 #: The backoff's jitter, apart from the global generator: a save must not move the training's RNG.
@@ -124,6 +126,29 @@ class ObjectStorage(Storage):
                         raise
                 time.sleep(0.05 * 2**attempt * (1 + _JITTER.random()))
 
+    def delete_many(self, keys: builtins.list[str]) -> None:
+        call_s3 = getattr(self.fs, "call_s3", None)
+        if call_s3 is None:  # not s3fs: one literal delete per key (Storage.delete_many)
+            super().delete_many(keys)
+            return
+        # DeleteObjects on the exact keys, not s3fs's rm (it expands glob characters: a root runs[12] would
+        # delete runs1/k) nor its _bulk_delete (it drops the per-key Errors: a refused key would stay unseen).
+        bucket = self.fs.split_path(self.root)[0]
+        for start in range(0, len(keys), _DELETE_BATCH):
+            batch = {self.fs.split_path(self.path(key))[1]: key for key in keys[start : start + _DELETE_BATCH]}
+            try:
+                with backend_errors(self.describe(keys[start])):
+                    out = call_s3("delete_objects", Bucket=bucket,
+                                  Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True})
+            finally:
+                for key in batch.values():
+                    self.fs.invalidate_cache(self.path(key))
+            for error in out.get("Errors") or []:
+                failure = _delete_failure(error)
+                if not isinstance(failure, FileNotFoundError):  # an absent key is no error
+                    refused = str(error.get("Key"))
+                    where = self.describe(batch[refused]) if refused in batch else f"s3://{bucket}/{refused}"
+                    raise translate_error(failure, where) from failure
 
     def missing_container(self) -> str | None:
         bucket = self.fs._strip_protocol(self.root).split("/", 1)[0]
@@ -131,6 +156,17 @@ class ObjectStorage(Storage):
             if bucket and not self.fs.exists(bucket):
                 return f"the bucket {bucket!r} does not exist (or these credentials cannot see it)"
         return None
+
+
+def _delete_failure(error: dict[str, Any]) -> OSError:
+    """The exception s3fs raises for a single delete, for one entry of a DeleteObjects response's Errors
+    (AccessDenied: a PermissionError, whose StorageError has errno EACCES)."""
+    from s3fs.errors import ERROR_CODE_TO_EXCEPTION  # only s3fs storages get here: the S3 stack is loaded
+
+    code = str(error.get("Code") or "unknown")
+    message = f"{error.get('Message') or code} ({code})"
+    constructor = ERROR_CODE_TO_EXCEPTION.get(code)
+    return constructor(message) if constructor else OSError(errno.EIO, message)
 
 
 #: Tries of a read (a request, or a read whose bytes fail their check) before its error stands.

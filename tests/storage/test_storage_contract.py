@@ -58,10 +58,6 @@ class TestLocalStorage(StorageContract):
     has_folders = True
     has_links = True
     has_permissions = True
-    known_bugs = {
-        "test_exists_is_an_error_when_refused": "LocalStorage.exists is os.path.exists, which answers False "
-                                                "when the folder cannot be searched (EACCES)",
-    }
 
     @pytest.fixture
     def storage(self, tmp_path) -> Storage:
@@ -120,15 +116,6 @@ class TestLocalStorage(StorageContract):
 
 class TestMemoryStorage(StorageContract):
     storage_class = Storage
-    known_bugs = {
-        "test_racing_creates_have_one_winner": "memory:// create is fsspec's check-then-write (exists, then "
-                                               "commit), yet create_settle_s is None: two threads both win",
-        "test_delete_many_deletes_exactly_the_named_keys": "fsspec's MemoryFileSystem.rm stops at the first absent "
-                                                           "key (in reverse order) and delete_many swallows the "
-                                                           "FileNotFoundError: the keys after it stay",
-        "test_delete_many_takes_keys_literally": "delete_many goes through fs.rm, which expands glob characters: "
-                                                 "under runs[12] it deletes runs1/k and runs2/k",
-    }
 
     @pytest.fixture
     def storage(self, memory_root) -> Storage:
@@ -141,12 +128,6 @@ class TestS3Storage(StorageContract):
     trusted_create = False
     has_permissions = True
     has_containers = True
-    known_bugs = {
-        "test_delete_many_takes_keys_literally": "delete_many goes through s3fs's rm, which expands glob "
-                                                 "characters: under runs[12] it deletes runs1/k and runs2/k",
-        "test_delete_many_is_an_error_when_refused": "s3fs's bulk delete ignores the per-key Errors of "
-                                                     "DeleteObjects: a refused key stays, and nothing is raised",
-    }
 
     @pytest.fixture
     def storage(self, s3_bucket) -> Storage:
