@@ -70,7 +70,7 @@ def main() -> int:
 
 def simulate(repo_url: str, checkpoints: int, ranks: int, steps: int) -> int:
     """Commit ``checkpoints`` manifests shaped like a ``ranks``-rank collective save with a StepTimer."""
-    from ckptfmt.format.manifest import Chunk, Manifest, Piece, Shard, TensorEntry
+    from ckptfmt.format.manifest import Chunk, Manifest, Piece, ShardEntry, TensorEntry
     from ckptfmt.format.values import TensorRef, encode_tree
     from ckptfmt.metadata.environment import capture_environment
     from ckptfmt.metadata.rng import capture_rng
@@ -114,7 +114,8 @@ def simulate(repo_url: str, checkpoints: int, ranks: int, steps: int) -> int:
             parent=None,
             chunks=[Chunk(chunk_hash, "none", 4, 4)],
             tensors=[
-                TensorEntry(key="w", dtype="float32", shape=(1,), shards=(Shard((0,), (1,), 0, (Piece(0, 0, 4),)),))
+                TensorEntry(key="w", dtype="float32", shape=(1,),
+                            shards=(ShardEntry((0,), (1,), 0, (Piece(0, 0, 4),)),))
             ],
             state=state,
             user=encode_tree({}),
@@ -122,7 +123,7 @@ def simulate(repo_url: str, checkpoints: int, ranks: int, steps: int) -> int:
             environment=environment,
             topology={"world_size": ranks, "writer_ranks": [0], "ranks": [{"rank": r} for r in range(ranks)]},
             timing={"ranks": records, "steps": []},
-            stats={"tensor_count": 1, "tensor_bytes": 4, "chunk_count": 1, "stored_bytes": 4, "new_bytes": 4},
+            totals={"tensor_count": 1, "tensor_bytes": 4, "chunk_count": 1, "stored_bytes": 4, "new_bytes": 4},
         )
         total += len(manifest.to_bytes())
         with save_lease(repo) as lease:

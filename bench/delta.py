@@ -120,7 +120,7 @@ def run_sequence(states: list[dict], compression: str | None, root: Path) -> dic
         ckptfmt.save(state, url, step=state["step"], compression=compression)
         saves.append(time.perf_counter() - start)
         if index:
-            new.append(ckptfmt.Repository.open(str(repo)).commit(Path(url).name).stats["new_bytes"])
+            new.append(ckptfmt.Repository.open(str(repo)).commit(Path(url).name).totals["new_bytes"])
     start = time.perf_counter()
     loaded = ckptfmt.load(url, mmap=False)
     load_s = time.perf_counter() - start

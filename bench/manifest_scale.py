@@ -114,7 +114,7 @@ def build(tensors: int, ranks: int) -> tuple[Manifest, list[tuple]]:
                            "phases": [{"name": p, "start_ns": now, "duration_s": 0.1} for p in
                                       ("join", "prepare", "plan", "write_chunks", "sync", "environment")]}
                           for r in range(ranks)]},
-        stats={"tensor_count": tensors, "chunk_count": len(chunks)},
+        totals={"tensor_count": tensors, "chunk_count": len(chunks)},
     )
     return manifest, list(zip(keys, shapes, splits, chunk_of, offset_of))
 

@@ -68,7 +68,7 @@ def populate(url: str, count: int, threads: int) -> Repository:
         data = copy.to_bytes()
         digest = chunk_hash(data)
         repo.storage.write(layout.manifest_key(copy.name, digest), data)
-        repo.create_commit(CommitRecord(copy.name, digest, len(data), copy.step, copy.created_ns, None, copy.stats))
+        repo.create_commit(CommitRecord(copy.name, digest, len(data), copy.step, copy.created_ns, None, copy.totals))
 
     with ThreadPoolExecutor(threads) as pool:
         list(pool.map(commit, range(1, count)))

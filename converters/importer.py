@@ -191,7 +191,7 @@ def import_checkpoint(src: str | os.PathLike, dest: str | os.PathLike, *, kind: 
             imported.pending.cancel()
         raise
     with ckptfmt.open(url, storage_options=storage_options) as reader:
-        tensors = reader.manifest.stats.get("tensor_count", 0)
+        tensors = reader.manifest.totals.get("tensor_count", 0)
     notes = list(imported.notes)
     if imported.rng is None:
         notes.append("the source holds no RNG states in a known form: none recorded (restore_rng will refuse)")

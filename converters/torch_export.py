@@ -23,13 +23,13 @@ def to_torch(reader: ckptfmt.CheckpointReader, dest: str) -> ExportResult:
     found: list[str] = []
     state = restore_opaque(reader.load_state(), found)
     write_atomically(dest, lambda tmp: torch.save(state, tmp))
-    stats = reader.manifest.stats
+    totals = reader.manifest.totals
     notes = []
     if found:
         notes.append(f"{len(found)} opaque object(s) written back as pickles ({', '.join(sorted(set(found))[:5])}"
                      f"{' ...' if len(set(found)) > 5 else ''}): load with torch.load(weights_only=False), "
                      "which runs them")
-    return ExportResult(dest, stats.get("tensor_count", 0), os.path.getsize(dest), notes)
+    return ExportResult(dest, totals.get("tensor_count", 0), os.path.getsize(dest), notes)
 
 
 def to_dcp(reader: ckptfmt.CheckpointReader, dest: str) -> ExportResult:
@@ -58,4 +58,4 @@ def to_dcp(reader: ckptfmt.CheckpointReader, dest: str) -> ExportResult:
     files = sorted(os.listdir(dest))
     notes = [f"{len(found)} opaque object(s) stored as DCP byte items"] if found else []
     size = sum(os.path.getsize(os.path.join(dest, f)) for f in files)
-    return ExportResult(dest, reader.manifest.stats.get("tensor_count", 0), size, notes, files)
+    return ExportResult(dest, reader.manifest.totals.get("tensor_count", 0), size, notes, files)

@@ -36,7 +36,7 @@ from typing import Any
 import blake3
 import torch
 
-from ckptfmt.analytics.tables import flatten_fields
+from ckptfmt.analytics.tables import SKIPPED_FIELDS, flatten_fields
 from ckptfmt.errors import quoted
 from ckptfmt.format.manifest import Manifest
 from ckptfmt.format.values import decode_tree
@@ -224,7 +224,7 @@ def _batches(repo: Repository, steps: dict[int, CommitRecord]) -> dict[int, dict
     """rank -> step -> batch digest (None where none was recorded)."""
     found: dict[Any, dict[int, bytes | None]] = {}  # keyed by each record's rank, as recorded
     for record in steps.values():
-        manifest = repo.manifest(record.name, record, skip=frozenset({"rng"}))
+        manifest = repo.manifest(record.name, record, skip=SKIPPED_FIELDS)
         for index, rank_record in enumerate(manifest.timing.get("ranks") or []):
             if not isinstance(rank_record, dict) or rank_record.get("steps") is None:
                 continue

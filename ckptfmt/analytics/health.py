@@ -39,6 +39,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
+from ckptfmt._deprecation import renamed_arguments
 from ckptfmt.analytics.tables import tables
 from ckptfmt.loading.reader import open as open_checkpoint
 
@@ -99,14 +100,15 @@ def group_of(key: str) -> str:
     return ".".join(parts[:-1]) or key
 
 
-def health(run: str | os.PathLike, *, deep: bool = False, zeros_share: float = 0.5,
+@renamed_arguments(run="repo")
+def health(repo: str | os.PathLike, *, deep: bool = False, zeros_share: float = 0.5,
            storage_options: dict | None = None, built: dict[str, pa.Table] | None = None) -> HealthReport:
-    """The health of run ``run`` (a repository URL) from its checkpoints; ``deep``: also measure how far
-    each tensor moved between consecutive checkpoints (reads the tensors whose chunks changed).
+    """The health of the run in repository ``repo`` (a URL) from its checkpoints; ``deep``: also measure
+    how far each tensor moved between consecutive checkpoints (reads the tensors whose chunks changed).
     ``built``: the run's analytics tables, when the caller has them already."""
     if not 0 < zeros_share <= 1:
         raise ValueError("zeros_share must be in (0, 1]")
-    run = os.fspath(run)
+    run = os.fspath(repo)
     if built is None:
         built = tables(run, storage_options=storage_options)
     listed = built["checkpoints"]

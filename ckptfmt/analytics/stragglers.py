@@ -53,6 +53,7 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
+from ckptfmt._deprecation import renamed_arguments
 from ckptfmt.analytics.explain import explain as explain_episodes
 from ckptfmt.analytics.grids import StepGrid
 from ckptfmt.analytics.tables import tables
@@ -79,9 +80,10 @@ class Thresholds:
     persistent_steps: int = 10
 
 
-def stragglers(source: str | os.PathLike | Mapping[str, pa.Table], *, thresholds: Thresholds = Thresholds(),
+@renamed_arguments(source="repo")
+def stragglers(repo: str | os.PathLike | Mapping[str, pa.Table], *, thresholds: Thresholds = Thresholds(),
                storage_options: dict | None = None, explain: bool = False) -> dict:
-    """The straggler report of one run: ``source`` is a repository URL or its ``tables()``.
+    """The straggler report of one run: ``repo`` is its repository's URL or its ``tables()``.
 
     Returns ``{"stragglers": [...], "hosts": [...], "slow_saves": [...], "steps": n, "ranks": n}``:
     per straggler its rank, host, steps, total ``delay_s``, ``ratio`` (its phase's time over the ranks'
@@ -89,7 +91,7 @@ def stragglers(source: str | os.PathLike | Mapping[str, pa.Table], *, thresholds
     phase, ``kind`` (persistent or transient) and ``episodes``. ``explain``: also ``"explanations"``,
     each episode's likely causes with their evidence and an action (analytics/explain.py).
     """
-    built = source if isinstance(source, Mapping) else tables(source, storage_options=storage_options)
+    built = repo if isinstance(repo, Mapping) else tables(repo, storage_options=storage_options)
     steps = built["steps"]
     report = {"steps": 0, "ranks": 0, "stragglers": [], "hosts": [], "slow_saves": []}
     if steps.num_rows:

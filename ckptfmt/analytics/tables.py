@@ -26,7 +26,7 @@ import pyarrow.csv as pa_csv
 import pyarrow.parquet as pq
 
 from ckptfmt.errors import ManifestError, quoted
-from ckptfmt.format.manifest import Manifest
+from ckptfmt.format.manifest import Manifest, optional_fields_except
 from ckptfmt.format.shards import chunk_rows
 from ckptfmt.format.tensor_stats import FLOAT_FIELDS
 from ckptfmt.metadata.step_timer import decode_steps
@@ -42,7 +42,7 @@ MAX_VALUE_CHARS = 4096
 #: Wall-clock times: microseconds (a nanosecond timestamp becomes no Python datetime without pandas).
 _TIME = pa.timestamp("us", tz="UTC")
 #: Manifest fields no table uses: RNG states are most of a many-rank manifest's parse time.
-_NOT_NEEDED = frozenset({"rng"})
+SKIPPED_FIELDS = optional_fields_except("environment", "topology", "timing", "stats", "provenance", "replicas")
 
 
 def tables(repos: str | os.PathLike | Iterable | Mapping[str, str | os.PathLike], *,
@@ -98,7 +98,7 @@ def _manifests(repo: Repository, workers: int) -> Iterator[tuple[CommitRecord, M
     with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="ckptfmt-analytics") as pool:
         pending = iter(records)
         def read(record: CommitRecord) -> Manifest:
-            return repo.manifest(record.name, record, skip=_NOT_NEEDED)
+            return repo.manifest(record.name, record, skip=SKIPPED_FIELDS)
         window = [pool.submit(read, r) for r in itertools.islice(pending, workers)]
         for record in records:
             manifest = window.pop(0).result()
@@ -210,14 +210,14 @@ class Checkpoints(_Builder):
 
     def add(self, run: str, record: CommitRecord, manifest: Manifest, where: str) -> None:
         self.origin(where)
-        stats = _map(manifest.stats, where, "stats")
+        counts = _map(manifest.totals, where, "stats")
         recorded = [r.get("total_s") for r in _rank_records(manifest, where)]
         totals = [t for t in recorded if isinstance(t, (int, float)) and not isinstance(t, bool)]
         topology = _map(manifest.topology, where, "topology")
         row = {
             "run": run, "name": record.name, "step": record.step, "created": record.created_ns,
             "parent": record.parent, "world_size": topology.get("world_size"),
-            **{k: stats.get(k) for k in ("tensor_count", "tensor_bytes", "chunk_count", "stored_bytes", "new_bytes")},
+            **{k: counts.get(k) for k in ("tensor_count", "tensor_bytes", "chunk_count", "stored_bytes", "new_bytes")},
             "manifest_bytes": record.manifest_size, "save_s": max(totals) if totals else None,
             "format_version": ".".join(map(str, manifest.version)),
         }

@@ -43,7 +43,7 @@ def advise_command(args, console: Console) -> int:
     """Print the advice for ``args.repo`` as a table, or as JSON with ``args.json``."""
     from ckptfmt.lifecycle.advise import advise  # the command's work, imported when it runs: CLI startup
 
-    advice = advise(args.repo, mtbf_s=args.mtbf)
+    advice = advise(args.repo, mtbf=args.mtbf)
     if args.json:
         Output(console).json(advice.to_dict())
         return 0

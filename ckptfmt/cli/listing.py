@@ -18,7 +18,7 @@ def ls(args, console: Console) -> int:
     pointed = pointers(repo.storage, [e for e in repo.storage.list("") if e.endswith(POINTER_SUFFIX)])
     if args.json:
         Output(console).json([{
-            **r.stats, "name": r.name, "step": r.step, "created_ns": r.created_ns, "parent": r.parent,
+            **r.totals, "name": r.name, "step": r.step, "created_ns": r.created_ns, "parent": r.parent,
             "parent_exists": r.parent is None or r.parent in names, "manifest": r.manifest_hash,
             "pointers": pointed.get(r.name, []),
         } for r in records])
@@ -27,7 +27,7 @@ def ls(args, console: Console) -> int:
                Column("new bytes", right=True), Column("parent", NAME)]
     Output(console).table(f"{repo.url}: {counted(len(records), 'checkpoint')}", columns, (
         (_listed_name(r.name, pointed), text(r.step), human_time(r.created_ns),
-         human_bytes(r.stats.get("stored_bytes")), human_bytes(r.stats.get("new_bytes")),
+         human_bytes(r.totals.get("stored_bytes")), human_bytes(r.totals.get("new_bytes")),
          "-" if r.parent is None else r.parent if r.parent in names else f"{r.parent} (removed)")
         for r in records))
     return 0

@@ -31,7 +31,7 @@ def sync_command(args, console: Console) -> int:
     from ckptfmt.lifecycle.replicate import replicate
 
     with ByteProgress("copying", quiet=args.json) as progress:
-        report = replicate(args.src, args.dst, args.name, verify=args.verify, progress=progress)
+        report = replicate(args.src, args.dst, args.name, verify=args.verify, callback=progress)
     if args.json:
         Output(console).json(dataclasses.asdict(report))
         return 0

@@ -36,7 +36,7 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict, unflat
 from torch.futures import Future
 
 from ckptfmt.errors import CheckpointError, UnsupportedValueError
-from ckptfmt.format.manifest import Piece, Shard
+from ckptfmt.format.manifest import Piece, ShardEntry
 from ckptfmt.format.values import TensorRef, decode_tree, encode_tree, format_key
 from ckptfmt.loading.reader import CheckpointReader
 from ckptfmt.metadata.step_timer import StepTimer
@@ -195,8 +195,8 @@ class StorageWriter(dcp_storage.StorageWriter):
             bases, parent_keys = self._delta_bases(repo, regions)
         stored = store_sources(repo, sources, compression=self.options.compression, parent_keys=parent_keys,
                                cache=DEFAULT_CACHE, chunk_size=self.options.chunk_size,
-                               workers=self.options.chunk_workers, timer=self.timer, stats=self.options.tensor_stats,
-                               bases=bases)
+                               workers=self.options.chunk_workers, timer=self.timer,
+                               tensor_stats=self.options.tensor_stats, bases=bases)
         for item, source, pieces, stats in zip(items, sources, stored.pieces, stored.stats):
             results.append(dcp_storage.WriteResult(item.index, source.nbytes, {"pieces": pieces, "stats": stats}))
         record = {"rank_record": self._rank_record(planner, steps), "chunks": stored.chunks,
@@ -287,7 +287,7 @@ def _gather(metadata: dcp_metadata.Metadata, results: list[list[dcp_storage.Writ
     """Every rank's results as: fqn -> value (TensorRef for tensors), fqn -> [(shard, its statistics)],
     the manifest's chunk table from every rank's, and each rank's own record."""
     flat: dict[str, Any] = {}
-    shards_of: dict[str, list[tuple[Shard, dict | None]]] = {}
+    shards_of: dict[str, list[tuple[ShardEntry, dict | None]]] = {}
     tables = ManifestTables()
     records = []
     for rank, rank_results in enumerate(results):
@@ -309,7 +309,7 @@ def _gather(metadata: dcp_metadata.Metadata, results: list[list[dcp_storage.Writ
             sizes = next(tuple(c.sizes) for c in md.chunks if tuple(c.offsets) == offsets)
             pieces = tables.pieces(writer, [Piece(*piece) for piece in result.storage_data["pieces"]])
             flat[fqn] = TensorRef(fqn)
-            shards_of.setdefault(fqn, []).append((Shard(offsets, sizes, rank, pieces),
+            shards_of.setdefault(fqn, []).append((ShardEntry(offsets, sizes, rank, pieces),
                                                   result.storage_data.get("stats")))
     return flat, shards_of, tables, records
 

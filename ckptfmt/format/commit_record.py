@@ -6,6 +6,7 @@ Its own module because the repository and the commit index (spec 4.4) both read 
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import dataclass
 
 from ckptfmt.errors import CheckpointError, ManifestError, quoted
@@ -26,7 +27,14 @@ class CommitRecord:
     step: int | None
     created_ns: int
     parent: str | None
-    stats: dict
+    #: The checkpoint's totals (spec 9.5: the manifest's ``stats`` map, tensor and chunk counts and bytes).
+    totals: dict
+
+    @property
+    def stats(self) -> dict:
+        """Deprecated name of ``totals``: ``stats`` means a tensor's statistics everywhere else."""
+        warnings.warn("CommitRecord.stats is renamed totals", DeprecationWarning, stacklevel=2)
+        return self.totals
 
     def to_dict(self) -> dict:
         return {
@@ -38,7 +46,7 @@ class CommitRecord:
             "step": self.step,
             "created_ns": self.created_ns,
             "parent": self.parent,
-            "stats": self.stats,
+            "stats": self.totals,
         }
 
     def to_bytes(self) -> bytes:
@@ -81,7 +89,7 @@ class CommitRecord:
                 step=step,
                 created_ns=created,
                 parent=check_name(parent) if parent is not None else None,
-                stats=stats,
+                totals=stats,
             )
         except CheckpointError as exc:
             raise type(exc)(f"{where}: {exc}") from None

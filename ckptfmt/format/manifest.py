@@ -13,6 +13,7 @@ import gc
 import math
 import operator
 import re
+import warnings
 from dataclasses import dataclass, field
 from functools import partial
 from itertools import chain, repeat
@@ -41,7 +42,7 @@ from ckptfmt.format.limits import (
     check_name,
 )
 from ckptfmt.format.maps import unique_map
-from ckptfmt.format.shards import MAX_RANK, Piece, Shard, ShardGrid, grid_of, grid_to_dict, parse_grid
+from ckptfmt.format.shards import MAX_RANK, Piece, ShardEntry, ShardGrid, grid_of, grid_to_dict, parse_grid
 from ckptfmt.format.tensor_stats import COUNT_FIELDS, FLOAT_FIELDS, INTEGER_FIELDS
 from ckptfmt.format.tiling import check_tiling
 from ckptfmt.format.version import FORMAT_VERSION, check_version
@@ -82,8 +83,8 @@ class TensorEntry(NamedTuple):
     key: str
     dtype: str
     shape: tuple[int, ...]
-    #: One ``Shard`` per box, or (format 1.6, many shards) a ``ShardGrid`` of packed columns.
-    shards: tuple[Shard, ...] | ShardGrid
+    #: One ``ShardEntry`` per box, or (format 1.6, many shards) a ``ShardGrid`` of packed columns.
+    shards: tuple[ShardEntry, ...] | ShardGrid
     kind: str = "tensor"
     requires_grad: bool = False
     same_as: int | None = None
@@ -115,7 +116,8 @@ class Manifest:
     environment: dict = field(default_factory=dict)
     topology: dict = field(default_factory=dict)
     timing: dict = field(default_factory=dict)
-    stats: dict = field(default_factory=dict)
+    #: The checkpoint's totals (spec 9.5, the manifest's ``stats`` map): tensor and chunk counts and bytes.
+    totals: dict = field(default_factory=dict)
     #: Where an imported checkpoint came from (source kind, path, versions, import timing).
     provenance: dict | None = None
     #: A collective save's comparison of replicated tensors (spec 9.7): ``{"checked", "divergent"}``.
@@ -123,6 +125,12 @@ class Manifest:
     version: tuple[int, int] = FORMAT_VERSION
     #: Fields this reader does not know (from a newer minor version), kept as read.
     extra: dict = field(default_factory=dict)
+
+    @property
+    def stats(self) -> dict:
+        """Deprecated name of ``totals``: ``stats`` means a tensor's statistics everywhere else."""
+        warnings.warn("Manifest.stats is renamed totals", DeprecationWarning, stacklevel=2)
+        return self.totals
 
     def to_dict(self) -> dict:
         doc = {
@@ -143,7 +151,7 @@ class Manifest:
             "environment": self.environment,
             "topology": self.topology,
             "timing": self.timing,
-            "stats": self.stats,
+            "stats": self.totals,
         }
         if self.provenance is not None:
             doc["provenance"] = self.provenance
@@ -164,8 +172,8 @@ class Manifest:
         """
         if len(data) > MAX_MANIFEST_BYTES:
             raise ManifestError(f"{where}: manifest of {len(data)} bytes is over the {MAX_MANIFEST_BYTES} limit")
-        if not skip <= _SKIPPABLE:
-            raise ValueError(f"only optional fields can be skipped ({', '.join(sorted(_SKIPPABLE))})")
+        if not skip <= OPTIONAL_FIELDS:
+            raise ValueError(f"only optional fields can be skipped ({', '.join(sorted(OPTIONAL_FIELDS))})")
         with _collector_paused():
             try:
                 doc = _unpack_skipping(data, skip) if skip else msgpack.unpackb(
@@ -184,8 +192,17 @@ class Manifest:
                 raise ManifestError(f"{where}: malformed manifest ({exc})") from None
 
 
-#: Top-level fields ``from_bytes`` may skip: optional, and nothing else in the manifest refers to them.
-_SKIPPABLE = frozenset({"rng", "environment", "topology", "timing", "stats", "provenance", "replicas"})
+#: Top-level fields ``from_bytes`` may skip (wire names): optional, and nothing else in the manifest refers
+#: to them. A reader of the chunk and tensor tables, parent and user values alone skips them all.
+OPTIONAL_FIELDS = frozenset({"rng", "environment", "topology", "timing", "stats", "provenance", "replicas"})
+
+
+def optional_fields_except(*needed: str) -> frozenset[str]:
+    """What a reader that needs only ``needed`` of the optional fields skips."""
+    unknown = set(needed) - OPTIONAL_FIELDS
+    if unknown:
+        raise ValueError(f"not optional manifest fields: {', '.join(sorted(unknown))}")
+    return OPTIONAL_FIELDS - frozenset(needed)
 
 
 def _unpack_skipping(data: bytes, skip: frozenset[str]) -> dict:
@@ -351,7 +368,7 @@ def _parse(doc: Any) -> Manifest:
         environment=_get(doc, "environment", dict, optional=True, default={}),
         topology=_get(doc, "topology", dict, optional=True, default={}),
         timing=_get(doc, "timing", dict, optional=True, default={}),
-        stats=_get(doc, "stats", dict, optional=True, default={}),
+        totals=_get(doc, "stats", dict, optional=True, default={}),
         provenance=_get(doc, "provenance", dict, optional=True),
         replicas=_get(doc, "replicas", dict, optional=True),
         version=version,
@@ -485,7 +502,7 @@ def _parse_tensor(doc: Any, index: int, sizes: _Sizes, budget: _Budget) -> Tenso
         if index == 0:
             raise ManifestError(f"{what}: same_as must name an earlier tensor")
     raw_shards = doc.get("shards")
-    shards: tuple[Shard, ...] | ShardGrid
+    shards: tuple[ShardEntry, ...] | ShardGrid
     if type(raw_shards) is dict:
         shards = parse_grid(raw_shards, what, shape, width, sizes.array, budget)
     elif not isinstance(raw_shards, list) or not raw_shards or len(raw_shards) > MAX_SHARDS_PER_TENSOR:
@@ -534,7 +551,7 @@ def _parse_stats(doc: Any, what: str, numel: int, dtype: str) -> dict:
     return doc
 
 
-def _parse_shard(doc: Any, what: str, shape: tuple, width: int, sizes: list[int], budget: _Budget) -> Shard:
+def _parse_shard(doc: Any, what: str, shape: tuple, width: int, sizes: list[int], budget: _Budget) -> ShardEntry:
     if not isinstance(doc, dict):
         raise ManifestError(f"{what}: shard is not a map")
     offsets = _parse_dims(doc.get("offsets"), f"{what} shard offsets")
@@ -549,7 +566,7 @@ def _parse_shard(doc: Any, what: str, shape: tuple, width: int, sizes: list[int]
     total = sum(p.length for p in pieces)
     if total != expected:
         raise ManifestError(f"{what}: shard of shape {list(box)} needs {expected} bytes, pieces hold {total}")
-    return Shard(offsets, box, rank, pieces)
+    return ShardEntry(offsets, box, rank, pieces)
 
 
 def _parse_pieces(raw: Any, what: str, sizes: list[int], budget: _Budget) -> tuple[Piece, ...]:

@@ -6,7 +6,7 @@ tensor's shards as the cells of a grid (a column of cuts per dimension) with
 little-endian integer columns for the cells' ranks and pieces: about 10 bytes a shard
 for a row-sharded tensor, validated with a few numpy operations per tensor,
 and read (the resharding planner, ``show``, ``verify``) without one object per
-shard. It is a sequence of ``Shard`` for code that wants them one by one.
+shard. It is a sequence of ``ShardEntry`` for code that wants them one by one.
 """
 
 from __future__ import annotations
@@ -35,8 +35,9 @@ class Piece(NamedTuple):
     length: int
 
 
-class Shard(NamedTuple):
-    """A box of a tensor: where it starts in the global tensor, its shape, who wrote it."""
+class ShardEntry(NamedTuple):
+    """A shard's row in the tensor table (spec 6.5): where its box starts in the global tensor, its
+    shape, who wrote it, its pieces. (``ckptfmt.Shard`` is what a state hands a save: a box's data.)"""
 
     offsets: tuple[int, ...]
     shape: tuple[int, ...]
@@ -48,7 +49,7 @@ class Shard(NamedTuple):
         return math.prod(self.shape)
 
 
-class ShardGrid(Sequence[Shard]):
+class ShardGrid(Sequence[ShardEntry]):
     """A tensor's shards as the cells of a grid, in C order over the cells (spec 6.11).
 
     ``cuts[k]`` are dimension k's boundaries (0 first, the tensor's extent last,
@@ -93,9 +94,9 @@ class ShardGrid(Sequence[Shard]):
         first, last = int(self.starts[index]), int(self.starts[index + 1])
         pieces = tuple(map(Piece._make, zip(self.chunk[first:last].tolist(), self.offset[first:last].tolist(),
                                             self.length[first:last].tolist())))
-        return Shard(tuple(low), tuple(h - lo for lo, h in zip(low, high)), int(self.ranks[index]), pieces)
+        return ShardEntry(tuple(low), tuple(h - lo for lo, h in zip(low, high)), int(self.ranks[index]), pieces)
 
-    def __iter__(self) -> Iterator[Shard]:
+    def __iter__(self) -> Iterator[ShardEntry]:
         return (self[i] for i in range(len(self)))
 
     def __eq__(self, other: object) -> bool:
@@ -137,7 +138,7 @@ class _Budget(Protocol):
 
 # -- the wire form (spec 6.11) -------------------------------------------------
 
-def grid_of(shape: tuple[int, ...], shards: Sequence[Shard]) -> ShardGrid | None:
+def grid_of(shape: tuple[int, ...], shards: Sequence[ShardEntry]) -> ShardGrid | None:
     """``shards`` as a grid when those holding elements are exactly its cells (each dimension's
     distinct intervals chaining from 0 to the extent), else None: a writer then keeps one map per
     shard. Empty shards are left out of a grid: ranks that held nothing of an uneven split."""
@@ -156,7 +157,7 @@ def grid_of(shape: tuple[int, ...], shards: Sequence[Shard]) -> ShardGrid | None
     if math.prod(cells) != len(shards):
         return None
     where = [{start: j for j, (start, _) in enumerate(pairs)} for pairs in intervals]
-    order: list[Shard | None] = [None] * len(shards)
+    order: list[ShardEntry | None] = [None] * len(shards)
     for shard in shards:
         coords = []
         for dim, lookup in enumerate(where):
@@ -320,15 +321,15 @@ def _cell_volumes(cuts: Sequence[np.ndarray], per_dim: Sequence[int], shape: tup
     return volumes
 
 
-def chunk_rows(shards: Sequence[Shard] | ShardGrid) -> list[int]:
-    """The chunk rows of a tensor's pieces, in order (with repeats), without a Shard per grid cell."""
+def chunk_rows(shards: Sequence[ShardEntry] | ShardGrid) -> list[int]:
+    """The chunk rows of a tensor's pieces, in order (with repeats), without a ShardEntry per grid cell."""
     if isinstance(shards, ShardGrid):
         return shards.chunk.tolist()
     return [piece.chunk for shard in shards for piece in shard.pieces]
 
 
-def shard_ranks(shards: Sequence[Shard] | ShardGrid) -> list[int]:
-    """Each shard's owning rank, in order, without a Shard per grid cell."""
+def shard_ranks(shards: Sequence[ShardEntry] | ShardGrid) -> list[int]:
+    """Each shard's owning rank, in order, without a ShardEntry per grid cell."""
     if isinstance(shards, ShardGrid):
         return shards.ranks.tolist()
     return [shard.rank for shard in shards]

@@ -35,17 +35,19 @@ import statistics
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
+from datetime import timedelta
 
+from ckptfmt._deprecation import renamed_arguments
 from ckptfmt.errors import CheckpointError
-from ckptfmt.format.manifest import Manifest
+from ckptfmt.format.manifest import Manifest, optional_fields_except
 from ckptfmt.metadata.step_timer import decode_steps
 from ckptfmt.repository.repository import Repository
 from ckptfmt.tools.describe import SaveTiming, save_timing, step_times
 
 #: The phase an asynchronous save records for its staging copy, the only part that blocks training.
 STAGE_PHASE = "stage"
-#: Manifest fields advise does not read.
-_NOT_NEEDED = frozenset({"rng", "environment", "topology", "stats"})
+#: Manifest fields advise reads: save timing, and provenance to leave imports out.
+_SKIPPED = optional_fields_except("timing", "provenance")
 
 
 # -- the formulas ------------------------------------------------------------------------------
@@ -172,36 +174,39 @@ class Advice:
         return {**asdict(self), "checkpoints_ratio": self.checkpoints_ratio}
 
 
-def advise(repo_url: str | os.PathLike, *, mtbf_s: float, storage_options: dict | None = None) -> Advice:
-    """The checkpoint interval for the run in ``repo_url``, from its checkpoints' own timing (spec 9.4).
+@renamed_arguments(repo_url="repo", mtbf_s="mtbf")
+def advise(repo: str | os.PathLike, *, mtbf: timedelta | float, storage_options: dict | None = None) -> Advice:
+    """The checkpoint interval for the run in repository ``repo`` (a URL), from its checkpoints' own timing
+    (spec 9.4); ``mtbf``: the mean time between failures, a timedelta or seconds.
 
     Needs two checkpoints saved by training (imports are left out: their timing
     is the import's) with step numbers, and save timing in at least one.
     """
+    mtbf_s = mtbf.total_seconds() if isinstance(mtbf, timedelta) else float(mtbf)
     _check(0.0, mtbf_s)
-    repo = Repository.open(repo_url, storage_options)
-    manifests = _manifests(repo)
+    run = Repository.open(repo, storage_options)
+    manifests = _manifests(run)
     saves = [m for m in manifests if not _imported(m)]
     if len(saves) < 2:
         imported = f" and {len(manifests) - len(saves)} imported" if len(manifests) > len(saves) else ""
-        raise CheckpointError(f"{repo.url}: {len(saves)} checkpoint(s) saved by training{imported}; advice "
+        raise CheckpointError(f"{run.url}: {len(saves)} checkpoint(s) saved by training{imported}; advice "
                               "needs at least 2, to measure the interval between them")
     stalls = [split for split in (_save_split(m) for m in saves) if split is not None]
     if not stalls:
-        raise CheckpointError(f"{repo.url}: no checkpoint records its save timing (timing.ranks, spec 9.4): "
+        raise CheckpointError(f"{run.url}: no checkpoint records its save timing (timing.ranks, spec 9.4): "
                               "nothing to measure the save stall from")
     stall = statistics.median(s for s, _, _ in stalls)
     backgrounds = [b for _, b, is_async in stalls if is_async]
     background = statistics.median(backgrounds) if backgrounds else 0.0
-    steps, spacings = _intervals(repo.url, saves)
-    step_s, source = _step_time(repo.url, saves, spacings, stall)
+    steps, spacings = _intervals(run.url, saves)
+    step_s, source = _step_time(run.url, saves, spacings, stall)
 
     def plan(count: int) -> Plan:
         interval = count * step_s
         return Plan(count, interval, expected_overhead(interval, stall, mtbf_s, background),
                     expected_lost_work(interval, stall, background))
     return Advice(
-        repo=repo.url, mtbf_s=float(mtbf_s), saves=len(stalls), asynchronous=len(backgrounds), stall_s=stall,
+        repo=run.url, mtbf_s=float(mtbf_s), saves=len(stalls), asynchronous=len(backgrounds), stall_s=stall,
         background_s=background, step_s=step_s, step_source=source, actual=plan(steps),
         young=plan(_steps(young_interval(stall, mtbf_s), step_s, background)),
         daly=plan(auto_interval(stall, step_s, mtbf_s, background)),
@@ -212,7 +217,7 @@ def _manifests(repo: Repository) -> list[Manifest]:
     """Every committed checkpoint's manifest, oldest first, read 8 at a time (remote storage)."""
     records = repo.commits()
     with ThreadPoolExecutor(max_workers=8, thread_name_prefix="ckptfmt-advise") as pool:
-        return list(pool.map(lambda r: repo.manifest(r.name, r, skip=_NOT_NEEDED), records))
+        return list(pool.map(lambda r: repo.manifest(r.name, r, skip=_SKIPPED), records))
 
 
 def _imported(manifest: Manifest) -> bool:

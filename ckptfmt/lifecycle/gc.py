@@ -23,13 +23,11 @@ from dataclasses import asdict, dataclass, field
 from ckptfmt.errors import CheckpointError, CheckpointNotFoundError
 from ckptfmt.format import layout
 from ckptfmt.format.limits import is_valid_name
-from ckptfmt.format.manifest import stored_key
+from ckptfmt.format.manifest import OPTIONAL_FIELDS, stored_key
 from ckptfmt.repository.leases import Lease, try_gc_lease
 from ckptfmt.repository.lost_commits import lost_commits
 from ckptfmt.repository.repository import CommitRecord, Repository
 
-#: Manifest fields a collector never needs (the chunk table is what it reads).
-_SKIP = frozenset({"rng", "environment", "topology", "timing", "provenance"})
 _CHUNK_NAME = re.compile(r"[0-9a-f]{64}(\.[a-z0-9-]+)?")
 #: Deletions per batch; the gc lease is checked before each.
 _BATCH = 1000
@@ -184,7 +182,7 @@ def _records(repo: Repository, names: set[str]) -> dict[str, CommitRecord]:
 def _chunk_keys(repo: Repository, record: CommitRecord, known: dict[str, frozenset[str]]) -> frozenset[str]:
     if record.manifest_hash not in known:
         try:
-            manifest = repo.manifest(record.name, record, skip=_SKIP)
+            manifest = repo.manifest(record.name, record, skip=OPTIONAL_FIELDS)  # the chunk table is what it reads
         except CheckpointError as exc:
             raise CheckpointError(f"cannot collect garbage: {exc}; the chunks of {record.name!r} are unknown, so "
                                   "none can be deleted safely (remove or repair that checkpoint first)") from None

@@ -30,11 +30,12 @@ from dataclasses import dataclass
 
 from fsspec.callbacks import Callback, NoOpCallback
 
+from ckptfmt._deprecation import renamed_arguments
 from ckptfmt.errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError, CorruptDataError
 from ckptfmt.format import codecs, layout
 from ckptfmt.format.hashing import check_chunk, chunk_hash
 from ckptfmt.format.limits import check_name
-from ckptfmt.format.manifest import Chunk, delta_depth, stored_key
+from ckptfmt.format.manifest import OPTIONAL_FIELDS, Chunk, delta_depth, stored_key
 from ckptfmt.loading.chunkio import ChunkReader
 from ckptfmt.repository.leases import Lease, save_lease
 from ckptfmt.repository.repository import CommitRecord, Repository
@@ -42,9 +43,6 @@ from ckptfmt.repository.signatures import copy_signatures
 from ckptfmt.saving.chunker import DEFAULT_CHUNK_SIZE
 from ckptfmt.storage.base import Storage
 from ckptfmt.storage.budget import ByteBudget
-
-#: Manifest fields a copy does not need parsed (it copies the manifest's bytes as they are).
-_UNUSED_FIELDS = frozenset({"rng", "environment", "topology", "timing", "stats", "provenance"})
 
 
 @dataclass(frozen=True)
@@ -69,10 +67,11 @@ class ReplicationReport:
     signatures_copied: int = 0
 
 
+@renamed_arguments(progress="callback")
 def replicate(src: str | os.PathLike | Repository, dst: str | os.PathLike | Repository,
               name: str | Iterable[str] | None = None, *, storage_options: dict | None = None,
               dst_storage_options: dict | None = None, workers: int = 8, verify: bool = True,
-              progress: Callback | None = None, yield_to: Callable[[], object] | None = None) -> ReplicationReport:
+              callback: Callback | None = None, yield_to: Callable[[], object] | None = None) -> ReplicationReport:
     """Copy checkpoints of repository ``src`` to repository ``dst`` (created if missing).
 
     ``name``: a checkpoint name or several; None copies every committed
@@ -82,7 +81,7 @@ def replicate(src: str | os.PathLike | Repository, dst: str | os.PathLike | Repo
     Damage in the source (a missing or corrupt chunk) raises before that
     checkpoint's commit, naming the chunk. ``workers`` chunks are copied at a
     time; ``verify`` reads each one back from ``dst`` after writing it;
-    ``progress`` (an fsspec Callback) counts the stored bytes to copy or check.
+    ``callback`` (an fsspec Callback) counts the stored bytes to copy or check.
     ``yield_to`` is called before each chunk is queued and may block: the
     checkpoint manager pauses replication while the training loop saves.
     """
@@ -94,7 +93,7 @@ def replicate(src: str | os.PathLike | Repository, dst: str | os.PathLike | Repo
     copied: list[str] = []
     present: list[str] = []
     missing: list[CommitRecord] = []
-    copier = _Copier(source, target, workers, verify, progress or NoOpCallback(), yield_to)
+    copier = _Copier(source, target, workers, verify, callback or NoOpCallback(), yield_to)
     for record in _records(source, name):
         if _on_target(source, target, record):
             present.append(record.name)
@@ -186,7 +185,7 @@ class _Copier:
 
     def copy(self, record: CommitRecord, lease: Lease) -> bool:
         """Copy one checkpoint, committing it last; False if another writer committed it meanwhile."""
-        manifest = self.source.manifest(record.name, record, skip=_UNUSED_FIELDS)
+        manifest = self.source.manifest(record.name, record, skip=OPTIONAL_FIELDS)
         # Bases before the deltas stored against them (spec 5.5), though a delta is checked against its
         # base's bytes in the source, so the order is for readers of a half-copied repository only.
         order = sorted(range(len(manifest.chunks)), key=lambda i: delta_depth(manifest.chunks, i))
@@ -215,7 +214,7 @@ class _Copier:
         if parent is None:
             return set()
         try:
-            chunks = self.target.manifest(parent, skip=_UNUSED_FIELDS).chunks
+            chunks = self.target.manifest(parent, skip=OPTIONAL_FIELDS).chunks
             return {stored_key(chunks, c) for c in chunks}
         except CheckpointError:  # absent or unreadable: its chunks are checked like any other
             return set()

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 from ckptfmt.errors import CheckpointError
+from ckptfmt.format.manifest import OPTIONAL_FIELDS
 from ckptfmt.format.values import decode_tree
 from ckptfmt.repository.repository import CommitRecord, Repository
 
@@ -115,7 +116,7 @@ def metrics_reader(repo: Repository) -> Callable[[CommitRecord], dict]:
     def metrics(record: CommitRecord) -> dict:
         if record.manifest_hash not in cache:
             try:
-                user = decode_tree(repo.manifest(record.name, record, skip=_HEAVY).user)
+                user = decode_tree(repo.manifest(record.name, record, skip=OPTIONAL_FIELDS).user)
             except CheckpointError:  # gone or damaged: nothing to judge it by, so keep_best keeps it
                 user = {}
             found = user.get(METRICS_KEY) if isinstance(user, dict) else None
@@ -123,5 +124,3 @@ def metrics_reader(repo: Repository) -> Callable[[CommitRecord], dict]:
         return cache[record.manifest_hash]
     return metrics
 
-
-_HEAVY = frozenset({"rng", "environment", "topology", "timing", "provenance"})

@@ -117,7 +117,7 @@ class Checkpoint:
             "rng": m.rng,
             "topology": m.topology,
             "timing": m.timing,
-            "stats": m.stats,
+            "stats": m.totals,
             "user": decode_tree(m.user, torch_value=type(self).torch_value),
             "provenance": m.provenance,
             **({"replicas": m.replicas} if m.replicas is not None else {}),

@@ -14,7 +14,7 @@ import torch
 from ckptfmt.errors import CheckpointError, CheckpointNotFoundError, CheckpointWarning, CorruptDataError, ManifestError
 from ckptfmt.format.dtypes import itemsize
 from ckptfmt.format.manifest import Piece, TensorEntry
-from ckptfmt.format.shards import Shard, ShardGrid
+from ckptfmt.format.shards import ShardEntry, ShardGrid
 from ckptfmt.format.signatures import TrustedKeys
 from ckptfmt.format.values import decode_tree
 from ckptfmt.loading.checkpoint import Checkpoint
@@ -249,7 +249,7 @@ class CheckpointReader(Checkpoint):
         return tensor
 
 
-def _overlapping(shards: tuple[Shard, ...] | ShardGrid, offsets: tuple[int, ...], shape: tuple[int, ...]):
+def _overlapping(shards: tuple[ShardEntry, ...] | ShardGrid, offsets: tuple[int, ...], shape: tuple[int, ...]):
     """The shards a box may overlap: a grid's are found by a search per dimension, no object per cell."""
     if isinstance(shards, ShardGrid):
         return [shards[cell] for cell in shards.overlapping(offsets, shape).tolist()]

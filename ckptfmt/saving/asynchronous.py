@@ -53,7 +53,7 @@ class AsyncSaver:
         rng = capture_states() if options.rng is None else None
         start_ns, start = time.time_ns(), time.perf_counter()
         area = self.staging_area(url)
-        area.stats = options.tensor_stats
+        area.tensor_stats = options.tensor_stats
         staged = area.stage(state)
         captured = Captured(steps=steps, rng=rng, staged=(start_ns, time.perf_counter() - start), frozen=True,
                             device_stats=area.device_stats)

@@ -93,14 +93,14 @@ class StoredSources:
 
 def store_sources(repo: Repository, sources: list[TensorSource], *, compression: str | None, parent_keys: set[str],
                   cache: HashCache, chunk_size: int | None, workers: int, timer,
-                  stats: bool = True, bases: DeltaBases | None = None) -> StoredSources:
+                  tensor_stats: bool = True, bases: DeltaBases | None = None) -> StoredSources:
     """Cut ``sources`` into chunks, store them (durably) and return the chunk table and pieces;
     with ``stats``, each source's statistics too, taken as its bytes are hashed. ``bases``: the
     parent's chunks that delta chunks may be stored against.
 
     ``timer`` gets the phases ``write_chunks`` and ``sync``.
     """
-    writer = ChunkWriter(repo, sources, compression, parent_keys, cache, workers, stats, bases)
+    writer = ChunkWriter(repo, sources, compression, parent_keys, cache, workers, tensor_stats, bases)
     try:
         with timer.phase("write_chunks"):
             planner = ChunkPlanner(chunk_size or DEFAULT_CHUNK_SIZE)
@@ -117,7 +117,7 @@ def store_sources(repo: Repository, sources: list[TensorSource], *, compression:
             writer.make_durable()
     finally:
         writer.close()
-    return _table(stored, refs, sources, stats)
+    return _table(stored, refs, sources, tensor_stats)
 
 
 class ChunkTable:
@@ -158,12 +158,9 @@ class ChunkTable:
     def new_bytes(self) -> int:
         return sum(self.chunks[row].stored_size for row in self.written)
 
-    def stats(self, tensors: list[TensorEntry]) -> dict:
-        """The manifest's ``stats`` for ``tensors`` stored in this table."""
-        return checkpoint_stats(tensors, self.chunks, self.new_bytes)
 
 
-def checkpoint_stats(tensors: list[TensorEntry], chunks: list[Chunk], new_bytes: int) -> dict:
+def checkpoint_totals(tensors: list[TensorEntry], chunks: list[Chunk], new_bytes: int) -> dict:
     """The manifest's ``stats`` (spec 9.5): what the tensors hold, what the chunks occupy, what was new."""
     return {
         "tensor_count": len(tensors),
@@ -175,7 +172,7 @@ def checkpoint_stats(tensors: list[TensorEntry], chunks: list[Chunk], new_bytes:
 
 
 def _table(stored: dict[int, StoredChunk], refs: list[list[PieceRef]], sources: list[TensorSource],
-           stats: bool) -> StoredSources:
+           tensor_stats: bool) -> StoredSources:
     """One chunk row per distinct chunk (twins take the row with a stored size); pieces point at rows;
     each source's statistics merged from its parts'."""
     table = ChunkTable()
@@ -183,7 +180,7 @@ def _table(stored: dict[int, StoredChunk], refs: list[list[PieceRef]], sources: 
                for index in sorted(stored)}
     pieces = [tuple(Piece(job_row[p.job], p.offset, p.length) for p in source_refs) for source_refs in refs]
     return StoredSources(table.chunks, pieces, table.new_bytes, frozenset(table.written),
-                         _source_stats(stored, sources) if stats else [None] * len(sources))
+                         _source_stats(stored, sources) if tensor_stats else [None] * len(sources))
 
 
 def _source_stats(stored: dict[int, StoredChunk], sources: list[TensorSource]) -> list[dict[str, Any] | None]:
@@ -208,7 +205,7 @@ class ChunkWriter:
     """
 
     def __init__(self, repo: Repository, sources: list[TensorSource], compression: str | None,
-                 parent_keys: set[str], cache: HashCache, workers: int, stats: bool = True,
+                 parent_keys: set[str], cache: HashCache, workers: int, tensor_stats: bool = True,
                  bases: DeltaBases | None = None):
         self.repo = repo
         self.sources = sources
@@ -216,7 +213,7 @@ class ChunkWriter:
         #: Codecs chosen per chunk from its bytes (delta against the parent, whole, or none).
         self.choosing = compression in ("delta-zstd", "auto")
         #: Whether to take each part's statistics (sources that come with theirs are passed over).
-        self.stats = stats
+        self.tensor_stats = tensor_stats
         self.compression = compression
         self.parent_keys = parent_keys
         self.cache = cache
@@ -319,7 +316,7 @@ class ChunkWriter:
         return self._put(job, codec, digest, lambda key: self._write_encoded(key, encoded), stats, base)
 
     def _wants_stats(self, source: TensorSource) -> bool:
-        return self.stats and source.stats is None
+        return self.tensor_stats and source.stats is None
 
     def _pack_stats(self, job: ChunkJob, data: memoryview) -> list[PartStats]:
         """The statistics of each part of a job held in private memory (a pack of small tensors)."""

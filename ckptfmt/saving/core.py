@@ -38,7 +38,7 @@ from ckptfmt.errors import (
 from ckptfmt.format import layout
 from ckptfmt.format.hashing import chunk_hash
 from ckptfmt.format.limits import MAX_KEY_BYTES, check_name
-from ckptfmt.format.manifest import MAX_RANK, Chunk, Manifest, Shard, TensorEntry, stored_key
+from ckptfmt.format.manifest import MAX_RANK, Chunk, Manifest, ShardEntry, TensorEntry, stored_key
 from ckptfmt.format.signatures import SigningKey
 from ckptfmt.format.tensor_stats import merge_stats
 from ckptfmt.format.tiling import check_tiling
@@ -49,13 +49,12 @@ from ckptfmt.metadata.timing import PhaseTimer, with_steps
 from ckptfmt.repository.leases import Lease, hold_save_lease
 from ckptfmt.repository.repository import CommitRecord, Repository
 from ckptfmt.repository.signatures import write_signature
-from ckptfmt.saving.chunk_writer import checkpoint_stats
+from ckptfmt.saving.chunk_writer import checkpoint_totals
 from ckptfmt.saving.options import LATEST, SaveOptions
 from ckptfmt.saving.plan import PlannedTensor, SourceBox
 from ckptfmt.saving.staging import memory_key
 from ckptfmt.tensors.dtensors import is_dtensor, local_shard
-from ckptfmt.tensors.sharded import LocalShard, Sharded
-from ckptfmt.tensors.sharded import Shard as ShardInput
+from ckptfmt.tensors.sharded import LocalShard, Shard, Sharded
 from ckptfmt.tensors.sources import TensorSource, prepare
 from ckptfmt.tensors.stats import PendingStats
 
@@ -84,19 +83,19 @@ class TensorCollector:
 
     In a collective save (``collective``), a DTensor becomes its local shard, at its offsets in
     the global tensor; the meshes met are kept in ``meshes``. ``frozen``: the state is staged
-    memory (an asynchronous save's) that stays unchanged until the save ends. ``stats``: tensors
+    memory (an asynchronous save's) that stays unchanged until the save ends. ``tensor_stats``: tensors
     on a device other than the CPU get their statistics (spec 6.10) reduced there before their
     bytes are copied to the host; ``device_stats`` gives those of staged tensors, taken on their
     device when they were staged (by ``staging.memory_key``).
     """
 
     def __init__(self, sources: list[TensorSource], entries: list[PlannedTensor], *, collective: bool = False,
-                 frozen: bool = False, stats: bool = True, device_stats: dict[tuple, dict] | None = None):
+                 frozen: bool = False, tensor_stats: bool = True, device_stats: dict[tuple, dict] | None = None):
         self.sources = sources
         self.entries = entries
         self.collective = collective
         self.frozen = frozen
-        self.stats = stats
+        self.tensor_stats = tensor_stats
         self.device_stats = device_stats or {}
         self.meshes: list[dict] = []
         self.seen: dict[int, int] = {}
@@ -146,13 +145,13 @@ class TensorCollector:
     def _source(self, value, where: str) -> TensorSource:
         """A new source for ``value`` (frozen: staged memory that nothing changes during the save),
         with its statistics when they are taken before its bytes reach the host."""
-        on_device = self.stats and isinstance(value, torch.Tensor) and value.device.type not in ("cpu", "meta")
+        on_device = self.tensor_stats and isinstance(value, torch.Tensor) and value.device.type not in ("cpu", "meta")
         pending = PendingStats(value) if on_device else None
         source = prepare(value, where)
         source.frozen = self.frozen and source.borrowed
         if pending is not None:
             source.stats = pending.result()
-        elif self.stats and self.device_stats and isinstance(value, torch.Tensor):
+        elif self.tensor_stats and self.device_stats and isinstance(value, torch.Tensor):
             source.stats = self.device_stats.get(memory_key(value))
         self.sources.append(source)
         return source
@@ -163,7 +162,7 @@ class TensorCollector:
             raise UnsupportedValueError(f"{where}: a sharded tensor needs at least one shard")
         shards, dtypes = [], set()
         for shard in value.shards:
-            if not isinstance(shard, ShardInput) or not isinstance(shard.tensor, torch.Tensor):
+            if not isinstance(shard, Shard) or not isinstance(shard.tensor, torch.Tensor):
                 raise UnsupportedValueError(f"{where}: shards must be ckptfmt.Shard(offsets, tensor, rank)")
             source = self._source(shard.tensor, where)
             dtypes.add(source.dtype)
@@ -171,7 +170,7 @@ class TensorCollector:
                                     _shard_rank(shard, where)))
         if len(dtypes) != 1:
             raise UnsupportedValueError(f"{where}: shards have different dtypes {sorted(dtypes)}")
-        boxes = tuple(Shard(b.offsets, self.sources[b.source].shape, b.owner or 0, ()) for b in shards)
+        boxes = tuple(ShardEntry(b.offsets, self.sources[b.source].shape, b.owner or 0, ()) for b in shards)
         try:
             if any(len(b.offsets) != len(value.shape) or len(b.shape) != len(value.shape) or
                    any(o + n > d for o, n, d in zip(b.offsets, b.shape, value.shape)) for b in boxes):
@@ -182,7 +181,7 @@ class TensorCollector:
         return PlannedTensor(key, dtypes.pop(), tuple(value.shape), "tensor", False, tuple(shards))
 
 
-def _shard_rank(shard: ShardInput, where: str) -> int:
+def _shard_rank(shard: Shard, where: str) -> int:
     """A shard's owning rank (spec 6.5): an integer in [0, MAX_RANK], refused before anything is written."""
     rank = shard.rank
     if isinstance(rank, bool) or not hasattr(rank, "__index__") or not 0 <= operator.index(rank) <= MAX_RANK:
@@ -269,7 +268,7 @@ def manifest_for(name: str, options: SaveOptions, *, parent: str | None, chunks:
         timing={"ranks": sorted([record["timing"] for record in records] + list(steps_only),
                                 key=lambda entry: entry["rank"]),
                 "steps": list(options.step_times or [])},
-        stats=checkpoint_stats(tensors, chunks, new_bytes),
+        totals=checkpoint_totals(tensors, chunks, new_bytes),
         provenance=provenance if provenance is not None else options.provenance,
     )
 
@@ -286,7 +285,7 @@ def commit_manifest(repo: Repository, manifest: Manifest, lease: Lease, signer: 
     repo.storage.sync([key])
     record = CommitRecord(
         name=manifest.name, manifest_hash=digest, manifest_size=len(data), step=manifest.step,
-        created_ns=manifest.created_ns, parent=manifest.parent, stats=manifest.stats,
+        created_ns=manifest.created_ns, parent=manifest.parent, totals=manifest.totals,
     )
     if signer is not None:
         write_signature(repo, record, signer)

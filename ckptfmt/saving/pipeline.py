@@ -34,7 +34,7 @@ from contextlib import ExitStack, nullcontext
 from typing import Any
 
 from ckptfmt.errors import CheckpointError, CheckpointWarning, CollectiveError
-from ckptfmt.format.manifest import Manifest, Shard, TensorEntry
+from ckptfmt.format.manifest import Manifest, ShardEntry, TensorEntry
 from ckptfmt.format.values import encode_tree
 from ckptfmt.groups.ranks import Ranks
 from ckptfmt.metadata.timing import PhaseTimer
@@ -74,7 +74,7 @@ def save_over(state: Any, url: str | os.PathLike, ranks: Ranks, options: SaveOpt
         sources: list[TensorSource] = []
         entries: list[PlannedTensor] = []
         collector = TensorCollector(sources, entries, collective=ranks.collective, frozen=captured.frozen,
-                                    stats=options.tensor_stats, device_stats=captured.device_stats)
+                                    tensor_stats=options.tensor_stats, device_stats=captured.device_stats)
 
         def prepare() -> RankPlan:
             encoded = encode_tree(state, collector, rank=ranks.rank)
@@ -116,7 +116,8 @@ def _write_and_commit(decision: dict, failure: Failure | None, url: str, name: s
         bases = _delta_bases(repo, agreed, entries, sources, assigned, options)
         stored = store_sources(repo, mine, compression=options.compression, parent_keys=agreed.parent_keys,
                                cache=DEFAULT_CACHE, chunk_size=options.chunk_size,
-                               workers=options.chunk_workers, timer=timer, stats=options.tensor_stats, bases=bases)
+                               workers=options.chunk_workers, timer=timer, tensor_stats=options.tensor_stats,
+                               bases=bases)
         return {"stored": stored, **rank_record(ranks.rank, timer, ranks.topology_entry(), captured)}
     written, own_failure = _attempt(write)
     with timer.phase("wait_ranks") if ranks.count > 1 else nullcontext():
@@ -234,7 +235,7 @@ def _manifest(plan: Plan, reports: list[dict], ranks: Ranks, name: str, options:
             position, index = box.writer
             stored = reports[position]["stored"]
             owner = ranks.rank_of(position) if box.owner is None else box.owner
-            shards.append((Shard(box.offsets, box.shape, owner, tables.pieces(position, stored.pieces[index])),
+            shards.append((ShardEntry(box.offsets, box.shape, owner, tables.pieces(position, stored.pieces[index])),
                            stored.stats[index]))
         tensors.append(tensor_entry(tensor.key, tensor.dtype, tensor.shape, shards, kind=tensor.kind,
                                     requires_grad=tensor.requires_grad, same_as=tensor.same_as))

@@ -35,12 +35,12 @@ def memory_key(tensor: torch.Tensor) -> tuple:
 class StagingArea:
     """Host buffers by tensor key; ``stage(state)`` returns the staged copy of ``state``."""
 
-    def __init__(self, *, stats: bool = True):
+    def __init__(self, *, tensor_stats: bool = True):
         self.tensors: dict[str, torch.Tensor] = {}
         self.arrays: dict[str, np.ndarray] = {}
         self.stream: torch.cuda.Stream | None = None  # the CUDA side stream, made on first use
         #: Whether CUDA tensors' statistics are reduced on their device as they are copied.
-        self.stats = stats
+        self.tensor_stats = tensor_stats
         #: (host buffer, its statistics being reduced on the device) of the stage in progress.
         self._pending: list[tuple[torch.Tensor, PendingStats]] = []
         #: host buffer (``memory_key``) -> statistics taken on the device, for the last state staged.
@@ -113,7 +113,7 @@ class StagingArea:
             self.stream.wait_stream(torch.cuda.current_stream(tensor.device))
             with torch.cuda.stream(self.stream):
                 buffer.copy_(tensor, non_blocking=True)
-                if self.stats:
+                if self.tensor_stats:
                     self._pending.append((buffer, PendingStats(tensor)))
         else:
             buffer.copy_(tensor)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ckptfmt.format.manifest import Chunk, Piece, Shard, TensorEntry
+from ckptfmt.format.manifest import Chunk, Piece, ShardEntry, TensorEntry
 from ckptfmt.saving.chunk_writer import ChunkTable
 from ckptfmt.saving.core import merged_stats
 
@@ -37,7 +37,7 @@ class ManifestTables:
         return tuple(Piece(rows[piece.chunk], piece.offset, piece.length) for piece in pieces)
 
 
-def tensor_entry(key: str, dtype: str, shape: tuple[int, ...], shards: Sequence[tuple[Shard, dict | None]], *,
+def tensor_entry(key: str, dtype: str, shape: tuple[int, ...], shards: Sequence[tuple[ShardEntry, dict | None]], *,
                  kind: str = "tensor", requires_grad: bool = False, same_as: int | None = None) -> TensorEntry:
     """A tensor's row: its shards (each with its statistics), in offset order, and its statistics merged
     from theirs (none on a ``same_as`` entry, whose data is another's)."""

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ckptfmt._deprecation import renamed_arguments
 from ckptfmt.format.dtypes import numeric
 from ckptfmt.format.hashing import chunk_hash
 from ckptfmt.format.manifest import Manifest, TensorEntry
@@ -121,11 +122,13 @@ def _measure(a: Checkpoint, b: Checkpoint, key: str,
                               for t in tensors))
 
 
-def diff(url_a: str | os.PathLike | Checkpoint, url_b: str | os.PathLike | Checkpoint, *,
+@renamed_arguments(url_a="a", url_b="b")
+def diff(a: str | os.PathLike | Checkpoint, b: str | os.PathLike | Checkpoint, *,
          storage_options: dict | None = None, measure: bool = True) -> DiffReport:
-    """Compare two checkpoints. ``measure=False`` skips reading changed tensors."""
-    a = url_a if isinstance(url_a, Checkpoint) else Checkpoint.open(url_a, storage_options=storage_options)
-    b = url_b if isinstance(url_b, Checkpoint) else Checkpoint.open(url_b, storage_options=storage_options)
+    """Compare checkpoints ``a`` and ``b`` (URLs or open checkpoints). ``measure=False`` skips reading
+    changed tensors."""
+    a = a if isinstance(a, Checkpoint) else Checkpoint.open(a, storage_options=storage_options)
+    b = b if isinstance(b, Checkpoint) else Checkpoint.open(b, storage_options=storage_options)
     report = DiffReport(a.url, b.url)
     keys_b = set(b.keys())
     for key in a.keys():

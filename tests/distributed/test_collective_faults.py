@@ -24,9 +24,9 @@ import pytest
 import torch
 
 import ckptfmt
-from ckptfmt.saving import pipeline
 from ckptfmt.groups.process_group import RankGroup
 from ckptfmt.repository.repository import Repository
+from ckptfmt.saving import pipeline
 from ckptfmt.saving.chunk_writer import ChunkWriter
 from tests.support.ranks import run_ranks
 

@@ -15,10 +15,10 @@ import pytest
 import torch
 
 import ckptfmt
-from ckptfmt.saving import pipeline
 from ckptfmt.format.layout import commit_key
 from ckptfmt.metadata.step_timer import decode_steps
 from ckptfmt.metadata.system import decode_samples
+from ckptfmt.saving import pipeline
 from tests.support.ranks import mixed_state, run_ranks, save_mixed_state
 from tests.support.tensor_values import assert_stats_close, expected_stats
 
@@ -243,7 +243,7 @@ def test_a_collective_save_stores_deltas_against_its_parent_and_loads_bit_exact(
         with ckptfmt.open(urls[1]) as reader:
             chunks = reader.manifest.chunks
             sharded = next(t for t in reader.manifest.tensors if t.key == "sharded")
-        stored[compression] = ckptfmt.Repository.open(str(repo)).commit("step-1").stats["new_bytes"]
+        stored[compression] = ckptfmt.Repository.open(str(repo)).commit("step-1").totals["new_bytes"]
         assert ckptfmt.verify(str(repo)).ok
         if compression == "delta-zstd":
             assert len(sharded.shards) == 2

@@ -116,7 +116,7 @@ def test_the_dcp_writer_takes_a_saves_options_deltas_statistics_and_steps(tmp_pa
             state = {"model": {"a": weights[0] + 1e-3 * step, "b": weights[1] * (1 + 1e-4 * step)}, "step": step}
             dcp.save(state, storage_writer=StorageWriter(repo / f"step-{step}", compression=compression,
                                                          chunk_size=2**18, timer=timer, tensor_stats=step == 0))
-        new_bytes[compression] = ckptfmt.Repository.open(str(repo)).commit("step-1").stats["new_bytes"]
+        new_bytes[compression] = ckptfmt.Repository.open(str(repo)).commit("step-1").totals["new_bytes"]
         with ckptfmt.open(str(repo / "step-1")) as reader:
             assert reader.manifest.parent == "step-0"
             assert reader.tensor_stats("model/a") is None  # tensor_stats=False

@@ -92,7 +92,7 @@ def install(repo_url: str, data: bytes, name: str = NAME) -> str:
     digest = chunk_hash(data)
     storage.write(layout.manifest_key(name, digest), data)
     record = CommitRecord(name=name, manifest_hash=digest, manifest_size=len(data), step=None,
-                          created_ns=1, parent=None, stats={})
+                          created_ns=1, parent=None, totals={})
     storage.write(layout.commit_key(name), record.to_bytes())
     return f"{repo_url}/{name}"
 

@@ -66,7 +66,7 @@ def brick_wall(dims: int = 64, rows: int = 16, columns: int = 16, width: int = 1
         cuts = [0] + [c * width + (r * 37) % width for c in range(1, columns)] + [columns * width]
         for start, end in zip(cuts, cuts[1:]):
             offsets = (0,) * (dims - 2) + (r, start)
-            boxes.append(manifest_module.Shard(offsets, (1,) * (dims - 2) + (1, end - start), 0, ()))
+            boxes.append(manifest_module.ShardEntry(offsets, (1,) * (dims - 2) + (1, end - start), 0, ()))
     return shape, boxes
 
 

@@ -22,7 +22,7 @@ from ckptfmt import ManifestError
 from ckptfmt.format import manifest as manifest_module
 from ckptfmt.format import shards as shards_module
 from ckptfmt.format.manifest import FORMAT_VERSION, MANIFEST_FORMAT, Chunk, Manifest, TensorEntry
-from ckptfmt.format.shards import Piece, Shard, ShardGrid
+from ckptfmt.format.shards import Piece, ShardEntry, ShardGrid
 from ckptfmt.storage.factory import open_storage
 from tests.support.helpers import rewrite_manifest
 
@@ -238,9 +238,9 @@ def test_a_grid_of_a_million_shards_parses_into_columns_not_objects():
     manifest = Manifest.from_bytes(data, "big")
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
-    assert peak < count * 80  # a Shard, its tuples and ints would take about 400 bytes each
+    assert peak < count * 80  # a ShardEntry, its tuples and ints would take about 400 bytes each
     shards = manifest.tensors[0].shards
-    assert len(shards) == count and shards[-1] == Shard((4 * count - 4, 0), (4, 4096), count - 1,
+    assert len(shards) == count and shards[-1] == ShardEntry((4 * count - 4, 0), (4, 4096), count - 1,
                                                         (Piece(count // 64 - 1, 63 * 32768, 32768),))
 
 

@@ -7,6 +7,7 @@ import io
 import json
 import statistics
 import time
+from datetime import timedelta
 
 import numpy as np
 import pytest
@@ -145,7 +146,7 @@ def test_advice_reflects_the_measured_stall_and_step_time(tmp_path):
     small, large = str(tmp_path / "small"), str(tmp_path / "large")
     measured = {small: run(small, lambda: {"w": torch.randn(16)}),
                 large: run(large, lambda: {"w": torch.randn(16 * 2**20)})}  # 64 MiB of new bytes each save
-    a, b = advise(small, mtbf_s=8 * HOUR), advise(large, mtbf_s=8 * HOUR)
+    a, b = advise(small, mtbf=8 * HOUR), advise(large, mtbf=8 * HOUR)
     for advice, url in ((a, small), (b, large)):
         assert advice.saves == 3 and advice.asynchronous == 0 and advice.background_s == 0.0
         assert advice.stall_s == statistics.median(slowest_totals(url))
@@ -157,15 +158,16 @@ def test_advice_reflects_the_measured_stall_and_step_time(tmp_path):
         assert advice.daly.overhead < advice.actual.overhead  # saving every 10 steps of 10 ms is far too often
         assert advice.checkpoints_ratio == pytest.approx(advice.actual.interval_s / advice.daly.interval_s)
     assert b.stall_s > a.stall_s and b.daly.interval_s > a.daly.interval_s
-    assert advise(small, mtbf_s=HOUR).daly.steps < a.daly.steps  # failing more often: save more often
+    assert advise(small, mtbf=HOUR).daly.steps < a.daly.steps  # failing more often: save more often
 
 
 def test_step_time_from_step_times_or_checkpoint_spacing(tmp_path):
     given = str(tmp_path / "given")
     for step in (10, 20, 30):
         ckptfmt.save({"w": torch.zeros(4)}, f"{given}/s{step}", step=step, step_times=[0.5, 0.25, 0.5])
-    advice = advise(given, mtbf_s=DAY)
+    advice = advise(given, mtbf=DAY)
     assert (advice.step_source, advice.step_s) == ("step_times", 0.5)
+    assert advise(given, mtbf=timedelta(days=1)) == advice  # as CheckpointManager(mtbf=) takes it
 
     spaced = str(tmp_path / "spaced")
     calls = []  # time.time_ns() before and after each save: its checkpoint's created_ns lies between
@@ -175,7 +177,7 @@ def test_step_time_from_step_times_or_checkpoint_spacing(tmp_path):
         before = time.time_ns()
         ckptfmt.save({"w": torch.zeros(4)}, f"{spaced}/s{step}", step=step)
         calls.append((before, time.time_ns()))
-    advice = advise(spaced, mtbf_s=DAY)
+    advice = advise(spaced, mtbf=DAY)
     assert advice.step_source == "checkpoint spacing" and advice.actual.steps == 10
 
     def step_time(spacings_ns) -> float:  # the median spacing less the save's stall, per step
@@ -194,7 +196,7 @@ def test_async_saves_give_advice(tmp_path):
         if step % 10 == 0:
             future = ckptfmt.async_save({"w": torch.randn(1024)}, f"{url}/step-{step:06d}", step=step, timer=timer)
     future.result(timeout=60)  # one save per repository in flight: the last one done, all are
-    advice = advise(url, mtbf_s=HOUR)
+    advice = advise(url, mtbf=HOUR)
     assert advice.saves == 3 and advice.stall_s > 0 and advice.actual.steps == 10 and advice.daly.steps >= 1
 
 
@@ -202,18 +204,18 @@ def test_too_few_checkpoints_or_steps_are_errors(tmp_path):
     url = str(tmp_path / "run")
     ckptfmt.Repository.open(url, create=True)
     with pytest.raises(ckptfmt.CheckpointError, match=r"0 checkpoint\(s\) saved by training; advice needs at least 2"):
-        advise(url, mtbf_s=HOUR)
+        advise(url, mtbf=HOUR)
     ckptfmt.save({"w": torch.zeros(4)}, f"{url}/a", step=1)
     with pytest.raises(ckptfmt.CheckpointError, match=r"1 checkpoint\(s\) saved by training"):
-        advise(url, mtbf_s=HOUR)
+        advise(url, mtbf=HOUR)
     ckptfmt.save({"w": torch.zeros(4)}, f"{url}/b", provenance={"source_kind": "torch", "source": "/x.pt"})
     with pytest.raises(ckptfmt.CheckpointError, match=r"1 checkpoint\(s\) saved by training and 1 imported"):
-        advise(url, mtbf_s=HOUR)
+        advise(url, mtbf=HOUR)
     ckptfmt.save({"w": torch.zeros(4)}, f"{url}/c")  # no step number
     with pytest.raises(ckptfmt.CheckpointError, match=r"increasing step numbers.*2 saved by training, 1 of them"):
-        advise(url, mtbf_s=HOUR)
+        advise(url, mtbf=HOUR)
     with pytest.raises(ckptfmt.CheckpointNotFoundError):
-        advise(str(tmp_path / "nothing"), mtbf_s=HOUR)
+        advise(str(tmp_path / "nothing"), mtbf=HOUR)
 
 
 # -- the command ---------------------------------------------------------------------------------
@@ -250,7 +252,7 @@ def test_command_prints_a_table_and_json(tmp_path):
     args = parser().parse_args(["advise", url])
     assert advise_cli.advise_command(args, Console(file=out, width=200)) == 0
     text = out.getvalue()
-    assert "MTBF 8.0 h" in text and f"Save every {advise(url, mtbf_s=8 * HOUR).daly.steps} steps (Daly)" in text
+    assert "MTBF 8.0 h" in text and f"Save every {advise(url, mtbf=8 * HOUR).daly.steps} steps (Daly)" in text
     assert all(label in text for label in ("actual", "Young", "Daly (advice)", "lost per failure"))
 
 

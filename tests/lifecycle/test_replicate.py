@@ -113,8 +113,8 @@ def test_copies_only_the_chunks_the_destination_lacks(tmp_path, s3_bucket):
     manifest_bytes = record.manifest_size
     assert report.copied == ("b",)
     assert report.chunks_copied == 1  # the pack holding "bias"
-    assert report.bytes_copied == record.stats["new_bytes"] + manifest_bytes
-    assert report.chunks_skipped == record.stats["chunk_count"] - 1
+    assert report.bytes_copied == record.totals["new_bytes"] + manifest_bytes
+    assert report.chunks_skipped == record.totals["chunk_count"] - 1
     assert report.bytes_copied < first.bytes_copied / 50
     assert_same(b, ckptfmt.load(f"{dst}/b"))
 
@@ -197,7 +197,7 @@ def test_rival_replication_of_the_same_checkpoint(tmp_path):
             if not rival:
                 rival.append(replicate(src, dst, "a"))
 
-    report = replicate(src, dst, "a", progress=Rival(), workers=1)
+    report = replicate(src, dst, "a", callback=Rival(), workers=1)
 
     assert rival[0].copied == ("a",) and report.copied == () and report.present == ("a",)
     assert ckptfmt.verify(dst).ok
@@ -272,7 +272,7 @@ class Slow(Callback):  # a slow link, about 2 ms per chunk, that stalls after 80
         self.calls += 1
         time.sleep(0.002 if self.calls < 80 else 600)
 
-replicate(sys.argv[1], sys.argv[2], workers=2, progress=Slow())
+replicate(sys.argv[1], sys.argv[2], workers=2, callback=Slow())
 print("finished")
 """
 
@@ -295,15 +295,15 @@ def test_resumes_after_kill(destination, request, tmp_path):
         child.kill()
         child.wait(timeout=30)
     landed = len(chunk_files(dst))
-    assert 60 <= landed < record.stats["chunk_count"]
+    assert 60 <= landed < record.totals["chunk_count"]
     assert not Repository.open(dst).names()  # nothing committed: the commit comes last
 
     report = replicate(src, dst)
 
     assert report.copied == ("a",)
     assert report.chunks_skipped >= landed
-    assert report.chunks_copied + report.chunks_skipped == record.stats["chunk_count"]
-    assert report.bytes_copied < record.stats["stored_bytes"] + record.manifest_size
+    assert report.chunks_copied + report.chunks_skipped == record.totals["chunk_count"]
+    assert report.bytes_copied < record.totals["stored_bytes"] + record.manifest_size
     assert stored_objects(dst, "a") == stored_objects(src, "a")
     assert ckptfmt.verify(dst).ok
 

@@ -17,9 +17,8 @@ ROOT = Path(__file__).resolve().parents[2]
 #: Import name -> folder of each package of the project.
 PACKAGES = {"ckptfmt": ROOT / "ckptfmt", "ckptfmt.converters": ROOT / "converters", "ckptfmt.tui": ROOT / "tui"}
 #: The core's subpackages, lowest first: a module may import its own layer and those below it.
-#: saving and distributed are one layer: the collective save and the DCP writer build on saving/core.py.
 LAYERS = [
-    {"errors", "_platform"},
+    {"errors", "_platform", "_deprecation"},
     {"format"},
     {"storage"},
     {"repository"},

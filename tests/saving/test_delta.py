@@ -77,7 +77,7 @@ def assert_state(loaded: dict, state: dict, where: str) -> None:
 
 
 def new_bytes(url: str) -> int:
-    return ckptfmt.Repository.open(str(Path(url).parent)).commit(Path(url).name).stats["new_bytes"]
+    return ckptfmt.Repository.open(str(Path(url).parent)).commit(Path(url).name).totals["new_bytes"]
 
 
 def manifest_of(url: str) -> Manifest:

@@ -88,7 +88,7 @@ def test_chunks_left_by_a_killed_save_are_made_durable_when_reused(tmp_path, fsy
     leftovers = chunk_files(repo)
     fsyncs.clear()
     ckptfmt.save(state, repo / "b")
-    assert ckptfmt.open(repo / "b").manifest.stats["new_bytes"] == 0  # every chunk reused
+    assert ckptfmt.open(repo / "b").manifest.totals["new_bytes"] == 0  # every chunk reused
     synced = set(fsyncs)
     assert leftovers <= synced, "reused chunk files not fsynced"
     folders = {os.path.dirname(p) for p in leftovers}
@@ -108,7 +108,7 @@ def test_a_leftover_chunk_whose_bytes_never_reached_the_disk_is_written_again(tm
     with open(leftover, "r+b") as file:
         file.write(bytes(4096))  # a block lost in the crash
     ckptfmt.save(state, repo / "b")
-    assert ckptfmt.open(repo / "b").manifest.stats["new_bytes"] == 300_000 * 4  # written again
+    assert ckptfmt.open(repo / "b").manifest.totals["new_bytes"] == 300_000 * 4  # written again
     assert ckptfmt.verify(str(repo / "b")).ok
     assert_same(state, ckptfmt.load(repo / "b"))
 
@@ -156,6 +156,6 @@ def test_first_save_of_a_new_process_reuses_the_parents_chunks_without_writing(t
     url = ckptfmt.save(state, repo / "b", chunk_size=2**20)
     assert len(staged) == 4  # the four chunks of v; w's four are the parent's
     with ckptfmt.open(url) as ckpt:
-        assert ckpt.manifest.stats["new_bytes"] == state["v"].numel() * 4
+        assert ckpt.manifest.totals["new_bytes"] == state["v"].numel() * 4
     assert_same(state, ckptfmt.load(url))
     assert not [p for p in (repo / layout.CHUNKS_DIR).rglob(".*")], "staged files left behind"

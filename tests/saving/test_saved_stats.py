@@ -129,7 +129,7 @@ def test_a_new_process_measures_bytes_it_finds_in_the_parent(tmp_path, monkeypat
     monkeypatch.setattr(pipeline, "DEFAULT_CACHE", HashCache())  # what a new process starts with
     ckptfmt.save(state, f"{repo}/two")
     with ckptfmt.open(f"{repo}/two") as reader:
-        assert reader.manifest.stats["new_bytes"] == 0  # found in the parent, not written again
+        assert reader.manifest.totals["new_bytes"] == 0  # found in the parent, not written again
     assert_recorded_stats_match(f"{repo}/two")
 
 

@@ -52,7 +52,7 @@ def clone(repo: Repository, names: list[str], threads: int = 1) -> None:
         data = copy.to_bytes()
         digest = chunk_hash(data)
         repo.storage.write(layout.manifest_key(name, digest), data)
-        repo.create_commit(CommitRecord(name, digest, len(data), copy.step, copy.created_ns, None, copy.stats))
+        repo.create_commit(CommitRecord(name, digest, len(data), copy.step, copy.created_ns, None, copy.totals))
 
     with ThreadPoolExecutor(threads) as pool:
         list(pool.map(commit, names))

@@ -62,7 +62,7 @@ def test_stray_entries_are_ignored_by_every_reader_and_by_save(tmp_path, stray):
     url = ckptfmt.save(STATE, repo / "c", step=2)
     with ckptfmt.open(url) as ckpt:
         assert ckpt.manifest.parent == "a"  # the save found its parent among the strays
-        assert ckpt.manifest.stats["new_bytes"] == 0
+        assert ckpt.manifest.totals["new_bytes"] == 0
 
 
 def test_reserved_names_are_refused_in_any_case():

@@ -23,8 +23,8 @@ SORT_KEYS = {
     "name": lambda r, _: r.name,
     "step": lambda r, _: (r.step is None, r.step or 0),
     "created": lambda r, _: r.created_ns,
-    "size": lambda r, _: describe.real(r.stats.get("stored_bytes")) or 0,  # stats are metadata: any type
-    "new bytes": lambda r, _: describe.real(r.stats.get("new_bytes")) or 0,
+    "size": lambda r, _: describe.real(r.totals.get("stored_bytes")) or 0,  # totals are metadata: any type
+    "new bytes": lambda r, _: describe.real(r.totals.get("new_bytes")) or 0,
     "verified": lambda r, verified: verified or "",
 }
 VERIFIED_STYLE = {"ok": "green", "damaged": "bold red"}
@@ -102,8 +102,8 @@ class RepositoryScreen(WorkerScreen):
             table.add_row(
                 "*" if r.name in self.marked else "", r.name, "-" if r.step is None else str(r.step),
                 human_time(r.created_ns).removesuffix(" UTC"),
-                Text(human_bytes(r.stats.get("stored_bytes")), justify="right"),
-                Text(human_bytes(r.stats.get("new_bytes")), justify="right"),
+                Text(human_bytes(r.totals.get("stored_bytes")), justify="right"),
+                Text(human_bytes(r.totals.get("new_bytes")), justify="right"),
                 Text(status or "not verified", style=VERIFIED_STYLE.get(status, "dim")),
                 key=r.name,
             )
