@@ -37,11 +37,11 @@ from ckptfmt.format.hashing import check_chunk, chunk_hash
 from ckptfmt.format.limits import check_name
 from ckptfmt.format.manifest import OPTIONAL_FIELDS, Chunk, delta_depth, stored_key
 from ckptfmt.loading.chunkio import ChunkReader
+from ckptfmt.repository.chunk_reads import read_chunk
 from ckptfmt.repository.leases import Lease, save_lease
 from ckptfmt.repository.repository import CommitRecord, Repository
 from ckptfmt.repository.signatures import copy_signatures
 from ckptfmt.saving.chunker import DEFAULT_CHUNK_SIZE
-from ckptfmt.storage.base import Storage
 from ckptfmt.storage.budget import ByteBudget
 
 
@@ -142,23 +142,6 @@ def _on_target(source: Repository, target: Repository, record: CommitRecord) -> 
             f"{theirs.manifest_hash[:16]}...); {source.storage.describe(record.name)} has manifest "
             f"{record.manifest_hash[:16]}...")
     return True
-
-
-def read_verified(storage: Storage, chunk: Chunk, key: str, base: bytes | memoryview | None = None) -> bytes:
-    """The stored bytes of ``chunk`` (at ``key``; a delta's decoded ``base``), after checking their size,
-    encoding and hash (spec 5.4)."""
-    where = storage.describe(key)
-
-    def checked(stored: bytes) -> bytes:
-        if len(stored) != chunk.stored_size:
-            raise CorruptDataError(f"{where}: {len(stored)} bytes stored, manifest says {chunk.stored_size}")
-        check_chunk(codecs.decode(chunk.codec, stored, chunk.size, where, base), chunk.hash, where)
-        return stored
-
-    try:
-        return storage.read_checked(key, max_size=chunk.stored_size, check=checked)
-    except CheckpointNotFoundError:
-        raise CheckpointNotFoundError(f"{where}: chunk is missing") from None
 
 
 class _Copier:
@@ -267,7 +250,7 @@ class _Copier:
             if size is not None and self._intact(key, chunk, size, base):
                 self._skipped(chunk, progress=True)
                 return False
-            stored = read_verified(self.source.storage, chunk, key, base)  # damage in the source stops here
+            stored = read_chunk(self.source.storage, key, chunk, base=base).stored  # damage in the source stops here
             digest = chunk.hash if chunk.codec == codecs.NONE else chunk_hash(stored)
             self.target.storage.write(key, stored, durable=False)  # synced with the others before the manifest
             del stored
@@ -289,7 +272,7 @@ class _Copier:
         if size != chunk.stored_size and (chunk.codec == codecs.NONE or size > chunk.size + chunk.stored_size):
             return False  # damaged (read no further than its budget)
         try:
-            read_verified(self.target.storage, chunk._replace(stored_size=size), key, base)
+            read_chunk(self.target.storage, key, chunk._replace(stored_size=size), base=base)
         except (CorruptDataError, CheckpointNotFoundError):
             return False
         if size != chunk.stored_size:

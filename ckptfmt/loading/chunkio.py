@@ -13,6 +13,7 @@ from ckptfmt.format import codecs
 from ckptfmt.format.hashing import check_chunk
 from ckptfmt.format.manifest import Chunk, stored_key
 from ckptfmt.loading.healing import ChunkHealer
+from ckptfmt.repository.chunk_reads import read_chunk
 from ckptfmt.storage.base import Storage
 
 _CACHE_BYTES = 64 * 2**20
@@ -143,18 +144,8 @@ class ChunkReader:
     def _fetch_here(self, index: int, parallel: bool) -> bytes | memoryview:
         chunk = self.chunks[index]
         key = stored_key(self.chunks, chunk)
-        where = self.storage.describe(key)
-        base = self._base(index, where)
-
-        def decoded(stored: bytes) -> bytes | memoryview:
-            if len(stored) != chunk.stored_size:
-                raise CorruptDataError(f"{where}: {len(stored)} bytes stored, manifest says {chunk.stored_size}")
-            data = codecs.decode(chunk.codec, stored, chunk.size, where, base)
-            check_chunk(data, chunk.hash, where, parallel=parallel)
-            return data
-
-        return self._read_checked(key, lambda: self.storage.read_checked(key, max_size=chunk.stored_size,
-                                                                          check=decoded))
+        base = self._base(index, self.storage.describe(key))
+        return read_chunk(self.storage, key, chunk, base=base, parallel=parallel).decoded
 
     def _base(self, index: int, where: str) -> bytes | memoryview | None:
         """The decoded bytes of a delta chunk's base (read, verified and decoded through its own bases);

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 from ckptfmt.errors import CheckpointError, CheckpointNotFoundError, StorageError
 from ckptfmt.format import codecs, layout
-from ckptfmt.format.hashing import check_chunk
 from ckptfmt.format.manifest import Chunk
+from ckptfmt.repository.chunk_reads import read_chunk
 from ckptfmt.storage.base import Storage
 
 
@@ -43,13 +43,9 @@ def find_copy(storages: list[Storage], chunk: Chunk, tried: list[str], *,
                 continue
             key = layout.chunk_key(chunk.hash, codec, base[0] if base is not None else None)
             where = storage.describe(key)
-            def decoded_copy(stored: bytes, codec: str = codec, where: str = where) -> tuple[bytes, bytes | memoryview]:
-                decoded = codecs.decode(codec, stored, chunk.size, where, base[1] if base is not None else None)
-                check_chunk(decoded, chunk.hash, where)
-                return stored, decoded
-
             try:
-                stored, decoded = storage.read_checked(key, max_size=_stored_bound(chunk.size), check=decoded_copy)
+                copy = read_chunk(storage, key, chunk, base=None if base is None else base[1], codec=codec,
+                                  max_size=_stored_bound(chunk.size))
             except StorageError:
                 raise
             except CheckpointNotFoundError:
@@ -57,13 +53,14 @@ def find_copy(storages: list[Storage], chunk: Chunk, tried: list[str], *,
             except CheckpointError as exc:
                 tried.append(str(exc))
                 continue
-            if codec != chunk.codec:
-                stored = bytes(codecs.encode(chunk.codec, memoryview(decoded)))
-            if len(stored) != chunk.stored_size:
-                tried.append(f"{where}: encoded as {chunk.codec} it is {len(stored)} bytes, the manifest records "
-                             f"{chunk.stored_size}")
-                continue
-            return ChunkCopy(where, decoded, bytes(stored))
+            stored = copy.stored
+            if codec != chunk.codec:  # stored whole elsewhere: encoded as the manifest says
+                stored = bytes(codecs.encode(chunk.codec, memoryview(copy.decoded)))
+                if len(stored) != chunk.stored_size:
+                    tried.append(f"{where}: encoded as {chunk.codec} it is {len(stored)} bytes, the manifest "
+                                 f"records {chunk.stored_size}")
+                    continue
+            return ChunkCopy(where, copy.decoded, bytes(stored))
     if not tried:
         tried.append("no other copy of the chunk" if storages else "no other repository to look in")
     return None
