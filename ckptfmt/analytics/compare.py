@@ -31,6 +31,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import blake3
@@ -54,6 +55,8 @@ _ENVIRONMENT_KINDS = (
     ("hardware", ("cpu.", "gpus.", "torch.cuda_available", "os.", "hostname")),
 )
 
+#: Kinds of difference that name a rank.
+_RANKED_KINDS = ("data_order", "seed")
 #: Kinds of difference, the strongest evidence first (the order of the list within each verdict).
 _KINDS = ("hyperparameters", "data_order", "seed", "values", "code", "topology", "determinism", "versions",
           "hardware", "environment")
@@ -62,44 +65,148 @@ _KINDS = ("hyperparameters", "data_order", "seed", "values", "code", "topology",
 _NAMES = ("hostname", "hosts")
 
 
+@dataclass(frozen=True)
+class Divergence:
+    """The first tensor in state order whose values differ, at the first common step where one does."""
+
+    step: int
+    checkpoint: str  # run a's checkpoint of that step
+    tensor: str
+    #: The largest absolute and relative differences; None where the tensors cannot be compared value by
+    #: value (``reason`` says why).
+    max_abs: float | None
+    max_rel: float | None
+    reason: str  # "values", "only in a", "only in b", or the dtypes and shapes that differ
+
+
+@dataclass(frozen=True)
+class CommonCheckpoint:
+    """The two runs' checkpoints of one step, as far as their manifests tell."""
+
+    step: int
+    a: str
+    b: str
+    tensors_differing: int  # tensors whose chunk hashes differ (equal hashes: equal bytes)
+    groups_differing: dict[str, int]  # the same per tensor group (a key's first segment: model, optim)
+    values_equal: bool  # the state's plain values
+
+
+@dataclass(frozen=True)
+class Difference:
+    """A recorded difference between the runs, and whether it can explain the divergence."""
+
+    kind: str  # one of _KINDS
+    field: str
+    a: Any  # each run's value; "<absent>" where a run lacks it
+    b: Any
+    first_step: int  # the step it is first seen at
+    explains: bool
+    evidence: str  # why it can explain the divergence, or cannot
+    rank: Any = None  # the rank whose data order or generator differs (those kinds only)
+
+    def to_json(self) -> dict:
+        ranked = {"rank": self.rank} if self.kind in _RANKED_KINDS else {}
+        return {"kind": self.kind, "field": self.field, **ranked, "a": self.a, "b": self.b,
+                "first_step": self.first_step, "explains": self.explains, "evidence": self.evidence}
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """What ``compare`` found: the verdict, where the runs first diverge and what may explain it."""
+
+    a: str  # the runs' repository URLs
+    b: str
+    #: Bit for bit (or within atol/rtol) at every common step, with the same steps saved.
+    identical: bool
+    first_divergence: Divergence | None
+    #: Those that can explain the divergence first, each part ordered by kind as in the module docstring.
+    differences: list[Difference]
+    checkpoints: list[CommonCheckpoint]  # one per common step, in step order
+    steps_only_in_a: list[int]
+    steps_only_in_b: list[int]
+
+    def to_json(self) -> dict:
+        return {"a": self.a, "b": self.b, "identical": self.identical,
+                "first_divergence": None if self.first_divergence is None else asdict(self.first_divergence),
+                "differences": [d.to_json() for d in self.differences],
+                "checkpoints": [asdict(c) for c in self.checkpoints],
+                "steps_only_in_a": self.steps_only_in_a, "steps_only_in_b": self.steps_only_in_b}
+
+
 def compare(a: str | os.PathLike, b: str | os.PathLike, *, atol: float = 0.0, rtol: float = 0.0,
-            storage_options: dict | None = None) -> dict:
-    """Compare runs ``a`` and ``b`` (repository URLs); see the module docstring.
-
-    Returns ``{"identical", "first_divergence", "differences", "checkpoints", "steps_only_in_a",
-    "steps_only_in_b"}``: ``identical`` is bit for bit (or within ``atol``/``rtol``, as
-    ``torch.allclose``) at every common step, with the same steps saved; ``first_divergence`` is
-    ``{"step", "checkpoint", "tensor", "max_abs", "max_rel", "reason"}`` or None; ``checkpoints`` lists
-    per common step how many tensors' chunk hashes differ and whether the plain values are equal.
-    ``differences`` are ``{"kind", "field", "a", "b", "first_step", "explains", "evidence"}`` (and
-    ``"rank"`` for data order and seeds), those that can explain the divergence first, each part
-    ordered by kind as in the module docstring; a side that lacks a value holds ``"<absent>"``.
-    """
-    runs = [Repository.open(url, storage_options) for url in (a, b)]
-    by_step = [_by_step(repo) for repo in runs]
-    common = sorted(set(by_step[0]) & set(by_step[1]))
-    checkpoints, divergence, recorded = [], None, {}
-    for step in common:
-        records = [steps[step] for steps in by_step]
-        manifests = [repo.manifest(r.name, r) for repo, r in zip(runs, records)]
-        recorded[step] = [_recorded_values(m) for m in manifests]
-        entry = {"step": step, "a": records[0].name, "b": records[1].name, **_tensors_differing(manifests),
-                 "values_equal": not value_difference(recorded[step][0]["state"], recorded[step][1]["state"])}
-        if divergence is None and entry["tensors_differing"]:  # the first pair that may differ: read to be sure
-            found = _first_divergence(runs, records, manifests, atol, rtol)
+            storage_options: dict | None = None) -> Comparison:
+    """Compare runs ``a`` and ``b`` (repository URLs); see the module docstring. ``identical`` is bit for
+    bit, or within ``atol``/``rtol`` as ``torch.allclose``. Each checkpoint's manifest is read once."""
+    runs = [_Run(url, storage_options) for url in (a, b)]
+    common = sorted(set(runs[0].by_step) & set(runs[1].by_step))
+    # Like is compared with like: the records of the first common step, or of each run's first without one.
+    first_steps = [common[0] if common else min(run.by_step, default=None) for run in runs]
+    first: list[Manifest | None] = [None, None]
+    checkpoints: list[CommonCheckpoint] = []
+    divergence: Divergence | None = None
+    recorded: dict[int, list[dict]] = {}
+    for step in sorted(set(runs[0].by_step) | set(runs[1].by_step)):
+        pending = divergence is None and step in common  # this pair may diverge: its RNG records are wanted
+        manifests = [run.read(step, rng=pending) if step in run.by_step else None for run in runs]
+        for index, manifest in enumerate(manifests):
+            if step == first_steps[index]:
+                first[index] = manifest
+        if manifests[0] is None or manifests[1] is None:
+            continue
+        pair = [manifests[0], manifests[1]]
+        records = [run.by_step[step] for run in runs]
+        recorded[step] = [_recorded_values(m) for m in pair]
+        counts = _tensors_differing(pair)
+        checkpoints.append(CommonCheckpoint(step, records[0].name, records[1].name, **counts, values_equal=not (
+            value_difference(recorded[step][0]["state"], recorded[step][1]["state"]))))
+        if divergence is None and counts["tensors_differing"]:  # the first pair that may differ: read to be sure
+            found = _first_divergence(runs, records, pair, atol, rtol)
             if found is not None:
-                divergence = {"step": step, "checkpoint": records[0].name, **found}
-        checkpoints.append(entry)
-    differences = _differences(runs, by_step, recorded, None if divergence is None else divergence["step"])
-    only = [sorted(set(by_step[0]) - set(common)), sorted(set(by_step[1]) - set(common))]
-    identical = bool(common) and divergence is None and all(c["values_equal"] for c in checkpoints) and not any(only)
-    return {"identical": identical, "first_divergence": divergence, "differences": differences,
-            "checkpoints": checkpoints, "steps_only_in_a": only[0], "steps_only_in_b": only[1]}
+                divergence = Divergence(step, records[0].name, **found)
+                for run, manifest in zip(runs, pair):
+                    run.rng[step] = _rng_by_rank(manifest)  # the seeds' verdict looks at the divergence too
+    diverged_at = None if divergence is None else divergence.step
+    first_a, first_b = first
+    differences = [] if first_a is None or first_b is None else _differences(runs, [first_a, first_b], recorded,
+                                                                               diverged_at)
+    only = [sorted(set(run.by_step) - set(common)) for run in runs]
+    identical = bool(common) and divergence is None and all(c.values_equal for c in checkpoints) and not any(only)
+    return Comparison(runs[0].repo.url, runs[1].repo.url, identical, divergence, differences, checkpoints,
+                      only[0], only[1])
 
 
-def _by_step(repo: Repository) -> dict[int, CommitRecord]:
-    """The run's checkpoints by step (the newest of a step saved twice); checkpoints without a step are left out."""
-    return {r.step: r for r in repo.commits() if r.step is not None}
+class _Run:
+    """One run: its checkpoints by step (the newest of a step saved twice; those without a step are left
+    out), and what the comparison keeps of each manifest once it is read: batch digests, and the RNG
+    records of the checkpoints the seeds' verdict looks at (the first, the last, the divergence's)."""
+
+    def __init__(self, url: str | os.PathLike, storage_options: dict | None):
+        self.repo = Repository.open(url, storage_options)
+        self.by_step = {r.step: r for r in self.repo.commits() if r.step is not None}
+        self.ends = {min(self.by_step), max(self.by_step)} if self.by_step else set()
+        self.batches: dict[Any, dict[int, bytes | None]] = {}  # rank (as recorded) -> step -> digest or None
+        self.rng: dict[int, dict[Any, dict]] = {}  # step -> rank -> RNG record
+
+    def read(self, step: int, *, rng: bool) -> Manifest:
+        """The manifest of ``step``, its batch digests and (at the first and last step) RNG records kept;
+        ``rng``: parse its RNG records anyway (most of a many-rank manifest's parse time)."""
+        record = self.by_step[step]
+        ends = step in self.ends
+        manifest = self.repo.manifest(record.name, record, skip=frozenset() if rng or ends else SKIPPED_FIELDS)
+        self._keep_batches(record, manifest)
+        if ends:
+            self.rng[step] = _rng_by_rank(manifest)
+        return manifest
+
+    def _keep_batches(self, record: CommitRecord, manifest: Manifest) -> None:
+        for index, rank_record in enumerate(manifest.timing.get("ranks") or []):
+            if not isinstance(rank_record, dict) or rank_record.get("steps") is None:
+                continue
+            columns = decode_steps(rank_record["steps"], f"{self.repo.storage.describe(record.name)}: "
+                                                         f"timing.ranks[{index}].steps")
+            digests = self.batches.setdefault(rank_record.get("rank"), {})
+            for step, digest, size in zip(columns.step.tolist(), columns.batch, columns.batch_size.tolist()):
+                digests[step] = digest.tobytes() if size >= 0 else None
 
 
 # -- the states -------------------------------------------------------------------------------------
@@ -130,12 +237,13 @@ def _layout(manifest: Manifest, tensor) -> tuple:
                                                                          for p in s.pieces)) for s in tensor.shards))
 
 
-def _first_divergence(runs: list[Repository], records: list[CommitRecord], manifests: list[Manifest],
+def _first_divergence(runs: list[_Run], records: list[CommitRecord], manifests: list[Manifest],
                       atol: float, rtol: float) -> dict | None:
     """The first tensor in state order whose values differ (beyond tolerance), reading only those whose
     layouts differ; None when every such tensor is equal after all."""
     layouts = [{t.key: _layout(m, t) for t in m.tensors} for m in manifests]
-    readers = [CheckpointReader.from_parts(repo, record.name) for repo, record in zip(runs, records)]
+    readers = [CheckpointReader.from_parts(run.repo, record.name, read=(record, manifest))
+               for run, record, manifest in zip(runs, records, manifests)]
     try:
         for tensor in manifests[0].tensors:
             key = tensor.key
@@ -170,29 +278,24 @@ def _difference(x: torch.Tensor, y: torch.Tensor) -> dict:
 
 
 # -- what could explain it -----------------------------------------------------------------------------
-def _differences(runs: list[Repository], by_step: list[dict[int, CommitRecord]],
-                 recorded: dict[int, list[dict]], diverged_at: int | None) -> list[dict]:
+def _differences(runs: list[_Run], first: list[Manifest], recorded: dict[int, list[dict]],
+                 diverged_at: int | None) -> list[Difference]:
     """Every recorded difference between the runs with its kind and verdict, those that can explain the
-    divergence first, then by kind (strongest evidence first), then by the step they appear."""
-    if not by_step[0] or not by_step[1]:
-        return []
-    # Like is compared with like: the first common step, or each run's first without one.
-    starts = [steps[min(recorded)] if recorded else steps[min(steps)] for steps in by_step]
-    first = [repo.manifest(record.name, record) for repo, record in zip(runs, starts)]
-    found = _data_order(runs, by_step, diverged_at)
-    found += _seeds(runs, by_step, first, diverged_at)
+    divergence first, then by kind (strongest evidence first), then by the step they appear. ``first``:
+    each run's manifest at the first common step (at its first step where there is none)."""
+    found = _data_order(runs, diverged_at)
+    found += _seeds(runs, first, diverged_at)
     found += _topology(first, diverged_at)
     found += _environment(first, diverged_at)
     found += _plain_differences(recorded, diverged_at)
-    return sorted(found, key=lambda d: (not d["explains"], _KINDS.index(d["kind"]), d["first_step"]))
+    return sorted(found, key=lambda d: (not d.explains, _KINDS.index(d.kind), d.first_step))
 
 
 def _difference_entry(kind: str, field: str, a: Any, b: Any, first_step: int, diverged_at: int | None,
-                      what: str = "differs from", **extra) -> dict:
+                      what: str = "differs from", rank: Any = None) -> Difference:
     """A difference whose verdict follows from when it appears: at or before the divergence it can explain it."""
     explains, evidence = _when(first_step, diverged_at, what)
-    return {"kind": kind, "field": field, **extra, "a": a, "b": b, "first_step": first_step,
-            "explains": explains, "evidence": evidence}
+    return Difference(kind, field, a, b, first_step, explains, evidence, rank)
 
 
 def _when(first_step: int, diverged_at: int | None, what: str) -> tuple[bool, str]:
@@ -205,34 +308,16 @@ def _when(first_step: int, diverged_at: int | None, what: str) -> tuple[bool, st
     return False, f"{what} step {first_step}, after the divergence at step {diverged_at}: it cannot explain it"
 
 
-def _data_order(runs: list[Repository], by_step: list[dict[int, CommitRecord]],
-                diverged_at: int | None) -> list[dict]:
+def _data_order(runs: list[_Run], diverged_at: int | None) -> list[Difference]:
     """Per rank, the first step whose batch digests differ (steps both runs recorded)."""
-    digests = [_batches(repo, steps) for repo, steps in zip(runs, by_step)]
     found = []
-    for rank in sorted(set(digests[0]) & set(digests[1])):
-        a, b = digests[0][rank], digests[1][rank]
+    for rank in sorted(set(runs[0].batches) & set(runs[1].batches), key=_rank_order):
+        a, b = runs[0].batches[rank], runs[1].batches[rank]
         differing = [step for step in sorted(set(a) & set(b)) if a[step] != b[step]]
         if differing:
             step = differing[0]
             found.append(_difference_entry("data_order", "batch", _hex(a[step]), _hex(b[step]), step, diverged_at,
                                            "batches differ from", rank=rank))
-    return found
-
-
-def _batches(repo: Repository, steps: dict[int, CommitRecord]) -> dict[int, dict[int, bytes | None]]:
-    """rank -> step -> batch digest (None where none was recorded)."""
-    found: dict[Any, dict[int, bytes | None]] = {}  # keyed by each record's rank, as recorded
-    for record in steps.values():
-        manifest = repo.manifest(record.name, record, skip=SKIPPED_FIELDS)
-        for index, rank_record in enumerate(manifest.timing.get("ranks") or []):
-            if not isinstance(rank_record, dict) or rank_record.get("steps") is None:
-                continue
-            columns = decode_steps(rank_record["steps"], f"{repo.storage.describe(record.name)}: "
-                                                         f"timing.ranks[{index}].steps")
-            digests = found.setdefault(rank_record.get("rank"), {})
-            for step, digest, size in zip(columns.step.tolist(), columns.batch, columns.batch_size.tolist()):
-                digests[step] = digest.tobytes() if size >= 0 else None
     return found
 
 
@@ -242,36 +327,33 @@ _GENERATORS = {"torch_initial_seed": "torch_cpu", "torch_cpu": "torch_cpu", "cud
                "python": "python"}
 
 
-def _seeds(runs: list[Repository], by_step: list[dict[int, CommitRecord]], first: list[Manifest],
-           diverged_at: int | None) -> list[dict]:
+def _seeds(runs: list[_Run], first: list[Manifest], diverged_at: int | None) -> list[Difference]:
     """Seeds and generator states that differ at the first common checkpoint, per rank, each judged by
     whether its generator was drawn from by the divergence."""
     entries = [_rng_by_rank(m) for m in first]
-    differing = [(rank, field) for rank in sorted(set(entries[0]) & set(entries[1]), key=str)
+    differing = [(rank, field) for rank in sorted(set(entries[0]) & set(entries[1]), key=_rank_order)
                  for field in _GENERATORS if entries[0][rank].get(field) != entries[1][rank].get(field)]
     if not differing:
         return []
-    histories = [_generator_history(repo, steps, diverged_at) for repo, steps in zip(runs, by_step)]
+    # A generator drawn from between two checkpoints never returns to the state it had (the periods are
+    # astronomic): each run's RNG records at its first checkpoint, at the divergence and at its last.
+    histories = [sorted(run.rng.items()) for run in runs]
     found = []
     for rank, field in differing:
         draws = [_first_draw(history, rank, _GENERATORS[field]) for history in histories]
         explains, evidence = _generator_verdict(draws, diverged_at)
-        found.append({"kind": "seed", "field": f"rng.{field}", "rank": rank,
-                      "a": _short(entries[0][rank].get(field)), "b": _short(entries[1][rank].get(field)),
-                      "first_step": _common_step(first), "explains": explains, "evidence": evidence})
+        found.append(Difference("seed", f"rng.{field}", _short(entries[0][rank].get(field)),
+                                _short(entries[1][rank].get(field)), _common_step(first), explains, evidence, rank))
     return found
+
+
+def _rank_order(rank: Any) -> tuple[int, int | str]:
+    """Ranks in numeric order, any other recorded value after them."""
+    return (0, rank) if type(rank) is int else (1, str(rank))
 
 
 def _rng_by_rank(manifest: Manifest) -> dict[Any, dict]:
     return {e.get("rank", 0): e for e in manifest.rng if isinstance(e, dict) and type(e.get("rank", 0)) is int}
-
-
-def _generator_history(repo: Repository, steps: dict[int, CommitRecord],
-                       diverged_at: int | None) -> list[tuple[int, dict[Any, dict]]]:
-    """A run's RNG records at its first checkpoint, at the divergence and at its last: a generator drawn
-    from between two checkpoints never returns to the state it had (the periods are astronomic)."""
-    chosen = sorted({min(steps), max(steps)} | ({diverged_at} if diverged_at in steps else set()))
-    return [(step, _rng_by_rank(repo.manifest(steps[step].name, steps[step]))) for step in chosen]
 
 
 def _first_draw(history: list[tuple[int, dict[Any, dict]]], rank: Any, generator: str) -> tuple[int, str] | None:
@@ -350,7 +432,7 @@ def _common_step(first: list[Manifest]) -> int:
     return step
 
 
-def _topology(first: list[Manifest], diverged_at: int | None) -> list[dict]:
+def _topology(first: list[Manifest], diverged_at: int | None) -> list[Difference]:
     topologies = [m.topology for m in first]
     found = []
     for field in ("world_size", "backend", "parallelism", "meshes"):
@@ -363,7 +445,7 @@ def _topology(first: list[Manifest], diverged_at: int | None) -> list[dict]:
     return found
 
 
-def _environment(first: list[Manifest], diverged_at: int | None) -> list[dict]:
+def _environment(first: list[Manifest], diverged_at: int | None) -> list[Difference]:
     flat = [dict(flatten_fields({k: v for k, v in m.environment.items() if k not in ("ranks", "others")}))
             for m in first]
     found = []
@@ -376,11 +458,11 @@ def _environment(first: list[Manifest], diverged_at: int | None) -> list[dict]:
     return found
 
 
-def _recorded_entry(kind: str, field: str, a: Any, b: Any, step: int, diverged_at: int | None) -> dict:
+def _recorded_entry(kind: str, field: str, a: Any, b: Any, step: int, diverged_at: int | None) -> Difference:
     """A difference in what the first common checkpoint records about the run: present from the start."""
     entry = _difference_entry(kind, field, a, b, step, diverged_at, "recorded at")
     if field in _NAMES:
-        entry.update(explains=False, evidence="a machine's name changes no computation")
+        entry = replace(entry, explains=False, evidence="a machine's name changes no computation")
     return entry
 
 
@@ -391,7 +473,7 @@ _HYPERPARAMETER_SEGMENTS = frozenset({"param_groups", "hparams", "hyper_paramete
 _SCHEDULER_KEYS = ("base_lrs", "_last_lr", "min_lrs")
 
 
-def _plain_differences(recorded: dict[int, list[dict]], diverged_at: int | None) -> list[dict]:
+def _plain_differences(recorded: dict[int, list[dict]], diverged_at: int | None) -> list[Difference]:
     """The state's plain values and the user metadata that differ at a common step, each at the first step
     it differs, classified and judged."""
     found = []
@@ -409,15 +491,15 @@ def _plain_differences(recorded: dict[int, list[dict]], diverged_at: int | None)
 
 
 def _plain_entry(source: str, field: str, a: Any, b: Any, step: int, hyperparameter: bool,
-                 series: list[tuple[int, tuple[dict, dict]]], diverged_at: int | None) -> dict:
+                 series: list[tuple[int, tuple[dict, dict]]], diverged_at: int | None) -> Difference:
     """A differing plain value: a hyperparameter by where it sits in the state, or metadata that holds along
     each run; any other value that changes between one run's checkpoints records the run, it does not set it."""
     changing = None if hyperparameter else _change_along_a_run(field, series)
     kind = "hyperparameters" if hyperparameter or (source == "user" and changing is None) else "values"
     entry = _difference_entry(kind, field, _shown(a), _shown(b), step, diverged_at)
     if changing is not None:
-        entry.update(explains=False, evidence=f"changes between {changing}: it records the run (a counter, clock "
-                                              "or metric), it does not set it")
+        entry = replace(entry, explains=False, evidence=f"changes between {changing}: it records the run (a "
+                                                        "counter, clock or metric), it does not set it")
     return entry
 
 

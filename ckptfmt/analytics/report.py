@@ -36,7 +36,7 @@ import numpy as np
 import pyarrow as pa
 from matplotlib.ticker import MaxNLocator
 
-from ckptfmt.analytics.compare import compare
+from ckptfmt.analytics.compare import Comparison, compare
 from ckptfmt.analytics.grids import StepGrid, slowest_save_phases
 from ckptfmt.analytics.health import HealthReport, health
 from ckptfmt.analytics.stragglers import Thresholds, episode_ranges, step_delays, stragglers
@@ -313,15 +313,15 @@ def _checkpoint_axis(well: HealthReport) -> list[float]:
 ANNOTATED_CELLS = 400
 
 
-def _divergence(comparison: dict | None) -> Figure | Omitted | None:
-    if not comparison or not comparison["checkpoints"]:
+def _divergence(comparison: Comparison | None) -> Figure | Omitted | None:
+    if not comparison or not comparison.checkpoints:
         return None
-    entries = comparison["checkpoints"]
-    groups = sorted({g for e in entries for g in e["groups_differing"]})
+    entries = comparison.checkpoints
+    groups = sorted({g for e in entries for g in e.groups_differing})
     if not groups:
         return Omitted("divergence", "Divergence per checkpoint and tensor group",
                        "No tensor's bytes differ between the runs at any common step.")
-    counts = np.array([[e["groups_differing"].get(g, 0) for e in entries] for g in groups], dtype=float)
+    counts = np.array([[e.groups_differing.get(g, 0) for e in entries] for g in groups], dtype=float)
     figure, axes = plt.subplots(figsize=(10, max(2.5, 0.4 * len(groups) + 1.5)))
     top = max(1.0, counts.max())
     cells = axes.pcolormesh(counts, cmap="Reds", vmin=0, vmax=top, edgecolors="white", linewidth=2)
@@ -331,7 +331,7 @@ def _divergence(comparison: dict | None) -> Figure | Omitted | None:
         for (row, column), value in np.ndenumerate(counts):
             axes.text(column + 0.5, row + 0.5, f"{value:.0f}", ha="center", va="center", fontsize="small",
                       color="white" if value > top / 2 else "black", gid=f"divergence-value-{row}-{column}")
-    axes.set_xticks(np.arange(len(entries)) + 0.5, [str(e["step"]) for e in entries], fontsize="small")
+    axes.set_xticks(np.arange(len(entries)) + 0.5, [str(e.step) for e in entries], fontsize="small")
     axes.set_yticks(np.arange(len(groups)) + 0.5, groups)
     axes.invert_yaxis()
     axes.set_xlabel("step")
@@ -352,7 +352,7 @@ svg { max-width: 100%; height: auto; }
 """
 
 
-def _page(repo: str, built: dict, found: dict, well: HealthReport, comparison: dict | None, other,
+def _page(repo: str, built: dict, found: dict, well: HealthReport, comparison: Comparison | None, other,
           figures: list[Figure | Omitted]) -> str:
     e = html.escape
     checkpoints = built["checkpoints"]
@@ -376,19 +376,19 @@ def _page(repo: str, built: dict, found: dict, well: HealthReport, comparison: d
     return "\n".join(parts)
 
 
-def _comparison_section(comparison: dict, other) -> list[str]:
+def _comparison_section(comparison: Comparison, other) -> list[str]:
     """The verdict, the first divergence and every recorded difference between the runs."""
     e = html.escape
-    verdict = "identical" if comparison["identical"] else "different"
+    verdict = "identical" if comparison.identical else "different"
     parts = [f"<h2>Compared with {e(os.fspath(other))}</h2><p class='verdict' id='verdict'>The runs are "
              f"{verdict}.</p>"]
-    divergence = comparison["first_divergence"]
+    divergence = comparison.first_divergence
     if divergence:
-        how = (e(divergence["reason"]) if divergence["max_abs"] is None else
-               f"max abs difference {divergence['max_abs']:.3g}, max relative {divergence['max_rel']:.3g}")
-        parts.append(f"<p>First divergence: step {divergence['step']} ({e(divergence['checkpoint'])}), "
-                     f"tensor <code>{e(divergence['tensor'])}</code>, {how}.</p>")
-    differences = comparison["differences"]
+        how = (e(divergence.reason) if divergence.max_abs is None or divergence.max_rel is None else
+               f"max abs difference {divergence.max_abs:.3g}, max relative {divergence.max_rel:.3g}")
+        parts.append(f"<p>First divergence: step {divergence.step} ({e(divergence.checkpoint)}), "
+                     f"tensor <code>{e(divergence.tensor)}</code>, {how}.</p>")
+    differences = [d.to_json() for d in comparison.differences]
     columns = list(dict.fromkeys(key for d in differences for key in d))  # whatever compare records
     parts += ["<h3>Recorded differences</h3>",
               _table("differences", [c.replace("_", " ") for c in columns],

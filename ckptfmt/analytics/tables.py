@@ -41,7 +41,8 @@ READ_WORKERS, LOCAL_READ_WORKERS = 16, 2
 MAX_VALUE_CHARS = 4096
 #: Wall-clock times: microseconds (a nanosecond timestamp becomes no Python datetime without pandas).
 _TIME = pa.timestamp("us", tz="UTC")
-#: Manifest fields no table uses: RNG states are most of a many-rank manifest's parse time.
+#: Manifest fields no table uses (nor compare, but where a seed's verdict needs them): RNG states are most
+#: of a many-rank manifest's parse time.
 SKIPPED_FIELDS = optional_fields_except("environment", "topology", "timing", "stats", "provenance", "replicas")
 
 

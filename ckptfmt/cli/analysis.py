@@ -97,31 +97,31 @@ def report(args, console: Console) -> int:
 def compare(args, console: Console) -> int:
     report = _analytics().compare(args.a, args.b, atol=args.atol, rtol=args.rtol)
     if args.json:
-        Output(console).json(report)
-        return found(not report["identical"])
+        Output(console).json(report.to_json())
+        return found(not report.identical)
     out = Output(console)
     tolerance = f" within atol {args.atol:g}, rtol {args.rtol:g}" if args.atol or args.rtol else " bit for bit"
-    verdict = "identical" + tolerance if report["identical"] else "different"
-    out.line(f"{args.a} vs {args.b}: {counted(len(report['checkpoints']), 'checkpoint')} at common steps; "
+    verdict = "identical" + tolerance if report.identical else "different"
+    out.line(f"{args.a} vs {args.b}: {counted(len(report.checkpoints), 'checkpoint')} at common steps; "
              f"the runs are {verdict}")
-    for side, key in (("a", "steps_only_in_a"), ("b", "steps_only_in_b")):
-        if report[key]:
-            out.line(f"steps saved only in {side}: {_ranges(report[key])}")
-    divergence = report["first_divergence"]
+    for side, steps in (("a", report.steps_only_in_a), ("b", report.steps_only_in_b)):
+        if steps:
+            out.line(f"steps saved only in {side}: {_ranges(steps)}")
+    divergence = report.first_divergence
     if divergence:
-        amount = "" if divergence["max_abs"] is None else \
-            f": max abs difference {divergence['max_abs']:.3g}, max relative {divergence['max_rel']:.3g}"
-        out.line(f"first divergence: step {divergence['step']} ({divergence['checkpoint']}), tensor "
-                 f"{divergence['tensor']}{amount}")
+        amount = "" if divergence.max_abs is None or divergence.max_rel is None else \
+            f": max abs difference {divergence.max_abs:.3g}, max relative {divergence.max_rel:.3g}"
+        out.line(f"first divergence: step {divergence.step} ({divergence.checkpoint}), tensor "
+                 f"{divergence.tensor}{amount}")
     columns = [Column("field", KEY), Column("kind"), Column("rank", right=True), Column("a", TEXT),
                Column("b", TEXT), Column("from step", right=True), Column("evidence", TEXT)]
     for explains, title in ((True, "that could explain it"), (False, "that cannot explain it")):
-        shown = [d for d in report["differences"] if d.get("explains", True) is explains]
+        shown = [d for d in report.differences if d.explains is explains]
         if shown:
             out.table(f"{counted(len(shown), 'recorded difference')} {title}", columns, (
-                (d["field"], d["kind"], words(d.get("rank")), words(d["a"]), words(d["b"]), words(d["first_step"]),
-                 words(d.get("evidence"))) for d in shown))
-    return found(not report["identical"])
+                (d.field, d.kind, words(d.rank), words(d.a), words(d.b), words(d.first_step), words(d.evidence))
+                for d in shown))
+    return found(not report.identical)
 
 
 def _ranges(steps: list[int]) -> str:

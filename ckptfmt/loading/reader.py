@@ -13,7 +13,7 @@ import torch
 
 from ckptfmt.errors import CheckpointError, CheckpointNotFoundError, CheckpointWarning, CorruptDataError, ManifestError
 from ckptfmt.format.dtypes import itemsize
-from ckptfmt.format.manifest import Piece, TensorEntry
+from ckptfmt.format.manifest import Manifest, Piece, TensorEntry
 from ckptfmt.format.shards import ShardEntry, ShardGrid
 from ckptfmt.format.signatures import TrustedKeys
 from ckptfmt.format.values import decode_tree
@@ -22,7 +22,7 @@ from ckptfmt.loading.healing import HealFrom
 from ckptfmt.loading.load_into import load_into
 from ckptfmt.metadata.rng import apply_rng
 from ckptfmt.metadata.topology import current_rank
-from ckptfmt.repository.repository import Repository, resolve
+from ckptfmt.repository.repository import CommitRecord, Repository, resolve
 from ckptfmt.tensors.dtypes import dtype_from_name
 from ckptfmt.tensors.sources import byte_view, empty, finish
 from ckptfmt.tensors.values import torch_value
@@ -45,17 +45,19 @@ class CheckpointReader(Checkpoint):
 
     @classmethod
     def from_parts(cls, repository: Repository, name: str, map_location: str | torch.device | None = "cpu",
-                   mmap: bool = True, heal_from: HealFrom = None, trusted_keys: TrustedKeys = None) -> CheckpointReader:
-        """Open checkpoint ``name`` of an already opened repository."""
+                   mmap: bool = True, heal_from: HealFrom = None, trusted_keys: TrustedKeys = None,
+                   read: tuple[CommitRecord, Manifest] | None = None) -> CheckpointReader:
+        """Open checkpoint ``name`` of an already opened repository (``read``: its commit record and whole
+        manifest, where the caller has read them)."""
         reader = cls.__new__(cls)
-        reader._setup(repository, name, map_location, mmap, heal_from, trusted_keys)
+        reader._setup(repository, name, map_location, mmap, heal_from, trusted_keys, read)
         return reader
 
     torch_value = staticmethod(torch_value)
 
     def _setup(self, repository: Repository, name: str, map_location, mmap: bool, heal_from: HealFrom,
-               trusted_keys: TrustedKeys) -> None:
-        Checkpoint.__init__(self, repository, name, trusted_keys=trusted_keys, heal_from=heal_from)
+               trusted_keys: TrustedKeys, read: tuple[CommitRecord, Manifest] | None = None) -> None:
+        Checkpoint.__init__(self, repository, name, trusted_keys=trusted_keys, heal_from=heal_from, read=read)
         self.mmap = mmap
         self.map_location = torch.device(map_location if map_location is not None else "cpu")
 

@@ -23,6 +23,7 @@ import torch
 
 import ckptfmt
 from ckptfmt.analytics import Thresholds
+from ckptfmt.analytics.compare import CommonCheckpoint, Comparison
 from ckptfmt.analytics.health import HealthReport
 from ckptfmt.analytics.report import (
     Omitted,
@@ -95,7 +96,7 @@ def test_the_page_holds_every_figure_and_table_and_needs_no_network(page):
 def test_the_differences_table_shows_every_field_compare_records(page):
     out, made = page
     table = re.search(r"<table id='differences'>.*?</table>", (out / "report.html").read_text(), flags=re.S).group(0)
-    differences = made["comparison"]["differences"]
+    differences = [d.to_json() for d in made["comparison"].differences]
     assert differences and table.count("<tr>") == len(differences) + 1
     for key in {key for d in differences for key in d}:
         assert f"<th>{key.replace('_', ' ')}</th>" in table
@@ -131,8 +132,8 @@ def test_a_comparison_plots_both_runs_metrics(page):
 
 def test_the_divergence_cells_can_be_told_apart_and_carry_their_counts(page):
     out, made = page
-    checkpoints = made["comparison"]["checkpoints"]
-    groups = sorted({g for c in checkpoints for g in c["groups_differing"]})
+    checkpoints = made["comparison"].checkpoints
+    groups = sorted({g for c in checkpoints for g in c.groups_differing})
     assert len(checkpoints) == 3 and groups == ["model"]  # every tensor differs: one colour throughout
     svg = figure_svg(out, "divergence")
     cells = by_id(svg, "divergence-cells")[0].findall(f"{SVG}path")
@@ -143,7 +144,7 @@ def test_the_divergence_cells_can_be_told_apart_and_carry_their_counts(page):
     for row, group in enumerate(groups):
         for column, checkpoint in enumerate(checkpoints):
             value = text_of(by_id(svg, f"divergence-value-{row}-{column}")[0])
-            assert value == str(checkpoint["groups_differing"][group]), (row, column, value)
+            assert value == str(checkpoint.groups_differing[group]), (row, column, value)
 
 
 def test_the_figures_are_written_as_png_files(page):
@@ -324,7 +325,8 @@ def still_health(norm: float = 0.0, moved: float = 0.0) -> HealthReport:
     ("norms", lambda: _norms(still_health())),
     ("non-finite", lambda: _non_finite(still_health(1.0))),
     ("updates", lambda: _updates(still_health(1.0))),
-    ("divergence", lambda: _divergence({"checkpoints": [{"step": 1, "groups_differing": {}}]})),
+    ("divergence", lambda: _divergence(Comparison("a", "b", False, None, [],
+                                                  [CommonCheckpoint(1, "a1", "b1", 0, {}, True)], [], []))),
 ])
 def test_a_figure_with_nothing_to_draw_is_left_out_with_a_sentence(figure, drawn):
     """No delay, only NaN metrics, zero norms, no NaN, nothing moved, nothing differs: no empty chart."""

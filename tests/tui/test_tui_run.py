@@ -149,6 +149,7 @@ def test_findings_and_differences_read_as_words():
     words (yes/no, -, NaN), not Python's True, None and nan."""
     from types import SimpleNamespace
 
+    from ckptfmt.analytics.compare import Difference
     from ckptfmt.tui.screens.run import difference_rows, findings
 
     well = SimpleNamespace(jumps=[], unchanged=[], mostly_zeros=[], metric_spikes=[
@@ -158,6 +159,5 @@ def test_findings_and_differences_read_as_words():
          "before": None}])
     assert [row[2:] for row in findings(well)] == [("step 30", "peak 9.5, between the start and step-40"),
                                                    ("steps 4-7", "NaN, between step-0 and the end")]
-    rows = difference_rows([{"explains": False, "kind": "data", "field": "f", "rank": None, "a": True,
-                             "b": float("nan"), "first_step": 3, "evidence": None}], width=200)
-    assert rows == [("no", "data", "f", "-", "yes", "NaN", "3", "-")]
+    rows = difference_rows([Difference("values", "f", True, float("nan"), 3, False, "why")], width=200)
+    assert rows == [("no", "values", "f", "-", "yes", "NaN", "3", "why")]

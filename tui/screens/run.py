@@ -11,6 +11,7 @@ charts are ``Fitted``: drawn for the pane's width, so they fit 80 columns.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import numpy as np
 from rich.cells import cell_len
@@ -26,6 +27,9 @@ from ckptfmt.errors import CheckpointError
 from ckptfmt.tools.formatting import seconds, short, step_range, words
 from ckptfmt.tui.screens.base import TAB_BINDINGS, ErrorPanel, WorkerScreen
 from ckptfmt.tui.widgets.charts import Fitted, bar_room
+
+if TYPE_CHECKING:  # analytics needs pyarrow: imported when the screen loads
+    from ckptfmt.analytics.compare import Comparison, Difference
 
 #: Heatmap columns at most (fewer where the pane is narrower); more steps are grouped, each column showing
 #: its group's longest step.
@@ -112,7 +116,7 @@ class RunScreen(WorkerScreen):
         for row in findings(well):
             table.add_row(*row)
 
-    def _show(self, built: dict, found: dict, comparison: dict | None) -> None:
+    def _show(self, built: dict, found: dict, comparison: Comparison | None) -> None:
         from ckptfmt.analytics import episode_ranges
 
         self.query_one("#summary", Static).update(Text(
@@ -129,30 +133,30 @@ class RunScreen(WorkerScreen):
         if comparison is not None:
             self._show_comparison(comparison)
 
-    def _show_comparison(self, comparison: dict) -> None:
-        divergence = comparison["first_divergence"]
+    def _show_comparison(self, comparison: Comparison) -> None:
+        divergence = comparison.first_divergence
         lines = [f"{self.url} vs {self.compare_with}: the runs are "
-                 f"{'identical' if comparison['identical'] else 'different'}"]
+                 f"{'identical' if comparison.identical else 'different'}"]
         if divergence:
-            amount = "" if divergence["max_abs"] is None else (
-                f", max abs difference {divergence['max_abs']:.3g}, max relative {divergence['max_rel']:.3g}")
-            lines.append(f"first divergence: step {divergence['step']} ({divergence['checkpoint']}), tensor "
-                         f"{divergence['tensor']}{amount}")
+            amount = "" if divergence.max_abs is None or divergence.max_rel is None else (
+                f", max abs difference {divergence.max_abs:.3g}, max relative {divergence.max_rel:.3g}")
+            lines.append(f"first divergence: step {divergence.step} ({divergence.checkpoint}), tensor "
+                         f"{divergence.tensor}{amount}")
         self.query_one("#verdict", Static).update(Text("\n".join(lines)))
         table = self.query_one("#differences", DataTable)
         table.add_columns(*DIFFERENCE_COLUMNS)
-        for row in difference_rows(comparison["differences"], self.size.width - 2):  # less the scrollbar
+        for row in difference_rows(comparison.differences, self.size.width - 2):  # less the scrollbar
             table.add_row(*row)
 
 
 DIFFERENCE_COLUMNS = ("explains", "kind", "field", "rank", "a", "b", "from step", "evidence")
 
 
-def difference_rows(differences: list[dict], width: int) -> list[tuple[str, ...]]:
+def difference_rows(differences: list[Difference], width: int) -> list[tuple[str, ...]]:
     """The comparison's differences as rows (those that can explain the divergence first, as compare()
     sorts them), the values a and b cut to share what ``width`` cells the columns before them leave."""
-    rows = [(words(d["explains"]), d["kind"], d["field"], words(d.get("rank")), words(d["a"]), words(d["b"]),
-             words(d["first_step"]), words(d["evidence"])) for d in differences]
+    rows = [(words(d.explains), d.kind, d.field, words(d.rank), words(d.a), words(d.b), words(d.first_step),
+             words(d.evidence)) for d in differences]
     before = sum(max(cell_len(cell) for cell in (header, *column)) + 2
                  for header, column in zip(DIFFERENCE_COLUMNS[:4], list(zip(*rows))[:4]))
     room = min(40, max(10, (width - before) // 2 - 2))
