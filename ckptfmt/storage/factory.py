@@ -13,7 +13,7 @@ from ckptfmt.errors import InvalidNameError, StorageError, quoted
 from ckptfmt.storage.base import Storage
 from ckptfmt.storage.errors import backend_errors
 from ckptfmt.storage.local import LocalStorage
-from ckptfmt.storage.object_store import S3FS_TRIES, ObjectStorage, fail_fast_when_refused, s3_options
+from ckptfmt.storage.object_store import ObjectStorage, fail_fast_when_refused, s3_options
 
 
 def open_storage(url: str | os.PathLike, storage_options: dict[str, Any] | None = None) -> Storage:
@@ -29,11 +29,9 @@ def open_storage(url: str | os.PathLike, storage_options: dict[str, Any] | None 
     options = dict(storage_options or {})
     read_bounds = {key: options.pop(key) for key in ("read_tries", "read_deadline_s") if key in options}
     s3 = fsspec.core.split_protocol(url)[0] in ("s3", "s3a")
-    if s3:
-        options = s3_options(options)
     with backend_errors(url):
         try:
-            fs, root = fsspec.core.url_to_fs(url, **options)
+            fs, root = _s3_filesystem(url, options) if s3 else fsspec.core.url_to_fs(url, **options)
         except ImportError as exc:
             raise StorageError(f"{url}: missing backend ({exc}); for s3:// install ckptfmt[s3]") from exc
     if isinstance(fs, LocalFileSystem):
@@ -41,9 +39,17 @@ def open_storage(url: str | os.PathLike, storage_options: dict[str, Any] | None 
     if isinstance(fs, MemoryFileSystem):
         return Storage(fs, root, url)
     if s3:
-        fs.retries = S3FS_TRIES
         fail_fast_when_refused(fs)
     return ObjectStorage(fs, root, url, **read_bounds)
+
+
+def _s3_filesystem(url: str, options: dict[str, Any]) -> tuple[Any, str]:
+    """ckptfmt's S3 filesystem for ``url`` (its retries bounded on its own class: a user's s3fs
+    filesystem of the same options is another object, left as it is) and the path within it."""
+    from ckptfmt.storage.s3 import BoundedS3FileSystem
+
+    fs = BoundedS3FileSystem(**{**BoundedS3FileSystem._get_kwargs_from_urls(url), **s3_options(options)})
+    return fs, BoundedS3FileSystem._strip_protocol(url)
 
 
 def check_no_parent_segments(url: str) -> str:

@@ -193,7 +193,7 @@ S3_CONFIG_DEFAULTS: dict[str, Any] = {
 }
 #: The AWS environment variables that take precedence over the ``retries`` default, key by key.
 _RETRIES_ENVIRONMENT = {"mode": "AWS_RETRY_MODE", "total_max_attempts": "AWS_MAX_ATTEMPTS"}
-#: Tries of s3fs's own retry loop (its default is 5; it is a class attribute, not an option).
+#: Tries of s3fs's own retry loop (its default is 5; a class attribute, not an option: storage/s3.py).
 S3FS_TRIES = 2
 
 

@@ -80,6 +80,17 @@ def test_s3_client_defaults_and_overrides(s3_bucket, monkeypatch):
     assert settings()[2] == {"mode": "adaptive", "total_max_attempts": 9}
 
 
+def test_a_users_s3fs_filesystem_keeps_its_own_settings(s3_bucket):
+    """fsspec caches filesystems by their options: ckptfmt's retry bound must not reach the s3fs object
+    that other code in the process gets for the same options (it was set on that shared object)."""
+    import s3fs
+
+    ours = open_storage(f"{s3_bucket}/repo").fs
+    theirs = s3fs.S3FileSystem(**ours.storage_options)
+    assert theirs is not ours and theirs.retries == s3fs.S3FileSystem.retries == 5
+    assert ours.retries == S3FS_TRIES and open_storage(f"{s3_bucket}/other").fs is ours  # ours are cached too
+
+
 # -- the commit record's read-back ---------------------------------------------------------------
 
 def test_lost_answer_to_a_successful_commit_put_still_commits(s3_bucket, s3_proxy):
