@@ -95,7 +95,7 @@ def store_sources(repo: Repository, sources: list[TensorSource], *, compression:
                   cache: HashCache, chunk_size: int | None, workers: int, timer,
                   tensor_stats: bool = True, bases: DeltaBases | None = None) -> StoredSources:
     """Cut ``sources`` into chunks, store them (durably) and return the chunk table and pieces;
-    with ``stats``, each source's statistics too, taken as its bytes are hashed. ``bases``: the
+    with ``tensor_stats``, each source's statistics too, taken as its bytes are hashed. ``bases``: the
     parent's chunks that delta chunks may be stored against.
 
     ``timer`` gets the phases ``write_chunks`` and ``sync``.
@@ -157,7 +157,6 @@ class ChunkTable:
     @property
     def new_bytes(self) -> int:
         return sum(self.chunks[row].stored_size for row in self.written)
-
 
 
 def checkpoint_totals(tensors: list[TensorEntry], chunks: list[Chunk], new_bytes: int) -> dict:

@@ -56,7 +56,8 @@ class SaveOptions:
     parent: Any = LATEST
     #: Bytes per chunk (4 KiB to the format's limit); None: the default.
     chunk_size: int | None = None
-    #: None, "zstd" or "shuffle-zstd".
+    #: One of ``format.codecs.COMPRESSIONS``: None or "none" (stored as is), "zstd", "shuffle-zstd" (bytes
+    #: grouped by significance first), "delta-zstd" (against the parent's chunk), "auto" (chosen per tensor).
     compression: str | None = None
     #: The caller's own per-step timings, stored under ``timing.steps``.
     step_times: list | None = None

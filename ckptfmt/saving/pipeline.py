@@ -33,6 +33,7 @@ import warnings
 from contextlib import ExitStack, nullcontext
 from typing import Any
 
+from ckptfmt._collector import collector_paused
 from ckptfmt.errors import CheckpointError, CheckpointWarning, CollectiveError
 from ckptfmt.format.manifest import Manifest, ShardEntry, TensorEntry
 from ckptfmt.format.values import encode_tree
@@ -77,7 +78,8 @@ def save_over(state: Any, url: str | os.PathLike, ranks: Ranks, options: SaveOpt
                                     tensor_stats=options.tensor_stats, device_stats=captured.device_stats)
 
         def prepare() -> RankPlan:
-            encoded = encode_tree(state, collector, rank=ranks.rank)
+            with collector_paused():  # a record per tensor and per box: no cycles to find
+                encoded = encode_tree(state, collector, rank=ranks.rank)
             compared = together and options.on_divergence != "ignore"  # replicas exist only in a group
             return RankPlan(encoded, entries, [s.shape for s in sources], [s.nbytes for s in sources],
                             collector.meshes, replicas.fingerprints(sources) if compared else None)
@@ -127,7 +129,8 @@ def _write_and_commit(decision: dict, failure: Failure | None, url: str, name: s
         repo, lease = agreed.repo, agreed.lease
         assert repo is not None and lease is not None  # run on the coordinator, which holds both
         reports[0]["timing"] = timer.record(ranks.rank, captured.steps)  # the coordinator's, with its wait
-        manifest = _manifest(agreed, reports, ranks, name, options)
+        with collector_paused():
+            manifest = _manifest(agreed, reports, ranks, name, options)
         if options.before_commit is not None:
             options.before_commit()
         commit_manifest(repo, manifest, lease, options.signer)

@@ -1,6 +1,6 @@
-"""What a rank's encoding of its state plans to store: each tensor's facts and the boxes of its bytes
-this rank holds. The single-process save turns them into the tensor table directly; a collective save
-sends them (pickled, with the value tree) to its coordinator, which merges every rank's (spec 11.7)."""
+"""What a member's encoding of its state plans to store: each tensor's facts and the boxes of its bytes
+it holds. The coordinator merges every member's into the checkpoint's tensor table (saving/planning.py,
+spec 11.7); in a group they travel to it pickled, with the value tree."""
 
 from __future__ import annotations
 

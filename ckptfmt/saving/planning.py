@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 
+from ckptfmt._collector import collector_paused
 from ckptfmt.errors import CheckpointError
 from ckptfmt.format.manifest import Manifest
 from ckptfmt.format.values import TensorRef, decode_tree, encode_tree
@@ -102,7 +103,8 @@ def decide(plans: list[RankPlan], rank_of, repo_url: str, name: str, options: Sa
     ``rank_of``: the rank recorded for a member's position (``Ranks.rank_of``)."""
     repo, lease = open_for_save(repo_url, options)
     try:
-        return _plan(plans, rank_of, repo, lease, name, options)
+        with collector_paused():  # a record per tensor and per box: no cycles to find
+            return _plan(plans, rank_of, repo, lease, name, options)
     except BaseException:
         lease.release()
         raise
