@@ -10,17 +10,30 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import threading
 from collections.abc import Iterator
+
+_lock = threading.Lock()
+#: Pauses in progress, in every thread; the collector is turned back on when the last one ends.
+_depth = 0
+#: Whether the collector was on when the first of them began (off: the caller's choice, kept).
+_was_enabled = False
 
 
 @contextlib.contextmanager
 def collector_paused() -> Iterator[None]:
-    """Pause the cyclic collector for the block; nested pauses, and a collector the caller had turned
-    off, are left as they were."""
-    enabled = gc.isenabled()
-    gc.disable()
+    """Pause the cyclic collector for the block. Pauses may nest and overlap across threads: the
+    collector comes back on when the last one ends, if it was on when the first began."""
+    global _depth, _was_enabled
+    with _lock:
+        if _depth == 0:
+            _was_enabled = gc.isenabled()
+            gc.disable()
+        _depth += 1
     try:
         yield
     finally:
-        if enabled:
-            gc.enable()
+        with _lock:
+            _depth -= 1
+            if _depth == 0 and _was_enabled:
+                gc.enable()

@@ -185,6 +185,9 @@ class _Run:
         self.by_step = {r.step: r for r in self.repo.commits() if r.step is not None}
         self.ends = {min(self.by_step), max(self.by_step)} if self.by_step else set()
         self.batches: dict[Any, dict[int, bytes | None]] = {}  # rank (as recorded) -> step -> digest or None
+        #: When the checkpoint a step's digest came from was saved: a step recorded twice (computed again
+        #: after a resume) keeps the later save's, the branch the run went on with.
+        self._batch_saved: dict[tuple[Any, int], int] = {}
         self.rng: dict[int, dict[Any, dict]] = {}  # step -> rank -> RNG record
 
     def read(self, step: int, *, rng: bool) -> Manifest:
@@ -204,9 +207,12 @@ class _Run:
                 continue
             columns = decode_steps(rank_record["steps"], f"{self.repo.storage.describe(record.name)}: "
                                                          f"timing.ranks[{index}].steps")
-            digests = self.batches.setdefault(rank_record.get("rank"), {})
+            rank = rank_record.get("rank")
+            digests = self.batches.setdefault(rank, {})
             for step, digest, size in zip(columns.step.tolist(), columns.batch, columns.batch_size.tolist()):
-                digests[step] = digest.tobytes() if size >= 0 else None
+                if self._batch_saved.setdefault((rank, step), record.created_ns) <= record.created_ns:
+                    self._batch_saved[rank, step] = record.created_ns
+                    digests[step] = digest.tobytes() if size >= 0 else None
 
 
 # -- the states -------------------------------------------------------------------------------------

@@ -182,8 +182,8 @@ def advise(repo: str | os.PathLike, *, mtbf: timedelta | float, storage_options:
     Needs two checkpoints saved by training (imports are left out: their timing
     is the import's) with step numbers, and save timing in at least one.
     """
-    mtbf_s = mtbf.total_seconds() if isinstance(mtbf, timedelta) else float(mtbf)
-    _check(0.0, mtbf_s)
+    mtbf_s = mtbf.total_seconds() if isinstance(mtbf, timedelta) else mtbf
+    _check(0.0, mtbf_s)  # a number of seconds: a string or a bool is refused
     run = Repository.open(repo, storage_options)
     manifests = _manifests(run)
     saves = [m for m in manifests if not _imported(m)]

@@ -45,11 +45,17 @@ def open_storage(url: str | os.PathLike, storage_options: dict[str, Any] | None 
 
 def _s3_filesystem(url: str, options: dict[str, Any]) -> tuple[Any, str]:
     """ckptfmt's S3 filesystem for ``url`` (its retries bounded on its own class: a user's s3fs
-    filesystem of the same options is another object, left as it is) and the path within it."""
+    filesystem of the same options is another object, left as it is) and the path within it.
+
+    fsspec reads the URL and the options first, as for any URL (options keyed by protocol, such as
+    ``{"s3": {...}}``, merged in; ``open()``'s own keys left out), on an s3fs object kept out of its cache.
+    """
     from ckptfmt.storage.s3 import BoundedS3FileSystem
 
-    fs = BoundedS3FileSystem(**{**BoundedS3FileSystem._get_kwargs_from_urls(url), **s3_options(options)})
-    return fs, BoundedS3FileSystem._strip_protocol(url)
+    options = s3_options(options)
+    cached = not options.pop("skip_instance_cache", False)
+    read, root = fsspec.core.url_to_fs(url, **options, skip_instance_cache=True)
+    return BoundedS3FileSystem(**read.storage_options, skip_instance_cache=not cached), root
 
 
 def check_no_parent_segments(url: str) -> str:

@@ -29,6 +29,10 @@ T = TypeVar("T")
 
 #: The most keys one S3 DeleteObjects request takes.
 _DELETE_BATCH = 1000
+#: Tries of the keys a DeleteObjects request answered with an error that may pass.
+_DELETE_TRIES = 4
+#: Per-key DeleteObjects errors that may pass: S3 asks to slow down or failed inside.
+_PASSING_DELETE_ERRORS = frozenset({"SlowDown", "InternalError", "ServiceUnavailable", "RequestTimeout"})
 #: Tries of a conditional create that S3 answers with 409 ConditionalRequestConflict.
 _CONFLICT_TRIES = 5
 #: The backoff's jitter, apart from the global generator: a save must not move the training's RNG.
@@ -133,22 +137,42 @@ class ObjectStorage(Storage):
             return
         # DeleteObjects on the exact keys, not s3fs's rm (it expands glob characters: a root runs[12] would
         # delete runs1/k) nor its _bulk_delete (it drops the per-key Errors: a refused key would stay unseen).
-        bucket = self.fs.split_path(self.root)[0]
         for start in range(0, len(keys), _DELETE_BATCH):
-            batch = {self.fs.split_path(self.path(key))[1]: key for key in keys[start : start + _DELETE_BATCH]}
-            try:
-                with backend_errors(self.describe(keys[start])):
-                    out = call_s3("delete_objects", Bucket=bucket,
-                                  Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True})
-            finally:
-                for key in batch.values():
-                    self.fs.invalidate_cache(self.path(key))
-            for error in out.get("Errors") or []:
-                failure = _delete_failure(error)
-                if not isinstance(failure, FileNotFoundError):  # an absent key is no error
-                    refused = str(error.get("Key"))
-                    where = self.describe(batch[refused]) if refused in batch else f"s3://{bucket}/{refused}"
-                    raise translate_error(failure, where) from failure
+            pending = keys[start : start + _DELETE_BATCH]
+            for attempt in range(_DELETE_TRIES):
+                passing = self._delete_objects(call_s3, pending)
+                if not passing:
+                    break
+                if attempt == _DELETE_TRIES - 1:
+                    key, failure = passing[0]
+                    raise translate_error(failure, f"{self.describe(key)} (tried {_DELETE_TRIES} times)") from failure
+                pending = [key for key, _ in passing]
+                time.sleep(0.05 * 2**attempt * (1 + _JITTER.random()))
+
+    def _delete_objects(self, call_s3, keys: builtins.list[str]) -> builtins.list[tuple[str, OSError]]:
+        """One DeleteObjects request for ``keys``: raises the first refusal; returns the keys S3 answered
+        with an error that may pass (SlowDown, InternalError), to be tried again."""
+        bucket = self.fs.split_path(self.root)[0]
+        batch = {self.fs.split_path(self.path(key))[1]: key for key in keys}
+        try:
+            with backend_errors(self.describe(keys[0])):
+                out = call_s3("delete_objects", Bucket=bucket,
+                              Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True})
+        finally:
+            for key in batch.values():
+                self.fs.invalidate_cache(self.path(key))
+        passing = []
+        for error in out.get("Errors") or []:
+            failure = _delete_failure(error)
+            if isinstance(failure, FileNotFoundError):  # an absent key is no error
+                continue
+            refused = str(error.get("Key"))
+            named = batch.get(refused)
+            if named is not None and error.get("Code") in _PASSING_DELETE_ERRORS:
+                passing.append((named, failure))
+                continue
+            raise translate_error(failure, self.describe(named) if named else f"s3://{bucket}/{refused}") from failure
+        return passing
 
     def missing_container(self) -> str | None:
         bucket = self.fs._strip_protocol(self.root).split("/", 1)[0]

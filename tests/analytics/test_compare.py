@@ -82,6 +82,34 @@ def test_each_manifest_is_read_once(runs, monkeypatch):
     assert len(reads) == 6 and set(reads.values()) == {1}, reads  # 3 checkpoints in each run
 
 
+def test_steps_computed_again_after_a_resume_keep_the_branch_the_run_went_on_with(tmp_path):
+    """Run a saves at steps 2 and 4, and is resumed from step 2: step 3 is computed again on the other
+    batch run b had, and saved. Its digest comes from the later save, not from the abandoned branch's."""
+    def save(url: str, step: int, timer) -> None:
+        ckptfmt.save({"w": torch.zeros(4)}, url, step=step, timer=timer)
+
+    def steps(url: str, numbers, timer, batch) -> None:
+        for step in numbers:
+            with timer.step(step):
+                timer.batch([batch(step)])
+            if step % 2 == 0 or step == 3:
+                save(f"{url}/s{step}", step, timer)
+
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    steps(b, [1, 2, 3, 4], ckptfmt.StepTimer(), lambda step: step)
+    first = ckptfmt.StepTimer()
+    steps(a, [1, 2], first, lambda step: step)
+    with first.step(3):
+        first.batch([1003])  # the branch that is given up: not saved at step 3
+    with first.step(4):
+        first.batch([4])
+    save(f"{a}/s4", 4, first)
+    steps(a, [3], ckptfmt.StepTimer(), lambda step: step)  # resumed from s2
+    report = compare(a, b)
+    assert [c.step for c in report.checkpoints] == [2, 3, 4]
+    assert report.identical and report.differences == []
+
+
 def test_another_seed_diverges_at_once_and_says_so(runs):
     report = compare(runs["base"], runs["seed"])
     assert not report.identical

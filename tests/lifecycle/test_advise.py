@@ -168,6 +168,9 @@ def test_step_time_from_step_times_or_checkpoint_spacing(tmp_path):
     advice = advise(given, mtbf=DAY)
     assert (advice.step_source, advice.step_s) == ("step_times", 0.5)
     assert advise(given, mtbf=timedelta(days=1)) == advice  # as CheckpointManager(mtbf=) takes it
+    for wrong in ("86400", True, timedelta(0)):
+        with pytest.raises(ValueError, match="the MTBF must be a positive number of seconds"):
+            advise(given, mtbf=wrong)
 
     spaced = str(tmp_path / "spaced")
     calls = []  # time.time_ns() before and after each save: its checkpoint's created_ns lies between

@@ -91,6 +91,49 @@ def test_a_users_s3fs_filesystem_keeps_its_own_settings(s3_bucket):
     assert ours.retries == S3FS_TRIES and open_storage(f"{s3_bucket}/other").fs is ours  # ours are cached too
 
 
+def slowed_deletes(storage, answers: list[str]) -> list[list[str]]:
+    """Make the S3 server's DeleteObjects answer its first key with each code of ``answers`` in turn
+    (the key kept), as S3 does under load; returns the keys of each request made."""
+    requests: list[list[str]] = []
+    call_s3 = storage.fs.call_s3
+
+    def answering(method, *args, **kwargs):
+        if method != "delete_objects":
+            return call_s3(method, *args, **kwargs)
+        keys = [o["Key"] for o in kwargs["Delete"]["Objects"]]
+        requests.append(keys)
+        if not answers:
+            return call_s3(method, *args, **kwargs)
+        code = answers.pop(0)
+        kwargs["Delete"]["Objects"] = [{"Key": k} for k in keys[1:]]
+        out = call_s3(method, *args, **kwargs) if keys[1:] else {}
+        return {**out, "Errors": [*out.get("Errors", []), {"Key": keys[0], "Code": code, "Message": "try later"}]}
+
+    storage.fs.call_s3 = answering
+    return requests
+
+
+def test_deletes_that_s3_asks_to_slow_down_are_tried_again(s3_bucket):
+    storage = open_storage(f"{s3_bucket}/slow", {"skip_instance_cache": True})
+    for key in ("a", "b", "c"):
+        storage.write(key, b"x")
+    requests = slowed_deletes(storage, ["SlowDown", "InternalError"])
+    storage.delete_many(["a", "b", "c"])
+    assert [len(keys) for keys in requests] == [3, 1, 1]  # the one key S3 kept, until it went
+    assert not any(storage.exists(key) for key in ("a", "b", "c"))
+    storage.write("d", b"x")
+    slowed_deletes(storage, ["SlowDown"] * 10)
+    with pytest.raises(StorageError, match=r"slow/d \(tried 4 times\): try later \(SlowDown\)"):
+        storage.delete_many(["d"])
+    assert storage.exists("d")  # gc must not count it as gone
+
+
+def test_options_keyed_by_protocol_reach_the_s3_client(s3_bucket):
+    """As fsspec.open takes them: {"s3": {...}} is merged in, open()'s own keys are left out."""
+    storage = open_storage(f"{s3_bucket}/repo", {"s3": {"anon": True}, "mode": "rb"})
+    assert storage.fs.anon is True and "mode" not in storage.fs.storage_options
+
+
 # -- the commit record's read-back ---------------------------------------------------------------
 
 def test_lost_answer_to_a_successful_commit_put_still_commits(s3_bucket, s3_proxy):
