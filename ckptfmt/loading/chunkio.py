@@ -13,7 +13,7 @@ from ckptfmt.format import codecs
 from ckptfmt.format.hashing import check_chunk
 from ckptfmt.format.manifest import Chunk, stored_key
 from ckptfmt.loading.healing import ChunkHealer
-from ckptfmt.repository.chunk_reads import read_chunk
+from ckptfmt.repository.chunk_reads import missing_chunk_named, read_chunk
 from ckptfmt.storage.base import Storage
 
 _CACHE_BYTES = 64 * 2**20
@@ -65,7 +65,8 @@ class ChunkReader:
             target[:] = self._heal(index, None)
             return
         try:
-            self._read_checked(key, lambda: self.storage.read_into(key, target))
+            with missing_chunk_named(self.storage, key):
+                self.storage.read_into(key, target)
             check_chunk(target, chunk.hash, self.storage.describe(key), parallel=parallel)
         except (CheckpointNotFoundError, CorruptDataError) as exc:
             target[:] = self._heal(index, exc)
@@ -123,7 +124,8 @@ class ChunkReader:
         if index in self._damaged:
             return None
         try:
-            mapping = self._read_checked(key, lambda: self.storage.map(key, chunk.size))
+            with missing_chunk_named(self.storage, key):
+                mapping = self.storage.map(key, chunk.size)
             if mapping is not None:
                 check_chunk(mapping, chunk.hash, self.storage.describe(key), parallel=parallel)
         except (CheckpointNotFoundError, CorruptDataError) as exc:
@@ -167,9 +169,3 @@ class ChunkReader:
         chunk = self.chunks[index]
         base = None if chunk.base is None else (self.chunks[chunk.base].hash, self.read(chunk.base))
         return self.healer.replacement(self.storage, chunk, damage, stored_key(self.chunks, chunk), base)
-
-    def _read_checked(self, key: str, read):
-        try:
-            return read()
-        except CheckpointNotFoundError:
-            raise CheckpointNotFoundError(f"{self.storage.describe(key)}: chunk is missing") from None

@@ -8,6 +8,8 @@ CorruptDataError naming the object; a missing object raises CheckpointNotFoundEr
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from ckptfmt.errors import CheckpointNotFoundError, CorruptDataError
@@ -43,7 +45,14 @@ def read_chunk(storage: Storage, key: str, chunk: Chunk, *, base: bytes | memory
         check_chunk(decoded, chunk.hash, where, parallel=parallel)
         return VerifiedChunk(stored, decoded)
 
-    try:
+    with missing_chunk_named(storage, key):
         return storage.read_checked(key, max_size=chunk.stored_size if max_size is None else max_size, check=checked)
+
+
+@contextlib.contextmanager
+def missing_chunk_named(storage: Storage, key: str) -> Iterator[None]:
+    """A chunk's object not found in the block is said as such: "<where>: chunk is missing"."""
+    try:
+        yield
     except CheckpointNotFoundError:
-        raise CheckpointNotFoundError(f"{where}: chunk is missing") from None
+        raise CheckpointNotFoundError(f"{storage.describe(key)}: chunk is missing") from None
