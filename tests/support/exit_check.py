@@ -12,7 +12,10 @@ line: every run, not one in thirty.
 The DeepSpeed programs use it (tests/support/deepspeed_teardown.py releases what DeepSpeed keeps).
 Elsewhere torch itself keeps the default group to the end: DTensor's redistribute planner cache
 holds every DeviceMesh an FSDP2 model used, and Lightning and the Trainer never destroy their
-groups; there the groups are idle at exit, and ckptfmt's own are destroyed by its exit hook.
+groups. Such a group is idle at exit unless a worker thread is still freeing the last collective
+(a barrier right after FSDP2's all-gathers: tests/scripts/torchtitan_manager.py aborted so 1 run in
+25); ckptfmt's exit hook destroys its own groups, collects reference cycles and lets go of the GIL
+for a moment so that such a worker finishes first (ckptfmt/groups/process_group.py).
 """
 
 from __future__ import annotations
