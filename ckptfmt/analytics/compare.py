@@ -39,10 +39,12 @@ import torch
 
 from ckptfmt.analytics.tables import SKIPPED_FIELDS, flatten_fields
 from ckptfmt.errors import quoted
+from ckptfmt.format.history import History
 from ckptfmt.format.manifest import Manifest
 from ckptfmt.format.values import decode_tree
 from ckptfmt.loading.reader import CheckpointReader
 from ckptfmt.metadata.step_timer import decode_steps
+from ckptfmt.repository.history import read_histories, removed_histories
 from ckptfmt.repository.repository import CommitRecord, Repository
 from ckptfmt.tools.diff import plain_leaves, plain_values, same_value, value_difference
 
@@ -182,13 +184,16 @@ class _Run:
 
     def __init__(self, url: str | os.PathLike, storage_options: dict | None):
         self.repo = Repository.open(url, storage_options)
-        self.by_step = {r.step: r for r in self.repo.commits() if r.step is not None}
+        records = self.repo.commits()
+        self.by_step = {r.step: r for r in records if r.step is not None}
         self.ends = {min(self.by_step), max(self.by_step)} if self.by_step else set()
         self.batches: dict[Any, dict[int, bytes | None]] = {}  # rank (as recorded) -> step -> digest or None
         #: When the checkpoint a step's digest came from was saved: a step recorded twice (computed again
         #: after a resume) keeps the later save's, the branch the run went on with.
         self._batch_saved: dict[tuple[Any, int], int] = {}
         self.rng: dict[int, dict[Any, dict]] = {}  # step -> rank -> RNG record
+        for history in read_histories(self.repo, removed_histories(self.repo, records)):  # spec 4.5
+            self._keep_batches(history, history)
 
     def read(self, step: int, *, rng: bool) -> Manifest:
         """The manifest of ``step``, its batch digests and (at the first and last step) RNG records kept;
@@ -201,7 +206,7 @@ class _Run:
             self.rng[step] = _rng_by_rank(manifest)
         return manifest
 
-    def _keep_batches(self, record: CommitRecord, manifest: Manifest) -> None:
+    def _keep_batches(self, record: CommitRecord | History, manifest: Manifest | History) -> None:
         for index, rank_record in enumerate(manifest.timing.get("ranks") or []):
             if not isinstance(rank_record, dict) or rank_record.get("steps") is None:
                 continue

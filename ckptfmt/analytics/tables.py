@@ -1,9 +1,10 @@
 """A run's metadata as Arrow tables: checkpoints, saves, steps, tensors, environment, system and
 tensor statistics (spec/ANALYTICS.md).
 
-``tables(repos)`` reads every committed checkpoint's commit record and manifest
-(several at a time: remote stores answer slowly, and the window of manifests
-in flight is bounded) and appends each to seven column builders. Columns are
+``tables(repos)`` reads every committed checkpoint's commit record and manifest,
+and the history objects of removed checkpoints (spec 4.5: their saves, steps and
+system samples), several at a time (remote stores answer slowly, and the window
+of manifests in flight is bounded), and appends each to seven column builders. Columns are
 built as Python lists and converted once at the end; a value of the wrong type
 in a hostile manifest is found then and named with its checkpoint and rank.
 """
@@ -26,11 +27,13 @@ import pyarrow.csv as pa_csv
 import pyarrow.parquet as pq
 
 from ckptfmt.errors import ManifestError, quoted
+from ckptfmt.format.history import History, HistoryKey
 from ckptfmt.format.manifest import Manifest, optional_fields_except
 from ckptfmt.format.shards import chunk_rows
 from ckptfmt.format.tensor_stats import FLOAT_FIELDS
 from ckptfmt.metadata.step_timer import decode_steps
 from ckptfmt.metadata.system import decode_samples
+from ckptfmt.repository.history import read_histories, removed_histories
 from ckptfmt.repository.repository import CommitRecord, Repository
 
 TABLE_NAMES = ("checkpoints", "saves", "steps", "tensors", "environment", "system", "tensor_stats")
@@ -60,10 +63,12 @@ def tables(repos: str | os.PathLike | Iterable | Mapping[str, str | os.PathLike]
         repo = Repository.open(url, storage_options)
         readers = workers or (LOCAL_READ_WORKERS if repo.storage.cheap_exists else READ_WORKERS)
         for record, manifest in _manifests(repo, readers):
-            where = repo.storage.describe(record.name)
+            removed = isinstance(manifest, History)  # its record and manifest are the history object
+            where = repo.storage.describe(record.name) + (" (removed: its history object)" if removed else "")
             for builder in builders:
-                builder.add(run, record, manifest, where)
-                builder.flush()
+                if not removed or builder.reads_history:
+                    builder.add(run, record, manifest, where)
+                    builder.flush()
     return {name: builder.table() for name, builder in zip(TABLE_NAMES, builders)}
 
 
@@ -93,27 +98,41 @@ def _runs(repos) -> list[tuple[str, str]]:
     return [(os.fspath(url), os.fspath(url)) for url in repos]
 
 
-def _manifests(repo: Repository, workers: int) -> Iterator[tuple[CommitRecord, Manifest]]:
-    """Every committed checkpoint's record and manifest, in commit order, ``workers`` read at a time."""
+def _manifests(repo: Repository, workers: int) -> Iterator[tuple[CommitRecord | History, Manifest | History]]:
+    """Every committed checkpoint's record and manifest, and every removed checkpoint's history object
+    (spec 4.5) as both, in the order they were saved, ``workers`` read at a time. A damaged history
+    object is skipped with a warning (``ckptfmt verify`` names it)."""
     records = repo.commits()
+    items: list[CommitRecord | HistoryKey] = sorted([*records, *removed_histories(repo, records)],
+                                                    key=lambda item: (item.created_ns, item.name))
     with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="ckptfmt-analytics") as pool:
-        pending = iter(records)
-        def read(record: CommitRecord) -> Manifest:
-            return repo.manifest(record.name, record, skip=SKIPPED_FIELDS)
-        window = [pool.submit(read, r) for r in itertools.islice(pending, workers)]
-        for record in records:
+        pending = iter(items)
+        def read(item: CommitRecord | HistoryKey) -> Manifest | History | None:
+            if isinstance(item, HistoryKey):
+                found = read_histories(repo, [item])
+                return found[0] if found else None
+            return repo.manifest(item.name, item, skip=SKIPPED_FIELDS)
+        window = [pool.submit(read, item) for item in itertools.islice(pending, workers)]
+        for item in items:
             manifest = window.pop(0).result()
             following = next(pending, None)
             if following is not None:
                 window.append(pool.submit(read, following))
-            yield record, manifest
+            if isinstance(manifest, History):
+                yield manifest, manifest
+            elif manifest is not None:
+                assert isinstance(item, CommitRecord)
+                yield item, manifest
 
 
 # -- building columns --------------------------------------------------------------------------
 class TableBuilder(Protocol):
     """What builds one of the tables, a manifest at a time."""
 
-    def add(self, run: str, record: CommitRecord, manifest: Manifest, where: str) -> None: ...
+    #: Whether it takes removed checkpoints' history objects too (as both record and manifest).
+    reads_history: bool
+
+    def add(self, run: str, record: Any, manifest: Any, where: str) -> None: ...
 
     def flush(self) -> None: ...
 
@@ -127,6 +146,7 @@ class _Builder:
 
     #: (column, Arrow type) of the columns, in table order.
     fields: tuple[tuple[str, pa.DataType], ...] = ()
+    reads_history = False
 
     def __init__(self):
         self.batches: list[dict[str, pa.Array]] = []
@@ -192,7 +212,7 @@ def _list(value: Any, where: str, what: str) -> list:
     return value
 
 
-def _rank_records(manifest: Manifest, where: str) -> list[dict]:
+def _rank_records(manifest: Manifest | _Saved, where: str) -> list[dict]:
     records = _list(_map(manifest.timing, where, "timing").get("ranks"), where, "timing.ranks")
     for index, record in enumerate(records):
         _map(record, where, f"timing.ranks[{index}]")
@@ -227,14 +247,29 @@ class Checkpoints(_Builder):
         self.rows += 1
 
 
+class _Saved(Protocol):
+    """What the history tables read of a save: a commit record, or a removed checkpoint's history object."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def step(self) -> int | None: ...
+
+    @property
+    def timing(self) -> dict: ...
+
+
 class Saves(_Builder):
-    """One row per checkpoint, rank and save phase."""
+    """One row per save, rank and save phase, removed checkpoints' saves included."""
+
+    reads_history = True
 
     fields = (("run", pa.string()), ("name", pa.string()), ("step", pa.int64()), ("rank", pa.int64()),
               ("host", pa.string()), ("phase", pa.string()), ("start", _TIME), ("duration_s", pa.float64()),
               ("rank_total_s", pa.float64()))
 
-    def add(self, run: str, record: CommitRecord, manifest: Manifest, where: str) -> None:
+    def add(self, run: str, record: _Saved, manifest: _Saved, where: str) -> None:
         self.origin(where)
         columns = self.columns
         for index, rank_record in enumerate(_rank_records(manifest, where)):
@@ -262,6 +297,7 @@ class Steps:
     """
 
     WINDOW_ROWS = 2**20
+    reads_history = True
 
     def __init__(self):
         self.words = _Words()
@@ -275,7 +311,7 @@ class Steps:
         self.named: dict[str, list[tuple[int, np.ndarray, np.ndarray | None]]] = {}  # (first row, values, missing)
         self.rows = 0
 
-    def add(self, run: str, record: CommitRecord, manifest: Manifest, where: str) -> None:
+    def add(self, run: str, record: _Saved, manifest: _Saved, where: str) -> None:
         for index, rank_record in enumerate(_rank_records(manifest, where)):
             if rank_record.get("steps") is None:
                 continue
@@ -397,6 +433,8 @@ class System:
     """One row per system sample of a rank (spec 9.4 ``system``, format 1.4), with a column per field met
     anywhere in the run, null where a sample lacked it. Built from whole arrays, like ``Steps``."""
 
+    reads_history = True
+
     def __init__(self):
         self.words = _Words()
         self.repeats: list[tuple[int, int, int, int, float, int]] = []  # run, checkpoint, rank, host, interval, rows
@@ -404,7 +442,7 @@ class System:
         self.named: dict[str, list[tuple[int, np.ndarray]]] = {}
         self.rows = 0
 
-    def add(self, run: str, record: CommitRecord, manifest: Manifest, where: str) -> None:
+    def add(self, run: str, record: _Saved, manifest: _Saved, where: str) -> None:
         for index, rank_record in enumerate(_rank_records(manifest, where)):
             if rank_record.get("system") is None:
                 continue
@@ -476,6 +514,7 @@ class Environment:
 
     fields = (("run", pa.string()), ("name", pa.string()), ("step", pa.int64()), ("rank", pa.int64()),
               ("field", pa.string()), ("value", pa.string()))
+    reads_history = False
 
     def __init__(self):
         self.words = _Words()  # every run, name, field and value

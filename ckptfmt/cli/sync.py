@@ -37,10 +37,12 @@ def sync_command(args, console: Console) -> int:
         return 0
     rate = f" ({human_bytes(report.bytes_copied / report.seconds)}/s)" if (
         report.bytes_copied >= 64 * 2**20 and report.seconds >= 0.05) else ""
-    signatures = f", {counted(report.signatures_copied, 'signature')}" if report.signatures_copied else ""
+    extras = f", {counted(report.signatures_copied, 'signature')}" if report.signatures_copied else ""
+    if report.histories_copied:
+        extras += f", {counted(report.histories_copied, 'history object')}"
     Output(console).line(f"{report.destination}: copied {counted(len(report.copied), 'checkpoint')}, "
                          f"{len(report.present)} already there; {counted(report.chunks_copied, 'chunk')}, "
-                         f"{human_bytes(report.bytes_copied)}{signatures} in {seconds(report.seconds)}{rate}; "
+                         f"{human_bytes(report.bytes_copied)}{extras} in {seconds(report.seconds)}{rate}; "
                          f"{counted(report.chunks_skipped, 'chunk')} ({human_bytes(report.bytes_skipped)}) "
                          "were there already")
     return 0

@@ -21,6 +21,7 @@ from __future__ import annotations
 import atexit
 import gc
 import time
+import weakref
 from datetime import timedelta
 from typing import Any
 
@@ -29,6 +30,8 @@ import torch
 from ckptfmt.errors import CheckpointError, CollectiveError
 from ckptfmt.metadata.topology import rank_entry
 
+#: Every side group made and not yet freed (tests check that a failed save's is freed at exit).
+_MADE: weakref.WeakSet = weakref.WeakSet()
 #: How long the exit handler lets go of the GIL for gloo's worker threads (release_side_groups).
 _WORKERS_GRACE_S = 0.05
 #: gloo groups made for saves: (the training group, its ranks, timeout) -> group.
@@ -117,6 +120,7 @@ def _side_group(group, global_ranks: list[int], timeout_s: float):
         side = dist.new_group(ranks=global_ranks, timeout=timedelta(seconds=timeout_s), backend="gloo",
                               use_local_synchronization=True)
         _SIDE_GROUPS[key] = side
+        _MADE.add(side)
     return side
 
 

@@ -23,13 +23,14 @@ from dataclasses import dataclass, field
 
 from fsspec.callbacks import Callback
 
-from ckptfmt.errors import CheckpointError, CheckpointNotFoundError, CorruptDataError, StorageError
+from ckptfmt.errors import CheckpointError, CheckpointNotFoundError, CorruptDataError, ManifestError, StorageError
 from ckptfmt.format import layout
 from ckptfmt.format.commit_record import CommitRecord
 from ckptfmt.format.hashing import check_chunk
 from ckptfmt.format.limits import MAX_MARKER_BYTES, is_valid_name
 from ckptfmt.format.manifest import Chunk, Manifest, stored_key
 from ckptfmt.repository.chunk_copies import find_copy
+from ckptfmt.repository.history import history_keys, read_history, read_history_bytes
 from ckptfmt.repository.leases import save_lease
 from ckptfmt.repository.repository import MarkerDamagedError, Repository, no_repository, parse_marker
 from ckptfmt.repository.signatures import signatures
@@ -42,7 +43,7 @@ from ckptfmt.tools.verify import Problem, VerifyReport, check_chunks, verify
 class Fix:
     """One object replaced (or, in a dry run, that would be)."""
 
-    kind: str  # "marker", "chunk", "manifest", "commit-record", "signature"
+    kind: str  # "marker", "chunk", "manifest", "commit-record", "signature", "history"
     key: str  # its key in the repaired repository
     source: str  # where the verified replacement was read
     damage: str  # what was wrong with it
@@ -53,7 +54,7 @@ class Fix:
 class Unrepaired:
     """Damage no source had a good copy for."""
 
-    kind: str  # "chunk" or "checkpoint" (its commit record or manifest)
+    kind: str  # "chunk", "checkpoint" (its commit record or manifest) or "history"
     checkpoint: str
     damage: str
     tried: str  # what each source had instead
@@ -108,6 +109,7 @@ def repair(url: str | os.PathLike, sources: Sequence[str | os.PathLike] = (), *,
         report.checkpoints = listing.checkpoints + _lost_commits(repo, others, listing.ignored)
         manifests = _repair_checkpoints(repo, others, report)
         _repair_signatures(repo, others, list(manifests), report)
+        _repair_histories(repo, others, report)
         damage = VerifyReport(url=repo.url, checkpoints=list(manifests))
         check_chunks(repo, manifests, damage, callback, workers=workers)
         _repair_chunks(repo, others, manifests, damage.problems, report, workers)
@@ -245,6 +247,33 @@ def _repair_signatures(repo: Repository, others: list[Repository], names: list[s
                 if not report.dry_run:
                     repo.storage.write(found.key, found.signature.to_bytes())
                 here[found.key] = found
+
+
+def _repair_histories(repo: Repository, others: list[Repository], report: RepairReport) -> None:
+    """Restore the history objects (spec 4.5) that are damaged here, or that a source holds and this
+    repository lacks: they are immutable and named by their hash, so a good copy is the object itself."""
+    here = {key.key: key for key in history_keys(repo)}
+    damaged: dict[str, str] = {}
+    for key in here.values():
+        try:
+            read_history(repo, key)
+        except (CorruptDataError, ManifestError) as exc:
+            damaged[key.key] = str(exc)
+    for other in others:
+        for key in history_keys(other):
+            if key.key in here and key.key not in damaged:
+                continue
+            try:
+                data = read_history_bytes(other, key)
+            except (CorruptDataError, ManifestError):
+                continue
+            damage = damaged.pop(key.key, f"{repo.storage.describe(key.key)}: missing")
+            here[key.key] = key
+            report.fixed.append(Fix("history", key.key, other.storage.describe(key.key), damage, (key.name,)))
+            if not report.dry_run:
+                repo.storage.write(key.key, data)
+    for stored, damage in damaged.items():
+        report.unrepaired.append(Unrepaired("history", here[stored].name, damage, "no source holds it intact", stored))
 
 
 def _manifest_hashes(repo: Repository, name: str) -> set[str]:

@@ -38,6 +38,7 @@ from ckptfmt.format.limits import check_name
 from ckptfmt.format.manifest import OPTIONAL_FIELDS, Chunk, delta_depth, stored_key
 from ckptfmt.loading.chunkio import ChunkReader
 from ckptfmt.repository.chunk_reads import read_chunk
+from ckptfmt.repository.history import copy_histories
 from ckptfmt.repository.leases import Lease, save_lease
 from ckptfmt.repository.repository import CommitRecord, Repository
 from ckptfmt.repository.signatures import copy_signatures
@@ -65,6 +66,8 @@ class ReplicationReport:
     #: Signature objects (spec 10.3) written to the destination: those of the copied checkpoints, and
     #: those added to checkpoints it already had (signed since they were copied).
     signatures_copied: int = 0
+    #: History objects (spec 4.5: the run history of removed checkpoints) written to the destination.
+    histories_copied: int = 0
 
 
 @renamed_arguments(progress="callback")
@@ -84,6 +87,8 @@ def replicate(src: str | os.PathLike | Repository, dst: str | os.PathLike | Repo
     ``callback`` (an fsspec Callback) counts the stored bytes to copy or check.
     ``yield_to`` is called before each chunk is queued and may block: the
     checkpoint manager pauses replication while the training loop saves.
+    Every history object of ``src`` (spec 4.5: the run history of its removed
+    checkpoints) that ``dst`` lacks is copied too, whatever ``name`` says.
     """
     if not (isinstance(workers, int) and workers >= 1):
         raise ValueError("workers must be a positive integer")
@@ -105,11 +110,13 @@ def replicate(src: str | os.PathLike | Repository, dst: str | os.PathLike | Repo
             copier.stored = target.storage.find(layout.CHUNKS_DIR)
             for record in missing:
                 (copied if copier.copy(record, lease) else present).append(record.name)
+    histories = copy_histories(source, target, verify=verify)
     return ReplicationReport(
         source=source.url, destination=target.url, copied=tuple(copied), present=tuple(present),
         chunks_copied=copier.chunks_copied, chunks_skipped=copier.chunks_skipped,
         bytes_copied=copier.bytes_copied, bytes_skipped=copier.bytes_skipped,
         seconds=time.perf_counter() - started, signatures_copied=copier.signatures_copied,
+        histories_copied=histories,
     )
 
 

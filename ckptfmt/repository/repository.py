@@ -29,6 +29,7 @@ from ckptfmt.errors import (
 from ckptfmt.format import layout
 from ckptfmt.format.commit_record import CommitRecord
 from ckptfmt.format.hashing import check_chunk
+from ckptfmt.format.history import HISTORY_DIR
 from ckptfmt.format.limits import MAX_COMMIT_BYTES, MAX_MARKER_BYTES, check_name, is_valid_name
 from ckptfmt.format.maps import unique_map
 from ckptfmt.format.version import FORMAT_VERSION, check_version
@@ -135,7 +136,7 @@ class Repository:
         """
         checkpoints, ignored = [], []
         for entry in self.storage.list(""):
-            if entry in (layout.MARKER_KEY, layout.CHUNKS_DIR, INDEX_DIR, layout.LEASES_DIR):
+            if entry in (layout.MARKER_KEY, layout.CHUNKS_DIR, INDEX_DIR, layout.LEASES_DIR, HISTORY_DIR):
                 continue
             if is_valid_name(entry) and self.storage.exists(layout.commit_key(entry)):
                 checkpoints.append(entry)
@@ -362,9 +363,23 @@ class Repository:
         key = layout.commit_key(check_name(name))
         if not self.storage.exists(key) and not self.storage.list(name):
             raise CheckpointNotFoundError(f"{self.storage.describe(name)}: no such checkpoint (no commit record)")
+        self._archive_history(name)
         self.storage.delete(key)
         self.storage.delete_many([f"{name}/{entry}" for entry in self.storage.list(name)])
         self.storage.remove_folder(name)
+
+    def _archive_history(self, name: str) -> None:
+        """Keep the run history checkpoint ``name`` holds (spec 4.5) before it goes: a store that fails
+        stops the removal; a damaged checkpoint, whose history cannot be read, goes with a warning."""
+        from ckptfmt.repository.history import archive
+
+        try:
+            archive(self, self.commit(name))
+        except CheckpointNotFoundError:
+            return  # a removal interrupted half way: archived before its commit record went
+        except (CorruptDataError, ManifestError) as exc:
+            warnings.warn(f"removing {self.storage.describe(name)} without keeping its run history: {exc}",
+                          stacklevel=4, category=CheckpointWarning)
 
     def rebuild_index(self) -> int:
         """Rebuild the commit index from the commit records, every one read, and mark the repository as

@@ -19,12 +19,13 @@ from typing import TYPE_CHECKING
 from fsspec.callbacks import Callback, NoOpCallback
 
 from ckptfmt._platform import single_threaded_kernels
-from ckptfmt.errors import CheckpointError, CheckpointNotFoundError, StorageError
+from ckptfmt.errors import CheckpointError, CheckpointNotFoundError, CorruptDataError, ManifestError, StorageError
 from ckptfmt.format import layout
 from ckptfmt.format.manifest import Manifest, stored_key
 from ckptfmt.format.shards import chunk_rows
 from ckptfmt.format.signatures import TrustedKeys, trusted_public_keys
 from ckptfmt.loading.chunkio import ChunkReader
+from ckptfmt.repository.history import history_keys, read_history
 from ckptfmt.repository.leases import SAVE, live_leases
 from ckptfmt.repository.lost_commits import lost_commits
 from ckptfmt.repository.repository import CommitRecord, Repository, resolve
@@ -43,7 +44,7 @@ class Problem:
     """One thing found wrong: what, where, and which tensors it damages."""
 
     kind: str  # "missing-chunk", "corrupt-chunk", "bad-checkpoint", "missing-commit", "unsigned", "bad-signature",
-    # "wrong-stats"
+    # "wrong-stats", "bad-history"
     checkpoint: str
     message: str
     chunk: str | None = None
@@ -71,6 +72,8 @@ class VerifyReport:
     #: Replicated tensors whose copies differed between ranks when a checkpoint was saved (spec 9.7):
     #: the manifest's entries, each with its ``checkpoint``. Not damage: the stored copy is the majority's.
     divergences: list[dict] = field(default_factory=list)
+    #: History objects (spec 4.5: removed checkpoints' run history) read and checked, repositories only.
+    histories_checked: int = 0
 
     @property
     def ok(self) -> bool:
@@ -129,6 +132,9 @@ def verify(url: str | os.PathLike, *, storage_options: dict | None = None,
         report.problems += _signature_problems(repo, record, trusted)
     if ignored:
         _report_lost_commits(repo, ignored, manifests, report)
+    if whole_repository:
+        report.histories_checked, problems = _history_problems(repo)
+        report.problems += problems
     for name, manifest in manifests.items():
         divergent = describe.replica_divergences({"replicas": manifest.replicas})
         if divergent:
@@ -154,6 +160,19 @@ def _signature_problems(repo: Repository, record: CommitRecord, trusted: dict[st
         if verdict.problem is not None and not (found and verdict.problem == "bad-signature"):
             found.append(Problem(verdict.problem, record.name, verdict.message))
     return found
+
+
+def _history_problems(repo: Repository) -> tuple[int, list[Problem]]:
+    """Every history object read and checked against its key: a damaged one is a ``bad-history`` problem
+    (named by the removed checkpoint it keeps the history of)."""
+    problems, keys = [], history_keys(repo)
+    for key in keys:
+        try:
+            read_history(repo, key)
+        except (CorruptDataError, ManifestError) as exc:
+            problems.append(Problem("bad-history", key.name, f"{exc}; `ckptfmt repair {repo.url} --from COPY` "
+                                    "restores it from a copy of the repository", key=key.key))
+    return len(keys), problems
 
 
 def _report_lost_commits(repo: Repository, ignored: list[str], manifests: dict[str, Manifest],

@@ -19,6 +19,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
 
 import ckptfmt
+from ckptfmt import analytics
 from ckptfmt.analytics import Thresholds, stragglers
 from ckptfmt.integrations.lightning import POINTER_FORMAT, CkptfmtCheckpointIO, StepTimingCallback
 from ckptfmt.lifecycle.gc import collect
@@ -199,6 +200,27 @@ def test_every_step_is_timed_with_its_phases_and_numbered_across_a_resume(tmp_pa
         assert abs(total - columns.duration_s).max() < 1e-3  # every moment of a step in one phase
     assert numbers == list(range(STEPS))  # each step once, in order, across the resume
     assert phases == {"data", "forward_backward", "optimizer"}
+
+
+def test_the_steps_of_checkpoints_top_k_removed_stay_in_the_runs_history(tmp_path):
+    """The issue's case: save_top_k=2, resumed once. Before history objects (spec 4.5) ``stragglers``
+    saw only the steps that the two kept checkpoints and the last one held."""
+    folder = tmp_path / "run"
+
+    def callbacks() -> list:
+        return [ModelCheckpoint(dirpath=folder, every_n_train_steps=1, save_top_k=2, monitor="train_loss",
+                                save_last=True), StepTimingCallback()]
+    fit(EPOCH, CkptfmtCheckpointIO(), callbacks())
+    fit(STEPS, CkptfmtCheckpointIO(), callbacks(), ckpt_path="last")
+    repo = ckptfmt.Repository.open(str(folder))
+    assert len(repo.commits()) <= 3  # the top 2 and last
+    built = analytics.tables(str(folder))
+    assert sorted(built["steps"].column("step").to_pylist()) == list(range(STEPS))
+    assert sorted(built["saves"].column("step").unique().to_pylist()) == list(range(1, STEPS + 1))
+    assert stragglers(str(folder))["steps"] == STEPS
+    copy = tmp_path / "copy"
+    ckptfmt.replicate(str(folder), str(copy))
+    assert stragglers(str(copy))["steps"] == STEPS
 
 
 def test_misspelt_and_managed_options_fail_when_the_plugin_is_made():
