@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import msgpack
 
@@ -22,6 +23,10 @@ from ckptfmt.format.hashing import chunk_hash
 from ckptfmt.format.limits import MAX_MANIFEST_BYTES, check_hash, check_name
 from ckptfmt.format.maps import unique_map
 from ckptfmt.format.version import FORMAT_VERSION, check_version
+
+if TYPE_CHECKING:
+    from ckptfmt.format.commit_record import CommitRecord
+    from ckptfmt.format.manifest import Manifest
 
 HISTORY_FORMAT = "ckptfmt-history"
 #: Where history objects live; not a valid checkpoint name, so readers of 1.7 and older ignore it (spec 4.1).
@@ -65,6 +70,17 @@ class History:
     world_size: int | None
     #: The manifest's ``timing`` map (spec 9.4), unchanged.
     timing: dict
+
+    @classmethod
+    def of(cls, record: CommitRecord, manifest: Manifest) -> History:
+        """The history a committed checkpoint holds (its manifest read with at least ``timing`` and
+        ``topology``)."""
+        topology = manifest.topology if isinstance(manifest.topology, dict) else {}
+        world_size = topology.get("world_size")
+        return cls(name=record.name, manifest_hash=record.manifest_hash, step=record.step,
+                   created_ns=record.created_ns, parent=record.parent,
+                   world_size=world_size if type(world_size) is int and world_size > 0 else None,
+                   timing=manifest.timing)
 
     def to_bytes(self) -> bytes:
         """The stored form: the same history always gives the same bytes, hence the same key."""

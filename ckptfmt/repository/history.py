@@ -1,8 +1,8 @@
 """A run's history kept past its checkpoints (spec 4.5, 1.8): archived by each removal, read with the rest.
 
-``archive`` is what ``Repository.remove`` does before deleting a commit record: it
-writes the checkpoint's history (training steps, system samples, save timing)
-as a history object. ``removed_histories`` lists the history
+``Repository.remove`` keeps a checkpoint's history (training steps, system
+samples, save timing) as a history object before it deletes the commit record
+(``Repository.keep_history``). ``removed_histories`` lists the history
 objects of checkpoints no longer committed, which every analysis reads beside
 the manifests of those that are.
 """
@@ -15,30 +15,10 @@ from typing import TYPE_CHECKING
 
 from ckptfmt.errors import CheckpointWarning, CorruptDataError, ManifestError
 from ckptfmt.format.history import HISTORY_DIR, MAX_HISTORY_BYTES, History, HistoryKey
-from ckptfmt.format.manifest import optional_fields_except
 
 if TYPE_CHECKING:
-    from ckptfmt.repository.repository import CommitRecord, Repository
-
-#: The manifest fields an archive reads (the others are skipped unparsed).
-_SKIP = optional_fields_except("timing", "topology")
-
-
-def archive(repo: Repository, record: CommitRecord) -> HistoryKey:
-    """Write the history object of committed checkpoint ``record`` (the same bytes each time, so a
-    removal tried again writes the same object) and return its key."""
-    manifest = repo.manifest(record.name, record, skip=_SKIP)
-    topology = manifest.topology if isinstance(manifest.topology, dict) else {}
-    world_size = topology.get("world_size")
-    history = History(
-        name=record.name, manifest_hash=record.manifest_hash, step=record.step, created_ns=record.created_ns,
-        parent=record.parent, world_size=world_size if type(world_size) is int and world_size > 0 else None,
-        timing=manifest.timing)
-    data = history.to_bytes()
-    key = history.key(data)
-    repo.storage.write(key.key, data)
-    return key
-
+    from ckptfmt.format.commit_record import CommitRecord
+    from ckptfmt.repository.repository import Repository
 
 def history_keys(repo: Repository) -> list[HistoryKey]:
     """Every history object of the repository, oldest first (other entries of ``_history/`` are ignored)."""

@@ -29,7 +29,7 @@ from ckptfmt.errors import (
 from ckptfmt.format import layout
 from ckptfmt.format.commit_record import CommitRecord
 from ckptfmt.format.hashing import check_chunk
-from ckptfmt.format.history import HISTORY_DIR
+from ckptfmt.format.history import HISTORY_DIR, History, HistoryKey
 from ckptfmt.format.limits import MAX_COMMIT_BYTES, MAX_MARKER_BYTES, check_name, is_valid_name
 from ckptfmt.format.maps import unique_map
 from ckptfmt.format.version import FORMAT_VERSION, check_version
@@ -368,13 +368,23 @@ class Repository:
         self.storage.delete_many([f"{name}/{entry}" for entry in self.storage.list(name)])
         self.storage.remove_folder(name)
 
+    def keep_history(self, record: CommitRecord) -> HistoryKey:
+        """Write the history object of committed checkpoint ``record`` (spec 4.5: its steps, system
+        samples and save timing) and return its key; the same history always makes the same object."""
+        from ckptfmt.format.manifest import optional_fields_except  # parsing needs numpy: not for ls
+
+        manifest = self.manifest(record.name, record, skip=optional_fields_except("timing", "topology"))
+        history = History.of(record, manifest)
+        data = history.to_bytes()
+        key = history.key(data)
+        self.storage.write(key.key, data)
+        return key
+
     def _archive_history(self, name: str) -> None:
         """Keep the run history checkpoint ``name`` holds (spec 4.5) before it goes: a store that fails
         stops the removal; a damaged checkpoint, whose history cannot be read, goes with a warning."""
-        from ckptfmt.repository.history import archive
-
         try:
-            archive(self, self.commit(name))
+            self.keep_history(self.commit(name))
         except CheckpointNotFoundError:
             return  # a removal interrupted half way: archived before its commit record went
         except (CorruptDataError, ManifestError) as exc:

@@ -20,7 +20,7 @@ from ckptfmt.format.history import HISTORY_DIR, History, HistoryKey
 from ckptfmt.lifecycle.gc import collect, remove
 from ckptfmt.lifecycle.repair import repair
 from ckptfmt.lifecycle.replicate import replicate
-from ckptfmt.repository.history import archive, history_keys, removed_histories
+from ckptfmt.repository.history import history_keys, removed_histories
 from ckptfmt.repository.repository import Repository
 from tests.support.helpers import make_root
 
@@ -84,7 +84,7 @@ def test_a_removal_tried_again_or_interrupted_counts_each_step_once(tmp_path):
     url = str(tmp_path / "run")
     train(url, range(4), StepTimer(system_interval=None))
     repo = Repository.open(url)
-    first = archive(repo, repo.commit("step-2"))  # a removal killed after keeping the history
+    first = repo.keep_history(repo.commit("step-2"))  # a removal killed after keeping the history
     assert step_numbers(url) == [0, 1, 2, 3]  # the checkpoint is still committed: its manifest counts
     remove(repo, ["step-2"])
     assert history_keys(repo) == [first]  # the same bytes, so the same object
@@ -135,7 +135,7 @@ def test_history_objects_are_checked_against_their_keys(tmp_path):
     url = str(tmp_path / "run")
     train(url, range(2), StepTimer(system_interval=None))
     repo = Repository.open(url)
-    key = archive(repo, repo.commit("step-2"))
+    key = repo.keep_history(repo.commit("step-2"))
     data = Path(url, key.key).read_bytes()
     history = History.from_bytes(data, key, "here")
     assert (history.name, history.step, history.world_size) == ("step-2", 2, 1)
@@ -163,7 +163,7 @@ def test_a_history_object_holds_the_members_the_spec_lists(tmp_path):
     url = str(tmp_path / "run")
     train(url, range(2), StepTimer(system_interval=None))
     repo = Repository.open(url)
-    key = archive(repo, repo.commit("step-2"))
+    key = repo.keep_history(repo.commit("step-2"))
     doc = msgpack.unpackb(Path(url, key.key).read_bytes(), raw=False)
     assert list(doc) == listed
     assert doc["format"] == "ckptfmt-history" and tuple(doc["version"]) == ckptfmt.FORMAT_VERSION
