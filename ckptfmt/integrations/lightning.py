@@ -34,6 +34,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+import torch
 from lightning.pytorch import Callback
 from lightning.pytorch.plugins.io import CheckpointIO, TorchCheckpointIO
 from lightning.pytorch.strategies import ModelParallelStrategy
@@ -323,6 +324,25 @@ class CkptfmtModelParallelStrategy(ModelParallelStrategy):
         return rest
 
 
+def _loader_generators(loader: Any) -> dict[str, Any]:
+    """The torch generators a training data loader draws its order from (its own, its sampler's, its
+    batch sampler's sampler's), by name, for the steps' signatures; Lightning may wrap the loader in a
+    CombinedLoader, whose ``iterables`` are the loaders."""
+    loaders = getattr(loader, "iterables", loader)
+    loaders = loaders.values() if isinstance(loaders, dict) else loaders if isinstance(loaders, (list, tuple)) \
+        else [loaders]
+    found: dict[str, Any] = {}
+    for index, each in enumerate(loaders):
+        prefix = "loader" if index == 0 else f"loader{index}"
+        batch_sampler = getattr(each, "batch_sampler", None)
+        for suffix, owner in (("", each), (".sampler", getattr(each, "sampler", None)),
+                              (".batch_sampler.sampler", getattr(batch_sampler, "sampler", None))):
+            generator = getattr(owner, "generator", None)
+            if isinstance(generator, torch.Generator) and all(generator is not g for g in found.values()):
+                found[prefix + suffix] = generator
+    return found
+
+
 class StepTimingCallback(Callback):
     """Times every training step on every rank, and hands every rank's steps to the next checkpoint.
 
@@ -343,6 +363,8 @@ class StepTimingCallback(Callback):
     # -- the training loop -------------------------------------------------------------------------
     def on_train_start(self, trainer, pl_module) -> None:
         self._since = time.perf_counter_ns()  # a resumed run may start without on_train_epoch_start
+        for name, generator in _loader_generators(trainer.train_dataloader).items():
+            self.timer.track_generator(name, generator)
 
     def on_train_epoch_start(self, trainer, pl_module) -> None:
         self._since = time.perf_counter_ns()
@@ -354,6 +376,7 @@ class StepTimingCallback(Callback):
         self.steps_started += 1
         self.timer.mark("forward_backward")
         self.timer.metrics(batch_idx=batch_idx, epoch=trainer.current_epoch, global_step=trainer.global_step)
+        self.timer.batch_tensors(batch)  # the step's signature: Lightning hands the batch, not its indices
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         if self.timer.in_step:

@@ -5,6 +5,8 @@ A step runs from the end of the previous one to the end of its optimizer steps (
 stepped once), in phases ``data`` (until the first forward in training mode: fetching the batch
 and whatever the loop did in between), ``forward_backward`` and ``optimizer``. Gradient
 accumulation's micro-batches fall in one step, as their forwards come before the optimizer's step.
+Each step is signed (spec 9.4): the generators' digests at its start, and its batch by the first
+model's inputs, every training forward's (micro-batches in order).
 """
 
 from __future__ import annotations
@@ -34,7 +36,10 @@ class HookedStepTimer:
         self._optimizers = {id(o) for o in optimizers}
         self._stepped: set[int] = set()
         self._since: int | None = None
+        models = list(models)
         self._handles = [model.register_forward_pre_hook(self._forward) for model in models]
+        if models:  # the first model's inputs are the batch (a pipeline's later stages take activations)
+            self._handles.append(models[0].register_forward_pre_hook(self._batch, with_kwargs=True))
         for optimizer in optimizers:
             self._handles += [optimizer.register_step_pre_hook(self._before_step),
                               optimizer.register_step_post_hook(self._after_step)]
@@ -52,6 +57,12 @@ class HookedStepTimer:
             self.timer.start_step(self._step_number(), since_ns=self._since, phase="data")
             self.timer.mark("forward_backward")
             self._stepped.clear()
+
+    def _batch(self, module: torch.nn.Module, args: Any, kwargs: dict) -> None:
+        """Each training forward's inputs go into the step's batch digest (its signature), micro-batches
+        in order."""
+        if module.training and self.timer.in_step:
+            self.timer.batch_tensors((args, kwargs))
 
     def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self.timer.in_step:

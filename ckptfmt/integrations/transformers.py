@@ -75,6 +75,9 @@ class CkptfmtCallback(TrainerCallback):
         self._due = False
         self._last_saved: int | None = None
         self._since: int | None = None
+        self._hooks: list | None = None
+        #: The current step's loss: its micro-batches' losses as the model returned them, summed.
+        self._step_loss: Any = None
 
     # -- saves ---------------------------------------------------------------------------------------
     def on_train_begin(self, args, state, control, **kwargs):
@@ -85,10 +88,17 @@ class CkptfmtCallback(TrainerCallback):
         if self.manager is None:
             self.manager = CheckpointManager(self.repo, **self._retention(args), **self.manager_options)
         self._since = time.perf_counter_ns()
+        model = kwargs.get("model")
+        if model is not None and self._hooks is None:  # each step's signature: its batch and its loss
+            self._hooks = [model.register_forward_pre_hook(self._batch, with_kwargs=True),
+                           model.register_forward_hook(self._loss)]
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.timer.in_step:
             self.timer.metrics(epoch=state.epoch or 0.0)
+            if self._step_loss is not None:
+                self.timer.metrics(loss=self._step_loss)
+            self._step_loss = None
             self.timer.end_step()
         self._since = time.perf_counter_ns()
         return self._take_over(args, state, control, kwargs)
@@ -128,6 +138,9 @@ class CkptfmtCallback(TrainerCallback):
                               stacklevel=2)
         self.manager.close()
         self.manager = None
+        for hook in self._hooks or []:
+            hook.remove()
+        self._hooks = None
 
     def _take_over(self, args, state, control, kwargs: dict):
         """The Trainer decided to save at this point: save where it would (after the step's log and
@@ -182,11 +195,24 @@ class CkptfmtCallback(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         """The training log's loss, gradient norm and learning rate go with the step just ended; then
         the save that waited for them (a checkpoint holds its last step's loss, as the Trainer's does)."""
-        values = {k: v for k, v in (logs or {}).items() if k in _LOGGED and isinstance(v, (int, float))}
+        values = {("logged_loss" if k == "loss" else k): v for k, v in (logs or {}).items()
+                  if k in _LOGGED and isinstance(v, (int, float))}
         if values and not self.timer.in_step and self.timer.pending:
             self.timer.metrics(**values)
         if self._due and not control.should_evaluate:
             self._save(args, state, control, kwargs, None)
+
+    def _batch(self, module, args, kwargs) -> None:
+        if module.training and self.timer.in_step:
+            self.timer.batch_tensors((args, kwargs))
+
+    def _loss(self, module, args, output) -> None:
+        """The loss the model computed (its output's ``loss``), exact: the step's is its micro-batches'
+        sum, kept on its device until the step ends."""
+        loss = getattr(output, "loss", None) if not isinstance(output, dict) else output.get("loss")
+        if module.training and self.timer.in_step and loss is not None and getattr(loss, "numel", lambda: 0)() == 1:
+            loss = loss.detach()
+            self._step_loss = loss if self._step_loss is None else self._step_loss + loss
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         if self.timer.in_step:

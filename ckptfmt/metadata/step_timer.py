@@ -34,10 +34,13 @@ import blake3
 import numpy as np
 
 from ckptfmt.errors import ManifestError
+from ckptfmt.metadata.rng_digests import RNG_DIGEST_BYTES, RngDigests
 from ckptfmt.metadata.system import DEFAULT_INTERVAL_S, SystemSampler
 
 #: Bytes of a batch digest (BLAKE3 of the indices as little-endian int64).
 BATCH_DIGEST_BYTES = 16
+#: What a step's batch digest was taken of (spec 9.4 ``batch_kind``).
+_BATCH_NONE, _BATCH_INDICES, _BATCH_TENSORS = 0, 1, 2
 _I64, _F64 = np.dtype("<i8"), np.dtype("<f8")
 
 
@@ -51,8 +54,11 @@ class StepTimer:
     end of every step, or None for none. The samples are stored with the steps.
     """
 
-    def __init__(self, *, system_interval: float | str | None = DEFAULT_INTERVAL_S):
+    def __init__(self, *, system_interval: float | str | None = DEFAULT_INTERVAL_S, rng: bool = True,
+                 generators: dict[str, Any] | None = None):
         self._columns = _empty_columns()
+        #: Every generator's state at each step's start, digested (``rng=False``: none).
+        self._rng = RngDigests(generators) if rng else None
         self._current: _Step | None = None
         # Steps finish on the training thread while an asynchronous save's thread forgets what it stored.
         self._lock = threading.Lock()
@@ -71,6 +77,13 @@ class StepTimer:
         if system_interval is not None:
             self._sampler = SystemSampler(None if isinstance(system_interval, str) else system_interval, data_wait)
         self._sampling = False
+
+    def track_generator(self, name: str, generator: Any) -> None:
+        """Digest ``generator`` (a ``torch.Generator``, ``random.Random`` or numpy ``Generator``) at the
+        start of every step from the next one on, as ``name``: a data loader's or a sampler's."""
+        if self._rng is None:
+            raise ValueError("this StepTimer was made with rng=False: it digests no generator")
+        self._rng.track(name, generator)
 
     def close(self) -> None:
         """Stop sampling (a background sampler also stops when the timer is garbage collected)."""
@@ -144,13 +157,38 @@ class StepTimer:
         hasher = self._current.hasher
         if hasher is None:
             hasher = self._current.hasher = blake3.blake3()
+        elif self._current.batch_kind != _BATCH_INDICES:
+            raise ValueError("StepTimer.batch() in a step that recorded its batch's tensors: use one or the other")
         hasher.update(values.tobytes())
         self._current.batch_size += values.size
 
-    def metrics(self, **values: float) -> None:
-        """Scalars of the current step, or of the last finished one (``timer.metrics(loss=l)``)."""
-        numbers = {}
+    def batch_tensors(self, batch: Any) -> None:
+        """Record the current step's batch by its contents, where the loop cannot see the sample
+        indices (``batch``: a tensor or array, or lists, tuples and dicts of them): a digest of each
+        one's dtype, shape and bytes in order. Tensors on a GPU are copied to the host for it."""
+        if self._current is None:
+            raise ValueError("StepTimer.batch_tensors() outside a step: use it inside `with timer.step(n):`")
+        current = self._current
+        if current.hasher is None:
+            current.hasher = blake3.blake3()
+        elif current.batch_kind != _BATCH_TENSORS:
+            raise ValueError("StepTimer.batch_tensors() in a step that recorded sample indices: use one or the other")
+        current.batch_kind = _BATCH_TENSORS
+        samples = _digest_tensors(batch, current.hasher)
+        if current.batch_size == 0:
+            current.batch_size = samples
+
+    def metrics(self, **values: Any) -> None:
+        """Scalars of the current step, or of the last finished one (``timer.metrics(loss=l)``): numbers,
+        or one-element tensors (a GPU tensor is read when the steps are stored, not in the step). A
+        float32 or bfloat16 loss is kept exactly (float64 holds it), as the step's signature needs."""
+        numbers: dict[str, Any] = {}
+        torch = sys.modules.get("torch")
         for name, value in values.items():
+            if torch is not None and isinstance(value, torch.Tensor) and value.device.type != "cpu" \
+                    and value.numel() == 1:
+                numbers[name] = value.detach()  # read when the steps are stored: no device sync in the step
+                continue
             try:
                 numbers[name] = float(value)
             except (TypeError, ValueError):
@@ -221,11 +259,14 @@ class StepTimer:
         _append_row(columns["phases"], {name: ns / 1e9 for name, ns in step.phases.items()}, rows)
         columns["batch"].append(None if step.hasher is None else step.hasher.digest(BATCH_DIGEST_BYTES))
         columns["batch_size"].append(step.batch_size if step.hasher is not None else None)
+        columns["batch_kind"].append(_BATCH_NONE if step.hasher is None else step.batch_kind)
         _append_row(columns["metrics"], step.metrics, rows)
+        _append_row(columns["rng"], step.rng, rows)
 
 
 class _Step:
-    __slots__ = ("timer", "step", "start_ns", "start", "phases", "running", "hasher", "batch_size", "metrics")
+    __slots__ = ("timer", "step", "start_ns", "start", "phases", "running", "hasher", "batch_size", "batch_kind",
+                 "metrics", "rng")
 
     def __init__(self, timer: StepTimer, step: int):
         self.timer, self.step = timer, step
@@ -234,10 +275,15 @@ class _Step:
         self.running: tuple[str, int] | None = None
         self.hasher: blake3.blake3 | None = None
         self.batch_size = 0
+        self.batch_kind = _BATCH_INDICES
         self.metrics: dict[str, float] = {}
+        self.rng: dict[str, bytes] = {}
 
     def __enter__(self) -> _Step:
         self.timer._current = self
+        digests = self.timer._rng
+        if digests is not None:  # before the clock starts: the step's time is the loop's
+            self.rng = digests.digests()
         self.start_ns, self.start = time.time_ns(), time.perf_counter_ns()
         return self
 
@@ -270,7 +316,7 @@ class _Phase:
 
 def _empty_columns() -> dict:
     return {"step": [], "start_ns": [], "duration_s": [], "phases": {}, "batch": [], "batch_size": [],
-            "metrics": {}}
+            "batch_kind": [], "metrics": {}, "rng": {}}
 
 
 def _append_row(columns: dict[str, list], row: dict, rows: int) -> None:
@@ -279,6 +325,34 @@ def _append_row(columns: dict[str, list], row: dict, rows: int) -> None:
         column.append(row.get(name))
     for name in [n for n in row if n not in columns]:
         columns[name] = [None] * rows + [row[name]]
+
+
+def _digest_tensors(batch: Any, hasher: blake3.blake3) -> int:
+    """Feed each tensor or array of ``batch`` (nested in lists, tuples and dicts, in order) to ``hasher``
+    as its dtype, shape and bytes; the samples in the batch (the first one's first dimension)."""
+    samples = 0
+    stack = [batch]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack.extend(item[key] for key in reversed(list(item)))
+            continue
+        if isinstance(item, (list, tuple)):
+            stack.extend(reversed(item))
+            continue
+        torch = sys.modules.get("torch")
+        if torch is not None and isinstance(item, torch.Tensor):
+            dtype, shape = str(item.dtype).removeprefix("torch."), tuple(item.shape)
+            data = item.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()
+        elif isinstance(item, np.ndarray):
+            dtype, shape, data = item.dtype.str, item.shape, np.ascontiguousarray(item).view(np.uint8).reshape(-1)
+        else:
+            continue  # strings, numbers: a batch's metadata, not its samples
+        hasher.update(f"{dtype}{shape}".encode())
+        hasher.update(data)
+        if not samples and shape:
+            samples = shape[0]
+    return samples
 
 
 def _indices(indices: Any) -> np.ndarray:
@@ -312,14 +386,18 @@ class StepColumns:
     phases: dict[str, np.ndarray]  # float64 seconds, NaN: the step had none
     metrics: dict[str, np.ndarray]  # float64
     metrics_missing: dict[str, np.ndarray]  # bool: the step recorded no such metric
+    #: uint8 per step: what ``batch`` digests (0 nothing, 1 sample indices, 2 the batch's tensors; 1.8).
+    batch_kind: np.ndarray
+    #: Generator name -> uint8, count x 16: its state's digest at the step's start, zeros where not read (1.8).
+    rng: dict[str, np.ndarray]
 
 
 def encode_steps(columns: dict) -> dict:
     """The stored form of a timer's columns: a count, and one bin of little-endian numbers per column."""
     count = len(columns["step"])
 
-    def floats(values: list) -> bytes:
-        return np.array([np.nan if v is None else v for v in values], dtype=_F64).tobytes()
+    def floats(values: list) -> bytes:  # float(): a metric may be a device tensor, read only now
+        return np.array([np.nan if v is None else float(v) for v in values], dtype=_F64).tobytes()
     record = {
         "count": count,
         "step": np.array(columns["step"], dtype=_I64).tobytes(),
@@ -334,6 +412,12 @@ def encode_steps(columns: dict) -> dict:
                for name, values in columns["metrics"].items() if None in values}
     if missing:
         record["metrics_missing"] = missing
+    if any(kind == _BATCH_TENSORS for kind in columns.get("batch_kind", ())):
+        record["batch_kind"] = bytes(columns["batch_kind"])
+    if columns.get("rng"):
+        zeros = bytes(RNG_DIGEST_BYTES)
+        record["rng"] = {name: b"".join(zeros if d is None else d for d in values)
+                         for name, values in columns["rng"].items()}
     return record
 
 
@@ -357,15 +441,27 @@ def decode_steps(record: Any, where: str) -> StepColumns:
         if not isinstance(value, dict) or not all(type(k) is str for k in value):
             raise ManifestError(f"{where}: {what} is not a map of names")
         return {name: column(v, f"{what}.{name}", dtype) for name, v in value.items()}
+    step = column(record.get("step"), "step", _I64)
+    batch_size = column(record.get("batch_size"), "batch_size", _I64)
+    kind = record.get("batch_kind")
+    batch_kind = (batch_size >= 0).astype(np.uint8) if kind is None else column(kind, "batch_kind", np.dtype(np.uint8))
+    if kind is not None and (batch_kind > _BATCH_TENSORS).any():
+        raise ManifestError(f"{where}: batch_kind holds a value other than 0, 1 and 2")
+    rng = record.get("rng")
+    if rng is not None and (not isinstance(rng, dict) or not all(type(k) is str for k in rng)):
+        raise ManifestError(f"{where}: rng is not a map of names")
     return StepColumns(
         count=count,
-        step=column(record.get("step"), "step", _I64),
+        step=step,
         start_ns=column(record.get("start_ns"), "start_ns", _I64),
         duration_s=column(record.get("duration_s"), "duration_s", _F64),
         batch=column(record.get("batch"), "batch", np.dtype(np.uint8), BATCH_DIGEST_BYTES),
-        batch_size=column(record.get("batch_size"), "batch_size", _I64),
+        batch_size=batch_size,
         phases=named(record.get("phases"), "phases", _F64),
         metrics=named(record.get("metrics"), "metrics", _F64),
         metrics_missing={k: v.astype(bool) for k, v in
                          named(record.get("metrics_missing"), "metrics_missing", np.dtype(np.uint8)).items()},
+        batch_kind=batch_kind,
+        rng={name: column(value, f"rng.{name}", np.dtype(np.uint8), RNG_DIGEST_BYTES)
+             for name, value in (rng or {}).items()},
     )

@@ -65,6 +65,10 @@ def test_two_ranks_resume_in_the_middle_of_an_epoch_exactly_and_show_the_slow_ra
         steps = [decode_steps(entry["steps"], url) for entry in reader.metadata["timing"]["ranks"]]
         assert all(columns.step.tolist() == list(range(6)) for columns in steps)
         assert all(set(columns.phases) == {"data", "forward_backward", "optimizer"} for columns in steps)
+        # Signed from the hooks alone: each rank's batch by the model's inputs, its own, and its generators.
+        assert all((columns.batch_kind == 2).all() and {"torch", "numpy", "python"} <= set(columns.rng)
+                   for columns in steps)
+        assert not set(map(bytes, steps[0].batch)) & set(map(bytes, steps[1].batch))
         assert {"model_0/0.weight", "optimizer_0/state/0.weight/exp_avg"} <= set(reader.keys())
     torchrun("accelerate_train.py", 2, "resume", "stateful", url, str(STEPS), str(resumed))
     assert_same_training_state(straight, resumed)

@@ -223,6 +223,39 @@ def test_the_steps_of_checkpoints_top_k_removed_stay_in_the_runs_history(tmp_pat
     assert stragglers(str(copy))["steps"] == STEPS
 
 
+def signatures(folder) -> dict[int, tuple]:
+    """Each recorded step's signature: (batch kind, batch digest, loss bits, generator names)."""
+    found = {}
+    for record in ckptfmt.Repository.open(str(folder)).commits():
+        with ckptfmt.open(f"{folder}/{record.name}") as reader:
+            (entry,) = reader.metadata["timing"]["ranks"]
+        columns = decode_steps(entry["steps"], record.name)
+        for row, step in enumerate(columns.step.tolist()):
+            found[step] = (int(columns.batch_kind[row]), bytes(columns.batch[row]),
+                           columns.metrics["loss"][row].tobytes(), tuple(sorted(columns.rng)))
+    return found
+
+
+def test_every_step_is_signed_and_a_resumed_runs_steps_sign_as_the_straight_runs(tmp_path):
+    """The callback signs each step with no user code: the batch Lightning hands it (by its tensors),
+    the generators at its start and the loss's bits; the steps after an exact resume sign as the
+    uninterrupted run's do."""
+    straight, cut = tmp_path / "straight", tmp_path / "cut"
+
+    def saving(folder):
+        return [ModelCheckpoint(dirpath=folder, every_n_train_steps=2, save_top_k=-1), StepTimingCallback()]
+    fit(STEPS, CkptfmtCheckpointIO(), saving(straight))
+    fit(EPOCH, CkptfmtCheckpointIO(), saving(cut))
+    fit(STEPS, CkptfmtCheckpointIO(), saving(cut), ckpt_path=str(cut / f"epoch=0-step={EPOCH}.ckpt"))
+    expected, resumed = signatures(straight), signatures(cut)
+    assert sorted(expected) == sorted(resumed) == list(range(STEPS))
+    assert {signature[0] for signature in expected.values()} == {2}  # the batch's tensors
+    assert {signature[3] for signature in expected.values()} == {("numpy", "python", "torch")}
+    assert len({signature[1] for signature in expected.values()}) == EPOCH  # an epoch's batches, twice
+    for step in range(STEPS):
+        assert expected[step] == resumed[step], step
+
+
 def test_misspelt_and_managed_options_fail_when_the_plugin_is_made():
     with pytest.raises(TypeError, match=r"^CkptfmtCheckpointIO\(\) got an unexpected keyword argument 'compresion'$"):
         CkptfmtCheckpointIO(compresion="zstd")

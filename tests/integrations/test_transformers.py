@@ -145,6 +145,7 @@ def test_every_step_is_timed_with_its_phases_and_logged_values_across_a_resume(t
         columns = decode_steps(entry["steps"], record.name)
         numbers += columns.step.tolist()
         logged += columns.metrics["loss"].tolist()
+        assert (columns.batch_kind == 2).all() and {"torch", "numpy", "python"} <= set(columns.rng)  # signed
         phases |= set(columns.phases)
         assert (columns.duration_s > 0).all()
         total = sum(columns.phases[name] for name in columns.phases)

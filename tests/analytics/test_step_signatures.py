@@ -1,0 +1,120 @@
+"""Each step signed with its inputs (spec 9.4, 1.8): every generator's state at the step's start, the
+batch (its sample indices, or its tensors' bytes), and the loss's exact bits among the metrics."""
+
+from __future__ import annotations
+
+import random
+
+import blake3
+import numpy as np
+import pytest
+import torch
+
+import ckptfmt
+from ckptfmt.metadata.rng_digests import RngDigests
+from ckptfmt.metadata.step_timer import decode_steps, encode_steps
+
+
+def signed_steps(timer: ckptfmt.StepTimer, steps: range, draw) -> dict:
+    """Run ``steps``, calling ``draw(step)`` inside each (the step's randomness); the decoded records."""
+    for step in steps:
+        with timer.step(step):
+            draw(step)
+    return decode_steps(timer.snapshot(), "here")
+
+
+def seed_all(seed: int) -> None:
+    torch.manual_seed(seed)
+    np.random.seed(seed)
+    random.seed(seed)
+
+
+@pytest.mark.parametrize("source", ["torch", "numpy", "python"])
+def test_a_draw_changes_its_own_generators_digest_and_no_other(source):
+    draws = {"torch": lambda: torch.rand(3), "numpy": lambda: np.random.rand(3), "python": random.random}
+    seed_all(0)
+    records = signed_steps(ckptfmt.StepTimer(system_interval=None), range(3),
+                           lambda step: draws[source]() if step == 1 else None)
+    assert set(records.rng) == {"torch", "numpy", "python"}
+    for name, digests in records.rng.items():
+        changed = [bytes(digests[i]) != bytes(digests[i + 1]) for i in range(2)]
+        assert changed == ([False, True] if name == source else [False, False]), name
+
+
+def test_the_same_seeds_sign_the_same_steps_and_another_seed_differs():
+    runs = []
+    for seed in (0, 0, 1):
+        seed_all(seed)
+        runs.append(signed_steps(ckptfmt.StepTimer(system_interval=None), range(4),
+                                 lambda step: (torch.rand(2), np.random.rand(2), random.random())))
+    for name in ("torch", "numpy", "python"):
+        assert np.array_equal(runs[0].rng[name], runs[1].rng[name]), name
+        assert not (runs[0].rng[name] == runs[2].rng[name]).all(axis=1).any(), name
+
+
+def test_digests_are_blake3_of_each_state_as_the_spec_says():
+    seed_all(3)
+    np.random.rand(5)  # a position inside the state
+    digests = RngDigests().digests()
+    key, position = np.random.get_state()[1:3]
+    numpy_state = np.asarray(key, "<u4").tobytes() + int(position).to_bytes(4, "little", signed=True)
+    assert digests["numpy"] == blake3.blake3(numpy_state).digest(16)
+    python_words = np.array(random.getstate()[1], dtype="<u4").tobytes()
+    assert digests["python"] == blake3.blake3(python_words).digest(16)
+    assert digests["torch"] == blake3.blake3(torch.get_rng_state().numpy().tobytes()).digest(16)
+
+
+def test_a_data_loaders_generator_is_tracked_by_name():
+    generator = torch.Generator().manual_seed(5)
+    timer = ckptfmt.StepTimer(system_interval=None, generators={"sampler": generator})
+    timer.track_generator("augment", random.Random(7))
+    records = signed_steps(timer, range(3), lambda step: torch.randperm(4, generator=generator))
+    assert set(records.rng) == {"torch", "numpy", "python", "sampler", "augment"}
+    sampler = records.rng["sampler"]
+    assert bytes(sampler[0]) != bytes(sampler[1]) and not (records.rng["torch"] != records.rng["torch"][0]).any()
+    with pytest.raises(ValueError, match="a name of its own"):
+        timer.track_generator("torch", generator)
+    with pytest.raises(ValueError, match="cannot digest the generator 'x': a str"):
+        timer.track_generator("x", "seed")
+
+
+def test_a_batch_is_signed_by_its_tensors_where_the_indices_are_not_known():
+    timer = ckptfmt.StepTimer(system_interval=None, rng=False)
+    batches = [{"x": torch.ones(4, 3), "y": torch.zeros(4, dtype=torch.long)},
+               {"x": torch.ones(4, 3), "y": torch.zeros(4, dtype=torch.long)},
+               {"x": torch.ones(4, 3), "y": torch.ones(4, dtype=torch.long)},
+               (np.ones((4, 3), np.float32), ["ids"])]
+    records = signed_steps(timer, range(4), lambda step: timer.batch_tensors(batches[step]))
+    digests = [bytes(d) for d in records.batch]
+    assert digests[0] == digests[1] != digests[2] != digests[3]
+    assert records.batch_kind.tolist() == [2, 2, 2, 2] and records.batch_size.tolist() == [4, 4, 4, 4]
+    assert records.rng == {}
+    with timer.step(9):
+        timer.batch([1, 2])
+        with pytest.raises(ValueError, match="recorded sample indices: use one or the other"):
+            timer.batch_tensors(torch.ones(2))
+
+
+def test_records_without_signatures_read_as_before():
+    timer = ckptfmt.StepTimer(system_interval=None, rng=False)
+    for step in range(2):
+        with timer.step(step):
+            timer.batch([step])
+    record = timer.snapshot()
+    assert "rng" not in record and "batch_kind" not in record  # what 1.7 writers wrote
+    columns = decode_steps(record, "here")
+    assert columns.batch_kind.tolist() == [1, 1] and columns.rng == {}
+    with pytest.raises(ckptfmt.ManifestError, match="here: rng.torch is not 32 uint8 values"):
+        decode_steps({**record, "rng": {"torch": b"short"}}, "here")
+    with pytest.raises(ckptfmt.ManifestError, match="batch_kind holds a value other than"):
+        decode_steps({**record, "batch_kind": b"\x01\x07"}, "here")
+
+
+def test_the_loss_keeps_its_exact_bits():
+    timer = ckptfmt.StepTimer(system_interval=None, rng=False)
+    loss = torch.tensor(0.1, dtype=torch.float32) * 3
+    with timer.step(0):
+        timer.metrics(loss=loss, grad_norm=torch.tensor(1e-8, dtype=torch.bfloat16))
+    columns = decode_steps(encode_steps(timer._columns), "here")
+    assert np.float32(columns.metrics["loss"][0]).tobytes() == loss.numpy().tobytes()
+    assert torch.tensor(columns.metrics["grad_norm"][0]).to(torch.bfloat16) == torch.tensor(1e-8, dtype=torch.bfloat16)
