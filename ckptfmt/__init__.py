@@ -44,6 +44,7 @@ _PUBLIC = {
     "generate_key": "ckptfmt.lifecycle.signing", "sign": "ckptfmt.lifecycle.signing",
     "CheckpointReader": "ckptfmt.loading.reader", "load": "ckptfmt.loading.reader",
     "open": "ckptfmt.loading.reader", "restore_rng": "ckptfmt.loading.reader",
+    "ResumeRecord": "ckptfmt.loading.resume_check", "record_resume": "ckptfmt.loading.resume_check",
     "StepTimer": "ckptfmt.metadata.step_timer",
     "Repository": "ckptfmt.repository.repository",
     "async_save": "ckptfmt.saving.asynchronous",
@@ -63,6 +64,7 @@ if TYPE_CHECKING:  # what the names are, for type checkers and editors
     from ckptfmt.lifecycle.retention import Retention
     from ckptfmt.lifecycle.signing import generate_key, sign
     from ckptfmt.loading.reader import CheckpointReader, load, open, restore_rng
+    from ckptfmt.loading.resume_check import ResumeRecord, record_resume
     from ckptfmt.metadata.step_timer import StepTimer
     from ckptfmt.repository.repository import Repository
     from ckptfmt.saving.asynchronous import async_save
@@ -124,6 +126,7 @@ __all__ = [
     "ReplicationReport",
     "Repository",
     "Retention",
+    "ResumeRecord",
     "Shard",
     "Sharded",
     "SignatureError",
@@ -137,6 +140,7 @@ __all__ = [
     "load",
     "open",
     "repair",
+    "record_resume",
     "replicate",
     "restore_rng",
     "save",

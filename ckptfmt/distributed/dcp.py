@@ -39,6 +39,7 @@ from ckptfmt.errors import CheckpointError, UnsupportedValueError
 from ckptfmt.format.manifest import Piece, ShardEntry
 from ckptfmt.format.values import TensorRef, decode_tree, encode_tree, format_key
 from ckptfmt.loading.reader import CheckpointReader
+from ckptfmt.metadata.resumes import forget_resumes, pending_resumes
 from ckptfmt.metadata.step_timer import StepTimer
 from ckptfmt.metadata.timing import PhaseTimer
 from ckptfmt.metadata.topology import current_rank, rank_entry, topology_record
@@ -227,7 +228,9 @@ class StorageWriter(dcp_storage.StorageWriter):
         """
         state = getattr(planner, "state_dict", None)  # DefaultSavePlanner's, flattened: DTensors are values
         dist = torch.distributed
-        return {**rank_record(self.rank, self.timer, rank_entry(self.rank), Captured(steps=steps)),
+        resumes = pending_resumes()
+        forget_resumes(resumes)  # the coordinator's commit is out of this rank's sight, as for its steps
+        return {**rank_record(self.rank, self.timer, rank_entry(self.rank), Captured(steps=steps, resumes=resumes)),
                 "meshes": meshes_of(state.values()) if isinstance(state, dict) else [],
                 "backend": dist.get_backend() if dist.is_available() and dist.is_initialized() else None}
 

@@ -13,6 +13,7 @@ import socket
 from typing import Any
 
 from ckptfmt.groups.process_group import RankGroup, distributed_group
+from ckptfmt.metadata.resumes import forget_resumes, pending_resumes
 from ckptfmt.metadata.step_timer import StepTimer
 from ckptfmt.metadata.topology import current_rank
 from ckptfmt.saving.options import DEFAULT_TIMEOUT_S
@@ -30,7 +31,10 @@ def gather_steps(timer: StepTimer, *, process_group: Any = None, timeout: float 
     group = distributed_group(process_group)
     ranks = None if group is None else RankGroup(group, timeout, "gathering the training steps")
     steps = timer.snapshot()
-    own = {"rank": current_rank()[0] if ranks is None else ranks.rank, "host": socket.gethostname(), "steps": steps}
+    resumes = pending_resumes()
+    own = {"rank": current_rank()[0] if ranks is None else ranks.rank, "host": socket.gethostname(), "steps": steps,
+           **({"resumes": resumes} if resumes else {})}
     gathered = [own] if ranks is None else ranks.gather(own)
     timer.forget_stored(steps)
+    forget_resumes(resumes)
     return gathered

@@ -47,6 +47,7 @@ from ckptfmt.lifecycle.gc import collect, remove
 from ckptfmt.loading.load_into import load_into
 from ckptfmt.loading.reader import load
 from ckptfmt.loading.reader import open as open_checkpoint
+from ckptfmt.loading.resume_check import record_resume
 from ckptfmt.metadata.step_timer import StepTimer
 from ckptfmt.metadata.topology import current_rank
 from ckptfmt.repository.pointers import POINTER_FORMAT, looks_like_pointer, pointed_name, read_small
@@ -137,6 +138,7 @@ class CkptfmtCheckpointIO(CheckpointIO):
         """The checkpoint ``path`` points at (or, for a torch.save file there, that file's contents)."""
         url = self.checkpoint_url(path)
         if url is not None:
+            _RESUMED[:] = [(url, self.storage_options)]  # StepTimingCallback records what the resume restored
             return load(url, storage_options=self.storage_options, mmap=False)
         return TorchCheckpointIO().load_checkpoint(os.fspath(path), map_location=map_location,
                                                    weights_only=weights_only)
@@ -324,6 +326,11 @@ class CkptfmtModelParallelStrategy(ModelParallelStrategy):
         return rest
 
 
+#: The checkpoint CkptfmtCheckpointIO loaded last in this process, and its storage options, until a
+#: StepTimingCallback records the resume at the start of training.
+_RESUMED: list[tuple[str, dict | None]] = []
+
+
 def _loader_generators(loader: Any) -> dict[str, Any]:
     """The torch generators a training data loader draws its order from (its own, its sampler's, its
     batch sampler's sampler's), by name, for the steps' signatures; Lightning may wrap the loader in a
@@ -362,6 +369,16 @@ class StepTimingCallback(Callback):
 
     # -- the training loop -------------------------------------------------------------------------
     def on_train_start(self, trainer, pl_module) -> None:
+        """Lightning has restored the model, the optimizers and the schedulers by now: what they hold
+        goes on record against the checkpoint they came from (``ckptfmt.record_resume``)."""
+        if _RESUMED:
+            (url, storage_options), = _RESUMED
+            _RESUMED.clear()
+            record_resume(url, {"state_dict": pl_module,
+                                "optimizer_states": [optimizer.state_dict() for optimizer in trainer.optimizers],
+                                "lr_schedulers": [config.scheduler.state_dict()
+                                                  for config in trainer.lr_scheduler_configs]},
+                          storage_options=storage_options)
         self._since = time.perf_counter_ns()  # a resumed run may start without on_train_epoch_start
         for name, generator in _loader_generators(trainer.train_dataloader).items():
             self.timer.track_generator(name, generator)

@@ -43,6 +43,7 @@ from ckptfmt.lifecycle.housekeeping_process import SUPPORTED as PROCESS_SUPPORTE
 from ckptfmt.lifecycle.housekeeping_process import HousekeepingProcess
 from ckptfmt.lifecycle.retention import METRICS_KEY, Retention
 from ckptfmt.loading.reader import load, restore_rng
+from ckptfmt.loading.resume_check import record_resume
 from ckptfmt.repository.repository import Repository
 from ckptfmt.saving.asynchronous import AsyncSaver
 from ckptfmt.saving.options import SaveOptions
@@ -248,7 +249,10 @@ class CheckpointManager:
         from the fast one, and the damaged copy is repaired before ``restore``
         returns, with a warning (``ckptfmt.load(heal_from=...)``). ``rng=True`` also restores
         this rank's RNG states from that copy (``ckptfmt.restore_rng``).
-        ``start_step`` then says where the loop resumes.
+        ``start_step`` then says where the loop resumes. The resume goes on record in the next
+        checkpoint (``ckptfmt.record_resume``: where from, and, with ``into``, whether each of its
+        top-level parts holds what the checkpoint stored); a loop that loads the state into its
+        objects itself (``load_state_dict``) calls ``record_resume`` with those objects instead.
         """
         self.wait()
         self.restored_step = None
@@ -268,6 +272,7 @@ class CheckpointManager:
                 if rng:
                     restore_rng(url, storage_options=tier.storage_options,
                                 trusted_keys=load_options.get("trusted_keys"))
+                record_resume(url, _parts(into), rng=rng, storage_options=tier.storage_options)
             except CheckpointError as exc:
                 failures.append(str(exc))
                 warnings.warn(f"restoring step {step} from the next tier: {exc}", CheckpointWarning, stacklevel=2)
@@ -354,3 +359,8 @@ def _tier(tier: str | os.PathLike | Tier, default: Retention, storage_options: d
     if isinstance(tier, Tier):
         return tier if tier.retention is not None else Tier(tier.url, default, tier.storage_options)
     return Tier(os.fspath(tier).rstrip("/"), default, storage_options)
+
+
+def _parts(into: Any) -> dict[str, Any]:
+    """The top-level parts of a state loaded in place, for ``record_resume`` (none for a bare value)."""
+    return dict(into) if isinstance(into, dict) else {}

@@ -31,9 +31,9 @@ class PhaseTimer:
     def elapsed(self) -> float:
         return time.perf_counter() - self._start
 
-    def record(self, rank: int, steps: dict | None = None) -> dict:
+    def record(self, rank: int, steps: dict | None = None, resumes: list[dict] | None = None) -> dict:
         """This rank's entry of the manifest's ``timing.ranks``, with its training steps and system
-        samples if recorded (``steps``: a ``StepTimer.snapshot()``)."""
+        samples if recorded (``steps``: a ``StepTimer.snapshot()``) and its resumes not yet stored."""
         record = {
             "rank": rank,
             "host": socket.gethostname(),
@@ -41,12 +41,14 @@ class PhaseTimer:
             "phases": list(self.phases),
             "total_s": self.elapsed(),
         }
-        return with_steps(record, steps)
+        return with_steps(record, steps, resumes)
 
 
-def with_steps(entry: dict, steps: dict | None) -> dict:
+def with_steps(entry: dict, steps: dict | None, resumes: list[dict] | None = None) -> dict:
     """A ``timing.ranks`` entry with a ``StepTimer.snapshot()``'s steps and its system samples apart
-    (spec 9.4: ``steps`` and ``system``)."""
+    (spec 9.4: ``steps`` and ``system``), and the rank's resumes (``resumes``, 1.8)."""
+    if resumes:
+        entry = {**entry, "resumes": list(resumes)}
     if steps is None:
         return entry
     entry = {**entry, "steps": {k: v for k, v in steps.items() if k != "system"}}

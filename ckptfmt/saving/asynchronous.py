@@ -25,6 +25,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from ckptfmt.metadata.resumes import forget_resumes, pending_resumes
 from ckptfmt.metadata.rng import capture_states
 from ckptfmt.metadata.step_timer import StepTimer
 from ckptfmt.saving import in_flight
@@ -56,7 +57,7 @@ class AsyncSaver:
         area.tensor_stats = options.tensor_stats
         staged = area.stage(state)
         captured = Captured(steps=steps, rng=rng, staged=(start_ns, time.perf_counter() - start), frozen=True,
-                            device_stats=area.device_stats)
+                            device_stats=area.device_stats, resumes=pending_resumes())
         future = self._background().submit(_save_staged, staged, url, options, captured, timer)
         in_flight.register(url, future)
         return future
@@ -104,6 +105,7 @@ def _save_staged(staged: Any, url: str | os.PathLike, options: SaveOptions, capt
     committed = run_save(staged, url, options, captured)
     if timer is not None and captured.steps is not None:
         timer.forget_stored(captured.steps)
+    forget_resumes(captured.resumes)
     return committed
 
 

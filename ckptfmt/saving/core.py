@@ -73,6 +73,8 @@ class Captured:
 
     steps: dict | None = None
     rng: dict | None = None
+    #: This process's resumes not yet stored (``metadata.resumes``), put in its rank's timing entry.
+    resumes: list[dict] | None = None
     staged: tuple[int, float] | None = None
     frozen: bool = False
     device_stats: dict[tuple, dict] | None = None
@@ -238,14 +240,14 @@ def rank_record(rank: int, timer: PhaseTimer, topology: dict, captured: Captured
     with timer.phase("environment"):
         environment = capture_environment()
     return {"rng": rng_entry(rank, captured.rng), "environment": environment, "topology": topology,
-            "timing": timer.record(rank, captured.steps)}
+            "timing": timer.record(rank, captured.steps, captured.resumes)}
 
 
 def steps_record(entry: dict, start_ns: int) -> dict:
     """The ``timing.ranks`` entry of a rank that wrote nothing but sent its training steps (a gathered
     entry, see ``SaveOptions.gathered_steps``): no phases, no time in the save (spec 9.4)."""
     return with_steps({"rank": entry["rank"], "host": entry["host"], "start_ns": start_ns, "phases": [],
-                       "total_s": 0.0}, entry["steps"])
+                       "total_s": 0.0}, entry["steps"], entry.get("resumes"))
 
 
 def manifest_for(name: str, options: SaveOptions, *, parent: str | None, chunks: list[Chunk],

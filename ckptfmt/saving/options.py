@@ -154,8 +154,12 @@ def check_gathered_steps(gathered: object) -> None:
     ranks = set()
     for index, entry in enumerate(gathered):
         where = f"gathered_steps[{index}]"
-        if not (isinstance(entry, dict) and set(entry) == {"rank", "host", "steps"}):
-            raise TypeError(f"{where} must be a dict with the keys rank, host and steps")
+        if not (isinstance(entry, dict) and {"rank", "host", "steps"} <= set(entry) <= {"rank", "host", "steps",
+                                                                                        "resumes"}):
+            raise TypeError(f"{where} must be a dict with the keys rank, host and steps (and resumes)")
+        resumes = entry.get("resumes", [])
+        if not (isinstance(resumes, list) and all(isinstance(r, dict) for r in resumes)):
+            raise TypeError(f"{where}: resumes must be a list of resume records (maps)")
         rank = entry["rank"]
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0 or rank in ranks:
             raise ValueError(f"{where}: rank must be a distinct non-negative integer, not {rank!r}")

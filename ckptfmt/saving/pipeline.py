@@ -128,7 +128,7 @@ def _write_and_commit(decision: dict, failure: Failure | None, url: str, name: s
     def commit(reports: list[dict]) -> str:
         repo, lease = agreed.repo, agreed.lease
         assert repo is not None and lease is not None  # run on the coordinator, which holds both
-        reports[0]["timing"] = timer.record(ranks.rank, captured.steps)  # the coordinator's, with its wait
+        reports[0]["timing"] = timer.record(ranks.rank, captured.steps, captured.resumes)  # with its wait
         with collector_paused():
             manifest = _manifest(agreed, reports, ranks, name, options)
         if options.before_commit is not None:
@@ -150,10 +150,13 @@ def _write_and_commit(decision: dict, failure: Failure | None, url: str, name: s
 
 
 def _with_gathered_steps(captured: Captured, options: SaveOptions, rank: int) -> Captured:
-    """This rank's training steps from ``gathered_steps`` (frameworks that save from rank 0 gather every
-    rank's), unless the save was given its own."""
+    """This rank's training steps (and resumes) from ``gathered_steps`` (frameworks that save from rank 0
+    gather every rank's), unless the save was given its own."""
     mine = [entry for entry in options.gathered_steps or () if entry["rank"] == rank]
-    return dataclasses.replace(captured, steps=mine[0]["steps"]) if captured.steps is None and mine else captured
+    if captured.steps is not None or not mine:
+        return captured
+    return dataclasses.replace(captured, steps=mine[0]["steps"],
+                               resumes=[*(captured.resumes or ()), *mine[0].get("resumes", ())])
 
 
 def _delta_bases(repo: Repository, agreed: Plan, entries: list[PlannedTensor], sources: list[TensorSource],

@@ -14,6 +14,7 @@ from typing import Any
 from ckptfmt.errors import CollectiveError
 from ckptfmt.groups.process_group import RankGroup, distributed_group
 from ckptfmt.groups.ranks import Ranks, SoloRanks
+from ckptfmt.metadata.resumes import forget_resumes, pending_resumes
 from ckptfmt.metadata.step_timer import StepTimer
 from ckptfmt.metadata.topology import current_rank
 from ckptfmt.saving import in_flight
@@ -121,9 +122,11 @@ def save_with(state: Any, url: str | os.PathLike, options: SaveOptions, *, timer
     """``save`` with its options already made (a CheckpointManager's)."""
     in_flight.wait_for_previous(url)
     steps = step_records(timer)
-    committed = run_save(state, url, options, Captured(steps=steps))
+    captured = Captured(steps=steps, resumes=pending_resumes())
+    committed = run_save(state, url, options, captured)
     if timer is not None and steps is not None:
         timer.forget_stored(steps)
+    forget_resumes(captured.resumes)
     return committed
 
 

@@ -73,7 +73,8 @@ def test_gathered_steps_without_a_group_are_this_process_s():
 
 @pytest.mark.parametrize("gathered, error, message", [
     ({"rank": 0}, TypeError, r"^gathered_steps must be a list"),
-    ([{"rank": 0, "host": "h"}], TypeError, r"^gathered_steps\[0\] must be a dict with the keys rank, host and steps$"),
+    ([{"rank": 0, "host": "h"}], TypeError,
+     r"^gathered_steps\[0\] must be a dict with the keys rank, host and steps \(and resumes\)$"),
     ([{"rank": -1, "host": "h", "steps": {}}], ValueError, r"rank must be a distinct non-negative integer, not -1"),
     ([{"rank": 1, "host": 7, "steps": {}}], TypeError, r"^gathered_steps\[0\]: host must be a string$"),
     ([{"rank": 1, "host": "h", "steps": {"count": 2}}], ValueError, r"steps must be a StepTimer.snapshot\(\)"),

@@ -256,6 +256,35 @@ def test_every_step_is_signed_and_a_resumed_runs_steps_sign_as_the_straight_runs
         assert expected[step] == resumed[step], step
 
 
+class DropOptimizerState(L.Callback):
+    """A resume bug: the optimizer's restored moments are thrown away before training starts."""
+
+    def on_train_start(self, trainer, pl_module):
+        trainer.optimizers[0].state.clear()
+
+
+@pytest.mark.parametrize("fault", [None, "dropped"])
+def test_a_resume_is_on_record_with_what_it_restored(tmp_path, fault):
+    folder = tmp_path / "run"
+
+    def callbacks():
+        return [ModelCheckpoint(dirpath=folder, every_n_train_steps=EPOCH, save_top_k=-1), StepTimingCallback()]
+    fit(EPOCH, CkptfmtCheckpointIO(), callbacks())
+    fit(STEPS, CkptfmtCheckpointIO(), ([DropOptimizerState()] if fault else []) + callbacks(),
+        ckpt_path=str(folder / f"epoch=0-step={EPOCH}.ckpt"))
+    with ckptfmt.open(f"{folder}/{pointer(folder / f'epoch=1-step={STEPS}.ckpt')}") as reader:
+        (entry,) = reader.metadata["timing"]["ranks"]
+    (resume,) = entry["resumes"]
+    assert (resume["from"]["name"], resume["from"]["step"]) == (f"epoch_0-step_{EPOCH}", EPOCH)
+    parts = {part["part"]: part for part in resume["parts"]}
+    assert parts["state_dict"]["verdict"] == parts["lr_schedulers"]["verdict"] == "equal"
+    if fault is None:
+        assert parts["optimizer_states"]["verdict"] == "equal"
+    else:
+        assert parts["optimizer_states"]["verdict"] == "missing"
+        assert "optimizer_states/0/state/0/exp_avg" in parts["optimizer_states"]["keys"]
+
+
 def test_misspelt_and_managed_options_fail_when_the_plugin_is_made():
     with pytest.raises(TypeError, match=r"^CkptfmtCheckpointIO\(\) got an unexpected keyword argument 'compresion'$"):
         CkptfmtCheckpointIO(compresion="zstd")

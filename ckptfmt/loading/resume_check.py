@@ -1,0 +1,295 @@
+"""What a resume restored, part by part, on record (issue 29, part 3; spec 9.4 ``resumes``, 1.8).
+
+``record_resume(checkpoint, live)`` runs once the resume is done (the model, the
+optimizers, the schedulers, the data loaders loaded): for each part the caller
+names (``{"model": model, "optimizer": optimizer, ...}``), the live object's
+state is compared with what the checkpoint stored under that key, and the
+verdict is ``equal``, ``missing`` (the live object lacks entries that were
+stored: an optimizer whose state was dropped) or ``different`` (it has them
+all, with other values: a scheduler that was never loaded, a model loaded
+from elsewhere), with the first keys that differ. The record, with where the run resumed from and the world size
+then and now, is kept for this process's next save (``metadata.resumes``).
+
+Tensors are compared without reading them back: a live tensor's bytes are
+hashed where a chunk holds nothing else (BLAKE3, the chunk's own name, so
+equal hashes are equal bytes) and read only where a chunk packs several small
+tensors. Plain values (step counters, learning rates, positions) are compared
+exactly.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from ckptfmt.format.hashing import chunk_hash
+from ckptfmt.format.manifest import TensorEntry
+from ckptfmt.format.per_rank import PerRankValues
+from ckptfmt.format.values import decode_tree, format_key
+from ckptfmt.loading.reader import CheckpointReader
+from ckptfmt.metadata.resumes import note_resume
+from ckptfmt.metadata.rng import capture_states
+from ckptfmt.tools.diff import plain_values
+
+#: Keys named per part in a record: enough to say where to look, bounded whatever the state's size.
+KEYS_SHOWN = 8
+VERDICTS = ("equal", "missing", "different", "not stored")
+
+
+@dataclass
+class PartCheck:
+    """One part of the state (a top-level key of the checkpoint) compared with its live object."""
+
+    part: str
+    verdict: str  # one of VERDICTS
+    #: Tensors and plain values the checkpoint stored under the part, and how many of them the live
+    #: object lacks or holds otherwise.
+    stored: int = 0
+    missing: int = 0
+    different: int = 0
+    #: The first keys missing or different (at most KEYS_SHOWN).
+    keys: list[str] = field(default_factory=list)
+
+
+@dataclass
+class ResumeRecord:
+    """One rank's resume: where from, when, on how many ranks, and what each part holds now."""
+
+    repository: str
+    name: str
+    manifest: str
+    step: int | None
+    created_ns: int
+    resumed_ns: int
+    rank: int
+    world_size_then: int | None
+    world_size_now: int
+    parts: list[PartCheck]
+
+    @property
+    def restored(self) -> bool:
+        """Whether every part compared holds what the checkpoint stored."""
+        return all(part.verdict in ("equal", "not stored") for part in self.parts)
+
+    def to_dict(self) -> dict:
+        """The stored form (spec 9.4 ``resumes``)."""
+        return {"from": {"repository": self.repository, "name": self.name, "manifest": self.manifest,
+                         "step": self.step, "created_ns": self.created_ns},
+                "resumed_ns": self.resumed_ns, "rank": self.rank,
+                "world_size": [self.world_size_then, self.world_size_now],
+                "parts": [asdict(part) for part in self.parts]}
+
+
+def record_resume(checkpoint: str | os.PathLike | CheckpointReader, live: Mapping[str, Any], *,
+                  rng: bool = False, storage_options: dict | None = None, rank: int | None = None) -> ResumeRecord:
+    """Compare the live objects a resume restored with ``checkpoint`` and keep the record for this
+    process's next save (see the module's docstring); returns it.
+
+    ``live``: part name (the checkpoint's top-level key) -> the object now holding it: anything with
+    ``state_dict()`` (a model, an optimizer, a scheduler, a stateful data loader) or a state itself.
+    ``rng``: also compare this process's generators with the checkpoint's record of this rank's
+    (right after ``restore_rng``, before anything draws). ``rank``: this process's rank in the
+    checkpoint's records (default: its rank under torch.distributed, else 0).
+    """
+    reader = checkpoint if isinstance(checkpoint, CheckpointReader) else \
+        CheckpointReader(checkpoint, storage_options=storage_options)
+    try:
+        rank = _rank() if rank is None else rank
+        manifest = reader.manifest
+        stored_values = plain_values(manifest)
+        tree = decode_tree(manifest.state, lambda index: None)
+        per_rank = {name for name, value in tree.items() if isinstance(value, PerRankValues)} \
+            if isinstance(tree, dict) else set()
+        parts = [_check_part(reader, name, _state_of(obj), stored_values, rank if name in per_rank else None)
+                 for name, obj in live.items()]
+        if rng:
+            parts.append(_check_rng(reader.metadata["rng"], rank))
+        record = reader.commit
+        then = manifest.topology.get("world_size") if isinstance(manifest.topology, dict) else None
+        result = ResumeRecord(
+            repository=reader.repository.url, name=reader.name, manifest=record.manifest_hash, step=record.step,
+            created_ns=record.created_ns, resumed_ns=time.time_ns(), rank=rank,
+            world_size_then=then if type(then) is int else None, world_size_now=_world_size(), parts=parts)
+    finally:
+        if reader is not checkpoint:
+            reader.close()
+    note_resume(result.to_dict())
+    return result
+
+
+def _state_of(obj: Any) -> Any:
+    state_dict = getattr(obj, "state_dict", None)
+    return state_dict() if callable(state_dict) else obj
+
+
+def _check_part(reader: CheckpointReader, part: str, state: Any, stored_values: dict[str, Any],
+                rank: int | None) -> PartCheck:
+    """``rank``: the part was saved as ``PerRank`` (each rank's data loader position): this rank's."""
+    root = (part,) if rank is None else (part, rank)
+    prefix = format_key(root) + "/"
+    whole = format_key(root)
+    tensors = {entry.key: entry for entry in reader.manifest.tensors
+               if entry.key == whole or entry.key.startswith(prefix)}
+    values = {key: value for key, value in stored_values.items() if key == whole or key.startswith(prefix)}
+    check = PartCheck(part, "equal", stored=len(tensors) + len(values))
+    if not check.stored:
+        check.verdict = "not stored"
+        return check
+    live_tensors: dict[str, Any] = {}
+    live_values: dict[str, Any] = {}
+    for path, leaf in _leaves(root, state):
+        key = format_key(path)
+        (live_tensors if isinstance(leaf, torch.Tensor) else live_values)[key] = leaf
+    wrong: list[str] = []
+    for key, entry in tensors.items():
+        if key not in live_tensors:
+            check.missing += 1
+            wrong.append(key)
+        elif not _same_tensor(reader, entry, live_tensors[key]):
+            check.different += 1
+            wrong.append(key)
+    for key, value in values.items():
+        if key not in live_values:
+            check.missing += 1
+            wrong.append(key)
+        elif not _same_value(value, live_values[key]):
+            check.different += 1
+            wrong.append(key)
+    check.keys = wrong[:KEYS_SHOWN]
+    if check.missing:
+        check.verdict = "missing"
+    elif check.different:
+        check.verdict = "different"
+    return check
+
+
+def _leaves(path: tuple, value: Any) -> Iterator[tuple[tuple, Any]]:
+    """(path, leaf) of a live state as a save would key it: tensors, and plain values (a list or tuple of
+    scalars is one value, as ``tools.diff.plain_leaves`` takes the stored ones)."""
+    stack = [(path, value)]
+    while stack:
+        where, item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            yield where, item
+        elif isinstance(item, Mapping) and item:
+            stack.extend((where + (key,), child) for key, child in reversed(list(item.items())))
+        elif isinstance(item, (list, tuple)) and item and not all(_is_scalar(child) for child in item):
+            stack.extend((where + (index,), child) for index, child in reversed(list(enumerate(item))))
+        else:
+            yield where, item
+
+
+def _is_scalar(value: Any) -> bool:
+    return not isinstance(value, (dict, list, tuple, torch.Tensor)) and not isinstance(value, Mapping)
+
+
+def _same_value(stored: Any, live: Any) -> bool:
+    """Plain values equal as the checkpoint keeps them (spec 7.3: the type too), tuples as lists, a NaN
+    equal to a NaN."""
+    if isinstance(stored, (list, tuple)) and isinstance(live, (list, tuple)):
+        return len(stored) == len(live) and all(_same_value(a, b) for a, b in zip(stored, live))
+    if isinstance(stored, float) and isinstance(live, float) and math.isnan(stored) and math.isnan(live):
+        return True
+    if type(stored) is not type(live):
+        return False
+    try:
+        return bool(stored == live)
+    except Exception:  # an object whose comparison fails is not equal
+        return False
+
+
+def _same_tensor(reader: CheckpointReader, entry: TensorEntry, live: torch.Tensor) -> bool:
+    """Whether ``live`` holds the stored tensor's bytes: its dtype and shape, then its bytes by the
+    chunks' hashes where each piece is a whole chunk, else read back (small packed tensors)."""
+    if entry.same_as is not None:
+        entry = reader.manifest.tensors[entry.same_as]
+    local = getattr(live, "to_local", None)
+    if callable(local):  # a DTensor: this rank's shard against the stored box at its offsets
+        return _same_shard(reader, entry, live)
+    if str(live.dtype).removeprefix("torch.") != entry.dtype or tuple(live.shape) != tuple(entry.shape):
+        return False
+    data = _bytes_of(live)
+    if len(entry.shards) == 1 and _pieces_match(reader, entry.shards[0].pieces, data):
+        return True
+    stored = reader.read_array(entry.key).reshape(-1).view(np.uint8)
+    return bool(np.array_equal(stored, data))
+
+
+def _same_shard(reader: CheckpointReader, entry: TensorEntry, live: Any) -> bool:
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    local = live.to_local()
+    if str(local.dtype).removeprefix("torch.") != entry.dtype or tuple(live.shape) != tuple(entry.shape):
+        return False
+    shape, offsets = compute_local_shape_and_global_offset(live.shape, live.device_mesh, live.placements)
+    if not math.prod(shape):
+        return True
+    data = _bytes_of(local)
+    for shard in entry.shards:
+        if tuple(shard.offsets) == tuple(offsets) and tuple(shard.shape) == tuple(shape) \
+                and _pieces_match(reader, shard.pieces, data):
+            return True
+    stored = reader.read_box(entry.key, tuple(offsets), tuple(shape))
+    return bool(np.array_equal(_bytes_of(stored), data))
+
+
+def _pieces_match(reader: CheckpointReader, pieces, data: np.ndarray) -> bool:
+    """Whether every piece is a whole chunk and ``data``'s bytes hash to those chunks in order."""
+    chunks, position = reader.manifest.chunks, 0
+    for piece in pieces:
+        chunk = chunks[piece.chunk]
+        if piece.offset != 0 or piece.length != chunk.size:
+            return False
+        if chunk_hash(data[position:position + piece.length], parallel=True) != chunk.hash:
+            return False
+        position += piece.length
+    return position == data.size
+
+
+def _bytes_of(tensor: torch.Tensor) -> np.ndarray:
+    flat = tensor.detach().cpu().contiguous().reshape(-1)
+    return flat.view(torch.uint8).numpy() if flat.numel() else np.empty(0, np.uint8)
+
+
+def _check_rng(stored: list, rank: int) -> PartCheck:
+    """This process's generators now against the checkpoint's record of this rank's."""
+    entry = next((e for e in stored if isinstance(e, dict) and e.get("rank") == rank), None)
+    check = PartCheck("rng", "equal", stored=0)
+    if entry is None:
+        check.verdict = "not stored"
+        return check
+    now = capture_states()
+    for name in ("torch_cpu", "numpy", "python", "cuda"):
+        if name in entry:
+            check.stored += 1
+            if not _same_value(_plain(entry[name]), _plain(now.get(name))):
+                check.different += 1
+                check.keys.append(name)
+    if check.different:
+        check.verdict = "different"
+    return check
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _rank() -> int:
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _world_size() -> int:
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1

@@ -1,0 +1,150 @@
+"""Every resume on record with what it restored (issue 29, part 3): ``record_resume`` compares the live
+objects with the checkpoint part by part, and the next checkpoint holds the record (spec 9.4 ``resumes``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ckptfmt
+from ckptfmt import CheckpointManager
+from ckptfmt.lifecycle.gc import remove
+from ckptfmt.metadata.resumes import pending_resumes
+from ckptfmt.repository.history import read_histories, removed_histories
+
+
+def make(seed: int = 0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 2, 0.5)
+    return model, optimizer, scheduler
+
+
+def train(model, optimizer, scheduler, steps: int) -> None:
+    for _ in range(steps):
+        loss = model(torch.randn(4, 6)).square().mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+
+
+def state_of(model, optimizer, scheduler) -> dict:
+    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+            "step": 5}
+
+
+@pytest.fixture(autouse=True)
+def no_pending():
+    """Each test starts and ends with no resume waiting for a save (they are per process)."""
+    from ckptfmt.metadata import resumes
+
+    resumes._PENDING.clear()
+    yield
+    resumes._PENDING.clear()
+
+
+@pytest.fixture
+def checkpoint(tmp_path) -> str:
+    model, optimizer, scheduler = make()
+    train(model, optimizer, scheduler, 5)
+    url = f"{tmp_path}/run/step-5"
+    ckptfmt.save(state_of(model, optimizer, scheduler), url, step=5)
+    return url
+
+
+def verdicts(record) -> dict[str, str]:
+    return {part.part: part.verdict for part in record.parts}
+
+
+def test_a_clean_resume_is_equal_part_by_part_and_goes_into_the_next_checkpoint(checkpoint, tmp_path):
+    model, optimizer, scheduler = make(seed=1)
+    state = ckptfmt.load(checkpoint)
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    record = ckptfmt.record_resume(checkpoint, {"model": model, "optimizer": optimizer, "scheduler": scheduler,
+                                                "step": 5})
+    assert verdicts(record) == {"model": "equal", "optimizer": "equal", "scheduler": "equal", "step": "equal"}
+    assert record.restored and (record.name, record.step, record.world_size_then, record.world_size_now) == (
+        "step-5", 5, 1, 1)
+    # 4 parameters' step, exp_avg and exp_avg_sq, and each of the param group's settings
+    assert record.parts[1].stored == 4 * 3 + len(optimizer.state_dict()["param_groups"][0])
+    train(model, optimizer, scheduler, 1)
+    ckptfmt.save(state_of(model, optimizer, scheduler), f"{tmp_path}/run/step-6", step=6)
+    with ckptfmt.open(f"{tmp_path}/run/step-6") as reader:
+        (entry,) = reader.metadata["timing"]["ranks"]
+    (stored,) = entry["resumes"]
+    assert stored["from"] == {"repository": f"{tmp_path}/run", "name": "step-5", "manifest": record.manifest,
+                              "step": 5, "created_ns": record.created_ns}
+    assert [p["verdict"] for p in stored["parts"]] == ["equal"] * 4 and stored["world_size"] == [1, 1]
+    assert pending_resumes() == []  # on record once committed: the next save holds none
+    ckptfmt.save({"x": torch.ones(1)}, f"{tmp_path}/run/step-7", step=7)
+    with ckptfmt.open(f"{tmp_path}/run/step-7") as reader:
+        assert "resumes" not in reader.metadata["timing"]["ranks"][0]
+
+
+def test_a_dropped_optimizer_state_and_an_unloaded_scheduler_are_named(checkpoint):
+    model, optimizer, scheduler = make(seed=1)
+    state = ckptfmt.load(checkpoint)
+    model.load_state_dict(state["model"])  # the optimizer and the scheduler are left as they were made
+    record = ckptfmt.record_resume(checkpoint, {"model": model, "optimizer": optimizer, "scheduler": scheduler})
+    assert verdicts(record) == {"model": "equal", "optimizer": "missing", "scheduler": "different"}
+    optimizer_check, scheduler_check = record.parts[1], record.parts[2]
+    assert optimizer_check.missing == 12 and "optimizer/state/0/exp_avg" in optimizer_check.keys
+    assert "scheduler/last_epoch" in scheduler_check.keys and not record.restored
+
+
+def test_a_model_of_other_weights_is_different_and_a_part_never_saved_is_said_so(checkpoint):
+    model, optimizer, _ = make(seed=2)
+    record = ckptfmt.record_resume(checkpoint, {"model": model, "scaler": {"scale": 1.0}})
+    assert verdicts(record) == {"model": "different", "scaler": "not stored"}
+    assert record.parts[0].different == 4
+
+
+def test_the_manager_records_its_restores_and_a_failed_save_keeps_the_record(tmp_path, monkeypatch):
+    url = str(tmp_path / "run")
+    model, optimizer, scheduler = make()
+    with CheckpointManager(url) as manager:
+        manager.save(1, state_of(model, optimizer, scheduler), force=True)
+    fresh = make(seed=3)
+    with CheckpointManager(url) as manager:
+        into = {"model": fresh[0].state_dict(), "optimizer": fresh[1].state_dict()}
+        manager.restore(into=into, strict=False, rng=True)
+        (pending,) = pending_resumes()
+        assert {p["part"]: p["verdict"] for p in pending["parts"]} == {
+            "model": "equal", "optimizer": "equal", "rng": "equal"}
+        from ckptfmt.saving import pipeline
+
+        def broken(*args, **kwargs):
+            raise ckptfmt.StorageError("disk gone")
+        monkeypatch.setattr(pipeline, "_manifest", broken)
+        with pytest.raises(ckptfmt.StorageError):
+            manager.save(2, {"w": torch.ones(2)}, force=True)
+        monkeypatch.undo()
+        assert len(pending_resumes()) == 1  # still waiting for a checkpoint that holds it
+        manager.save(3, {"w": torch.ones(2)}, force=True)
+    with ckptfmt.open(f"{url}/step-000000003") as reader:
+        assert len(reader.metadata["timing"]["ranks"][0]["resumes"]) == 1
+
+
+def test_a_removed_checkpoints_history_keeps_its_resumes(checkpoint, tmp_path):
+    model, optimizer, scheduler = make(seed=1)
+    ckptfmt.record_resume(checkpoint, {"model": model})
+    ckptfmt.save({"x": torch.ones(1)}, f"{tmp_path}/run/step-6", step=6)
+    ckptfmt.save({"x": torch.ones(1)}, f"{tmp_path}/run/step-7", step=7)
+    repo = ckptfmt.Repository.open(f"{tmp_path}/run")
+    remove(repo, ["step-6"])
+    (history,) = read_histories(repo, removed_histories(repo, repo.commits()))
+    (resume,) = history.timing["ranks"][0]["resumes"]
+    assert resume["from"]["name"] == "step-5" and resume["parts"][0]["verdict"] == "different"
+
+
+def test_a_data_loader_position_saved_per_rank_is_compared_with_this_ranks(tmp_path):
+    url = f"{tmp_path}/run/a"
+    ckptfmt.save({"dataloader": ckptfmt.PerRank({"position": 12, "epoch": 1})}, url)
+    assert verdicts(ckptfmt.record_resume(url, {"dataloader": {"position": 12, "epoch": 1}})) == {
+        "dataloader": "equal"}
+    reset = ckptfmt.record_resume(url, {"dataloader": {"position": 0, "epoch": 1}})
+    assert verdicts(reset) == {"dataloader": "different"} and reset.parts[0].keys == ["dataloader/0/position"]
