@@ -61,6 +61,15 @@ def test_a_cut_run_resumes_exactly_keeps_the_latest_k_and_records_every_ranks_st
         assert set(state) == {"model", "optimizer", "lr_scheduler", "dataloader", "train_state"}
         ranks = reader.metadata["timing"]["ranks"]
         assert [entry["rank"] for entry in ranks] == [0, 1]
+        for entry in ranks:  # the resume from step 4, on record on each rank with what it restored
+            (resume,) = [r for r in entry.get("resumes", [])]
+            assert (resume["from"]["name"], resume["rank"], resume["world_size"]) == ("step-4", entry["rank"], [2, 2])
+            verdicts = {part["part"]: part["verdict"] for part in resume["parts"]}
+            assert verdicts == {**dict.fromkeys(["model", "optimizer", "lr_scheduler", "train_state"], "equal"),
+                                "dataloader": "different"}, resume["parts"]
+            # A real fault, found by the check: torchdata's StatefulDataLoader, resumed by fast-forwarding an
+            # IterableDataset without a state_dict, counts the batches it skipped twice (restored position 2,
+            # reported 4): this run goes on right, and a second resume would skip two batches.
         for entry in ranks:  # the resumed process's steps, numbered as torchtitan numbers them
             columns = decode_steps(entry["steps"], "step-6")
             assert columns.step.tolist() == [5, 6]

@@ -11,6 +11,7 @@ from ckptfmt import CheckpointManager
 from ckptfmt.lifecycle.gc import remove
 from ckptfmt.metadata.resumes import pending_resumes
 from ckptfmt.repository.history import read_histories, removed_histories
+from tests.support.helpers import require_module
 
 
 def make(seed: int = 0):
@@ -148,3 +149,35 @@ def test_a_data_loader_position_saved_per_rank_is_compared_with_this_ranks(tmp_p
         "dataloader": "equal"}
     reset = ckptfmt.record_resume(url, {"dataloader": {"position": 0, "epoch": 1}})
     assert verdicts(reset) == {"dataloader": "different"} and reset.parts[0].keys == ["dataloader/0/position"]
+
+
+def test_a_data_loader_that_misreports_its_restored_position_is_found(tmp_path):
+    """torchdata's StatefulDataLoader resumed by fast-forwarding an IterableDataset without a state_dict
+    reports twice the batches it skipped: on record at once as ``different``, where a second resume
+    would skip batches (shown here: it yields batch 6 where batch 4 is due)."""
+    stateful = require_module("torchdata.stateful_dataloader", "torchdata comes with torchtitan, a test dependency")
+
+    class Numbers(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            generator = torch.Generator().manual_seed(100)
+            while True:
+                yield torch.randn(4, generator=generator)
+
+    def loader():
+        return stateful.StatefulDataLoader(Numbers(), batch_size=2)
+    reference = iter(loader())
+    batches = [next(reference) for _ in range(6)]
+    first = loader()
+    iterator = iter(first)
+    next(iterator), next(iterator)
+    url = f"{tmp_path}/run/a"
+    with pytest.warns(UserWarning):  # torchdata's own note that it fast-forwards
+        ckptfmt.save({"loader": first.state_dict()}, url)
+        resumed = loader()
+        resumed.load_state_dict(ckptfmt.load(url)["loader"])
+        record = ckptfmt.record_resume(url, {"loader": resumed})
+        assert verdicts(record) == {"loader": "different"} and "loader/_num_yielded" in record.parts[0].keys
+        assert torch.equal(next(iter(resumed)), batches[2])  # this resume goes on right...
+        again = loader()
+        again.load_state_dict(resumed.state_dict())
+        assert torch.equal(next(iter(again)), batches[5])  # ...a second one skips two batches
