@@ -311,8 +311,12 @@ def load(url: str | os.PathLike, *, map_location: str | torch.device | None = "c
               heal_from=heal_from, trusted_keys=trusted_keys) as reader:
         if into is not None:
             rank, world_size = current_rank()
-            return load_into(reader, into, strict=strict, rank=rank, world_size=world_size, keep_per_rank=True)
-        return reader.load_state()
+            state = load_into(reader, into, strict=strict, rank=rank, world_size=world_size, keep_per_rank=True)
+        else:
+            state = reader.load_state()
+        from ckptfmt.loading.resume_check import remember_load  # a resume's check compares with this load
+        remember_load(reader, state)
+        return state
 
 
 def restore_rng(url_or_reader: str | os.PathLike | CheckpointReader, *, rank: int | None = None,

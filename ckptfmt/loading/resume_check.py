@@ -10,11 +10,16 @@ all, with other values: a scheduler that was never loaded, a model loaded
 from elsewhere), with the first keys that differ. The record, with where the run resumed from and the world size
 then and now, is kept for this process's next save (``metadata.resumes``).
 
-Tensors are compared without reading them back: a live tensor's bytes are
-hashed where a chunk holds nothing else (BLAKE3, the chunk's own name, so
-equal hashes are equal bytes) and read only where a chunk packs several small
-tensors. Plain values (step counters, learning rates, positions) are compared
-exactly.
+Tensors are compared without reading them back. Those this process has just
+loaded from the checkpoint (``ckptfmt.load``, the integrations' loads) were
+verified against their chunks then and fingerprinted (``remember_load``: a
+sample of each one's bytes, whole up to 4 KiB); the live tensor's fingerprint
+is compared with that, in microseconds whatever its size. That finds a state
+dropped, never loaded or loaded from elsewhere; a change confined to bytes
+between the samples of a large tensor it does not. Other tensors are checked
+exactly: a live tensor's bytes hashed where a chunk holds nothing else (BLAKE3,
+the chunk's own name) and read back where a chunk packs several small ones.
+Plain values (step counters, learning rates, positions) are compared exactly.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import blake3
 import numpy as np
 import torch
 
@@ -36,7 +42,8 @@ from ckptfmt.format.values import decode_tree, format_key
 from ckptfmt.loading.reader import CheckpointReader
 from ckptfmt.metadata.resumes import note_resume
 from ckptfmt.metadata.rng import capture_states
-from ckptfmt.tools.diff import plain_values
+from ckptfmt.repository.repository import resolve
+from ckptfmt.tools.diff import _TENSOR, plain_leaves
 
 #: Keys named per part in a record: enough to say where to look, bounded whatever the state's size.
 KEYS_SHOWN = 8
@@ -98,13 +105,12 @@ def record_resume(checkpoint: str | os.PathLike | CheckpointReader, live: Mappin
     (right after ``restore_rng``, before anything draws). ``rank``: this process's rank in the
     checkpoint's records (default: its rank under torch.distributed, else 0).
     """
-    reader = checkpoint if isinstance(checkpoint, CheckpointReader) else \
-        CheckpointReader(checkpoint, storage_options=storage_options)
+    reader = checkpoint if isinstance(checkpoint, CheckpointReader) else _reader(checkpoint, storage_options)
     try:
         rank = _rank() if rank is None else rank
         manifest = reader.manifest
-        stored_values = plain_values(manifest)
-        tree = decode_tree(manifest.state, lambda index: None)
+        tree = decode_tree(manifest.state, lambda index: _TENSOR)
+        stored_values = {format_key(path): value for path, value in plain_leaves(tree)}
         per_rank = {name for name, value in tree.items() if isinstance(value, PerRankValues)} \
             if isinstance(tree, dict) else set()
         parts = [_check_part(reader, name, _state_of(obj), stored_values, rank if name in per_rank else None)
@@ -124,6 +130,77 @@ def record_resume(checkpoint: str | os.PathLike | CheckpointReader, live: Mappin
     return result
 
 
+#: Sampled fingerprints of the tensors of the last checkpoints loaded in this process, by manifest hash:
+#: what a resume's live tensors are compared with, at a cost that does not grow with their size.
+_LOADED: dict[str, tuple[Any, dict[str, bytes]]] = {}
+#: Checkpoints whose loads are remembered (a resume compares with the one it has just loaded).
+LOADS_REMEMBERED = 4
+#: A tensor's fingerprint: its bytes whole up to this size, else SAMPLE_WINDOWS windows of SAMPLE_BYTES
+#: spread evenly over them, first and last included.
+WHOLE_BYTES, SAMPLE_WINDOWS, SAMPLE_BYTES = 4096, 16, 64
+
+
+def remember_load(reader: CheckpointReader, state: Any) -> None:
+    """Fingerprint the tensors of ``state``, just loaded by ``reader`` (whole or into live objects), and
+    keep its manifest, for ``record_resume``."""
+    fingerprints = {format_key(path): fingerprint(leaf) for path, leaf in _leaves((), state)
+                    if isinstance(leaf, torch.Tensor)}
+    manifest_hash = reader.commit.manifest_hash
+    _LOADED.pop(manifest_hash, None)
+    _LOADED[manifest_hash] = (reader.manifest, fingerprints)
+    while len(_LOADED) > LOADS_REMEMBERED:
+        del _LOADED[next(iter(_LOADED))]
+
+
+def fingerprint(tensor: torch.Tensor) -> bytes:
+    """16 bytes of BLAKE3 over a tensor's dtype, shape and bytes (a DTensor: this rank's shard's), whole
+    up to 4 KiB, else 16 windows of 64 bytes spread over them: a few microseconds whatever its size."""
+    to_local = getattr(tensor, "to_local", None)
+    local = to_local() if callable(to_local) else tensor
+    flat = local.detach().reshape(-1)
+    hasher = blake3.blake3(f"{_dtype_name(tensor.dtype)}{tuple(tensor.shape)}".encode())
+    if not flat.numel():
+        return hasher.digest(16)
+    data = (flat if flat.is_contiguous() else flat.contiguous()).view(torch.uint8)
+    size = data.numel()
+    if size > WHOLE_BYTES:
+        offsets = ((np.arange(SAMPLE_WINDOWS) * (size - SAMPLE_BYTES) // (SAMPLE_WINDOWS - 1))[:, None]
+                   + _WINDOW).reshape(-1)
+        if data.device.type != "cpu":  # one gather on the device, one small copy
+            data = data[torch.from_numpy(offsets).to(data.device)]
+        else:
+            hasher.update(_buffer(data.numpy()[offsets]))
+            return hasher.digest(16)
+    hasher.update(_buffer(data.cpu().numpy()))
+    return hasher.digest(16)
+
+
+def _buffer(array: np.ndarray) -> bytes:
+    return np.ascontiguousarray(array).tobytes()  # at most 4 KiB
+
+
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
+    return name
+
+
+_WINDOW = np.arange(SAMPLE_BYTES)
+
+
+def _reader(url: str | os.PathLike, storage_options: dict | None) -> CheckpointReader:
+    """The checkpoint at ``url``, its manifest taken from the load this process has just made of it
+    (the commit record is read: a checkpoint saved again under its name has another manifest)."""
+    repository, name = resolve(url, storage_options)
+    commit = repository.commit(name)
+    remembered = _LOADED.get(commit.manifest_hash)
+    return CheckpointReader.from_parts(repository, name, read=(commit, remembered[0]) if remembered else None)
+
+
 def _state_of(obj: Any) -> Any:
     state_dict = getattr(obj, "state_dict", None)
     return state_dict() if callable(state_dict) else obj
@@ -131,7 +208,10 @@ def _state_of(obj: Any) -> Any:
 
 def _check_part(reader: CheckpointReader, part: str, state: Any, stored_values: dict[str, Any],
                 rank: int | None) -> PartCheck:
-    """``rank``: the part was saved as ``PerRank`` (each rank's data loader position): this rank's."""
+    """``rank``: the part was saved as ``PerRank`` (each rank's data loader position): this rank's.
+    Tensors this process loaded from the checkpoint are compared by fingerprint with what was loaded
+    (verified against the chunks then); others by the chunks' hashes."""
+    loaded = _LOADED.get(reader.commit.manifest_hash, (None, {}))[1]
     root = (part,) if rank is None else (part, rank)
     prefix = format_key(root) + "/"
     whole = format_key(root)
@@ -152,7 +232,8 @@ def _check_part(reader: CheckpointReader, part: str, state: Any, stored_values: 
         if key not in live_tensors:
             check.missing += 1
             wrong.append(key)
-        elif not _same_tensor(reader, entry, live_tensors[key]):
+        elif not (_same_fingerprint(loaded, key, live_tensors[key]) if key in loaded
+                  else _same_tensor(reader, entry, live_tensors[key])):
             check.different += 1
             wrong.append(key)
     for key, value in values.items():
@@ -220,6 +301,10 @@ def _same_tensor(reader: CheckpointReader, entry: TensorEntry, live: torch.Tenso
         return True
     stored = reader.read_array(entry.key).reshape(-1).view(np.uint8)
     return bool(np.array_equal(stored, data))
+
+
+def _same_fingerprint(loaded: dict[str, bytes], key: str, live: torch.Tensor) -> bool:
+    return fingerprint(live) == loaded[key]
 
 
 def _same_shard(reader: CheckpointReader, entry: TensorEntry, live: Any) -> bool:

@@ -181,3 +181,18 @@ def test_a_data_loader_that_misreports_its_restored_position_is_found(tmp_path):
         again = loader()
         again.load_state_dict(resumed.state_dict())
         assert torch.equal(next(iter(again)), batches[5])  # ...a second one skips two batches
+
+
+def test_a_resume_right_after_its_load_compares_fingerprints_and_finds_a_change(checkpoint):
+    """What this process has just loaded is compared by sampled fingerprints (no hashing of the whole
+    state): a tensor changed after the load, even by one element, in a sampled window, is different."""
+    from ckptfmt.loading import resume_check
+
+    model, optimizer, scheduler = make(seed=1)
+    state = ckptfmt.load(checkpoint)
+    assert ckptfmt.Repository.open(checkpoint.rsplit("/", 1)[0]).commit("step-5").manifest_hash in resume_check._LOADED
+    model.load_state_dict(state["model"])
+    with torch.no_grad():
+        model[0].weight[0, 0] += 1.0  # the first bytes: in the first window (a 192-byte tensor is whole)
+    record = ckptfmt.record_resume(checkpoint, {"model": model})
+    assert verdicts(record) == {"model": "different"} and record.parts[0].keys == ["model/0.weight"]
