@@ -113,8 +113,13 @@ def record_resume(checkpoint: str | os.PathLike | CheckpointReader, live: Mappin
         stored_values = {format_key(path): value for path, value in plain_leaves(tree)}
         per_rank = {name for name, value in tree.items() if isinstance(value, PerRankValues)} \
             if isinstance(tree, dict) else set()
-        parts = [_check_part(reader, name, _state_of(obj), stored_values, rank if name in per_rank else None)
-                 for name, obj in live.items()]
+        states = {name: _state_of(obj) for name, obj in live.items()}
+        roots = {name: (name,) if name not in per_rank else (name, rank) for name in states}
+        leaves = {name: [(format_key(path), leaf) for path, leaf in _leaves(roots[name], state)]
+                  for name, state in states.items()}
+        comparer = _Tensors(reader, {key: leaf for found in leaves.values() for key, leaf in found
+                                     if isinstance(leaf, torch.Tensor)})
+        parts = [_check_part(reader, name, leaves[name], stored_values, roots[name], comparer) for name in states]
         if rng:
             parts.append(_check_rng(reader.metadata["rng"], rank))
         record = reader.commit
@@ -138,13 +143,16 @@ LOADS_REMEMBERED = 4
 #: A tensor's fingerprint: its bytes whole up to this size, else SAMPLE_WINDOWS windows of SAMPLE_BYTES
 #: spread evenly over them, first and last included.
 WHOLE_BYTES, SAMPLE_WINDOWS, SAMPLE_BYTES = 4096, 16, 64
+#: Tensors up to this size are compared exactly, by hashing (no fingerprint is kept when they load: a
+#: load of 100,000 small tensors pays nothing for the check).
+EXACT_BYTES = 64 * 2**10
 
 
 def remember_load(reader: CheckpointReader, state: Any) -> None:
     """Fingerprint the tensors of ``state``, just loaded by ``reader`` (whole or into live objects), and
     keep its manifest, for ``record_resume``."""
     fingerprints = {format_key(path): fingerprint(leaf) for path, leaf in _leaves((), state)
-                    if isinstance(leaf, torch.Tensor)}
+                    if isinstance(leaf, torch.Tensor) and leaf.numel() * leaf.element_size() > EXACT_BYTES}
     manifest_hash = reader.commit.manifest_hash
     _LOADED.pop(manifest_hash, None)
     _LOADED[manifest_hash] = (reader.manifest, fingerprints)
@@ -206,13 +214,10 @@ def _state_of(obj: Any) -> Any:
     return state_dict() if callable(state_dict) else obj
 
 
-def _check_part(reader: CheckpointReader, part: str, state: Any, stored_values: dict[str, Any],
-                rank: int | None) -> PartCheck:
-    """``rank``: the part was saved as ``PerRank`` (each rank's data loader position): this rank's.
-    Tensors this process loaded from the checkpoint are compared by fingerprint with what was loaded
-    (verified against the chunks then); others by the chunks' hashes."""
-    loaded = _LOADED.get(reader.commit.manifest_hash, (None, {}))[1]
-    root = (part,) if rank is None else (part, rank)
+def _check_part(reader: CheckpointReader, part: str, leaves: list[tuple[str, Any]], stored_values: dict[str, Any],
+                root: tuple, comparer: _Tensors) -> PartCheck:
+    """``leaves``: the live part's (key, leaf); ``root``: where the part's keys start (``(part, rank)`` for a
+    part saved as ``PerRank``, each rank's data loader position: this rank's)."""
     prefix = format_key(root) + "/"
     whole = format_key(root)
     tensors = {entry.key: entry for entry in reader.manifest.tensors
@@ -224,16 +229,14 @@ def _check_part(reader: CheckpointReader, part: str, state: Any, stored_values: 
         return check
     live_tensors: dict[str, Any] = {}
     live_values: dict[str, Any] = {}
-    for path, leaf in _leaves(root, state):
-        key = format_key(path)
+    for key, leaf in leaves:
         (live_tensors if isinstance(leaf, torch.Tensor) else live_values)[key] = leaf
     wrong: list[str] = []
     for key, entry in tensors.items():
         if key not in live_tensors:
             check.missing += 1
             wrong.append(key)
-        elif not (_same_fingerprint(loaded, key, live_tensors[key]) if key in loaded
-                  else _same_tensor(reader, entry, live_tensors[key])):
+        elif not comparer.same(entry, live_tensors[key]):
             check.different += 1
             wrong.append(key)
     for key, value in values.items():
@@ -286,32 +289,84 @@ def _same_value(stored: Any, live: Any) -> bool:
         return False
 
 
-def _same_tensor(reader: CheckpointReader, entry: TensorEntry, live: torch.Tensor) -> bool:
-    """Whether ``live`` holds the stored tensor's bytes: its dtype and shape, then its bytes by the
-    chunks' hashes where each piece is a whole chunk, else read back (small packed tensors)."""
-    if entry.same_as is not None:
-        entry = reader.manifest.tensors[entry.same_as]
-    local = getattr(live, "to_local", None)
-    if callable(local):  # a DTensor: this rank's shard against the stored box at its offsets
-        return _same_shard(reader, entry, live)
-    if str(live.dtype).removeprefix("torch.") != entry.dtype or tuple(live.shape) != tuple(entry.shape):
-        return False
-    data = _bytes_of(live)
-    if len(entry.shards) == 1 and _pieces_match(reader, entry.shards[0].pieces, data):
-        return True
-    stored = reader.read_array(entry.key).reshape(-1).view(np.uint8)
-    return bool(np.array_equal(stored, data))
+class _Tensors:
+    """Compares live tensors with the stored ones: by fingerprint where this process loaded them (large
+    tensors, ``remember_load``), else exactly by the chunks' hashes, a chunk that packs several small
+    tensors rebuilt from the live ones; read back only where that cannot tell."""
 
+    def __init__(self, reader: CheckpointReader, live: dict[str, Any]):
+        self.reader = reader
+        self.live = live
+        self.loaded = _LOADED.get(reader.commit.manifest_hash, (None, {}))[1]
+        self._users: dict[int, list[tuple[str, int, int, int]]] | None = None
+        self._packed: dict[int, bool] = {}
 
-def _same_fingerprint(loaded: dict[str, bytes], key: str, live: torch.Tensor) -> bool:
-    return fingerprint(live) == loaded[key]
+    def same(self, entry: TensorEntry, live: torch.Tensor) -> bool:
+        """Whether ``live`` holds the stored tensor ``entry``: dtype, shape, then bytes."""
+        if entry.key in self.loaded:
+            return fingerprint(live) == self.loaded[entry.key]
+        if entry.same_as is not None:
+            entry = self.reader.manifest.tensors[entry.same_as]
+        if callable(getattr(live, "to_local", None)):  # a DTensor: this rank's shard, the box at its offsets
+            return _same_shard(self.reader, entry, live)
+        if _dtype_name(live.dtype) != entry.dtype or tuple(live.shape) != tuple(entry.shape):
+            return False
+        data = _bytes_of(live)
+        if len(entry.shards) == 1 and self._pieces_match(entry.shards[0].pieces, data):
+            return True
+        stored = self.reader.read_array(entry.key).reshape(-1).view(np.uint8)
+        return bool(np.array_equal(stored, data))
+
+    def _pieces_match(self, pieces, data: np.ndarray) -> bool:
+        chunks, position = self.reader.manifest.chunks, 0
+        for piece in pieces:
+            chunk = chunks[piece.chunk]
+            if piece.offset == 0 and piece.length == chunk.size:
+                if chunk_hash(data[position:position + piece.length], parallel=True) != chunk.hash:
+                    return False
+            elif not self._packed_chunk_matches(piece.chunk):
+                return False
+            position += piece.length
+        return position == data.size
+
+    def _packed_chunk_matches(self, row: int) -> bool:
+        """Whether the live tensors whose bytes a packed chunk holds rebuild it exactly (False also where
+        one of them is not live: the tensors are then read back)."""
+        if row not in self._packed:
+            chunk = self.reader.manifest.chunks[row]
+            rebuilt = bytearray(chunk.size)  # the gaps between packed tensors are zeros (spec 5.2)
+            for key, position, offset, length in self._chunk_users().get(row, ()):
+                live = self.live.get(key)
+                entry = self.reader.manifest.tensors[self.reader.lookup(key)]
+                if not isinstance(live, torch.Tensor) or callable(getattr(live, "to_local", None)) \
+                        or _dtype_name(live.dtype) != entry.dtype or tuple(live.shape) != tuple(entry.shape):
+                    break
+                rebuilt[offset:offset + length] = _bytes_of(live)[position:position + length].tobytes()
+            else:
+                self._packed[row] = chunk_hash(rebuilt) == chunk.hash
+            self._packed.setdefault(row, False)
+        return self._packed[row]
+
+    def _chunk_users(self) -> dict[int, list[tuple[str, int, int, int]]]:
+        """Chunk row -> (tensor key, byte position in the tensor, offset in the chunk, length) of each
+        piece of a single-shard tensor stored in it."""
+        if self._users is None:
+            self._users = {}
+            for entry in self.reader.manifest.tensors:
+                if entry.same_as is not None or len(entry.shards) != 1:
+                    continue
+                position = 0
+                for piece in entry.shards[0].pieces:
+                    self._users.setdefault(piece.chunk, []).append((entry.key, position, piece.offset, piece.length))
+                    position += piece.length
+        return self._users
 
 
 def _same_shard(reader: CheckpointReader, entry: TensorEntry, live: Any) -> bool:
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     local = live.to_local()
-    if str(local.dtype).removeprefix("torch.") != entry.dtype or tuple(live.shape) != tuple(entry.shape):
+    if _dtype_name(local.dtype) != entry.dtype or tuple(live.shape) != tuple(entry.shape):
         return False
     shape, offsets = compute_local_shape_and_global_offset(live.shape, live.device_mesh, live.placements)
     if not math.prod(shape):
@@ -319,13 +374,13 @@ def _same_shard(reader: CheckpointReader, entry: TensorEntry, live: Any) -> bool
     data = _bytes_of(local)
     for shard in entry.shards:
         if tuple(shard.offsets) == tuple(offsets) and tuple(shard.shape) == tuple(shape) \
-                and _pieces_match(reader, shard.pieces, data):
+                and _whole_chunks_match(reader, shard.pieces, data):
             return True
     stored = reader.read_box(entry.key, tuple(offsets), tuple(shape))
     return bool(np.array_equal(_bytes_of(stored), data))
 
 
-def _pieces_match(reader: CheckpointReader, pieces, data: np.ndarray) -> bool:
+def _whole_chunks_match(reader: CheckpointReader, pieces, data: np.ndarray) -> bool:
     """Whether every piece is a whole chunk and ``data``'s bytes hash to those chunks in order."""
     chunks, position = reader.manifest.chunks, 0
     for piece in pieces:
