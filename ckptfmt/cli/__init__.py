@@ -98,6 +98,14 @@ def build_parser(*, plugins: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(run=command("analysis", "compare"))
 
+    p = sub.add_parser("certify", help="does RUN reproduce REFERENCE bit for bit? If not, from which step and "
+                                       "why; with REFERENCE alone, each of its resumes (needs ckptfmt[analytics])")
+    p.add_argument("reference", help="repository URL of the reference run (alone: the run whose resumes to certify)")
+    p.add_argument("candidate", metavar="run", nargs="?", default=None,
+                   help="repository URL of the run to certify against it")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(run=command("analysis", "certify"))
+
     p = sub.add_parser("report", help="a run's figures and tables as one self-contained HTML file and/or PNGs "
                                       "(needs ckptfmt[analytics])")
     p.add_argument("repo", help="repository URL of the run")

@@ -124,6 +124,48 @@ def compare(args, console: Console) -> int:
     return found(not report.identical)
 
 
+def certify(args, console: Console) -> int:
+    """Exit 0: reproduces; 1: diverges; 2: cannot tell (the missing record named)."""
+    from ckptfmt.analytics.certify import EXIT_CODES
+
+    result = _analytics().certify(args.reference, args.candidate)
+    certificates = result if isinstance(result, list) else [result]
+    if args.json:
+        Output(console).json(certificates[0].to_json() if not isinstance(result, list)
+                             else [c.to_json() for c in certificates])
+        return _worst(certificates, EXIT_CODES)
+    out = Output(console)
+    if isinstance(result, list) and not certificates:
+        out.line(f"{args.reference}: no resume on record; nothing to certify")
+        return EXIT_CODES["undetermined"]
+    if not isinstance(result, list):
+        out.line(f"reference: {result.reference}")
+        out.line(f"run: {result.run}")
+    else:
+        out.line(f"run: {args.reference}")
+    for certificate in certificates:
+        if isinstance(result, list):
+            out.line(f"resume from {certificate.resumed_from}")
+        out.line(f"verdict: {certificate.verdict} over {counted(certificate.steps_compared, 'common step')}")
+        divergence = certificate.first_divergence
+        if divergence is not None:
+            ranks = ", ".join(map(str, divergence["ranks"])) or "-"
+            out.line(f"first divergence: step {divergence['step']}, ranks {ranks}, cause {divergence['cause']}")
+            for line in divergence["evidence"]:  # reference vs run
+                out.line(f"  {line}")
+            for cause in certificate.causes[1:]:
+                out.line(f"also possible: {cause.cause}")
+                for line in cause.evidence[:3]:
+                    out.line(f"  {line}")
+        if certificate.missing:
+            out.line(f"cannot tell: {certificate.missing}")
+    return _worst(certificates, EXIT_CODES)
+
+
+def _worst(certificates: list, codes: dict[str, int]) -> int:
+    return max((codes[c.verdict] for c in certificates), default=codes["undetermined"])
+
+
 def _ranges(steps: list[int]) -> str:
     """Step numbers as ranges: 3, 5-9."""
     runs: list[list[int]] = []

@@ -185,10 +185,11 @@ class StepTimer:
         numbers: dict[str, Any] = {}
         torch = sys.modules.get("torch")
         for name, value in values.items():
-            if torch is not None and isinstance(value, torch.Tensor) and value.device.type != "cpu" \
-                    and value.numel() == 1:
-                numbers[name] = value.detach()  # read when the steps are stored: no device sync in the step
-                continue
+            if torch is not None and isinstance(value, torch.Tensor):
+                value = value.detach()  # a loss straight from the graph: its value alone
+                if value.device.type != "cpu" and value.numel() == 1:
+                    numbers[name] = value  # read when the steps are stored: no device sync in the step
+                    continue
             try:
                 numbers[name] = float(value)
             except (TypeError, ValueError):

@@ -1,0 +1,319 @@
+"""Does a run reproduce another bit for bit, and if not, from which step and why (issue 29, part 4).
+
+``certify(reference, run)`` aligns the two runs' step signatures (spec 9.4: per
+rank and step, the batch digest, every generator's digest at the step's start
+and the loss's exact bits) over their common steps, rank by rank, and finds
+the first step where one differs. Its cause, from what differs there:
+
+- ``data``: the batch digests differ (a rank was fed other samples);
+- ``rng``: a generator's state differs at the step's start;
+- otherwise the inputs agree and the loss differs, so the state the step
+  started from differed: ``load`` where a resume of RUN before that step is
+  on record as not restoring a part (spec 9.4 ``resumes``), ``hyperparameters``,
+  ``topology`` or ``environment`` where the runs' checkpoints record such a
+  difference (``compare``'s), else ``nondeterminism``.
+
+Every candidate is listed with its evidence, the one named first. A step
+computed twice in a run (after a resume from an older checkpoint) counts in
+the branch the run went on with. The history of removed checkpoints is read
+as well (spec 4.5).
+
+``certify(run)`` alone certifies each resume of RUN against the checkpoint it
+resumed from: its record of what the resume restored, and the steps the run
+computed again, compared with the ones the original branch had recorded.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ckptfmt.analytics.compare import compare
+from ckptfmt.errors import CheckpointError
+from ckptfmt.format.history import History
+from ckptfmt.format.manifest import optional_fields_except
+from ckptfmt.metadata.step_timer import decode_steps
+from ckptfmt.repository.history import read_histories, removed_histories
+from ckptfmt.repository.repository import Repository
+
+VERDICTS = ("identical", "diverged", "undetermined")
+#: Exit codes of ``ckptfmt certify`` by verdict.
+EXIT_CODES = {"identical": 0, "diverged": 1, "undetermined": 2}
+#: compare()'s kinds of difference -> certify's causes.
+_CAUSE_OF_KIND = {"hyperparameters": "hyperparameters", "topology": "topology", "determinism": "environment",
+                  "versions": "environment", "hardware": "environment", "environment": "environment",
+                  "code": "environment"}
+_SKIP = optional_fields_except("timing", "topology")
+
+
+@dataclass(frozen=True)
+class Signature:
+    """One rank's step, as signed: what went in (batch, generators) and what came out (the loss's bits)."""
+
+    batch_kind: int
+    batch: bytes | None
+    rng: dict[str, bytes]
+    loss: bytes | None
+    grad_norm: bytes | None
+    saved_ns: int  # when the save that recorded it was made
+
+
+@dataclass
+class Cause:
+    """A candidate cause of the first divergence, with the records that show it."""
+
+    cause: str
+    evidence: list[str]
+
+    def to_json(self) -> dict:
+        return {"cause": self.cause, "evidence": self.evidence}
+
+
+@dataclass
+class Certificate:
+    """``certify``'s verdict (the JSON of ``ckptfmt certify --json``)."""
+
+    reference: str
+    run: str
+    verdict: str
+    steps_compared: int
+    first_divergence: dict | None = None  # {"step", "ranks", "cause", "evidence"}
+    causes: list[Cause] = field(default_factory=list)
+    #: Why the verdict is undetermined: the record that is missing.
+    missing: str | None = None
+    #: A resume certified alone (``certify(run)``): the checkpoint it resumed from.
+    resumed_from: str | None = None
+
+    def to_json(self) -> dict:
+        return {"verdict": self.verdict, "steps_compared": self.steps_compared,
+                "first_divergence": self.first_divergence, "causes": [c.to_json() for c in self.causes],
+                "reference": self.reference, "run": self.run,
+                **({"missing": self.missing} if self.missing else {}),
+                **({"resumed_from": self.resumed_from} if self.resumed_from else {})}
+
+
+class RunRecords:
+    """A run's step signatures by (rank, step), and its resumes, from its manifests and history objects."""
+
+    def __init__(self, url: str | os.PathLike, storage_options: dict | None = None):
+        self.repo = Repository.open(url, storage_options)
+        self.url, self.storage_options = self.repo.url, storage_options
+        records = self.repo.commits()
+        saves: list[tuple[int, dict]] = []
+        for record in records:
+            saves.append((record.created_ns, self.repo.manifest(record.name, record, skip=_SKIP).timing))
+        histories: list[History] = read_histories(self.repo, removed_histories(self.repo, records))
+        saves += [(history.created_ns, history.timing) for history in histories]
+        saves.sort(key=lambda save: save[0])
+        self.signatures: dict[tuple[int, int], Signature] = {}
+        #: Every signature of a (rank, step), oldest save first: a step computed again has several.
+        self.branches: dict[tuple[int, int], list[Signature]] = {}
+        self.resumes: list[dict] = []
+        for saved_ns, timing in saves:
+            for index, entry in enumerate((timing or {}).get("ranks") or []):
+                if not isinstance(entry, dict):
+                    continue
+                rank = entry.get("rank")
+                for resume in entry.get("resumes") or []:
+                    if isinstance(resume, dict):
+                        self.resumes.append({**resume, "saved_ns": saved_ns})
+                if entry.get("steps") is None or type(rank) is not int:
+                    continue
+                columns = decode_steps(entry["steps"], f"{self.url}: timing.ranks[{index}].steps")
+                loss, grad_norm = (_bits(columns, name) for name in ("loss", "grad_norm"))
+                for row, step in enumerate(columns.step.tolist()):
+                    kind = int(columns.batch_kind[row])
+                    signature = Signature(
+                        batch_kind=kind, batch=bytes(columns.batch[row]) if kind else None,
+                        rng={name: bytes(digests[row]) for name, digests in columns.rng.items() if digests[row].any()},
+                        loss=loss[row], grad_norm=grad_norm[row], saved_ns=saved_ns)
+                    self.signatures[rank, step] = signature  # a later save's: the branch the run went on with
+                    self.branches.setdefault((rank, step), []).append(signature)
+
+
+def _bits(columns: Any, name: str) -> list[bytes | None]:
+    values = columns.metrics.get(name)
+    if values is None:
+        return [None] * columns.count
+    missing = columns.metrics_missing.get(name)
+    return [None if missing is not None and missing[row] else values[row].tobytes() for row in range(columns.count)]
+
+
+def certify(reference: str | os.PathLike, run: str | os.PathLike | None = None, *,
+            storage_options: dict | None = None) -> Certificate | list[Certificate]:
+    """Certify ``run`` against ``reference`` (see the module docstring); with ``reference`` alone,
+    certify each of its resumes (a list, one certificate per resume)."""
+    if run is None:
+        return _certify_resumes(RunRecords(reference, storage_options))
+    ref, new = RunRecords(reference, storage_options), RunRecords(run, storage_options)
+    certificate = Certificate(ref.url, new.url, "undetermined", 0)
+    common = sorted(set(ref.signatures) & set(new.signatures), key=lambda key: (key[1], key[0]))
+    if not common:
+        certificate.missing = _missing_steps(ref, new)
+        return certificate
+    steps = sorted({step for _, step in common})
+    compared = 0
+    for step in steps:
+        ranks = sorted(rank for rank, s in common if s == step)
+        found = _differences(ref.signatures, new.signatures, step, ranks)
+        if found is None:  # a signature lacks what an answer needs (a loss)
+            certificate.missing = f"step {step}: a rank's loss is not on record in one of the runs " \
+                                  "(StepTimer.metrics(loss=...))"
+            certificate.steps_compared = compared
+            return certificate
+        compared += 1
+        if found:
+            certificate.steps_compared = compared
+            _diverged(certificate, ref, new, step, found)
+            return certificate
+    certificate.steps_compared = compared
+    certificate.verdict = "identical"
+    return certificate
+
+
+def _missing_steps(ref: RunRecords, new: RunRecords) -> str:
+    for records in (ref, new):
+        if not records.signatures:
+            return f"{records.url}: no training steps on record (a StepTimer handed to the saves)"
+    return "the runs have no step in common on any rank"
+
+
+def _differences(reference: dict[tuple[int, int], Signature], run: dict[tuple[int, int], Signature], step: int,
+                 ranks: list[int]) -> dict[str, list[str]] | None:
+    """What differs at ``step``, by kind (``data``, ``rng``, ``loss``), with evidence; None if a loss is
+    missing, so that equal inputs cannot be told to give equal outputs."""
+    found: dict[str, list[str]] = {}
+    for rank in ranks:
+        a, b = reference[rank, step], run[rank, step]
+        if a.batch_kind and b.batch_kind and (a.batch_kind, a.batch) != (b.batch_kind, b.batch):
+            found.setdefault("data", []).append(f"rank {rank}: batch {_hex(a.batch)} vs {_hex(b.batch)}")
+        for name in sorted(set(a.rng) & set(b.rng)):
+            if a.rng[name] != b.rng[name]:
+                found.setdefault("rng", []).append(f"rank {rank}: generator {name} {_hex(a.rng[name])} vs "
+                                                   f"{_hex(b.rng[name])}")
+        if a.loss is None or b.loss is None:
+            return None
+        if a.loss != b.loss:
+            found.setdefault("loss", []).append(f"rank {rank}: loss {_float(a.loss)} vs {_float(b.loss)}")
+    return found
+
+
+def _diverged(certificate: Certificate, ref: RunRecords, new: RunRecords, step: int,
+              found: dict[str, list[str]]) -> None:
+    causes: list[Cause] = []
+    for kind in ("data", "rng"):
+        if kind in found:
+            causes.append(Cause(kind, found[kind]))
+    causes += _load_causes(new, step)
+    causes += _recorded_causes(ref, new, step)
+    if "loss" in found and not causes:
+        causes.append(Cause("nondeterminism", ["batch and generators agree at the step's start",
+                                               *found["loss"]]))
+    if not causes:
+        causes.append(Cause("nondeterminism", found.get("loss", [])))
+    ranks = sorted({int(line.split(":")[0].split()[1]) for lines in found.values() for line in lines
+                    if line.startswith("rank ")})
+    certificate.verdict = "diverged"
+    certificate.causes = causes
+    evidence = causes[0].evidence + [line for line in found.get("loss", [])[:1] if line not in causes[0].evidence]
+    certificate.first_divergence = {"step": step, "ranks": ranks, "cause": causes[0].cause, "evidence": evidence}
+
+
+def _load_causes(new: RunRecords, step: int) -> list[Cause]:
+    """Resumes of the run before ``step`` on record as not restoring a part."""
+    causes = []
+    for resume in new.resumes:
+        source = resume.get("from") or {}
+        resumed_at = source.get("step")
+        if resumed_at is not None and resumed_at >= step:
+            continue
+        wrong = [part for part in resume.get("parts") or [] if part.get("verdict") in ("missing", "different")]
+        if wrong:
+            causes.append(Cause("load", [line for part in wrong for line in _part_lines(
+                f"rank {resume.get('rank')}: the resume from {source.get('name')} left", part)]))
+    return causes
+
+
+def _recorded_causes(ref: RunRecords, new: RunRecords, step: int) -> list[Cause]:
+    """What the runs' checkpoints record differently by ``step``: settings, topology, environment."""
+    try:
+        comparison = compare(ref.url, new.url, storage_options=ref.storage_options)
+    except CheckpointError:  # no checkpoint to compare (all removed): the steps' evidence stands alone
+        return []
+    # A setting changed before the step is on record from the first checkpoint after the change: the
+    # differences seen by the first common checkpoint at or after the step count, no later ones.
+    seen_by = min((c.step for c in comparison.checkpoints if c.step >= step), default=step)
+    by_cause: dict[str, list[str]] = {}
+    for difference in comparison.differences:
+        cause = _CAUSE_OF_KIND.get(difference.kind)
+        if cause is None or difference.first_step > seen_by or difference.field in ("hostname", "hosts"):
+            continue
+        by_cause.setdefault(cause, []).append(f"{difference.field}: {difference.a!r} vs {difference.b!r} "
+                                              f"(from step {difference.first_step})")
+    order = ("hyperparameters", "topology", "environment")
+    return [Cause(cause, by_cause[cause]) for cause in order if cause in by_cause]
+
+
+def _certify_resumes(records: RunRecords) -> list[Certificate]:
+    """Each resume of a run: its record of what it restored, and the steps computed again after it against
+    the original branch's."""
+    certificates = []
+    for resume in records.resumes:
+        source, rank = resume.get("from") or {}, resume.get("rank")
+        resumed_at = source.get("step")
+        certificate = Certificate(records.url, records.url, "undetermined", 0, resumed_from=source.get("name"))
+        if type(rank) is not int or type(resumed_at) is not int:
+            certificate.missing = "the resume's record names no rank or step"
+            certificates.append(certificate)
+            continue
+        load = [Cause("load", _part_lines(f"rank {rank}: the resume left", part))
+                for part in resume.get("parts") or [] if part.get("verdict") in ("missing", "different")]
+        again = sorted(step for (each, step), signatures in records.branches.items()
+                       if each == rank and len(signatures) > 1 and step > resumed_at)
+        for step in again:
+            before, after = records.branches[rank, step][-2:]
+            found = _differences({(rank, step): before}, {(rank, step): after}, step, [rank])
+            if found is None:
+                break
+            certificate.steps_compared += 1
+            if found:
+                causes = [Cause(kind, found[kind]) for kind in ("data", "rng") if kind in found] + load
+                causes = causes or [Cause("nondeterminism", found.get("loss", []))]
+                certificate.verdict, certificate.causes = "diverged", causes
+                certificate.first_divergence = {"step": step, "ranks": [rank], "cause": causes[0].cause,
+                                                "evidence": causes[0].evidence}
+                break
+        if certificate.verdict == "undetermined":
+            if load:
+                certificate.verdict, certificate.causes = "diverged", load
+                certificate.first_divergence = {"step": resumed_at + 1, "ranks": [rank], "cause": "load",
+                                                "evidence": load[0].evidence}
+            elif certificate.steps_compared or resume.get("parts"):
+                certificate.verdict = "identical"
+            else:
+                certificate.missing = "the resume's record holds no parts and no step was computed again"
+        certificates.append(certificate)
+    return certificates
+
+
+def _part_lines(what: str, part: dict) -> list[str]:
+    """A part a resume did not restore: what, how many entries, then its first keys, one a line (a key
+    is not split, and the lines stay short)."""
+    count = part.get("missing") if part.get("verdict") == "missing" else part.get("different")
+    keys = list(part.get("keys") or [])[:3]
+    return [f"{what} {part.get('part')} {part.get('verdict')} ({count} of {part.get('stored')} entries)",
+            *(f"  {key}" for key in keys)]
+
+
+def _hex(digest: bytes | None) -> str:
+    return "none" if digest is None else digest.hex()[:12]
+
+
+def _float(bits: bytes) -> str:
+    """A loss's value as its bits hold it: float32's shortest form where it is one (most are)."""
+    value = struct.unpack("<d", bits)[0]
+    return str(np.float32(value)) if float(np.float32(value)) == value else repr(value)
