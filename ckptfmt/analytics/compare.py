@@ -41,12 +41,13 @@ from ckptfmt.analytics.tables import SKIPPED_FIELDS, flatten_fields
 from ckptfmt.errors import quoted
 from ckptfmt.format.history import History
 from ckptfmt.format.manifest import Manifest
+from ckptfmt.format.plain_values import plain_leaves, plain_values
 from ckptfmt.format.values import decode_tree
 from ckptfmt.loading.reader import CheckpointReader
 from ckptfmt.metadata.step_timer import decode_steps
 from ckptfmt.repository.history import read_histories, removed_histories
 from ckptfmt.repository.repository import CommitRecord, Repository
-from ckptfmt.tools.diff import plain_leaves, plain_values, same_value, value_difference
+from ckptfmt.tools.diff import same_value, value_difference
 
 #: Environment fields by kind of difference (dotted prefixes of spec 9.2's record).
 _ENVIRONMENT_KINDS = (

@@ -47,9 +47,10 @@ from ckptfmt.format.per_rank import PerRank
 from ckptfmt.integrations.step_hooks import HookedStepTimer
 from ckptfmt.lifecycle.manager import CheckpointManager
 from ckptfmt.loading.load_into import load_into
+from ckptfmt.loading.loaded_fingerprints import remember_load
 from ckptfmt.loading.reader import open as open_checkpoint
 from ckptfmt.loading.reader import restore_rng
-from ckptfmt.loading.resume_check import record_resume, remember_load
+from ckptfmt.loading.resume_check import record_resume
 
 #: The user metadata key that marks a model-only checkpoint (torchtitan's last save).
 MODEL_ONLY = "torchtitan_model_only"
@@ -178,7 +179,7 @@ class CkptfmtCheckpointManager(BaseCheckpointManager):
             keys = self._keys_to_load(model_only)
             template = {key: self.states[key].state_dict() for key in keys}
             load_into(reader, template, strict=True, rank=_rank(), within=keys)
-            remember_load(reader, template)
+            remember_load(reader.commit.manifest_hash, reader.manifest, template)
         for key in keys:
             self.states[key].load_state_dict(template[key])
         record_resume(url, {key: self.states[key] for key in keys}, storage_options=self.config.storage_options)

@@ -20,6 +20,7 @@ from ckptfmt.format.values import decode_tree
 from ckptfmt.loading.checkpoint import Checkpoint
 from ckptfmt.loading.healing import HealFrom
 from ckptfmt.loading.load_into import load_into
+from ckptfmt.loading.loaded_fingerprints import remember_load
 from ckptfmt.metadata.rng import apply_rng
 from ckptfmt.metadata.topology import current_rank
 from ckptfmt.repository.repository import CommitRecord, Repository, resolve
@@ -314,8 +315,7 @@ def load(url: str | os.PathLike, *, map_location: str | torch.device | None = "c
             state = load_into(reader, into, strict=strict, rank=rank, world_size=world_size, keep_per_rank=True)
         else:
             state = reader.load_state()
-        from ckptfmt.loading.resume_check import remember_load  # a resume's check compares with this load
-        remember_load(reader, state)
+        remember_load(reader.commit.manifest_hash, reader.manifest, state)  # a resume's check compares with it
         return state
 
 

@@ -27,23 +27,23 @@ from __future__ import annotations
 import math
 import os
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import blake3
 import numpy as np
 import torch
 
 from ckptfmt.format.hashing import chunk_hash
 from ckptfmt.format.manifest import TensorEntry
 from ckptfmt.format.per_rank import PerRankValues
-from ckptfmt.format.values import decode_tree, format_key
+from ckptfmt.format.plain_values import plain_leaves, plain_tree
+from ckptfmt.format.values import format_key
+from ckptfmt.loading.loaded_fingerprints import dtype_name, fingerprint, leaves, remembered
 from ckptfmt.loading.reader import CheckpointReader
 from ckptfmt.metadata.resumes import note_resume
 from ckptfmt.metadata.rng import capture_states
 from ckptfmt.repository.repository import resolve
-from ckptfmt.tools.diff import _TENSOR, plain_leaves
 
 #: Keys named per part in a record: enough to say where to look, bounded whatever the state's size.
 KEYS_SHOWN = 8
@@ -109,17 +109,17 @@ def record_resume(checkpoint: str | os.PathLike | CheckpointReader, live: Mappin
     try:
         rank = _rank() if rank is None else rank
         manifest = reader.manifest
-        tree = decode_tree(manifest.state, lambda index: _TENSOR)
+        tree = plain_tree(manifest)
         stored_values = {format_key(path): value for path, value in plain_leaves(tree)}
         per_rank = {name for name, value in tree.items() if isinstance(value, PerRankValues)} \
             if isinstance(tree, dict) else set()
         states = {name: _state_of(obj) for name, obj in live.items()}
         roots = {name: (name,) if name not in per_rank else (name, rank) for name in states}
-        leaves = {name: [(format_key(path), leaf) for path, leaf in _leaves(roots[name], state)]
-                  for name, state in states.items()}
-        comparer = _Tensors(reader, {key: leaf for found in leaves.values() for key, leaf in found
+        keyed = {name: [(format_key(path), leaf) for path, leaf in leaves(roots[name], state)]
+                 for name, state in states.items()}
+        comparer = _Tensors(reader, {key: leaf for found in keyed.values() for key, leaf in found
                                      if isinstance(leaf, torch.Tensor)})
-        parts = [_check_part(reader, name, leaves[name], stored_values, roots[name], comparer) for name in states]
+        parts = [_check_part(reader, name, keyed[name], stored_values, roots[name], comparer) for name in states]
         if rng:
             parts.append(_check_rng(reader.metadata["rng"], rank))
         record = reader.commit
@@ -135,78 +135,13 @@ def record_resume(checkpoint: str | os.PathLike | CheckpointReader, live: Mappin
     return result
 
 
-#: Sampled fingerprints of the tensors of the last checkpoints loaded in this process, by manifest hash:
-#: what a resume's live tensors are compared with, at a cost that does not grow with their size.
-_LOADED: dict[str, tuple[Any, dict[str, bytes]]] = {}
-#: Checkpoints whose loads are remembered (a resume compares with the one it has just loaded).
-LOADS_REMEMBERED = 4
-#: A tensor's fingerprint: its bytes whole up to this size, else SAMPLE_WINDOWS windows of SAMPLE_BYTES
-#: spread evenly over them, first and last included.
-WHOLE_BYTES, SAMPLE_WINDOWS, SAMPLE_BYTES = 4096, 16, 64
-#: Tensors up to this size are compared exactly, by hashing (no fingerprint is kept when they load: a
-#: load of 100,000 small tensors pays nothing for the check).
-EXACT_BYTES = 64 * 2**10
-
-
-def remember_load(reader: CheckpointReader, state: Any) -> None:
-    """Fingerprint the tensors of ``state``, just loaded by ``reader`` (whole or into live objects), and
-    keep its manifest, for ``record_resume``."""
-    fingerprints = {format_key(path): fingerprint(leaf) for path, leaf in _leaves((), state)
-                    if isinstance(leaf, torch.Tensor) and leaf.numel() * leaf.element_size() > EXACT_BYTES}
-    manifest_hash = reader.commit.manifest_hash
-    _LOADED.pop(manifest_hash, None)
-    _LOADED[manifest_hash] = (reader.manifest, fingerprints)
-    while len(_LOADED) > LOADS_REMEMBERED:
-        del _LOADED[next(iter(_LOADED))]
-
-
-def fingerprint(tensor: torch.Tensor) -> bytes:
-    """16 bytes of BLAKE3 over a tensor's dtype, shape and bytes (a DTensor: this rank's shard's), whole
-    up to 4 KiB, else 16 windows of 64 bytes spread over them: a few microseconds whatever its size."""
-    to_local = getattr(tensor, "to_local", None)
-    local = to_local() if callable(to_local) else tensor
-    flat = local.detach().reshape(-1)
-    hasher = blake3.blake3(f"{_dtype_name(tensor.dtype)}{tuple(tensor.shape)}".encode())
-    if not flat.numel():
-        return hasher.digest(16)
-    data = (flat if flat.is_contiguous() else flat.contiguous()).view(torch.uint8)
-    size = data.numel()
-    if size > WHOLE_BYTES:
-        offsets = ((np.arange(SAMPLE_WINDOWS) * (size - SAMPLE_BYTES) // (SAMPLE_WINDOWS - 1))[:, None]
-                   + _WINDOW).reshape(-1)
-        if data.device.type != "cpu":  # one gather on the device, one small copy
-            data = data[torch.from_numpy(offsets).to(data.device)]
-        else:
-            hasher.update(_buffer(data.numpy()[offsets]))
-            return hasher.digest(16)
-    hasher.update(_buffer(data.cpu().numpy()))
-    return hasher.digest(16)
-
-
-def _buffer(array: np.ndarray) -> bytes:
-    return np.ascontiguousarray(array).tobytes()  # at most 4 KiB
-
-
-_DTYPE_NAMES: dict[torch.dtype, str] = {}
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    name = _DTYPE_NAMES.get(dtype)
-    if name is None:
-        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
-    return name
-
-
-_WINDOW = np.arange(SAMPLE_BYTES)
-
-
 def _reader(url: str | os.PathLike, storage_options: dict | None) -> CheckpointReader:
     """The checkpoint at ``url``, its manifest taken from the load this process has just made of it
     (the commit record is read: a checkpoint saved again under its name has another manifest)."""
     repository, name = resolve(url, storage_options)
     commit = repository.commit(name)
-    remembered = _LOADED.get(commit.manifest_hash)
-    return CheckpointReader.from_parts(repository, name, read=(commit, remembered[0]) if remembered else None)
+    found = remembered(commit.manifest_hash)
+    return CheckpointReader.from_parts(repository, name, read=(commit, found[0]) if found is not None else None)
 
 
 def _state_of(obj: Any) -> Any:
@@ -254,26 +189,6 @@ def _check_part(reader: CheckpointReader, part: str, leaves: list[tuple[str, Any
     return check
 
 
-def _leaves(path: tuple, value: Any) -> Iterator[tuple[tuple, Any]]:
-    """(path, leaf) of a live state as a save would key it: tensors, and plain values (a list or tuple of
-    scalars is one value, as ``tools.diff.plain_leaves`` takes the stored ones)."""
-    stack = [(path, value)]
-    while stack:
-        where, item = stack.pop()
-        if isinstance(item, torch.Tensor):
-            yield where, item
-        elif isinstance(item, Mapping) and item:
-            stack.extend((where + (key,), child) for key, child in reversed(list(item.items())))
-        elif isinstance(item, (list, tuple)) and item and not all(_is_scalar(child) for child in item):
-            stack.extend((where + (index,), child) for index, child in reversed(list(enumerate(item))))
-        else:
-            yield where, item
-
-
-def _is_scalar(value: Any) -> bool:
-    return not isinstance(value, (dict, list, tuple, torch.Tensor)) and not isinstance(value, Mapping)
-
-
 def _same_value(stored: Any, live: Any) -> bool:
     """Plain values equal as the checkpoint keeps them (spec 7.3: the type too), tuples as lists, a NaN
     equal to a NaN."""
@@ -297,7 +212,8 @@ class _Tensors:
     def __init__(self, reader: CheckpointReader, live: dict[str, Any]):
         self.reader = reader
         self.live = live
-        self.loaded = _LOADED.get(reader.commit.manifest_hash, (None, {}))[1]
+        found = remembered(reader.commit.manifest_hash)
+        self.loaded = found[1] if found is not None else {}
         self._users: dict[int, list[tuple[str, int, int, int]]] | None = None
         self._packed: dict[int, bool] = {}
 
@@ -309,7 +225,7 @@ class _Tensors:
             entry = self.reader.manifest.tensors[entry.same_as]
         if callable(getattr(live, "to_local", None)):  # a DTensor: this rank's shard, the box at its offsets
             return _same_shard(self.reader, entry, live)
-        if _dtype_name(live.dtype) != entry.dtype or tuple(live.shape) != tuple(entry.shape):
+        if dtype_name(live.dtype) != entry.dtype or tuple(live.shape) != tuple(entry.shape):
             return False
         data = _bytes_of(live)
         if len(entry.shards) == 1 and self._pieces_match(entry.shards[0].pieces, data):
@@ -339,7 +255,7 @@ class _Tensors:
                 live = self.live.get(key)
                 entry = self.reader.manifest.tensors[self.reader.lookup(key)]
                 if not isinstance(live, torch.Tensor) or callable(getattr(live, "to_local", None)) \
-                        or _dtype_name(live.dtype) != entry.dtype or tuple(live.shape) != tuple(entry.shape):
+                        or dtype_name(live.dtype) != entry.dtype or tuple(live.shape) != tuple(entry.shape):
                     break
                 rebuilt[offset:offset + length] = _bytes_of(live)[position:position + length].tobytes()
             else:
@@ -366,7 +282,7 @@ def _same_shard(reader: CheckpointReader, entry: TensorEntry, live: Any) -> bool
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     local = live.to_local()
-    if _dtype_name(local.dtype) != entry.dtype or tuple(live.shape) != tuple(entry.shape):
+    if dtype_name(local.dtype) != entry.dtype or tuple(live.shape) != tuple(entry.shape):
         return False
     shape, offsets = compute_local_shape_and_global_offset(live.shape, live.device_mesh, live.placements)
     if not math.prod(shape):

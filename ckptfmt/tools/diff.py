@@ -10,7 +10,6 @@ manifest's value tree and are compared without reading any tensor.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -18,7 +17,8 @@ from ckptfmt._deprecation import renamed_arguments
 from ckptfmt.format.dtypes import numeric
 from ckptfmt.format.hashing import chunk_hash
 from ckptfmt.format.manifest import Manifest, TensorEntry
-from ckptfmt.format.values import decode_tree, format_key
+from ckptfmt.format.plain_values import plain_values
+from ckptfmt.format.values import decode_tree
 from ckptfmt.loading.checkpoint import Checkpoint
 
 if TYPE_CHECKING:
@@ -154,54 +154,6 @@ def diff(a: str | os.PathLike | Checkpoint, b: str | os.PathLike | Checkpoint, *
     report.values = value_difference(plain_values(a.manifest), plain_values(b.manifest))
     report.metadata = metadata_difference(a, b)
     return report
-
-
-class _Tensor:
-    """Where a tensor sits in a decoded value tree (plain values only are compared)."""
-
-
-_TENSOR = _Tensor()
-
-
-def plain_values(manifest: Manifest) -> dict[str, Any]:
-    """The state's plain values by key (``optim/param_groups/0/lr``), from the manifest alone (see
-    ``plain_leaves``)."""
-    tree = decode_tree(manifest.state, lambda index: _TENSOR)
-    return {format_key(path): value for path, value in plain_leaves(tree)}
-
-
-def plain_leaves(tree: Any) -> Iterator[tuple[tuple, Any]]:
-    """(path, value) for every plain value of a decoded value tree, in order, tensors left out.
-
-    A list or tuple of plain scalars (``betas``, ``base_lrs``) is one value, as is an empty container.
-    Walked without recursion: a map may nest as deep as msgpack allows.
-    """
-    stack = [iter([((), tree)])]
-    while stack:
-        for path, value in stack[-1]:
-            if value is _TENSOR:
-                continue
-            if _is_container(value):
-                stack.append(_children(path, value))
-                break
-            yield path, value
-        else:
-            stack.pop()
-
-
-def _is_container(value: Any) -> bool:
-    if isinstance(value, dict):
-        return bool(value)
-    return isinstance(value, (list, tuple)) and not all(_is_scalar(item) for item in value)
-
-
-def _is_scalar(value: Any) -> bool:
-    return value is not _TENSOR and not isinstance(value, (dict, list, tuple))
-
-
-def _children(path: tuple, value: dict | list | tuple) -> Iterator[tuple[tuple, Any]]:
-    for key, item in value.items() if isinstance(value, dict) else enumerate(value):
-        yield path + (key,), item
 
 
 def value_difference(a: dict[str, Any], b: dict[str, Any]) -> list[tuple[str, Any, Any]]:

@@ -39,14 +39,14 @@ def state_of(model, optimizer, scheduler) -> dict:
 @pytest.fixture(autouse=True)
 def no_pending():
     """Each test starts and ends with no resume waiting for a save (they are per process)."""
-    from ckptfmt.loading import resume_check
+    from ckptfmt.loading import loaded_fingerprints
     from ckptfmt.metadata import resumes
 
     resumes._PENDING.clear()
-    resume_check._LOADED.clear()
+    loaded_fingerprints._LOADED.clear()
     yield
     resumes._PENDING.clear()
-    resume_check._LOADED.clear()
+    loaded_fingerprints._LOADED.clear()
 
 
 @pytest.fixture
@@ -189,13 +189,13 @@ def test_a_data_loader_that_misreports_its_restored_position_is_found(tmp_path):
 def test_a_resume_right_after_its_load_compares_fingerprints_and_finds_a_change(tmp_path):
     """What this process has just loaded is compared by sampled fingerprints where tensors are large (no
     hashing of the whole state), exactly where they are small: a change after the load is found."""
-    from ckptfmt.loading import resume_check
+    from ckptfmt.loading import loaded_fingerprints
 
     url = f"{tmp_path}/run/a"
     big = torch.nn.Linear(256, 256)  # a 256 KiB weight: fingerprinted when loaded; its 1 KiB bias: exact
     ckptfmt.save({"model": big.state_dict()}, url)
     state = ckptfmt.load(url)
-    (_, fingerprints), = resume_check._LOADED.values()
+    (_, fingerprints), = loaded_fingerprints._LOADED.values()
     assert set(fingerprints) == {"model/weight"}
     live = torch.nn.Linear(256, 256)
     live.load_state_dict(state["model"])

@@ -178,6 +178,7 @@ def test_the_cli_finds_the_commands_of_the_converters_and_the_tui():
         "analytics",
         "stragglers",
         "compare",
+        "certify",
         "report",
         "health",
         "rm",

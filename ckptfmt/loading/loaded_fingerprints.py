@@ -1,0 +1,108 @@
+"""Fingerprints of what this process has just loaded, for a resume's check (``loading.resume_check``).
+
+A load (``ckptfmt.load``, the integrations') has verified every chunk; right then
+each large tensor it gives is fingerprinted (a sample of its bytes), and the
+checkpoint's manifest is kept, for the last few checkpoints loaded. A resume's
+check compares the live tensors with these fingerprints instead of hashing
+them whole: microseconds per tensor whatever its size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import blake3
+import numpy as np
+import torch
+
+from ckptfmt.format.manifest import Manifest
+from ckptfmt.format.values import format_key
+
+#: Sampled fingerprints of the tensors of the last checkpoints loaded in this process, by manifest hash:
+#: what a resume's live tensors are compared with, at a cost that does not grow with their size.
+_LOADED: dict[str, tuple[Manifest, dict[str, bytes]]] = {}
+#: Checkpoints whose loads are remembered (a resume compares with the one it has just loaded).
+LOADS_REMEMBERED = 4
+#: A tensor's fingerprint: its bytes whole up to this size, else SAMPLE_WINDOWS windows of SAMPLE_BYTES
+#: spread evenly over them, first and last included.
+WHOLE_BYTES, SAMPLE_WINDOWS, SAMPLE_BYTES = 4096, 16, 64
+#: Tensors up to this size are compared exactly, by hashing (no fingerprint is kept when they load: a
+#: load of 100,000 small tensors pays nothing for the check).
+EXACT_BYTES = 64 * 2**10
+
+
+def remember_load(manifest_hash: str, manifest: Manifest, state: Any) -> None:
+    """Fingerprint the tensors of ``state``, just loaded from the checkpoint of ``manifest`` (whole or
+    into live objects), and keep the manifest, for ``record_resume``."""
+    fingerprints = {format_key(path): fingerprint(leaf) for path, leaf in leaves((), state)
+                    if isinstance(leaf, torch.Tensor) and leaf.numel() * leaf.element_size() > EXACT_BYTES}
+    _LOADED.pop(manifest_hash, None)
+    _LOADED[manifest_hash] = (manifest, fingerprints)
+
+
+def remembered(manifest_hash: str) -> tuple[Manifest, dict[str, bytes]] | None:
+    """The manifest and fingerprints of a checkpoint this process has just loaded, if it has."""
+    return _LOADED.get(manifest_hash)
+    while len(_LOADED) > LOADS_REMEMBERED:
+        del _LOADED[next(iter(_LOADED))]
+
+
+def fingerprint(tensor: torch.Tensor) -> bytes:
+    """16 bytes of BLAKE3 over a tensor's dtype, shape and bytes (a DTensor: this rank's shard's), whole
+    up to 4 KiB, else 16 windows of 64 bytes spread over them: a few microseconds whatever its size."""
+    to_local = getattr(tensor, "to_local", None)
+    local = to_local() if callable(to_local) else tensor
+    flat = local.detach().reshape(-1)
+    hasher = blake3.blake3(f"{dtype_name(tensor.dtype)}{tuple(tensor.shape)}".encode())
+    if not flat.numel():
+        return hasher.digest(16)
+    data = (flat if flat.is_contiguous() else flat.contiguous()).view(torch.uint8)
+    size = data.numel()
+    if size > WHOLE_BYTES:
+        offsets = ((np.arange(SAMPLE_WINDOWS) * (size - SAMPLE_BYTES) // (SAMPLE_WINDOWS - 1))[:, None]
+                   + _WINDOW).reshape(-1)
+        if data.device.type != "cpu":  # one gather on the device, one small copy
+            data = data[torch.from_numpy(offsets).to(data.device)]
+        else:
+            hasher.update(_buffer(data.numpy()[offsets]))
+            return hasher.digest(16)
+    hasher.update(_buffer(data.cpu().numpy()))
+    return hasher.digest(16)
+
+
+def _buffer(array: np.ndarray) -> bytes:
+    return np.ascontiguousarray(array).tobytes()  # at most 4 KiB
+
+
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
+    return name
+
+
+_WINDOW = np.arange(SAMPLE_BYTES)
+
+
+def leaves(path: tuple, value: Any) -> Iterator[tuple[tuple, Any]]:
+    """(path, leaf) of a live state as a save would key it: tensors, and plain values (a list or tuple of
+    scalars is one value, as ``tools.diff.plain_leaves`` takes the stored ones)."""
+    stack = [(path, value)]
+    while stack:
+        where, item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            yield where, item
+        elif isinstance(item, Mapping) and item:
+            stack.extend((where + (key,), child) for key, child in reversed(list(item.items())))
+        elif isinstance(item, (list, tuple)) and item and not all(_is_scalar(child) for child in item):
+            stack.extend((where + (index,), child) for index, child in reversed(list(enumerate(item))))
+        else:
+            yield where, item
+
+
+def _is_scalar(value: Any) -> bool:
+    return not isinstance(value, (dict, list, tuple, torch.Tensor)) and not isinstance(value, Mapping)
