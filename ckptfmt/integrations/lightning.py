@@ -220,7 +220,10 @@ class CkptfmtCheckpointIO(CheckpointIO):
             taken = self._naming.setdefault(repo.url, set())
             for number in range(1, 100_000):
                 name = base if number == 1 else f"{base}-{number}"
-                if name == pointer or name in taken or repo.storage.exists(layout.commit_key(name)):
+                # Not a name whose folder is still there: a removal in flight (its commit record gone, its
+                # manifest not yet) would take the new save's files with it, and gc would find a checkpoint
+                # that lost its commit record (seen: examples/lightning_example.py, 1 run in 10).
+                if name == pointer or name in taken or repo.storage.exists(name):
                     continue
                 taken.add(name)
                 return name

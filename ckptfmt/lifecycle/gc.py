@@ -24,7 +24,7 @@ from ckptfmt.errors import CheckpointError, CheckpointNotFoundError
 from ckptfmt.format import layout
 from ckptfmt.format.limits import is_valid_name
 from ckptfmt.format.manifest import OPTIONAL_FIELDS, stored_key
-from ckptfmt.repository.leases import Lease, try_gc_lease
+from ckptfmt.repository.leases import SAVE, Lease, live_leases, try_gc_lease
 from ckptfmt.repository.lost_commits import lost_commits
 from ckptfmt.repository.repository import CommitRecord, Repository
 
@@ -114,6 +114,10 @@ def collect(repo: Repository, *, dry_run: bool = False, wait_s: float = 0.0,
             return report
         try:
             _spare_new_commits(repo, mark, known)
+            # A folder a save was writing when the mark listed it (its name may be a removed checkpoint's,
+            # which a later one names as parent) is decided now that no save runs: committed since (spared
+            # above), or left by a save that died, or a checkpoint that lost its commit record (refused).
+            _refuse_lost_commits(repo, mark.other, mark.records, assume_removed)
             _sweep(repo, mark, lease)
         finally:
             lease.release()
@@ -130,7 +134,8 @@ def _mark(repo: Repository, assume_removed: frozenset[str], known: dict[str, fro
                  if key.endswith(f"/{layout.COMMIT_NAME}") and is_valid_name(key.partition("/")[0])
                  and key.count("/") == 1} - assume_removed
     records = _records(repo, committed)
-    _refuse_lost_commits(repo, objects, records, assume_removed)
+    if not live_leases(repo, SAVE):  # else decided under the gc lease, once no save runs (see collect)
+        _refuse_lost_commits(repo, objects, records, assume_removed)
     referenced: set[str] = set()
     for record in records.values():
         referenced.update(_chunk_keys(repo, record, known))

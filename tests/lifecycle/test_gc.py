@@ -253,3 +253,29 @@ def test_gc_and_retention_race_two_saving_processes(backend, rounds, tmp_path, r
     assert collect(repo).swept
     assert stored_chunks(repo) == referenced_chunks(repo)
     assert ckptfmt.verify(url).ok
+
+
+def test_a_save_under_a_removed_parents_name_is_not_taken_for_a_lost_commit(tmp_path):
+    """A framework reuses a removed checkpoint's name (Lightning's ``last``) while a newer checkpoint still
+    names the old one as its parent: a collection that meets the new save half written (its manifest, no
+    commit record yet, its lease held) waits for it instead of refusing to run as if a checkpoint had lost
+    its commit record (seen: examples/lightning_example.py, 1 run in 10, once removals kept their history
+    and took a little longer)."""
+    from ckptfmt.repository.leases import save_lease
+
+    url = str(tmp_path / "run")
+    ckptfmt.save({"w": torch.ones(4)}, f"{url}/last", step=1)
+    ckptfmt.save({"w": torch.ones(4) * 2}, f"{url}/child", step=2)  # its parent: last
+    repo = Repository.open(url)
+    assert repo.commit("child").parent == "last"
+    remove(repo, ["last"])
+    manifest = layout.manifest_key("child", repo.commit("child").manifest_hash)
+    with save_lease(repo):  # the new "last" between its manifest and its commit record
+        (tmp_path / "run" / "last").mkdir()
+        (tmp_path / "run" / "last" / manifest.split("/")[1]).write_bytes((tmp_path / "run" / manifest).read_bytes())
+        during = collect(repo, wait_s=0)
+    assert during.busy and not during.swept  # the save's lease held it back; nothing was refused
+    for leftover in (tmp_path / "run" / "last").iterdir():  # that save went no further
+        leftover.unlink()
+    assert collect(repo).swept and repo.names() == ["child"]
+    assert ckptfmt.verify(url).ok
