@@ -309,6 +309,7 @@ class Steps:
         #: (run, checkpoint, rank, host, rows) per rank record: constant over its rows, expanded at the end.
         self.repeats: list[tuple[int, int, int, int, int]] = []
         self.named: dict[str, list[tuple[int, np.ndarray, np.ndarray | None]]] = {}  # (first row, values, missing)
+        self.digests: dict[str, list[tuple[int, np.ndarray]]] = {}  # rng_<generator>: (first row, count x 16)
         self.rows = 0
 
     def add(self, run: str, record: _Saved, manifest: _Saved, where: str) -> None:
@@ -329,6 +330,8 @@ class Steps:
             for name, values in columns.metrics.items():
                 self.named.setdefault(f"metric_{name}", []).append((self.rows, values,
                                                                     columns.metrics_missing.get(name)))
+            for name, digests in columns.rng.items():
+                self.digests.setdefault(f"rng_{name}", []).append((self.rows, digests))
             self.rows += count
 
     def flush(self) -> None:
@@ -349,7 +352,15 @@ class Steps:
             "batch": pa.Array.from_buffers(pa.binary(16), self.rows,
                                            [_validity(~no_batch), pa.py_buffer(parts["batch"].tobytes())]),
             "batch_size": pa.array(parts["batch_size"], mask=no_batch),
+            "batch_kind": pa.array(parts["batch_kind"].astype(np.int8)),
         })
+        for generator, spans in self.digests.items():  # a generator's digest at each step's start, null where unread
+            digests = np.zeros((self.rows, 16), np.uint8)
+            for start, span in spans:
+                digests[start:start + len(span)] = span
+            read = np.asarray(digests.any(axis=1), dtype=bool)
+            arrays[generator] = pa.Array.from_buffers(pa.binary(16), self.rows,
+                                                      [_validity(read), pa.py_buffer(digests.tobytes())])
         for name, pieces in self.named.items():
             values, missing = np.full(self.rows, np.nan), np.ones(self.rows, bool)
             for start, piece, piece_missing in pieces:
@@ -361,16 +372,18 @@ class Steps:
 
     def table(self) -> pa.Table:
         self._close_window()
-        names = ["run", "checkpoint", "rank", "host", "step", "start", "duration_s", "batch", "batch_size"]
+        names = ["run", "checkpoint", "rank", "host", "step", "start", "duration_s", "batch", "batch_size",
+                 "batch_kind"]
         met = dict.fromkeys(name for _, arrays in self.chunks for name in arrays if name not in names)
         # Phases in the order the timer first met them (the straggler analysis sums them in that order).
         names += sorted(n for n in met if not n.startswith("phase_")) + [n for n in met if n.startswith("phase_")]
         dictionary = pa.array(list(self.words.ids), pa.string())
         types = {"run": _WORDS, "checkpoint": _WORDS, "host": _WORDS, "rank": pa.int64(), "step": pa.int64(),
-                 "start": _TIME, "duration_s": pa.float64(), "batch": pa.binary(16), "batch_size": pa.int64()}
+                 "start": _TIME, "duration_s": pa.float64(), "batch": pa.binary(16), "batch_size": pa.int64(),
+                 "batch_kind": pa.int8()}
         columns = {}
         for name in names:
-            type_ = types.get(name, pa.float64())
+            type_ = types.get(name, pa.binary(16) if name.startswith("rng_") else pa.float64())
             pieces = []
             for rows, arrays in self.chunks:
                 array = arrays.get(name)
@@ -384,7 +397,7 @@ class Steps:
 
 
 #: The arrays a steps table takes from each step record (StepColumns fields).
-_STEP_PARTS = ("step", "start_ns", "duration_s", "batch", "batch_size")
+_STEP_PARTS = ("step", "start_ns", "duration_s", "batch", "batch_size", "batch_kind")
 _WORDS = pa.dictionary(pa.int32(), pa.string())
 
 

@@ -118,3 +118,25 @@ def test_the_loss_keeps_its_exact_bits():
     columns = decode_steps(encode_steps(timer._columns), "here")
     assert np.float32(columns.metrics["loss"][0]).tobytes() == loss.numpy().tobytes()
     assert torch.tensor(columns.metrics["grad_norm"][0]).to(torch.bfloat16) == torch.tensor(1e-8, dtype=torch.bfloat16)
+
+
+def test_the_steps_table_holds_the_signatures(tmp_path):
+    from ckptfmt.analytics import tables
+
+    url = str(tmp_path / "run")
+    timer = ckptfmt.StepTimer(system_interval=None, generators={"order": torch.Generator().manual_seed(1)})
+    for step in range(3):
+        with timer.step(step):
+            if step == 2:
+                timer.batch_tensors(torch.ones(2, 2))
+            else:
+                timer.batch([step])
+            torch.rand(1)
+        timer.metrics(loss=0.5)
+    ckptfmt.save({"w": torch.ones(1)}, f"{url}/a", step=3, timer=timer)
+    steps = tables(url)["steps"]
+    assert steps.column("batch_kind").to_pylist() == [1, 1, 2]
+    assert {f"rng_{name}" for name in ("torch", "numpy", "python", "order")} <= set(steps.column_names)
+    torch_digests = steps.column("rng_torch").to_pylist()
+    assert len(set(torch_digests)) == 3 and all(len(d) == 16 for d in torch_digests)  # a draw each step
+    assert len(set(steps.column("rng_order").to_pylist())) == 1  # never drawn from
