@@ -45,6 +45,7 @@ from ckptfmt.errors import CheckpointError, CheckpointWarning
 from ckptfmt.lifecycle.manager import CheckpointManager
 from ckptfmt.loading.load_into import load_into
 from ckptfmt.loading.reader import open as open_checkpoint
+from ckptfmt.loading.resume_check import record_resume
 from ckptfmt.metadata.step_timer import StepTimer
 from ckptfmt.saving.options import SaveOptions
 
@@ -76,6 +77,7 @@ class CkptfmtCallback(TrainerCallback):
         self._last_saved: int | None = None
         self._since: int | None = None
         self._hooks: list | None = None
+        self._resumed_from: tuple[str, dict | None] | None = None
         #: The current step's loss: its micro-batches' losses as the model returned them, summed.
         self._step_loss: Any = None
 
@@ -89,6 +91,11 @@ class CkptfmtCallback(TrainerCallback):
             self.manager = CheckpointManager(self.repo, **self._retention(args), **self.manager_options)
         self._since = time.perf_counter_ns()
         model = kwargs.get("model")
+        if self._resumed_from is not None and model is not None:  # the Trainer has restored its objects by now
+            (url, storage_options), self._resumed_from = self._resumed_from, None
+            live = {"model": model, "optimizer": kwargs.get("optimizer"), "scheduler": kwargs.get("lr_scheduler")}
+            record_resume(url, {part: obj for part, obj in live.items() if obj is not None},
+                          storage_options=storage_options)
         if model is not None and self._hooks is None:  # each step's signature: its batch and its loss
             self._hooks = [model.register_forward_pre_hook(self._batch, with_kwargs=True),
                            model.register_forward_hook(self._loss)]
@@ -236,8 +243,10 @@ class CkptfmtCallback(TrainerCallback):
                 manager.close()
             return None
         folder = os.path.join(args.output_dir, "ckptfmt-resume", f"checkpoint-{chosen}")
+        url = f"{manager.tiers[0].url}/{manager.name_format.format(step=chosen)}"
+        #: The checkpoint the Trainer resumes from: what it restored goes on record at the start of training.
+        self._resumed_from = (url, manager.tiers[0].storage_options)
         if args.should_save:  # the process that writes the Trainer's folders (one per node if save_on_each_node)
-            url = f"{manager.tiers[0].url}/{manager.name_format.format(step=chosen)}"
             _materialise(url, folder, manager.tiers[0].storage_options)
         dist = torch.distributed
         if dist.is_available() and dist.is_initialized():

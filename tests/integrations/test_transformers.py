@@ -70,6 +70,13 @@ def test_a_run_resumed_from_a_checkpoint_ends_as_an_uninterrupted_one(tmp_path, 
     assert_same_state(weights, run.model.state_dict())
     assert steps_of(tmp_path / "repo") == [4, 8]
     assert ckptfmt.verify(str(tmp_path / "repo")).ok
+    # What the Trainer restored from step 4's checkpoint is on record in the next one, part by part.
+    newest = max(ckptfmt.Repository.open(str(tmp_path / "repo")).commits(), key=lambda r: r.step)
+    with ckptfmt.open(f"{tmp_path / 'repo'}/{newest.name}") as reader:
+        (resume,) = reader.metadata["timing"]["ranks"][0]["resumes"]
+    assert resume["from"]["step"] == 4
+    assert {part["part"]: part["verdict"] for part in resume["parts"]} == {
+        "model": "equal", "optimizer": "equal", "scheduler": "equal"}
 
 
 def test_the_resume_folder_holds_what_the_trainers_own_folder_holds(tmp_path):
