@@ -224,7 +224,7 @@ class _Tensors:
         if entry.same_as is not None:
             entry = self.reader.manifest.tensors[entry.same_as]
         if callable(getattr(live, "to_local", None)):  # a DTensor: this rank's shard, the box at its offsets
-            return _same_shard(self.reader, entry, live)
+            return self._same_shard(entry, live)
         if dtype_name(live.dtype) != entry.dtype or tuple(live.shape) != tuple(entry.shape):
             return False
         data = _bytes_of(live)
@@ -232,6 +232,25 @@ class _Tensors:
             return True
         stored = self.reader.read_array(entry.key).reshape(-1).view(np.uint8)
         return bool(np.array_equal(stored, data))
+
+    def _same_shard(self, entry: TensorEntry, live: Any) -> bool:
+        """A DTensor's local shard against the stored shard at its offsets (by the chunks' hashes), else
+        against the box read back there (another world size cuts other shards)."""
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        local = live.to_local()
+        if dtype_name(local.dtype) != entry.dtype or tuple(live.shape) != tuple(entry.shape):
+            return False
+        shape, offsets = compute_local_shape_and_global_offset(live.shape, live.device_mesh, live.placements)
+        if not math.prod(shape):
+            return True
+        data = _bytes_of(local)
+        for shard in entry.shards:
+            if tuple(shard.offsets) == tuple(offsets) and tuple(shard.shape) == tuple(shape) \
+                    and self._pieces_match(shard.pieces, data):
+                return True
+        stored = self.reader.read_box(entry.key, tuple(offsets), tuple(shape))
+        return bool(np.array_equal(_bytes_of(stored), data))
 
     def _pieces_match(self, pieces, data: np.ndarray) -> bool:
         chunks, position = self.reader.manifest.chunks, 0
@@ -276,37 +295,6 @@ class _Tensors:
                     self._users.setdefault(piece.chunk, []).append((entry.key, position, piece.offset, piece.length))
                     position += piece.length
         return self._users
-
-
-def _same_shard(reader: CheckpointReader, entry: TensorEntry, live: Any) -> bool:
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    local = live.to_local()
-    if dtype_name(local.dtype) != entry.dtype or tuple(live.shape) != tuple(entry.shape):
-        return False
-    shape, offsets = compute_local_shape_and_global_offset(live.shape, live.device_mesh, live.placements)
-    if not math.prod(shape):
-        return True
-    data = _bytes_of(local)
-    for shard in entry.shards:
-        if tuple(shard.offsets) == tuple(offsets) and tuple(shard.shape) == tuple(shape) \
-                and _whole_chunks_match(reader, shard.pieces, data):
-            return True
-    stored = reader.read_box(entry.key, tuple(offsets), tuple(shape))
-    return bool(np.array_equal(_bytes_of(stored), data))
-
-
-def _whole_chunks_match(reader: CheckpointReader, pieces, data: np.ndarray) -> bool:
-    """Whether every piece is a whole chunk and ``data``'s bytes hash to those chunks in order."""
-    chunks, position = reader.manifest.chunks, 0
-    for piece in pieces:
-        chunk = chunks[piece.chunk]
-        if piece.offset != 0 or piece.length != chunk.size:
-            return False
-        if chunk_hash(data[position:position + piece.length], parallel=True) != chunk.hash:
-            return False
-        position += piece.length
-    return position == data.size
 
 
 def _bytes_of(tensor: torch.Tensor) -> np.ndarray:
