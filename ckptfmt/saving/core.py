@@ -18,6 +18,7 @@ see names with a commit record.
 
 from __future__ import annotations
 
+import math
 import operator
 import time
 import warnings
@@ -131,13 +132,16 @@ class TensorCollector:
         return index
 
     def _dtensor(self, key: str, value, where: str) -> PlannedTensor:
-        """An entry for this rank's shard of a DTensor, or of a staged one (the other ranks add theirs)."""
-        if not self.collective:
+        """An entry for this rank's shard of a DTensor, or of a staged one (the other ranks add theirs).
+
+        A process saving alone holds every shard only where the mesh is this one process (a job of
+        one rank, as torchtitan or FSDP2 run on one GPU): such a DTensor is saved, any other refused."""
+        shard = value if type(value) is LocalShard else local_shard(value, where)
+        if not self.collective and math.prod(shard.mesh["shape"]) != 1:
             raise UnsupportedValueError(
                 f"{where}: a DTensor is saved by a collective save: call ckptfmt.save on every rank of its "
                 "process group (a save with coordinated=False stores plain tensors only)"
             )
-        shard = value if type(value) is LocalShard else local_shard(value, where)
         if shard.mesh not in self.meshes:
             self.meshes.append(shard.mesh)
         source = self._source(shard.tensor, where)

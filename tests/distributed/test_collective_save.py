@@ -213,6 +213,40 @@ def test_a_collective_async_save_keeps_the_state_at_the_call(tmp_path):
     assert ckptfmt.verify(results[0]["url"]).ok
 
 
+def dtensors_saved_alone(rank: int, world: int, folder: Path, repo: str) -> dict:
+    """A DTensor saved by a process saving alone: the whole tensor on a mesh of one process (a job of
+    one rank, such as torchtitan or FSDP2 on one GPU), only this rank's shard on a mesh of two."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    full = torch.arange(40.0).reshape(8, 5)
+    state = {"dt": distribute_tensor(full, mesh, [Shard(0)]), "step": 3}
+    try:
+        url = ckptfmt.save(state, f"{repo}/solo-{rank}", coordinated=False)
+    except ckptfmt.CheckpointError as exc:
+        return {"error": str(exc)}
+    staged = ckptfmt.async_save(state, f"{repo}/async-{rank}", coordinated=False).result(timeout=60)
+    into = {"dt": distribute_tensor(torch.zeros(8, 5), mesh, [Shard(0)]), "step": 0}
+    ckptfmt.load(staged, into=into)
+    return {"url": url, "async": staged, "loaded": into["dt"].full_tensor(), "step": into["step"]}
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_dtensor_is_saved_by_a_process_alone_only_where_it_is_the_whole_mesh(tmp_path, world):
+    outcomes = [o.unwrap() for o in run_ranks(dtensors_saved_alone, world, tmp_path, repo=str(tmp_path / "repo"))]
+    full = torch.arange(40.0).reshape(8, 5)
+    if world == 2:
+        assert all("DTensor is saved by a collective save" in outcome["error"] for outcome in outcomes)
+        return
+    (outcome,) = outcomes
+    assert torch.equal(outcome["loaded"], full) and outcome["step"] == 3
+    with ckptfmt.open(outcome["url"]) as reader:
+        assert torch.equal(reader.get_tensor("dt"), full)
+        assert reader.metadata["topology"]["meshes"] == [{"shape": [1], "dim_names": None}]
+    assert torch.equal(ckptfmt.load(outcome["async"])["dt"], full)
+
+
 # -- deltas -----------------------------------------------------------------------------------------
 def save_two_steps(rank: int, world: int, folder: Path, repo: str, compression: str) -> list[str]:
     """Two steps of a run whose weights move a little: a row-sharded DTensor (each shard 512 KiB) and a
