@@ -76,7 +76,8 @@ def _torch_versions() -> dict:
         "git_version": getattr(torch.version, "git_version", None),
         "cuda": torch.version.cuda,
         "hip": getattr(torch.version, "hip", None),
-        "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+        # cuDNN's version check reads each device's capability, initialising CUDA: see _uses_cuda
+        "cudnn": torch.backends.cudnn.version() if _uses_cuda() and torch.backends.cudnn.is_available() else None,
         "nccl": None,
         "cuda_available": cuda_available,
     }
@@ -102,8 +103,16 @@ def _cpu() -> dict:
     return {"model": model, "count": os.cpu_count(), "machine": platform.machine()}
 
 
+def _uses_cuda() -> bool:
+    """Whether this process has initialised CUDA. A save must not be the one to do it (its forked data
+    loader workers could not use CUDA, its step signatures would digest generators it never used), so
+    what only CUDA's initialisation can read (the GPUs, cuDNN's version) is recorded where it is done."""
+    return torch.cuda.is_initialized()
+
+
 def _gpus() -> list:
-    if not torch.cuda.is_available():
+    """The GPUs of a process that uses CUDA (see ``_uses_cuda``)."""
+    if not _uses_cuda():
         return []
     gpus = []
     for index in range(torch.cuda.device_count()):

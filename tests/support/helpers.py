@@ -44,6 +44,13 @@ def needs_tool(found: object, reason: str):
     return pytest.mark.skipif(not found and not IN_CI, reason=reason)
 
 
+def cuda_name(name: str) -> bool:
+    """Whether ``name`` is CUDA's (a ``cuda:i`` generator, a ``cuda_*``/``gpu_*`` sample field, an
+    ``rng.cuda`` manifest field) in a test process that has initialised CUDA (tests/cuda does, on a GPU
+    machine): tests of the CPU's names leave those aside there, and see every name elsewhere."""
+    return torch.cuda.is_initialized() and name.startswith(("cuda", "gpu_", "rng.cuda"))
+
+
 def raw_bytes(t: torch.Tensor) -> torch.Tensor:
     """A tensor's bytes as a flat uint8 tensor (so NaNs and -0.0 compare bit for bit)."""
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
