@@ -5,8 +5,10 @@ rank and step, the batch digest, every generator's digest at the step's start
 and the loss's exact bits) over their common steps, rank by rank, and finds
 the first step where one differs. Its cause, from what differs there:
 
-- ``data``: the batch digests differ (a rank was fed other samples);
 - ``rng``: a generator's state differs at the step's start;
+- ``data``: the batch digests differ (a rank was fed other samples); where a
+  generator differs too, it comes first (a loader shuffles from it) unless the
+  resume before the step is on record as having restored the generators;
 - otherwise the inputs agree and the loss differs, so the state the step
   started from differed: ``load`` where a resume of RUN before that step is
   on record as not restoring a part (spec 9.4 ``resumes``), ``hyperparameters``,
@@ -204,11 +206,9 @@ def _differences(reference: dict[tuple[int, int], Signature], run: dict[tuple[in
 
 def _diverged(certificate: Certificate, ref: RunRecords, new: RunRecords, step: int,
               found: dict[str, list[str]]) -> None:
-    causes: list[Cause] = []
-    for kind in ("data", "rng"):
-        if kind in found:
-            causes.append(Cause(kind, found[kind]))
-    causes += _load_causes(new, step)
+    resumes = _resumes_before(new, step)
+    causes = [Cause(kind, found[kind]) for kind in _input_order(resumes[-1] if resumes else None) if kind in found]
+    causes += _load_causes(resumes)
     causes += _recorded_causes(ref, new, step)
     if "loss" in found and not causes:
         causes.append(Cause("nondeterminism", ["batch and generators agree at the step's start",
@@ -223,18 +223,42 @@ def _diverged(certificate: Certificate, ref: RunRecords, new: RunRecords, step: 
     certificate.first_divergence = {"step": step, "ranks": ranks, "cause": causes[0].cause, "evidence": evidence}
 
 
-def _load_causes(new: RunRecords, step: int) -> list[Cause]:
-    """Resumes of the run before ``step`` on record as not restoring a part."""
+def _resumes_before(records: RunRecords, step: int) -> list[dict]:
+    """The run's resumes that came before its ``step``, oldest first: a resume comes before a step that a
+    later save recorded on its rank (a step computed before a resume and never saved is lost with its
+    process); where that rank has no such step on record, a resume from a checkpoint of an earlier step."""
+    before = []
+    for resume in records.resumes:
+        rank = resume.get("rank")
+        signature = records.signatures.get((rank, step)) if type(rank) is int else None
+        resumed_ns, resumed_at = resume.get("resumed_ns"), (resume.get("from") or {}).get("step")
+        if signature is not None and type(resumed_ns) is int:
+            if resumed_ns < signature.saved_ns:
+                before.append(resume)
+        elif type(resumed_at) is int and resumed_at < step:
+            before.append(resume)
+    return sorted(before, key=lambda resume: resume.get("resumed_ns") or 0)
+
+
+def _input_order(resume: dict | None) -> tuple[str, str]:
+    """Which differing input comes first where batches and generators both differ. A loader shuffles
+    from a generator, so a generator that differs explains the batches, unless the resume is on record
+    as having restored the generators: then the data pipeline drew from them since (a loader restarted
+    its epoch, say) and the batches are the cause."""
+    restored = any(part.get("part") == "rng" and part.get("verdict") == "equal"
+                   for part in (resume or {}).get("parts") or [])
+    return ("data", "rng") if restored else ("rng", "data")
+
+
+def _load_causes(resumes: list[dict]) -> list[Cause]:
+    """The resumes (before the step) on record as not restoring a part."""
     causes = []
-    for resume in new.resumes:
-        source = resume.get("from") or {}
-        resumed_at = source.get("step")
-        if resumed_at is not None and resumed_at >= step:
-            continue
+    for resume in resumes:
         wrong = [part for part in resume.get("parts") or [] if part.get("verdict") in ("missing", "different")]
         if wrong:
+            name = (resume.get("from") or {}).get("name")
             causes.append(Cause("load", [line for part in wrong for line in _part_lines(
-                f"rank {resume.get('rank')}: the resume from {source.get('name')} left", part)]))
+                f"rank {resume.get('rank')}: the resume from {name} left", part)]))
     return causes
 
 
@@ -281,7 +305,7 @@ def _certify_resumes(records: RunRecords) -> list[Certificate]:
                 break
             certificate.steps_compared += 1
             if found:
-                causes = [Cause(kind, found[kind]) for kind in ("data", "rng") if kind in found] + load
+                causes = [Cause(kind, found[kind]) for kind in _input_order(resume) if kind in found] + load
                 causes = causes or [Cause("nondeterminism", found.get("loss", []))]
                 certificate.verdict, certificate.causes = "diverged", causes
                 certificate.first_divergence = {"step": step, "ranks": [rank], "cause": causes[0].cause,

@@ -45,9 +45,9 @@ from ckptfmt.format import layout
 from ckptfmt.format.limits import MAX_NAME_LENGTH
 from ckptfmt.lifecycle.gc import collect, remove
 from ckptfmt.loading.load_into import load_into
-from ckptfmt.loading.reader import load
+from ckptfmt.loading.reader import load, restore_rng
 from ckptfmt.loading.reader import open as open_checkpoint
-from ckptfmt.loading.resume_check import record_resume
+from ckptfmt.loading.resume_check import check_generators, record_resume
 from ckptfmt.metadata.step_timer import StepTimer
 from ckptfmt.metadata.topology import current_rank
 from ckptfmt.repository.pointers import POINTER_FORMAT, looks_like_pointer, pointed_name, read_small
@@ -62,6 +62,8 @@ from ckptfmt.storage.factory import open_storage
 STEPS_KEY = "ckptfmt_gathered_steps"
 #: Where it leaves each rank's own StepTimer for a collective save (``CkptfmtModelParallelStrategy``).
 TIMER_KEY = "ckptfmt_step_timer"
+#: Where it records the Trainer's settings that change what a step computes (``trainer_settings``).
+SETTINGS_KEY = "trainer"
 #: Save options the plugin sets itself for each save.
 _SET_PER_SAVE = frozenset({"step", "metadata", "storage_options", "coordinated", "gathered_steps"})
 _NOT_IN_NAMES = re.compile(r"[^A-Za-z0-9._-]")
@@ -362,10 +364,20 @@ class StepTimingCallback(Callback):
     metrics ``batch_idx``, ``epoch``, ``global_step`` and, where the step returns one, ``loss``.
     Steps are numbered by this callback across epochs and resumes. Use it with
     ``CkptfmtCheckpointIO``: the steps go into the checkpoints' run metadata (spec 9.4).
+
+    A resume from a ckptfmt checkpoint also restores every rank's generators (torch, CUDA, NumPy,
+    Python) as the save found them, which Lightning does not do (a resumed run would otherwise draw
+    other dropout masks and shuffles than the uninterrupted run): ``restore_rng=False`` keeps
+    Lightning's behaviour. Each checkpoint records the Trainer's settings that change what a step
+    computes (``trainer/hyperparameters``: gradient clipping, accumulation, precision), so that
+    ``ckptfmt compare`` and ``ckptfmt certify`` can name them.
     """
 
-    def __init__(self):
+    def __init__(self, *, restore_rng: bool = True):
         self.timer = StepTimer()
+        self.restore_rng = restore_rng
+        #: The generators' check right after their restore, for the resume's record.
+        self._generators_checked: list = []
         #: Steps started over the run (restored on resume): the next step's number.
         self.steps_started = 0
         self._since: int | None = None
@@ -377,11 +389,12 @@ class StepTimingCallback(Callback):
         if _RESUMED:
             (url, storage_options), = _RESUMED
             _RESUMED.clear()
+            checked, self._generators_checked = self._generators_checked, []
             record_resume(url, {"state_dict": pl_module,
                                 "optimizer_states": [optimizer.state_dict() for optimizer in trainer.optimizers],
                                 "lr_schedulers": [config.scheduler.state_dict()
                                                   for config in trainer.lr_scheduler_configs]},
-                          storage_options=storage_options)
+                          storage_options=storage_options, checked=checked)
         self._since = time.perf_counter_ns()  # a resumed run may start without on_train_epoch_start
         for name, generator in _loader_generators(trainer.train_dataloader).items():
             self.timer.track_generator(name, generator)
@@ -419,18 +432,42 @@ class StepTimingCallback(Callback):
     def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict[str, Any]) -> None:
         """On every rank, as Lightning prepares a checkpoint: a collective save (the sharded strategy)
         takes each rank's timer; a save that rank 0 makes alone gets every rank's steps, gathered."""
+        if not _saves_through_ckptfmt(trainer):
+            return
+        checkpoint[SETTINGS_KEY] = {"hyperparameters": trainer_settings(trainer)}
         if isinstance(trainer.strategy, CkptfmtModelParallelStrategy):
             checkpoint[TIMER_KEY] = self.timer
-        elif _saves_through_ckptfmt(trainer):  # the same answer on every rank: all gather or none
+        else:  # the same answer on every rank: all gather or none
             gathered = gather_steps(self.timer)
             if gathered is not None:
                 checkpoint[STEPS_KEY] = gathered
+
+    def on_load_checkpoint(self, trainer, pl_module, checkpoint: dict[str, Any]) -> None:
+        """Lightning restores the callbacks first, before it makes the first epoch's data loader
+        iterator (which draws its seeds): the generators are restored here, as the save found them."""
+        if _RESUMED:
+            (url, storage_options), = _RESUMED
+            with open_checkpoint(url, storage_options=storage_options) as reader:
+                if self.restore_rng:
+                    restore_rng(reader)
+                self._generators_checked = [check_generators(reader)]  # not restored: on record as such
 
     def state_dict(self) -> dict[str, Any]:
         return {"steps_started": self.steps_started}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.steps_started = int(state_dict.get("steps_started", 0))
+
+
+def trainer_settings(trainer) -> dict[str, Any]:
+    """The Trainer's arguments that change what a training step computes (plain values)."""
+    def text(value: Any) -> str | None:  # enums (the clipping algorithm) as their values
+        return None if value is None else str(getattr(value, "value", value))
+    clip = trainer.gradient_clip_val
+    return {"gradient_clip_val": clip if clip is None or isinstance(clip, (int, float)) else float(clip),
+            "gradient_clip_algorithm": text(trainer.gradient_clip_algorithm),
+            "accumulate_grad_batches": int(trainer.accumulate_grad_batches),
+            "precision": text(getattr(trainer, "precision", None))}
 
 
 def _saves_through_ckptfmt(trainer) -> bool:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -95,7 +95,8 @@ class ResumeRecord:
 
 
 def record_resume(checkpoint: str | os.PathLike | CheckpointReader, live: Mapping[str, Any], *,
-                  rng: bool = False, storage_options: dict | None = None, rank: int | None = None) -> ResumeRecord:
+                  rng: bool = False, storage_options: dict | None = None, rank: int | None = None,
+                  checked: Sequence[PartCheck] = ()) -> ResumeRecord:
     """Compare the live objects a resume restored with ``checkpoint`` and keep the record for this
     process's next save (see the module's docstring); returns it.
 
@@ -103,7 +104,9 @@ def record_resume(checkpoint: str | os.PathLike | CheckpointReader, live: Mappin
     ``state_dict()`` (a model, an optimizer, a scheduler, a stateful data loader) or a state itself.
     ``rng``: also compare this process's generators with the checkpoint's record of this rank's
     (right after ``restore_rng``, before anything draws). ``rank``: this process's rank in the
-    checkpoint's records (default: its rank under torch.distributed, else 0).
+    checkpoint's records (default: its rank under torch.distributed, else 0). ``checked``: parts
+    compared earlier, such as ``check_generators``' where the generators are restored before the
+    rest is loaded (a framework whose restore draws from them).
     """
     reader = checkpoint if isinstance(checkpoint, CheckpointReader) else _reader(checkpoint, storage_options)
     try:
@@ -120,6 +123,7 @@ def record_resume(checkpoint: str | os.PathLike | CheckpointReader, live: Mappin
         comparer = _Tensors(reader, {key: leaf for found in keyed.values() for key, leaf in found
                                      if isinstance(leaf, torch.Tensor)})
         parts = [_check_part(reader, name, keyed[name], stored_values, roots[name], comparer) for name in states]
+        parts += checked
         if rng:
             parts.append(_check_rng(reader.metadata["rng"], rank))
         record = reader.commit
@@ -300,6 +304,12 @@ class _Tensors:
 def _bytes_of(tensor: torch.Tensor) -> np.ndarray:
     flat = tensor.detach().cpu().contiguous().reshape(-1)
     return flat.view(torch.uint8).numpy() if flat.numel() else np.empty(0, np.uint8)
+
+
+def check_generators(checkpoint: CheckpointReader, *, rank: int | None = None) -> PartCheck:
+    """The ``rng`` part of a resume's record: this process's generators now against the checkpoint's
+    record of rank ``rank``'s (default: this process's), to call right after ``restore_rng``."""
+    return _check_rng(checkpoint.metadata["rng"], _rank() if rank is None else rank)
 
 
 def _check_rng(stored: list, rank: int) -> PartCheck:
