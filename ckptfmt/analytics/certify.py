@@ -87,8 +87,35 @@ class Certificate:
     causes: list[Cause] = field(default_factory=list)
     #: Why the verdict is undetermined: the record that is missing.
     missing: str | None = None
-    #: A resume certified alone (``certify(run)``): the checkpoint it resumed from.
+    #: A resume certified alone (``certify(run)``): the checkpoint it resumed from, and the resume's
+    #: record (spec 9.4 ``resumes``: rank, checkpoint, world sizes, time, parts) for its lineage.
     resumed_from: str | None = None
+    resume: dict | None = None
+
+    def summary(self) -> str:
+        """The verdict in words: over how many steps, where it diverged and why, or what is missing."""
+        steps = f"{self.steps_compared} step{'s' * (self.steps_compared != 1)}"
+        if self.verdict == "identical":
+            return f"reproduces it bit for bit over {steps}"
+        if self.verdict == "diverged" and self.first_divergence:
+            first = self.first_divergence
+            compared = f", after {steps} compared" if self.steps_compared else ""
+            return f"diverges at step {first['step']} ({first['cause']}){compared}"
+        return f"cannot tell: {self.missing}"
+
+    def lineage(self) -> dict:
+        """A resume's place in its run (``certify(run)``'s certificates): its rank, the checkpoint it
+        came from and that one's step, the world size then and now, the seconds from that save to the
+        resume, the parts it did not restore."""
+        resume = self.resume or {}
+        source = resume.get("from") or {}
+        then, now = (list(resume.get("world_size") or []) + [None, None])[:2]
+        created, resumed = source.get("created_ns"), resume.get("resumed_ns")
+        return {"rank": resume.get("rank"), "resumed_from": source.get("name"), "step": source.get("step"),
+                "world_size": then if then == now else f"{then} to {now}",
+                "after_s": (resumed - created) / 1e9 if type(created) is int and type(resumed) is int else None,
+                "not_restored": [f"{part.get('part')} {part.get('verdict')}" for part in resume.get("parts") or []
+                                 if part.get("verdict") != "equal"]}
 
     def to_json(self) -> dict:
         return {"verdict": self.verdict, "steps_compared": self.steps_compared,
@@ -150,7 +177,7 @@ def certify(reference: str | os.PathLike, run: str | os.PathLike | None = None, 
     """Certify ``run`` against ``reference`` (see the module docstring); with ``reference`` alone,
     certify each of its resumes (a list, one certificate per resume)."""
     if run is None:
-        return _certify_resumes(RunRecords(reference, storage_options))
+        return certify_resumes(reference, storage_options=storage_options)
     ref, new = RunRecords(reference, storage_options), RunRecords(run, storage_options)
     certificate = Certificate(ref.url, new.url, "undetermined", 0)
     common = sorted(set(ref.signatures) & set(new.signatures), key=lambda key: (key[1], key[0]))
@@ -282,14 +309,16 @@ def _recorded_causes(ref: RunRecords, new: RunRecords, step: int) -> list[Cause]
     return [Cause(cause, by_cause[cause]) for cause in order if cause in by_cause]
 
 
-def _certify_resumes(records: RunRecords) -> list[Certificate]:
-    """Each resume of a run: its record of what it restored, and the steps computed again after it against
-    the original branch's."""
+def certify_resumes(run: str | os.PathLike, *, storage_options: dict | None = None) -> list[Certificate]:
+    """Each resume of ``run``: its record of what it restored, and the steps computed again after it
+    against the original branch's (``certify(run)``)."""
+    records = RunRecords(run, storage_options)
     certificates = []
     for resume in records.resumes:
         source, rank = resume.get("from") or {}, resume.get("rank")
         resumed_at = source.get("step")
-        certificate = Certificate(records.url, records.url, "undetermined", 0, resumed_from=source.get("name"))
+        certificate = Certificate(records.url, records.url, "undetermined", 0, resumed_from=source.get("name"),
+                                  resume={key: value for key, value in resume.items() if key != "saved_ns"})
         if type(rank) is not int or type(resumed_at) is not int:
             certificate.missing = "the resume's record names no rank or step"
             certificates.append(certificate)
@@ -322,6 +351,14 @@ def _certify_resumes(records: RunRecords) -> list[Certificate]:
                 certificate.missing = "the resume's record holds no parts and no step was computed again"
         certificates.append(certificate)
     return certificates
+
+
+def resumes_verdict(resumes: list[Certificate]) -> str:
+    """One sentence on a run's resumes (``certify(run)``'s certificates)."""
+    verdicts = {certificate.verdict for certificate in resumes}
+    return ("No resume on record" if not resumes else
+            "Every resume restored what its checkpoint held" if verdicts == {"identical"} else
+            "A resume diverged" if "diverged" in verdicts else "Some resumes cannot be certified")
 
 
 def _part_lines(what: str, part: dict) -> list[str]:

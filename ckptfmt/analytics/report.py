@@ -26,7 +26,7 @@ import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import matplotlib
 
@@ -36,6 +36,7 @@ import numpy as np
 import pyarrow as pa
 from matplotlib.ticker import MaxNLocator
 
+from ckptfmt.analytics.certify import Certificate, certify, certify_resumes, resumes_verdict
 from ckptfmt.analytics.compare import Comparison, compare
 from ckptfmt.analytics.grids import StepGrid, slowest_save_phases
 from ckptfmt.analytics.health import HealthReport, health
@@ -74,6 +75,9 @@ def report(repo: str | os.PathLike, *, html_path: str | os.PathLike | None = Non
     found = stragglers(built, thresholds=thresholds, explain=True)
     well = health(repo, deep=deep, storage_options=storage_options, built=built)
     comparison = compare(repo, compare_with, storage_options=storage_options) if compare_with else None
+    resumes = certify_resumes(repo, storage_options=storage_options)
+    certificate = cast(Certificate, certify(compare_with, repo, storage_options=storage_options)) \
+        if compare_with else None
     other_steps = tables(compare_with, storage_options=storage_options)["steps"] if compare_with else None
     shown = [f for f in (_step_heatmap(built["steps"], found), _delay_heatmap(built["steps"], thresholds),
                          _save_phases(built["saves"]), _sizes(built["checkpoints"]),
@@ -88,11 +92,12 @@ def report(repo: str | os.PathLike, *, html_path: str | os.PathLike | None = Non
                 figure.figure.savefig(folder / f"{figure.id}.png", dpi=110, bbox_inches="tight")
         if html_path is not None:
             Path(html_path).write_text(_page(os.fspath(repo), built, found, well, comparison, compare_with,
-                                             shown), encoding="utf-8")
+                                             shown, certificates=(certificate, resumes)), encoding="utf-8")
     finally:
         for figure in figures:
             plt.close(figure.figure)
-    return {"figures": [f.id for f in figures], "stragglers": found, "comparison": comparison, "health": well}
+    return {"figures": [f.id for f in figures], "stragglers": found, "comparison": comparison, "health": well,
+            "certificate": certificate, "resumes": resumes}
 
 
 # -- figures ---------------------------------------------------------------------------------------
@@ -353,7 +358,7 @@ svg { max-width: 100%; height: auto; }
 
 
 def _page(repo: str, built: dict, found: dict, well: HealthReport, comparison: Comparison | None, other,
-          figures: list[Figure | Omitted]) -> str:
+          figures: list[Figure | Omitted], *, certificates: tuple[Certificate | None, list[Certificate]]) -> str:
     e = html.escape
     checkpoints = built["checkpoints"]
     parts = [f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>ckptfmt report: {e(repo)}</title>"
@@ -361,8 +366,10 @@ def _page(repo: str, built: dict, found: dict, well: HealthReport, comparison: C
              f"<h1>Run report: {e(repo)}</h1>",
              f"<p>{counted(checkpoints.num_rows, 'checkpoint')}, {counted(found['steps'], 'recorded step')} on "
              f"{counted(found['ranks'], 'rank')}.</p>"]
+    certificate, resumes = certificates
     if comparison is not None:
-        parts += _comparison_section(comparison, other)
+        parts += _comparison_section(comparison, other, certificate)
+    parts += _resumes_section(resumes)
     parts += _health_section(well)
     parts += _stragglers_section(found)
     for figure in figures:
@@ -376,12 +383,15 @@ def _page(repo: str, built: dict, found: dict, well: HealthReport, comparison: C
     return "\n".join(parts)
 
 
-def _comparison_section(comparison: Comparison, other) -> list[str]:
-    """The verdict, the first divergence and every recorded difference between the runs."""
+def _comparison_section(comparison: Comparison, other, certificate: Certificate | None) -> list[str]:
+    """The verdict, the certificate (does this run reproduce the other step by step), the first
+    divergence and every recorded difference between the runs."""
     e = html.escape
     verdict = "identical" if comparison.identical else "different"
     parts = [f"<h2>Compared with {e(os.fspath(other))}</h2><p class='verdict' id='verdict'>The runs are "
              f"{verdict}.</p>"]
+    if certificate is not None:
+        parts.append(f"<p id='certificate'>Certified against it: {e(certificate.summary())}.</p>")
     divergence = comparison.first_divergence
     if divergence:
         how = (e(divergence.reason) if divergence.max_abs is None or divergence.max_rel is None else
@@ -394,6 +404,20 @@ def _comparison_section(comparison: Comparison, other) -> list[str]:
               _table("differences", [c.replace("_", " ") for c in columns],
                      [[d.get(c) for c in columns] for d in differences])]
     return parts
+
+
+def _resumes_section(resumes: list[Certificate]) -> list[str]:
+    """The run's lineage: each resume, the checkpoint it came from, the world sizes, what it did not
+    restore, and its certificate (the resume's own record, and the steps computed again)."""
+    rows = []
+    for certificate in resumes:
+        place = certificate.lineage()
+        rows.append([place["rank"], place["resumed_from"], place["step"], place["world_size"],
+                     "-" if place["after_s"] is None else f"{place['after_s']:.1f}",
+                     ", ".join(place["not_restored"]) or "all equal", certificate.summary()])
+    return ["<h2>Resumes</h2>", f"<p id='resumes-verdict'>{resumes_verdict(resumes)}.</p>",
+            _table("resumes", ["rank", "resumed from", "step", "world size", "seconds after the save",
+                               "parts not restored", "certificate"], rows)]
 
 
 def _stragglers_section(found: dict) -> list[str]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 
 import numpy as np
 import pytest
@@ -166,3 +167,23 @@ def test_the_cli_exit_codes_and_json(reference, tmp_path, capsys):
     train(untimed, timer_on=False)
     assert main(["certify", reference, untimed]) == 2
     assert "cannot tell: " in capsys.readouterr().out
+
+
+def test_the_report_shows_the_certificate_and_the_runs_lineage(reference, tmp_path):
+    from ckptfmt.analytics.report import report
+
+    faulty = resumed(tmp_path / "faulty", "optimizer dropped")
+    made = report(faulty, html_path=tmp_path / "faulty.html", compare_with=reference)
+    page = (tmp_path / "faulty.html").read_text()
+    assert made["certificate"].verdict == "diverged" and [c.verdict for c in made["resumes"]] == ["diverged"]
+    assert "Certified against it: diverges at step 5 (load), after 6 steps compared." in page
+    assert "<p id='resumes-verdict'>A resume diverged.</p>" in page
+    row = re.search(r"<table id='resumes'>.*?<tbody><tr>(.*?)</tr>", page, flags=re.S).group(1)
+    cells = re.findall(r"<td>(.*?)</td>", row)
+    assert cells[:4] == ["0", "step-004", "4", "1"] and float(cells[4]) >= 0
+    assert cells[5] == "optimizer missing" and cells[6] == "diverges at step 5 (load)"
+    clean = resumed(tmp_path / "clean", None)
+    report(clean, html_path=tmp_path / "clean.html", compare_with=reference)
+    page = (tmp_path / "clean.html").read_text()
+    assert f"Certified against it: reproduces it bit for bit over {STEPS} steps." in page
+    assert "Every resume restored what its checkpoint held." in page

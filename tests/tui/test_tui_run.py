@@ -64,6 +64,7 @@ async def test_the_run_screen_compares_two_runs(tmp_path):
         await pilot.pause()
         verdict = text_of(app, "#verdict")
         assert "the runs are different" in verdict and "first divergence: step 7" in verdict
+        assert "certified: diverges at step 6 (data), after 7 steps compared" in verdict  # the batches, step 6
         differences = cells(screen.query_one("#differences"))
         assert [(d[0], d[1], d[2], d[6]) for d in differences] == [("yes", "data_order", "batch", "6")]
         assert differences[0][7].endswith("step 6, before the divergence at step 7"), differences[0]
@@ -108,6 +109,57 @@ async def test_the_compare_tab_shows_both_values_at_80_columns(tmp_path):
         header, first, *_ = region_lines(app, table)
         row = cells(table)[0]
         assert header.split()[4:6] == ["a", "b"] and row[4] in first and row[5] in first, (header, first)
+
+
+def run_resumed_without_its_optimizer(repo: str) -> None:
+    """Two steps, a checkpoint, a resume that loads the model only (on record), two more steps."""
+    import torch
+
+    import ckptfmt
+
+    def steps(model, optimizer, numbers: range) -> ckptfmt.StepTimer:
+        timer = ckptfmt.StepTimer(system_interval=None)
+        for step in numbers:
+            with timer.step(step):
+                timer.batch(torch.tensor([step]))
+                loss = model(torch.full((2, 4), float(step))).square().mean()
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                timer.metrics(loss=loss.detach())
+        return timer
+
+    def made():
+        model = torch.nn.Linear(4, 1)
+        return model, torch.optim.AdamW(model.parameters(), lr=0.1)
+
+    model, optimizer = made()
+    timer = steps(model, optimizer, range(2))
+    url = ckptfmt.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, f"{repo}/step-2",
+                       step=2, timer=timer)
+    model, optimizer = made()
+    model.load_state_dict(ckptfmt.load(url)["model"])
+    ckptfmt.record_resume(url, {"model": model, "optimizer": optimizer})
+    timer = steps(model, optimizer, range(2, 4))
+    ckptfmt.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, f"{repo}/step-4", step=4,
+                 timer=timer)
+
+
+@async_test
+async def test_the_resumes_tab_shows_each_resume_with_what_it_did_not_restore(tmp_path):
+    run = str(tmp_path / "run")
+    run_resumed_without_its_optimizer(run)
+    app = create_app([run])
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        await pilot.press("a")
+        await settle(app, pilot)
+        screen = app.screen
+        screen.query_one("#run-tabs").active = "resumes-tab"
+        await pilot.pause()
+        assert text_of(app, "#resumes-verdict").strip() == "A resume diverged"
+        (row,) = cells(screen.query_one("#resumes"))
+        assert row[:4] == ["0", "step-2", "2", "1"] and row[5:] == ["optimizer missing", "diverges at step 3 (load)"]
 
 
 @async_test

@@ -1,6 +1,6 @@
-"""The run screen: a run's step times per rank with its stragglers, the save timeline, its training health
-(norms per tensor group over checkpoints, NaN/Inf, jumps, loss spikes, unchanged and mostly-zero
-tensors), and a comparison.
+"""The run screen: a run's step times per rank with its stragglers, the save timeline, its resumes with
+their certificates, its training health (norms per tensor group over checkpoints, NaN/Inf, jumps, loss
+spikes, unchanged and mostly-zero tensors), and a comparison with its certificate.
 
 Built from ckptfmt.analytics (pyarrow) in a worker thread. The heatmap is text:
 one row per rank, one column per step (or per group of steps when they do not
@@ -48,8 +48,10 @@ class RunScreen(WorkerScreen):
     HELP = ("Steps: each rank's step time over the steps (darker: longer), a red x where the rank delayed the "
             "others, and the stragglers found. Saves: each checkpoint's save phases, as its slowest rank spent "
             "them. Health: each tensor group's norm over the checkpoints (a red x: a jump off its trend), "
-            "NaN/Inf, loss spikes, unchanged and mostly-zero tensors. Compare (with ckptfmt tui RUN --compare "
-            "RUN_B): whether the runs are identical, where they first diverge, and every recorded difference. "
+            "NaN/Inf, loss spikes, unchanged and mostly-zero tensors. Resumes: each resume of the run, the "
+            "checkpoint it came from, what it did not restore and whether it reproduces (ckptfmt certify RUN). "
+            "Compare (with ckptfmt tui RUN --compare RUN_B): whether the runs are identical, where they first diverge, whether this run reproduces the "
+            "other step by step, and every recorded difference. "
             "[ and ] switch tabs.")
     BINDINGS = TAB_BINDINGS
     DEFAULT_CSS = """
@@ -77,6 +79,9 @@ class RunScreen(WorkerScreen):
                 yield Static("", id="health-verdict", markup=False)
                 yield Static("", id="norms")
                 yield DataTable(id="findings", cursor_type="row", zebra_stripes=True)
+            with TabPane("Resumes", id="resumes-tab"), VerticalScroll():
+                yield Static("", id="resumes-verdict", markup=False)
+                yield DataTable(id="resumes", cursor_type="row", zebra_stripes=True)
             if self.compare_with:
                 with TabPane("Compare", id="compare-tab"), VerticalScroll():
                     yield Static("comparing ...", id="verdict", markup=False)
@@ -100,8 +105,25 @@ class RunScreen(WorkerScreen):
         well = analytics.health(self.url, storage_options=options, built=built)
         comparison = analytics.compare(self.url, self.compare_with, storage_options=options) \
             if self.compare_with else None
-        self.app.call_from_thread(self._show, built, found, comparison)
+        resumes = analytics.certify(self.url, storage_options=options)
+        certificate = analytics.certify(self.compare_with, self.url, storage_options=options) \
+            if self.compare_with else None
+        self.app.call_from_thread(self._show, built, found, comparison, certificate)
+        self.app.call_from_thread(self._show_resumes, resumes)
         self.app.call_from_thread(self._show_health, well)
+
+    def _show_resumes(self, resumes) -> None:
+        from ckptfmt.analytics.certify import resumes_verdict
+
+        self.query_one("#resumes-verdict", Static).update(Text(resumes_verdict(resumes)))
+        table = self.query_one("#resumes", DataTable)
+        for column in ("rank", "from", "step", "world", "after", "not restored", "certificate"):
+            table.add_column(column, key=column)
+        for certificate in resumes:
+            place = certificate.lineage()
+            table.add_row(str(place["rank"]), str(place["resumed_from"]), str(place["step"]),
+                          str(place["world_size"]), "-" if place["after_s"] is None else seconds(place["after_s"]),
+                          ", ".join(place["not_restored"]) or "all equal", certificate.summary())
 
     def _show_health(self, well) -> None:
         first = well.first_non_finite
@@ -116,7 +138,7 @@ class RunScreen(WorkerScreen):
         for row in findings(well):
             table.add_row(*row)
 
-    def _show(self, built: dict, found: dict, comparison: Comparison | None) -> None:
+    def _show(self, built: dict, found: dict, comparison: Comparison | None, certificate) -> None:
         from ckptfmt.analytics import episode_ranges
 
         self.query_one("#summary", Static).update(Text(
@@ -131,9 +153,9 @@ class RunScreen(WorkerScreen):
                           seconds(s["delay_s"]), "-" if s["ratio"] is None else f"{s['ratio']:.1f}x")
         self.query_one("#timeline", Static).update(Fitted(lambda width: timeline(built["saves"], width)))
         if comparison is not None:
-            self._show_comparison(comparison)
+            self._show_comparison(comparison, certificate)
 
-    def _show_comparison(self, comparison: Comparison) -> None:
+    def _show_comparison(self, comparison: Comparison, certificate) -> None:
         divergence = comparison.first_divergence
         lines = [f"{self.url} vs {self.compare_with}: the runs are "
                  f"{'identical' if comparison.identical else 'different'}"]
@@ -142,6 +164,8 @@ class RunScreen(WorkerScreen):
                 f", max abs difference {divergence.max_abs:.3g}, max relative {divergence.max_rel:.3g}")
             lines.append(f"first divergence: step {divergence.step} ({divergence.checkpoint}), tensor "
                          f"{divergence.tensor}{amount}")
+        if certificate is not None:
+            lines.append(f"certified: {certificate.summary()}")
         self.query_one("#verdict", Static).update(Text("\n".join(lines)))
         table = self.query_one("#differences", DataTable)
         table.add_columns(*DIFFERENCE_COLUMNS)
