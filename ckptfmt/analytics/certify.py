@@ -8,7 +8,9 @@ the first step where one differs. Its cause, from what differs there:
 - ``rng``: a generator's state differs at the step's start;
 - ``data``: the batch digests differ (a rank was fed other samples); where a
   generator differs too, it comes first (a loader shuffles from it) unless the
-  resume before the step is on record as having restored the generators;
+  resume before the step is on record as having restored the generators, or
+  (with no record either way) the batch is one the reference was fed at an
+  earlier step (repeated samples);
 - otherwise the inputs agree and the loss differs, so the state the step
   started from differed: ``load`` where a resume of RUN before that step is
   on record as not restoring a part (spec 9.4 ``resumes``), ``hyperparameters``,
@@ -234,7 +236,12 @@ def _differences(reference: dict[tuple[int, int], Signature], run: dict[tuple[in
 def _diverged(certificate: Certificate, ref: RunRecords, new: RunRecords, step: int,
               found: dict[str, list[str]]) -> None:
     resumes = _resumes_before(new, step)
-    causes = [Cause(kind, found[kind]) for kind in _input_order(resumes[-1] if resumes else None) if kind in found]
+    repeated = _repeated_batches(ref, new, step)
+    if repeated and "data" in found:
+        found["data"] += repeated
+    restored = _restored_generators(resumes[-1] if resumes else None)
+    order = ("data", "rng") if restored or (restored is None and repeated) else ("rng", "data")
+    causes = [Cause(kind, found[kind]) for kind in order if kind in found]
     causes += _load_causes(resumes)
     causes += _recorded_causes(ref, new, step)
     if "loss" in found and not causes:
@@ -267,14 +274,32 @@ def _resumes_before(records: RunRecords, step: int) -> list[dict]:
     return sorted(before, key=lambda resume: resume.get("resumed_ns") or 0)
 
 
-def _input_order(resume: dict | None) -> tuple[str, str]:
-    """Which differing input comes first where batches and generators both differ. A loader shuffles
-    from a generator, so a generator that differs explains the batches, unless the resume is on record
-    as having restored the generators: then the data pipeline drew from them since (a loader restarted
-    its epoch, say) and the batches are the cause."""
-    restored = any(part.get("part") == "rng" and part.get("verdict") == "equal"
-                   for part in (resume or {}).get("parts") or [])
-    return ("data", "rng") if restored else ("rng", "data")
+def _restored_generators(resume: dict | None) -> bool | None:
+    """Whether a resume is on record as having restored the generators (None: not on record).
+
+    Where batches and generators both differ, a generator that differs explains the batches (a loader
+    shuffles from it) when the resume did not restore them; when it did, the data pipeline drew from
+    them since (a loader restarted its epoch) and the batches are the cause; when the record does not
+    say, batches the reference was fed before are the sign of a data position not restored."""
+    verdicts = [part.get("verdict") for part in (resume or {}).get("parts") or [] if part.get("part") == "rng"]
+    return None if not verdicts else verdicts[-1] == "equal"
+
+
+def _repeated_batches(ref: RunRecords, new: RunRecords, step: int) -> list[str]:
+    """The run's batches at ``step`` that the reference was fed at an earlier step on the same rank:
+    samples repeated, the data position not restored (whatever the generators did)."""
+    seen: dict[tuple[int, int, bytes], int] = {}
+    for (rank, each), signature in ref.signatures.items():
+        if each < step and signature.batch_kind and signature.batch is not None:
+            key = (rank, signature.batch_kind, signature.batch)
+            seen[key] = min(each, seen.get(key, each))
+    lines = []
+    for (rank, each), signature in sorted(new.signatures.items()):
+        if each == step and signature.batch_kind and signature.batch is not None:
+            earlier = seen.get((rank, signature.batch_kind, signature.batch))
+            if earlier is not None:
+                lines.append(f"rank {rank}: the reference's batch of step {earlier} again (position not restored)")
+    return lines
 
 
 def _load_causes(resumes: list[dict]) -> list[Cause]:
@@ -334,7 +359,8 @@ def certify_resumes(run: str | os.PathLike, *, storage_options: dict | None = No
                 break
             certificate.steps_compared += 1
             if found:
-                causes = [Cause(kind, found[kind]) for kind in _input_order(resume) if kind in found] + load
+                order = ("data", "rng") if _restored_generators(resume) else ("rng", "data")
+                causes = [Cause(kind, found[kind]) for kind in order if kind in found] + load
                 causes = causes or [Cause("nondeterminism", found.get("loss", []))]
                 certificate.verdict, certificate.causes = "diverged", causes
                 certificate.first_divergence = {"step": step, "ranks": [rank], "cause": causes[0].cause,

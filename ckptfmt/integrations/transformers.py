@@ -168,7 +168,8 @@ class CkptfmtCallback(TrainerCallback):
         model, optimizer, scheduler = kwargs.get("model"), kwargs.get("optimizer"), kwargs.get("lr_scheduler")
         checkpoint: dict[str, Any] = {"model": model.state_dict() if model is not None else {},
                                       "trainer_state": _trainer_state(args, state, control, metrics,
-                                                                      self.keep_hf_folders)}
+                                                                      self.keep_hf_folders),
+                                      "training_args": {"hyperparameters": training_hyperparameters(args)}}
         if not args.save_only_model:
             checkpoint["optimizer"] = optimizer.state_dict() if optimizer is not None else None
             checkpoint["scheduler"] = scheduler.state_dict() if scheduler is not None else None
@@ -254,6 +255,24 @@ class CkptfmtCallback(TrainerCallback):
         if manager is not self.manager:
             manager.close()
         return folder
+
+
+#: The ``TrainingArguments`` that change what a training step computes, recorded with each checkpoint
+#: (``training_args/hyperparameters``) so that ``ckptfmt compare`` and ``certify`` can name them.
+_STEP_ARGUMENTS = ("learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "max_grad_norm",
+                   "gradient_accumulation_steps", "per_device_train_batch_size", "lr_scheduler_type",
+                   "warmup_steps", "warmup_ratio", "optim", "label_smoothing_factor", "bf16", "fp16", "seed",
+                   "data_seed", "ignore_data_skip")
+
+
+def training_hyperparameters(args) -> dict[str, Any]:
+    """The step-shaping ``TrainingArguments`` as plain values (enums as their values)."""
+    found = {}
+    for name in _STEP_ARGUMENTS:
+        value = getattr(args, name, None)
+        value = getattr(value, "value", value)
+        found[name] = value if value is None or isinstance(value, (bool, int, float, str)) else str(value)
+    return found
 
 
 def _trainer_state(args, state, control, metrics: dict | None, hf_folders: bool) -> dict:
