@@ -107,9 +107,9 @@ def reference(tmp_path_factory) -> str:
     return repo
 
 
-def resumed(tmp_path, fault: str | None) -> str:
+def resumed(tmp_path, fault: str | None, cut: int = CUT) -> str:
     repo = str(tmp_path / "run")
-    train(repo, stop=CUT)
+    train(repo, stop=cut)
     train(repo, resume=True, fault=fault)
     return repo
 
@@ -138,6 +138,14 @@ def test_a_clean_resume_reproduces_bit_for_bit_and_certifies_alone(reference, tm
     assert alone.verdict == "identical" and alone.first_divergence is None
     assert main(["certify", reference, run]) == 0
     assert "verdict: identical over 10 common steps" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("cut", [2, 6, 8])
+def test_clean_resumes_at_other_steps_reproduce(reference, tmp_path, cut):
+    """A clean resume at any checkpoint (before, inside and after the scheduler's first decay, and
+    at a new pass over the data) is identical: never called diverged."""
+    result = certify(reference, resumed(tmp_path, None, cut))
+    assert (result.verdict, result.steps_compared) == ("identical", STEPS), result.to_json()
 
 
 def test_a_resume_certified_alone_names_the_part_it_did_not_restore(tmp_path, capsys):

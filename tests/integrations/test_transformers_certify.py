@@ -41,6 +41,7 @@ def train(output: Path, repo: Path, *, stop: int | None = None, resume: bool = F
 
 #: case -> (the step it stops and resumes at, how it resumes, (first step, cause, evidence) or None).
 CASES = {
+    "clean at 2": (2, {}, None),
     "clean at 4": (4, {}, None),
     "clean at 6": (6, {}, None),
     "rng file dropped": (4, {"drop": ("rng_state.pth",)}, (5, "rng", "generator torch")),
