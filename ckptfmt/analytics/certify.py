@@ -5,7 +5,8 @@ rank and step, the batch digest, every generator's digest at the step's start
 and the loss's exact bits) over their common steps, rank by rank, and finds
 the first step where one differs. Its cause, from what differs there:
 
-- ``rng``: a generator's state differs at the step's start;
+- ``rng``: a generator's state differs at the step's start (one either run
+  draws from: its digest changes between steps of one process);
 - ``data``: the batch digests differ (a rank was fed other samples); where a
   generator differs too, it comes first (a loader shuffles from it) unless the
   resume before the step is on record as having restored the generators, or
@@ -164,6 +165,19 @@ class RunRecords:
                         loss=loss[row], grad_norm=grad_norm[row], saved_ns=saved_ns)
                     self.signatures[rank, step] = signature  # a later save's: the branch the run went on with
                     self.branches.setdefault((rank, step), []).append(signature)
+        #: Per rank, the generators the run drew from: their digest changes from a step to the next one
+        #: in the same process (no resume of the rank between the saves that recorded them). One never
+        #: drawn from (an unseeded one each new process starts with) feeds nothing, whatever its state.
+        self.in_use: dict[int, set[str]] = {}
+        for (rank, step), signature in self.signatures.items():
+            following = self.signatures.get((rank, step + 1))
+            if following is None or any(
+                    resume.get("rank") == rank and type(resume.get("resumed_ns")) is int
+                    and signature.saved_ns < resume["resumed_ns"] < following.saved_ns for resume in self.resumes):
+                continue
+            for name, digest in signature.rng.items():
+                if following.rng.get(name, digest) != digest:
+                    self.in_use.setdefault(rank, set()).add(name)
 
 
 def _bits(columns: Any, name: str) -> list[bytes | None]:
@@ -190,7 +204,7 @@ def certify(reference: str | os.PathLike, run: str | os.PathLike | None = None, 
     compared = 0
     for step in steps:
         ranks = sorted(rank for rank, s in common if s == step)
-        found = _differences(ref.signatures, new.signatures, step, ranks)
+        found = _differences(ref.signatures, new.signatures, step, ranks, _in_use(ref, new))
         if found is None:  # a signature lacks what an answer needs (a loss)
             certificate.missing = f"step {step}: a rank's loss is not on record in one of the runs " \
                                   "(StepTimer.metrics(loss=...))"
@@ -213,16 +227,27 @@ def _missing_steps(ref: RunRecords, new: RunRecords) -> str:
     return "the runs have no step in common on any rank"
 
 
+def _in_use(*runs: RunRecords) -> dict[int, set[str]]:
+    """Per rank, the generators either run drew from."""
+    used: dict[int, set[str]] = {}
+    for records in runs:
+        for rank, names in records.in_use.items():
+            used.setdefault(rank, set()).update(names)
+    return used
+
+
 def _differences(reference: dict[tuple[int, int], Signature], run: dict[tuple[int, int], Signature], step: int,
-                 ranks: list[int]) -> dict[str, list[str]] | None:
+                 ranks: list[int], in_use: dict[int, set[str]] | None = None) -> dict[str, list[str]] | None:
     """What differs at ``step``, by kind (``data``, ``rng``, ``loss``), with evidence; None if a loss is
-    missing, so that equal inputs cannot be told to give equal outputs."""
+    missing, so that equal inputs cannot be told to give equal outputs. ``in_use``: per rank, the
+    generators compared (those drawn from); all where not given."""
     found: dict[str, list[str]] = {}
     for rank in ranks:
         a, b = reference[rank, step], run[rank, step]
         if a.batch_kind and b.batch_kind and (a.batch_kind, a.batch) != (b.batch_kind, b.batch):
             found.setdefault("data", []).append(f"rank {rank}: batch {_hex(a.batch)} vs {_hex(b.batch)}")
-        for name in sorted(set(a.rng) & set(b.rng)):
+        compared = set(a.rng) & set(b.rng)
+        for name in sorted(compared if in_use is None else compared & in_use.get(rank, set())):
             if a.rng[name] != b.rng[name]:
                 found.setdefault("rng", []).append(f"rank {rank}: generator {name} {_hex(a.rng[name])} vs "
                                                    f"{_hex(b.rng[name])}")
@@ -241,9 +266,9 @@ def _diverged(certificate: Certificate, ref: RunRecords, new: RunRecords, step: 
         found["data"] += repeated
     restored = _restored_generators(resumes[-1] if resumes else None)
     order = ("data", "rng") if restored or (restored is None and repeated) else ("rng", "data")
-    causes = [Cause(kind, found[kind]) for kind in order if kind in found]
+    causes = _resized(resumes) + [Cause(kind, found[kind]) for kind in order if kind in found]
     causes += _load_causes(resumes)
-    causes += _recorded_causes(ref, new, step)
+    causes += [cause for cause in _recorded_causes(ref, new, step) if cause.cause not in {c.cause for c in causes}]
     if "loss" in found and not causes:
         causes.append(Cause("nondeterminism", ["batch and generators agree at the step's start",
                                                *found["loss"]]))
@@ -272,6 +297,18 @@ def _resumes_before(records: RunRecords, step: int) -> list[dict]:
         elif type(resumed_at) is int and resumed_at < step:
             before.append(resume)
     return sorted(before, key=lambda resume: resume.get("resumed_ns") or 0)
+
+
+def _resized(resumes: list[dict]) -> list[Cause]:
+    """A resume on another world size than the checkpoint's: it comes first, as every rank's batches,
+    generators and shards change with it."""
+    lines = []
+    for resume in resumes:
+        then, now = (list(resume.get("world_size") or []) + [None, None])[:2]
+        if type(then) is int and type(now) is int and then != now:
+            lines.append(f"rank {resume.get('rank')}: the resume from {(resume.get('from') or {}).get('name')} "
+                         f"went from {then} to {now} ranks")
+    return [Cause("topology", lines)] if lines else []
 
 
 def _restored_generators(resume: dict | None) -> bool | None:
@@ -354,7 +391,7 @@ def certify_resumes(run: str | os.PathLike, *, storage_options: dict | None = No
                        if each == rank and len(signatures) > 1 and step > resumed_at)
         for step in again:
             before, after = records.branches[rank, step][-2:]
-            found = _differences({(rank, step): before}, {(rank, step): after}, step, [rank])
+            found = _differences({(rank, step): before}, {(rank, step): after}, step, [rank], records.in_use)
             if found is None:
                 break
             certificate.steps_compared += 1

@@ -45,6 +45,7 @@ from ckptfmt.lifecycle.gc import collect, remove
 from ckptfmt.loading.load_into import load_into
 from ckptfmt.loading.reader import open as open_checkpoint
 from ckptfmt.loading.reader import restore_rng
+from ckptfmt.loading.resume_check import check_generators, record_resume
 from ckptfmt.repository.repository import Repository
 from ckptfmt.saving.save import save
 
@@ -94,7 +95,8 @@ def save_state(accelerator: Accelerator, url: str | os.PathLike | None = None, *
 def load_state(accelerator: Accelerator, url: str | os.PathLike | None = None, *,
                storage_options: dict | None = None, strict: bool = True) -> None:
     """Load a checkpoint written by ``save_state`` into the accelerator's prepared objects, in place,
-    and restore this rank's RNG states; every rank calls it.
+    and restore this rank's RNG states; every rank calls it. What the objects then hold is compared
+    with the checkpoint part by part (``ckptfmt.record_resume``) and goes on record in the next save.
 
     ``url`` None: the newest ``checkpoint_N`` under automatic checkpoint naming. Sharded states are
     loaded as this run shards them, whatever the world size that saved them.
@@ -114,6 +116,7 @@ def load_state(accelerator: Accelerator, url: str | os.PathLike | None = None, *
                                   f"saved with other prepared objects than this run's (it holds {sorted(rest)})")
         load_into(reader, in_place, strict=strict, rank=accelerator.process_index, within=in_place)
         restore_rng(reader, rank=accelerator.process_index)
+        generators = check_generators(reader, rank=accelerator.process_index)
     for index, model in enumerate(accelerator._models):
         set_model_state_dict(model, in_place[f"model_{index}"])
     for index, optimizer in enumerate(accelerator._optimizers):
@@ -123,6 +126,9 @@ def load_state(accelerator: Accelerator, url: str | os.PathLike | None = None, *
         else:
             optimizer.load_state_dict(rest[name])
     _restore_rest(accelerator, rest)
+    # What the prepared objects hold now, part by part against the checkpoint: on record in the next save.
+    record_resume(url, _training_state(accelerator), storage_options=storage_options,
+                  rank=accelerator.process_index, checked=[generators])
 
 
 class StepTiming(HookedStepTimer):

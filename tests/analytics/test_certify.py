@@ -195,3 +195,65 @@ def test_the_report_shows_the_certificate_and_the_runs_lineage(reference, tmp_pa
     page = (tmp_path / "clean.html").read_text()
     assert f"Certified against it: reproduces it bit for bit over {STEPS} steps." in page
     assert "Every resume restored what its checkpoint held." in page
+
+
+def train_on_ranks(rank: int, world: int, folder, repo: str, stop: int | None = None, resume: bool = False) -> None:
+    """Data parallel on gloo ranks: each rank its share of a batch of 8, gradients averaged, a
+    collective save every 2 steps; ``resume``: from the newest checkpoint, at this world size."""
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = torch.randn(64, 8, generator=torch.Generator().manual_seed(1))
+    timer = ckptfmt.StepTimer(system_interval=None)
+    start = 0
+    if resume:
+        url = f"{repo}/{ckptfmt.Repository.open(repo).commits()[-1].name}"
+        state = ckptfmt.load(url)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        start = state["step"]
+        ckptfmt.record_resume(url, {"model": model, "optimizer": optimizer})
+    for step in range(start, STEPS):
+        with timer.step(step):
+            mine = (torch.arange(step * 8, step * 8 + 8) % 64).chunk(world)[rank]
+            timer.batch(mine)
+            loss = model(data[mine]).square().mean()
+            loss.backward()
+            for parameter in model.parameters():
+                dist.all_reduce(parameter.grad)
+                parameter.grad /= world
+            optimizer.step()
+            optimizer.zero_grad()
+        timer.metrics(loss=loss.detach())
+        if (step + 1) % 2 == 0:
+            state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step + 1}
+            ckptfmt.save(state, f"{repo}/step-{step + 1:03d}", step=step + 1, timer=timer)
+        if stop is not None and step + 1 == stop:
+            return
+
+
+@pytest.mark.distributed
+def test_a_resume_on_another_world_size_is_named_a_topology_change(tmp_path):
+    from tests.support.ranks import run_ranks
+
+    reference, run = str(tmp_path / "reference"), str(tmp_path / "run")
+    for outcome in run_ranks(train_on_ranks, 2, tmp_path / "a", repo=reference):
+        outcome.unwrap()
+    for outcome in run_ranks(train_on_ranks, 2, tmp_path / "b", repo=run, stop=CUT):
+        outcome.unwrap()
+    for outcome in run_ranks(train_on_ranks, 1, tmp_path / "c", repo=run, resume=True):
+        outcome.unwrap()
+    result = certify(reference, run)
+    assert result.verdict == "diverged" and result.steps_compared == CUT + 1
+    first = result.first_divergence
+    assert (first["step"], first["ranks"], first["cause"]) == (CUT, [0], "topology"), result.to_json()
+    assert first["evidence"][0] == f"rank 0: the resume from step-{CUT:03d} went from 2 to 1 ranks"
+    assert [c.cause for c in result.causes][:2] == ["topology", "data"]  # rank 0 now takes the whole batch
+    same = str(tmp_path / "same")  # the same cut resumed on 2 ranks: identical
+    for outcome in run_ranks(train_on_ranks, 2, tmp_path / "d", repo=same, stop=CUT):
+        outcome.unwrap()
+    for outcome in run_ranks(train_on_ranks, 2, tmp_path / "e", repo=same, resume=True):
+        outcome.unwrap()
+    assert certify(reference, same).verdict == "identical"

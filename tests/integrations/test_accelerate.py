@@ -167,3 +167,36 @@ def test_a_state_saved_on_s3_loads_back(accelerator, s3_bucket):
         model.weight.zero_()
     load_state(accelerator, url)
     assert all(torch.equal(saved[key], value) for key, value in model.state_dict().items())
+
+
+class Forgetful(Counter):
+    """A registered object whose restore is a no-op: the resume bug the record must show."""
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+def test_a_load_is_on_record_with_what_it_restored_part_by_part(accelerator, tmp_path):
+    from ckptfmt.metadata import resumes
+
+    resumes._PENDING.clear()
+    model = torch.nn.Linear(4, 2)
+    model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=0.1))
+    forgetful = Forgetful()
+    accelerator.register_for_checkpointing(forgetful)
+    model(torch.ones(3, 4)).sum().backward()
+    optimizer.step()
+    forgetful.count = 5
+    url = save_state(accelerator, tmp_path / "run" / "a", step=1)
+    forgetful.count = 0
+    torch.rand(3)  # the loop draws on before the load restores the generators
+    load_state(accelerator, url)
+    (pending,) = resumes.pending_resumes()
+    verdicts = {part["part"]: part["verdict"] for part in pending["parts"]}
+    assert verdicts == {"rng": "equal", "model_0": "equal", "optimizer_0": "equal", "scaler": "equal",
+                        "custom_0": "different", "accelerate_step": "equal"}
+    second = save_state(accelerator, tmp_path / "run" / "b", step=2)
+    with ckptfmt.open(second) as reader:
+        (stored,) = reader.metadata["timing"]["ranks"][0]["resumes"]
+    assert stored["from"]["name"] == "a" and stored["parts"] == pending["parts"]
+    assert resumes.pending_resumes() == []
