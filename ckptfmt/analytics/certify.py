@@ -38,11 +38,9 @@ from typing import Any
 import numpy as np
 
 from ckptfmt.analytics.compare import compare
+from ckptfmt.analytics.timings import saved_timings
 from ckptfmt.errors import CheckpointError
-from ckptfmt.format.history import History
-from ckptfmt.format.manifest import optional_fields_except
 from ckptfmt.metadata.step_timer import decode_steps
-from ckptfmt.repository.history import read_histories, removed_histories
 from ckptfmt.repository.repository import Repository
 
 VERDICTS = ("identical", "diverged", "undetermined")
@@ -52,7 +50,6 @@ EXIT_CODES = {"identical": 0, "diverged": 1, "undetermined": 2}
 _CAUSE_OF_KIND = {"hyperparameters": "hyperparameters", "topology": "topology", "determinism": "environment",
                   "versions": "environment", "hardware": "environment", "environment": "environment",
                   "code": "environment"}
-_SKIP = optional_fields_except("timing", "topology")
 
 
 @dataclass(frozen=True)
@@ -134,13 +131,7 @@ class RunRecords:
     def __init__(self, url: str | os.PathLike, storage_options: dict | None = None):
         self.repo = Repository.open(url, storage_options)
         self.url, self.storage_options = self.repo.url, storage_options
-        records = self.repo.commits()
-        saves: list[tuple[int, dict]] = []
-        for record in records:
-            saves.append((record.created_ns, self.repo.manifest(record.name, record, skip=_SKIP).timing))
-        histories: list[History] = read_histories(self.repo, removed_histories(self.repo, records))
-        saves += [(history.created_ns, history.timing) for history in histories]
-        saves.sort(key=lambda save: save[0])
+        saves = saved_timings(self.repo)
         self.signatures: dict[tuple[int, int], Signature] = {}
         #: Every signature of a (rank, step), oldest save first: a step computed again has several.
         self.branches: dict[tuple[int, int], list[Signature]] = {}

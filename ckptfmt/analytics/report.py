@@ -38,6 +38,7 @@ from matplotlib.ticker import MaxNLocator
 
 from ckptfmt.analytics.certify import Certificate, certify, certify_resumes, resumes_verdict
 from ckptfmt.analytics.compare import Comparison, compare
+from ckptfmt.analytics.goodput import CATEGORY_NAMES, Goodput, goodput
 from ckptfmt.analytics.grids import StepGrid, slowest_save_phases
 from ckptfmt.analytics.health import HealthReport, health
 from ckptfmt.analytics.stragglers import Thresholds, episode_ranges, step_delays, stragglers
@@ -76,6 +77,7 @@ def report(repo: str | os.PathLike, *, html_path: str | os.PathLike | None = Non
     well = health(repo, deep=deep, storage_options=storage_options, built=built)
     comparison = compare(repo, compare_with, storage_options=storage_options) if compare_with else None
     resumes = certify_resumes(repo, storage_options=storage_options)
+    spent = goodput(repo, storage_options=storage_options)
     certificate = cast(Certificate, certify(compare_with, repo, storage_options=storage_options)) \
         if compare_with else None
     other_steps = tables(compare_with, storage_options=storage_options)["steps"] if compare_with else None
@@ -92,12 +94,13 @@ def report(repo: str | os.PathLike, *, html_path: str | os.PathLike | None = Non
                 figure.figure.savefig(folder / f"{figure.id}.png", dpi=110, bbox_inches="tight")
         if html_path is not None:
             Path(html_path).write_text(_page(os.fspath(repo), built, found, well, comparison, compare_with,
-                                             shown, certificates=(certificate, resumes)), encoding="utf-8")
+                                             shown, certificates=(certificate, resumes), spent=spent),
+                                       encoding="utf-8")
     finally:
         for figure in figures:
             plt.close(figure.figure)
     return {"figures": [f.id for f in figures], "stragglers": found, "comparison": comparison, "health": well,
-            "certificate": certificate, "resumes": resumes}
+            "certificate": certificate, "resumes": resumes, "goodput": spent}
 
 
 # -- figures ---------------------------------------------------------------------------------------
@@ -358,7 +361,8 @@ svg { max-width: 100%; height: auto; }
 
 
 def _page(repo: str, built: dict, found: dict, well: HealthReport, comparison: Comparison | None, other,
-          figures: list[Figure | Omitted], *, certificates: tuple[Certificate | None, list[Certificate]]) -> str:
+          figures: list[Figure | Omitted], *, certificates: tuple[Certificate | None, list[Certificate]],
+          spent: Goodput) -> str:
     e = html.escape
     checkpoints = built["checkpoints"]
     parts = [f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>ckptfmt report: {e(repo)}</title>"
@@ -369,6 +373,7 @@ def _page(repo: str, built: dict, found: dict, well: HealthReport, comparison: C
     certificate, resumes = certificates
     if comparison is not None:
         parts += _comparison_section(comparison, other, certificate)
+    parts += _goodput_section(spent)
     parts += _resumes_section(resumes)
     parts += _health_section(well)
     parts += _stragglers_section(found)
@@ -403,6 +408,26 @@ def _comparison_section(comparison: Comparison, other, certificate: Certificate 
     parts += ["<h3>Recorded differences</h3>",
               _table("differences", [c.replace("_", " ") for c in columns],
                      [[d.get(c) for c in columns] for d in differences])]
+    return parts
+
+
+def _goodput_section(spent: Goodput) -> list[str]:
+    """Where the run's wall time went (``ckptfmt goodput``), and its restarts."""
+    if not spent.ranks:
+        return ["<h2>Where the time went</h2>", "<p id='goodput'>No training steps on record.</p>"]
+    shares = spent.shares
+    parts = ["<h2>Where the time went</h2>",
+             f"<p id='goodput-summary'>{spent.wall_s:.1f} s of wall time on {counted(spent.ranks, 'rank')} "
+             f"(the mean of the ranks): {shares['productive']:.1%} productive, "
+             f"{counted(len(spent.restarts), 'restart')}, {counted(spent.steps_recomputed, 'step')} computed "
+             "again.</p>",
+             _table("goodput", ["share", "seconds", "of wall time"],
+                    [[CATEGORY_NAMES[name], f"{value:.2f}", f"{shares[name]:.1%}"]
+                     for name, value in spent.seconds.items()])]
+    if spent.restarts:
+        parts.append(_table("restarts", ["rank", "resumed from", "step", "down (s)", "world size"],
+                            [[r["rank"], r["from"], r["from_step"], f"{r['seconds']:.2f}",
+                              " to ".join(map(str, r["world_size"]))] for r in spent.restarts]))
     return parts
 
 

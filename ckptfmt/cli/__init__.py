@@ -106,6 +106,13 @@ def build_parser(*, plugins: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(run=command("analysis", "certify"))
 
+    p = sub.add_parser("goodput", help="where a run's wall time went: productive steps, data waits, save "
+                                       "stalls, restarts, steps computed again, straggler waits (needs "
+                                       "ckptfmt[analytics])")
+    p.add_argument("repo", help="repository URL of the run")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(run=command("analysis", "goodput"))
+
     p = sub.add_parser("report", help="a run's figures and tables as one self-contained HTML file and/or PNGs "
                                       "(needs ckptfmt[analytics])")
     p.add_argument("repo", help="repository URL of the run")

@@ -162,6 +162,39 @@ def certify(args, console: Console) -> int:
     return _worst(certificates, EXIT_CODES)
 
 
+def goodput(args, console: Console) -> int:
+    from ckptfmt.analytics.goodput import CATEGORY_NAMES
+
+    result = _analytics().goodput(args.repo)
+    if args.json:
+        Output(console).json(result.to_json())
+        return 0
+    out = Output(console)
+    if not result.ranks:
+        out.line(f"{args.repo}: no training steps on record (a StepTimer handed to the saves)")
+        return 2
+    out.line(f"run: {args.repo}")
+    out.line(f"{seconds(result.wall_s)} of wall time on {counted(result.ranks, 'rank')}, "
+             f"{counted(result.steps_kept, 'step')} kept, {result.steps_recomputed} computed again")
+    shares = result.shares
+    out.table("where the time went (the mean of the ranks)",
+              [Column("share"), Column("time", right=True), Column("of wall", right=True)],
+              ((CATEGORY_NAMES[name], seconds(value), f"{shares[name]:.1%}")
+               for name, value in result.seconds.items()))
+    if result.restarts:
+        out.table(counted(len(result.restarts), "restart"),
+                  [Column("rank", right=True), Column("resumed from", NAME), Column("step", right=True),
+                   Column("down", right=True), Column("world size", right=True)],
+                  ((words(r["rank"]), words(r["from"]), words(r["from_step"]), seconds(r["seconds"]),
+                    _world(r["world_size"])) for r in result.restarts))
+    return 0
+
+
+def _world(sizes: list) -> str:
+    """A resume's world sizes then and now: ``4``, or ``4 to 2`` where it changed."""
+    return "-" if not sizes else str(sizes[0]) if len(set(sizes)) == 1 else " to ".join(map(str, sizes))
+
+
 def _worst(certificates: list, codes: dict[str, int]) -> int:
     return max((codes[c.verdict] for c in certificates), default=codes["undetermined"])
 

@@ -37,6 +37,8 @@ from ckptfmt.errors import ManifestError
 from ckptfmt.metadata.rng_digests import RNG_DIGEST_BYTES, RngDigests
 from ckptfmt.metadata.system import DEFAULT_INTERVAL_S, SystemSampler
 
+#: Seconds between rewrites of a process's progress object (spec 4.6) by default.
+DEFAULT_PROGRESS_INTERVAL_S = 10.0
 #: Bytes of a batch digest (BLAKE3 of the indices as little-endian int64).
 BATCH_DIGEST_BYTES = 16
 #: What a step's batch digest was taken of (spec 9.4 ``batch_kind``).
@@ -55,8 +57,16 @@ class StepTimer:
     """
 
     def __init__(self, *, system_interval: float | str | None = DEFAULT_INTERVAL_S, rng: bool = True,
-                 generators: dict[str, Any] | None = None):
+                 generators: dict[str, Any] | None = None,
+                 progress_interval: float | None = DEFAULT_PROGRESS_INTERVAL_S):
         self._columns = _empty_columns()
+        #: Seconds between rewrites of this process's progress object once a save bound the timer to its
+        #: repository (spec 4.6: the steps not yet saved, which a killed process takes with it); None: never.
+        self.progress_interval = progress_interval
+        #: The progress writer a save bound (``repository.progress.bind``), or None.
+        self.progress: Any = None
+        #: (start_ns, duration_s) of each time a save held the loop, not yet stored (spec 9.4 ``stalls``).
+        self._stalls: list[tuple[int, float]] = []
         #: Every generator's state at each step's start, digested (``rng=False``: none).
         self._rng = RngDigests(generators) if rng else None
         self._current: _Step | None = None
@@ -208,19 +218,47 @@ class StepTimer:
                     columns[name] = [None] * rows
                 columns[name][-1] = number
 
+    def held(self, start_ns: int, duration_s: float) -> None:
+        """A save held the loop from ``start_ns`` for ``duration_s`` (from its call to its return: what
+        its own record cannot hold, as its commit comes after it); the next save stores it."""
+        with self._lock:
+            self._stalls.append((int(start_ns), float(duration_s)))
+        if self.progress is not None:
+            self.progress.maybe_write(self)
+
     def snapshot(self) -> dict:
         """The finished steps not yet stored, as the manifest records them (spec 9.4), with the system
-        samples not yet stored under ``system`` (``timing.with_steps`` puts them apart); the timer keeps them."""
+        samples and the saves' stalls not yet stored under ``system`` and ``stalls`` (``timing.with_steps``
+        puts them apart); the timer keeps them."""
         with self._lock:
             record = encode_steps(self._columns)
+            stalls = self._stalls_record()
+        if stalls is not None:
+            record["stalls"] = stalls
         samples = self._sampler.snapshot() if self._sampler is not None else None
         if samples is not None:
             record["system"] = samples
         return record
 
+    def progress_record(self) -> tuple[dict | None, dict | None]:
+        """The finished steps and the saves' stalls not yet stored (spec 9.4's ``steps`` and ``stalls``;
+        None where there are none), for a progress object (spec 4.6)."""
+        with self._lock:
+            return encode_steps(self._columns) if self._columns["step"] else None, self._stalls_record()
+
+    def _stalls_record(self) -> dict | None:
+        """The stalls not yet stored, as spec 9.4 records them (the caller holds the lock)."""
+        if not self._stalls:
+            return None
+        return {"count": len(self._stalls), "start_ns": [start for start, _ in self._stalls],
+                "duration_s": [duration for _, duration in self._stalls]}
+
     def forget_stored(self, snapshot: dict) -> None:
         """Drop what ``snapshot`` held, steps and system samples: a committed checkpoint holds them."""
         self.forget(snapshot["count"])
+        if "stalls" in snapshot:
+            with self._lock:
+                del self._stalls[:snapshot["stalls"]["count"]]
         if self._sampler is not None and "system" in snapshot:
             self._sampler.forget(snapshot["system"]["count"])
 
@@ -245,6 +283,8 @@ class StepTimer:
         with self._lock:
             self._append(step, end)
         self._current = None
+        if self.progress is not None:
+            self.progress.maybe_write(self)
         if self._sampler is not None:
             if self._sampler.interval is None:
                 self._sampler.sample()

@@ -45,13 +45,14 @@ class PhaseTimer:
 
 
 def with_steps(entry: dict, steps: dict | None, resumes: list[dict] | None = None) -> dict:
-    """A ``timing.ranks`` entry with a ``StepTimer.snapshot()``'s steps and its system samples apart
-    (spec 9.4: ``steps`` and ``system``), and the rank's resumes (``resumes``, 1.8)."""
+    """A ``timing.ranks`` entry with a ``StepTimer.snapshot()``'s steps, and its system samples and save
+    stalls apart (spec 9.4: ``steps``, ``system``, ``stalls`` 1.9), and the rank's resumes (``resumes``, 1.8)."""
     if resumes:
         entry = {**entry, "resumes": list(resumes)}
     if steps is None:
         return entry
-    entry = {**entry, "steps": {k: v for k, v in steps.items() if k != "system"}}
-    if "system" in steps:
-        entry["system"] = steps["system"]
+    entry = {**entry, "steps": {k: v for k, v in steps.items() if k not in ("system", "stalls")}}
+    for apart in ("system", "stalls"):
+        if apart in steps:
+            entry[apart] = steps[apart]
     return entry

@@ -32,6 +32,7 @@ from ckptfmt.format.hashing import check_chunk
 from ckptfmt.format.history import HISTORY_DIR, History, HistoryKey
 from ckptfmt.format.limits import MAX_COMMIT_BYTES, MAX_MARKER_BYTES, check_name, is_valid_name
 from ckptfmt.format.maps import unique_map
+from ckptfmt.format.progress import PROGRESS_DIR
 from ckptfmt.format.version import FORMAT_VERSION, check_version
 from ckptfmt.repository.index import INDEX_DIR, CommitIndex, IndexDamagedError, read_each
 from ckptfmt.repository.pointers import POINTER_SUFFIX, read_pointer
@@ -136,7 +137,8 @@ class Repository:
         """
         checkpoints, ignored = [], []
         for entry in self.storage.list(""):
-            if entry in (layout.MARKER_KEY, layout.CHUNKS_DIR, INDEX_DIR, layout.LEASES_DIR, HISTORY_DIR):
+            if entry in (layout.MARKER_KEY, layout.CHUNKS_DIR, INDEX_DIR, layout.LEASES_DIR, HISTORY_DIR,
+                         PROGRESS_DIR):
                 continue
             if is_valid_name(entry) and self.storage.exists(layout.commit_key(entry)):
                 checkpoints.append(entry)

@@ -28,6 +28,8 @@ from typing import Any
 from ckptfmt.metadata.resumes import forget_resumes, pending_resumes
 from ckptfmt.metadata.rng import capture_states
 from ckptfmt.metadata.step_timer import StepTimer
+from ckptfmt.metadata.topology import current_rank
+from ckptfmt.repository.progress import bind as bind_progress
 from ckptfmt.saving import in_flight
 from ckptfmt.saving.core import Captured
 from ckptfmt.saving.options import SaveOptions
@@ -48,6 +50,7 @@ class AsyncSaver:
         """Stage ``state`` and save it in the background; the future gives the checkpoint's URL."""
         if options.before_commit is not None:
             raise ValueError("before_commit is for synchronous saves")
+        began_ns = time.time_ns()
         in_flight.wait_for_previous(url)  # also: the staging buffers are free again
         steps = step_records(timer)  # the steps up to the call, as the state is
         # The generators as they are now: the loop draws on while this saves.
@@ -60,6 +63,8 @@ class AsyncSaver:
                             device_stats=area.device_stats, resumes=pending_resumes())
         future = self._background().submit(_save_staged, staged, url, options, captured, timer)
         in_flight.register(url, future)
+        if timer is not None:
+            timer.held(began_ns, (time.time_ns() - began_ns) / 1e9)
         return future
 
     def close(self) -> None:
@@ -103,8 +108,10 @@ def _save_staged(staged: Any, url: str | os.PathLike, options: SaveOptions, capt
                  timer: StepTimer | None) -> str:
     """The background part; the timer's steps it stored leave the timer before the future is done."""
     committed = run_save(staged, url, options, captured)
-    if timer is not None and captured.steps is not None:
-        timer.forget_stored(captured.steps)
+    if timer is not None:
+        if captured.steps is not None:
+            timer.forget_stored(captured.steps)
+        bind_progress(timer, committed, options.storage_options, current_rank()[0])
     forget_resumes(captured.resumes)
     return committed
 

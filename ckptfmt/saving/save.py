@@ -8,6 +8,7 @@ under torch.distributed, else this process alone, a group of one.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -17,6 +18,7 @@ from ckptfmt.groups.ranks import Ranks, SoloRanks
 from ckptfmt.metadata.resumes import forget_resumes, pending_resumes
 from ckptfmt.metadata.step_timer import StepTimer
 from ckptfmt.metadata.topology import current_rank
+from ckptfmt.repository.progress import bind as bind_progress
 from ckptfmt.saving import in_flight
 from ckptfmt.saving.core import Captured
 from ckptfmt.saving.options import DEFAULT_TIMEOUT_S, LATEST, SaveOptions
@@ -120,12 +122,16 @@ def save(
 
 def save_with(state: Any, url: str | os.PathLike, options: SaveOptions, *, timer: StepTimer | None = None) -> str:
     """``save`` with its options already made (a CheckpointManager's)."""
+    began_ns = time.time_ns()
     in_flight.wait_for_previous(url)
     steps = step_records(timer)
     captured = Captured(steps=steps, resumes=pending_resumes())
     committed = run_save(state, url, options, captured)
-    if timer is not None and steps is not None:
-        timer.forget_stored(steps)
+    if timer is not None:
+        if steps is not None:
+            timer.forget_stored(steps)
+        bind_progress(timer, committed, options.storage_options, current_rank()[0])
+        timer.held(began_ns, (time.time_ns() - began_ns) / 1e9)
     forget_resumes(captured.resumes)
     return committed
 

@@ -179,6 +179,7 @@ def test_the_cli_finds_the_commands_of_the_converters_and_the_tui():
         "stragglers",
         "compare",
         "certify",
+        "goodput",
         "report",
         "health",
         "rm",

@@ -1,0 +1,88 @@
+"""Progress objects (spec 4.6, 1.9): written as a process trains, read by ``ckptfmt goodput``.
+
+A save with a ``StepTimer`` binds the timer to its repository (``bind``): from
+then on, at the end of a step (or a save's return) at least
+``StepTimer(progress_interval=...)`` seconds after its last write, the timer's steps not yet saved are written to
+this process's progress object on a background thread (one write in flight at
+a time, so a slow store costs the loop nothing; a failed write is retried at the
+next interval, with one warning). What a killed process computed after its last
+save, and when it stopped, is then on record to within an interval.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+import warnings
+from typing import Any
+
+from ckptfmt.errors import CheckpointError, CheckpointWarning
+from ckptfmt.format.progress import MAX_PROGRESS_BYTES, PROGRESS_DIR, Progress, ProgressKey
+from ckptfmt.repository.repository import Repository
+
+
+class ProgressWriter:
+    """Rewrites this process's progress object in ``repo`` with a timer's unsaved steps (a ``StepTimer``,
+    which sits above this layer: anything with its ``progress_record()``)."""
+
+    def __init__(self, repo: Repository, rank: int, interval_s: float):
+        self.repo, self.interval_s = repo, interval_s
+        self.key = ProgressKey(time.time_ns(), rank, os.getpid())  # one object per timer bound
+        self._last = -float("inf")
+        self._busy = threading.Lock()
+        self._warned = False
+
+    def maybe_write(self, timer: Any) -> None:
+        """At a step's end or a save's return: start a write if the interval has passed and none is in
+        flight."""
+        now = time.monotonic()
+        if now - self._last < self.interval_s or not self._busy.acquire(blocking=False):
+            return
+        self._last = now
+        steps, stalls = timer.progress_record()
+        threading.Thread(target=self._write, args=(steps, stalls), name="ckptfmt-progress", daemon=True).start()
+
+    def _write(self, steps: dict | None, stalls: dict | None) -> None:
+        try:
+            progress = Progress(self.key.started_ns, self.key.rank, self.key.pid, socket.gethostname(),
+                                time.time_ns(), steps, stalls)
+            self.repo.storage.write(self.key.key, progress.to_bytes(), durable=False)
+        except (CheckpointError, OSError) as exc:
+            if not self._warned:
+                self._warned = True
+                warnings.warn(f"progress of rank {self.key.rank} not written to {self.repo.url} ({exc}); "
+                              "ckptfmt goodput will not see the steps since the last save", CheckpointWarning,
+                              stacklevel=2)
+        finally:
+            self._busy.release()
+
+
+def bind(timer: Any, checkpoint_url: str, storage_options: dict | None, rank: int) -> None:
+    """Bind ``timer`` to the repository of the checkpoint it was just saved with (once: the first
+    repository it saved to), as rank ``rank``."""
+    if timer.progress_interval is not None and timer.progress is None:
+        repo = Repository.open(checkpoint_url.rstrip("/").rsplit("/", 1)[0], storage_options)
+        timer.progress = ProgressWriter(repo, rank, timer.progress_interval)
+
+
+def progress_keys(repo: Repository) -> list[ProgressKey]:
+    """Every progress object of the repository, oldest process first (other entries are ignored)."""
+    keys = [key for entry in repo.storage.list(PROGRESS_DIR) if (key := ProgressKey.parse(entry)) is not None]
+    return sorted(keys, key=lambda k: (k.started_ns, k.rank, k.pid))
+
+
+def read_progress(repo: Repository) -> list[Progress]:
+    """The progress objects that can be read; a damaged one is skipped with a warning."""
+    found: list[Progress] = []
+    for key in progress_keys(repo):
+        where = repo.storage.describe(key.key)
+
+        def parse(data: bytes, key: ProgressKey = key, where: str = where) -> Progress:
+            return Progress.from_bytes(data, key, where)
+        try:
+            found.append(repo.storage.read_checked(key.key, max_size=MAX_PROGRESS_BYTES, check=parse))
+        except CheckpointError as exc:
+            warnings.warn(f"progress object skipped: {exc}", CheckpointWarning, stacklevel=2)
+    return found

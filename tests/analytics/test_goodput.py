@@ -1,0 +1,90 @@
+"""``ckptfmt goodput``: a run's wall time split into productive steps, data waits, save stalls, restarts,
+steps computed again, straggler waits and the rest, from its records alone, checked against the
+timeline the run logged by its own clock.
+
+tests/scripts/goodput_run.py trains 20 steps, killed (SIGKILL) after step 5 and again after step 13,
+each time restarted and resumed from its newest checkpoint (every 4 steps): steps 4-5 and 12-13 are
+computed twice."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ckptfmt.analytics.goodput import CATEGORIES, CATEGORY_NAMES, goodput
+from ckptfmt.cli import main
+from tests.support.helpers import SCRIPTS, script_env
+
+STEPS = 20
+
+
+def run(repo: Path, log: Path, kill_after: int) -> None:
+    result = subprocess.run([sys.executable, str(SCRIPTS / "goodput_run.py"), str(repo), str(STEPS),
+                             str(kill_after), str(log)], capture_output=True, text=True, timeout=120,
+                            env=script_env())
+    expected = -9 if kill_after >= 0 else 0
+    assert result.returncode == expected, result.stderr[-3000:]
+
+
+def truth(log: Path) -> dict[str, float]:
+    """The split by the run's own log, with goodput's definitions."""
+    computations, saves, resumes = [], [], []
+    for line in log.read_text().splitlines():
+        kind, *fields = line.split()
+        if kind == "step":
+            computations.append((int(fields[0]), int(fields[1]), int(fields[2]), float(fields[3])))
+        elif kind == "save":
+            saves.append((int(fields[0]), int(fields[1])))
+        else:
+            resumes.append(int(fields[0]))
+    kept = {c[0]: c for c in computations}  # the last computation of each step
+    wasted = [c for c in computations if kept[c[0]] is not c]
+    seconds = dict.fromkeys(CATEGORIES, 0.0)
+    seconds["data_waits"] = sum(c[3] for c in kept.values())
+    seconds["productive"] = sum((c[2] - c[1]) / 1e9 - c[3] for c in kept.values())
+    seconds["recomputed"] = sum((c[2] - c[1]) / 1e9 for c in wasted)
+    seconds["save_stalls"] = sum((end - start) / 1e9 for start, end in saves)
+    ends = [c[2] for c in computations] + [end for _, end in saves]
+    for resumed in resumes:
+        stopped = max(end for end in ends if end < resumed)
+        seconds["restarts"] += (min(c[1] for c in computations if c[1] > resumed) - stopped) / 1e9
+    wall = (max(ends) - min(c[1] for c in computations)) / 1e9
+    seconds["other"] = wall - sum(seconds.values())
+    return {"wall_s": wall, **seconds}
+
+
+@pytest.mark.slow
+def test_a_run_killed_and_resumed_twice_is_split_as_its_own_log_says(tmp_path, capsys):
+    repo, log = tmp_path / "run", tmp_path / "timeline.log"
+    for kill_after in (5, 13, -1):
+        run(repo, log, kill_after)
+    expected = truth(log)
+    found = goodput(repo)
+    assert (found.ranks, found.steps_kept, found.steps_recomputed) == (1, STEPS, 4)
+    assert found.wall_s == pytest.approx(expected["wall_s"], rel=0.01)
+    for name in CATEGORIES:  # within 5% of each share, or half a percent of the wall time for the smallest
+        share, true_share = found.shares[name], expected[name] / expected["wall_s"]
+        assert abs(share - true_share) <= max(0.05 * true_share, 0.005), (name, share, true_share)
+    assert [(r["from"], r["from_step"]) for r in found.restarts] == [("step-004", 4), ("step-012", 12)]
+    assert found.world_sizes == [{"from_ns": found.world_sizes[0]["from_ns"], "world_size": 1}]
+    assert main(["goodput", str(repo)]) == 0
+    out = capsys.readouterr().out
+    assert all(len(line) <= 80 for line in out.splitlines()), out
+    assert "restarts" in out and "step-004" in out
+    assert main(["goodput", str(repo), "--json"]) == 0
+    document = json.loads(capsys.readouterr().out)
+    assert set(document["seconds"]) == set(CATEGORIES) and len(document["restarts"]) == 2
+    from ckptfmt.analytics.report import report
+
+    report(str(repo), html_path=tmp_path / "report.html")
+    page = (tmp_path / "report.html").read_text()
+    rows = re.findall(r"<tr><td>(.*?)</td><td>(.*?)</td><td>(.*?)</td></tr>",
+                      re.search(r"<table id='goodput'>.*?</table>", page, flags=re.S).group(0))
+    assert [row[0] for row in rows] == [CATEGORY_NAMES[name] for name in CATEGORIES]
+    restarts = re.search(r"<table id='restarts'>.*?</table>", page, flags=re.S).group(0)
+    assert "step-004" in restarts and "step-012" in restarts
