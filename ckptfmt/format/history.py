@@ -21,8 +21,8 @@ import msgpack
 from ckptfmt.errors import CheckpointError, CorruptDataError, ManifestError, quoted
 from ckptfmt.format.hashing import chunk_hash
 from ckptfmt.format.limits import MAX_MANIFEST_BYTES, check_hash, check_name
-from ckptfmt.format.maps import unique_map
-from ckptfmt.format.version import FORMAT_VERSION, check_version
+from ckptfmt.format.maps import unpack_object
+from ckptfmt.format.version import FORMAT_VERSION
 
 if TYPE_CHECKING:
     from ckptfmt.format.commit_record import CommitRecord
@@ -98,22 +98,14 @@ class History:
         actual = chunk_hash(data)
         if actual != expected.digest:
             raise CorruptDataError(f"{where}: hash mismatch (expected {expected.digest[:16]}..., got {actual[:16]}...)")
-        try:
-            doc = msgpack.unpackb(data, raw=False, strict_map_key=False, object_pairs_hook=unique_map)
-        except CheckpointError as exc:
-            raise type(exc)(f"{where}: {exc}") from None
-        except Exception as exc:
-            raise ManifestError(f"{where}: not a valid msgpack history object ({exc})") from None
+        doc = unpack_object(data, where, HISTORY_FORMAT, MAX_HISTORY_BYTES)
         try:
             return cls._from_dict(doc, expected)
         except CheckpointError as exc:
             raise type(exc)(f"{where}: {exc}") from None
 
     @classmethod
-    def _from_dict(cls, doc: object, expected: HistoryKey) -> History:
-        if not isinstance(doc, dict) or doc.get("format") != HISTORY_FORMAT:
-            raise ManifestError("not a ckptfmt history object")
-        check_version(doc.get("version"), "history object")
+    def _from_dict(cls, doc: dict, expected: HistoryKey) -> History:
         name, created, step = doc.get("name"), doc.get("created_ns"), doc.get("step")
         if (name, created) != (expected.name, expected.created_ns):
             raise ManifestError(f"its name and created_ns ({quoted(name)}, {quoted(created)}) differ from its key's")

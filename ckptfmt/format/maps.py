@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ckptfmt.errors import ManifestError, quoted
+import msgpack
+
+from ckptfmt.errors import CheckpointError, ManifestError, quoted
 
 
 def unique_map(pairs: list[tuple]) -> dict:
@@ -28,3 +30,26 @@ def first_repeat(items) -> Any:
             return item
         seen.add(item)
     raise AssertionError("no item repeats")
+
+
+def unpack_object(data: bytes, where: str, fmt: str, max_bytes: int) -> dict:
+    """A repository object stored as a msgpack map (history, progress): at most ``max_bytes``, unique
+    keys, its ``format`` member ``fmt`` and a version this reader reads; errors name ``where``."""
+    from ckptfmt.format.version import check_version
+
+    what = fmt.removeprefix("ckptfmt-")
+    if len(data) > max_bytes:
+        raise ManifestError(f"{where}: {what} object of {len(data)} bytes is over the {max_bytes} limit")
+    try:
+        doc = msgpack.unpackb(data, raw=False, strict_map_key=False, object_pairs_hook=unique_map)
+    except CheckpointError as exc:
+        raise type(exc)(f"{where}: {exc}") from None
+    except Exception as exc:
+        raise ManifestError(f"{where}: not a valid msgpack {what} object ({exc})") from None
+    if not isinstance(doc, dict) or doc.get("format") != fmt:
+        raise ManifestError(f"{where}: not a ckptfmt {what} object")
+    try:
+        check_version(doc.get("version"), f"{what} object")
+    except CheckpointError as exc:
+        raise type(exc)(f"{where}: {exc}") from None
+    return doc

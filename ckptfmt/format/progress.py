@@ -17,10 +17,10 @@ from dataclasses import dataclass
 
 import msgpack
 
-from ckptfmt.errors import CheckpointError, ManifestError, quoted
+from ckptfmt.errors import ManifestError, quoted
 from ckptfmt.format.limits import MAX_MANIFEST_BYTES
-from ckptfmt.format.maps import unique_map
-from ckptfmt.format.version import FORMAT_VERSION, check_version
+from ckptfmt.format.maps import unpack_object
+from ckptfmt.format.version import FORMAT_VERSION
 
 PROGRESS_FORMAT = "ckptfmt-progress"
 #: Where progress objects live; not a valid checkpoint name, so older readers ignore it (spec 4.1).
@@ -73,21 +73,7 @@ class Progress:
     @classmethod
     def from_bytes(cls, data: bytes, expected: ProgressKey, where: str) -> Progress:
         """Parse a progress object read at ``expected``'s key: its identity must match the key."""
-        if len(data) > MAX_PROGRESS_BYTES:
-            raise ManifestError(f"{where}: progress object of {len(data)} bytes is over the "
-                                f"{MAX_PROGRESS_BYTES} limit")
-        try:
-            doc = msgpack.unpackb(data, raw=False, strict_map_key=False, object_pairs_hook=unique_map)
-        except CheckpointError as exc:
-            raise type(exc)(f"{where}: {exc}") from None
-        except Exception as exc:
-            raise ManifestError(f"{where}: not a valid msgpack progress object ({exc})") from None
-        if not isinstance(doc, dict) or doc.get("format") != PROGRESS_FORMAT:
-            raise ManifestError(f"{where}: not a ckptfmt progress object")
-        try:
-            check_version(doc.get("version"), "progress object")
-        except CheckpointError as exc:
-            raise type(exc)(f"{where}: {exc}") from None
+        doc = unpack_object(data, where, PROGRESS_FORMAT, MAX_PROGRESS_BYTES)
         identity = (doc.get("started_ns"), doc.get("rank"), doc.get("pid"))
         if identity != (expected.started_ns, expected.rank, expected.pid):
             raise ManifestError(f"{where}: its started_ns, rank and pid ({', '.join(map(quoted, identity))}) "

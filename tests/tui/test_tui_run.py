@@ -111,6 +111,18 @@ async def test_the_compare_tab_shows_both_values_at_80_columns(tmp_path):
         assert header.split()[4:6] == ["a", "b"] and row[4] in first and row[5] in first, (header, first)
 
 
+async def open_tab(app, pilot, tab: str) -> RunScreen:
+    """The run screen of the repository the app opened (``a``), showing ``tab``."""
+    await settle(app, pilot)
+    await pilot.press("a")
+    await settle(app, pilot)
+    screen = app.screen
+    assert isinstance(screen, RunScreen)
+    screen.query_one("#run-tabs").active = tab
+    await pilot.pause()
+    return screen
+
+
 def run_resumed_without_its_optimizer(repo: str) -> None:
     """Two steps, a checkpoint, a resume that loads the model only (on record), two more steps."""
     import torch
@@ -151,12 +163,7 @@ async def test_the_resumes_tab_shows_each_resume_with_what_it_did_not_restore(tm
     run_resumed_without_its_optimizer(run)
     app = create_app([run])
     async with app.run_test(size=SIZE) as pilot:
-        await settle(app, pilot)
-        await pilot.press("a")
-        await settle(app, pilot)
-        screen = app.screen
-        screen.query_one("#run-tabs").active = "resumes-tab"
-        await pilot.pause()
+        screen = await open_tab(app, pilot, "resumes-tab")
         assert text_of(app, "#resumes-verdict").strip() == "A resume diverged"
         (row,) = cells(screen.query_one("#resumes"))
         assert row[:4] == ["0", "step-2", "2", "1"] and row[5:] == ["optimizer missing", "diverges at step 3 (load)"]
@@ -168,13 +175,7 @@ async def test_the_health_tab_shows_the_norms_the_nan_and_the_findings(tmp_path)
     sick_run(run)
     app = create_app([run])
     async with app.run_test(size=SIZE) as pilot:
-        await settle(app, pilot)
-        await pilot.press("a")
-        await settle(app, pilot)
-        screen = app.screen
-        assert isinstance(screen, RunScreen)
-        screen.query_one("#run-tabs").active = "health-tab"
-        await pilot.pause()
+        screen = await open_tab(app, pilot, "health-tab")
         verdict = text_of(app, "#health-verdict")
         assert f"NaN/Inf: first in step-{SICK_NAN:04d} (step {SICK_NAN}): model/0.bias" in verdict
         norms = text_of(app, "#norms").splitlines()

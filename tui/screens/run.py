@@ -50,8 +50,8 @@ class RunScreen(WorkerScreen):
             "them. Health: each tensor group's norm over the checkpoints (a red x: a jump off its trend), "
             "NaN/Inf, loss spikes, unchanged and mostly-zero tensors. Resumes: each resume of the run, the "
             "checkpoint it came from, what it did not restore and whether it reproduces (ckptfmt certify RUN). "
-            "Compare (with ckptfmt tui RUN --compare RUN_B): whether the runs are identical, where they first diverge, whether this run reproduces the "
-            "other step by step, and every recorded difference. "
+            "Compare (with ckptfmt tui RUN --compare RUN_B): whether the runs are identical, where they first "
+            "diverge, whether this run reproduces the other step by step, and every recorded difference. "
             "[ and ] switch tabs.")
     BINDINGS = TAB_BINDINGS
     DEFAULT_CSS = """
