@@ -23,6 +23,7 @@ functions. With ``ProjectConfiguration(automatic_checkpoint_naming=True)``,
 
 from __future__ import annotations
 
+import copy
 import os
 import re
 import warnings
@@ -237,6 +238,10 @@ def _restore_loader(loader: Any, state: dict[str, Any]) -> None:
         sampler.initial_seed = state["sampler_seed"]
     if "state_dict" in state and getattr(loader, "use_stateful_dataloader", False):
         loader.load_state_dict(state["state_dict"])
+        if "dl_state_dict" in vars(loader):
+            # Accelerate's loader answers state_dict() from a copy it refreshes only as batches go out: after
+            # a load it would still give the position before it (a save made at once would store that).
+            loader.dl_state_dict = copy.deepcopy(state["state_dict"])
 
 
 def _owner(accelerator: Accelerator, optimizer: Any) -> torch.nn.Module | None:

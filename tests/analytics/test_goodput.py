@@ -88,3 +88,58 @@ def test_a_run_killed_and_resumed_twice_is_split_as_its_own_log_says(tmp_path, c
     assert [row[0] for row in rows] == [CATEGORY_NAMES[name] for name in CATEGORIES]
     restarts = re.search(r"<table id='restarts'>.*?</table>", page, flags=re.S).group(0)
     assert "step-004" in restarts and "step-012" in restarts
+
+
+def train_on_two_ranks(rank: int, world: int, folder, repo: str, stop: int | None = None) -> None:
+    """Data parallel on gloo ranks, gradients averaged each step (the ranks wait for each other); rank 1
+    is 0.1 s slow in its forward phase at steps 3, 4 and 5; a collective save every 2 steps; it stops
+    after step ``stop``, or resumes from the newest checkpoint and trains to step 10."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    import ckptfmt
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    timer = ckptfmt.StepTimer(system_interval=None)
+    first = 0
+    if stop is None:
+        url = f"{repo}/{ckptfmt.Repository.open(repo).commits()[-1].name}"
+        state = ckptfmt.load(url)
+        model.load_state_dict(state["model"])
+        first = state["step"]
+        ckptfmt.record_resume(url, {"model": model})
+    for step in range(first, 10 if stop is None else stop):
+        with timer.step(step):
+            with timer.phase("data"):
+                time.sleep(0.01)
+            with timer.phase("forward"):
+                loss = model(torch.ones(2, 4)).square().mean()
+                loss.backward()
+                time.sleep(0.02 + (0.1 if rank == 1 and step in (3, 4, 5) else 0.0))
+            with timer.phase("sync"):
+                for parameter in model.parameters():
+                    dist.all_reduce(parameter.grad)
+        timer.metrics(loss=loss.detach())
+        if (step + 1) % 2 == 0:
+            ckptfmt.save({"model": model.state_dict(), "step": step + 1}, f"{repo}/step-{step + 1:02d}", step=step + 1,
+                         timer=timer)
+
+
+@pytest.mark.distributed
+def test_two_ranks_wait_on_their_straggler_and_each_records_its_restart(tmp_path):
+    from tests.support.ranks import run_ranks
+
+    repo = str(tmp_path / "run")
+    for outcome in run_ranks(train_on_two_ranks, 2, tmp_path / "a", repo=repo, stop=6):
+        outcome.unwrap()
+    for outcome in run_ranks(train_on_two_ranks, 2, tmp_path / "b", repo=repo):
+        outcome.unwrap()
+    found = goodput(repo)
+    assert (found.ranks, found.steps_kept, found.steps_recomputed) == (2, 10, 0)
+    assert found.seconds["straggler_waits"] == pytest.approx(0.3, abs=0.08)  # 3 steps of 0.1 s, every rank
+    assert sorted((r["rank"], r["from"]) for r in found.restarts) == [(0, "step-06"), (1, "step-06")]
+    assert found.seconds["restarts"] > 0.1 and found.world_sizes[-1]["world_size"] == 2
+    assert sum(found.seconds.values()) == pytest.approx(found.wall_s, rel=1e-6)

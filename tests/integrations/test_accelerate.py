@@ -72,6 +72,13 @@ def test_two_ranks_resume_in_the_middle_of_an_epoch_exactly_and_show_the_slow_ra
         assert {"model_0/0.weight", "optimizer_0/state/0.weight/exp_avg"} <= set(reader.keys())
     torchrun("accelerate_train.py", 2, "resume", "stateful", url, str(STEPS), str(resumed))
     assert_same_training_state(straight, resumed)
+    # Step by step on both ranks, the resumed run is the uninterrupted one, and its resume is on record.
+    from ckptfmt.analytics import certify
+
+    result = certify(str(tmp_path / "a"), str(tmp_path / "run"))
+    assert (result.verdict, result.steps_compared) == ("identical", STEPS), result.to_json()
+    resumes = certify(str(tmp_path / "run"))
+    assert [c.verdict for c in resumes] == ["identical", "identical"], [c.to_json() for c in resumes]  # each rank
 
 
 @pytest.mark.exhaustive  # 20 s: make test keeps the single-process save_state tests
@@ -200,3 +207,29 @@ def test_a_load_is_on_record_with_what_it_restored_part_by_part(accelerator, tmp
         (stored,) = reader.metadata["timing"]["ranks"][0]["resumes"]
     assert stored["from"]["name"] == "a" and stored["parts"] == pending["parts"]
     assert resumes.pending_resumes() == []
+
+
+def test_a_save_right_after_a_load_keeps_the_loaders_position(tmp_path):
+    """Accelerate's stateful loader answers state_dict() from a copy it refreshes as batches go out;
+    after load_state it must give the loaded position (a save made at once stores it), not the old one."""
+    from accelerate import DataLoaderConfiguration
+
+    accelerator = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True))
+    try:
+        model = torch.nn.Linear(4, 2)
+        data = torch.utils.data.TensorDataset(torch.randn(32, 4))
+        model, optimizer, loader = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                                      torch.utils.data.DataLoader(data, batch_size=4))
+        batches = iter(loader)
+        for _ in range(3):
+            next(batches)
+        url = save_state(accelerator, tmp_path / "run" / "a", step=3)
+        position = ckptfmt.load(url)["dataloader_0"]["state_dict"]["_num_yielded"]
+        assert position > 0
+        for _ in range(2):
+            next(batches)  # the loader moves on: its own copy says 5 batches now
+        load_state(accelerator, url)
+        again = save_state(accelerator, tmp_path / "run" / "b", step=3)
+        assert ckptfmt.load(again)["dataloader_0"]["state_dict"]["_num_yielded"] == position
+    finally:
+        accelerator.free_memory()

@@ -11,7 +11,7 @@ MODE:
 - ``straight``: trains STEPS steps and saves PLACE/step-STEPS; rank 1 sleeps 0.25 s while collating
   batches 5..7.
 - ``stop``: trains, saves PLACE/step-SAVE_AT after step SAVE_AT, and exits.
-- ``resume``: loads the checkpoint PLACE and trains to STEPS.
+- ``resume``: loads the checkpoint PLACE, trains to STEPS and saves step-STEPS beside it.
 - ``automatic``: PLACE is the project_dir; automatic checkpoint naming with total_limit=2, a save
   every 2 steps until SAVE_AT, then it exits.
 - ``automatic-resume``: loads the newest checkpoint of project_dir PLACE and trains to STEPS.
@@ -80,7 +80,7 @@ def main() -> None:
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
     progress = Progress()
     accelerator.register_for_checkpointing(progress)
-    StepTiming(accelerator)
+    timing = StepTiming(accelerator)
     if mode == "resume":
         load_state(accelerator, place)
     elif mode == "automatic-resume":
@@ -93,6 +93,7 @@ def main() -> None:
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad()
+            timing.timer.metrics(loss=loss.detach())  # the step's signature holds its loss (certify)
             progress.step += 1
             if mode == "stop" and progress.step == save_at:
                 save_state(accelerator, f"{place}/step-{save_at:06d}")
@@ -105,8 +106,9 @@ def main() -> None:
                 break
         else:
             progress.epoch += 1
-    if mode == "straight":
-        save_state(accelerator, f"{place}/step-{steps:06d}")
+    if mode in ("straight", "resume"):  # a resumed run saves beside the checkpoint it resumed from
+        repo = place if mode == "straight" else place.rstrip("/").rsplit("/", 1)[0]
+        save_state(accelerator, f"{repo}/step-{steps:06d}")
     if accelerator.is_main_process:
         torch.save({"model": accelerator.unwrap_model(model).state_dict(), "optimizer": optimizer.state_dict()}, out)
     accelerator.wait_for_everyone()
