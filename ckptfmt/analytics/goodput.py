@@ -29,6 +29,7 @@ world size is listed with its moments (the timeline).
 
 from __future__ import annotations
 
+import bisect
 import os
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -89,8 +90,13 @@ class _Rank:
     def stalls(self) -> list[tuple[int, int]]:
         """When saves held the loop: the timer's records, and the saves' own where the timer has none
         (the last save of a process: no later save stored its whole call)."""
-        return self.held + [save for save in self.saves
-                            if not any(start <= save[0] <= end for start, end in self.held)]
+        held = sorted(set(self.held))
+        starts = [start for start, _ in held]
+
+        def recorded(save: tuple[int, int]) -> bool:  # a held interval began at or before it and covers it
+            at = bisect.bisect_right(starts, save[0]) - 1
+            return at >= 0 and held[at][1] >= save[0]
+        return held + [save for save in self.saves if not recorded(save)]
 
 
 def goodput(run: str | os.PathLike, *, storage_options: dict | None = None) -> Goodput:
@@ -119,7 +125,7 @@ def goodput(run: str | os.PathLike, *, storage_options: dict | None = None) -> G
         records = ranks.setdefault(progress.rank, _Rank())
         if progress.steps:
             records.computations |= _computations(decode_steps(progress.steps, f"progress of rank {progress.rank}"))
-        records.held += [held for held in _held(progress.stalls) if held not in records.held]
+        records.held += _held(progress.stalls)  # also stored by a save, if one came after: stalls dedupes
     straggling = _straggler_waits(repo.url, storage_options) if len(ranks) > 1 else 0.0
     per_rank = [_account(records, straggling) for records in ranks.values() if records.computations]
     if not per_rank:
@@ -200,7 +206,9 @@ def _account(records: _Rank, straggling: float) -> _Account:
     account["straggler_waits"] = min(straggling, max(busy - data, 0.0))
     account["productive"] = max(busy - data - account["straggler_waits"], 0.0)
     account["recomputed"] = sum((c[2] - c[1]) / 1e9 for c in wasted)
-    account["save_stalls"] = sum(_outside(start, end, steps) for start, end in stalls if start >= first)
+    ordered = sorted(steps)
+    starts = [step_start for step_start, _ in ordered]
+    account["save_stalls"] = sum(_outside(start, end, ordered, starts) for start, end in stalls if start >= first)
     restarts = []
     for resume in records.resumes:
         resumed = resume.get("resumed_ns")
@@ -222,10 +230,12 @@ def _account(records: _Rank, straggling: float) -> _Account:
     return _Account(account, restarts, wall, len(kept), len(wasted))
 
 
-def _outside(start: int, end: int, steps: list[tuple[int, int]]) -> float:
+def _outside(start: int, end: int, steps: list[tuple[int, int]], starts: list[int]) -> float:
     """Seconds of [start, end] outside every step's interval (a save a framework makes inside a step's
-    phase is already that step's time)."""
-    covered = 0
-    for step_start, step_end in steps:
-        covered += max(0, min(end, step_end) - max(start, step_start))
+    phase is already that step's time). ``steps`` sorted by start (a rank's do not overlap), ``starts``
+    their starts: only the steps just before ``end`` are looked at."""
+    covered, at = 0, bisect.bisect_left(starts, end) - 1
+    while at >= 0 and steps[at][1] > start:
+        covered += max(0, min(end, steps[at][1]) - max(start, steps[at][0]))
+        at -= 1
     return max(end - start - covered, 0) / 1e9
