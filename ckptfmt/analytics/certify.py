@@ -42,6 +42,7 @@ from ckptfmt.analytics.timings import saved_timings
 from ckptfmt.errors import CheckpointError
 from ckptfmt.metadata.step_timer import decode_steps
 from ckptfmt.repository.repository import Repository
+from ckptfmt.tools.formatting import world_sizes
 
 VERDICTS = ("identical", "diverged", "undetermined")
 #: Exit codes of ``ckptfmt certify`` by verdict.
@@ -109,10 +110,9 @@ class Certificate:
         resume, the parts it did not restore."""
         resume = self.resume or {}
         source = resume.get("from") or {}
-        then, now = (list(resume.get("world_size") or []) + [None, None])[:2]
         created, resumed = source.get("created_ns"), resume.get("resumed_ns")
         return {"rank": resume.get("rank"), "resumed_from": source.get("name"), "step": source.get("step"),
-                "world_size": then if then == now else f"{then} to {now}",
+                "world_size": world_sizes(resume.get("world_size")),
                 "after_s": (resumed - created) / 1e9 if type(created) is int and type(resumed) is int else None,
                 "not_restored": [f"{part.get('part')} {part.get('verdict')}" for part in resume.get("parts") or []
                                  if part.get("verdict") != "equal"]}

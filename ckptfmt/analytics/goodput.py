@@ -99,8 +99,9 @@ class _Rank:
         return held + [save for save in self.saves if not recorded(save)]
 
 
-def goodput(run: str | os.PathLike, *, storage_options: dict | None = None) -> Goodput:
-    """Split run ``run``'s wall time (see the module's docstring)."""
+def goodput(run: str | os.PathLike, *, storage_options: dict | None = None, built: dict | None = None) -> Goodput:
+    """Split run ``run``'s wall time (see the module's docstring). ``built``: the run's ``tables``, where
+    the caller has them (the stragglers are found in their steps)."""
     repo = Repository.open(run, storage_options)
     ranks: dict[int, _Rank] = {}
     world_sizes: list[dict] = []
@@ -126,7 +127,7 @@ def goodput(run: str | os.PathLike, *, storage_options: dict | None = None) -> G
         if progress.steps:
             records.computations |= _computations(decode_steps(progress.steps, f"progress of rank {progress.rank}"))
         records.held += _held(progress.stalls)  # also stored by a save, if one came after: stalls dedupes
-    straggling = _straggler_waits(repo.url, storage_options) if len(ranks) > 1 else 0.0
+    straggling = _straggler_waits(repo.url, storage_options, built) if len(ranks) > 1 else 0.0
     per_rank = [_account(records, straggling) for records in ranks.values() if records.computations]
     if not per_rank:
         return Goodput(repo.url, 0, 0.0, dict.fromkeys(CATEGORIES, 0.0), world_sizes=world_sizes)
@@ -169,12 +170,13 @@ def _stall(entry: dict) -> tuple[int, int] | None:
     return start, max(p["start_ns"] + int(p["duration_s"] * 1e9) for p in chosen)
 
 
-def _straggler_waits(url: str, storage_options: dict | None) -> float:
+def _straggler_waits(url: str, storage_options: dict | None, built: dict | None) -> float:
     """Per step, the largest delay a rank added (every rank waited for it), summed over the steps."""
     from ckptfmt.analytics.stragglers import step_delays
     from ckptfmt.analytics.tables import tables
 
-    delays = step_delays(tables(url, storage_options=storage_options)["steps"])
+    steps = (built if built is not None else tables(url, storage_options=storage_options))["steps"]
+    delays = step_delays(steps)
     return float(delays.delay_s.max(axis=1).sum()) if delays.delay_s.size else 0.0
 
 

@@ -43,7 +43,7 @@ from ckptfmt.analytics.grids import StepGrid, slowest_save_phases
 from ckptfmt.analytics.health import HealthReport, health
 from ckptfmt.analytics.stragglers import Thresholds, episode_ranges, step_delays, stragglers
 from ckptfmt.analytics.tables import tables
-from ckptfmt.tools.formatting import counted, step_range, words
+from ckptfmt.tools.formatting import counted, step_range, words, world_sizes
 
 
 @dataclass
@@ -77,7 +77,7 @@ def report(repo: str | os.PathLike, *, html_path: str | os.PathLike | None = Non
     well = health(repo, deep=deep, storage_options=storage_options, built=built)
     comparison = compare(repo, compare_with, storage_options=storage_options) if compare_with else None
     resumes = certify_resumes(repo, storage_options=storage_options)
-    spent = goodput(repo, storage_options=storage_options)
+    spent = goodput(repo, storage_options=storage_options, built=built)
     certificate = cast(Certificate, certify(compare_with, repo, storage_options=storage_options)) \
         if compare_with else None
     other_steps = tables(compare_with, storage_options=storage_options)["steps"] if compare_with else None
@@ -427,7 +427,7 @@ def _goodput_section(spent: Goodput) -> list[str]:
     if spent.restarts:
         parts.append(_table("restarts", ["rank", "resumed from", "step", "down (s)", "world size"],
                             [[r["rank"], r["from"], r["from_step"], f"{r['seconds']:.2f}",
-                              " to ".join(map(str, r["world_size"]))] for r in spent.restarts]))
+                              world_sizes(r["world_size"])] for r in spent.restarts]))
     return parts
 
 

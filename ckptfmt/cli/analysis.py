@@ -9,7 +9,7 @@ from rich.console import Console
 
 from ckptfmt.cli.shared import found
 from ckptfmt.errors import CheckpointError
-from ckptfmt.tools.formatting import counted, number, seconds, text, words
+from ckptfmt.tools.formatting import counted, number, seconds, text, words, world_sizes
 from ckptfmt.tools.output import KEY, NAME, TEXT, Column, Output
 
 
@@ -186,13 +186,8 @@ def goodput(args, console: Console) -> int:
                   [Column("rank", right=True), Column("resumed from", NAME), Column("step", right=True),
                    Column("down", right=True), Column("world size", right=True)],
                   ((words(r["rank"]), words(r["from"]), words(r["from_step"]), seconds(r["seconds"]),
-                    _world(r["world_size"])) for r in result.restarts))
+                    world_sizes(r["world_size"])) for r in result.restarts))
     return 0
-
-
-def _world(sizes: list) -> str:
-    """A resume's world sizes then and now: ``4``, or ``4 to 2`` where it changed."""
-    return "-" if not sizes else str(sizes[0]) if len(set(sizes)) == 1 else " to ".join(map(str, sizes))
 
 
 def _worst(certificates: list, codes: dict[str, int]) -> int:

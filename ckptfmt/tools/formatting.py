@@ -108,3 +108,9 @@ def counted(n: int, noun: str, plural: str | None = None) -> str:
 
 __all__ = ["counted", "human_bytes", "human_time", "number", "seconds", "shape_text", "short", "step_range",
            "text", "words"]
+
+
+def world_sizes(sizes: Any) -> str:
+    """A resume's world sizes then and now: ``4``, or ``4 to 2`` where it changed; ``-`` unknown."""
+    sizes = list(sizes or [])
+    return "-" if not sizes else str(sizes[0]) if len(set(sizes)) == 1 else " to ".join(map(str, sizes))
