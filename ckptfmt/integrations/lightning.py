@@ -43,6 +43,7 @@ from ckptfmt.distributed.steps import gather_steps
 from ckptfmt.errors import CheckpointNotFoundError, CorruptDataError, InvalidNameError
 from ckptfmt.format import layout
 from ckptfmt.format.limits import MAX_NAME_LENGTH
+from ckptfmt.integrations.sampler import check_position, data_position, resumable
 from ckptfmt.lifecycle.gc import collect, remove
 from ckptfmt.loading.load_into import load_into
 from ckptfmt.loading.reader import load, restore_rng
@@ -64,6 +65,8 @@ STEPS_KEY = "ckptfmt_gathered_steps"
 TIMER_KEY = "ckptfmt_step_timer"
 #: Where it records the Trainer's settings that change what a step computes (``trainer_settings``).
 SETTINGS_KEY = "trainer"
+#: Where it records the training loader's data position and its sampler's contract (``data_position``).
+DATA_KEY = "data_position"
 #: Save options the plugin sets itself for each save.
 _SET_PER_SAVE = frozenset({"step", "metadata", "storage_options", "coordinated", "gathered_steps"})
 _NOT_IN_NAMES = re.compile(r"[^A-Za-z0-9._-]")
@@ -336,15 +339,24 @@ class CkptfmtModelParallelStrategy(ModelParallelStrategy):
 _RESUMED: list[tuple[str, dict | None]] = []
 
 
+def _loaders(loader: Any) -> list[Any]:
+    """The training data loaders: Lightning may wrap them in a CombinedLoader, whose ``iterables`` are
+    the loaders (a dict, a list, or one)."""
+    loaders = getattr(loader, "iterables", loader)
+    return list(loaders.values()) if isinstance(loaders, dict) else list(loaders) \
+        if isinstance(loaders, (list, tuple)) else [loaders]
+
+
+def _first_loader(loader: Any) -> Any:
+    found = _loaders(loader)
+    return found[0] if found else None
+
+
 def _loader_generators(loader: Any) -> dict[str, Any]:
     """The torch generators a training data loader draws its order from (its own, its sampler's, its
-    batch sampler's sampler's), by name, for the steps' signatures; Lightning may wrap the loader in a
-    CombinedLoader, whose ``iterables`` are the loaders."""
-    loaders = getattr(loader, "iterables", loader)
-    loaders = loaders.values() if isinstance(loaders, dict) else loaders if isinstance(loaders, (list, tuple)) \
-        else [loaders]
+    batch sampler's sampler's), by name, for the steps' signatures."""
     found: dict[str, Any] = {}
-    for index, each in enumerate(loaders):
+    for index, each in enumerate(_loaders(loader)):
         prefix = "loader" if index == 0 else f"loader{index}"
         batch_sampler = getattr(each, "batch_sampler", None)
         for suffix, owner in (("", each), (".sampler", getattr(each, "sampler", None)),
@@ -371,6 +383,13 @@ class StepTimingCallback(Callback):
     Lightning's behaviour. Each checkpoint records the Trainer's settings that change what a step
     computes (``trainer/hyperparameters``: gradient clipping, accumulation, precision), so that
     ``ckptfmt compare`` and ``ckptfmt certify`` can name them.
+
+    Each checkpoint also records the training loader's data position and its sampler's contract
+    (``data_position``: epoch, samples consumed by the job, seed, dataset length and fingerprint,
+    replicas, batch size, workers). A loader drawing from a ``ResumableSampler``
+    (``DataLoader(data, batch_sampler=ResumableSampler(...))``, with ``use_distributed_sampler=False``)
+    is restored to that position on resume, at any world size; any other loader restarts its epoch
+    on a resume mid-epoch, as Lightning does, and the resume's record says so.
     """
 
     def __init__(self, *, restore_rng: bool = True):
@@ -381,15 +400,28 @@ class StepTimingCallback(Callback):
         #: Steps started over the run (restored on resume): the next step's number.
         self.steps_started = 0
         self._since: int | None = None
+        #: Batches of the training loader's current iteration the loop has taken.
+        self._batches = 0
+        #: The data position of the checkpoint resumed from, until the loader is there to restore.
+        self._stored_position: Any = None
 
     # -- the training loop -------------------------------------------------------------------------
     def on_train_start(self, trainer, pl_module) -> None:
         """Lightning has restored the model, the optimizers and the schedulers by now: what they hold
-        goes on record against the checkpoint they came from (``ckptfmt.record_resume``)."""
+        goes on record against the checkpoint they came from (``ckptfmt.record_resume``).
+
+        A resume mid-epoch restores the generators again: the epoch's loader iterator, made since,
+        drew its seed from them, which the uninterrupted run did before the checkpoint."""
         if _RESUMED:
             (url, storage_options), = _RESUMED
             _RESUMED.clear()
             checked, self._generators_checked = self._generators_checked, []
+            if self.restore_rng and _mid_epoch(trainer):
+                with open_checkpoint(url, storage_options=storage_options) as reader:
+                    restore_rng(reader)
+                    checked = [check_generators(reader)]
+            if self._stored_position is not None:
+                checked.append(self._restore_position(trainer))
             record_resume(url, {"state_dict": pl_module,
                                 "optimizer_states": [optimizer.state_dict() for optimizer in trainer.optimizers],
                                 "lr_schedulers": [config.scheduler.state_dict()
@@ -401,12 +433,24 @@ class StepTimingCallback(Callback):
 
     def on_train_epoch_start(self, trainer, pl_module) -> None:
         self._since = time.perf_counter_ns()
+        self._batches = 0
+
+    def _restore_position(self, trainer) -> Any:
+        """A ``ResumableSampler`` continues from the stored position (refusing another order); the
+        loader's position, as the epoch will begin, then goes on record against the stored one."""
+        stored, self._stored_position = self._stored_position, None
+        loader = _first_loader(trainer.train_dataloader)
+        sampler = resumable(loader)
+        if sampler is not None and isinstance(stored, dict) and stored.get("resumable"):
+            sampler.load_state_dict(stored)
+        return check_position(stored, data_position(loader, 0, trainer.current_epoch))
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
         if self.timer.in_step:  # the previous step never ended (an exception Lightning handled)
             self.timer.end_step()
         self.timer.start_step(self.steps_started, since_ns=self._since, phase="data")
         self.steps_started += 1
+        self._batches += 1
         self.timer.mark("forward_backward")
         self.timer.metrics(batch_idx=batch_idx, epoch=trainer.current_epoch, global_step=trainer.global_step)
         self.timer.batch_tensors(batch)  # the step's signature: Lightning hands the batch, not its indices
@@ -435,6 +479,9 @@ class StepTimingCallback(Callback):
         if not _saves_through_ckptfmt(trainer):
             return
         checkpoint[SETTINGS_KEY] = {"hyperparameters": trainer_settings(trainer)}
+        position = data_position(_first_loader(trainer.train_dataloader), self._batches, trainer.current_epoch)
+        if position is not None:
+            checkpoint[DATA_KEY] = position
         if isinstance(trainer.strategy, CkptfmtModelParallelStrategy):
             checkpoint[TIMER_KEY] = self.timer
         else:  # the same answer on every rank: all gather or none
@@ -445,6 +492,7 @@ class StepTimingCallback(Callback):
     def on_load_checkpoint(self, trainer, pl_module, checkpoint: dict[str, Any]) -> None:
         """Lightning restores the callbacks first, before it makes the first epoch's data loader
         iterator (which draws its seeds): the generators are restored here, as the save found them."""
+        self._stored_position = checkpoint.get(DATA_KEY)
         if _RESUMED:
             (url, storage_options), = _RESUMED
             with open_checkpoint(url, storage_options=storage_options) as reader:
@@ -457,6 +505,13 @@ class StepTimingCallback(Callback):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.steps_started = int(state_dict.get("steps_started", 0))
+
+
+def _mid_epoch(trainer) -> bool:
+    """Whether a restored run stands within an epoch (a checkpoint saved after the epoch's last batch
+    is the next epoch's start)."""
+    ready = trainer.fit_loop.epoch_loop.batch_progress.current.ready
+    return 0 < ready < trainer.num_training_batches
 
 
 def trainer_settings(trainer) -> dict[str, Any]:

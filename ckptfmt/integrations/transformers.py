@@ -24,6 +24,13 @@ already seen exactly as it always does.
 Every step is timed on every rank (``data``, ``forward_backward``,
 ``optimizer``; epoch and global step), and each checkpoint holds every
 rank's steps (``ckptfmt stragglers``, ``ckptfmt report``).
+
+Each checkpoint records the training loader's data position with its
+sampler's contract (``data_position``, as ``ckptfmt.integrations.sampler``
+describes it), and a resume records the position the Trainer will skip to:
+a resume with ``ignore_data_skip``, or on another world size (the Trainer
+skips the same number of batches per rank, of another global batch), is on
+the resume's record.
 """
 
 from __future__ import annotations
@@ -42,6 +49,8 @@ import torch
 from transformers import TrainerCallback
 
 from ckptfmt.errors import CheckpointError, CheckpointWarning
+from ckptfmt.format.plain_values import plain_tree
+from ckptfmt.integrations.sampler import check_position, fingerprint
 from ckptfmt.lifecycle.manager import CheckpointManager
 from ckptfmt.loading.load_into import load_into
 from ckptfmt.loading.reader import open as open_checkpoint
@@ -94,8 +103,12 @@ class CkptfmtCallback(TrainerCallback):
         if self._resumed_from is not None and model is not None:  # the Trainer has restored its objects by now
             (url, storage_options), self._resumed_from = self._resumed_from, None
             live = {"model": model, "optimizer": kwargs.get("optimizer"), "scheduler": kwargs.get("lr_scheduler")}
-            record_resume(url, {part: obj for part, obj in live.items() if obj is not None},
-                          storage_options=storage_options)
+            with open_checkpoint(url, storage_options=storage_options) as reader:
+                tree = plain_tree(reader.manifest)
+                stored = tree.get("data_position") if isinstance(tree, dict) else None
+                position = data_position(args, kwargs.get("train_dataloader"), state.global_step, resuming=True)
+                record_resume(reader, {part: obj for part, obj in live.items() if obj is not None},
+                              checked=[check_position(stored, position)] if stored is not None else [])
         if model is not None and self._hooks is None:  # each step's signature: its batch and its loss
             self._hooks = [model.register_forward_pre_hook(self._batch, with_kwargs=True),
                            model.register_forward_hook(self._loss)]
@@ -170,6 +183,9 @@ class CkptfmtCallback(TrainerCallback):
                                       "trainer_state": _trainer_state(args, state, control, metrics,
                                                                       self.keep_hf_folders),
                                       "training_args": {"hyperparameters": training_hyperparameters(args)}}
+        position = data_position(args, kwargs.get("train_dataloader"), state.global_step)
+        if position is not None:
+            checkpoint["data_position"] = position
         if not args.save_only_model:
             checkpoint["optimizer"] = optimizer.state_dict() if optimizer is not None else None
             checkpoint["scheduler"] = scheduler.state_dict() if scheduler is not None else None
@@ -273,6 +289,24 @@ def training_hyperparameters(args) -> dict[str, Any]:
         value = getattr(value, "value", value)
         found[name] = value if value is None or isinstance(value, (bool, int, float, str)) else str(value)
     return found
+
+
+def data_position(args, loader: Any, global_step: int, *, resuming: bool = False) -> dict[str, Any] | None:
+    """The Trainer's data position after ``global_step`` optimizer steps, as its resume computes it
+    (whole epochs, then the batches of this epoch each rank skips: none with ``ignore_data_skip``),
+    in samples of the job, with the sampler's contract; None for a loader of no sized dataset.
+    ``resuming``: the position a resume takes (the one a save records counts every batch)."""
+    dataset = getattr(loader, "dataset", None)
+    if dataset is None or not hasattr(dataset, "__len__") or not hasattr(loader, "__len__"):
+        return None
+    per_epoch = max(len(loader) // args.gradient_accumulation_steps, 1)
+    epoch, steps = divmod(global_step, per_epoch)
+    batches = 0 if resuming and args.ignore_data_skip else steps * args.gradient_accumulation_steps
+    return {"epoch": epoch, "consumed": batches * args.per_device_train_batch_size * args.world_size,
+            "seed": args.data_seed if args.data_seed is not None else args.seed, "shuffle": True,
+            "dataset_length": len(dataset), "dataset_fingerprint": fingerprint(dataset),
+            "num_replicas": args.world_size, "batch_size": args.per_device_train_batch_size,
+            "workers": args.dataloader_num_workers, "resumable": False}
 
 
 def _trainer_state(args, state, control, metrics: dict | None, hf_folders: bool) -> dict:

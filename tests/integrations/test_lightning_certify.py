@@ -8,6 +8,7 @@ resumes it to step 12, with or without a fault.
 
 from __future__ import annotations
 
+import json
 import time
 import warnings
 from pathlib import Path
@@ -15,14 +16,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.support.helpers import require_module
+from tests.support.helpers import require_module, torchrun
 
 L = require_module("lightning", "Lightning is a test dependency (pip install ckptfmt[lightning])")
 
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+import ckptfmt
 from ckptfmt.analytics import certify
 from ckptfmt.integrations.lightning import CkptfmtCheckpointIO, StepTimingCallback
+from ckptfmt.integrations.sampler import ResumableSampler
 
 STEPS = 12
 EPOCH = 4  # batches an epoch
@@ -48,15 +51,23 @@ class Noisy(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
-def loader() -> torch.utils.data.DataLoader:
+def dataset() -> torch.utils.data.TensorDataset:
     generator = torch.Generator().manual_seed(1)
-    data = torch.utils.data.TensorDataset(torch.randn(8 * EPOCH, 8, generator=generator),
+    return torch.utils.data.TensorDataset(torch.randn(8 * EPOCH, 8, generator=generator),
                                           torch.randn(8 * EPOCH, 1, generator=generator))
-    return torch.utils.data.DataLoader(data, batch_size=8, shuffle=True)  # shuffled by torch's generator
+
+
+def loader() -> torch.utils.data.DataLoader:
+    return torch.utils.data.DataLoader(dataset(), batch_size=8, shuffle=True)  # shuffled by torch's generator
+
+
+def resumable_loader() -> torch.utils.data.DataLoader:
+    data = dataset()
+    return torch.utils.data.DataLoader(data, batch_sampler=ResumableSampler(data, 8, seed=3))
 
 
 def fit(folder: Path, steps: int, *, resume_at: int | None = None, callbacks: tuple = (),
-        timing: StepTimingCallback | None = None, **trainer_options) -> None:
+        timing: StepTimingCallback | None = None, make_loader=loader, **trainer_options) -> None:
     L.seed_everything(0, verbose=False)
     saving = ModelCheckpoint(dirpath=folder, every_n_train_steps=2, save_top_k=-1)
     trainer = L.Trainer(max_steps=steps, plugins=[CkptfmtCheckpointIO()],
@@ -66,7 +77,7 @@ def fit(folder: Path, steps: int, *, resume_at: int | None = None, callbacks: tu
     ckpt_path = None if resume_at is None else str(folder / f"epoch={(resume_at - 1) // EPOCH}-step={resume_at}.ckpt")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # Lightning's advice on resumable loaders and worker counts
-        trainer.fit(Noisy(), loader(), ckpt_path=ckpt_path)
+        trainer.fit(Noisy(), make_loader(), ckpt_path=ckpt_path)
 
 
 class DropOptimizerState(L.Callback):
@@ -135,6 +146,54 @@ def test_a_resume_is_certified_with_its_first_diverging_step_and_cause(reference
     part = {"optimizer dropped": "optimizer_states missing", "scheduler dropped": "lr_schedulers different"}
     named = part.get(case) or NAMED[cause]
     assert any(named in line for line in divergence["evidence"]), divergence["evidence"]
-    if cause == "load":  # the resume's own record says so, without the reference
+    if cause == "load" or case == "batches not skipped":  # the resume's own record says so, without the reference
         (alone,) = certify(tmp_path)
-        assert alone.verdict == "diverged" and alone.first_divergence["cause"] == "load"
+        assert alone.verdict == "diverged" and alone.first_divergence["cause"] == "load", alone.to_json()
+        if case == "batches not skipped":  # the loader restarted its epoch: 2 batches of 8 were consumed
+            assert any("consumed was 16, is 0" in line for line in alone.first_divergence["evidence"])
+
+
+@pytest.mark.parametrize("stop", [2, 6])
+def test_a_resumable_sampler_resumes_mid_epoch_where_the_epoch_stood(tmp_path, stop):
+    """With a ResumableSampler, the mid-epoch resume Lightning replays ("batches not skipped" above)
+    takes the epoch's next batch: identical to the uninterrupted run, and the position on record."""
+    reference, run = tmp_path / "reference", tmp_path / "run"
+    fit(reference, STEPS, make_loader=resumable_loader)
+    fit(run, stop, make_loader=resumable_loader)
+    fit(run, STEPS, resume_at=stop, make_loader=resumable_loader)
+    certificate = certify(reference, run)
+    assert certificate.verdict == "identical" and certificate.steps_compared == STEPS, certificate.to_json()
+    (alone,) = certify(run)
+    parts = {part["part"]: part["verdict"] for part in alone.resume["parts"]}
+    assert alone.verdict == "identical" and parts["data_position"] == "equal", alone.resume
+    saved = ckptfmt.load(f"{run}/epoch_{(stop - 1) // EPOCH}-step_{stop}")["data_position"]
+    assert (saved["epoch"], saved["consumed"], saved["resumable"]) == (stop // EPOCH, stop % EPOCH * 8, True)
+
+
+def steps_seen(prefix: Path, ranks: int) -> dict[int, list[int]]:
+    """Step -> the sorted sample indices every rank of a lightning_sampler.py launch took at it."""
+    seen: dict[int, list[int]] = {}
+    for rank in range(ranks):
+        for step, indices in json.loads(Path(f"{prefix}.{rank}.json").read_text()):
+            seen.setdefault(step, []).extend(indices)
+    return {step: sorted(indices) for step, indices in seen.items()}
+
+
+@pytest.mark.distributed
+def test_a_resumable_sampler_resumes_a_2_rank_run_on_1_rank_with_no_sample_repeated_or_skipped(tmp_path):
+    """Lightning DDP on 2 gloo ranks stopped mid-epoch, resumed on 1 rank with the same global batch:
+    each step takes the samples the uninterrupted 2-rank run took at it, into the next epoch; certify
+    names the new world size, and the resume's record has the position restored."""
+    torchrun("lightning_sampler.py", 2, str(tmp_path / "reference"), "18", str(tmp_path / "reference"))
+    run = tmp_path / "run"
+    torchrun("lightning_sampler.py", 2, str(run), "6", str(tmp_path / "before"))
+    torchrun("lightning_sampler.py", 1, str(run), "18", str(tmp_path / "after"), str(run / "epoch=0-step=6.ckpt"))
+    expected = steps_seen(tmp_path / "reference", 2)
+    assert sorted(expected) == list(range(18))
+    assert {**steps_seen(tmp_path / "before", 2), **steps_seen(tmp_path / "after", 1)} == expected
+    certificate = certify(tmp_path / "reference", run)
+    assert (certificate.verdict, certificate.first_divergence["cause"]) == ("diverged", "topology"), \
+        certificate.to_json()
+    (alone,) = certify(run)
+    assert alone.resume["world_size"] == [2, 1]
+    assert {part["part"]: part["verdict"] for part in alone.resume["parts"]}["data_position"] == "equal"

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import ckptfmt
-from ckptfmt.integrations.sampler import ResumableSampler
+from ckptfmt.integrations.sampler import ResumableSampler, check_position, data_position
 from ckptfmt.metadata.step_timer import decode_steps
 from tests.support.ranks import run_ranks
 
@@ -95,3 +95,34 @@ def test_a_resume_whose_order_is_not_the_one_consumed_is_refused_by_field():
     resumed.load_state_dict(state)
     order = resumed.order(0)
     assert list(resumed)[0] == order[16 + 3 * 2:16 + 4 * 2].tolist() and len(resumed) == (SAMPLES - 16) // 8
+
+
+def test_a_loaders_data_position_records_its_sampler_and_a_finished_epoch_is_the_next_ones_start():
+    """What the integrations record for a loader: a DistributedSampler's contract and the job's samples
+    consumed; a ResumableSampler's state; the last batch of an epoch moves the position to the next."""
+    data = dataset()
+    sampler = torch.utils.data.DistributedSampler(data, num_replicas=2, rank=1, seed=9)
+    sampler.set_epoch(3)
+    loader = torch.utils.data.DataLoader(data, batch_size=4, sampler=sampler, num_workers=0)
+    position = data_position(loader, 2, epoch=3)
+    assert {key: position[key] for key in ("epoch", "consumed", "seed", "shuffle", "num_replicas", "batch_size",
+                                           "resumable")} == {"epoch": 3, "consumed": 16, "seed": 9, "shuffle": True,
+                                                             "num_replicas": 2, "batch_size": 4, "resumable": False}
+    assert data_position(loader, len(loader), epoch=3)["epoch"] == 4
+    assert data_position(loader, len(loader), epoch=3)["consumed"] == 0
+    resumable = torch.utils.data.DataLoader(data, batch_sampler=ResumableSampler(data, 4, num_replicas=2, rank=0))
+    assert data_position(resumable, 3, epoch=0)["consumed"] == 24
+    assert data_position(resumable, SAMPLES // 8, epoch=0)["epoch"] == 1
+    assert data_position(iter(range(3)), 1, epoch=0) is None  # no sized dataset: no position
+
+
+def test_a_resumes_data_position_check_names_what_was_not_restored():
+    data = dataset()
+    stored = data_position(torch.utils.data.DataLoader(data, batch_size=8, shuffle=True), 3, epoch=1)
+    fresh = data_position(torch.utils.data.DataLoader(data, batch_size=8, shuffle=True), 0, epoch=1)
+    check = check_position(stored, fresh)  # a framework that restarted the epoch
+    assert (check.verdict, check.keys) == ("different", ["consumed was 24, is 0"])
+    assert check_position(stored, dict(stored, num_replicas=4, batch_size=2)).verdict == "equal"
+    assert check_position(stored, None).verdict == "missing"
+    assert check_position(None, fresh).verdict == "not stored"
+

@@ -76,7 +76,7 @@ def test_a_run_resumed_from_a_checkpoint_ends_as_an_uninterrupted_one(tmp_path, 
         (resume,) = reader.metadata["timing"]["ranks"][0]["resumes"]
     assert resume["from"]["step"] == 4
     assert {part["part"]: part["verdict"] for part in resume["parts"]} == {
-        "model": "equal", "optimizer": "equal", "scheduler": "equal"}
+        "model": "equal", "optimizer": "equal", "scheduler": "equal", "data_position": "equal"}
 
 
 def test_the_resume_folder_holds_what_the_trainers_own_folder_holds(tmp_path):

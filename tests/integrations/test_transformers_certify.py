@@ -68,10 +68,15 @@ def test_a_trainer_resume_is_certified_with_its_first_diverging_step_and_cause(r
     if expected is None:
         assert certificate.verdict == "identical" and certificate.steps_compared == 8, certificate.to_json()
         (alone,) = certify(tmp_path / "repo")
-        assert alone.verdict == "identical"
+        parts = {part["part"]: part["verdict"] for part in alone.resume["parts"]}
+        assert alone.verdict == "identical" and parts["data_position"] == "equal", alone.resume
         return
     step, cause, named = expected
     assert certificate.verdict == "diverged", certificate.to_json()
     divergence = certificate.first_divergence
     assert (divergence["step"], divergence["cause"]) == (step, cause), certificate.to_json()
     assert any(named in line for line in divergence["evidence"]), divergence["evidence"]
+    if case == "batches not skipped":  # the resume's own record says the Trainer skipped nothing
+        (alone,) = certify(tmp_path / "repo")
+        assert (alone.verdict, alone.first_divergence["cause"]) == ("diverged", "load"), alone.to_json()
+        assert any("consumed was 32, is 0" in line for line in alone.first_divergence["evidence"]), alone.to_json()
