@@ -23,11 +23,14 @@ from tests.support.helpers import SCRIPTS, script_env
 STEPS = 20
 
 
-def run(repo: Path, log: Path, kill_after: int) -> None:
-    result = subprocess.run([sys.executable, str(SCRIPTS / "goodput_run.py"), str(repo), str(STEPS),
+def run(repo: Path, log: Path, kill_after: int, ranks: int = 0) -> None:
+    """One launch of goodput_run.py: alone, or on ``ranks`` ranks under torchrun (whose exit code is 1
+    when its ranks were killed)."""
+    launcher = [] if not ranks else ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)]
+    result = subprocess.run([sys.executable, *launcher, str(SCRIPTS / "goodput_run.py"), str(repo), str(STEPS),
                              str(kill_after), str(log)], capture_output=True, text=True, timeout=120,
                             env=script_env())
-    expected = -9 if kill_after >= 0 else 0
+    expected = 0 if kill_after < 0 else 1 if ranks else -9
     assert result.returncode == expected, result.stderr[-3000:]
 
 
@@ -88,6 +91,26 @@ def test_a_run_killed_and_resumed_twice_is_split_as_its_own_log_says(tmp_path, c
     assert [row[0] for row in rows] == [CATEGORY_NAMES[name] for name in CATEGORIES]
     restarts = re.search(r"<table id='restarts'>.*?</table>", page, flags=re.S).group(0)
     assert "step-004" in restarts and "step-012" in restarts
+
+
+@pytest.mark.distributed
+def test_a_two_rank_job_killed_and_resumed_twice_is_split_as_its_ranks_logs_say(tmp_path):
+    """The same timeline on 2 gloo ranks saving collectively, the whole job killed twice (each rank's
+    progress object holds what it computed after the last save): goodput's shares are the mean of the
+    ranks' true ones, within 5%."""
+    repo, log = tmp_path / "run", tmp_path / "timeline.log"
+    for kill_after in (5, 13, -1):
+        run(repo, log, kill_after, ranks=2)
+    truths = [truth(Path(f"{log}.{rank}")) for rank in (0, 1)]
+    found = goodput(repo)
+    assert (found.ranks, found.steps_kept, found.steps_recomputed) == (2, STEPS, 4)
+    wall = sum(each["wall_s"] for each in truths) / 2
+    assert found.wall_s == pytest.approx(wall, rel=0.01)
+    for name in CATEGORIES:
+        share, true_share = found.shares[name], sum(each[name] for each in truths) / 2 / wall
+        assert abs(share - true_share) <= max(0.05 * true_share, 0.005), (name, share, true_share)
+    assert sorted((r["rank"], r["from"]) for r in found.restarts) == [
+        (0, "step-004"), (0, "step-012"), (1, "step-004"), (1, "step-012")]
 
 
 def train_on_two_ranks(rank: int, world: int, folder, repo: str, stop: int | None = None) -> None:

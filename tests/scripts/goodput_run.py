@@ -2,7 +2,10 @@
 tests/analytics/test_goodput.py.
 
     goodput_run.py REPO STEPS KILL_AFTER LOG
+    torchrun --nproc_per_node N goodput_run.py REPO STEPS KILL_AFTER LOG
 
+Under torchrun the ranks join a gloo group, save collectively, and each logs to LOG.RANK; every rank
+is killed after step KILL_AFTER (the first killed, torchrun ends the others, each after its 0.2 s).
 Each step waits 20 ms for its data, then computes for 50 ms; a checkpoint after every 4th step; the
 timer rewrites this process's progress object at every step's end (``progress_interval=0``). If REPO
 holds a checkpoint, the run resumes from the newest, on record. After step KILL_AFTER (-1: never) it
@@ -19,6 +22,7 @@ import sys
 import time
 
 import torch
+import torch.distributed as dist
 
 import ckptfmt
 import ckptfmt.saving.save  # the save machinery loaded at start, as a script's imports are
@@ -26,6 +30,9 @@ import ckptfmt.saving.save  # the save machinery loaded at start, as a script's 
 
 def main() -> None:
     repo, steps, kill_after, log = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    if "WORLD_SIZE" in os.environ:
+        dist.init_process_group("gloo")
+        log = f"{log}.{dist.get_rank()}"
     with open(log, "a", buffering=1) as out:
         timer = ckptfmt.StepTimer(system_interval=None, progress_interval=0.0)
         model = torch.nn.Linear(4, 1)
@@ -58,6 +65,8 @@ def main() -> None:
             if step == kill_after:
                 time.sleep(0.2)
                 os.kill(os.getpid(), signal.SIGKILL)
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
