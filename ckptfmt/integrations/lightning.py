@@ -40,7 +40,7 @@ from lightning.pytorch.plugins.io import CheckpointIO, TorchCheckpointIO
 from lightning.pytorch.strategies import ModelParallelStrategy
 
 from ckptfmt.distributed.steps import gather_steps
-from ckptfmt.errors import CheckpointNotFoundError, CorruptDataError, InvalidNameError
+from ckptfmt.errors import CheckpointError, CheckpointNotFoundError, CorruptDataError, InvalidNameError
 from ckptfmt.format import layout
 from ckptfmt.format.limits import MAX_NAME_LENGTH
 from ckptfmt.integrations.sampler import check_position, data_position, resumable
@@ -49,9 +49,10 @@ from ckptfmt.loading.load_into import load_into
 from ckptfmt.loading.reader import load, restore_rng
 from ckptfmt.loading.reader import open as open_checkpoint
 from ckptfmt.loading.resume_check import check_generators, record_resume
-from ckptfmt.metadata.step_timer import StepTimer
+from ckptfmt.metadata.step_timer import DEFAULT_PROGRESS_INTERVAL_S, StepTimer
 from ckptfmt.metadata.topology import current_rank
 from ckptfmt.repository.pointers import POINTER_FORMAT, looks_like_pointer, pointed_name, read_small
+from ckptfmt.repository.progress import bind_repository
 from ckptfmt.repository.repository import Repository
 from ckptfmt.saving.asynchronous import AsyncSaver
 from ckptfmt.saving.options import SaveOptions
@@ -380,9 +381,11 @@ class StepTimingCallback(Callback):
     A resume from a ckptfmt checkpoint also restores every rank's generators (torch, CUDA, NumPy,
     Python) as the save found them, which Lightning does not do (a resumed run would otherwise draw
     other dropout masks and shuffles than the uninterrupted run): ``restore_rng=False`` keeps
-    Lightning's behaviour. Each checkpoint records the Trainer's settings that change what a step
-    computes (``trainer/hyperparameters``: gradient clipping, accumulation, precision), so that
-    ``ckptfmt compare`` and ``ckptfmt certify`` can name them.
+    Lightning's behaviour. Once a checkpoint is saved, every rank's steps since the last save go to
+    its progress object every ``progress_interval`` seconds (spec 4.6; None: never), so that
+    ``ckptfmt goodput`` sees what a killed job computed. Each checkpoint records the Trainer's
+    settings that change what a step computes (``trainer/hyperparameters``: gradient clipping,
+    accumulation, precision), so that ``ckptfmt compare`` and ``ckptfmt certify`` can name them.
 
     Each checkpoint also records the training loader's data position and its sampler's contract
     (``data_position``: epoch, samples consumed by the job, seed, dataset length and fingerprint,
@@ -392,8 +395,8 @@ class StepTimingCallback(Callback):
     on a resume mid-epoch, as Lightning does, and the resume's record says so.
     """
 
-    def __init__(self, *, restore_rng: bool = True):
-        self.timer = StepTimer()
+    def __init__(self, *, restore_rng: bool = True, progress_interval: float | None = DEFAULT_PROGRESS_INTERVAL_S):
+        self.timer = StepTimer(progress_interval=progress_interval)
         self.restore_rng = restore_rng
         #: The generators' check right after their restore, for the resume's record.
         self._generators_checked: list = []
@@ -404,6 +407,8 @@ class StepTimingCallback(Callback):
         self._batches = 0
         #: The data position of the checkpoint resumed from, until the loader is there to restore.
         self._stored_position: Any = None
+        #: Whether a checkpoint was saved through ckptfmt (its repository is there for progress objects).
+        self._saved = False
 
     # -- the training loop -------------------------------------------------------------------------
     def on_train_start(self, trainer, pl_module) -> None:
@@ -448,6 +453,8 @@ class StepTimingCallback(Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
         if self.timer.in_step:  # the previous step never ended (an exception Lightning handled)
             self.timer.end_step()
+        if self._saved and self.timer.progress is None:
+            self._bind_progress(trainer)
         self.timer.start_step(self.steps_started, since_ns=self._since, phase="data")
         self.steps_started += 1
         self._batches += 1
@@ -472,12 +479,25 @@ class StepTimingCallback(Callback):
         if trainer.training:
             self._since = time.perf_counter_ns()  # validation is not the next batch's fetch
 
+    def _bind_progress(self, trainer) -> None:
+        """Once the repository exists, every rank's steps since the last save go to its progress object
+        (spec 4.6) as the timer's interval says, so that ``ckptfmt goodput`` sees what a killed job
+        computed; a save that rank 0 makes alone never hands the other ranks' timers to a save."""
+        io, folder = _ckptfmt_io(trainer), getattr(trainer.checkpoint_callback, "dirpath", None)
+        if io is None or folder is None:
+            return
+        try:
+            bind_repository(self.timer, str(folder), io.storage_options, trainer.global_rank)
+        except CheckpointError:  # rank 0's first save not committed yet (an asynchronous one): next step
+            pass
+
     # -- checkpoints ---------------------------------------------------------------------------
     def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict[str, Any]) -> None:
         """On every rank, as Lightning prepares a checkpoint: a collective save (the sharded strategy)
         takes each rank's timer; a save that rank 0 makes alone gets every rank's steps, gathered."""
         if not _saves_through_ckptfmt(trainer):
             return
+        self._saved = True
         checkpoint[SETTINGS_KEY] = {"hyperparameters": trainer_settings(trainer)}
         position = data_position(_first_loader(trainer.train_dataloader), self._batches, trainer.current_epoch)
         if position is not None:
@@ -525,12 +545,16 @@ def trainer_settings(trainer) -> dict[str, Any]:
             "precision": text(getattr(trainer, "precision", None))}
 
 
-def _saves_through_ckptfmt(trainer) -> bool:
-    """Whether the trainer's checkpoints go through a CkptfmtCheckpointIO (wrapped, say, in AsyncCheckpointIO)."""
+def _ckptfmt_io(trainer) -> CkptfmtCheckpointIO | None:
+    """The trainer's CkptfmtCheckpointIO (wrapped, say, in AsyncCheckpointIO), if its checkpoints go through one."""
     io = getattr(trainer.strategy, "checkpoint_io", None)
     while io is not None and not isinstance(io, CkptfmtCheckpointIO):
         io = getattr(io, "checkpoint_io", None)
-    return io is not None
+    return io
+
+
+def _saves_through_ckptfmt(trainer) -> bool:
+    return _ckptfmt_io(trainer) is not None
 
 
 def _size(storage: Storage, key: str) -> int | None:

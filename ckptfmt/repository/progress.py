@@ -62,9 +62,15 @@ class ProgressWriter:
 def bind(timer: Any, checkpoint_url: str, storage_options: dict | None, rank: int) -> None:
     """Bind ``timer`` to the repository of the checkpoint it was just saved with (once: the first
     repository it saved to), as rank ``rank``."""
+    bind_repository(timer, checkpoint_url.rstrip("/").rsplit("/", 1)[0], storage_options, rank)
+
+
+def bind_repository(timer: Any, repo_url: str, storage_options: dict | None, rank: int) -> None:
+    """Bind ``timer`` to the repository at ``repo_url`` (once), as rank ``rank``: for a rank whose steps
+    another rank saves (a framework that writes from rank 0 only). Raises ``CheckpointError`` where
+    there is no repository yet."""
     if timer.progress_interval is not None and timer.progress is None:
-        repo = Repository.open(checkpoint_url.rstrip("/").rsplit("/", 1)[0], storage_options)
-        timer.progress = ProgressWriter(repo, rank, timer.progress_interval)
+        timer.progress = ProgressWriter(Repository.open(repo_url, storage_options), rank, timer.progress_interval)
 
 
 def progress_keys(repo: Repository) -> list[ProgressKey]:

@@ -24,6 +24,7 @@ from ckptfmt.analytics import Thresholds, stragglers
 from ckptfmt.integrations.lightning import POINTER_FORMAT, CkptfmtCheckpointIO, StepTimingCallback
 from ckptfmt.lifecycle.gc import collect
 from ckptfmt.metadata.step_timer import decode_steps
+from ckptfmt.repository.progress import read_progress
 
 STEPS = 8
 #: Batches per epoch. A checkpoint taken at an epoch's last batch resumes exactly; in the middle of an
@@ -307,9 +308,10 @@ def test_a_checkpoint_url_itself_loads(tmp_path):
 @pytest.mark.distributed
 def test_a_ddp_run_saved_by_rank_zero_holds_every_ranks_steps_and_finds_the_slow_one(tmp_path):
     """Lightning writes from rank 0 alone; the callback gathers both ranks' steps into each checkpoint,
-    so ckptfmt stragglers finds the rank that was slow to fetch its batches."""
+    so ckptfmt stragglers finds the rank that was slow to fetch its batches; the 2 steps after the last
+    checkpoint are in each rank's progress object, where goodput reads them."""
     repo = tmp_path / "run"
-    result = torchrun("lightning_ddp.py", 2, str(repo), "24", "1", "10", "13")
+    result = torchrun("lightning_ddp.py", 2, str(repo), "26", "1", "10", "13")
     assert "terminate called" not in result.stderr
     records = sorted(ckptfmt.Repository.open(str(repo)).commits(), key=lambda r: r.step)
     assert [r.step for r in records] == [8, 16, 24]
@@ -319,6 +321,9 @@ def test_a_ddp_run_saved_by_rank_zero_holds_every_ranks_steps_and_finds_the_slow
     report = stragglers(str(repo), thresholds=Thresholds(floor_s=0.1))
     found = {(s["rank"], step) for s in report["stragglers"] for step in s["steps"]}
     assert found == {(1, step) for step in range(10, 14)}, report["stragglers"]
+    assert {progress.rank for progress in read_progress(ckptfmt.Repository.open(str(repo)))} == {0, 1}
+    time_spent = analytics.goodput(str(repo))
+    assert (time_spent.ranks, time_spent.steps_kept) == (2, 26)
 
 
 @pytest.mark.distributed

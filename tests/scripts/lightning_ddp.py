@@ -58,7 +58,7 @@ def main() -> None:
                         enable_progress_bar=False, enable_model_summary=False,
                         plugins=[CkptfmtCheckpointIO()],
                         callbacks=[ModelCheckpoint(dirpath=repo, every_n_train_steps=8, save_top_k=-1),
-                                   StepTimingCallback()])
+                                   StepTimingCallback(progress_interval=0.0)])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.fit(Regression(), loader)
