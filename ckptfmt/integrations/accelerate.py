@@ -46,7 +46,7 @@ from ckptfmt.lifecycle.gc import collect, remove
 from ckptfmt.loading.load_into import load_into
 from ckptfmt.loading.reader import open as open_checkpoint
 from ckptfmt.loading.reader import restore_rng
-from ckptfmt.loading.resume_check import check_generators, record_resume
+from ckptfmt.loading.resume_check import check_generators, check_parts, record_resume
 from ckptfmt.repository.repository import Repository
 from ckptfmt.saving.save import save
 
@@ -78,8 +78,10 @@ def save_state(accelerator: Accelerator, url: str | os.PathLike | None = None, *
             raise ValueError("save_state(accelerator) without a URL needs ProjectConfiguration("
                              "automatic_checkpoint_naming=True)")
         url = f"{_automatic_repo(accelerator)}/checkpoint_{config.iteration}"
-    state = _training_state(accelerator)
     timing = _TIMINGS.get(accelerator)
+    if timing is not None:
+        timing.run_pending()  # a resume's record not made yet (no step since the load) goes with this save
+    state = _training_state(accelerator)
     if timing is not None:
         state["step_timing"] = {"steps_started": timing.steps_started}
     if step is None and timing is not None:
@@ -97,7 +99,9 @@ def load_state(accelerator: Accelerator, url: str | os.PathLike | None = None, *
                storage_options: dict | None = None, strict: bool = True) -> None:
     """Load a checkpoint written by ``save_state`` into the accelerator's prepared objects, in place,
     and restore this rank's RNG states; every rank calls it. What the objects then hold is compared
-    with the checkpoint part by part (``ckptfmt.record_resume``) and goes on record in the next save.
+    with the checkpoint part by part (``ckptfmt.record_resume``) and goes on record in the next save:
+    with ``StepTiming``, the models, optimizers and schedulers when the first step begins (what the
+    loop's own code did to them after the load is on record too), the rest at once.
 
     ``url`` None: the newest ``checkpoint_N`` under automatic checkpoint naming. Sharded states are
     loaded as this run shards them, whatever the world size that saved them.
@@ -127,9 +131,26 @@ def load_state(accelerator: Accelerator, url: str | os.PathLike | None = None, *
         else:
             optimizer.load_state_dict(rest[name])
     _restore_rest(accelerator, rest)
-    # What the prepared objects hold now, part by part against the checkpoint: on record in the next save.
-    record_resume(url, _training_state(accelerator), storage_options=storage_options,
-                  rank=accelerator.process_index, checked=[generators])
+    # What the prepared objects hold, part by part against the checkpoint: on record in the next save. The
+    # models, optimizers and schedulers are compared when the first step begins (with StepTiming), so that
+    # the loop's own code after the load (a state dropped, a schedule reset) is on record too; the rest
+    # (data loaders' positions, which the first batch moves) at once.
+    state = _training_state(accelerator)
+    late = {name: value for name, value in state.items() if name.startswith(("model_", "optimizer_", "scheduler_"))}
+    timing = _TIMINGS.get(accelerator)
+    if timing is None:
+        record_resume(url, state, storage_options=storage_options, rank=accelerator.process_index,
+                      checked=[generators])
+        return
+    with open_checkpoint(url, storage_options=storage_options) as reader:
+        early = check_parts(reader, {name: value for name, value in state.items() if name not in late},
+                            rank=accelerator.process_index)
+
+    def record() -> None:
+        now = _training_state(accelerator)
+        record_resume(url, {name: now[name] for name in late}, storage_options=storage_options,
+                      rank=accelerator.process_index, checked=[*early, generators])
+    timing.at_next_step(record)
 
 
 class StepTiming(HookedStepTimer):

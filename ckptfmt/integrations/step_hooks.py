@@ -36,6 +36,8 @@ class HookedStepTimer:
         self._optimizers = {id(o) for o in optimizers}
         self._stepped: set[int] = set()
         self._since: int | None = None
+        #: Work for when the next training step begins (``at_next_step``).
+        self._pending: list[Callable[[], object]] = []
         models = list(models)
         self._handles = [model.register_forward_pre_hook(self._forward) for model in models]
         if models:  # the first model's inputs are the batch (a pipeline's later stages take activations)
@@ -43,6 +45,17 @@ class HookedStepTimer:
         for optimizer in optimizers:
             self._handles += [optimizer.register_step_pre_hook(self._before_step),
                               optimizer.register_step_post_hook(self._after_step)]
+
+    def at_next_step(self, work: Callable[[], object]) -> None:
+        """Run ``work`` when the next training step begins, before it is timed (or at ``run_pending``):
+        a resume's record of what the loop's own code left in place by then."""
+        self._pending.append(work)
+
+    def run_pending(self) -> None:
+        """Run the work left for the next step now (a save before any step)."""
+        pending, self._pending = self._pending, []
+        for work in pending:
+            work()
 
     def remove(self) -> None:
         """Take the hooks off; the timer keeps the steps it has."""
@@ -54,6 +67,9 @@ class HookedStepTimer:
         """A forward in training mode outside a step starts one; ``data`` comes first even in the
         first step (analyses take phases to run in the order the timer first saw them)."""
         if module.training and not self.timer.in_step:
+            if self._pending:
+                self.run_pending()
+                self._since = time.perf_counter_ns()  # the work is the resume's, not the step's data wait
             self.timer.start_step(self._step_number(), since_ns=self._since, phase="data")
             self.timer.mark("forward_backward")
             self._stepped.clear()

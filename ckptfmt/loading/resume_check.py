@@ -112,17 +112,7 @@ def record_resume(checkpoint: str | os.PathLike | CheckpointReader, live: Mappin
     try:
         rank = _rank() if rank is None else rank
         manifest = reader.manifest
-        tree = plain_tree(manifest)
-        stored_values = {format_key(path): value for path, value in plain_leaves(tree)}
-        per_rank = {name for name, value in tree.items() if isinstance(value, PerRankValues)} \
-            if isinstance(tree, dict) else set()
-        states = {name: _state_of(obj) for name, obj in live.items()}
-        roots = {name: (name,) if name not in per_rank else (name, rank) for name in states}
-        keyed = {name: [(format_key(path), leaf) for path, leaf in leaves(roots[name], state)]
-                 for name, state in states.items()}
-        comparer = _Tensors(reader, {key: leaf for found in keyed.values() for key, leaf in found
-                                     if isinstance(leaf, torch.Tensor)})
-        parts = [_check_part(reader, name, keyed[name], stored_values, roots[name], comparer) for name in states]
+        parts = check_parts(reader, live, rank=rank)
         parts += checked
         if rng:
             parts.append(_check_rng(reader.metadata["rng"], rank))
@@ -137,6 +127,24 @@ def record_resume(checkpoint: str | os.PathLike | CheckpointReader, live: Mappin
             reader.close()
     note_resume(result.to_dict())
     return result
+
+
+def check_parts(reader: CheckpointReader, live: Mapping[str, Any], *, rank: int | None = None) -> list[PartCheck]:
+    """``record_resume``'s comparison of the live parts with the checkpoint, for a caller that records
+    them later (``checked=``): parts that change as soon as training goes on (a data loader's position),
+    compared at once, beside parts compared when the first step begins."""
+    rank = _rank() if rank is None else rank
+    tree = plain_tree(reader.manifest)
+    stored_values = {format_key(path): value for path, value in plain_leaves(tree)}
+    per_rank = {name for name, value in tree.items() if isinstance(value, PerRankValues)} \
+        if isinstance(tree, dict) else set()
+    states = {name: _state_of(obj) for name, obj in live.items()}
+    roots = {name: (name,) if name not in per_rank else (name, rank) for name in states}
+    keyed = {name: [(format_key(path), leaf) for path, leaf in leaves(roots[name], state)]
+             for name, state in states.items()}
+    comparer = _Tensors(reader, {key: leaf for found in keyed.values() for key, leaf in found
+                                 if isinstance(leaf, torch.Tensor)})
+    return [_check_part(reader, name, keyed[name], stored_values, roots[name], comparer) for name in states]
 
 
 def _reader(url: str | os.PathLike, storage_options: dict | None) -> CheckpointReader:

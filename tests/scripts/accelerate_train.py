@@ -1,6 +1,6 @@
 """An Accelerate training loop on CPU (one process, or ranks under torchrun) saving through ckptfmt.
 
-    [torchrun --nproc_per_node 2] accelerate_train.py MODE LOADER PLACE STEPS OUT [SAVE_AT]
+    [torchrun --nproc_per_node 2] accelerate_train.py MODE LOADER PLACE STEPS OUT [SAVE_AT [FAULT]]
 
 A dropout MLP with AdamW and a StepLR schedule over 64 samples in shuffled batches of 8 (4 steps
 per epoch on 2 ranks), the loop's progress registered for checkpointing. The sampler is Accelerate's
@@ -15,6 +15,10 @@ MODE:
 - ``automatic``: PLACE is the project_dir; automatic checkpoint naming with total_limit=2, a save
   every 2 steps until SAVE_AT, then it exits.
 - ``automatic-resume``: loads the newest checkpoint of project_dir PLACE and trains to STEPS.
+
+FAULT, in ``resume`` mode, goes in after the load, each a real bug of resumes: ``reseeded`` (the loop
+seeds torch again), ``optimizer`` (the optimizer's state dropped), ``scheduler`` (the schedule back at
+its start), ``perturbed`` (noise on the loss from a generator no checkpoint holds).
 
 Rank 0 writes the final model and optimizer states to OUT (torch.save).
 """
@@ -59,9 +63,25 @@ class SlowCollate:
         return torch.utils.data.default_collate(samples)
 
 
+def inject(fault: str | None, optimizer, scheduler, fresh_schedule: dict) -> torch.Generator | None:
+    """The FAULT after a load; the generator of ``perturbed``'s noise (seeded by the clock), else None."""
+    if fault == "reseeded":
+        set_seed(0)
+    elif fault == "optimizer":
+        optimizer.optimizer.state.clear()
+    elif fault == "scheduler":
+        scheduler.scheduler.load_state_dict(fresh_schedule)
+    elif fault == "perturbed":
+        return torch.Generator().manual_seed(time.time_ns())
+    elif fault is not None:
+        raise ValueError(f"no fault {fault!r}")
+    return None
+
+
 def main() -> None:
     mode, kind, place, steps, out = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5]
     save_at = int(sys.argv[6]) if len(sys.argv) > 6 else 0
+    fault = sys.argv[7] if len(sys.argv) > 7 else None
     project = ProjectConfiguration(project_dir=place, automatic_checkpoint_naming=True, total_limit=2) \
         if mode.startswith("automatic") else None
     loading = DataLoaderConfiguration(use_seedable_sampler=True, use_stateful_dataloader=kind == "stateful")
@@ -81,14 +101,18 @@ def main() -> None:
     progress = Progress()
     accelerator.register_for_checkpointing(progress)
     timing = StepTiming(accelerator)
+    fresh_schedule = scheduler.scheduler.state_dict()
     if mode == "resume":
         load_state(accelerator, place)
+        noise = inject(fault, optimizer, scheduler, fresh_schedule)
     elif mode == "automatic-resume":
         load_state(accelerator)
     while progress.step < steps:
         for x, y in loader:
             model.train()
             loss = torch.nn.functional.mse_loss(model(x), y)
+            if mode == "resume" and noise is not None:
+                loss = loss + 1e-3 * torch.rand((), generator=noise)
             accelerator.backward(loss)
             optimizer.step()
             scheduler.step()
