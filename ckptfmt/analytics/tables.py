@@ -36,7 +36,7 @@ from ckptfmt.metadata.system import decode_samples
 from ckptfmt.repository.history import read_histories, removed_histories
 from ckptfmt.repository.repository import CommitRecord, Repository
 
-TABLE_NAMES = ("checkpoints", "saves", "steps", "tensors", "environment", "system", "tensor_stats")
+TABLE_NAMES = ("checkpoints", "saves", "steps", "tensors", "environment", "system", "tensor_stats", "resumes")
 #: Manifests read at once from remote stores (and so the most held in memory before they are added).
 #: Local disks answer at once: parsing is the work there, and threads only contend for the GIL.
 READ_WORKERS, LOCAL_READ_WORKERS = 16, 2
@@ -58,7 +58,7 @@ def tables(repos: str | os.PathLike | Iterable | Mapping[str, str | os.PathLike]
     ``workers``: manifests read at once (default: 16 from remote stores, 2 from local disks).
     """
     builders: list[TableBuilder] = [Checkpoints(), Saves(), Steps(), Tensors(), Environment(), System(),
-                                    TensorStats()]
+                                    TensorStats(), Resumes()]
     for run, url in _runs(repos):
         repo = Repository.open(url, storage_options)
         readers = workers or (LOCAL_READ_WORKERS if repo.storage.cheap_exists else READ_WORKERS)
@@ -283,6 +283,41 @@ class Saves(_Builder):
             for name, field in (("phase", "name"), ("start", "start_ns"), ("duration_s", "duration_s")):
                 columns[name].extend([phase.get(field) for phase in phases])
             self.rows += count
+
+
+class Resumes(_Builder):
+    """One row per resume, rank and part of the state compared (spec 9.4 ``resumes``), removed
+    checkpoints' records included; a resume that compared no part has one row with no part."""
+
+    reads_history = True
+
+    fields = (("run", pa.string()), ("checkpoint", pa.string()), ("rank", pa.int64()), ("from_name", pa.string()),
+              ("from_step", pa.int64()), ("from_manifest", pa.string()), ("from_repository", pa.string()),
+              ("resumed", _TIME), ("world_size_then", pa.int64()), ("world_size_now", pa.int64()),
+              ("part", pa.string()), ("verdict", pa.string()), ("stored", pa.int64()), ("missing", pa.int64()),
+              ("different", pa.int64()), ("keys", pa.list_(pa.string())))
+
+    def add(self, run: str, record: _Saved, manifest: _Saved, where: str) -> None:
+        self.origin(where)
+        for index, rank_record in enumerate(_rank_records(manifest, where)):
+            what = f"timing.ranks[{index}].resumes"
+            for position, resume in enumerate(_list(rank_record.get("resumes"), where, what)):
+                resume = _map(resume, where, f"{what}[{position}]")
+                source = _map(resume.get("from"), where, f"{what}[{position}].from")
+                sizes = resume.get("world_size")
+                then, now = sizes if isinstance(sizes, list) and len(sizes) == 2 else (None, None)
+                parts = [_map(part, where, f"{what}[{position}].parts") for part
+                         in _list(resume.get("parts"), where, f"{what}[{position}].parts")] or [{}]
+                common = {"run": run, "checkpoint": record.name, "rank": resume.get("rank"),
+                          "from_name": source.get("name"), "from_step": source.get("step"),
+                          "from_manifest": source.get("manifest"), "from_repository": source.get("repository"),
+                          "resumed": resume.get("resumed_ns"), "world_size_then": then, "world_size_now": now}
+                for part in parts:
+                    for name, value in common.items():
+                        self.columns[name].append(value)
+                    for name in ("part", "verdict", "stored", "missing", "different", "keys"):
+                        self.columns[name].append(part.get(name))
+                    self.rows += 1
 
 
 class Steps:

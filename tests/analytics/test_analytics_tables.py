@@ -20,6 +20,7 @@ import torch
 import ckptfmt
 from ckptfmt import analytics
 from ckptfmt.format.manifest import FORMAT_VERSION
+from ckptfmt.lifecycle.gc import remove
 from ckptfmt.repository.repository import Repository
 from tests.support.helpers import rewrite_manifest
 from tests.support.ranks import run_ranks
@@ -239,3 +240,25 @@ def test_a_run_without_step_records_or_checkpoints_gives_empty_tables(tmp_path):
     built = analytics.tables(str(repo))
     assert built["checkpoints"].num_rows == 1 and built["steps"].num_rows == 0
     assert built["steps"].column_names[:4] == ["run", "checkpoint", "rank", "host"]
+
+
+def test_resumes_hold_each_part_a_resume_compared_even_once_its_checkpoint_is_removed(tmp_path):
+    """A resume whose optimizer state was dropped: one row per part, the dropped one `missing` with its
+    keys; the checkpoint that stored the record is removed and the row stays (its history object)."""
+    repo = tmp_path / "run"
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 4)).sum().backward()
+    optimizer.step()
+    ckptfmt.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, repo / "step-1", step=1)
+    state = ckptfmt.load(str(repo / "step-1"))
+    model.load_state_dict(state["model"])  # the optimizer's state is never loaded
+    ckptfmt.record_resume(str(repo / "step-1"), {"model": model, "optimizer": torch.optim.AdamW(model.parameters())})
+    ckptfmt.save({"model": model.state_dict()}, repo / "step-2", step=2)
+    ckptfmt.save({"model": model.state_dict()}, repo / "step-3", step=3)
+    remove(Repository.open(str(repo)), ["step-2"])
+    rows = analytics.tables(str(repo))["resumes"].to_pylist()
+    assert [(row["checkpoint"], row["from_name"], row["from_step"], row["part"], row["verdict"]) for row in rows] == [
+        ("step-2", "step-1", 1, "model", "equal"), ("step-2", "step-1", 1, "optimizer", "missing")]
+    assert rows[1]["missing"] > 0 and rows[1]["keys"][0].startswith("optimizer/state/")
+    assert (rows[0]["world_size_then"], rows[0]["world_size_now"], rows[0]["rank"]) == (1, 1, 0)

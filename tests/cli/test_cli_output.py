@@ -35,6 +35,7 @@ import pytest
 import torch
 
 import ckptfmt
+from ckptfmt.analytics.tables import TABLE_NAMES
 from ckptfmt.cli import main
 from ckptfmt.tools.formatting import human_bytes, shape_text
 
@@ -426,7 +427,7 @@ def test_analytics_export(runs, run, mode, tmp_path):
     assert result.code == 0, result.err
     check_layout(mode, result.out)
     files = sorted(str(path) for path in out.iterdir())
-    assert len(files) == 7 and unfolded(mode, result.out, files) == []
+    assert len(files) == len(TABLE_NAMES) and unfolded(mode, result.out, files) == []
 
 
 def test_health(runs, run, mode):
