@@ -155,6 +155,22 @@ def ddp_runs(tmp_path_factory):
     return DdpRuns(tmp_path_factory.mktemp("ddp-runs"))
 
 
+@pytest.fixture
+def hosts(request, tmp_path):
+    """Simulated hosts (tests/support/hosts.py): 2 by default, ``@pytest.mark.parametrize("hosts", [4],
+    indirect=True)`` for more. Where the machine cannot make them: a skip, and under CI a failure."""
+    from tests.support.helpers import IN_CI
+    from tests.support.hosts import HostsUnavailable, SimulatedHosts
+
+    made = SimulatedHosts(getattr(request, "param", 2), tmp_path / "hosts")
+    try:
+        made.start()
+    except HostsUnavailable as exc:
+        (pytest.fail if IN_CI else pytest.skip)(f"no simulated hosts on this machine: {exc}")
+    yield made
+    made.close()
+
+
 #: torch's deterministic-algorithms flags as the session found them.
 _DETERMINISM = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
 

@@ -1,0 +1,55 @@
+"""Data-parallel training across simulated hosts (tests/hosts/), saving collectively.
+
+    torchrun --nnodes N --node_rank I ... hosts_train.py REPO STEPS EVERY SLOW_RANK FIRST LAST
+
+Each rank trains a small model on its own batches (gradients averaged every step, so the ranks wait
+for each other), timed by a StepTimer; rank SLOW_RANK waits 0.2 s more for its data at steps
+FIRST..LAST; a collective save to REPO every EVERY steps.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import ckptfmt
+
+SLEEP_S = 0.2
+
+
+def main() -> None:
+    repo, steps, every, slow_rank, first, last = sys.argv[1], *map(int, sys.argv[2:7])
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    timer = ckptfmt.StepTimer(system_interval=None)
+    batches = torch.Generator().manual_seed(rank)
+    for step in range(steps):
+        with timer.step(step):
+            with timer.phase("data"):
+                batch = torch.randn(8, 16, generator=batches)
+                if rank == slow_rank and first <= step <= last:
+                    time.sleep(SLEEP_S)
+            with timer.phase("forward_backward"):
+                loss = model(batch).square().mean()
+                loss.backward()
+            with timer.phase("sync"):
+                for parameter in model.parameters():
+                    dist.all_reduce(parameter.grad)
+                    parameter.grad /= dist.get_world_size()
+            optimizer.step()
+            optimizer.zero_grad()
+            timer.metrics(loss=loss.detach())
+        if (step + 1) % every == 0:
+            ckptfmt.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step + 1},
+                         f"{repo}/step-{step + 1:04d}", step=step + 1, timer=timer)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
