@@ -30,6 +30,13 @@ from tests.support.helpers import SCRIPTS, assert_groups_released, script_env
 SUBNET = "10.77.0"
 #: torchrun's rendezvous port on the first host (each host's namespace is new: nothing else listens).
 MASTER_PORT = 29500
+#: libfaketime (Debian's package), which runs a host's processes on a clock of its own.
+FAKETIME_LIBRARY = "/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1"
+
+
+def clock_offset(seconds: float) -> dict[str, str]:
+    """The variables that run a process on a clock ``seconds`` ahead of the machine's (libfaketime)."""
+    return {"LD_PRELOAD": FAKETIME_LIBRARY, "FAKETIME": f"{seconds:+g}s", "FAKETIME_DONT_RESET": "1"}
 
 
 class HostsUnavailable(RuntimeError):
@@ -127,9 +134,10 @@ class SimulatedHosts:
                                 text=True, env=env, start_new_session=True)
 
     def torchrun(self, script: str, ranks_per_host: int, *args: str, timeout: float = 180,
-                 env: dict[str, str] | None = None) -> list[subprocess.CompletedProcess]:
+                 env: dict[str, dict[str, str]] | None = None) -> list[subprocess.CompletedProcess]:
         """tests/scripts/``script`` on every host under ``torchrun --nnodes``, ``ranks_per_host`` ranks each
-        (gloo over ``eth0``); each host's result. A launch past ``timeout`` is killed and fails the test."""
+        (gloo over ``eth0``); each host's result. ``env``: host name -> variables for its processes only.
+        A launch past ``timeout`` is killed and fails the test."""
         markers.require("distributed")
         processes = []
         for index, host in enumerate(self.hosts):
@@ -137,7 +145,8 @@ class SimulatedHosts:
                     "--node_rank", str(index), "--nproc_per_node", str(ranks_per_host),
                     "--master_addr", self.hosts[0].address, "--master_port", str(MASTER_PORT),
                     str(SCRIPTS / script), *args]
-            processes.append(self.start_on(host, argv, {**script_env(), "GLOO_SOCKET_IFNAME": "eth0", **(env or {})}))
+            variables = {**script_env(), "GLOO_SOCKET_IFNAME": "eth0", **(env or {}).get(host.name, {})}
+            processes.append(self.start_on(host, argv, variables))
         results = [_finish(process, timeout) for process in processes]
         for host, result in zip(self.hosts, results):
             assert result.returncode == 0, \
