@@ -116,5 +116,8 @@ def _metadata_rows(meta: dict) -> list[tuple[str, str]]:
     found = describe.replicas(meta)
     if found:
         rows.append(("replicas", found))
+    spread = describe.placement(meta)
+    if spread:
+        rows.append(("placement", spread))
     rows.append(("user", short(json.dumps(jsonable(meta.get("user"))), 500)))
     return rows

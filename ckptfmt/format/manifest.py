@@ -41,6 +41,7 @@ from ckptfmt.format.limits import (
     check_name,
 )
 from ckptfmt.format.maps import unique_map
+from ckptfmt.format.placement import Placement
 from ckptfmt.format.shards import MAX_RANK, Piece, ShardEntry, ShardGrid, grid_of, grid_to_dict, parse_grid
 from ckptfmt.format.tensor_stats import COUNT_FIELDS, FLOAT_FIELDS, INTEGER_FIELDS
 from ckptfmt.format.tiling import check_tiling
@@ -121,6 +122,8 @@ class Manifest:
     provenance: dict | None = None
     #: A collective save's comparison of replicated tensors (spec 9.7): ``{"checked", "divergent"}``.
     replicas: dict | None = None
+    #: Which node holds which chunks, in a node-scoped repository (spec 9.8); None elsewhere.
+    placement: Placement | None = None
     version: tuple[int, int] = FORMAT_VERSION
     #: Fields this reader does not know (from a newer minor version), kept as read.
     extra: dict = field(default_factory=dict)
@@ -156,6 +159,8 @@ class Manifest:
             doc["provenance"] = self.provenance
         if self.replicas is not None:
             doc["replicas"] = self.replicas
+        if self.placement is not None:
+            doc["placement"] = self.placement.to_record()
         return {**self.extra, **doc}
 
     def to_bytes(self) -> bytes:
@@ -194,7 +199,8 @@ class Manifest:
 
 #: Top-level fields ``from_bytes`` may skip (wire names): optional, and nothing else in the manifest refers
 #: to them. A reader of the chunk and tensor tables, parent and user values alone skips them all.
-OPTIONAL_FIELDS = frozenset({"rng", "environment", "topology", "timing", "stats", "provenance", "replicas"})
+OPTIONAL_FIELDS = frozenset({"rng", "environment", "topology", "timing", "stats", "provenance", "replicas",
+                             "placement"})
 
 
 def optional_fields_except(*needed: str) -> frozenset[str]:
@@ -280,7 +286,7 @@ def _int(value: Any, what: str, low: int = 0, high: int = 2**63 - 1) -> int:
 
 _KNOWN_FIELDS = frozenset(
     "format version name step created_ns parent chunks tensors state user rng environment topology timing stats "
-    "provenance replicas".split()
+    "provenance replicas placement".split()
 )
 
 
@@ -336,8 +342,9 @@ def _parse(doc: Any) -> Manifest:
     if not all(isinstance(r, dict) for r in rng):
         raise ManifestError("rng entries must be maps")
     extra = {k: v for k, v in doc.items() if k not in _KNOWN_FIELDS}
-    for name in ("rng", "environment", "topology", "timing", "stats", "provenance", "replicas"):
+    for name in ("rng", "environment", "topology", "timing", "stats", "provenance", "replicas", "placement"):
         _check_nesting(doc.get(name), name)
+    placement = _get(doc, "placement", dict, optional=True)
     _check_nesting(extra, "unknown fields")
     return Manifest(
         name=check_name(_get(doc, "name", str)),
@@ -355,6 +362,7 @@ def _parse(doc: Any) -> Manifest:
         totals=_get(doc, "stats", dict, optional=True, default={}),
         provenance=_get(doc, "provenance", dict, optional=True),
         replicas=_get(doc, "replicas", dict, optional=True),
+        placement=None if placement is None else Placement.from_record(placement, len(chunks)),
         version=version,
         extra=extra,
     )

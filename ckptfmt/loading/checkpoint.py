@@ -122,6 +122,9 @@ class Checkpoint:
             "user": decode_tree(m.user, torch_value=type(self).torch_value),
             "provenance": m.provenance,
             **({"replicas": m.replicas} if m.replicas is not None else {}),
+            **({"placement": {"scope": "node", "chunk_count": len(m.chunks),
+                              "nodes": [{"host": node.host, "ranks": list(node.ranks), "chunks": len(node.rows)}
+                                        for node in m.placement.nodes]}} if m.placement is not None else {}),
             **({"extra": m.extra} if m.extra else {}),
         }
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import warnings
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -14,7 +15,7 @@ import torch
 from ckptfmt.errors import CheckpointError, CheckpointNotFoundError, CheckpointWarning, CorruptDataError, ManifestError
 from ckptfmt.format.dtypes import itemsize
 from ckptfmt.format.manifest import Manifest, Piece, TensorEntry
-from ckptfmt.format.shards import ShardEntry, ShardGrid
+from ckptfmt.format.shards import ShardEntry, ShardGrid, chunk_rows
 from ckptfmt.format.signatures import TrustedKeys
 from ckptfmt.format.values import decode_tree
 from ckptfmt.loading.checkpoint import Checkpoint
@@ -110,7 +111,16 @@ class CheckpointReader(Checkpoint):
         try:
             yield
         except (CorruptDataError, CheckpointNotFoundError) as exc:
-            raise type(exc)(f"{self.url}: tensor {entry.key!r}: {exc}") from None
+            raise type(exc)(f"{self.url}: tensor {entry.key!r}: {exc}{self._held_elsewhere(entry)}") from None
+
+    def _held_elsewhere(self, entry: TensorEntry) -> str:
+        """Where a node-scoped checkpoint's nodes hold the tensor's chunks (spec 9.8), for a chunk not here."""
+        placement = self.manifest.placement
+        if placement is None:
+            return ""
+        hosts = sorted({host for row in set(chunk_rows(entry.shards)) for host in placement.holders(row)})
+        return (f" (a node-scoped checkpoint: this tensor's chunks are on {', '.join(hosts) or 'no node'}; "
+                f"this machine is {socket.gethostname()})")
 
     def _read_part(self, entry: TensorEntry, shard, start: list[int], size: list[int], target: torch.Tensor) -> None:
         """Copy the part of ``shard`` at ``start`` (in the shard) of ``size`` into ``target``."""

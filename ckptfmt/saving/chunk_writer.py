@@ -28,7 +28,7 @@ smaller kept where it pays; ``auto`` also keeps bytes that compress by less than
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, overload
@@ -93,10 +93,12 @@ class StoredSources:
 
 def store_sources(repo: Repository, sources: list[TensorSource], *, compression: str | None, parent_keys: set[str],
                   cache: HashCache, chunk_size: int | None, workers: int, timer,
-                  tensor_stats: bool = True, bases: DeltaBases | None = None) -> StoredSources:
+                  tensor_stats: bool = True, bases: DeltaBases | None = None,
+                  breaks: Collection[int] = ()) -> StoredSources:
     """Cut ``sources`` into chunks, store them (durably) and return the chunk table and pieces;
     with ``tensor_stats``, each source's statistics too, taken as its bytes are hashed. ``bases``: the
-    parent's chunks that delta chunks may be stored against.
+    parent's chunks that delta chunks may be stored against. ``breaks``: indices of sources that start
+    a new pack of small tensors (a sequence another writer stores alike).
 
     ``timer`` gets the phases ``write_chunks`` and ``sync``.
     """
@@ -105,7 +107,11 @@ def store_sources(repo: Repository, sources: list[TensorSource], *, compression:
         with timer.phase("write_chunks"):
             planner = ChunkPlanner(chunk_size or DEFAULT_CHUNK_SIZE)
             refs: list[list[PieceRef]] = []
+            starts = set(breaks)
             for index, source in enumerate(sources):
+                if index in starts:
+                    for job in planner.finish():
+                        writer.submit(job)
                 source_refs, ready = planner.add(index, source.nbytes, source.itemsize)
                 refs.append(source_refs)
                 for job in ready:

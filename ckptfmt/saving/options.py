@@ -37,6 +37,8 @@ LATEST = _Latest()
 DEFAULT_TIMEOUT_S = 600.0
 #: What a collective save does when the copies of a replicated tensor differ (``on_divergence``).
 DIVERGENCE_POLICIES = ("warn", "raise", "ignore")
+#: Where a repository's storage is: one every rank sees, or each node's own (spec 9.8).
+SCOPES = ("job", "node")
 #: Chunk writer threads per rank: they overlap hashing with other chunks' writes and fsyncs; on
 #: remote storage each holds a copy of its chunk, so 4 x 64 MiB bounds the memory.
 DEFAULT_WORKERS = 4
@@ -88,6 +90,9 @@ class SaveOptions:
     #: Sign the checkpoint (spec 10.3) with this Ed25519 private key: a PEM file (``ckptfmt keygen``), a
     #: ``cryptography`` key or a ``SigningKey``; loaded once, here. The key never enters the repository.
     signer: Any = None
+    #: ``"job"``: the repository is one storage every rank sees; ``"node"``: the URL names each node's own
+    #: storage (a node-local disk), which holds the boxes of that node's ranks (spec 9.8).
+    scope: str = "job"
 
     def __post_init__(self) -> None:
         step = self.step
@@ -125,6 +130,12 @@ class SaveOptions:
             check_gathered_steps(self.gathered_steps)
         if self.signer is not None:
             object.__setattr__(self, "signer", SigningKey.load(self.signer))
+        if self.scope not in SCOPES:
+            raise ValueError(f"scope must be one of {', '.join(SCOPES)}, not {self.scope!r}")
+        if self.scope == "node" and self.compression in ("delta-zstd", "auto"):
+            raise ValueError(f"compression={self.compression!r} stores chunks against the parent's, which a "
+                             "node-scoped repository does not promise to hold on the same node: use 'zstd', "
+                             "'shuffle-zstd' or none with scope='node'")
 
     @classmethod
     def from_keywords(cls, caller: str, keywords: dict[str, Any]) -> SaveOptions:

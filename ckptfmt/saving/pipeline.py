@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import socket
 import warnings
 from contextlib import ExitStack, nullcontext
 from typing import Any
@@ -36,14 +37,24 @@ from typing import Any
 from ckptfmt._collector import collector_paused
 from ckptfmt.errors import CheckpointError, CheckpointWarning, CollectiveError
 from ckptfmt.format.manifest import Manifest, ShardEntry, TensorEntry
+from ckptfmt.format.placement import NodeChunks, Placement
 from ckptfmt.format.values import encode_tree
 from ckptfmt.groups.ranks import Ranks
 from ckptfmt.metadata.timing import PhaseTimer
 from ckptfmt.metadata.topology import topology_record
+from ckptfmt.repository.leases import Lease
 from ckptfmt.repository.repository import Repository, split_checkpoint_url
 from ckptfmt.saving import replicas
 from ckptfmt.saving.chunk_writer import store_sources
-from ckptfmt.saving.core import Captured, TensorCollector, commit_manifest, manifest_for, rank_record, steps_record
+from ckptfmt.saving.core import (
+    Captured,
+    TensorCollector,
+    commit_manifest,
+    manifest_for,
+    open_for_save,
+    rank_record,
+    steps_record,
+)
 from ckptfmt.saving.delta_bases import DeltaBases
 from ckptfmt.saving.hashcache import DEFAULT_CACHE
 from ckptfmt.saving.options import SaveOptions
@@ -82,7 +93,8 @@ def save_over(state: Any, url: str | os.PathLike, ranks: Ranks, options: SaveOpt
                 encoded = encode_tree(state, collector, rank=ranks.rank)
             compared = together and options.on_divergence != "ignore"  # replicas exist only in a group
             return RankPlan(encoded, entries, [s.shape for s in sources], [s.nbytes for s in sources],
-                            collector.meshes, replicas.fingerprints(sources) if compared else None)
+                            collector.meshes, replicas.fingerprints(sources) if compared else None,
+                            socket.gethostname())
         plan, own_failure = _attempt(prepare)
     with ExitStack() as held:
         with timer.phase("plan" if together else "lease"):  # in a group, mostly waiting for the others
@@ -111,42 +123,93 @@ def _write_and_commit(decision: dict, failure: Failure | None, url: str, name: s
         warnings.warn(f"{replicas.message(agreed.divergences, url)}; each was stored from a rank of its majority",
                       CheckpointWarning, stacklevel=4)
 
-    def write() -> dict:
-        repo = agreed.repo or Repository.open(repo_url, options.storage_options)
-        assigned = agreed.assigned[ranks.position]
-        mine = [sources[i] for i in assigned]
-        bases = _delta_bases(repo, agreed, entries, sources, assigned, options)
-        stored = store_sources(repo, mine, compression=options.compression, parent_keys=agreed.parent_keys,
-                               cache=DEFAULT_CACHE, chunk_size=options.chunk_size,
-                               workers=options.chunk_workers, timer=timer, tensor_stats=options.tensor_stats,
-                               bases=bases)
-        return {"stored": stored, **rank_record(ranks.rank, timer, ranks.topology_entry(), captured)}
-    written, own_failure = _attempt(write)
-    with timer.phase("wait_ranks") if ranks.count > 1 else nullcontext():
-        results = ranks.gather(_report(written, own_failure, ranks.position))
+    node = NodeRepository(agreed, ranks, repo_url, options) if agreed.nodes else None
+    with ExitStack() as releasing:  # a leader's save lease on its node, however the save ends
+        if node is not None:
+            releasing.callback(node.release)
 
-    def commit(reports: list[dict]) -> str:
-        repo, lease = agreed.repo, agreed.lease
-        assert repo is not None and lease is not None  # run on the coordinator, which holds both
-        reports[0]["timing"] = timer.record(ranks.rank, captured.steps, captured.resumes)  # with its wait
-        with collector_paused():
-            manifest = _manifest(agreed, reports, ranks, name, options)
-        if options.before_commit is not None:
-            options.before_commit()
-        commit_manifest(repo, manifest, lease, options.signer)
-        return repo.storage.describe(name)
-    outcome, failure = _coordinate(results, ranks, commit)
-    try:
-        outcome = ranks.broadcast(outcome)
-    except CollectiveError as exc:
-        if ranks.is_coordinator and outcome is not None and "ok" in outcome:
-            return outcome["ok"]  # committed; a rank went away after reporting its chunks durable
-        if not ranks.is_coordinator and own_failure is None:
-            raise CollectiveError(f"{exc}; the coordinator had every rank's chunks and may have committed "
-                                  f"{url}: ckptfmt ls shows whether it did") from None
-        raise
-    _raise_failures(outcome, url, own_failure or failure, ranks)
-    return outcome["ok"]
+        def write() -> dict:
+            repo = agreed.repo or (node.open() if node is not None
+                                   else Repository.open(repo_url, options.storage_options))
+            assigned = agreed.assigned[ranks.position]
+            mine = [sources[i] for i in assigned]
+            bases = _delta_bases(repo, agreed, entries, sources, assigned, options)
+            stored = store_sources(repo, mine, compression=options.compression, parent_keys=agreed.parent_keys,
+                                   cache=DEFAULT_CACHE, chunk_size=options.chunk_size,
+                                   workers=options.chunk_workers, timer=timer, tensor_stats=options.tensor_stats,
+                                   bases=bases, breaks=agreed.breaks[ranks.position] if agreed.breaks else ())
+            return {"stored": stored, **rank_record(ranks.rank, timer, ranks.topology_entry(), captured)}
+        written, own_failure = _attempt(write)
+        with timer.phase("wait_ranks") if ranks.count > 1 else nullcontext():
+            results = ranks.gather(_report(written, own_failure, ranks.position))
+
+        committed: list[Manifest] = []
+
+        def commit(reports: list[dict]) -> str:
+            repo, lease = agreed.repo, agreed.lease
+            assert repo is not None and lease is not None  # run on the coordinator, which holds both
+            reports[0]["timing"] = timer.record(ranks.rank, captured.steps, captured.resumes)  # with its wait
+            with collector_paused():
+                manifest = _manifest(agreed, reports, ranks, name, options)
+            if options.before_commit is not None:
+                options.before_commit()
+            commit_manifest(repo, manifest, lease, options.signer)
+            committed.append(manifest)
+            return repo.storage.describe(name)
+        outcome, failure = _coordinate(results, ranks, commit)
+        if node is not None and committed and outcome is not None:  # the other nodes' leaders commit it on theirs
+            outcome = {**outcome, "manifest": committed[0]}
+        try:
+            outcome = ranks.broadcast(outcome)
+            if node is not None:
+                node.commit(outcome, options.signer)
+        except CollectiveError as exc:
+            if ranks.is_coordinator and outcome is not None and "ok" in outcome:
+                return outcome["ok"]  # committed; a rank went away after reporting its chunks durable
+            if not ranks.is_coordinator and own_failure is None:
+                raise CollectiveError(f"{exc}; the coordinator had every rank's chunks and may have committed "
+                                      f"{url}: ckptfmt ls shows whether it did") from None
+            raise
+        _raise_failures(outcome, url, own_failure or failure, ranks)
+        return outcome["ok"]
+
+
+class NodeRepository:
+    """This member's side of a node-scoped repository (spec 9.8): each node's own storage at the same
+    URL. The first member of each node other than the coordinator's (its leader) creates the node's
+    repository, holds a save lease on it from the write to the node's commit, and commits there the
+    manifest the coordinator committed on its own node."""
+
+    def __init__(self, plan: Plan, ranks: Ranks, repo_url: str, options: SaveOptions):
+        self.repo_url, self.options = repo_url, options
+        node = plan.node_of[ranks.position]
+        self.leader = (not ranks.is_coordinator and plan.node_of.index(node) == ranks.position
+                       and node != plan.node_of[0])
+        self.repo: Repository | None = None
+        self.lease: Lease | None = None
+
+    def open(self) -> Repository:
+        if self.leader:
+            self.repo, self.lease = open_for_save(self.repo_url, self.options)
+        else:
+            self.repo = Repository.open(self.repo_url, self.options.storage_options, create=True)
+        return self.repo
+
+    def commit(self, outcome: dict, signer: Any) -> None:
+        """On a leader, once the coordinator has committed: the same manifest and commit record on this node.
+        A failure leaves this node without the checkpoint (a restore finds it elsewhere), with a warning."""
+        if not self.leader or "ok" not in outcome or self.repo is None or self.lease is None:
+            return
+        try:
+            commit_manifest(self.repo, outcome["manifest"], self.lease, signer)
+        except CheckpointError as exc:
+            warnings.warn(f"{self.repo.url} on {socket.gethostname()}: the checkpoint committed by rank 0 could "
+                          f"not be committed on this node ({exc})", CheckpointWarning, stacklevel=5)
+
+    def release(self) -> None:
+        if self.lease is not None:
+            self.lease.release()
+            self.lease = None
 
 
 def _with_gathered_steps(captured: Captured, options: SaveOptions, rank: int) -> Captured:
@@ -258,4 +321,17 @@ def _manifest(plan: Plan, reports: list[dict], ranks: Ranks, name: str, options:
                             steps_only=[steps_record(entry, start_ns) for entry in gathered])
     if ranks.collective and options.on_divergence != "ignore":
         manifest.replicas = {"checked": plan.replicas_checked, "divergent": [d.record() for d in plan.divergences]}
+    if plan.nodes:
+        manifest.placement = _placement(plan, tables, ranks)
     return manifest
+
+
+def _placement(plan: Plan, tables: ManifestTables, ranks: Ranks) -> Placement:
+    """Which chunk rows each node holds: those its members wrote or found stored there (spec 9.8)."""
+    held: list[set[int]] = [set() for _ in plan.nodes]
+    members: list[list[int]] = [[] for _ in plan.nodes]
+    for position, node in enumerate(plan.node_of):
+        held[node].update(tables.rows(position))
+        members[node].append(ranks.rank_of(position))
+    return Placement(tuple(NodeChunks(host, tuple(members[index]), tuple(sorted(held[index])))
+                           for index, host in enumerate(plan.nodes)))

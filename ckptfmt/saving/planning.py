@@ -37,6 +37,8 @@ class RankPlan:
     nbytes: list[int]
     meshes: list[dict]
     fingerprints: list[bytes] | None
+    #: The member's host: its node, for a node-scoped repository.
+    host: str = ""
 
 
 @dataclass
@@ -93,6 +95,12 @@ class Plan:
     replicas_checked: int = 0
     #: The parent's manifest, on the coordinator (the others read it when they need it).
     parent: Manifest | None = None
+    #: A node-scoped repository's nodes (hosts, in order of their first member) and each member's node;
+    #: empty for a job-scoped one.
+    nodes: list[str] = field(default_factory=list)
+    node_of: list[int] = field(default_factory=list)
+    #: Per member, where in its sources a new sequence starts (packs do not cross it): node scope only.
+    breaks: list[list[int]] = field(default_factory=list)
 
     def __getstate__(self) -> dict:  # what the broadcast sends: nothing of the coordinator's own
         return {**self.__dict__, "repo": None, "lease": None, "parent": None}
@@ -128,6 +136,13 @@ def _plan(plans: list[RankPlan], rank_of, repo: Repository, lease: Lease, name: 
         order = list(numbers)
     tensors = _tensors(plans, order, rank_of)
     assigned = _assign(tensors, len(plans))
+    nodes: list[str] = []
+    node_of: list[int] = []
+    breaks: list[list[int]] = []
+    if options.scope == "node":
+        nodes = list(dict.fromkeys(plan.host for plan in plans))
+        node_of = [nodes.index(plan.host) for plan in plans]
+        assigned, breaks = _node_sequences(tensors, assigned, node_of)
     meshes = [mesh for plan in plans for mesh in plan.meshes]
     user = encode_tree({} if options.metadata is None else options.metadata)
     shared = [(tensor, box) for tensor in tensors for box in tensor.boxes if len(box.holders) > 1 and box.prints]
@@ -136,7 +151,7 @@ def _plan(plans: list[RankPlan], rank_of, repo: Repository, lease: Lease, name: 
                    for tensor, box in shared if len(groups := box.groups()) > 1]
     return Plan(repo, lease, parent_name, parent_keys, state, user, tensors, assigned,
                 [m for i, m in enumerate(meshes) if m not in meshes[:i]], differences, divergences, len(shared),
-                parent)
+                parent, nodes, node_of, breaks)
 
 
 def _ref(keys: list[str], index: int) -> TensorRef:
@@ -217,3 +232,42 @@ def _assign(tensors: list[MergedTensor], members: int) -> list[list[int]]:
         give(box, position, source)
     return assigned
 
+
+
+
+def _node_sequences(tensors: list[MergedTensor], assigned: list[list[int]], node_of: list[int]
+                    ) -> tuple[list[list[int]], list[list[int]]]:
+    """For a node-scoped repository: every node whose members hold a box stores it too, in chunks of the
+    same names as its writer's. Each writer's boxes are cut into sequences by the members of the other
+    nodes that will write them again (the lowest member of each such node holding the box); each of those
+    members writes the sequence after its own boxes, in the same order, and each sequence starts a new
+    pack of small tensors (``store_sources``' ``breaks``), so that packs come out byte for byte the same.
+    Returns each member's sources in writing order (``box.writer`` renumbered) and where its sequences
+    start."""
+    own: list[list[Box]] = [[] for _ in assigned]
+    for box in sorted((b for tensor in tensors for b in tensor.boxes), key=lambda b: b.writer):
+        own[box.writer[0]].append(box)
+    order: list[list[int]] = [[] for _ in assigned]
+    breaks: list[list[int]] = [[] for _ in assigned]
+    again: list[list[list[int]]] = [[] for _ in assigned]
+    for position, boxes in enumerate(own):
+        groups: dict[tuple, list[Box]] = {}
+        for box in boxes:
+            others: dict[int, int] = {}
+            for holder, _ in box.holders:
+                node = node_of[holder]
+                if node != node_of[position]:
+                    others[node] = min(others.get(node, holder), holder)
+            groups.setdefault(tuple(sorted(others.items())), []).append(box)
+        for key, group in groups.items():
+            breaks[position].append(len(order[position]))
+            for box in group:
+                box.writer = (position, len(order[position]))
+                order[position].append(dict(box.holders)[position])
+            for _, member in key:
+                again[member].append([dict(box.holders)[member] for box in group])
+    for member, sequences in enumerate(again):
+        for sequence in sequences:
+            breaks[member].append(len(order[member]))
+            order[member].extend(sequence)
+    return order, breaks

@@ -48,6 +48,7 @@ def save(
     on_divergence: str = "warn",
     gathered_steps: list | None = None,
     signer: Any = None,
+    scope: str = "job",
     timer: StepTimer | None = None,
 ) -> str:
     """Save ``state`` (nested dicts/lists/tuples of tensors and plain values) as checkpoint ``url``.
@@ -107,6 +108,12 @@ def save(
     did not sign. The key never enters the repository. In a collective save
     the coordinator (rank 0) signs.
 
+    ``scope="node"``: the repository's URL names each node's own storage (a
+    node-local disk, the same path on every node). Each node's repository
+    holds the boxes its ranks hold, and gets the checkpoint's manifest and
+    commit record once rank 0 has committed on its own; the manifest records
+    which node holds which chunks (spec 9.8).
+
     An asynchronous save of the same repository still running in this process
     is waited for first (its error, if it failed, is raised here).
     """
@@ -115,7 +122,7 @@ def save(
         compression=compression, step_times=step_times, parallelism=parallelism, workers=workers, rng=rng,
         provenance=provenance, before_commit=before_commit, process_group=process_group, coordinated=coordinated,
         timeout=timeout, tensor_stats=tensor_stats, on_divergence=on_divergence, gathered_steps=gathered_steps,
-        signer=signer,
+        signer=signer, scope=scope,
     )
     return save_with(state, url, options, timer=timer)
 

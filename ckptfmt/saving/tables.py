@@ -31,6 +31,10 @@ class ManifestTables:
                            for row, chunk in enumerate(table)])
         return len(self._rows) - 1
 
+    def rows(self, writer: int) -> list[int]:
+        """The rows of the merged table that a writer's chunks are."""
+        return self._rows[writer]
+
     def pieces(self, writer: int, pieces: Sequence[Piece]) -> tuple[Piece, ...]:
         """A writer's pieces of one source, pointing at rows of the merged table."""
         rows = self._rows[writer]

@@ -152,6 +152,19 @@ def replicas(meta: Mapping) -> str | None:
     return f"{checked} compared, {len(divergent)} differ: " + "; ".join(divergent)
 
 
+# -- placement -------------------------------------------------------------------------------------
+
+def placement(meta: Mapping) -> str | None:
+    """Which node holds how many of a node-scoped checkpoint's chunks (spec 9.8), or None."""
+    found = meta.get("placement")
+    if not isinstance(found, Mapping):
+        return None
+    total = found.get("chunk_count")
+    nodes = [f"{text(node.get('host'))} ({_ranks(sorted(node.get('ranks') or []))}): {text(node.get('chunks'))} of "
+             f"{text(total)} chunks" for node in records(found.get("nodes"))]
+    return f"node-scoped, {counted(len(nodes), 'node')}: " + "; ".join(nodes)
+
+
 # -- environment -----------------------------------------------------------------------------------
 
 def _leaf(value: Any, key: str) -> str:

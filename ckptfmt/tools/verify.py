@@ -10,6 +10,7 @@ the TUI's widget alike.
 from __future__ import annotations
 
 import os
+import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -87,7 +88,7 @@ class VerifyReport:
 def verify(url: str | os.PathLike, *, storage_options: dict | None = None,
            callback: Callback | None = None, workers: int = 16,
            cancel: threading.Event | None = None, stats: bool = False,
-           trusted_keys: TrustedKeys = None) -> VerifyReport:
+           trusted_keys: TrustedKeys = None, node: str | None = None) -> VerifyReport:
     """Verify a checkpoint URL, or every checkpoint of a repository URL.
 
     A checkpoint URL naming no committed checkpoint raises CheckpointNotFoundError:
@@ -98,6 +99,8 @@ def verify(url: str | os.PathLike, *, storage_options: dict | None = None,
     Every signature object must sign its checkpoint under its own key (``bad-signature``);
     with ``trusted_keys`` (spec 10.3), a checkpoint no trusted key signed is ``unsigned``
     and one whose trusted signature does not verify (forged or damaged) ``bad-signature``.
+    In a node-scoped repository (spec 9.8) the chunks of ``node`` (default: this machine's hostname) are
+    checked, the others named as held on their nodes; where ``node`` is none of the checkpoint's, all.
     """
     trusted = None if trusted_keys is None else trusted_public_keys(trusted_keys)
     callback = callback or NoOpCallback()
@@ -142,8 +145,9 @@ def verify(url: str | os.PathLike, *, storage_options: dict | None = None,
                                    describe.records((manifest.replicas or {}).get("divergent"))]
             report.warnings.append(f"{name}: the copies of replicated tensors differed between ranks when it was "
                                    f"saved (the majority's was stored): {'; '.join(divergent)}")
+    here = _rows_here(manifests, node or socket.gethostname(), report)
     check = _stats_check(manifests) if stats else None
-    check_chunks(repo, manifests, report, callback, workers, cancel, check)
+    check_chunks(repo, manifests, report, callback, workers, cancel, check, here)
     if check is not None and not report.cancelled:
         for wrong in check.finish(repo):
             report.problems.append(Problem("wrong-stats", wrong.checkpoint, wrong.message, tensors=(wrong.tensor,)))
@@ -208,22 +212,45 @@ _MEMORY_BUDGET = 2**30
 _REUSED_BUFFER = 64 * 2**20
 
 
+def _rows_here(manifests: dict[str, Manifest], node: str, report: VerifyReport) -> dict[str, set[int]]:
+    """The chunk rows ``node`` holds of each node-scoped checkpoint it is a node of (spec 9.8); the rest
+    are named in the report as held on their nodes."""
+    here = {}
+    for name, manifest in manifests.items():
+        placement = manifest.placement
+        held = placement.node(node) if placement is not None else None
+        if placement is None or held is None:
+            continue
+        here[name] = set(held.rows)
+        elsewhere = len(manifest.chunks) - len(here[name])
+        if elsewhere:
+            others = ", ".join(n.host for n in placement.nodes if n.host != node)
+            report.warnings.append(f"{name}: {counted(elsewhere, 'chunk')} held on other nodes ({others}), "
+                                   f"not checked on {node}")
+    return here
+
+
 def check_chunks(repo: Repository, manifests: dict[str, Manifest], report: VerifyReport,
                  callback: Callback | None = None, workers: int = 16, cancel: threading.Event | None = None,
-                 stats: StatsCheck | None = None) -> None:
+                 stats: StatsCheck | None = None, here: dict[str, set[int]] | None = None) -> None:
     """Read and hash every distinct chunk the ``manifests`` use, once; add what is missing or corrupt
-    to ``report.problems`` (one problem per checkpoint that uses the chunk)."""
+    to ``report.problems`` (one problem per checkpoint that uses the chunk). ``here``: per node-scoped
+    checkpoint, the rows this node holds (only those are checked)."""
+    here = here or {}
     callback = callback or NoOpCallback()
     # Each distinct chunk once, remembering who uses it, to name the damage.
     users: dict[str, list[tuple[str, str]]] = {}
     jobs: dict[str, tuple[Manifest, int]] = {}
     for name, manifest in manifests.items():
+        held = here.get(name)
         for tensor in manifest.tensors:
             for row in dict.fromkeys(chunk_rows(tensor.shards)):
-                chunk = manifest.chunks[row]
-                users.setdefault(stored_key(manifest.chunks, chunk), []).append((name, tensor.key))
+                if held is None or row in held:
+                    chunk = manifest.chunks[row]
+                    users.setdefault(stored_key(manifest.chunks, chunk), []).append((name, tensor.key))
         for index, chunk in enumerate(manifest.chunks):
-            jobs.setdefault(stored_key(manifest.chunks, chunk), (manifest, index))
+            if held is None or index in held:
+                jobs.setdefault(stored_key(manifest.chunks, chunk), (manifest, index))
     callback.set_size(sum(m.chunks[i].size for m, i in jobs.values()))
     lock = threading.Lock()
     budget = ByteBudget(_MEMORY_BUDGET)

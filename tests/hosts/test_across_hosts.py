@@ -9,6 +9,7 @@ import pytest
 
 import ckptfmt
 from ckptfmt.analytics import Thresholds, stragglers
+from ckptfmt.format.layout import chunk_key
 from ckptfmt.metadata.step_timer import decode_steps
 from tests.support.helpers import needs_tool
 from tests.support.hosts import FAKETIME_LIBRARY, clock_offset
@@ -46,3 +47,36 @@ def test_a_host_whose_clock_is_seconds_ahead_changes_no_straggler_found(hosts):
     report = stragglers(str(repo), thresholds=Thresholds(floor_s=0.1))
     found = {(s["rank"], s["host"], step) for s in report["stragglers"] for step in s["steps"]}
     assert found == {(3, "hostB", step) for step in range(5, 8)}, report["stragglers"]
+
+
+def test_a_node_scoped_repository_holds_on_each_node_what_its_ranks_hold(hosts):
+    """scope="node", the repository on each host's own disk (the same path on both): each node's
+    repository commits every checkpoint, with the model (replicated) whole and the embedding table's
+    rows of its own ranks (a DTensor sharded over the 4 ranks); the placement says which."""
+    repo = hosts.local / "run"
+    hosts.torchrun("hosts_train.py", 2, str(repo), "8", "4", "-1", "0", "0", "node")
+    for index, host in enumerate(hosts.hosts):
+        on_node = host.disk / "run"
+        assert sorted(ckptfmt.Repository.open(str(on_node)).names()) == ["step-0004", "step-0008"]
+        with ckptfmt.open(f"{on_node}/step-0008") as reader:
+            placement = reader.manifest.placement
+            assert [(node.host, node.ranks) for node in placement.nodes] == [("hostA", (0, 1)), ("hostB", (2, 3))]
+            mine = set(placement.nodes[index].rows)
+            present = {row for row, chunk in enumerate(reader.manifest.chunks)
+                       if reader.repository.storage.exists(chunk_key(chunk.hash, chunk.codec))}
+            assert present == mine  # exactly the chunks the placement says this node holds
+            for entry in reader.manifest.tensors:
+                for shard in entry.shards:
+                    rows = {piece.chunk for piece in shard.pieces}
+                    ours = not entry.key.startswith("table") or shard.rank in placement.nodes[index].ranks
+                    assert (rows <= mine) == ours, (host.name, entry.key, shard.rank)
+    for host in hosts.hosts:  # on its own node, every node's repository verifies: the rest is elsewhere
+        report = ckptfmt.verify(str(host.disk / "run"), node=host.name)
+        other = "hostB" if host.name == "hostA" else "hostA"
+        assert report.ok and any(f"held on other nodes ({other})" in line for line in report.warnings), report
+    away = ckptfmt.verify(str(hosts.hosts[0].disk / "run"), node="elsewhere")  # not a node: every chunk is due
+    assert {problem.kind for problem in away.problems} == {"missing-chunk"}
+    with pytest.raises(ckptfmt.CheckpointNotFoundError, match="node-scoped checkpoint: this tensor's chunks are "
+                                                              "on hostA, hostB; this machine is"):
+        ckptfmt.load(str(hosts.hosts[0].disk / "run" / "step-0008"))
+    hosts.torchrun("hosts_restore.py", 2, f"{repo}/step-0008", "8")  # each rank from its own node

@@ -1,10 +1,11 @@
 """Data-parallel training across simulated hosts (tests/hosts/), saving collectively.
 
-    torchrun --nnodes N --node_rank I ... hosts_train.py REPO STEPS EVERY SLOW_RANK FIRST LAST
+    torchrun --nnodes N --node_rank I ... hosts_train.py REPO STEPS EVERY SLOW_RANK FIRST LAST [SCOPE]
 
 Each rank trains a small model on its own batches (gradients averaged every step, so the ranks wait
 for each other), timed by a StepTimer; rank SLOW_RANK waits 0.2 s more for its data at steps
-FIRST..LAST; a collective save to REPO every EVERY steps.
+FIRST..LAST; a collective save to REPO every EVERY steps (``scope=SCOPE``, ``job`` by default), with
+an embedding table sharded over the ranks (a DTensor: each rank's rows are its own) beside the model.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
 
 import ckptfmt
 
@@ -22,8 +25,11 @@ SLEEP_S = 0.2
 
 def main() -> None:
     repo, steps, every, slow_rank, first, last = sys.argv[1], *map(int, sys.argv[2:7])
+    scope = sys.argv[7] if len(sys.argv) > 7 else "job"
     dist.init_process_group("gloo")
     rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    table = distribute_tensor(torch.arange(64 * 8, dtype=torch.float32).reshape(64, 8), mesh, [Shard(0)])
     torch.manual_seed(0)
     model = torch.nn.Linear(16, 4)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -46,8 +52,8 @@ def main() -> None:
             optimizer.zero_grad()
             timer.metrics(loss=loss.detach())
         if (step + 1) % every == 0:
-            ckptfmt.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step + 1},
-                         f"{repo}/step-{step + 1:04d}", step=step + 1, timer=timer)
+            ckptfmt.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "table": table + step,
+                          "step": step + 1}, f"{repo}/step-{step + 1:04d}", step=step + 1, timer=timer, scope=scope)
     dist.destroy_process_group()
 
 

@@ -58,7 +58,9 @@ def topology(meta: dict, entries: list[TensorEntry]) -> RenderGroup:
     for r in describe.ranks(meta):
         shards_written = shards.get(r.rank, 0) if isinstance(r.rank, int) else 0
         table.add_row(*map(Text, (describe.text(r.rank), r.host, r.local_rank, r.device, str(shards_written))))
-    return RenderGroup(_fields(describe.topology(meta)), Text(""), table)
+    spread = describe.placement(meta)
+    placed = [Text(""), Text(f"placement: {spread}")] if spread else []
+    return RenderGroup(_fields(describe.topology(meta)), Text(""), table, *placed)
 
 
 def timing(meta: dict) -> RenderGroup:
