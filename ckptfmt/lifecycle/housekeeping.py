@@ -19,6 +19,7 @@ from ckptfmt.lifecycle.gc import collect, remove
 from ckptfmt.lifecycle.replicate import replicate
 from ckptfmt.lifecycle.retention import Retention, metrics_reader
 from ckptfmt.repository.repository import CommitRecord, Repository
+from ckptfmt.saving.options import SCOPES
 
 #: Chunks copied to the next tier at a time: few, so that a save starting meanwhile soon has the machine
 #: back (copying pauses for it, but what is already queued finishes).
@@ -27,11 +28,21 @@ REPLICATION_WORKERS = 2
 
 @dataclass(frozen=True)
 class Tier:
-    """One storage tier: a repository URL, its own retention (None: the manager's rules) and options."""
+    """One storage tier: a repository URL, its own retention (None: the manager's rules) and options.
+
+    ``scope="node"``: the URL names each node's own storage (a node-local disk, the same path on every
+    node), which holds the boxes of that node's ranks (``ckptfmt.save(scope="node")``, spec 9.8); only
+    the first, fastest tier may be one.
+    """
 
     url: str
     retention: Retention | None = None
     storage_options: dict | None = field(default=None, hash=False)
+    scope: str = "job"
+
+    def __post_init__(self) -> None:
+        if self.scope not in SCOPES:
+            raise ValueError(f"a tier's scope must be one of {', '.join(SCOPES)}, not {self.scope!r}")
 
 
 def tier_records(tier: Tier) -> list[CommitRecord]:
@@ -51,9 +62,11 @@ class Housekeeper:
     manifests each collection has read.
     """
 
-    def __init__(self, tiers: list[Tier], gc_wait_s: float):
+    def __init__(self, tiers: list[Tier], gc_wait_s: float, *, copies: bool = True):
         self.tiers = tiers
         self.gc_wait_s = gc_wait_s
+        #: False: retention and collection only (a node's own tier, whose copies rank 0 makes).
+        self.copies = copies
         self._running = threading.Event()
         self._running.set()
         #: Checkpoint name -> the metrics its save was given (the rest are read from the checkpoints).
@@ -75,7 +88,7 @@ class Housekeeper:
         """One pass, given the metrics of the checkpoints saved since the last; returns what failed, in
         words (storage trouble: the next pass tries again), and raises only what is not a CheckpointError.
         Copies come first: retention deletes nothing the next tier still wants."""
-        return self.replicate(metrics) + self.retain()
+        return (self.replicate(metrics) if self.copies else []) + self.retain()
 
     def replicate(self, metrics: dict[str, dict]) -> list[str]:
         """Copy to each next tier the checkpoints it lacks and keeps; what failed, in words."""

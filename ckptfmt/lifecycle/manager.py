@@ -22,7 +22,9 @@ docs/design/replication-child.md).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
+import socket
 import statistics
 import sys
 import threading
@@ -36,7 +38,7 @@ from typing import Any
 import torch
 
 from ckptfmt.errors import CheckpointError, CheckpointNotFoundError, CheckpointWarning
-from ckptfmt.groups.process_group import distributed_group
+from ckptfmt.groups.process_group import RankGroup, distributed_group
 from ckptfmt.lifecycle.advise import auto_interval
 from ckptfmt.lifecycle.housekeeping import Housekeeper, Tier, tier_records
 from ckptfmt.lifecycle.housekeeping_process import SUPPORTED as PROCESS_SUPPORTED
@@ -46,7 +48,7 @@ from ckptfmt.loading.reader import load, restore_rng
 from ckptfmt.loading.resume_check import record_resume
 from ckptfmt.repository.repository import Repository
 from ckptfmt.saving.asynchronous import AsyncSaver
-from ckptfmt.saving.options import SaveOptions
+from ckptfmt.saving.options import DEFAULT_TIMEOUT_S, SaveOptions
 from ckptfmt.saving.save import save_with
 from ckptfmt.storage.factory import in_process_memory
 
@@ -87,6 +89,9 @@ class CheckpointManager:
         self.tiers = [_tier(t, default, storage_options) for t in given]
         if not self.tiers:
             raise ValueError("tiers must name at least one repository")
+        if any(tier.scope == "node" for tier in self.tiers[1:]):
+            raise ValueError("only the first tier may be node-scoped (each node's own disk); the next tiers "
+                             "are where every node's checkpoints go")
         if interval not in (None, "auto") and (isinstance(interval, bool) or not isinstance(interval, int)
                                                or interval < 1):
             raise ValueError(f"interval must be None, a positive number of steps or 'auto', not {interval!r}")
@@ -108,8 +113,14 @@ class CheckpointManager:
         self.saver = AsyncSaver() if async_save else None
         self.group = distributed_group(process_group)
         self.is_coordinator = self.group is None or torch.distributed.get_rank(self.group) == 0
-        #: Replication, retention and collection; only the group's rank 0 has one.
-        self.housekeeper = _housekeeper(self.tiers, gc_wait_s, housekeeping) if self.is_coordinator else None
+        #: Replication, retention and collection; the group's rank 0 has one, and with a node-scoped first
+        #: tier each other node's lowest rank, for its own node's tier (retention and collection only).
+        leads_node = self.tiers[0].scope == "node" and self.group is not None and _leads_its_node(self.group)
+        self.housekeeper: Housekeeper | HousekeepingProcess | None = None
+        if self.is_coordinator:
+            self.housekeeper = _housekeeper(self.tiers, gc_wait_s, housekeeping)
+        elif leads_node:
+            self.housekeeper = Housekeeper(self.tiers, gc_wait_s, copies=False)
         self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptfmt-manager")
         self._tasks: list[Future] = []
         self._save: Future | None = None
@@ -158,7 +169,7 @@ class CheckpointManager:
             if self.housekeeper is not None:
                 with self._lock:
                     self._new_metrics[name] = dict(metrics)
-        options = self.save_options.replace(step=step, metadata=user or None,
+        options = self.save_options.replace(step=step, metadata=user or None, scope=self.tiers[0].scope,
                                             storage_options=self.tiers[0].storage_options, process_group=self.group)
         started = time.perf_counter()
         if self.housekeeper is not None:  # copying to the next tiers waits while the loop saves
@@ -300,7 +311,7 @@ class CheckpointManager:
         if save is not None and save.exception() is not None:
             return  # nothing new is committed; the next save, or wait(), raises the error
         housekeeper = self.housekeeper
-        assert housekeeper is not None  # queued only where there is one (the group's rank 0)
+        assert housekeeper is not None  # queued only where there is one (rank 0, a node tier's leaders)
         with self._lock:
             metrics, self._new_metrics = self._new_metrics, {}
         for problem in housekeeper.run(metrics):
@@ -355,9 +366,17 @@ def _other_repositories(tiers: list[Tier], reading: Tier) -> list[Repository]:
     return others
 
 
+def _leads_its_node(group: Any) -> bool:
+    """Whether this rank is the lowest of its host in ``group`` (every rank calls this together, over
+    ckptfmt's own gloo group, whatever the training backend)."""
+    ranks = RankGroup(group, DEFAULT_TIMEOUT_S, "finding each node's lowest rank")
+    hosts = ranks.broadcast(ranks.gather(socket.gethostname()))
+    return hosts.index(socket.gethostname()) == ranks.rank
+
+
 def _tier(tier: str | os.PathLike | Tier, default: Retention, storage_options: dict | None) -> Tier:
     if isinstance(tier, Tier):
-        return tier if tier.retention is not None else Tier(tier.url, default, tier.storage_options)
+        return tier if tier.retention is not None else dataclasses.replace(tier, retention=default)
     return Tier(os.fspath(tier).rstrip("/"), default, storage_options)
 
 

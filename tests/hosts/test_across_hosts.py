@@ -80,3 +80,21 @@ def test_a_node_scoped_repository_holds_on_each_node_what_its_ranks_hold(hosts):
                                                               "on hostA, hostB; this machine is"):
         ckptfmt.load(str(hosts.hosts[0].disk / "run" / "step-0008"))
     hosts.torchrun("hosts_restore.py", 2, f"{repo}/step-0008", "8")  # each rank from its own node
+
+
+def test_a_manager_with_a_node_local_first_tier_saves_on_every_node_and_copies_to_the_shared_tier(hosts):
+    """The issue's failing job: CheckpointManager(tiers=[Tier(local, scope="node"), shared]) across 2
+    hosts. Every save commits on each node's own disk (before: every save failed on the second host),
+    each node keeps the last 2, and the shared tier gets each checkpoint whole (a data-parallel job:
+    rank 0's node holds all of it) and verifies."""
+    local, shared = hosts.local / "run", hosts.shared / "run"
+    hosts.torchrun("hosts_manager.py", 2, str(local), str(shared), "8")
+    for host in hosts.hosts:
+        assert sorted(ckptfmt.Repository.open(str(host.disk / "run")).names()) == [
+            "step-000000006", "step-000000008"], host.name
+        assert ckptfmt.verify(str(host.disk / "run"), node=host.name).ok
+    copied = ckptfmt.Repository.open(str(shared)).names()
+    assert {"step-000000006", "step-000000008"} <= set(copied)
+    assert ckptfmt.verify(str(shared)).ok
+    with ckptfmt.open(f"{shared}/step-000000008") as reader:
+        assert [node.host for node in reader.manifest.placement.nodes] == ["hostA", "hostB"]
