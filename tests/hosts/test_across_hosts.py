@@ -98,3 +98,17 @@ def test_a_manager_with_a_node_local_first_tier_saves_on_every_node_and_copies_t
     assert ckptfmt.verify(str(shared)).ok
     with ckptfmt.open(f"{shared}/step-000000008") as reader:
         assert [node.host for node in reader.manifest.placement.nodes] == ["hostA", "hostB"]
+
+
+def test_a_node_killed_in_the_middle_of_a_save_commits_nothing_and_leaves_the_earlier_checkpoints(hosts):
+    """hostB's ranks are killed as the save after step 8 begins: hostA's ranks fail the save (a
+    CollectiveError naming the lost ranks) instead of hanging, no node commits step 8, and step 4
+    stays whole on both nodes."""
+    repo = hosts.local / "run"
+    results = hosts.torchrun("hosts_train.py", 2, str(repo), "12", "4", "-1", "0", "0", "node",
+                             env={"hostB": {"KILL_NODE_AT": "8"}}, check=False)
+    assert all(result.returncode != 0 for result in results)
+    assert "CollectiveError" in results[0].stderr
+    for host in hosts.hosts:
+        assert ckptfmt.Repository.open(str(host.disk / "run")).names() == ["step-0004"], host.name
+        assert ckptfmt.verify(str(host.disk / "run"), node=host.name).ok

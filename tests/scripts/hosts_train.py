@@ -6,10 +6,14 @@ Each rank trains a small model on its own batches (gradients averaged every step
 for each other), timed by a StepTimer; rank SLOW_RANK waits 0.2 s more for its data at steps
 FIRST..LAST; a collective save to REPO every EVERY steps (``scope=SCOPE``, ``job`` by default), with
 an embedding table sharded over the ranks (a DTensor: each rank's rows are its own) beside the model.
+With ``KILL_NODE_AT=S`` in its environment, a host's ranks are killed (SIGKILL) as the save after step
+S begins: a node lost in the middle of a save.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 import time
 
@@ -52,8 +56,11 @@ def main() -> None:
             optimizer.zero_grad()
             timer.metrics(loss=loss.detach())
         if (step + 1) % every == 0:
+            if os.environ.get("KILL_NODE_AT") == str(step + 1):
+                os.kill(os.getpid(), signal.SIGKILL)
             ckptfmt.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "table": table + step,
-                          "step": step + 1}, f"{repo}/step-{step + 1:04d}", step=step + 1, timer=timer, scope=scope)
+                          "step": step + 1}, f"{repo}/step-{step + 1:04d}", step=step + 1, timer=timer, scope=scope,
+                         timeout=60)
     dist.destroy_process_group()
 
 

@@ -134,10 +134,11 @@ class SimulatedHosts:
                                 text=True, env=env, start_new_session=True)
 
     def torchrun(self, script: str, ranks_per_host: int, *args: str, timeout: float = 180,
-                 env: dict[str, dict[str, str]] | None = None) -> list[subprocess.CompletedProcess]:
+                 env: dict[str, dict[str, str]] | None = None, check: bool = True) -> list[subprocess.CompletedProcess]:
         """tests/scripts/``script`` on every host under ``torchrun --nnodes``, ``ranks_per_host`` ranks each
         (gloo over ``eth0``); each host's result. ``env``: host name -> variables for its processes only.
-        A launch past ``timeout`` is killed and fails the test."""
+        A launch past ``timeout`` is killed and fails the test; ``check=False`` returns failed launches
+        (a node killed on purpose) instead."""
         markers.require("distributed")
         processes = []
         for index, host in enumerate(self.hosts):
@@ -149,6 +150,9 @@ class SimulatedHosts:
             processes.append(self.start_on(host, argv, variables))
         results = [_finish(process, timeout) for process in processes]
         for host, result in zip(self.hosts, results):
+            assert "(killed after" not in result.stderr, f"{script} on {host.name} hung:\n{result.stderr[-3000:]}"
+            if not check:
+                continue
             assert result.returncode == 0, \
                 f"{script} on {host.name}: exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
             assert_groups_released(script, result.stderr)
