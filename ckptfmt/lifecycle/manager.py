@@ -268,7 +268,7 @@ class CheckpointManager:
         self.wait()
         self.restored_step = None
         if step is None:
-            step = self.latest()
+            step = self.latest() if self.tiers[0].scope == "job" or self.group is None else self._latest_everywhere()
             if step is None:
                 return None
         failures = []
@@ -292,6 +292,16 @@ class CheckpointManager:
                 return state
         raise CheckpointNotFoundError(f"step {step}: no tier has a readable copy"
                                       + (f" ({'; '.join(failures)})" if failures else ""))
+
+    def _latest_everywhere(self) -> int | None:
+        """With a node-scoped first tier, the newest step every rank can read (from its node's tier or a
+        later one): each node's tier holds its own, and a node whose disk was lost reads from the next
+        tier. None where a rank has none: the whole job starts afresh together."""
+        ranks = RankGroup(self.group, DEFAULT_TIMEOUT_S, "agreeing on the step to restore")
+        found = ranks.gather(self.latest())
+        if found is not None:
+            found = None if None in found else min(found)
+        return ranks.broadcast(found)
 
     # -- after a commit, in the background -----------------------------------------------------
     def _saved(self, future: Future | None, returned: float | None) -> None:

@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
+import torch
 
 import ckptfmt
 from ckptfmt.analytics import Thresholds, stragglers
@@ -112,3 +114,29 @@ def test_a_node_killed_in_the_middle_of_a_save_commits_nothing_and_leaves_the_ea
     for host in hosts.hosts:
         assert ckptfmt.Repository.open(str(host.disk / "run")).names() == ["step-0004"], host.name
         assert ckptfmt.verify(str(host.disk / "run"), node=host.name).ok
+
+
+def test_a_node_whose_disk_is_lost_restores_from_the_shared_tier_and_so_does_a_job_that_lost_every_disk(hosts):
+    """After the manager's run (steps 6 and 8 on each node and on the shared tier), hostB's disk is wiped:
+    the restarted job agrees on step 8, hostA's ranks read it from their own disk and hostB's from the
+    shared tier, bit for bit; then every disk is lost and every rank restores step 10 from the shared tier."""
+    local, shared = hosts.local / "run", hosts.shared / "run"
+    hosts.torchrun("hosts_manager.py", 2, str(local), str(shared), "8")
+    expected = ckptfmt.load(f"{shared}/step-000000008")["model"]
+    shutil.rmtree(hosts.hosts[1].disk / "run")
+    hosts.torchrun("hosts_manager.py", 2, str(local), str(shared), "10", str(hosts.root / "first"))
+    for rank in range(4):
+        restored = torch.load(hosts.root / f"first.{rank}.pt")
+        assert restored["step"] == 8
+        for key, value in expected.items():
+            assert torch.equal(restored["model"][key], value), (rank, key)
+        (resume,) = restored["resumes"]
+        assert resume["from"]["repository"] == str(local if rank < 2 else shared), (rank, resume["from"])
+    for host in hosts.hosts:
+        shutil.rmtree(host.disk / "run")
+    hosts.torchrun("hosts_manager.py", 2, str(local), str(shared), "12", str(hosts.root / "second"))
+    expected = ckptfmt.load(f"{shared}/step-000000010")["model"]
+    for rank in range(4):
+        restored = torch.load(hosts.root / f"second.{rank}.pt")
+        assert restored["step"] == 10 and restored["resumes"][0]["from"]["repository"] == str(shared)
+        assert all(torch.equal(restored["model"][key], value) for key, value in expected.items())
