@@ -140,3 +140,11 @@ def test_a_node_whose_disk_is_lost_restores_from_the_shared_tier_and_so_does_a_j
         restored = torch.load(hosts.root / f"second.{rank}.pt")
         assert restored["step"] == 10 and restored["resumes"][0]["from"]["repository"] == str(shared)
         assert all(torch.equal(restored["model"][key], value) for key, value in expected.items())
+
+
+def test_a_checkpoint_of_4_ranks_on_a_shared_folder_loads_resharded_on_2(hosts):
+    """The resharding load across hosts: saved by 2 hosts x 2 ranks, loaded by 2 hosts x 1 rank, each
+    rank reading its half of the sharded table (another box than any rank wrote) and the model."""
+    repo = hosts.shared / "run"
+    hosts.torchrun("hosts_train.py", 2, str(repo), "4", "4", "-1", "0", "0")
+    hosts.torchrun("hosts_restore.py", 1, f"{repo}/step-0004", "4")
