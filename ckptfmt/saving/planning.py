@@ -254,9 +254,10 @@ def _node_sequences(tensors: list[MergedTensor], assigned: list[list[int]], node
         groups: dict[tuple, list[Box]] = {}
         for box in boxes:
             others: dict[int, int] = {}
+            majority = set(box.groups()[0])  # the stored copy's bytes: a rank out of sync has others
             for holder, _ in box.holders:
                 node = node_of[holder]
-                if node != node_of[position]:
+                if node != node_of[position] and holder in majority:
                     others[node] = min(others.get(node, holder), holder)
             groups.setdefault(tuple(sorted(others.items())), []).append(box)
         for key, group in groups.items():
