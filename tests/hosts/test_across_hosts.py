@@ -148,3 +148,17 @@ def test_a_checkpoint_of_4_ranks_on_a_shared_folder_loads_resharded_on_2(hosts):
     repo = hosts.shared / "run"
     hosts.torchrun("hosts_train.py", 2, str(repo), "4", "4", "-1", "0", "0")
     hosts.torchrun("hosts_restore.py", 1, f"{repo}/step-0004", "4")
+
+
+@pytest.mark.exhaustive  # 4 hosts: make test keeps the 2-host runs
+@pytest.mark.parametrize("hosts", [4], indirect=True)
+def test_four_hosts_save_node_scoped_and_each_restores_from_its_own_disk(hosts):
+    """4 hosts x 1 rank: each node's repository holds the model and its rank's rows of the table, verifies
+    on its node, and every rank restores its part from its own disk."""
+    repo = hosts.local / "run"
+    hosts.torchrun("hosts_train.py", 1, str(repo), "4", "4", "-1", "0", "0", "node")
+    for host in hosts.hosts:
+        with ckptfmt.open(f"{host.disk / 'run'}/step-0004") as reader:
+            assert [node.host for node in reader.manifest.placement.nodes] == [h.name for h in hosts.hosts]
+        assert ckptfmt.verify(str(host.disk / "run"), node=host.name).ok
+    hosts.torchrun("hosts_restore.py", 1, f"{repo}/step-0004", "4")
