@@ -65,7 +65,8 @@ class Housekeeper:
     def __init__(self, tiers: list[Tier], gc_wait_s: float, *, copies: bool = True):
         self.tiers = tiers
         self.gc_wait_s = gc_wait_s
-        #: False: retention and collection only (a node's own tier, whose copies rank 0 makes).
+        #: False: retention and collection on the first tier only (a node's own tier, whose copies, and
+        #: the next tiers' upkeep, are rank 0's).
         self.copies = copies
         self._running = threading.Event()
         self._running.set()
@@ -104,7 +105,7 @@ class Housekeeper:
     def retain(self) -> list[str]:
         """Apply each tier's retention and collect its garbage; what failed, in words."""
         problems: list[str] = []
-        for index, tier in enumerate(self.tiers):
+        for index, tier in enumerate(self.tiers if self.copies else self.tiers[:1]):
             following = self.tiers[index + 1] if index + 1 < len(self.tiers) else None
             self._attempt(problems, f"retention on {tier.url}", functools.partial(self._retain, index, tier, following))
         return problems
