@@ -94,6 +94,7 @@ def test_a_run_killed_and_resumed_twice_is_split_as_its_own_log_says(tmp_path, c
 
 
 @pytest.mark.distributed
+@pytest.mark.exhaustive  # 13 s of ranks: make test keeps the one-process run killed twice
 def test_a_two_rank_job_killed_and_resumed_twice_is_split_as_its_ranks_logs_say(tmp_path):
     """The same timeline on 2 gloo ranks saving collectively, the whole job killed twice (each rank's
     progress object holds what it computed after the last save): goodput's shares are the mean of the

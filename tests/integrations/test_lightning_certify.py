@@ -180,6 +180,7 @@ def steps_seen(prefix: Path, ranks: int) -> dict[int, list[int]]:
 
 
 @pytest.mark.distributed
+@pytest.mark.exhaustive  # 25 s of ranks: make test keeps the helper's proofs on gloo (test_sampler.py)
 def test_a_resumable_sampler_resumes_a_2_rank_run_on_1_rank_with_no_sample_repeated_or_skipped(tmp_path):
     """Lightning DDP on 2 gloo ranks stopped mid-epoch, resumed on 1 rank with the same global batch:
     each step takes the samples the uninterrupted 2-rank run took at it, into the next epoch; certify
