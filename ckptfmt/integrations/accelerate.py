@@ -122,27 +122,25 @@ def load_state(accelerator: Accelerator, url: str | os.PathLike | None = None, *
         load_into(reader, in_place, strict=strict, rank=accelerator.process_index, within=in_place)
         restore_rng(reader, rank=accelerator.process_index)
         generators = check_generators(reader, rank=accelerator.process_index)
-    for index, model in enumerate(accelerator._models):
-        set_model_state_dict(model, in_place[f"model_{index}"])
-    for index, optimizer in enumerate(accelerator._optimizers):
-        owner, name = _owner(accelerator, optimizer), f"optimizer_{index}"
-        if owner is not None:
-            set_optimizer_state_dict(owner, _torch_optimizer(optimizer), optim_state_dict=in_place[name])
-        else:
-            optimizer.load_state_dict(rest[name])
-    _restore_rest(accelerator, rest)
-    # What the prepared objects hold, part by part against the checkpoint: on record in the next save. The
-    # models, optimizers and schedulers are compared when the first step begins (with StepTiming), so that
-    # the loop's own code after the load (a state dropped, a schedule reset) is on record too; the rest
-    # (data loaders' positions, which the first batch moves) at once.
-    state = _training_state(accelerator)
-    late = {name: value for name, value in state.items() if name.startswith(("model_", "optimizer_", "scheduler_"))}
-    timing = _TIMINGS.get(accelerator)
-    if timing is None:
-        record_resume(url, state, storage_options=storage_options, rank=accelerator.process_index,
-                      checked=[generators])
-        return
-    with open_checkpoint(url, storage_options=storage_options) as reader:
+        for index, model in enumerate(accelerator._models):
+            set_model_state_dict(model, in_place[f"model_{index}"])
+        for index, optimizer in enumerate(accelerator._optimizers):
+            owner, name = _owner(accelerator, optimizer), f"optimizer_{index}"
+            if owner is not None:
+                set_optimizer_state_dict(owner, _torch_optimizer(optimizer), optim_state_dict=in_place[name])
+            else:
+                optimizer.load_state_dict(rest[name])
+        _restore_rest(accelerator, rest)
+        # What the prepared objects hold, part by part against the checkpoint: on record in the next save.
+        # The models, optimizers and schedulers are compared when the first step begins (with StepTiming), so
+        # that the loop's own code after the load (a state dropped, a schedule reset) is on record too; the
+        # rest (data loaders' positions, which the first batch moves) at once.
+        state = _training_state(accelerator)
+        timing = _TIMINGS.get(accelerator)
+        if timing is None:
+            record_resume(reader, state, rank=accelerator.process_index, checked=[generators])
+            return
+        late = [name for name in state if name.startswith(("model_", "optimizer_", "scheduler_"))]
         early = check_parts(reader, {name: value for name, value in state.items() if name not in late},
                             rank=accelerator.process_index)
 
