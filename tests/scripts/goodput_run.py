@@ -10,7 +10,9 @@ Each step waits 20 ms for its data, then computes for 50 ms; a checkpoint after 
 timer rewrites this process's progress object at every step's end (``progress_interval=0``). If REPO
 holds a checkpoint, the run resumes from the newest, on record. After step KILL_AFTER (-1: never) it
 works 0.2 s more and is killed (SIGKILL: nothing runs at exit, as when a node fails). LOG gets one
-line per event, by this program's own clock: ``step STEP START_NS END_NS DATA_S``, ``save START_NS
+line per event, by this program's own clock: ``step STEP START_NS END_NS DATA_S`` (taken inside
+``timer.step``: the timer's own work at a step's edges, its generators' digests and progress writes,
+is the run's time between steps, as goodput counts it), ``save START_NS
 END_NS``, ``resume NS``.
 """
 
@@ -46,8 +48,8 @@ def main() -> None:
             ckptfmt.record_resume(url, {"model": model})
             out.write(f"resume {time.time_ns()}\n")
         for step in range(first, steps):
-            start = time.time_ns()
             with timer.step(step):
+                start = time.time_ns()
                 with timer.phase("data"):
                     began = time.perf_counter()
                     time.sleep(0.02)
@@ -55,8 +57,9 @@ def main() -> None:
                 time.sleep(0.05)
                 loss = model(torch.full((2, 4), float(step))).square().mean()
                 timer.batch([step])
+                end = time.time_ns()
             timer.metrics(loss=loss.detach())
-            out.write(f"step {step} {start} {time.time_ns()} {waited}\n")
+            out.write(f"step {step} {start} {end} {waited}\n")
             if (step + 1) % 4 == 0:
                 began_ns = time.time_ns()
                 ckptfmt.save({"model": model.state_dict(), "step": step + 1}, f"{repo}/step-{step + 1:03d}",
