@@ -109,12 +109,18 @@ class RankGroup:
             ) from None
 
 
+def peer_group(global_ranks: list[int], timeout_s: float, purpose: str):
+    """A gloo group of ``global_ranks`` (only they call this) for ``purpose``, apart from the saves' own
+    (its traffic never queues behind theirs), made once and freed at exit as theirs are."""
+    return _side_group(purpose, global_ranks, timeout_s)
+
+
 def _side_group(group, global_ranks: list[int], timeout_s: float):
     """A gloo group over the same ranks, made once per group and timeout (again after
     ``destroy_process_group``)."""
     dist = torch.distributed
     _forget_destroyed()
-    key = (id(dist.group.WORLD), id(group), tuple(global_ranks), timeout_s)
+    key = (id(dist.group.WORLD), group if isinstance(group, str) else id(group), tuple(global_ranks), timeout_s)
     side = _SIDE_GROUPS.get(key)
     if side is None:
         side = dist.new_group(ranks=global_ranks, timeout=timedelta(seconds=timeout_s), backend="gloo",

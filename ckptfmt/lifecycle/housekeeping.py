@@ -32,17 +32,22 @@ class Tier:
 
     ``scope="node"``: the URL names each node's own storage (a node-local disk, the same path on every
     node), which holds the boxes of that node's ranks (``ckptfmt.save(scope="node")``, spec 9.8); only
-    the first, fastest tier may be one.
+    the first, fastest tier may be one. ``replicas``: for a node-scoped tier, how many other nodes
+    keep a verified copy of each node's chunks of every checkpoint (``peer_copies``), so that losing
+    that many nodes' disks loses no checkpoint.
     """
 
     url: str
     retention: Retention | None = None
     storage_options: dict | None = field(default=None, hash=False)
     scope: str = "job"
+    replicas: int = 1
 
     def __post_init__(self) -> None:
         if self.scope not in SCOPES:
             raise ValueError(f"a tier's scope must be one of {', '.join(SCOPES)}, not {self.scope!r}")
+        if isinstance(self.replicas, bool) or not isinstance(self.replicas, int) or self.replicas < 0:
+            raise ValueError(f"a tier's replicas must be a number of nodes >= 0, not {self.replicas!r}")
 
 
 def tier_records(tier: Tier) -> list[CommitRecord]:

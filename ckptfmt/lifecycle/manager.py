@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import socket
 import statistics
 import sys
 import threading
@@ -43,6 +42,7 @@ from ckptfmt.lifecycle.advise import auto_interval
 from ckptfmt.lifecycle.housekeeping import Housekeeper, Tier, tier_records
 from ckptfmt.lifecycle.housekeeping_process import SUPPORTED as PROCESS_SUPPORTED
 from ckptfmt.lifecycle.housekeeping_process import HousekeepingProcess
+from ckptfmt.lifecycle.peer_copies import PeerCopies
 from ckptfmt.lifecycle.retention import METRICS_KEY, Retention
 from ckptfmt.loading.reader import load, restore_rng
 from ckptfmt.loading.resume_check import record_resume
@@ -113,15 +113,20 @@ class CheckpointManager:
         self.saver = AsyncSaver() if async_save else None
         self.group = distributed_group(process_group)
         self.is_coordinator = self.group is None or torch.distributed.get_rank(self.group) == 0
+        #: With a node-scoped first tier across ranks: each node's copies of the others' chunks.
+        self.peers = (PeerCopies(self.tiers[0], self.group, self.tiers[0].replicas, DEFAULT_TIMEOUT_S)
+                      if self.tiers[0].scope == "node" and self.group is not None else None)
         #: Replication, retention and collection; the group's rank 0 has one, and with a node-scoped first
         #: tier each other node's lowest rank, for its own node's tier (retention and collection only).
-        leads_node = self.tiers[0].scope == "node" and self.group is not None and _leads_its_node(self.group)
+        leads_node = self.peers is not None and self.peers.is_leader
         self.housekeeper: Housekeeper | HousekeepingProcess | None = None
         if self.is_coordinator:
             self.housekeeper = _housekeeper(self.tiers, gc_wait_s, housekeeping)
         elif leads_node:
             self.housekeeper = Housekeeper(self.tiers, gc_wait_s, copies=False)
         self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptfmt-manager")
+        #: The peer copies' thread (a node's leader): apart, as every leader must copy each checkpoint in turn.
+        self._copying = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptfmt-peer-copies")
         self._tasks: list[Future] = []
         self._save: Future | None = None
         #: Metrics of the saves since the last housekeeping run, which hands them over.
@@ -138,6 +143,9 @@ class CheckpointManager:
         self.planned_interval: int | None = None
         #: The step the last ``restore()`` loaded (None: it found none, or was not called).
         self.restored_step: int | None = None
+        #: What the last ``restore()`` fetched from other nodes' copies first, in words (a node whose disk
+        #: was lost gets its chunks back from a peer).
+        self.fetched_from_peers: list[str] = []
 
     # -- saving ------------------------------------------------------------------------------
     def should_save(self, step: int) -> bool:
@@ -186,14 +194,21 @@ class CheckpointManager:
             self._resume_housekeeping()
             raise
         if self.housekeeper is not None:  # queued now, so that a wait() from here on waits for it too
-            with self._lock:  # (those done well need no waiting: a long run without wait() keeps few)
-                self._tasks = [t for t in self._tasks if not t.done() or t.exception() is not None]
-                self._tasks.append(self._background.submit(self._housekeep, self._save if self.async_save else None))
+            self._queue(self._background.submit(self._housekeep, self._save if self.async_save else None))
+        if self.peers is not None and self.peers.group is not None:
+            self._queue(self._copying.submit(self._copy_to_peers, name, self._save if self.async_save else None))
         self._stall_s.append(time.perf_counter() - started)
         self._last_saved, self._next_save = step, None
         self._plan_at = step + PLAN_AFTER_STEPS
         self._last_call = (step, time.perf_counter())
         return True
+
+    def _queue(self, task: Future) -> None:
+        """Background work a ``wait()`` from now on waits for (those done well need no waiting: a long run
+        without ``wait()`` keeps few)."""
+        with self._lock:
+            self._tasks = [t for t in self._tasks if not t.done() or t.exception() is not None]
+            self._tasks.append(task)
 
     @property
     def pending_save(self) -> Future | None:
@@ -222,6 +237,7 @@ class CheckpointManager:
             if self.housekeeper is not None:
                 self.housekeeper.close()
             self._background.shutdown(wait=True)
+            self._copying.shutdown(wait=True)
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -267,6 +283,11 @@ class CheckpointManager:
         """
         self.wait()
         self.restored_step = None
+        self.fetched_from_peers = []
+        if step is None and self.peers is not None:
+            step, self.fetched_from_peers = self.peers.restore_point()
+            for fetched in self.fetched_from_peers:
+                warnings.warn(f"restore: {fetched}", CheckpointWarning, stacklevel=2)
         if step is None:
             step = self.latest() if self.tiers[0].scope == "job" or self.group is None else self._latest_everywhere()
             if step is None:
@@ -327,6 +348,16 @@ class CheckpointManager:
         for problem in housekeeper.run(metrics):
             warnings.warn(f"checkpoint manager: {problem}", CheckpointWarning, stacklevel=2)
 
+    def _copy_to_peers(self, name: str, save: Future | None) -> None:
+        """This node's chunks of checkpoint ``name`` to its peers, theirs to it, once committed; failures
+        warn (the checkpoint is still whole on each node's own disk)."""
+        if save is not None:
+            with contextlib.suppress(BaseException):  # failed on every rank: each leader still takes its turn
+                save.result()
+        assert self.peers is not None
+        for problem in self.peers.copy(name):
+            warnings.warn(f"checkpoint manager: {problem}", CheckpointWarning, stacklevel=2)
+
     # -- interval="auto" -----------------------------------------------------------------------
     def _time_step(self, step: int) -> None:
         """One training step's time: since the previous call, which ended after any save."""
@@ -374,14 +405,6 @@ def _other_repositories(tiers: list[Tier], reading: Tier) -> list[Repository]:
             with contextlib.suppress(CheckpointError):
                 others.append(Repository.open(tier.url, tier.storage_options))
     return others
-
-
-def _leads_its_node(group: Any) -> bool:
-    """Whether this rank is the lowest of its host in ``group`` (every rank calls this together, over
-    ckptfmt's own gloo group, whatever the training backend)."""
-    ranks = RankGroup(group, DEFAULT_TIMEOUT_S, "finding each node's lowest rank")
-    hosts = ranks.broadcast(ranks.gather(socket.gethostname()))
-    return hosts.index(socket.gethostname()) == ranks.rank
 
 
 def _tier(tier: str | os.PathLike | Tier, default: Retention, storage_options: dict | None) -> Tier:

@@ -13,6 +13,7 @@ import ckptfmt
 from ckptfmt.analytics import Thresholds, stragglers
 from ckptfmt.format.layout import chunk_key
 from ckptfmt.metadata.step_timer import decode_steps
+from ckptfmt.repository.copies import copy_records
 from tests.support.helpers import needs_tool
 from tests.support.hosts import FAKETIME_LIBRARY, clock_offset
 
@@ -90,8 +91,9 @@ def test_a_manager_with_a_node_local_tier_saves_on_every_node_and_restores_from_
     hosts. Every save commits on each node's own disk (before: every save failed on the second host),
     each node keeps the last 2, and the shared tier gets each checkpoint whole (a data-parallel job:
     rank 0's node holds all of it) and verifies. Then hostB's disk is wiped: the restarted job agrees on
-    step 8, hostA's ranks read it from their own disk and hostB's from the shared tier, bit for bit;
-    then every disk is lost and every rank restores step 10 from the shared tier."""
+    step 8, hostB gets it back from hostA's copy (hostA holds hostB's rows itself: the copy record cost
+    no bytes), and every rank reads it from its own disk, bit for bit; then every disk is lost and every
+    rank restores step 10 from the shared tier."""
     local, shared = hosts.local / "run", hosts.shared / "run"
     hosts.torchrun("hosts_manager.py", 2, str(local), str(shared), "8")
     for host in hosts.hosts:
@@ -104,22 +106,50 @@ def test_a_manager_with_a_node_local_tier_saves_on_every_node_and_restores_from_
         assert [node.host for node in reader.manifest.placement.nodes] == ["hostA", "hostB"]
     expected = ckptfmt.load(f"{shared}/step-000000008")["model"]
     shutil.rmtree(hosts.hosts[1].disk / "run")
-    hosts.torchrun("hosts_manager.py", 2, str(local), str(shared), "10", str(hosts.root / "first"))
+    hosts.torchrun("hosts_manager.py", 2, str(local), str(shared), "10", "--out", str(hosts.root / "first"))
     for rank in range(4):
         restored = torch.load(hosts.root / f"first.{rank}.pt")
         assert restored["step"] == 8
         for key, value in expected.items():
             assert torch.equal(restored["model"][key], value), (rank, key)
         (resume,) = restored["resumes"]
-        assert resume["from"]["repository"] == str(local if rank < 2 else shared), (rank, resume["from"])
+        assert resume["from"]["repository"] == str(local), (rank, resume["from"])
+        assert restored["fetched"] == ["hostB's chunks of step-000000008 from hostA's copy"]
     for host in hosts.hosts:
         shutil.rmtree(host.disk / "run")
-    hosts.torchrun("hosts_manager.py", 2, str(local), str(shared), "12", str(hosts.root / "second"))
+    hosts.torchrun("hosts_manager.py", 2, str(local), str(shared), "12", "--out", str(hosts.root / "second"))
     expected = ckptfmt.load(f"{shared}/step-000000010")["model"]
     for rank in range(4):
         restored = torch.load(hosts.root / f"second.{rank}.pt")
         assert restored["step"] == 10 and restored["resumes"][0]["from"]["repository"] == str(shared)
         assert all(torch.equal(restored["model"][key], value) for key, value in expected.items())
+
+
+def test_a_node_whose_disk_is_wiped_restores_its_shards_from_a_peers_copy(hosts):
+    """A node-local tier alone (no shared tier), a table sharded over the 4 ranks: each node's leader
+    sends its node's rows to the other node, which verifies them and records the copy. hostB's disk
+    is then wiped (a replaced node): the restarted job agrees on the newest checkpoint, hostB gets its
+    rows, manifest and commit back from hostA's copy, and every rank restores its rows bit for bit."""
+    local = hosts.local / "run"
+    hosts.torchrun("hosts_manager.py", 2, str(local), "none", "6", "--table")
+    for host, other in zip(hosts.hosts, reversed(hosts.hosts)):
+        repo = ckptfmt.Repository.open(str(host.disk / "run"))
+        assert repo.names() == ["step-000000004", "step-000000006"], host.name
+        for record in repo.commits():
+            (copy,) = copy_records(repo, record.name, record.manifest_hash).values()
+            assert copy.host == other.name and copy.chunks > 0, (host.name, record.name, copy)
+        assert ckptfmt.verify(str(host.disk / "run"), node=host.name).ok
+    shutil.rmtree(hosts.hosts[1].disk / "run")
+    hosts.torchrun("hosts_manager.py", 2, str(local), "none", "8", "--table", "--out", str(hosts.root / "wiped"))
+    table = torch.arange(64 * 8, dtype=torch.float32).reshape(64, 8) + 6
+    for rank in range(4):
+        restored = torch.load(hosts.root / f"wiped.{rank}.pt")
+        assert restored["step"] == 6
+        assert torch.equal(restored["table"], table[16 * rank:16 * (rank + 1)]), rank
+        assert restored["fetched"] == ["hostB's chunks of step-000000006 from hostA's copy"]
+    for host in hosts.hosts:
+        assert ckptfmt.Repository.open(str(host.disk / "run")).names() == ["step-000000006", "step-000000008"]
+        assert ckptfmt.verify(str(host.disk / "run"), node=host.name).ok
 
 
 def test_a_checkpoint_of_4_ranks_on_a_shared_folder_loads_resharded_on_2(hosts):

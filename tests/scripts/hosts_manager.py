@@ -1,19 +1,24 @@
 """A CheckpointManager across simulated hosts (tests/hosts/) with a node-local first tier.
 
-    torchrun --nnodes N --node_rank I ... hosts_manager.py LOCAL SHARED STEPS [OUT]
+    torchrun --nnodes N --node_rank I ... hosts_manager.py LOCAL SHARED STEPS [--out OUT] [--table]
 
 Data-parallel training (gradients averaged every step); ``CheckpointManager(tiers=[Tier(LOCAL,
 scope="node"), SHARED], keep_last=2)`` restores the newest checkpoint every rank can read, then saves
-every 2 steps to each node's own disk at LOCAL, and copies to the shared folder SHARED. With OUT,
-each rank writes what it restored to OUT.RANK.pt (the step, the model, and where it came from).
+every 2 steps to each node's own disk at LOCAL, and copies to the shared folder SHARED (``none``: no
+shared tier). ``--table``: the state also holds an embedding table sharded over the ranks (a DTensor,
+``arange + step``), so each node holds rows no other node's ranks hold. With OUT, each rank writes
+what it restored to OUT.RANK.pt (the step, the model, its rows of the table, where it came from, and
+what the manager fetched from other nodes' copies).
 """
 
 from __future__ import annotations
 
-import sys
+import argparse
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
 
 import ckptfmt
 
@@ -26,27 +31,40 @@ def ckptfmt_resumes() -> list[dict]:
 
 
 def main() -> None:
-    local, shared, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    out = sys.argv[4] if len(sys.argv) > 4 else None
+    parser = argparse.ArgumentParser()
+    parser.add_argument("local")
+    parser.add_argument("shared")
+    parser.add_argument("steps", type=int)
+    parser.add_argument("--out")
+    parser.add_argument("--table", action="store_true")
+    args = parser.parse_args()
     dist.init_process_group("gloo")
     torch.manual_seed(0)
     model = torch.nn.Linear(16, 4)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     batches = torch.Generator().manual_seed(dist.get_rank())
-    with ckptfmt.CheckpointManager(tiers=[ckptfmt.Tier(local, scope="node"), shared], keep_last=2, interval=2,
-                                   housekeeping="thread") as manager:
-        state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": 0}
-        restored = manager.restore(into=state)
-        if out is not None:
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    rows = torch.arange(64 * 8, dtype=torch.float32).reshape(64, 8)
+    tiers = [ckptfmt.Tier(args.local, scope="node"), *([] if args.shared == "none" else [args.shared])]
+
+    def state(step: int) -> dict:
+        extra = {"table": distribute_tensor(rows + step, mesh, [Shard(0)])} if args.table else {}
+        return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step, **extra}
+    with ckptfmt.CheckpointManager(tiers=tiers, keep_last=2, interval=2, housekeeping="thread") as manager:
+        into = state(0)
+        restored = manager.restore(into=into)
+        if args.out is not None:
             torch.save({"step": manager.restored_step, "model": {k: v.clone() for k, v in model.state_dict().items()},
-                        "resumes": ckptfmt_resumes()}, f"{out}.{dist.get_rank()}.pt")
-        for step in range(manager.start_step if restored is not None else 1, steps + 1):
+                        "table": into["table"].to_local().clone() if args.table else None,
+                        "resumes": ckptfmt_resumes(), "fetched": manager.fetched_from_peers},
+                       f"{args.out}.{dist.get_rank()}.pt")
+        for step in range(manager.start_step if restored is not None else 1, args.steps + 1):
             model(torch.randn(8, 16, generator=batches)).square().mean().backward()
             for parameter in model.parameters():
                 dist.all_reduce(parameter.grad)
             optimizer.step()
             optimizer.zero_grad()
-            manager.save(step, {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step})
+            manager.save(step, state(step))
         manager.wait()
     dist.destroy_process_group()
 

@@ -1,0 +1,324 @@
+"""Peer copies of a node-scoped tier (docs/design/many-nodes.md, parts 2 and 4; spec 9.8).
+
+Each node's leader (its lowest rank) sends the chunks its node holds of each new checkpoint to the
+leaders of the next ``replicas`` nodes in node order (round robin), which check every chunk against
+its name, write it to their own tier, read it back, and only then write a copy record
+(``NAME/copy-<host>.json``): so that losing any ``replicas`` nodes' disks loses no checkpoint. Rows a
+receiving node holds itself (a data-parallel job's replicated state) never travel. The bytes go over
+a gloo group of the leaders made for this alone, on the manager's background thread, so copies never
+queue behind the training collectives or the saves.
+
+At a restore, the leaders pool what each node holds (its own rows, and its copies of others'), agree
+on the newest checkpoint that every node's rows are somewhere for, and a node that lacks its own rows
+(its disk was replaced) gets them, with the manifest, commit record and signatures, from the first
+node holding a copy: its tier then holds the checkpoint again, and its ranks load it from there.
+"""
+
+from __future__ import annotations
+
+import socket
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ckptfmt.errors import CheckpointError, CheckpointWarning
+from ckptfmt.format import codecs
+from ckptfmt.format.commit_record import CommitRecord
+from ckptfmt.format.hashing import check_chunk
+from ckptfmt.format.manifest import Chunk, Manifest, optional_fields_except, stored_key
+from ckptfmt.format.signatures import is_signature_entry
+from ckptfmt.groups.process_group import RankGroup, peer_group
+from ckptfmt.lifecycle.housekeeping import Tier
+from ckptfmt.repository.chunk_reads import read_chunk
+from ckptfmt.repository.copies import copy_records, write_copy_record
+from ckptfmt.repository.leases import save_lease
+from ckptfmt.repository.repository import Repository
+
+#: Chunk bytes sent in one message at most (a larger chunk goes alone): what a leader holds at a time.
+BATCH_BYTES = 64 << 20
+#: The manifest's fields these copies do without (the chunk table and the placement are all they read).
+_SKIPPED = optional_fields_except("placement")
+
+
+@dataclass(frozen=True)
+class Held:
+    """What one node's tier holds of one checkpoint: its manifest hash and step, and the placement hosts
+    whose rows are there (its own, if it is one of them, and its verified copies)."""
+
+    manifest_hash: str
+    step: int | None
+    created_ns: int
+    nodes: tuple[str, ...]
+    hosts: frozenset[str]
+
+
+class PeerCopies:
+    """One rank's part in the peer copies of ``tier`` (node-scoped) over ``group``: made by every rank
+    together; only the nodes' leaders copy."""
+
+    def __init__(self, tier: Tier, group, replicas: int, timeout_s: float):
+        self.tier = tier
+        self.ranks = RankGroup(group, timeout_s, "finding each node's leader")
+        self.host = socket.gethostname()
+        hosts = self.ranks.broadcast(self.ranks.gather(self.host))
+        #: The job's nodes, in the order of their lowest rank, and each one's ranks (in ``group``).
+        self.hosts = list(dict.fromkeys(hosts))
+        self.node_ranks = {host: tuple(rank for rank, h in enumerate(hosts) if h == host) for host in self.hosts}
+        self.index = self.hosts.index(self.host)
+        self.is_leader = self.node_ranks[self.host][0] == self.ranks.rank
+        self.replicas = max(0, min(replicas, len(self.hosts) - 1))
+        self.group = None
+        if self.is_leader and len(self.hosts) > 1:
+            leaders = [self.ranks.global_ranks[self.node_ranks[host][0]] for host in self.hosts]
+            self.group = peer_group(leaders, timeout_s, "peer copies")
+        self._broken: str | None = None
+
+    # -- after each save, on every leader -----------------------------------------------------
+    def copy(self, name: str) -> list[str]:
+        """Send this node's chunks of checkpoint ``name`` to the next nodes and take the previous ones'
+        (every leader calls this for every checkpoint, in the same order); what failed, in words."""
+        if self.group is None or not self.replicas:
+            return []
+        if self._broken is not None:
+            return [f"peer copy of {name} skipped: {self._broken}"]
+        repo = Repository.open(self.tier.url, self.tier.storage_options, create=True)
+        try:
+            record = repo.commit(name)
+            manifest: Manifest | None = repo.manifest(name, record, skip=_SKIPPED)
+            digest: str | None = record.manifest_hash
+        except CheckpointError:
+            manifest = digest = None  # not committed on this node: no copies to or from it
+        problems: list[str] = []
+        try:
+            digests = self._all_gather(digest)
+            for shift in range(1, self.replicas + 1):
+                to, source = (self.index + shift) % len(self.hosts), (self.index - shift) % len(self.hosts)
+                sending = digest is not None and digests[to] == digest
+                receiving = digest is not None and digests[source] == digest
+                problems += self._exchange(repo, name, manifest, digest, to if sending else None,
+                                           source if receiving else None)
+        except RuntimeError as exc:  # gloo: a peer died or timed out; the next checkpoints are not tried
+            self._broken = f"the peers' group failed at {name} ({' '.join(str(exc).split())[:300]})"
+            problems.append(self._broken)
+        return problems
+
+    def _exchange(self, repo: Repository, name: str, manifest: Manifest | None, digest: str | None,
+                  to: int | None, source: int | None) -> list[str]:
+        """One shift of the ring: this node's rows to node ``to``, node ``source``'s rows from it (None:
+        not that way); both sides cut the same batches from the manifest, so every message is expected."""
+        assert manifest is not None or (to is None and source is None)
+        outgoing = self._rows_for(manifest, self.hosts[self.index], self.hosts[to]) if to is not None else []
+        incoming = self._rows_for(manifest, self.hosts[source], self.hosts[self.index]) if source is not None else []
+        chunks = manifest.chunks if manifest is not None else []
+        sends, receives = _batches(chunks, outgoing), _batches(chunks, incoming)
+        received: list[tuple[str, Chunk]] = []
+        problems: list[str] = []
+        for round_ in range(max(len(sends), len(receives))):
+            works: list = []
+            buffer = None
+            if round_ < len(sends):
+                payload = _pack(repo, chunks, sends[round_])
+                works.append(dist.isend(payload, group=self.group, group_dst=to))
+            if round_ < len(receives):
+                buffer = torch.empty(sum(chunks[row].stored_size for row in receives[round_]), dtype=torch.uint8)
+                works.append(dist.irecv(buffer, group=self.group, group_src=source))
+            for work in works:
+                work.wait()
+            if buffer is not None and source is not None:
+                try:
+                    received += _unpack(repo, chunks, receives[round_], buffer)
+                except CheckpointError as exc:
+                    problems.append(f"copy of {name} from {self.hosts[source]} refused: {exc}")
+        if source is not None and not problems:
+            assert digest is not None
+            try:
+                _verify_arrived(repo, received)
+                write_copy_record(repo, name, self.hosts[source], digest, len(received),
+                                  sum(chunk.stored_size for _, chunk in received))
+            except CheckpointError as exc:
+                problems.append(f"copy of {name} from {self.hosts[source]} not recorded: {exc}")
+        return problems
+
+    @staticmethod
+    def _rows_for(manifest: Manifest | None, sender: str, receiver: str) -> list[int]:
+        """The chunk rows of node ``sender`` that node ``receiver`` does not hold itself."""
+        placement = manifest.placement if manifest is not None else None
+        if placement is None:
+            return []
+        node, theirs = placement.node(sender), placement.node(receiver)
+        if node is None:
+            return []
+        held = set(theirs.rows) if theirs is not None else set()
+        return [row for row in node.rows if row not in held]
+
+    # -- at a restore, on every rank ------------------------------------------------------------
+    def restore_point(self) -> tuple[int | None, list[str]]:
+        """The step of the newest checkpoint whose every node's rows are on some node, made whole on
+        every node (a node without its own rows gets them from a copy), or None where there is none;
+        and what was fetched from where, in words (the same on every rank)."""
+        step: int | None = None
+        fetched: list[str] = []
+        if self.is_leader:
+            step, fetched = self._agree_and_fill()
+        gathered = self.ranks.gather((step, fetched))  # every leader has filled its tier
+        return self.ranks.broadcast(gathered[0] if gathered is not None else None)
+
+    def _agree_and_fill(self) -> tuple[int | None, list[str]]:
+        repo = Repository.open(self.tier.url, self.tier.storage_options, create=True)
+        inventory = _inventory(repo, self.host)
+        if self.group is None:
+            inventories = [inventory]
+        else:
+            inventories = self._all_gather(inventory)
+        chosen = self._newest_whole(inventories)
+        if chosen is None:
+            return None, []
+        name, held = chosen
+        fetched = []
+        for receiver, host in enumerate(self.hosts):  # the same hosts as the checkpoint's (_newest_whole)
+            if host in inventories[receiver].get(name, _NOTHING).hosts:
+                continue
+            donor = next(i for i, each in enumerate(inventories) if host in each.get(name, _NOTHING).hosts)
+            if self.index == donor:
+                self._send_checkpoint(repo, name, host, receiver)
+            elif self.index == receiver:
+                self._receive_checkpoint(repo, name, host, donor)
+            fetched.append(f"{host}'s chunks of {name} from {self.hosts[donor]}'s copy")
+        return held.step, fetched
+
+    def _newest_whole(self, inventories: list[dict[str, Held]]) -> tuple[str, Held] | None:
+        """The newest checkpoint (one manifest everywhere it is), saved by the job's nodes as they are
+        now (the same hosts), of which every node's rows are held by some node."""
+        names: dict[str, Held] = {}
+        for inventory in inventories:
+            for name, held in inventory.items():
+                names.setdefault(name, held)
+        for name, held in sorted(names.items(), key=lambda item: (item[1].created_ns, item[0]), reverse=True):
+            if any(name in each and each[name].manifest_hash != held.manifest_hash for each in inventories):
+                continue
+            everywhere = frozenset().union(*(each[name].hosts for each in inventories if name in each))
+            if set(held.nodes) == set(self.hosts) and set(held.nodes) <= everywhere:
+                return name, held
+        return None
+
+    def _send_checkpoint(self, repo: Repository, name: str, host: str, receiver: int) -> None:
+        """To node ``receiver``: checkpoint ``name``'s small objects, then node ``host``'s chunks."""
+        record = repo.commit(name)
+        manifest = repo.manifest(name, record, skip=_SKIPPED)
+        objects = {}
+        for entry in repo.storage.list(name):
+            if entry.startswith("manifest-") and record.manifest_hash in entry or is_signature_entry(entry):
+                key = f"{name}/{entry}"
+                objects[key] = repo.storage.read(key, max_size=max(record.manifest_size, 1 << 16))
+        dist.send_object_list([record.to_dict(), objects], group=self.group, group_dst=receiver)
+        for batch in _batches(manifest.chunks, list(_rows_of(manifest, host))):
+            dist.send(_pack(repo, manifest.chunks, batch), group=self.group, group_dst=receiver)
+
+    def _receive_checkpoint(self, repo: Repository, name: str, host: str, donor: int) -> None:
+        """From node ``donor``: checkpoint ``name`` whole on this node's tier, every object checked."""
+        message: list = [None, None]
+        dist.recv_object_list(message, group=self.group, group_src=donor)
+        where = repo.storage.describe(name)
+        record = CommitRecord.from_dict(message[0], where)
+        objects: dict[str, bytes] = message[1]
+        manifest_key = next(key for key in objects if key.startswith(f"{name}/manifest-"))
+        data = objects[manifest_key]
+        check_chunk(data, record.manifest_hash, repo.storage.describe(manifest_key))
+        manifest = Manifest.from_bytes(data, repo.storage.describe(manifest_key), skip=_SKIPPED)
+        received = []
+        for batch in _batches(manifest.chunks, list(_rows_of(manifest, host))):
+            buffer = torch.empty(sum(manifest.chunks[row].stored_size for row in batch), dtype=torch.uint8)
+            dist.recv(buffer, group=self.group, group_src=donor)
+            received += _unpack(repo, manifest.chunks, batch, buffer)
+        with save_lease(repo) as lease:
+            _verify_arrived(repo, received)
+            for key, value in objects.items():
+                repo.storage.write(key, value, durable=False)
+            repo.storage.sync(list(objects))
+            lease.check("writing the commit record")
+            repo.create_commit(record)
+
+    def _all_gather(self, value):
+        out = [None] * len(self.hosts)
+        dist.all_gather_object(out, value, group=self.group)
+        return out
+
+
+_NOTHING = Held("", None, 0, (), frozenset())
+
+
+def _inventory(repo: Repository, host: str) -> dict[str, Held]:
+    """What this node's tier holds of each committed checkpoint."""
+    found = {}
+    for record in repo.commits():
+        try:
+            manifest = repo.manifest(record.name, record, skip=_SKIPPED)
+        except CheckpointError as exc:
+            warnings.warn(f"{repo.url} on {host}: {record.name} not counted ({exc})", CheckpointWarning, stacklevel=2)
+            continue
+        if manifest.placement is None:
+            continue
+        nodes = tuple(node.host for node in manifest.placement.nodes)
+        hosts = set(copy_records(repo, record.name, record.manifest_hash))
+        if host in nodes:
+            hosts.add(host)
+        found[record.name] = Held(record.manifest_hash, record.step, record.created_ns, nodes, frozenset(hosts))
+    return found
+
+
+def _rows_of(manifest: Manifest, host: str) -> tuple[int, ...]:
+    node = manifest.placement.node(host) if manifest.placement is not None else None
+    return node.rows if node is not None else ()
+
+
+def _batches(chunks: list[Chunk], rows: list[int]) -> list[list[int]]:
+    """``rows`` cut into messages of at most ``BATCH_BYTES`` (a larger chunk alone); empty chunks travel
+    in whichever message they fall in, as no bytes."""
+    batches: list[list[int]] = []
+    size = BATCH_BYTES
+    for row in rows:
+        stored = chunks[row].stored_size
+        if not batches or size + stored > BATCH_BYTES:
+            batches.append([])
+            size = 0
+        batches[-1].append(row)
+        size += stored
+    return batches
+
+
+def _pack(repo: Repository, chunks: list[Chunk], rows: list[int]) -> torch.Tensor:
+    """The rows' chunks as stored, each checked against its name here (damage is never sent), end to end."""
+    payload = torch.empty(sum(chunks[row].stored_size for row in rows), dtype=torch.uint8)
+    view, at = payload.numpy(), 0
+    for row in rows:
+        chunk = chunks[row]
+        stored = read_chunk(repo.storage, stored_key(chunks, chunk), chunk).stored
+        view[at:at + len(stored)] = np.frombuffer(stored, dtype=np.uint8)
+        at += len(stored)
+    return payload
+
+
+def _unpack(repo: Repository, chunks: list[Chunk], rows: list[int], buffer: torch.Tensor) -> list[tuple[str, Chunk]]:
+    """Write the rows' chunks from ``buffer``, each checked against its name first; their keys."""
+    data, at, written = buffer.numpy(), 0, []
+    for row in rows:
+        chunk = chunks[row]
+        key = stored_key(chunks, chunk)
+        stored = data[at:at + chunk.stored_size].tobytes()
+        at += chunk.stored_size
+        where = f"{repo.storage.describe(key)} (as received)"
+        check_chunk(codecs.decode(chunk.codec, stored, chunk.size, where, None), chunk.hash, where)
+        repo.storage.write(key, stored, durable=False)
+        written.append((key, chunk))
+    return written
+
+
+def _verify_arrived(repo: Repository, received: list[tuple[str, Chunk]]) -> None:
+    """Make the received chunks durable, then read each back and check it against its name: a copy counts
+    once verified where it is."""
+    repo.storage.sync([key for key, _ in received])
+    for key, chunk in received:
+        read_chunk(repo.storage, key, chunk)
