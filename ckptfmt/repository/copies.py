@@ -11,10 +11,11 @@ from ckptfmt.format.copies import MAX_COPY_BYTES, CopyRecord, copy_entry_host, c
 from ckptfmt.repository.repository import Repository
 
 
-def copy_records(repo: Repository, name: str, manifest_hash: str) -> dict[str, CopyRecord]:
+def copy_records(repo: Repository, name: str, manifest_hash: str,
+                 damaged: list[str] | None = None) -> dict[str, CopyRecord]:
     """Host -> the copy record of that node's chunks held here for checkpoint ``name`` (the one whose
     manifest hash is ``manifest_hash``); a damaged record, or one of another manifest, counts for
-    nothing (a warning says which)."""
+    nothing (what is wrong with a damaged one goes to ``damaged``, else to a warning)."""
     found: dict[str, CopyRecord] = {}
     for entry in repo.storage.list(name):
         host = copy_entry_host(entry)
@@ -30,7 +31,10 @@ def copy_records(repo: Repository, name: str, manifest_hash: str) -> dict[str, C
         except StorageError:
             raise
         except CheckpointError as exc:
-            warnings.warn(f"copy record ignored: {exc}", CheckpointWarning, stacklevel=2)
+            if damaged is None:
+                warnings.warn(f"copy record ignored: {exc}", CheckpointWarning, stacklevel=2)
+            else:
+                damaged.append(f"copy record ignored: {exc}")
             continue
         if record.host == host and record.manifest_hash == manifest_hash:
             found[host] = record

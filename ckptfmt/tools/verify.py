@@ -26,6 +26,7 @@ from ckptfmt.format.manifest import Manifest, stored_key
 from ckptfmt.format.shards import chunk_rows
 from ckptfmt.format.signatures import TrustedKeys, trusted_public_keys
 from ckptfmt.loading.chunkio import ChunkReader
+from ckptfmt.repository.copies import copy_records
 from ckptfmt.repository.history import history_keys, read_history
 from ckptfmt.repository.leases import SAVE, live_leases
 from ckptfmt.repository.lost_commits import lost_commits
@@ -145,7 +146,7 @@ def verify(url: str | os.PathLike, *, storage_options: dict | None = None,
                                    describe.records((manifest.replicas or {}).get("divergent"))]
             report.warnings.append(f"{name}: the copies of replicated tensors differed between ranks when it was "
                                    f"saved (the majority's was stored): {'; '.join(divergent)}")
-    here = _rows_here(manifests, node or socket.gethostname(), report)
+    here = _rows_here(repo, manifests, node or socket.gethostname(), report)
     check = _stats_check(manifests) if stats else None
     check_chunks(repo, manifests, report, callback, workers, cancel, check, here)
     if check is not None and not report.cancelled:
@@ -212,19 +213,23 @@ _MEMORY_BUDGET = 2**30
 _REUSED_BUFFER = 64 * 2**20
 
 
-def _rows_here(manifests: dict[str, Manifest], node: str, report: VerifyReport) -> dict[str, set[int]]:
-    """The chunk rows ``node`` holds of each node-scoped checkpoint it is a node of (spec 9.8); the rest
-    are named in the report as held on their nodes."""
+def _rows_here(repo: Repository, manifests: dict[str, Manifest], node: str,
+               report: VerifyReport) -> dict[str, set[int]]:
+    """The chunk rows ``node`` holds of each node-scoped checkpoint it is a node of (spec 9.8): its own,
+    and those of the nodes it has a copy record for; the rest are named in the report as held on their
+    nodes."""
     here = {}
     for name, manifest in manifests.items():
         placement = manifest.placement
         held = placement.node(node) if placement is not None else None
         if placement is None or held is None:
             continue
-        here[name] = set(held.rows)
+        copies = copy_records(repo, name, repo.commit(name).manifest_hash, damaged=report.warnings)
+        copied = [n for n in placement.nodes if n.host in copies and n.host != node]
+        here[name] = set(held.rows).union(*(n.rows for n in copied))
         elsewhere = len(manifest.chunks) - len(here[name])
         if elsewhere:
-            others = ", ".join(n.host for n in placement.nodes if n.host != node)
+            others = ", ".join(n.host for n in placement.nodes if n.host != node and n not in copied)
             report.warnings.append(f"{name}: {counted(elsewhere, 'chunk')} held on other nodes ({others}), "
                                    f"not checked on {node}")
     return here
