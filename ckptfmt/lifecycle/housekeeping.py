@@ -67,12 +67,15 @@ class Housekeeper:
     manifests each collection has read.
     """
 
-    def __init__(self, tiers: list[Tier], gc_wait_s: float, *, copies: bool = True):
+    def __init__(self, tiers: list[Tier], gc_wait_s: float, *, copies: bool = True, drained: bool = False):
         self.tiers = tiers
         self.gc_wait_s = gc_wait_s
         #: False: retention and collection on the first tier only (a node's own tier, whose copies, and
         #: the next tiers' upkeep, are rank 0's).
         self.copies = copies
+        #: True: the first tier is node-scoped across nodes, and its nodes' leaders drain it to the next
+        #: tier themselves (``PeerCopies.drain``): only the later tiers are copied here.
+        self.drained = drained
         self._running = threading.Event()
         self._running.set()
         #: Checkpoint name -> the metrics its save was given (the rest are read from the checkpoints).
@@ -100,7 +103,9 @@ class Housekeeper:
         """Copy to each next tier the checkpoints it lacks and keeps; what failed, in words."""
         self._metrics.update(metrics)
         problems: list[str] = []
-        for source, target in zip(self.tiers, self.tiers[1:]):
+        for index, (source, target) in enumerate(zip(self.tiers, self.tiers[1:])):
+            if index == 0 and self.drained:
+                continue
             self._attempt(problems, f"replicating to {target.url}", functools.partial(
                 replicate, source.url, target.url, self._wanted(source, target),
                 storage_options=source.storage_options, dst_storage_options=target.storage_options,
@@ -121,6 +126,10 @@ class Housekeeper:
             work()
         except CheckpointError as exc:
             problems.append(f"{what} failed, will retry after the next save: {exc}")
+
+    def wanted_next(self) -> list[str]:
+        """The first tier's checkpoints that the second lacks and keeps (for the nodes' drain)."""
+        return self._wanted(self.tiers[0], self.tiers[1])
 
     def _wanted(self, source: Tier, target: Tier) -> list[str]:
         """Checkpoints of ``source`` that ``target`` lacks and its retention would keep."""

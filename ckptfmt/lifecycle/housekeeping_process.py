@@ -59,8 +59,8 @@ class HousekeepingProcess(Housekeeper):
     the run that finds it, as a problem; the next run starts another.
     """
 
-    def __init__(self, tiers: list[Tier], gc_wait_s: float):
-        super().__init__(tiers, gc_wait_s)
+    def __init__(self, tiers: list[Tier], gc_wait_s: float, *, drained: bool = False):
+        super().__init__(tiers, gc_wait_s, drained=drained)
         self._lock = threading.Lock()
         self._paused = False
         self._child: subprocess.Popen | None = None
@@ -116,7 +116,7 @@ class HousekeepingProcess(Housekeeper):
                 start_new_session=True)  # the terminal's Ctrl-C is the manager's to handle
         connection = self._connection = Connection(ours.detach())
         self._armed = False
-        connection.send(("start", self.tiers))
+        connection.send(("start", (self.tiers, self.drained)))
         return connection
 
     def _wait_until_armed(self, connection: Connection) -> None:
@@ -157,8 +157,8 @@ class HousekeepingProcess(Housekeeper):
 
 def _serve(connection: Connection) -> None:
     """The child: the runs it is sent, in order, until told to stop (or the manager's end closes)."""
-    _, tiers = connection.recv()
-    keeper = Housekeeper(tiers, gc_wait_s=0.0)
+    _, (tiers, drained) = connection.recv()
+    keeper = Housekeeper(tiers, gc_wait_s=0.0, drained=drained)
     while True:
         try:
             kind, metrics = connection.recv()

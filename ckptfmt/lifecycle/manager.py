@@ -120,8 +120,9 @@ class CheckpointManager:
         #: tier each other node's lowest rank, for its own node's tier (retention and collection only).
         leads_node = self.peers is not None and self.peers.is_leader
         self.housekeeper: Housekeeper | HousekeepingProcess | None = None
+        drained = self.peers is not None and self.peers.group is not None and len(self.tiers) > 1
         if self.is_coordinator:
-            self.housekeeper = _housekeeper(self.tiers, gc_wait_s, housekeeping)
+            self.housekeeper = _housekeeper(self.tiers, gc_wait_s, housekeeping, drained)
         elif leads_node:
             self.housekeeper = Housekeeper(self.tiers, gc_wait_s, copies=False)
         self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptfmt-manager")
@@ -349,13 +350,18 @@ class CheckpointManager:
             warnings.warn(f"checkpoint manager: {problem}", CheckpointWarning, stacklevel=2)
 
     def _copy_to_peers(self, name: str, save: Future | None) -> None:
-        """This node's chunks of checkpoint ``name`` to its peers, theirs to it, once committed; failures
-        warn (the checkpoint is still whole on each node's own disk)."""
+        """This node's chunks of checkpoint ``name`` to its peers, theirs to it, once committed, then this
+        node's part of what the next tier wants; failures warn (the checkpoint is still whole on each
+        node's own disk)."""
         if save is not None:
             with contextlib.suppress(BaseException):  # failed on every rank: each leader still takes its turn
                 save.result()
         assert self.peers is not None
-        for problem in self.peers.copy(name):
+        problems = self.peers.copy(name)
+        if len(self.tiers) > 1:
+            housekeeper = self.housekeeper
+            problems += self.peers.drain(self.tiers[1], housekeeper.wanted_next if housekeeper is not None else None)
+        for problem in problems:
             warnings.warn(f"checkpoint manager: {problem}", CheckpointWarning, stacklevel=2)
 
     # -- interval="auto" -----------------------------------------------------------------------
@@ -384,8 +390,10 @@ class CheckpointManager:
         self._plan_at = None if next_save is not None else step + PLAN_AFTER_STEPS
 
 
-def _housekeeper(tiers: list[Tier], gc_wait_s: float, where: str) -> Housekeeper | HousekeepingProcess:
-    """The housekeeper ``where`` asks for ("auto": a process if there is a tier to copy to)."""
+def _housekeeper(tiers: list[Tier], gc_wait_s: float, where: str,
+                 drained: bool) -> Housekeeper | HousekeepingProcess:
+    """The housekeeper ``where`` asks for ("auto": a process if there is a tier to copy to); ``drained``:
+    the nodes drain the first tier to the second themselves."""
     in_memory = [t.url for t in tiers if in_process_memory(t.url)]
     if where == "process" and in_memory:
         raise ValueError(f"housekeeping='process' cannot reach {in_memory[0]}: it lives in this process's memory")
@@ -393,8 +401,8 @@ def _housekeeper(tiers: list[Tier], gc_wait_s: float, where: str) -> Housekeeper
         raise ValueError(f"housekeeping='process' needs Linux (a stopped child must end with its parent); "
                          f"this is {sys.platform}")
     if where == "process" or (where == "auto" and PROCESS_SUPPORTED and len(tiers) > 1 and not in_memory):
-        return HousekeepingProcess(tiers, gc_wait_s)
-    return Housekeeper(tiers, gc_wait_s)
+        return HousekeepingProcess(tiers, gc_wait_s, drained=drained)
+    return Housekeeper(tiers, gc_wait_s, drained=drained)
 
 
 def _other_repositories(tiers: list[Tier], reading: Tier) -> list[Repository]:

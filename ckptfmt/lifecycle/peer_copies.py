@@ -8,6 +8,10 @@ receiving node holds itself (a data-parallel job's replicated state) never trave
 a gloo group of the leaders made for this alone, on the manager's background thread, so copies never
 queue behind the training collectives or the saves.
 
+Draining (part 3): the checkpoints the next tier's retention wants are copied there by every leader,
+each sending the rows of its node that no node before it holds, and committed there by rank 0's node
+once every leader has sent and checked its part.
+
 At a restore, the leaders pool what each node holds (its own rows, and its copies of others'), agree
 on the newest checkpoint that every node's rows are somewhere for, and a node that lacks its own rows
 (its disk was replaced) gets them, with the manifest, commit record and signatures, from the first
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import socket
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,6 +37,7 @@ from ckptfmt.format.manifest import Chunk, Manifest, optional_fields_except, sto
 from ckptfmt.format.signatures import is_signature_entry
 from ckptfmt.groups.process_group import RankGroup, peer_group
 from ckptfmt.lifecycle.housekeeping import Tier
+from ckptfmt.lifecycle.replicate import commit_copy, copy_rows
 from ckptfmt.repository.chunk_reads import read_chunk
 from ckptfmt.repository.copies import copy_records, write_copy_record
 from ckptfmt.repository.leases import save_lease
@@ -39,6 +45,8 @@ from ckptfmt.repository.repository import Repository
 
 #: Chunk bytes sent in one message at most (a larger chunk goes alone): what a leader holds at a time.
 BATCH_BYTES = 64 << 20
+#: Chunks each node sends to the next tier at a time while draining.
+DRAIN_WORKERS = 2
 #: The manifest's fields these copies do without (the chunk table and the placement are all they read).
 _SKIPPED = optional_fields_except("placement")
 
@@ -141,6 +149,65 @@ class PeerCopies:
             except CheckpointError as exc:
                 problems.append(f"copy of {name} from {self.hosts[source]} not recorded: {exc}")
         return problems
+
+    # -- draining to the next tier, on every leader -------------------------------------------
+    def drain(self, target: Tier, wanted: Callable[[], list[str]] | None) -> list[str]:
+        """Copy to ``target`` the checkpoints its retention wants (``wanted``, called on rank 0's node:
+        the others get its answer), each node sending the rows no node before it holds, and commit each
+        there (on rank 0's node) once every node has sent and checked its part: the next tier never
+        shows a partial checkpoint. A node that fails leaves that checkpoint for the next drain. Every
+        leader calls this after each ``copy``; what failed, in words."""
+        if self.group is None:
+            return []
+        if self._broken is not None:
+            return [f"draining to {target.url} skipped: {self._broken}"]
+        try:
+            names = [wanted() if self.index == 0 and wanted is not None else None]
+            dist.broadcast_object_list(names, group=self.group, group_src=0)
+            if not names[0]:
+                return []
+            return self._drain(names[0], target)
+        except RuntimeError as exc:
+            self._broken = f"the peers' group failed while draining ({' '.join(str(exc).split())[:300]})"
+            return [self._broken]
+
+    def _drain(self, names: list[str], target: Tier) -> list[str]:
+        repo = Repository.open(self.tier.url, self.tier.storage_options, create=True)
+        shared = Repository.open(target.url, target.storage_options, create=True)
+        failures: dict[str, str] = {}
+        records = {}
+        with save_lease(shared) as lease:  # from before the first chunk to after rank 0's commit
+            for name in names:
+                try:
+                    record = records[name] = repo.commit(name)
+                    manifest = repo.manifest(name, record, skip=_SKIPPED)
+                    copy_rows(repo, shared, record, self._rows_to_drain(manifest), workers=DRAIN_WORKERS)
+                except CheckpointError as exc:
+                    failures[name] = f"{self.host}: {exc}"
+            everyone = self._all_gather(failures)
+            problems = [f"{name} not drained to {target.url}: {message}"
+                        for each in everyone for name, message in each.items()]
+            if self.index == 0:
+                for name in names:
+                    if all(name not in each for each in everyone):
+                        try:
+                            commit_copy(repo, shared, records[name], lease)
+                        except CheckpointError as exc:
+                            problems.append(f"{name} not committed on {target.url}: {exc}")
+            self._all_gather(None)  # every node keeps its lease until the commits are made
+        return problems if self.index == 0 else []
+
+    def _rows_to_drain(self, manifest: Manifest) -> list[int]:
+        """This node's rows that no node before it (in placement order) holds: each chunk is sent once."""
+        placement = manifest.placement
+        if placement is None:
+            return list(range(len(manifest.chunks))) if self.index == 0 else []
+        earlier: set[int] = set()
+        for node in placement.nodes:
+            if node.host == self.host:
+                return [row for row in node.rows if row not in earlier]
+            earlier.update(node.rows)
+        return []
 
     @staticmethod
     def _rows_for(manifest: Manifest | None, sender: str, receiver: str) -> list[int]:

@@ -120,6 +120,38 @@ def replicate(src: str | os.PathLike | Repository, dst: str | os.PathLike | Repo
     )
 
 
+def copy_rows(source: Repository, target: Repository, record: CommitRecord, rows: Iterable[int], *,
+              workers: int, yield_to: Callable[[], object] | None = None) -> tuple[int, int]:
+    """Copy the chunks of rows ``rows`` of checkpoint ``record``'s chunk table to ``target`` (those it
+    lacks or holds damaged), each checked against its name before and after, made durable; no commit:
+    for a checkpoint whose chunks several nodes send (the caller holds a save lease on ``target`` until
+    ``commit_copy``). The chunks and stored bytes copied."""
+    copier = _Copier(source, target, workers, True, NoOpCallback(), yield_to)
+    copier.stored = target.storage.find(layout.CHUNKS_DIR)
+    manifest = source.manifest(record.name, record, skip=OPTIONAL_FIELDS)
+    chunks = manifest.chunks
+    local = target.storage.cheap_exists
+    jobs = []
+    for key, row in {stored_key(chunks, chunks[row]): row for row in rows}.items():
+        size = copier.stored.get(key)
+        if size == chunks[row].stored_size and not local:  # an object store's listing vouches for it
+            continue
+        jobs.append((key, (chunks, row), size))
+    written, found = copier._run(jobs, record.name)
+    target.storage.sync(written)
+    target.storage.make_durable(found)
+    return copier.chunks_copied, copier.bytes_copied
+
+
+def commit_copy(source: Repository, target: Repository, record: CommitRecord, lease: Lease) -> bool:
+    """Commit on ``target`` checkpoint ``record``, whose chunks are all there (``copy_rows``): its
+    manifest, signatures and commit record, as ``replicate`` does, then the source's run histories it
+    lacks. False if another writer committed it meanwhile."""
+    committed = _Copier(source, target, 1, True, NoOpCallback())._commit(record, lease)
+    copy_histories(source, target)
+    return committed
+
+
 def _repository(repo: str | os.PathLike | Repository, options: dict | None, *, create: bool) -> Repository:
     if isinstance(repo, Repository):
         if options:

@@ -86,70 +86,58 @@ def test_a_node_scoped_repository_holds_on_each_node_what_its_ranks_hold(hosts):
     hosts.torchrun("hosts_restore.py", 2, f"{repo}/step-0008", "8")  # each rank from its own node
 
 
-def test_a_manager_with_a_node_local_tier_saves_on_every_node_and_restores_from_the_shared_tier(hosts):
+def test_a_manager_with_a_node_local_tier_copies_to_a_peer_drains_and_restores_whatever_was_lost(hosts):
     """The issue's failing job: CheckpointManager(tiers=[Tier(local, scope="node"), shared]) across 2
-    hosts. Every save commits on each node's own disk (before: every save failed on the second host),
-    each node keeps the last 2, and the shared tier gets each checkpoint whole (a data-parallel job:
-    rank 0's node holds all of it) and verifies. Then hostB's disk is wiped: the restarted job agrees on
-    step 8, hostB gets it back from hostA's copy (hostA holds hostB's rows itself: the copy record cost
-    no bytes), and every rank reads it from its own disk, bit for bit; then every disk is lost and every
-    rank restores step 10 from the shared tier."""
+    hosts, the state a model and a table sharded over the 4 ranks. Every save commits on each node's
+    own disk (before: every save failed on the second host); each node's leader sends its node's rows
+    to the other node, which checks them and records the copy; both nodes drain their own rows to the
+    shared tier, which commits each checkpoint whole (each node keeps the last 2). Then hostB's disk is
+    wiped: the restarted job agrees on step 8, hostB gets its rows, manifest and commit back from
+    hostA's copy, and every rank restores from its own disk, bit for bit; then every disk is lost and
+    every rank restores step 10 from the shared tier."""
     local, shared = hosts.local / "run", hosts.shared / "run"
-    hosts.torchrun("hosts_manager.py", 2, str(local), str(shared), "8")
-    for host in hosts.hosts:
-        assert sorted(ckptfmt.Repository.open(str(host.disk / "run")).names()) == [
-            "step-000000006", "step-000000008"], host.name
-        assert ckptfmt.verify(str(host.disk / "run"), node=host.name).ok
-    assert {"step-000000006", "step-000000008"} <= set(ckptfmt.Repository.open(str(shared)).names())
-    assert ckptfmt.verify(str(shared)).ok
-    with ckptfmt.open(f"{shared}/step-000000008") as reader:
-        assert [node.host for node in reader.manifest.placement.nodes] == ["hostA", "hostB"]
-    expected = ckptfmt.load(f"{shared}/step-000000008")["model"]
-    shutil.rmtree(hosts.hosts[1].disk / "run")
-    hosts.torchrun("hosts_manager.py", 2, str(local), str(shared), "10", "--out", str(hosts.root / "first"))
-    for rank in range(4):
-        restored = torch.load(hosts.root / f"first.{rank}.pt")
-        assert restored["step"] == 8
-        for key, value in expected.items():
-            assert torch.equal(restored["model"][key], value), (rank, key)
-        (resume,) = restored["resumes"]
-        assert resume["from"]["repository"] == str(local), (rank, resume["from"])
-        assert restored["fetched"] == ["hostB's chunks of step-000000008 from hostA's copy"]
-    for host in hosts.hosts:
-        shutil.rmtree(host.disk / "run")
-    hosts.torchrun("hosts_manager.py", 2, str(local), str(shared), "12", "--out", str(hosts.root / "second"))
-    expected = ckptfmt.load(f"{shared}/step-000000010")["model"]
-    for rank in range(4):
-        restored = torch.load(hosts.root / f"second.{rank}.pt")
-        assert restored["step"] == 10 and restored["resumes"][0]["from"]["repository"] == str(shared)
-        assert all(torch.equal(restored["model"][key], value) for key, value in expected.items())
-
-
-def test_a_node_whose_disk_is_wiped_restores_its_shards_from_a_peers_copy(hosts):
-    """A node-local tier alone (no shared tier), a table sharded over the 4 ranks: each node's leader
-    sends its node's rows to the other node, which verifies them and records the copy. hostB's disk
-    is then wiped (a replaced node): the restarted job agrees on the newest checkpoint, hostB gets its
-    rows, manifest and commit back from hostA's copy, and every rank restores its rows bit for bit."""
-    local = hosts.local / "run"
-    hosts.torchrun("hosts_manager.py", 2, str(local), "none", "6", "--table")
+    hosts.torchrun("hosts_manager.py", 2, str(local), str(shared), "8", "--table")
     for host, other in zip(hosts.hosts, reversed(hosts.hosts)):
         repo = ckptfmt.Repository.open(str(host.disk / "run"))
-        assert repo.names() == ["step-000000004", "step-000000006"], host.name
+        assert repo.names() == ["step-000000006", "step-000000008"], host.name
         for record in repo.commits():
             (copy,) = copy_records(repo, record.name, record.manifest_hash).values()
             assert copy.host == other.name and copy.chunks > 0, (host.name, record.name, copy)
         assert ckptfmt.verify(str(host.disk / "run"), node=host.name).ok
+    assert {"step-000000006", "step-000000008"} <= set(ckptfmt.Repository.open(str(shared)).names())
+    assert ckptfmt.verify(str(shared)).ok
+    state = ckptfmt.load(f"{shared}/step-000000008")
+    assert torch.equal(state["table"], table(8))
+    with ckptfmt.open(f"{shared}/step-000000008") as reader:
+        assert [node.host for node in reader.manifest.placement.nodes] == ["hostA", "hostB"]
+
     shutil.rmtree(hosts.hosts[1].disk / "run")
-    hosts.torchrun("hosts_manager.py", 2, str(local), "none", "8", "--table", "--out", str(hosts.root / "wiped"))
-    table = torch.arange(64 * 8, dtype=torch.float32).reshape(64, 8) + 6
+    hosts.torchrun("hosts_manager.py", 2, str(local), str(shared), "10", "--table", "--out", str(hosts.root / "first"))
     for rank in range(4):
-        restored = torch.load(hosts.root / f"wiped.{rank}.pt")
-        assert restored["step"] == 6
-        assert torch.equal(restored["table"], table[16 * rank:16 * (rank + 1)]), rank
-        assert restored["fetched"] == ["hostB's chunks of step-000000006 from hostA's copy"]
+        restored = torch.load(hosts.root / f"first.{rank}.pt")
+        assert restored["step"] == 8
+        assert torch.equal(restored["table"], table(8)[16 * rank:16 * (rank + 1)]), rank
+        for key, value in state["model"].items():
+            assert torch.equal(restored["model"][key], value), (rank, key)
+        (resume,) = restored["resumes"]
+        assert resume["from"]["repository"] == str(local), (rank, resume["from"])
+        assert restored["fetched"] == ["hostB's chunks of step-000000008 from hostA's copy"]
+    assert ckptfmt.verify(str(hosts.hosts[1].disk / "run"), node="hostB").ok
+
     for host in hosts.hosts:
-        assert ckptfmt.Repository.open(str(host.disk / "run")).names() == ["step-000000006", "step-000000008"]
-        assert ckptfmt.verify(str(host.disk / "run"), node=host.name).ok
+        shutil.rmtree(host.disk / "run")
+    hosts.torchrun("hosts_manager.py", 2, str(local), str(shared), "12", "--table", "--out", str(hosts.root / "second"))
+    expected = ckptfmt.load(f"{shared}/step-000000010")
+    for rank in range(4):
+        restored = torch.load(hosts.root / f"second.{rank}.pt")
+        assert restored["step"] == 10 and restored["resumes"][0]["from"]["repository"] == str(shared)
+        assert all(torch.equal(restored["model"][key], value) for key, value in expected["model"].items())
+        assert torch.equal(restored["table"], table(10)[16 * rank:16 * (rank + 1)]), rank
+
+
+def table(step: int) -> torch.Tensor:
+    """hosts_manager.py's table at ``step``, whole."""
+    return torch.arange(64 * 8, dtype=torch.float32).reshape(64, 8) + step
 
 
 def test_a_checkpoint_of_4_ranks_on_a_shared_folder_loads_resharded_on_2(hosts):
@@ -172,3 +160,27 @@ def test_four_hosts_save_node_scoped_and_each_restores_from_its_own_disk(hosts):
             assert [node.host for node in reader.manifest.placement.nodes] == [h.name for h in hosts.hosts]
         assert ckptfmt.verify(str(host.disk / "run"), node=host.name).ok
     hosts.torchrun("hosts_restore.py", 1, f"{repo}/step-0004", "4")
+
+
+@pytest.mark.exhaustive  # 4 hosts: make test keeps the 2-host manager
+@pytest.mark.parametrize("hosts", [4], indirect=True)
+def test_four_hosts_copy_round_the_ring_and_a_wiped_node_restores_from_the_next(hosts):
+    """4 hosts x 1 rank, a node-local tier and a shared one: each node's rows are copied to the next node
+    (hostA's to hostB, ..., hostD's to hostA); the shared tier gets each checkpoint whole, every node
+    sending its own rows. hostC's disk wiped: it gets its rows back from hostD's copy."""
+    local, shared = hosts.local / "run", hosts.shared / "run"
+    hosts.torchrun("hosts_manager.py", 1, str(local), str(shared), "4", "--table")
+    names = [host.name for host in hosts.hosts]
+    for index, host in enumerate(hosts.hosts):
+        repo = ckptfmt.Repository.open(str(host.disk / "run"))
+        record = repo.commit("step-000000004")
+        assert set(copy_records(repo, record.name, record.manifest_hash)) == {names[index - 1]}, host.name
+        assert ckptfmt.verify(str(host.disk / "run"), node=host.name).ok
+    assert ckptfmt.verify(str(shared)).ok
+    assert torch.equal(ckptfmt.load(f"{shared}/step-000000004")["table"], table(4))
+    shutil.rmtree(hosts.hosts[2].disk / "run")
+    hosts.torchrun("hosts_manager.py", 1, str(local), str(shared), "6", "--table", "--out", str(hosts.root / "wiped"))
+    for rank in range(4):
+        restored = torch.load(hosts.root / f"wiped.{rank}.pt")
+        assert restored["step"] == 4 and torch.equal(restored["table"], table(4)[16 * rank:16 * (rank + 1)]), rank
+        assert restored["fetched"] == ["hostC's chunks of step-000000004 from hostD's copy"]
