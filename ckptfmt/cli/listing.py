@@ -6,7 +6,7 @@ from __future__ import annotations
 from rich.console import Console
 
 from ckptfmt.repository.pointers import POINTER_SUFFIX, pointers
-from ckptfmt.repository.repository import Repository
+from ckptfmt.repository.repository import CommitRecord, Repository
 from ckptfmt.tools.formatting import counted, human_bytes, human_time, text
 from ckptfmt.tools.output import KEY, NAME, Column, Output
 
@@ -26,13 +26,18 @@ def ls(args, console: Console) -> int:
     columns = [Column("name", KEY), Column("step", right=True), Column("created"), Column("size", right=True),
                Column("new bytes", right=True), Column("parent", NAME)]
     Output(console).table(f"{repo.url}: {counted(len(records), 'checkpoint')}", columns, (
-        (_listed_name(r.name, pointed), text(r.step), human_time(r.created_ns),
+        (_listed_name(r, pointed), text(r.step), human_time(r.created_ns),
          human_bytes(r.totals.get("stored_bytes")), human_bytes(r.totals.get("new_bytes")),
          "-" if r.parent is None else r.parent if r.parent in names else f"{r.parent} (removed)")
         for r in records))
     return 0
 
 
-def _listed_name(name: str, pointed: dict[str, list[str]]) -> str:
-    """A checkpoint's name, with the paths that point at it (Lightning's ``last.ckpt``): 'last-4 (last.ckpt)'."""
-    return f"{name} ({', '.join(pointed[name])})" if name in pointed else name
+def _listed_name(record: CommitRecord, pointed: dict[str, list[str]]) -> str:
+    """A checkpoint's name, with the paths that point at it (Lightning's ``last.ckpt``): 'last-4 (last.ckpt)',
+    and the nodes a node-scoped checkpoint's chunks are spread over (spec 9.8): 'step-8 (2 nodes)'."""
+    notes = list(pointed.get(record.name, []))
+    nodes = record.totals.get("nodes")
+    if type(nodes) is int:
+        notes.append(counted(nodes, "node"))
+    return f"{record.name} ({', '.join(notes)})" if notes else record.name

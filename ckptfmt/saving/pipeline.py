@@ -323,6 +323,7 @@ def _manifest(plan: Plan, reports: list[dict], ranks: Ranks, name: str, options:
         manifest.replicas = {"checked": plan.replicas_checked, "divergent": [d.record() for d in plan.divergences]}
     if plan.nodes:
         manifest.placement = _placement(plan, tables, ranks)
+        manifest.totals["nodes"] = len(plan.nodes)
     return manifest
 
 

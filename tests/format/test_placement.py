@@ -26,6 +26,9 @@ def test_a_node_scoped_save_by_one_process_places_every_chunk_on_its_node(tmp_pa
     assert main(["show", url]) == 0
     shown = " ".join(capsys.readouterr().out.split())
     assert f"placement node-scoped, 1 node: {socket.gethostname()} (rank 0): 2 of 2 chunks" in shown
+    assert main(["ls", str(tmp_path / "run")]) == 0
+    assert "a (1 node)" in capsys.readouterr().out  # from the commit record's copy of the totals
+    assert Repository.open(str(tmp_path / "run")).commit("a").totals["nodes"] == 1
     with pytest.raises(ValueError, match="node-scoped repository does not promise"):
         ckptfmt.save({"w": torch.ones(3)}, tmp_path / "run" / "b", scope="node", compression="delta-zstd")
     with pytest.raises(ValueError, match="scope must be one of job, node"):

@@ -11,6 +11,7 @@ import torch
 
 import ckptfmt
 from ckptfmt.analytics import Thresholds, stragglers
+from ckptfmt.cli import main
 from ckptfmt.format.layout import chunk_key
 from ckptfmt.metadata.step_timer import decode_steps
 from ckptfmt.repository.copies import copy_records
@@ -86,7 +87,7 @@ def test_a_node_scoped_repository_holds_on_each_node_what_its_ranks_hold(hosts):
     hosts.torchrun("hosts_restore.py", 2, f"{repo}/step-0008", "8")  # each rank from its own node
 
 
-def test_a_manager_with_a_node_local_tier_copies_to_a_peer_drains_and_restores_whatever_was_lost(hosts):
+def test_a_manager_with_a_node_local_tier_copies_to_a_peer_drains_and_restores_whatever_was_lost(hosts, capsys):
     """The issue's failing job: CheckpointManager(tiers=[Tier(local, scope="node"), shared]) across 2
     hosts, the state a model and a table sharded over the 4 ranks. Every save commits on each node's
     own disk (before: every save failed on the second host); each node's leader sends its node's rows
@@ -104,6 +105,7 @@ def test_a_manager_with_a_node_local_tier_copies_to_a_peer_drains_and_restores_w
             (copy,) = copy_records(repo, record.name, record.manifest_hash).values()
             assert copy.host == other.name and copy.chunks > 0, (host.name, record.name, copy)
         assert ckptfmt.verify(str(host.disk / "run"), node=host.name).ok
+        assert main(["ls", str(host.disk / "run")]) == 0 and "step-000000008 (2 nodes)" in capsys.readouterr().out
     assert {"step-000000006", "step-000000008"} <= set(ckptfmt.Repository.open(str(shared)).names())
     assert ckptfmt.verify(str(shared)).ok
     state = ckptfmt.load(f"{shared}/step-000000008")
