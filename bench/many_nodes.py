@@ -7,7 +7,9 @@ Runs bench/many_nodes_job.py on ``--hosts`` simulated hosts of ``--ranks`` ranks
 and iproute2), once with ``CheckpointManager(tiers=[Tier(local, scope="node"), shared])`` and once
 with the shared tier alone, in alternating order, ``--repeats`` times. Prints, per mode, the median
 stall per save (how long ``manager.save`` holds rank 0's loop) and the time to restore the newest
-checkpoint, with the median and range of the per-repeat ratios node/shared.
+checkpoint, with the median and range of the per-repeat ratios node/shared; and, with node-local
+tiers, the restore after the last host's disk is wiped (its chunks refilled from its peer's copy),
+against the shared tier alone's restore.
 
 What the simulation cannot show: every host's "local disk" and the "shared" folder are folders of
 this one machine, on one disk, so the node-local tier does not add the bandwidth of one NVMe per
@@ -54,13 +56,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         hosts = SimulatedHosts(args.hosts, Path(folder) / "hosts").start()
         try:
-            figures: dict[str, dict[str, list[float]]] = {"node": {"stall": [], "restore": []},
+            figures: dict[str, dict[str, list[float]]] = {"node": {"stall": [], "restore": [], "wiped": []},
                                                           "shared": {"stall": [], "restore": []}}
             for repeat in range(args.repeats):
                 for mode in (("node", "shared") if repeat % 2 == 0 else ("shared", "node")):
                     found = run(hosts, mode, args, Path(folder))
                     figures[mode]["stall"].append(statistics.median(found["stalls_s"]))
                     figures[mode]["restore"].append(found["restore_s"])
+                    if mode == "node":
+                        figures[mode]["wiped"].append(found["wiped_restore_s"])
         finally:
             hosts.close()
     print(f"{args.hosts} hosts x {args.ranks} ranks, {args.mb} MiB replicated state, {args.saves} saves, "
@@ -73,6 +77,11 @@ def main() -> None:
         ratios = [n / s for n, s in zip(figures["node"][what], figures["shared"][what])]
         print(f"  {what:8} node/shared: median {statistics.median(ratios):.2f}x "
               f"(range {min(ratios):.2f}-{max(ratios):.2f})")
+    wiped = figures["node"]["wiped"]
+    ratios = [w / s for w, s in zip(wiped, figures["shared"]["restore"])]
+    print(f"  restore with the last host's disk wiped (node tiers): median {statistics.median(wiped) * 1000:.1f} ms "
+          f"(range {min(wiped) * 1000:.1f}-{max(wiped) * 1000:.1f}); / the shared tier alone's restore: median "
+          f"{statistics.median(ratios):.2f}x (range {min(ratios):.2f}-{max(ratios):.2f})")
 
 
 if __name__ == "__main__":

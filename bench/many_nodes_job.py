@@ -5,12 +5,16 @@
 A data-parallel state of SIZE_MB (fp32, replicated on every rank), changed before each save. MODE
 ``node``: ``CheckpointManager(tiers=[Tier(LOCAL, scope="node"), SHARED])``; ``shared``: the shared
 tier alone. Saves SAVES times (every weight changed before each), then restores the newest in a new
-manager; rank 0 writes its stall per save and the restore's time to OUT as JSON.
+manager; in MODE ``node``, the last host's disk is then wiped and the job restores again (that node's
+chunks refilled from its peer's copy). Rank 0 writes its stall per save and the restores' times to
+OUT as JSON.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import sys
 import time
 
@@ -39,15 +43,27 @@ def main() -> None:
             stalls.append(time.perf_counter() - began)
         manager.wait()
     dist.barrier()
+    restore_s = timed_restore(tiers, state)
+    figures = {"stalls_s": stalls, "restore_s": restore_s}
+    if mode == "node":
+        if os.environ["LOCAL_RANK"] == "0" and os.environ["GROUP_RANK"] == str(int(os.environ["WORLD_SIZE"]) // int(
+                os.environ["LOCAL_WORLD_SIZE"]) - 1):
+            shutil.rmtree(local)  # the last node's disk, replaced
+        dist.barrier()
+        figures["wiped_restore_s"] = timed_restore(tiers, state)
+    if dist.get_rank() == 0:
+        with open(out, "w") as file:
+            json.dump(figures, file)
+    dist.destroy_process_group()
+
+
+def timed_restore(tiers: list, state: dict) -> float:
+    """Seconds for a new manager's ``restore`` of the newest checkpoint into ``state``, every rank done."""
     with ckptfmt.CheckpointManager(tiers=tiers, keep_last=2, housekeeping="thread") as manager:
         began = time.perf_counter()
         manager.restore(into=state)
         dist.barrier()
-        restore_s = time.perf_counter() - began
-    if dist.get_rank() == 0:
-        with open(out, "w") as file:
-            json.dump({"stalls_s": stalls, "restore_s": restore_s}, file)
-    dist.destroy_process_group()
+        return time.perf_counter() - began
 
 
 if __name__ == "__main__":

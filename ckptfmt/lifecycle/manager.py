@@ -128,6 +128,9 @@ class CheckpointManager:
         self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptfmt-manager")
         #: The peer copies' thread (a node's leader): apart, as every leader must copy each checkpoint in turn.
         self._copying = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptfmt-peer-copies")
+        #: Set except while the loop saves to the first tier: the peer copies wait for it between messages.
+        self._not_saving = threading.Event()
+        self._not_saving.set()
         self._tasks: list[Future] = []
         self._save: Future | None = None
         #: Metrics of the saves since the last housekeeping run, which hands them over.
@@ -181,6 +184,7 @@ class CheckpointManager:
         options = self.save_options.replace(step=step, metadata=user or None, scope=self.tiers[0].scope,
                                             storage_options=self.tiers[0].storage_options, process_group=self.group)
         started = time.perf_counter()
+        self._not_saving.clear()  # peer copies and draining wait while the loop saves
         if self.housekeeper is not None:  # copying to the next tiers waits while the loop saves
             self.housekeeper.pause()
         try:
@@ -334,6 +338,7 @@ class CheckpointManager:
             self._background_s.append(time.perf_counter() - returned)
 
     def _resume_housekeeping(self) -> None:
+        self._not_saving.set()
         if self.housekeeper is not None:
             self.housekeeper.resume()
 
@@ -357,10 +362,11 @@ class CheckpointManager:
             with contextlib.suppress(BaseException):  # failed on every rank: each leader still takes its turn
                 save.result()
         assert self.peers is not None
-        problems = self.peers.copy(name)
+        problems = self.peers.copy(name, yield_to=self._not_saving.wait)
         if len(self.tiers) > 1:
             housekeeper = self.housekeeper
-            problems += self.peers.drain(self.tiers[1], housekeeper.wanted_next if housekeeper is not None else None)
+            problems += self.peers.drain(self.tiers[1], housekeeper.wanted_next if housekeeper is not None else None,
+                                         yield_to=self._not_saving.wait)
         for problem in problems:
             warnings.warn(f"checkpoint manager: {problem}", CheckpointWarning, stacklevel=2)
 

@@ -29,8 +29,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ckptfmt.errors import CheckpointError, CheckpointWarning
-from ckptfmt.format import codecs
+from ckptfmt.errors import CheckpointError, CheckpointNotFoundError, CheckpointWarning
+from ckptfmt.format import codecs, layout
 from ckptfmt.format.commit_record import CommitRecord
 from ckptfmt.format.hashing import check_chunk
 from ckptfmt.format.manifest import Chunk, Manifest, optional_fields_except, stored_key
@@ -42,6 +42,7 @@ from ckptfmt.repository.chunk_reads import read_chunk
 from ckptfmt.repository.copies import copy_records, write_copy_record
 from ckptfmt.repository.leases import save_lease
 from ckptfmt.repository.repository import Repository
+from ckptfmt.tools.formatting import counted
 
 #: Chunk bytes sent in one message at most (a larger chunk goes alone): what a leader holds at a time.
 BATCH_BYTES = 64 << 20
@@ -85,9 +86,10 @@ class PeerCopies:
         self._broken: str | None = None
 
     # -- after each save, on every leader -----------------------------------------------------
-    def copy(self, name: str) -> list[str]:
+    def copy(self, name: str, yield_to: Callable[[], object] | None = None) -> list[str]:
         """Send this node's chunks of checkpoint ``name`` to the next nodes and take the previous ones'
-        (every leader calls this for every checkpoint, in the same order); what failed, in words."""
+        (every leader calls this for every checkpoint, in the same order); what failed, in words.
+        ``yield_to`` is called before each message and may block (while the training loop saves)."""
         if self.group is None or not self.replicas:
             return []
         if self._broken is not None:
@@ -107,14 +109,14 @@ class PeerCopies:
                 sending = digest is not None and digests[to] == digest
                 receiving = digest is not None and digests[source] == digest
                 problems += self._exchange(repo, name, manifest, digest, to if sending else None,
-                                           source if receiving else None)
+                                           source if receiving else None, yield_to)
         except RuntimeError as exc:  # gloo: a peer died or timed out; the next checkpoints are not tried
             self._broken = f"the peers' group failed at {name} ({' '.join(str(exc).split())[:300]})"
             problems.append(self._broken)
         return problems
 
     def _exchange(self, repo: Repository, name: str, manifest: Manifest | None, digest: str | None,
-                  to: int | None, source: int | None) -> list[str]:
+                  to: int | None, source: int | None, yield_to: Callable[[], object] | None) -> list[str]:
         """One shift of the ring: this node's rows to node ``to``, node ``source``'s rows from it (None:
         not that way); both sides cut the same batches from the manifest, so every message is expected."""
         assert manifest is not None or (to is None and source is None)
@@ -125,6 +127,8 @@ class PeerCopies:
         received: list[tuple[str, Chunk]] = []
         problems: list[str] = []
         for round_ in range(max(len(sends), len(receives))):
+            if yield_to is not None:
+                yield_to()
             works: list = []
             buffer = None
             if round_ < len(sends):
@@ -151,12 +155,14 @@ class PeerCopies:
         return problems
 
     # -- draining to the next tier, on every leader -------------------------------------------
-    def drain(self, target: Tier, wanted: Callable[[], list[str]] | None) -> list[str]:
+    def drain(self, target: Tier, wanted: Callable[[], list[str]] | None,
+              yield_to: Callable[[], object] | None = None) -> list[str]:
         """Copy to ``target`` the checkpoints its retention wants (``wanted``, called on rank 0's node:
         the others get its answer), each node sending the rows no node before it holds, and commit each
         there (on rank 0's node) once every node has sent and checked its part: the next tier never
         shows a partial checkpoint. A node that fails leaves that checkpoint for the next drain. Every
-        leader calls this after each ``copy``; what failed, in words."""
+        leader calls this after each ``copy``; what failed, in words. ``yield_to``: as for ``copy``,
+        before each chunk."""
         if self.group is None:
             return []
         if self._broken is not None:
@@ -166,12 +172,12 @@ class PeerCopies:
             dist.broadcast_object_list(names, group=self.group, group_src=0)
             if not names[0]:
                 return []
-            return self._drain(names[0], target)
+            return self._drain(names[0], target, yield_to)
         except RuntimeError as exc:
             self._broken = f"the peers' group failed while draining ({' '.join(str(exc).split())[:300]})"
             return [self._broken]
 
-    def _drain(self, names: list[str], target: Tier) -> list[str]:
+    def _drain(self, names: list[str], target: Tier, yield_to: Callable[[], object] | None) -> list[str]:
         repo = Repository.open(self.tier.url, self.tier.storage_options, create=True)
         shared = Repository.open(target.url, target.storage_options, create=True)
         failures: dict[str, str] = {}
@@ -181,7 +187,8 @@ class PeerCopies:
                 try:
                     record = records[name] = repo.commit(name)
                     manifest = repo.manifest(name, record, skip=_SKIPPED)
-                    copy_rows(repo, shared, record, self._rows_to_drain(manifest), workers=DRAIN_WORKERS)
+                    copy_rows(repo, shared, record, self._rows_to_drain(manifest), workers=DRAIN_WORKERS,
+                              yield_to=yield_to)
                 except CheckpointError as exc:
                     failures[name] = f"{self.host}: {exc}"
             everyone = self._all_gather(failures)
@@ -189,11 +196,13 @@ class PeerCopies:
                         for each in everyone for name, message in each.items()]
             if self.index == 0:
                 for name in names:
-                    if all(name not in each for each in everyone):
-                        try:
-                            commit_copy(repo, shared, records[name], lease)
-                        except CheckpointError as exc:
-                            problems.append(f"{name} not committed on {target.url}: {exc}")
+                    if any(name in each for each in everyone):
+                        continue
+                    try:
+                        _check_every_chunk_there(repo, shared, records[name])
+                        commit_copy(repo, shared, records[name], lease)
+                    except CheckpointError as exc:
+                        problems.append(f"{name} not committed on {target.url}: {exc}")
             self._all_gather(None)  # every node keeps its lease until the commits are made
         return problems if self.index == 0 else []
 
@@ -300,8 +309,8 @@ class PeerCopies:
             buffer = torch.empty(sum(manifest.chunks[row].stored_size for row in batch), dtype=torch.uint8)
             dist.recv(buffer, group=self.group, group_src=donor)
             received += _unpack(repo, manifest.chunks, batch, buffer)
-        with save_lease(repo) as lease:
-            _verify_arrived(repo, received)
+        with save_lease(repo) as lease:  # checked on arrival; the load that follows reads and checks them again
+            repo.storage.sync([key for key, _ in received])
             for key, value in objects.items():
                 repo.storage.write(key, value, durable=False)
             repo.storage.sync(list(objects))
@@ -334,6 +343,18 @@ def _inventory(repo: Repository, host: str) -> dict[str, Held]:
             hosts.add(host)
         found[record.name] = Held(record.manifest_hash, record.step, record.created_ns, nodes, frozenset(hosts))
     return found
+
+
+def _check_every_chunk_there(repo: Repository, shared: Repository, record: CommitRecord) -> None:
+    """Before the commit on the next tier: every chunk of the checkpoint is there, at its stored size
+    (each node checked its own part's bytes; this catches a part no node sent)."""
+    chunks = repo.manifest(record.name, record, skip=_SKIPPED).chunks
+    stored = shared.storage.find(layout.CHUNKS_DIR)
+    missing = [key for key, chunk in ((stored_key(chunks, c), c) for c in chunks)
+               if stored.get(key) != chunk.stored_size]
+    if missing:
+        raise CheckpointNotFoundError(f"{shared.storage.describe(missing[0])}: chunk is missing "
+                                      f"({counted(len(missing), 'chunk')} no node sent)")
 
 
 def _rows_of(manifest: Manifest, host: str) -> tuple[int, ...]:
