@@ -213,6 +213,20 @@ _MEMORY_BUDGET = 2**30
 _REUSED_BUFFER = 64 * 2**20
 
 
+def _checked_in_place(reader: ChunkReader, index: int, spread: bool) -> bool:
+    """Check an uncompressed chunk of a local file where the page cache holds it (a map: no copy into
+    memory; ``spread``: one hash over every core, where there are fewer chunks than cores); False
+    where it cannot be mapped (compressed, an object store), to be read instead."""
+    if not reader.can_read_into(index, reader.chunks[index].size):
+        return False
+    reader.check_stored_size(index)
+    mapped = reader.mapped(index, parallel=spread)
+    if mapped is None:
+        return False
+    mapped.close()
+    return True
+
+
 def _rows_here(repo: Repository, manifests: dict[str, Manifest], node: str,
                report: VerifyReport) -> dict[str, set[int]]:
     """The chunk rows ``node`` holds of each node-scoped checkpoint it is a node of (spec 9.8): its own,
@@ -270,6 +284,7 @@ def check_chunks(repo: Repository, manifests: dict[str, Manifest], report: Verif
         return memoryview(current)[:size]
 
     failed = threading.Event()  # a storage failure ends the run: the other jobs return at once
+    spread = len(jobs) < (os.cpu_count() or 1)
 
     def check(item) -> None:
         ident, (manifest, index) = item
@@ -281,15 +296,16 @@ def check_chunks(repo: Repository, manifests: dict[str, Manifest], report: Verif
         reader = ChunkReader(repo.storage, manifest.chunks)
         chunk = manifest.chunks[index]
         try:
-            with budget.take(chunk.size):
-                if reader.can_read_into(index, chunk.size):
-                    reader.check_stored_size(index)  # before memory is set aside for what the manifest claims
-                    data = buffer(chunk.size)
-                    reader.read_into(index, data)
-                else:
-                    data = memoryview(reader.read(index))
-                if stats is not None:
-                    stats.measure(ident, data)
+            if stats is not None or not _checked_in_place(reader, index, spread):
+                with budget.take(chunk.size):
+                    if reader.can_read_into(index, chunk.size):
+                        reader.check_stored_size(index)  # before memory is set aside for what the manifest claims
+                        data = buffer(chunk.size)
+                        reader.read_into(index, data)
+                    else:
+                        data = memoryview(reader.read(index))
+                    if stats is not None:
+                        stats.measure(ident, data)
             problem = None
         except CheckpointNotFoundError as exc:
             problem = ("missing-chunk", str(exc))
