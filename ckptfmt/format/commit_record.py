@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from ckptfmt.errors import CheckpointError, ManifestError, quoted
 from ckptfmt.format.limits import MAX_MANIFEST_BYTES, check_hash, check_name
-from ckptfmt.format.maps import unique_map
+from ckptfmt.format.maps import parse_json
 from ckptfmt.format.version import FORMAT_VERSION, check_version
 
 COMMIT_FORMAT = "ckptfmt-commit"
@@ -54,13 +54,7 @@ class CommitRecord:
 
     @classmethod
     def from_bytes(cls, data: bytes, where: str) -> CommitRecord:
-        try:
-            doc = json.loads(data, object_pairs_hook=unique_map)
-        except CheckpointError as exc:  # a duplicate key
-            raise type(exc)(f"{where}: {exc}") from None
-        except (ValueError, TypeError, RecursionError) as exc:  # RecursionError: deep JSON nesting
-            raise ManifestError(f"{where}: malformed commit record ({exc})") from None
-        return cls.from_dict(doc, where)
+        return cls.from_dict(parse_json(data, where, "commit record"), where)
 
     @classmethod
     def from_dict(cls, doc: object, where: str) -> CommitRecord:

@@ -12,9 +12,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from ckptfmt.errors import CheckpointError, ManifestError
+from ckptfmt.errors import ManifestError
 from ckptfmt.format.limits import HASH_PATTERN, NAME_PATTERN
-from ckptfmt.format.maps import unique_map
+from ckptfmt.format.maps import parse_json
 from ckptfmt.format.version import FORMAT_VERSION
 
 COPY_FORMAT = "ckptfmt-copy"
@@ -58,12 +58,7 @@ class CopyRecord:
     @classmethod
     def from_bytes(cls, data: bytes, where: str) -> CopyRecord:
         """A copy record, every member checked; ManifestError naming ``where`` otherwise."""
-        try:
-            doc = json.loads(data, object_pairs_hook=unique_map)
-        except CheckpointError as exc:  # a duplicate key
-            raise ManifestError(f"{where}: {exc}") from None
-        except (ValueError, RecursionError) as exc:
-            raise ManifestError(f"{where}: malformed copy record ({exc})") from None
+        doc = parse_json(data, where, "copy record")
         if not isinstance(doc, dict) or doc.get("format") != COPY_FORMAT:
             raise ManifestError(f"{where}: not a copy record (format {COPY_FORMAT!r} expected)")
         version = doc.get("version")

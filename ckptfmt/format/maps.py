@@ -3,6 +3,7 @@ so that no two readers differ on which value wins."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import msgpack
@@ -30,6 +31,17 @@ def first_repeat(items) -> Any:
             return item
         seen.add(item)
     raise AssertionError("no item repeats")
+
+
+def parse_json(data: bytes, where: str, what: str) -> object:
+    """A small repository object stored as JSON (a commit record, a signature, a copy record), with
+    unique keys; ManifestError naming ``where`` and ``what`` it should have been otherwise."""
+    try:
+        return json.loads(data, object_pairs_hook=unique_map)
+    except CheckpointError as exc:  # a duplicate key
+        raise type(exc)(f"{where}: {exc}") from None
+    except (ValueError, TypeError, RecursionError) as exc:  # RecursionError: deep JSON nesting
+        raise ManifestError(f"{where}: malformed {what} ({exc})") from None
 
 
 def unpack_object(data: bytes, where: str, fmt: str, max_bytes: int) -> dict:

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from ckptfmt.errors import CheckpointError, ManifestError, quoted
 from ckptfmt.format.commit_record import CommitRecord
 from ckptfmt.format.limits import check_hash
-from ckptfmt.format.maps import unique_map
+from ckptfmt.format.maps import parse_json
 from ckptfmt.format.version import FORMAT_VERSION, check_version
 
 if TYPE_CHECKING:
@@ -104,12 +104,7 @@ class Signature:
     @classmethod
     def from_bytes(cls, data: bytes, where: str) -> Signature:
         """A signature object, every member checked; ManifestError naming ``where`` otherwise."""
-        try:
-            doc = json.loads(data, object_pairs_hook=unique_map)
-        except CheckpointError as exc:  # a duplicate key
-            raise ManifestError(f"{where}: {exc}") from None
-        except (ValueError, RecursionError) as exc:
-            raise ManifestError(f"{where}: malformed signature object ({exc})") from None
+        doc = parse_json(data, where, "signature object")
         try:
             return cls._from_doc(doc)
         except (KeyError, TypeError, ValueError, binascii.Error) as exc:

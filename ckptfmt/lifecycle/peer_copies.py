@@ -94,15 +94,15 @@ class PeerCopies:
             return []
         if self._broken is not None:
             return [f"peer copy of {name} skipped: {self._broken}"]
-        repo = Repository.open(self.tier.url, self.tier.storage_options, create=True)
         try:
+            repo = Repository.open(self.tier.url, self.tier.storage_options, create=True)
             record = repo.commit(name)
             manifest: Manifest | None = repo.manifest(name, record, skip=_SKIPPED)
             digest: str | None = record.manifest_hash
         except CheckpointError:
             manifest = digest = None  # not committed on this node: no copies to or from it
         problems: list[str] = []
-        try:
+        try:  # every leader takes its turn, whatever its own node holds: the others expect it
             digests = self._all_gather(digest)
             for shift in range(1, self.replicas + 1):
                 to, source = (self.index + shift) % len(self.hosts), (self.index - shift) % len(self.hosts)
@@ -132,7 +132,7 @@ class PeerCopies:
             works: list = []
             buffer = None
             if round_ < len(sends):
-                payload = _pack(repo, chunks, sends[round_])
+                payload = _pack(repo, chunks, sends[round_], problems)
                 works.append(dist.isend(payload, group=self.group, group_dst=to))
             if round_ < len(receives):
                 buffer = torch.empty(sum(chunks[row].stored_size for row in receives[round_]), dtype=torch.uint8)
@@ -235,35 +235,50 @@ class PeerCopies:
         """The step of the newest checkpoint whose every node's rows are on some node, made whole on
         every node (a node without its own rows gets them from a copy), or None where there is none;
         and what was fetched from where, in words (the same on every rank)."""
-        step: int | None = None
-        fetched: list[str] = []
+        outcome: tuple[int | None, list[str], str | None] = (None, [], None)
         if self.is_leader:
-            step, fetched = self._agree_and_fill()
-        gathered = self.ranks.gather((step, fetched))  # every leader has filled its tier
-        return self.ranks.broadcast(gathered[0] if gathered is not None else None)
+            outcome = self._agree_and_fill()
+        gathered = self.ranks.gather(outcome)  # every leader has filled its tier, or failed to
+        decided = None
+        if gathered is not None:
+            failures = [failure for _, _, failure in gathered if failure is not None]
+            step, fetched, _ = gathered[0]
+            if failures:  # a node could not be made whole: the caller falls back to the other tiers
+                warnings.warn(f"restore from the nodes' copies given up: {failures[0]}", CheckpointWarning,
+                              stacklevel=3)
+                step, fetched = None, []
+            decided = (step, fetched)
+        return self.ranks.broadcast(decided)
 
-    def _agree_and_fill(self) -> tuple[int | None, list[str]]:
-        repo = Repository.open(self.tier.url, self.tier.storage_options, create=True)
-        inventory = _inventory(repo, self.host)
-        if self.group is None:
-            inventories = [inventory]
+    def _agree_and_fill(self) -> tuple[int | None, list[str], str | None]:
+        """On a leader: the step agreed, what was fetched, and what failed here (None: nothing)."""
+        try:
+            repo = Repository.open(self.tier.url, self.tier.storage_options, create=True)
+            inventory = _inventory(repo, self.host)
+        except CheckpointError as exc:  # this node's tier is unreadable: it holds nothing, and says so
+            repo, inventory = None, {}
+            failure: str | None = f"{self.host}: {exc}"
         else:
-            inventories = self._all_gather(inventory)
+            failure = None
+        inventories = [inventory] if self.group is None else self._all_gather(inventory)
         chosen = self._newest_whole(inventories)
         if chosen is None:
-            return None, []
+            return None, [], failure
         name, held = chosen
         fetched = []
         for receiver, host in enumerate(self.hosts):  # the same hosts as the checkpoint's (_newest_whole)
             if host in inventories[receiver].get(name, _NOTHING).hosts:
                 continue
             donor = next(i for i, each in enumerate(inventories) if host in each.get(name, _NOTHING).hosts)
-            if self.index == donor:
-                self._send_checkpoint(repo, name, host, receiver)
-            elif self.index == receiver:
-                self._receive_checkpoint(repo, name, host, donor)
+            try:  # both ends go through every message, so that a failure leaves no one waiting
+                if self.index == donor and repo is not None:
+                    self._send_checkpoint(repo, name, host, receiver)
+                elif self.index == receiver and repo is not None:
+                    self._receive_checkpoint(repo, name, host, donor)
+            except CheckpointError as exc:
+                failure = failure or f"{self.host}: {exc}"
             fetched.append(f"{host}'s chunks of {name} from {self.hosts[donor]}'s copy")
-        return held.step, fetched
+        return held.step, fetched, failure
 
     def _newest_whole(self, inventories: list[dict[str, Held]]) -> tuple[str, Held] | None:
         """The newest checkpoint (one manifest everywhere it is), saved by the job's nodes as they are
@@ -281,22 +296,32 @@ class PeerCopies:
         return None
 
     def _send_checkpoint(self, repo: Repository, name: str, host: str, receiver: int) -> None:
-        """To node ``receiver``: checkpoint ``name``'s small objects, then node ``host``'s chunks."""
-        record = repo.commit(name)
-        manifest = repo.manifest(name, record, skip=_SKIPPED)
-        objects = {}
-        for entry in repo.storage.list(name):
-            if entry.startswith("manifest-") and record.manifest_hash in entry or is_signature_entry(entry):
-                key = f"{name}/{entry}"
-                objects[key] = repo.storage.read(key, max_size=max(record.manifest_size, 1 << 16))
+        """To node ``receiver``: checkpoint ``name``'s small objects, then node ``host``'s chunks (or, where
+        they cannot be read here, what went wrong, and nothing more)."""
+        try:
+            record = repo.commit(name)
+            manifest = repo.manifest(name, record, skip=_SKIPPED)
+            objects = {}
+            for entry in repo.storage.list(name):
+                if entry.startswith("manifest-") and record.manifest_hash in entry or is_signature_entry(entry):
+                    key = f"{name}/{entry}"
+                    objects[key] = repo.storage.read(key, max_size=max(record.manifest_size, 1 << 16))
+        except CheckpointError as exc:
+            dist.send_object_list([None, f"{self.host}: {exc}"], group=self.group, group_dst=receiver)
+            raise
         dist.send_object_list([record.to_dict(), objects], group=self.group, group_dst=receiver)
+        damaged: list[str] = []
         for batch in _batches(manifest.chunks, list(_rows_of(manifest, host))):
-            dist.send(_pack(repo, manifest.chunks, batch), group=self.group, group_dst=receiver)
+            dist.send(_pack(repo, manifest.chunks, batch, damaged), group=self.group, group_dst=receiver)
+        if damaged:  # the receiver refuses the zeros sent in its place: neither node restores from this copy
+            raise CheckpointError(f"{name}: {damaged[0]}")
 
     def _receive_checkpoint(self, repo: Repository, name: str, host: str, donor: int) -> None:
         """From node ``donor``: checkpoint ``name`` whole on this node's tier, every object checked."""
         message: list = [None, None]
         dist.recv_object_list(message, group=self.group, group_src=donor)
+        if message[0] is None:
+            raise CheckpointError(f"{name}: the copy on {self.hosts[donor]} could not be read ({message[1]})")
         where = repo.storage.describe(name)
         record = CommitRecord.from_dict(message[0], where)
         objects: dict[str, bytes] = message[1]
@@ -304,11 +329,16 @@ class PeerCopies:
         data = objects[manifest_key]
         check_chunk(data, record.manifest_hash, repo.storage.describe(manifest_key))
         manifest = Manifest.from_bytes(data, repo.storage.describe(manifest_key), skip=_SKIPPED)
-        received = []
+        received, refused = [], []
         for batch in _batches(manifest.chunks, list(_rows_of(manifest, host))):
             buffer = torch.empty(sum(manifest.chunks[row].stored_size for row in batch), dtype=torch.uint8)
             dist.recv(buffer, group=self.group, group_src=donor)
-            received += _unpack(repo, manifest.chunks, batch, buffer)
+            try:  # every message is taken, so that the donor is never left waiting
+                received += _unpack(repo, manifest.chunks, batch, buffer)
+            except CheckpointError as exc:
+                refused.append(str(exc))
+        if refused:
+            raise CheckpointError(f"{name}: the copy from {self.hosts[donor]} refused: {refused[0]}")
         with save_lease(repo) as lease:  # checked on arrival; the load that follows reads and checks them again
             repo.storage.sync([key for key, _ in received])
             for key, value in objects.items():
@@ -377,15 +407,20 @@ def _batches(chunks: list[Chunk], rows: list[int]) -> list[list[int]]:
     return batches
 
 
-def _pack(repo: Repository, chunks: list[Chunk], rows: list[int]) -> torch.Tensor:
-    """The rows' chunks as stored, each checked against its name here (damage is never sent), end to end."""
-    payload = torch.empty(sum(chunks[row].stored_size for row in rows), dtype=torch.uint8)
+def _pack(repo: Repository, chunks: list[Chunk], rows: list[int], problems: list[str]) -> torch.Tensor:
+    """The rows' chunks as stored, end to end, each checked against its name here: a damaged or missing
+    one is sent as zeros (the receiver's check refuses it; the message keeps its expected size) and
+    said in ``problems``: damage is never copied."""
+    payload = torch.zeros(sum(chunks[row].stored_size for row in rows), dtype=torch.uint8)
     view, at = payload.numpy(), 0
     for row in rows:
         chunk = chunks[row]
-        stored = read_chunk(repo.storage, stored_key(chunks, chunk), chunk).stored
-        view[at:at + len(stored)] = np.frombuffer(stored, dtype=np.uint8)
-        at += len(stored)
+        try:
+            stored = read_chunk(repo.storage, stored_key(chunks, chunk), chunk).stored
+            view[at:at + len(stored)] = np.frombuffer(stored, dtype=np.uint8)
+        except CheckpointError as exc:
+            problems.append(f"not sent to the peer: {exc}")
+        at += chunk.stored_size
     return payload
 
 

@@ -181,3 +181,26 @@ def test_four_hosts_copy_round_the_ring_and_a_wiped_node_restores_from_the_next(
         restored = torch.load(hosts.root / f"wiped.{rank}.pt")
         assert restored["step"] == 4 and torch.equal(restored["table"], table(4)[16 * rank:16 * (rank + 1)]), rank
         assert restored["fetched"] == ["hostC's chunks of step-000000004 from hostD's copy"]
+
+
+@pytest.mark.exhaustive  # make test keeps the refill from an intact copy
+def test_a_damaged_peer_copy_is_never_restored_and_the_shared_tier_serves_instead(hosts):
+    """hostA's copy of hostB's rows is damaged, then hostB's disk wiped: the refill refuses the damaged
+    chunk (hostA sends zeros in its place, hostB's check refuses them), the restore from the nodes'
+    copies is given up on every rank, and hostB's ranks restore the same step from the shared tier,
+    bit for bit, while hostA's read their own disk."""
+    local, shared = hosts.local / "run", hosts.shared / "run"
+    hosts.torchrun("hosts_manager.py", 2, str(local), str(shared), "4", "--table")
+    host_a = ckptfmt.Repository.open(str(hosts.hosts[0].disk / "run"))
+    manifest = host_a.manifest("step-000000004")
+    row = max(manifest.placement.node("hostB").rows)  # a row of hostB's alone: its part of the table
+    assert row not in manifest.placement.node("hostA").rows
+    with open(host_a.storage.path(chunk_key(manifest.chunks[row].hash, manifest.chunks[row].codec)), "r+b") as file:
+        file.write(b"\x00\x01\x02\x03")
+    shutil.rmtree(hosts.hosts[1].disk / "run")
+    hosts.torchrun("hosts_manager.py", 2, str(local), str(shared), "6", "--table", "--out", str(hosts.root / "out"))
+    for rank in range(4):
+        restored = torch.load(hosts.root / f"out.{rank}.pt")
+        assert restored["step"] == 4 and restored["fetched"] == []
+        assert torch.equal(restored["table"], table(4)[16 * rank:16 * (rank + 1)]), rank
+        assert restored["resumes"][0]["from"]["repository"] == str(local if rank < 2 else shared), rank
