@@ -15,6 +15,7 @@ from ckptfmt.format.signatures import Signature, TrustedKeys, trusted_public_key
 from ckptfmt.format.values import MakeTorchValue, TorchValue, decode_tree
 from ckptfmt.loading.chunkio import ChunkReader
 from ckptfmt.loading.healing import ChunkHealer, HealFrom
+from ckptfmt.loading.verified_files import check_verify_mode
 from ckptfmt.repository.repository import CommitRecord, Repository, resolve
 from ckptfmt.repository.signatures import check_signed
 
@@ -35,8 +36,10 @@ class Checkpoint:
     torch_value: MakeTorchValue = TorchValue
 
     def __init__(self, repository: Repository, name: str, *, trusted_keys: TrustedKeys = None,
-                 heal_from: HealFrom = None, read: tuple[CommitRecord, Manifest] | None = None):
-        """``read``: the checkpoint's commit record and whole manifest, where the caller has read them."""
+                 heal_from: HealFrom = None, read: tuple[CommitRecord, Manifest] | None = None,
+                 verify: bool | str = True):
+        """``read``: the checkpoint's commit record and whole manifest, where the caller has read them;
+        ``verify``: how chunks are checked as they are read (``ckptfmt.load``)."""
         self.repository, self.name = repository, name
         self.commit = repository.commit(name) if read is None else read[0]
         #: The trusted key's signature that vouches for this checkpoint (None: no key was given to check).
@@ -44,7 +47,8 @@ class Checkpoint:
             repository, self.commit, trusted_public_keys(trusted_keys))
         self.manifest: Manifest = repository.manifest(name, self.commit) if read is None else read[1]
         self._index = {t.key: i for i, t in enumerate(self.manifest.tensors)}
-        self._chunks = ChunkReader(repository.storage, self.manifest.chunks, ChunkHealer.of(heal_from))
+        self._chunks = ChunkReader(repository.storage, self.manifest.chunks, ChunkHealer.of(heal_from),
+                                   check_verify_mode(verify))
 
     @classmethod
     def open(cls, url: str | os.PathLike, *, storage_options: dict | None = None,

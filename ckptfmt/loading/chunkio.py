@@ -12,6 +12,7 @@ from ckptfmt.errors import CheckpointNotFoundError, CorruptDataError
 from ckptfmt.format import codecs
 from ckptfmt.format.hashing import check_chunk
 from ckptfmt.format.manifest import Chunk, stored_key
+from ckptfmt.loading import verified_files
 from ckptfmt.loading.healing import ChunkHealer
 from ckptfmt.repository.chunk_reads import missing_chunk_named, read_chunk
 from ckptfmt.storage.base import Storage
@@ -22,10 +23,16 @@ _CACHE_BYTES = 64 * 2**20
 class ChunkReader:
     """Verified chunk reads, with a small shared cache for chunks several tensors use (packs)."""
 
-    def __init__(self, storage: Storage, chunks: list[Chunk], healer: ChunkHealer | None = None):
+    def __init__(self, storage: Storage, chunks: list[Chunk], healer: ChunkHealer | None = None,
+                 verify: bool | str = True, *, remember: bool = False):
         self.storage = storage
         self.chunks = chunks
         self.healer = healer
+        #: True: every read is hashed; "once": not a local file this process has checked already
+        #: (``verified_files``); False: no read is (sizes are still checked).
+        self.verify = verify
+        #: Whether the local files found right are remembered (``verify="once"`` does; ``ckptfmt.verify`` too).
+        self.remember = remember or verify == "once"
         #: Chunks found damaged here, with what was wrong: read from elsewhere by the healer from then on.
         self._damaged: dict[int, CheckpointNotFoundError | CorruptDataError] = {}
         self._cache: OrderedDict[int, bytes] = OrderedDict()
@@ -65,9 +72,10 @@ class ChunkReader:
             target[:] = self._heal(index, None)
             return
         try:
+            file = self._identity(key)
             with missing_chunk_named(self.storage, key):
                 self.storage.read_into(key, target)
-            check_chunk(target, chunk.hash, self.storage.describe(key), parallel=parallel)
+            self._check(target, chunk, key, file, parallel)
         except (CheckpointNotFoundError, CorruptDataError) as exc:
             target[:] = self._heal(index, exc)
 
@@ -124,10 +132,11 @@ class ChunkReader:
         if index in self._damaged:
             return None
         try:
+            file = self._identity(key)
             with missing_chunk_named(self.storage, key):
                 mapping = self.storage.map(key, chunk.size)
             if mapping is not None:
-                check_chunk(mapping, chunk.hash, self.storage.describe(key), parallel=parallel)
+                self._check(mapping, chunk, key, file, parallel)
         except (CheckpointNotFoundError, CorruptDataError) as exc:
             if self.healer is None:
                 raise
@@ -147,7 +156,27 @@ class ChunkReader:
         chunk = self.chunks[index]
         key = stored_key(self.chunks, chunk)
         base = self._base(index, self.storage.describe(key))
-        return read_chunk(self.storage, key, chunk, base=base, parallel=parallel).decoded
+        file = self._identity(key)
+        hashed = not self._skips(file)
+        decoded = read_chunk(self.storage, key, chunk, base=base, parallel=parallel, verify=hashed).decoded
+        if hashed:
+            verified_files.remember(file)
+        return decoded
+
+    def _identity(self, key: str) -> verified_files.FileIdentity | None:
+        """Where checked files are remembered: the chunk file as it is before it is read (else None)."""
+        return verified_files.identity(self.storage, key) if self.remember else None
+
+    def _skips(self, file: verified_files.FileIdentity | None) -> bool:
+        """Whether ``verify`` lets this read go unhashed."""
+        return self.verify is False or (self.verify == "once" and verified_files.known(file))
+
+    def _check(self, data, chunk: Chunk, key: str, file: verified_files.FileIdentity | None, parallel: bool) -> None:
+        """Hash ``data`` against the chunk's name, unless ``verify`` says it need not be."""
+        if self._skips(file):
+            return
+        check_chunk(data, chunk.hash, self.storage.describe(key), parallel=parallel)
+        verified_files.remember(file)
 
     def _base(self, index: int, where: str) -> bytes | memoryview | None:
         """The decoded bytes of a delta chunk's base (read, verified and decoded through its own bases);

@@ -41,9 +41,9 @@ class CheckpointReader(Checkpoint):
 
     def __init__(self, url: str | os.PathLike, *, storage_options: dict | None = None,
                  map_location: str | torch.device | None = "cpu", mmap: bool = True,
-                 heal_from: HealFrom = None, trusted_keys: TrustedKeys = None):
+                 heal_from: HealFrom = None, trusted_keys: TrustedKeys = None, verify: bool | str = True):
         repository, name = resolve(url, storage_options)
-        self._setup(repository, name, map_location, mmap, heal_from, trusted_keys)
+        self._setup(repository, name, map_location, mmap, heal_from, trusted_keys, verify=verify)
 
     @classmethod
     def from_parts(cls, repository: Repository, name: str, map_location: str | torch.device | None = "cpu",
@@ -58,8 +58,10 @@ class CheckpointReader(Checkpoint):
     torch_value = staticmethod(torch_value)
 
     def _setup(self, repository: Repository, name: str, map_location, mmap: bool, heal_from: HealFrom,
-               trusted_keys: TrustedKeys, read: tuple[CommitRecord, Manifest] | None = None) -> None:
-        Checkpoint.__init__(self, repository, name, trusted_keys=trusted_keys, heal_from=heal_from, read=read)
+               trusted_keys: TrustedKeys, read: tuple[CommitRecord, Manifest] | None = None,
+               verify: bool | str = True) -> None:
+        Checkpoint.__init__(self, repository, name, trusted_keys=trusted_keys, heal_from=heal_from, read=read,
+                            verify=verify)
         self.mmap = mmap
         self.map_location = torch.device(map_location if map_location is not None else "cpu")
 
@@ -282,16 +284,16 @@ def _uses_by_chunk(entry: TensorEntry) -> dict[int, list[tuple[int, int, Piece]]
 
 def open(url: str | os.PathLike, *, storage_options: dict | None = None,
          map_location: str | torch.device | None = "cpu", mmap: bool = True,
-         heal_from: HealFrom = None, trusted_keys: TrustedKeys = None) -> CheckpointReader:
+         heal_from: HealFrom = None, trusted_keys: TrustedKeys = None, verify: bool | str = True) -> CheckpointReader:
     """Open a checkpoint (or a repository's latest) for lazy reads. See ``load`` for ``mmap``,
-    ``heal_from`` and ``trusted_keys``."""
+    ``heal_from``, ``trusted_keys`` and ``verify``."""
     return CheckpointReader(url, storage_options=storage_options, map_location=map_location, mmap=mmap,
-                            heal_from=heal_from, trusted_keys=trusted_keys)
+                            heal_from=heal_from, trusted_keys=trusted_keys, verify=verify)
 
 
 def load(url: str | os.PathLike, *, map_location: str | torch.device | None = "cpu",
          storage_options: dict | None = None, mmap: bool = True, into: Any = None, strict: bool = True,
-         heal_from: HealFrom = None, trusted_keys: TrustedKeys = None) -> Any:
+         heal_from: HealFrom = None, trusted_keys: TrustedKeys = None, verify: bool | str = True) -> Any:
     """Load a checkpoint's whole state, type-exact, with every chunk verified against its hash.
 
     On local disks, tensors that lie whole in one uncompressed chunk are, by
@@ -317,9 +319,15 @@ def load(url: str | os.PathLike, *, map_location: str | torch.device | None = "c
     ``trusted_keys``: Ed25519 public keys (``.pub`` files of ``ckptfmt keygen``, key objects); the
     checkpoint is read only if one of them signed it (spec 10.3), else SignatureError names it
     (unsigned, signed by other keys, or a signature that does not verify: forged or damaged).
+
+    ``verify``: ``True`` (the default) hashes every chunk read; ``"once"`` skips a local chunk file that
+    this process has already checked (by a ``verify``, a ``load`` or a read) and that is unchanged
+    since (same inode, size, modification and change times: ``ckptfmt.loading.verified_files`` says
+    exactly what that trusts); ``False`` hashes nothing (sizes are still checked): damaged bytes then
+    load without an error, a risk the caller takes for speed.
     """
     with open(url, storage_options=storage_options, map_location=map_location, mmap=mmap,
-              heal_from=heal_from, trusted_keys=trusted_keys) as reader:
+              heal_from=heal_from, trusted_keys=trusted_keys, verify=verify) as reader:
         if into is not None:
             rank, world_size = current_rank()
             state = load_into(reader, into, strict=strict, rank=rank, world_size=world_size, keep_per_rank=True)

@@ -28,12 +28,14 @@ class VerifiedChunk:
 
 
 def read_chunk(storage: Storage, key: str, chunk: Chunk, *, base: bytes | memoryview | None = None,
-               codec: str | None = None, max_size: int | None = None, parallel: bool = False) -> VerifiedChunk:
+               codec: str | None = None, max_size: int | None = None, parallel: bool = False,
+               verify: bool = True) -> VerifiedChunk:
     """Chunk ``chunk`` from ``key`` of ``storage``, checked: its stored size (the manifest's, when it
     is stored under the manifest's codec), its decoding and its hash. ``base``: a delta's decoded base;
     ``codec``: the codec of this copy when it is not the manifest's (another repository's, found by
     repair); ``max_size``: the most bytes read (the manifest's stored size unless given); ``parallel``:
-    hash on several threads (large chunks)."""
+    hash on several threads (large chunks); ``verify=False``: no hash (a reader that chose to trust the
+    bytes: the size and the decoding are still checked)."""
     codec = codec or chunk.codec
     own_encoding = codec == chunk.codec
     where = storage.describe(key)
@@ -42,7 +44,8 @@ def read_chunk(storage: Storage, key: str, chunk: Chunk, *, base: bytes | memory
         if own_encoding and len(stored) != chunk.stored_size:
             raise CorruptDataError(f"{where}: {len(stored)} bytes stored, manifest says {chunk.stored_size}")
         decoded = codecs.decode(codec, stored, chunk.size, where, base)
-        check_chunk(decoded, chunk.hash, where, parallel=parallel)
+        if verify:
+            check_chunk(decoded, chunk.hash, where, parallel=parallel)
         return VerifiedChunk(stored, decoded)
 
     with missing_chunk_named(storage, key):

@@ -293,7 +293,7 @@ def check_chunks(repo: Repository, manifests: dict[str, Manifest], report: Verif
         if _is_set(cancel):
             report.cancelled = True
             return
-        reader = ChunkReader(repo.storage, manifest.chunks)
+        reader = ChunkReader(repo.storage, manifest.chunks, remember=True)  # for later reads with verify="once"
         chunk = manifest.chunks[index]
         try:
             if stats is not None or not _checked_in_place(reader, index, spread):
