@@ -1,6 +1,7 @@
 """Verified reads on every core (issue 31 part 1): ``ckptfmt.verify`` against BLAKE3's own
 multi-threaded hashing of the same chunk bytes (warm), and against ``cat`` of the same files to
-/dev/null with the page cache dropped (cold).
+/dev/null with the page cache dropped (cold); and the warm load of a MiniLM-shaped state (99 float32
+tensors, 90 MB) with each ``verify`` mode against safetensors' ``load_file``.
 
     python bench/verified_reads.py [--mb 1024] [--repeats 7] [--dir DIR]
 
@@ -75,6 +76,7 @@ def main() -> None:
                 else:
                     b, a = theirs(), ours()
                 seconds[name].append((a, b))
+        loads = load_pairs(Path(folder), args.repeats)
     print(f"{len(chunks)} chunk files, {total / 2**20:.0f} MiB, {args.repeats} repeats (alternating order)")
     for name, reference in (("warm", "blake3 AUTO hashing"), ("cold", "cat to /dev/null")):
         ours = [total / a / 1e9 for a, _ in seconds[name]]
@@ -84,6 +86,56 @@ def main() -> None:
               f"{reference} {statistics.median(theirs):.2f} GB/s ({min(theirs):.2f}-{max(theirs):.2f}); "
               f"verify's rate / theirs: median {statistics.median(ratios):.2f}x "
               f"(range {min(ratios):.2f}-{max(ratios):.2f})")
+    print("warm load of a MiniLM-shaped state (99 tensors, 90 MB), against safetensors' load_file:")
+    for mode, pairs in loads.items():
+        ours = [a * 1e3 for a, _ in pairs]
+        ratios = [a / b for a, b in pairs]
+        print(f"  load(verify={mode!r}) {statistics.median(ours):.1f} ms ({min(ours):.1f}-{max(ours):.1f}); "
+              f"/ load_file: median {statistics.median(ratios):.1f}x (range {min(ratios):.1f}-{max(ratios):.1f}); "
+              f"load_file {statistics.median(b for _, b in pairs) * 1e3:.2f} ms")
+
+
+def minilm_state() -> dict[str, torch.Tensor]:
+    """The tensors of all-MiniLM-L6-v2's shapes (embeddings, 6 layers), random."""
+    torch.manual_seed(0)
+    state = {"emb.word": torch.randn(30522, 384), "emb.pos": torch.randn(512, 384), "emb.type": torch.randn(2, 384)}
+    for layer in range(6):
+        for name in "qkvo":
+            state[f"l{layer}.{name}.w"], state[f"l{layer}.{name}.b"] = torch.randn(384, 384), torch.randn(384)
+        state[f"l{layer}.up.w"], state[f"l{layer}.up.b"] = torch.randn(1536, 384), torch.randn(1536)
+        state[f"l{layer}.down.w"], state[f"l{layer}.down.b"] = torch.randn(384, 1536), torch.randn(384)
+        for norm in ("ln1", "ln2"):
+            state[f"l{layer}.{norm}.w"], state[f"l{layer}.{norm}.b"] = torch.randn(384), torch.randn(384)
+    return state
+
+
+def load_pairs(folder: Path, repeats: int) -> dict[object, list[tuple[float, float]]]:
+    """Per verify mode, (ckptfmt.load seconds, load_file seconds) of each repeat, order alternated."""
+    from safetensors.torch import load_file, save_file
+
+    state = minilm_state()
+    url = ckptfmt.save(state, folder / "minilm" / "a")
+    save_file(state, str(folder / "minilm.safetensors"))
+    del state
+
+    def timed(run) -> float:
+        began = time.perf_counter()
+        run()
+        return time.perf_counter() - began
+    modes: list[object] = [True, "once", False]
+    for mode in modes:  # warm: the page cache, and "once" its memory of the files
+        ckptfmt.load(url, verify=mode)
+    theirs = lambda: load_file(str(folder / "minilm.safetensors"))
+    found: dict[object, list[tuple[float, float]]] = {mode: [] for mode in modes}
+    for repeat in range(repeats):
+        for mode in modes:
+            ours = lambda mode=mode: ckptfmt.load(url, verify=mode)
+            if repeat % 2 == 0:
+                a, b = timed(ours), timed(theirs)
+            else:
+                b, a = timed(theirs), timed(ours)
+            found[mode].append((a, b))
+    return found
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ import torch
 from ckptfmt.errors import CheckpointError
 from ckptfmt.format.per_rank import PerRank, PerRankValues
 from ckptfmt.format.values import TensorRef, decode_tree, format_key
+from ckptfmt.loading.threads import read_threads
 from ckptfmt.tensors.dtensors import is_dtensor, local_shard
 from ckptfmt.tensors.dtypes import dtype_from_name
 from ckptfmt.tensors.values import torch_value
@@ -174,7 +175,7 @@ def _tensor_refs(value: Any) -> list[str]:
     return []
 
 
-def load_into(reader, into: Any, *, strict: bool, rank: int, workers: int = 16,
+def load_into(reader, into: Any, *, strict: bool, rank: int, workers: int | None = None,
               within: Collection[str] | None = None, world_size: int | None = None,
               keep_per_rank: bool = False) -> Any:
     """Fill ``into`` from ``reader``'s checkpoint; returns it (a new object only where ``into`` is a tuple).
@@ -186,6 +187,7 @@ def load_into(reader, into: Any, *, strict: bool, rank: int, workers: int = 16,
     ``world_size``: the ranks loading, each of which a saved ``PerRank`` value must have (None: ``rank``).
     ``keep_per_rank``: a saved ``PerRank`` value becomes a ``PerRank`` of this rank's, for a state that is
     saved again; without it, the bare value, for a caller that hands it to a ``load_state_dict``.
+    ``workers``: threads reading (None: ``read_threads`` of the checkpoint's bytes).
     """
     keys = reader.keys()
     saved = decode_tree(reader.manifest.state, lambda index: TensorRef(keys[index]), torch_value=torch_value)
@@ -200,6 +202,8 @@ def load_into(reader, into: Any, *, strict: bool, rank: int, workers: int = 16,
         if dry.error():
             raise CheckpointError(f"{reader.url}: the state does not match the checkpoint: {dry.error()}")
     result = walk.fill(into, saved, ())
+    if workers is None:
+        workers = read_threads(sum(chunk.stored_size for chunk in reader.manifest.chunks))
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckptfmt-load") as pool:
         for future in [pool.submit(read) for read in walk.reads]:
             future.result()

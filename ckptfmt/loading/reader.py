@@ -22,6 +22,7 @@ from ckptfmt.loading.checkpoint import Checkpoint
 from ckptfmt.loading.healing import HealFrom
 from ckptfmt.loading.load_into import load_into
 from ckptfmt.loading.loaded_fingerprints import remember_load
+from ckptfmt.loading.threads import read_threads
 from ckptfmt.metadata.rng import apply_rng
 from ckptfmt.metadata.topology import current_rank
 from ckptfmt.repository.repository import CommitRecord, Repository, resolve
@@ -159,14 +160,16 @@ class CheckpointReader(Checkpoint):
             flat = torch.frombuffer(span, dtype=target.dtype)
         target.copy_(flat.as_strided(size, strides, 0))
 
-    def load_state(self, *, workers: int = 16, without: Iterable[str] = ()) -> Any:
+    def load_state(self, *, workers: int | None = None, without: Iterable[str] = ()) -> Any:
         """The whole saved state, type-exact, every chunk verified.
 
-        ``workers`` threads read and hash chunks; many reads in flight keep the
-        disk's queue full (1.3 GB state, cold: 16 threads 0.95 s, 4 threads 1.16 s).
+        ``workers`` threads read and hash chunks (None: ``read_threads``); many reads in flight
+        keep the disk's queue full (1.3 GB state, cold: 16 threads 0.95 s, 4 threads 1.16 s).
         ``without``: top-level entries of a state that is a dict to leave out, their
         tensors unread (the rest of a checkpoint whose model was loaded in place).
         """
+        if workers is None:
+            workers = read_threads(sum(chunk.stored_size for chunk in self.manifest.chunks))
         tensors = self.manifest.tensors
         left_out = set(without)
         wanted: Iterable[int] = range(len(tensors))
