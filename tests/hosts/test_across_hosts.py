@@ -204,3 +204,17 @@ def test_a_damaged_peer_copy_is_never_restored_and_the_shared_tier_serves_instea
         assert restored["step"] == 4 and restored["fetched"] == []
         assert torch.equal(restored["table"], table(4)[16 * rank:16 * (rank + 1)]), rank
         assert restored["resumes"][0]["from"]["repository"] == str(local if rank < 2 else shared), rank
+
+
+@pytest.mark.exhaustive  # make test keeps the restore at the same world size
+def test_a_manager_restores_a_node_tier_at_another_world_size_resharded(hosts):
+    """Saved by 2 hosts x 2 ranks to node-local tiers, restored by 2 hosts x 1 rank: each rank reads its
+    half of the table (rows two ranks of its node wrote) and the model from its own node's tier."""
+    local, shared = hosts.local / "run", hosts.shared / "run"
+    hosts.torchrun("hosts_manager.py", 2, str(local), str(shared), "4", "--table")
+    hosts.torchrun("hosts_manager.py", 1, str(local), str(shared), "4", "--table", "--out", str(hosts.root / "out"))
+    for rank in range(2):
+        restored = torch.load(hosts.root / f"out.{rank}.pt")
+        assert restored["step"] == 4 and restored["fetched"] == []
+        assert torch.equal(restored["table"], table(4)[32 * rank:32 * (rank + 1)]), rank
+        assert restored["resumes"][0]["from"]["repository"] == str(local), rank
