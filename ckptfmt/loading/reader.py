@@ -325,8 +325,8 @@ def load(url: str | os.PathLike, *, map_location: str | torch.device | None = "c
 
     ``verify``: ``True`` (the default) hashes every chunk read; ``"once"`` skips a local chunk file that
     this process has already checked (by a ``verify``, a ``load`` or a read) and that is unchanged
-    since (same inode, size, modification and change times: ``ckptfmt.loading.verified_files`` says
-    exactly what that trusts); ``False`` hashes nothing (sizes are still checked): damaged bytes then
+    since (same inode, size, modification and change times: docs/usage.md says exactly what that
+    trusts); ``False`` hashes nothing (sizes are still checked): damaged bytes then
     load without an error, a risk the caller takes for speed.
     """
     with open(url, storage_options=storage_options, map_location=map_location, mmap=mmap,
