@@ -14,8 +14,6 @@ what the manager fetched from other nodes' copies).
 from __future__ import annotations
 
 import argparse
-import gc
-import time
 
 import torch
 import torch.distributed as dist
@@ -23,6 +21,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 import ckptfmt
+from tests.support.gloo_teardown import run_then_tear_down
 
 
 def ckptfmt_resumes() -> list[dict]:
@@ -70,18 +69,5 @@ def main() -> None:
         manager.wait()
 
 
-def run() -> None:
-    """The job, then the teardown ckptfmt's own exit handler does for its groups
-    (``groups.process_group.release_side_groups``, which this script may not load): ``main``'s
-    tensors and meshes freed, the group destroyed, and the interpreter let go of for a moment, so
-    that a gloo thread still freeing the last collective's work gets it before the interpreter
-    shuts down (hosts_restore.py, which loads no module that registers that handler, once aborted
-    at exit without it: "terminate called without an active exception")."""
-    main()
-    gc.collect()
-    dist.destroy_process_group()
-    time.sleep(0.05)
-
-
 if __name__ == "__main__":
-    run()
+    run_then_tear_down(main)
