@@ -12,7 +12,8 @@ the first step where one differs. Its cause, from what differs there:
   resume before the step is on record as having restored the generators, or
   (with no record either way) the batch is one the reference was fed at an
   earlier step (repeated samples);
-- otherwise the inputs agree and the loss differs, so the state the step
+- otherwise the inputs agree and an output differs (the loss, the gradient
+  norm, or this rank's gradients' norm: those both runs recorded), so the state the step
   started from differed: ``load`` where a resume of RUN before that step is
   on record as not restoring a part (spec 9.4 ``resumes``), ``hyperparameters``,
   ``topology`` or ``environment`` where the runs' checkpoints record such a
@@ -47,6 +48,10 @@ from ckptfmt.tools.formatting import world_sizes
 VERDICTS = ("identical", "diverged", "undetermined")
 #: Exit codes of ``ckptfmt certify`` by verdict.
 EXIT_CODES = {"identical": 0, "diverged": 1, "undetermined": 2}
+#: The metrics that sign a step's outputs (spec 9.4), compared where both runs recorded them: the loss
+#: (the loop's, or a framework's hook), the gradient norm, and this rank's gradients' norm (the
+#: integrations' optimizer hooks, where no hook sees the loss).
+OUTPUTS = ("loss", "grad_norm", "grad_norm_local")
 #: compare()'s kinds of difference -> certify's causes.
 _CAUSE_OF_KIND = {"hyperparameters": "hyperparameters", "topology": "topology", "determinism": "environment",
                   "versions": "environment", "hardware": "environment", "environment": "environment",
@@ -55,13 +60,13 @@ _CAUSE_OF_KIND = {"hyperparameters": "hyperparameters", "topology": "topology", 
 
 @dataclass(frozen=True)
 class Signature:
-    """One rank's step, as signed: what went in (batch, generators) and what came out (the loss's bits)."""
+    """One rank's step, as signed: what went in (batch, generators) and what came out (the bits of each
+    output metric it recorded: ``OUTPUTS``)."""
 
     batch_kind: int
     batch: bytes | None
     rng: dict[str, bytes]
-    loss: bytes | None
-    grad_norm: bytes | None
+    outputs: dict[str, bytes]
     saved_ns: int  # when the save that recorded it was made
 
 
@@ -147,13 +152,14 @@ class RunRecords:
                 if entry.get("steps") is None or type(rank) is not int:
                     continue
                 columns = decode_steps(entry["steps"], f"{self.url}: timing.ranks[{index}].steps")
-                loss, grad_norm = (_bits(columns, name) for name in ("loss", "grad_norm"))
+                outputs = {name: _bits(columns, name) for name in OUTPUTS}
                 for row, step in enumerate(columns.step.tolist()):
                     kind = int(columns.batch_kind[row])
                     signature = Signature(
                         batch_kind=kind, batch=bytes(columns.batch[row]) if kind else None,
                         rng={name: bytes(digests[row]) for name, digests in columns.rng.items() if digests[row].any()},
-                        loss=loss[row], grad_norm=grad_norm[row], saved_ns=saved_ns)
+                        outputs={name: value for name, bits in outputs.items() if (value := bits[row]) is not None},
+                        saved_ns=saved_ns)
                     self.signatures[rank, step] = signature  # a later save's: the branch the run went on with
                     self.branches.setdefault((rank, step), []).append(signature)
         #: Per rank, the generators the run drew from: their digest changes from a step to the next one
@@ -196,9 +202,9 @@ def certify(reference: str | os.PathLike, run: str | os.PathLike | None = None, 
     for step in steps:
         ranks = sorted(rank for rank, s in common if s == step)
         found = _differences(ref.signatures, new.signatures, step, ranks, _in_use(ref, new))
-        if found is None:  # a signature lacks what an answer needs (a loss)
-            certificate.missing = f"step {step}: a rank's loss is not on record in one of the runs " \
-                                  "(StepTimer.metrics(loss=...))"
+        if found is None:  # a signature lacks what an answer needs (an output)
+            certificate.missing = f"step {step}: no output of a rank (loss, gradient norm) is on record in " \
+                                  "both runs (StepTimer.metrics(loss=...))"
             certificate.steps_compared = compared
             return certificate
         compared += 1
@@ -229,9 +235,9 @@ def _in_use(*runs: RunRecords) -> dict[int, set[str]]:
 
 def _differences(reference: dict[tuple[int, int], Signature], run: dict[tuple[int, int], Signature], step: int,
                  ranks: list[int], in_use: dict[int, set[str]] | None = None) -> dict[str, list[str]] | None:
-    """What differs at ``step``, by kind (``data``, ``rng``, ``loss``), with evidence; None if a loss is
-    missing, so that equal inputs cannot be told to give equal outputs. ``in_use``: per rank, the
-    generators compared (those drawn from); all where not given."""
+    """What differs at ``step``, by kind (``data``, ``rng``, ``outputs``), with evidence; None where a
+    rank's signatures share no output, so that equal inputs cannot be told to give equal outputs.
+    ``in_use``: per rank, the generators compared (those drawn from); all where not given."""
     found: dict[str, list[str]] = {}
     for rank in ranks:
         a, b = reference[rank, step], run[rank, step]
@@ -242,10 +248,13 @@ def _differences(reference: dict[tuple[int, int], Signature], run: dict[tuple[in
             if a.rng[name] != b.rng[name]:
                 found.setdefault("rng", []).append(f"rank {rank}: generator {name} {_hex(a.rng[name])} vs "
                                                    f"{_hex(b.rng[name])}")
-        if a.loss is None or b.loss is None:
+        outputs = [name for name in OUTPUTS if name in a.outputs and name in b.outputs]
+        if not outputs:
             return None
-        if a.loss != b.loss:
-            found.setdefault("loss", []).append(f"rank {rank}: loss {_float(a.loss)} vs {_float(b.loss)}")
+        for name in outputs:
+            if a.outputs[name] != b.outputs[name]:
+                found.setdefault("outputs", []).append(
+                    f"rank {rank}: {name} {_float(a.outputs[name])} vs {_float(b.outputs[name])}")
     return found
 
 
@@ -258,18 +267,16 @@ def _diverged(certificate: Certificate, ref: RunRecords, new: RunRecords, step: 
     restored = _restored_generators(resumes[-1] if resumes else None)
     order = ("data", "rng") if restored or (restored is None and repeated) else ("rng", "data")
     causes = _resized(resumes) + [Cause(kind, found[kind]) for kind in order if kind in found]
-    causes += _load_causes(resumes)
+    causes += _load_causes(resumes, found)
     causes += [cause for cause in _recorded_causes(ref, new, step) if cause.cause not in {c.cause for c in causes}]
-    if "loss" in found and not causes:
+    if "outputs" in found and not causes:
         causes.append(Cause("nondeterminism", ["batch and generators agree at the step's start",
-                                               *found["loss"]]))
-    if not causes:
-        causes.append(Cause("nondeterminism", found.get("loss", [])))
+                                               *found["outputs"]]))
     ranks = sorted({int(line.split(":")[0].split()[1]) for lines in found.values() for line in lines
                     if line.startswith("rank ")})
     certificate.verdict = "diverged"
     certificate.causes = causes
-    evidence = causes[0].evidence + [line for line in found.get("loss", [])[:1] if line not in causes[0].evidence]
+    evidence = causes[0].evidence + [line for line in found.get("outputs", [])[:1] if line not in causes[0].evidence]
     certificate.first_divergence = {"step": step, "ranks": ranks, "cause": causes[0].cause, "evidence": evidence}
 
 
@@ -330,16 +337,31 @@ def _repeated_batches(ref: RunRecords, new: RunRecords, step: int) -> list[str]:
     return lines
 
 
-def _load_causes(resumes: list[dict]) -> list[Cause]:
-    """The resumes (before the step) on record as not restoring a part."""
+#: A part that feeds a step an input (spec 9.4 ``feeds``) -> the kind of difference its fault shows as.
+_SHOWN_AS = {"batches": "data", "generators": "rng"}
+
+
+def _load_causes(resumes: list[dict], found: dict[str, list[str]]) -> list[Cause]:
+    """The resumes (before the step) on record as not restoring a part. A part that feeds the step an
+    input counts only where that input differs: where the batches agree, a data loader's position
+    on record as different did not change this step (a loader that reports a position it does not
+    hold)."""
     causes = []
     for resume in resumes:
-        wrong = [part for part in resume.get("parts") or [] if part.get("verdict") in ("missing", "different")]
+        wrong = [part for part in resume.get("parts") or [] if part.get("verdict") in ("missing", "different")
+                 and _may_explain(part, found)]
         if wrong:
             name = (resume.get("from") or {}).get("name")
             causes.append(Cause("load", [line for part in wrong for line in _part_lines(
                 f"rank {resume.get('rank')}: the resume from {name} left", part)]))
     return causes
+
+
+def _may_explain(part: dict, found: dict[str, list[str]]) -> bool:
+    """Whether a part not restored may explain the differences ``found`` at a step: a part of the state
+    may; one that feeds the step an input only where that input differs."""
+    shown_as = _SHOWN_AS.get(str(part.get("feeds")))
+    return shown_as is None or shown_as in found
 
 
 def _recorded_causes(ref: RunRecords, new: RunRecords, step: int) -> list[Cause]:
@@ -389,7 +411,7 @@ def certify_resumes(run: str | os.PathLike, *, storage_options: dict | None = No
             if found:
                 order = ("data", "rng") if _restored_generators(resume) else ("rng", "data")
                 causes = [Cause(kind, found[kind]) for kind in order if kind in found] + load
-                causes = causes or [Cause("nondeterminism", found.get("loss", []))]
+                causes = causes or [Cause("nondeterminism", found.get("outputs", []))]
                 certificate.verdict, certificate.causes = "diverged", causes
                 certificate.first_divergence = {"step": step, "ranks": [rank], "cause": causes[0].cause,
                                                 "evidence": causes[0].evidence}
@@ -429,6 +451,6 @@ def _hex(digest: bytes | None) -> str:
 
 
 def _float(bits: bytes) -> str:
-    """A loss's value as its bits hold it: float32's shortest form where it is one (most are)."""
+    """An output's value as its bits hold it: float32's shortest form where it is one (most are)."""
     value = struct.unpack("<d", bits)[0]
     return str(np.float32(value)) if float(np.float32(value)) == value else repr(value)

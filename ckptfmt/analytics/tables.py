@@ -295,7 +295,7 @@ class Resumes(_Builder):
               ("from_step", pa.int64()), ("from_manifest", pa.string()), ("from_repository", pa.string()),
               ("resumed", _TIME), ("world_size_then", pa.int64()), ("world_size_now", pa.int64()),
               ("part", pa.string()), ("verdict", pa.string()), ("stored", pa.int64()), ("missing", pa.int64()),
-              ("different", pa.int64()), ("keys", pa.list_(pa.string())))
+              ("different", pa.int64()), ("keys", pa.list_(pa.string())), ("feeds", pa.string()))
 
     def add(self, run: str, record: _Saved, manifest: _Saved, where: str) -> None:
         self.origin(where)
@@ -315,7 +315,7 @@ class Resumes(_Builder):
                 for part in parts:
                     for name, value in common.items():
                         self.columns[name].append(value)
-                    for name in ("part", "verdict", "stored", "missing", "different", "keys"):
+                    for name in ("part", "verdict", "stored", "missing", "different", "keys", "feeds"):
                         self.columns[name].append(part.get(name))
                     self.rows += 1
 

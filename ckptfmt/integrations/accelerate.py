@@ -138,11 +138,12 @@ def load_state(accelerator: Accelerator, url: str | os.PathLike | None = None, *
         state = _training_state(accelerator)
         timing = _TIMINGS.get(accelerator)
         if timing is None:
-            record_resume(reader, state, rank=accelerator.process_index, checked=[generators])
+            record_resume(reader, state, rank=accelerator.process_index, checked=[generators],
+                          loaders=_loader_names(state))
             return
         late = [name for name in state if name.startswith(("model_", "optimizer_", "scheduler_"))]
         early = check_parts(reader, {name: value for name, value in state.items() if name not in late},
-                            rank=accelerator.process_index)
+                            rank=accelerator.process_index, loaders=_loader_names(state))
 
     def record() -> None:
         now = _training_state(accelerator)
@@ -229,6 +230,11 @@ def _restore_rest(accelerator: Accelerator, rest: dict[str, Any]) -> None:
     timing = _TIMINGS.get(accelerator)
     if timing is not None and isinstance(rest.get("step_timing"), dict):
         timing.steps_started = rest["step_timing"]["steps_started"]
+
+
+def _loader_names(state: dict[str, Any]) -> list[str]:
+    """The parts of ``_training_state`` that are data loaders' positions."""
+    return [name for name in state if name.startswith("dataloader_")]
 
 
 def _loader_state(loader: Any) -> dict[str, Any]:

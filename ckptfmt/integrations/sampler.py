@@ -206,7 +206,8 @@ def data_position(loader: Any, batches: int, epoch: int) -> dict[str, Any] | Non
 def check_position(stored: Any, live: dict[str, Any] | None) -> PartCheck:
     """The ``data_position`` part of a resume's record: the loader's position once the resume was done
     against the one the checkpoint stored (``POSITION``'s fields; world and batch sizes may change)."""
-    check = PartCheck("data_position", "equal", stored=len(POSITION) if isinstance(stored, dict) else 0)
+    check = PartCheck("data_position", "equal", stored=len(POSITION) if isinstance(stored, dict) else 0,
+                      feeds="batches")
     if not check.stored:
         check.verdict = "not stored"
         return check

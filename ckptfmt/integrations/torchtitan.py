@@ -15,7 +15,12 @@ DCP folder written by torchtitan's manager), ``initial_load_model_only``, ``load
 collective checkpoint holding what torchtitan's manager saves (the model's and optimizer's
 sharded states, the learning-rate schedulers, every rank's data loader position, the train state
 and any other Stateful the trainer registered) plus every rank's RNG states, which a load
-restores, and every rank's step timing, taken from hooks on the model parts and the optimizers.
+restores, every rank's step timing and signatures, taken from hooks on the model parts and the
+optimizers (each step's output signed by its gradients' norm: the trainer computes its loss where
+no hook sees it), and the trainer's settings that shape a step (``job_config/hyperparameters``:
+its ``training``, ``lr_scheduler``, ``optimizer`` and ``debug`` seed), so that ``ckptfmt compare``
+and ``certify`` can name one that changed. A load puts on record what it restored, every
+registered part (one left out by ``exclude_from_loading`` is on record as not restored).
 Hugging Face safetensors (``initial_load_in_hf``, ``last_save_in_hf``) are refused: use
 torchtitan's own manager for those, or ``ckptfmt export``.
 """
@@ -54,6 +59,15 @@ from ckptfmt.loading.resume_check import record_resume
 
 #: The user metadata key that marks a model-only checkpoint (torchtitan's last save).
 MODEL_ONLY = "torchtitan_model_only"
+#: Where a checkpoint holds the trainer's step-shaping settings (``job_config/hyperparameters``).
+SETTINGS_KEY = "job_config"
+#: The trainer's settings that change what a training step computes, by its config's section.
+_STEP_SETTINGS = {
+    "training": ("local_batch_size", "global_batch_size", "seq_len", "max_norm", "steps", "dtype",
+                 "mixed_precision_param", "mixed_precision_reduce"),
+    "lr_scheduler": ("warmup_steps", "total_steps", "decay_ratio", "decay_type", "min_lr_factor"),
+    "debug": ("seed", "deterministic"),
+}
 ASYNC_MODES = ("disabled", "async", "async_with_pinned_mem")
 
 
@@ -132,6 +146,9 @@ class CkptfmtCheckpointManager(BaseCheckpointManager):
             if stateful is not None:
                 value = stateful.state_dict()
                 state[key] = PerRank(value) if key == DATALOADER else value
+        settings = step_settings(getattr(self.states.get(TRAIN_STATE), "config", None))
+        if settings:
+            state[SETTINGS_KEY] = {"hyperparameters": settings}
         return state
 
     def _model_for_export(self) -> dict[str, Any]:
@@ -182,21 +199,17 @@ class CkptfmtCheckpointManager(BaseCheckpointManager):
             remember_load(reader.commit.manifest_hash, reader.manifest, template)
         for key in keys:
             self.states[key].load_state_dict(template[key])
-        record_resume(url, {key: self.states[key] for key in keys}, storage_options=self.config.storage_options)
+        parts = keys if model_only else [key for key, stateful in self.states.items() if stateful is not None]
+        record_resume(url, {key: self.states[key] for key in parts}, storage_options=self.config.storage_options)
         if not model_only:
             self._restore_rng_at_first_step(url)
 
     def _restore_rng_at_first_step(self, url: str) -> None:
-        """Restore this rank's RNG states as the first training forward after the load starts, so
-        that what the loop draws before it (a DataLoader iterator takes a seed from the generator)
-        does not shift them: the run then continues as the run that saved did."""
-        def restore(module: torch.nn.Module, args: Any) -> None:
-            if module.training:
-                for handle in handles:
-                    handle.remove()
-                restore_rng(url, rank=_rank(), storage_options=self.config.storage_options)
-
-        handles = [part.register_forward_pre_hook(restore) for part in self.states[MODEL].model]
+        """Restore this rank's RNG states as the first training step after the load begins, before its
+        signature digests them, so that what the loop draws before it (a DataLoader iterator takes a
+        seed from the generator) does not shift them: the run then continues as the run that saved did."""
+        self.timing.at_next_step(
+            lambda: restore_rng(url, rank=_rank(), storage_options=self.config.storage_options))
 
     def _keys_to_load(self, model_only: bool) -> list[str]:
         if model_only:
@@ -228,6 +241,33 @@ class CkptfmtCheckpointManager(BaseCheckpointManager):
         state, which it advances before the step runs."""
         train_state = self.states.get(TRAIN_STATE)
         return int(train_state.step) if train_state is not None else self.timing.steps_started + 1
+
+
+def step_settings(config: Any) -> dict[str, Any]:
+    """The trainer's settings that change what a step computes, as plain values, from its config (the
+    ``Trainer.Config`` of the Trainer registered as ``train_state``); empty where there is none."""
+    if config is None or not hasattr(config, "training"):
+        return {}
+    settings: dict[str, Any] = {}
+    for section, names in _STEP_SETTINGS.items():
+        values = getattr(config, section, None)
+        for name in names:
+            if hasattr(values, name):
+                settings[f"{section}.{name}"] = _plain(getattr(values, name))
+    for index, group in enumerate(getattr(getattr(config, "optimizer", None), "param_groups", None) or []):
+        settings[f"optimizer.{index}.name"] = _plain(getattr(group, "optimizer_name", None))
+        for name, value in sorted((getattr(group, "optimizer_kwargs", None) or {}).items()):
+            settings[f"optimizer.{index}.{name}"] = _plain(value)
+    return settings
+
+
+def _plain(value: Any) -> Any:
+    """A setting as a plain value: numbers, text, flags and None as they are, others as text."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)) and all(isinstance(item, (bool, int, float, str)) for item in value):
+        return list(value)
+    return str(value)
 
 
 def _join(base_folder: str, folder: str) -> str:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -48,6 +48,9 @@ from ckptfmt.repository.repository import resolve
 #: Keys named per part in a record: enough to say where to look, bounded whatever the state's size.
 KEYS_SHOWN = 8
 VERDICTS = ("equal", "missing", "different", "not stored")
+#: A part that is a step's input: a data loader's position feeds its ``batches``, the ``rng`` part the
+#: ``generators``.
+FEEDS = ("batches", "generators")
 
 
 @dataclass
@@ -63,6 +66,16 @@ class PartCheck:
     different: int = 0
     #: The first keys missing or different (at most KEYS_SHOWN).
     keys: list[str] = field(default_factory=list)
+    #: What the part feeds a step where it is a step's input rather than its state (``FEEDS``): its
+    #: effect shows in the steps' signatures, so certify weighs it by them (spec 9.4, 1.10).
+    feeds: str | None = None
+
+    def to_dict(self) -> dict:
+        """The stored form of the part (spec 9.4 ``resumes``' ``parts``): ``feeds`` where it is set."""
+        stored = asdict(self)
+        if self.feeds is None:
+            del stored["feeds"]
+        return stored
 
 
 @dataclass
@@ -91,12 +104,12 @@ class ResumeRecord:
                          "step": self.step, "created_ns": self.created_ns},
                 "resumed_ns": self.resumed_ns, "rank": self.rank,
                 "world_size": [self.world_size_then, self.world_size_now],
-                "parts": [asdict(part) for part in self.parts]}
+                "parts": [part.to_dict() for part in self.parts]}
 
 
 def record_resume(checkpoint: str | os.PathLike | CheckpointReader, live: Mapping[str, Any], *,
                   rng: bool = False, storage_options: dict | None = None, rank: int | None = None,
-                  checked: Sequence[PartCheck] = ()) -> ResumeRecord:
+                  checked: Sequence[PartCheck] = (), loaders: Collection[str] = ()) -> ResumeRecord:
     """Compare the live objects a resume restored with ``checkpoint`` and keep the record for this
     process's next save (see the module's docstring); returns it.
 
@@ -106,13 +119,15 @@ def record_resume(checkpoint: str | os.PathLike | CheckpointReader, live: Mappin
     (right after ``restore_rng``, before anything draws). ``rank``: this process's rank in the
     checkpoint's records (default: its rank under torch.distributed, else 0). ``checked``: parts
     compared earlier, such as ``check_generators``' where the generators are restored before the
-    rest is loaded (a framework whose restore draws from them).
+    rest is loaded (a framework whose restore draws from them). ``loaders``: the parts that are data
+    loaders' positions where ``live`` holds their states (a live ``DataLoader`` or ``Sampler`` is
+    known as one): they feed a step its batches, which its signature shows (``PartCheck.feeds``).
     """
     reader = checkpoint if isinstance(checkpoint, CheckpointReader) else _reader(checkpoint, storage_options)
     try:
         rank = _rank() if rank is None else rank
         manifest = reader.manifest
-        parts = check_parts(reader, live, rank=rank)
+        parts = check_parts(reader, live, rank=rank, loaders=loaders)
         parts += checked
         if rng:
             parts.append(_check_rng(reader.metadata["rng"], rank))
@@ -129,7 +144,8 @@ def record_resume(checkpoint: str | os.PathLike | CheckpointReader, live: Mappin
     return result
 
 
-def check_parts(reader: CheckpointReader, live: Mapping[str, Any], *, rank: int | None = None) -> list[PartCheck]:
+def check_parts(reader: CheckpointReader, live: Mapping[str, Any], *, rank: int | None = None,
+                loaders: Collection[str] = ()) -> list[PartCheck]:
     """``record_resume``'s comparison of the live parts with the checkpoint, for a caller that records
     them later (``checked=``): parts that change as soon as training goes on (a data loader's position),
     compared at once, beside parts compared when the first step begins."""
@@ -144,7 +160,12 @@ def check_parts(reader: CheckpointReader, live: Mapping[str, Any], *, rank: int 
              for name, state in states.items()}
     comparer = _Tensors(reader, {key: leaf for found in keyed.values() for key, leaf in found
                                  if isinstance(leaf, torch.Tensor)})
-    return [_check_part(reader, name, keyed[name], stored_values, roots[name], comparer) for name in states]
+    checks = [_check_part(reader, name, keyed[name], stored_values, roots[name], comparer) for name in states]
+    for check in checks:
+        if check.part in loaders or isinstance(live[check.part], (torch.utils.data.DataLoader,
+                                                                  torch.utils.data.Sampler)):
+            check.feeds = "batches"
+    return checks
 
 
 def _reader(url: str | os.PathLike, storage_options: dict | None) -> CheckpointReader:
@@ -323,7 +344,7 @@ def check_generators(checkpoint: CheckpointReader, *, rank: int | None = None) -
 def _check_rng(stored: list, rank: int) -> PartCheck:
     """This process's generators now against the checkpoint's record of this rank's."""
     entry = next((e for e in stored if isinstance(e, dict) and e.get("rank") == rank), None)
-    check = PartCheck("rng", "equal", stored=0)
+    check = PartCheck("rng", "equal", stored=0, feeds="generators")
     if entry is None:
         check.verdict = "not stored"
         return check

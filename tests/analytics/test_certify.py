@@ -60,8 +60,11 @@ def train(repo: str, *, stop: int | None = None, resume: bool = False, fault: st
         if fault != "rng dropped":
             ckptfmt.restore_rng(url)
         start = state["step"]
-        ckptfmt.record_resume(url, {"model": model, "optimizer": optimizer, "scheduler": scheduler})
-        if fault == "lr changed":  # on purpose, after a clean resume: a setting of the run, not a load
+        parts = {"model": model, "optimizer": optimizer, "scheduler": scheduler}
+        if fault == "lr changed, position misreported":  # a loader reporting a position it does not hold
+            parts["position"] = position + BATCH
+        ckptfmt.record_resume(url, parts, loaders=["position"])
+        if fault and fault.startswith("lr changed"):  # on purpose, after a clean resume: a setting, not a load
             for group in optimizer.param_groups:
                 group["lr"] = 0.02
     noise = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little")) if fault == "noise" else None
@@ -120,6 +123,8 @@ def resumed(tmp_path, fault: str | None, cut: int = CUT) -> str:
     ("optimizer dropped", CUT + 1, "load"),  # the first step after it still starts from equal weights
     ("scheduler dropped", CUT + 3, "load"),  # the rate it kept holds until the reference's decays, at 6
     ("lr changed", CUT + 1, "hyperparameters"),
+    # a data loader's position on record as different while the batches agree changed no step: the setting did
+    ("lr changed, position misreported", CUT + 1, "hyperparameters"),
     ("noise", CUT, "nondeterminism"),
 ])
 def test_each_resume_fault_is_named_with_its_first_step_and_cause(reference, tmp_path, fault, step, cause):
