@@ -54,6 +54,8 @@ from ckptfmt.saving.save import save
 _AUTOMATIC_NAME = re.compile(r"checkpoint_(\d+)")
 #: Distributed types whose engines save their own state (Accelerate defers to them too).
 _ENGINES = {DistributedType.DEEPSPEED: "DeepSpeed", DistributedType.MEGATRON_LM: "Megatron-LM"}
+#: Where a checkpoint holds each data loader's shape (``_loader_shape``), beside its position.
+LOADERS_KEY = "dataloader_shapes"
 #: The StepTiming of each Accelerator, found by save_state.
 _TIMINGS: weakref.WeakKeyDictionary[Accelerator, StepTiming] = weakref.WeakKeyDictionary()
 
@@ -82,6 +84,8 @@ def save_state(accelerator: Accelerator, url: str | os.PathLike | None = None, *
     if timing is not None:
         timing.run_pending()  # a resume's record not made yet (no step since the load) goes with this save
     state = _training_state(accelerator)
+    state[LOADERS_KEY] = {f"dataloader_{index}": _loader_shape(accelerator, loader)
+                          for index, loader in enumerate(accelerator._dataloaders)}
     if timing is not None:
         state["step_timing"] = {"steps_started": timing.steps_started}
     if step is None and timing is not None:
@@ -119,6 +123,8 @@ def load_state(accelerator: Accelerator, url: str | os.PathLike | None = None, *
         if missing:  # before anything is loaded
             raise CheckpointError(f"{reader.url}: no {', '.join(map(repr, missing))} in the checkpoint: it was "
                                   f"saved with other prepared objects than this run's (it holds {sorted(rest)})")
+        # a data position this run cannot continue from is refused before anything is loaded
+        resharded = _loaders_at_another_shape(accelerator, rest, reader.manifest.topology, reader.url)
         load_into(reader, in_place, strict=strict, rank=accelerator.process_index, within=in_place)
         restore_rng(reader, rank=accelerator.process_index)
         generators = check_generators(reader, rank=accelerator.process_index)
@@ -130,7 +136,7 @@ def load_state(accelerator: Accelerator, url: str | os.PathLike | None = None, *
                 set_optimizer_state_dict(owner, _torch_optimizer(optimizer), optim_state_dict=in_place[name])
             else:
                 optimizer.load_state_dict(rest[name])
-        _restore_rest(accelerator, rest)
+        _restore_rest(accelerator, rest, resharded)
         # What the prepared objects hold, part by part against the checkpoint: on record in the next save.
         # The models, optimizers and schedulers are compared when the first step begins (with StepTiming), so
         # that the loop's own code after the load (a state dropped, a schedule reset) is on record too; the
@@ -217,11 +223,11 @@ def _entries_by_value(accelerator: Accelerator, in_place: dict[str, Any]) -> lis
     return [*names, "accelerate_step"]
 
 
-def _restore_rest(accelerator: Accelerator, rest: dict[str, Any]) -> None:
+def _restore_rest(accelerator: Accelerator, rest: dict[str, Any], resharded: set[str]) -> None:
     for index, scheduler in enumerate(accelerator._schedulers):
         scheduler.load_state_dict(rest[f"scheduler_{index}"])
     for index, loader in enumerate(accelerator._dataloaders):
-        _restore_loader(loader, rest[f"dataloader_{index}"])
+        _restore_loader(loader, rest[f"dataloader_{index}"], within_epoch=f"dataloader_{index}" not in resharded)
     if accelerator.scaler is not None and rest.get("scaler") is not None:
         accelerator.scaler.load_state_dict(rest["scaler"])
     for index, obj in enumerate(accelerator._custom_objects):
@@ -255,13 +261,60 @@ def _loader_state(loader: Any) -> dict[str, Any]:
     return state
 
 
-def _restore_loader(loader: Any, state: dict[str, Any]) -> None:
+def _loader_shape(accelerator: Accelerator, loader: Any) -> dict[str, Any]:
+    """What a loader's position depends on besides itself: the processes sharing each global batch, the
+    global batch's size, and whether the position is inside an epoch (a batch of it handed out, not
+    the last)."""
+    iterating = loader in loader.gradient_state.dataloader_references if hasattr(loader, "gradient_state") \
+        else False
+    return {"num_replicas": accelerator.num_processes,
+            "total_batch_size": getattr(loader, "total_batch_size", None) or getattr(loader, "batch_size", None),
+            "within_epoch": bool(iterating and not getattr(loader, "end_of_dataloader", False))}
+
+
+def _loaders_at_another_shape(accelerator: Accelerator, rest: dict[str, Any], topology: Any, url: str) -> set[str]:
+    """The loaders whose checkpoint was taken at another world size or global batch size: at an epoch's
+    end they go on with the next epoch's order, which Accelerate's seedable sampler draws whatever the
+    world size (each global batch cut into the ranks' batches as before); inside an epoch each rank's
+    position counts its own batches, which mean other samples now: refused, the field named."""
+    shapes = _dict(rest.get(LOADERS_KEY))
+    then_world = topology.get("world_size") if isinstance(topology, dict) else None
+    changed = set()
+    for index, loader in enumerate(accelerator._dataloaders):
+        name = f"dataloader_{index}"
+        now = _loader_shape(accelerator, loader)
+        # a checkpoint from before shapes were stored: its world size, and the global batch taken as unchanged
+        stored = {"num_replicas": then_world, "total_batch_size": now["total_batch_size"],
+                  **_dict(shapes.get(name))}
+        differences = [f"{field} was {stored[field]}, is {now[field]}" for field in ("num_replicas", "total_batch_size")
+                       if stored[field] != now[field]]
+        if not differences:
+            continue
+        state = _dict(rest.get(name))
+        # (a stateful loader's position may be inside an epoch where the checkpoint does not say)
+        if stored.get("within_epoch", "state_dict" in state):
+            raise CheckpointError(
+                f"{url}: {name}'s data position is inside epoch {state.get('iteration', '?')} and cannot be "
+                f"continued by this run: {', '.join(differences)} (each rank's loader counts its own batches, "
+                f"which are other samples at another shape); resume with the shape that saved it, or from a "
+                f"checkpoint at an epoch's end")
+        changed.add(name)
+    return changed
+
+
+def _dict(value: Any) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
+
+
+def _restore_loader(loader: Any, state: dict[str, Any], *, within_epoch: bool = True) -> None:
+    """``within_epoch`` False: the epoch (and seed) only, the position inside an epoch left at its start (a
+    loader resumed at an epoch's end with another world size)."""
     if "iteration" in state and hasattr(loader, "set_epoch"):
         loader.set_epoch(state["iteration"])
     sampler = loader.get_sampler() if hasattr(loader, "get_sampler") else None
     if "sampler_seed" in state and sampler is not None and hasattr(sampler, "initial_seed"):
         sampler.initial_seed = state["sampler_seed"]
-    if "state_dict" in state and getattr(loader, "use_stateful_dataloader", False):
+    if within_epoch and "state_dict" in state and getattr(loader, "use_stateful_dataloader", False):
         loader.load_state_dict(state["state_dict"])
         if "dl_state_dict" in vars(loader):
             # Accelerate's loader answers state_dict() from a copy it refreshes only as batches go out: after

@@ -47,8 +47,9 @@ from torchtitan.components.checkpointer.base import (
 )
 from torchtitan.config import TORCH_DTYPE_MAP
 
-from ckptfmt.errors import CheckpointNotFoundError
+from ckptfmt.errors import CheckpointError, CheckpointNotFoundError
 from ckptfmt.format.per_rank import PerRank
+from ckptfmt.format.plain_values import plain_tree
 from ckptfmt.integrations.step_hooks import HookedStepTimer
 from ckptfmt.lifecycle.manager import CheckpointManager
 from ckptfmt.loading.load_into import load_into
@@ -194,6 +195,8 @@ class CkptfmtCheckpointManager(BaseCheckpointManager):
         with open_checkpoint(url, storage_options=self.config.storage_options) as reader:
             model_only = model_only or bool(reader.metadata["user"].get(MODEL_ONLY))
             keys = self._keys_to_load(model_only)
+            if DATALOADER in keys:  # before anything is loaded
+                self._check_loader_world_size(reader)
             template = {key: self.states[key].state_dict() for key in keys}
             load_into(reader, template, strict=True, rank=_rank(), within=keys)
             remember_load(reader.commit.manifest_hash, reader.manifest, template)
@@ -203,6 +206,20 @@ class CkptfmtCheckpointManager(BaseCheckpointManager):
         record_resume(url, {key: self.states[key] for key in parts}, storage_options=self.config.storage_options)
         if not model_only:
             self._restore_rng_at_first_step(url)
+
+    def _check_loader_world_size(self, reader: Any) -> None:
+        """torchtitan keeps one data loader position per data-parallel rank and cannot reshard them: a
+        resume at another data-parallel world size is refused here, naming it, before anything loads."""
+        tree = plain_tree(reader.manifest)
+        stored = tree.get(DATALOADER) if isinstance(tree, dict) else None
+        ranks = stored.values() if isinstance(stored, dict) else ()
+        then = next((value.get("world_size") for value in ranks if isinstance(value, dict)), None)
+        now = getattr(self.states[DATALOADER], "dp_world_size", None)
+        if type(then) is int and type(now) is int and then != now:
+            raise CheckpointError(
+                f"{reader.url}: the data loader's position cannot be resumed: its data-parallel world_size was "
+                f"{then}, is {now} (torchtitan keeps one position per data-parallel rank and does not reshard "
+                f"them); load with checkpoint.exclude_from_loading=['dataloader'] to start the data again")
 
     def _restore_rng_at_first_step(self, url: str) -> None:
         """Restore this rank's RNG states as the first training step after the load begins, before its

@@ -15,9 +15,10 @@ from tests.support.helpers import SCRIPTS, require_module, script_env, torchrun
 require_module("accelerate", "accelerate is a test dependency (pip install 'ckptfmt[accelerate]')")
 require_module("torchdata", "torchdata is a test dependency (its StatefulDataLoader)")
 
-from accelerate import Accelerator
+from accelerate import Accelerator, DataLoaderConfiguration
 
 import ckptfmt
+from ckptfmt import CheckpointError
 from ckptfmt.analytics import Thresholds, stragglers
 from ckptfmt.integrations.accelerate import StepTiming, load_state, save_state
 from ckptfmt.metadata.step_timer import decode_steps
@@ -81,6 +82,40 @@ def test_two_ranks_resume_in_the_middle_of_an_epoch_exactly_and_show_the_slow_ra
     assert [c.verdict for c in resumes] == ["identical", "identical"], [c.to_json() for c in resumes]  # each rank
 
 
+@pytest.mark.distributed
+@pytest.mark.exhaustive  # 40 s of 2 ranks
+def test_a_resume_on_another_world_size_goes_on_at_an_epochs_end_and_is_refused_inside_one(tmp_path):
+    """2 ranks (an epoch is 4 steps) resumed on one process: from the end of epoch 0 it takes the samples
+    the uninterrupted 2-rank run took in epoch 1, its global batches in the same order (the seedable
+    sampler's order does not depend on the world size); from inside an epoch, where each rank's
+    position counts its own batches, the load is refused, the field named, and nothing is loaded."""
+    reference, run = tmp_path / "reference", tmp_path / "run"
+    torchrun("accelerate_train.py", 2, "straight", "plain", str(reference), "8", str(tmp_path / "a.pt"))
+    torchrun("accelerate_train.py", 2, "stop", "plain", str(run), "8", "unused", "4")
+    run_alone("resume", "plain", f"{run}/step-000004", "12", str(tmp_path / "b.pt"))  # epoch 1: 8 steps of 1 rank
+
+    def batches(url: str) -> dict[int, list[bytes]]:
+        with ckptfmt.open(url) as reader:
+            found: dict[int, list[bytes]] = {}
+            for entry in reader.metadata["timing"]["ranks"]:
+                columns = decode_steps(entry["steps"], url)
+                for step, digest in zip(columns.step.tolist(), map(bytes, columns.batch)):
+                    found.setdefault(step, []).append(digest)  # ranks in order
+            return found
+
+    two, one = batches(f"{reference}/step-000008"), batches(f"{run}/step-000012")
+    epoch_1_on_two = [digest for step in range(4, 8) for digest in two[step]]  # rank 0's batch, then rank 1's
+    assert [one[step][0] for step in range(4, 12)] == epoch_1_on_two
+
+    torchrun("accelerate_train.py", 2, "stop", "stateful", str(tmp_path / "inside"), "8", "unused", "6")
+    result = subprocess.run([sys.executable, str(SCRIPTS / "accelerate_train.py"), "resume", "stateful",
+                             f"{tmp_path / 'inside'}/step-000006", "12", str(tmp_path / "c.pt")],
+                            capture_output=True, text=True, timeout=300, env=script_env())
+    assert result.returncode != 0
+    assert "dataloader_0's data position is inside epoch 1 and cannot be continued by this run: num_replicas " \
+           "was 2, is 1" in result.stderr, result.stderr[-3000:]
+
+
 @pytest.mark.exhaustive  # 20 s: make test keeps the single-process save_state tests
 def test_automatic_naming_keeps_total_limit_and_resumes_the_newest_exactly(tmp_path):
     """One process, a plain DataLoader: saves every 2 steps as checkpoint_N (total_limit=2) until the
@@ -106,6 +141,26 @@ def prepared(accelerator: Accelerator, width: int = 4):
     model = torch.nn.Linear(width, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     return accelerator.prepare(model, optimizer)
+
+
+def test_a_position_inside_an_epoch_at_another_global_batch_is_refused_and_nothing_is_loaded(tmp_path):
+    data = torch.utils.data.TensorDataset(torch.arange(32.0)[:, None])
+    stateful = DataLoaderConfiguration(use_stateful_dataloader=True)
+    accelerator = Accelerator(cpu=True, dataloader_config=stateful)
+    prepared(accelerator)
+    batches = iter(accelerator.prepare(torch.utils.data.DataLoader(data, batch_size=8)))
+    next(batches)  # one batch of epoch 0 handed out
+    url = save_state(accelerator, tmp_path / "run" / "a")
+    accelerator.free_memory()
+    again = Accelerator(cpu=True, dataloader_config=stateful)
+    model, _ = prepared(again)
+    again.prepare(torch.utils.data.DataLoader(data, batch_size=4))
+    before = model.weight.clone()
+    with pytest.raises(CheckpointError, match="dataloader_0's data position is inside epoch 0 and cannot be "
+                                              "continued by this run: total_batch_size was 8, is 4"):
+        load_state(again, url)
+    assert torch.equal(model.weight, before)
+    again.free_memory()
 
 
 def test_step_timing_comes_after_prepare(accelerator):

@@ -102,3 +102,13 @@ def test_a_loader_that_reports_a_position_it_does_not_hold_is_found_at_the_resum
     resumes = certify(repo)
     assert [(c.lineage()["resumed_from"], c.lineage()["not_restored"]) for c in resumes if c.resume["rank"] == 0] \
         == [("step-4", ["dataloader different"]), ("step-6", ["dataloader different"])]
+
+
+def test_a_resume_at_another_world_size_with_the_data_loaders_positions_is_refused_by_name(runs, tmp_path):
+    """torchtitan keeps one data loader position per data-parallel rank and cannot reshard them: the load
+    says so, names the world sizes and the way out, before anything is loaded."""
+    repo = tmp_path / "run"
+    shutil.copytree(runs / "cut-repo", repo)
+    with pytest.raises(AssertionError, match=r"CheckpointError: .*step-4: the data loader's position cannot be "
+                                             r"resumed: its data-parallel world_size was 2, is 1"):
+        train(tmp_path / "out", repo, ranks=1)
