@@ -184,9 +184,13 @@ class CheckpointReader(Checkpoint):
         loaded: list[Any] = [None] * len(tensors)
         first_of = {index: tensors[index].same_as for index in wanted}  # same_as: an earlier entry's bytes
         firsts = sorted({index if first is None else first for index, first in first_of.items()})
-        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckptfmt-load") as pool:
-            for index, value in zip(firsts, pool.map(self._read, firsts)):
-                loaded[index] = value
+        if workers <= 1 or self._reads_are_views():
+            for index in firsts:
+                loaded[index] = self._read(index)
+        else:
+            with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckptfmt-load") as pool:
+                for index, value in zip(firsts, pool.map(self._read, firsts)):
+                    loaded[index] = value
         for index, first in first_of.items():
             if first is not None:
                 loaded[index] = loaded[first]
@@ -200,6 +204,12 @@ class CheckpointReader(Checkpoint):
         if left_out:
             state = type(state)((key, value) for key, value in state.items() if key not in left_out)
         return state
+
+    def _reads_are_views(self) -> bool:
+        """Whether the tensors are views of local memory maps that no read hashes (``verify=False``): then
+        threads only add their hand-offs (99 tensors of 90 MB, warm: 5 ms in threads, 1.5 ms without)."""
+        return (self.mmap and self._chunks.verify is False and self._chunks.storage.zero_copy_reads
+                and self.map_location.type == "cpu")
 
     def _read(self, index: int, parallel: bool = False):
         entry = self.manifest.tensors[index]
