@@ -50,7 +50,7 @@ from ckptfmt.saving.delta_bases import DeltaBases
 from ckptfmt.saving.hashcache import HashCache
 from ckptfmt.storage.base import Staged
 from ckptfmt.tensors.sources import TensorSource
-from ckptfmt.tensors.stats import StatsAccumulator
+from ckptfmt.tensors.stats import StatsAccumulator, stats_of_parts
 
 #: Bytes copied, hashed and written at a time from the caller's memory.
 BLOCK_BYTES = 2**20
@@ -328,8 +328,16 @@ class ChunkWriter:
         if not any(self._wants_stats(self.sources[part[0]]) for part in job.parts):
             return []
         whole = _as_tensor(data)
-        return [(index, _stats_of(self.sources[index].tensor.dtype, whole[offset:offset + length]))
-                for index, _, length, offset in job.parts if self._wants_stats(self.sources[index])]
+        by_dtype: dict[torch.dtype, list[tuple[int, int, int]]] = {}
+        for index, _, length, offset in job.parts:
+            if self._wants_stats(self.sources[index]):
+                by_dtype.setdefault(self.sources[index].tensor.dtype, []).append((index, offset, length))
+        found: list[PartStats] = []
+        for dtype, parts in by_dtype.items():
+            for batch in _batches(parts):  # the float64 copy of a batch stays bounded
+                stats = stats_of_parts(dtype, [whole[offset:offset + length] for _, offset, length in batch])
+                found += zip([index for index, _, _ in batch], stats)
+        return found
 
     def _bytes(self, job: ChunkJob) -> tuple[memoryview, int | None]:
         """The job's bytes, and their address when they are the caller's memory (None: private)."""
@@ -491,6 +499,19 @@ class ChunkWriter:
             memory = bytearray(BLOCK_BYTES)
             buffer = self.blocks.buffer = (memoryview(memory), torch.frombuffer(memory, dtype=torch.uint8))
         return buffer
+
+
+def _batches(parts: list[tuple[int, int, int]]) -> list[list[tuple[int, int, int]]]:
+    """``parts`` (index, offset, length) cut into runs of at most BLOCK_BYTES bytes (a part longer alone)."""
+    batches: list[list[tuple[int, int, int]]] = [[]]
+    held = 0
+    for part in parts:
+        if batches[-1] and held + part[2] > BLOCK_BYTES:
+            batches.append([])
+            held = 0
+        batches[-1].append(part)
+        held += part[2]
+    return batches
 
 
 def _as_tensor(data: memoryview) -> torch.Tensor:

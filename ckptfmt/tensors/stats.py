@@ -39,6 +39,56 @@ def tensor_stats(tensor: torch.Tensor, *, block: int = BLOCK_ELEMENTS) -> dict[s
     return accumulator.result()
 
 
+def stats_of_parts(dtype: torch.dtype, parts: list[torch.Tensor]) -> list[dict[str, Any]]:
+    """The statistics of each of ``parts`` (1-D uint8 tensors of whole ``dtype`` elements: a pack's small
+    tensors), as ``tensor_stats`` gives them (``mean`` and ``l2`` to binary64 rounding, spec 6.10), by
+    segmented reductions over all their elements at once: one tensor at a time costs some 30 us of
+    calls whatever its size, which made the statistics 40% of a save of 20,000 tensors of 8 floats.
+    A part holding a NaN or an infinity, or whose sums overflow, is taken alone."""
+    fields = fields_for(dtype)
+    counts = [part.numel() // dtype.itemsize for part in parts]
+    if fields is COUNT_FIELDS:
+        return [{"count": count} for count in counts]
+    if len(parts) < 2 or 0 in counts:
+        return [_one_part(dtype, part) for part in parts]
+    starts = np.cumsum([0, *counts[:-1]])
+    joined = torch.cat(parts).view(dtype)
+    if fields is INTEGER_FIELDS:
+        values = (joined.view(torch.uint8) if dtype == torch.bool else joined).to(torch.int64).numpy()
+        lows, highs = np.minimum.reduceat(values, starts), np.maximum.reduceat(values, starts)
+        nonzero = np.add.reduceat((values != 0).astype(np.int64), starts)
+        return [{"count": count, "min": int(low), "max": int(high), "zeros": count - int(filled)}
+                for count, low, high, filled in zip(counts, lows.tolist(), highs.tolist(), nonzero.tolist())]
+    values = joined.to(torch.float64).numpy()
+    with np.errstate(all="ignore"):  # a part's NaN, infinities or overflow: that part is taken alone
+        totals, squares = np.add.reduceat(values, starts), np.add.reduceat(values * values, starts)
+    alone = (~np.isfinite(totals) | ~np.isfinite(squares)).tolist()
+    lows, highs = np.minimum.reduceat(values, starts), np.maximum.reduceat(values, starts)
+    zero = values == 0
+    zeros = np.add.reduceat(zero.astype(np.int64), starts)
+    negative_zeros = np.add.reduceat((zero & np.signbit(values)).astype(np.int64), starts)
+    found = []
+    for part, unusual, count, total, square, low, high, zeros_here, negative in zip(
+            parts, alone, counts, totals.tolist(), squares.tolist(), lows.tolist(), highs.tolist(), zeros.tolist(),
+            negative_zeros.tolist()):
+        if unusual:
+            found.append(_one_part(dtype, part))
+            continue
+        if low == 0:  # -0.0 below +0.0 (spec 6.10), whichever of a tie the reduction kept
+            low = -0.0 if negative else 0.0
+        if high == 0:
+            high = 0.0 if zeros_here > negative else -0.0
+        found.append({"count": count, "min": low, "max": high, "mean": total / count, "l2": math.sqrt(square),
+                      "absmax": max(abs(low), abs(high)), "nan": 0, "posinf": 0, "neginf": 0, "zeros": zeros_here})
+    return found
+
+
+def _one_part(dtype: torch.dtype, part: torch.Tensor) -> dict[str, Any]:
+    accumulator = StatsAccumulator(dtype)
+    accumulator.add_bytes(part)
+    return accumulator.result()
+
+
 def fields_for(dtype: torch.dtype) -> tuple[str, ...]:
     """The statistics a tensor of ``dtype`` gets."""
     if dtype.is_complex or not _has_arithmetic(dtype):

@@ -70,6 +70,27 @@ def test_every_dtype_and_layout_records_the_statistics_of_what_loads_back(tmp_pa
     assert_recorded_stats_match(url)
 
 
+def test_a_packs_small_tensors_are_measured_together_each_as_alone(tmp_path):
+    """Small tensors packed into one chunk are reduced together (segmented reductions): each one's figures
+    are still its own, the sign of a zero extreme included (the first two elements are +0.0 and -0.0);
+    a tensor holding a NaN or an infinity (those of more than 7 elements here) is measured alone."""
+    generator = torch.Generator().manual_seed(3)
+    state = {}
+    for dtype in FLOAT_DTYPES:
+        for index in range(24):
+            state[f"{str(dtype).removeprefix('torch.')}_{index}"] = special(dtype, generator, 1 + index % 12)
+    for dtype in INTEGER_DTYPES:
+        for index in range(24):
+            values = torch.randint(-100, 100, (1 + index % 12,), generator=generator)
+            state[f"{str(dtype).removeprefix('torch.')}_{index}"] = (
+                values > 0 if dtype == torch.bool else values.clamp(min=0 if dtype == torch.uint8 else -100).to(dtype))
+    url = str(tmp_path / "repo" / "a")
+    ckptfmt.save(state, url)
+    with ckptfmt.open(url) as reader:
+        assert len(reader.manifest.chunks) == 1  # one pack
+    assert_recorded_stats_match(url)
+
+
 def test_shards_are_measured_one_by_one_and_merged_exactly(tmp_path):
     tensor = special(torch.float32, torch.Generator().manual_seed(5), 80_000).reshape(400, 200)
     sharded = ckptfmt.Sharded((400, 200), [ckptfmt.Shard((0, 0), tensor[:130].clone(), 0),

@@ -3,6 +3,8 @@ numpy's figures for them: the reference every statistics test compares against."
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -40,8 +42,13 @@ def expected_stats(tensor: torch.Tensor) -> dict:
     values = tensor.to(torch.float64).numpy().reshape(-1)
     finite = values[np.isfinite(values)]
     some = finite.size > 0
-    return {"count": values.size,
-            "min": float(finite.min()) if some else None, "max": float(finite.max()) if some else None,
+    low, high = (float(finite.min()), float(finite.max())) if some else (None, None)
+    zero_signs = np.signbit(finite[finite == 0])
+    if low == 0:  # -0.0 below +0.0 (spec 6.10)
+        low = -0.0 if zero_signs.any() else 0.0
+    if high == 0:
+        high = -0.0 if zero_signs.all() else 0.0
+    return {"count": values.size, "min": low, "max": high,
             "mean": float(finite.mean()) if some else None,
             "l2": float(np.sqrt(np.sum(finite ** 2))) if some else None,
             "absmax": float(np.abs(finite).max()) if some else None,
@@ -56,5 +63,7 @@ def assert_stats_close(expected: dict, actual: dict | None, where: str = "") -> 
     for name, value in expected.items():
         if value is None or isinstance(value, int) or name in ("min", "max", "absmax"):
             assert actual[name] == value, f"{where}: {name}"
+            if isinstance(value, float):  # a zero extreme's sign too
+                assert math.copysign(1, actual[name]) == math.copysign(1, value), f"{where}: {name}'s sign"
         else:
             assert actual[name] == pytest.approx(value, rel=1e-12, abs=1e-300), f"{where}: {name}"
