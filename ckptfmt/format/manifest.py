@@ -23,6 +23,7 @@ from ckptfmt._collector import collector_paused
 from ckptfmt.errors import CheckpointError, ManifestError, quoted
 from ckptfmt.format import layout
 from ckptfmt.format.codecs import CODECS, NONE, check_codec, is_delta
+from ckptfmt.format.dtypes import ITEMSIZES as _ITEMSIZES
 from ckptfmt.format.dtypes import itemsize
 from ckptfmt.format.limits import (
     MAX_CHUNK_BYTES,
@@ -333,7 +334,7 @@ def _parse(doc: Any) -> Manifest:
         _check_chunk_rows(chunks)
     sizes = _Sizes(c.size for c in chunks)
     budget = _Budget()
-    tensors = [_parse_tensor(t, i, sizes, budget) for i, t in enumerate(raw_tensors)]
+    tensors = _parse_tensors(raw_tensors, sizes, budget)
     if len({t.key for t in tensors}) != len(tensors):
         raise ManifestError("two tensors share one key")
     _check_same_as(tensors)
@@ -468,6 +469,79 @@ def _parse_dims(value: Any, what: str) -> tuple[int, ...]:
     return tuple(value)
 
 
+def _parse_tensors(raw: list, sizes: _Sizes, budget: _Budget) -> list[TensorEntry]:
+    """The tensor table: rows of the usual form (one shard covering the tensor, one piece; ``_usual_row``)
+    checked by one short function each, every other row (and any row that fails those checks, so that
+    the error names its fault) by the full parse."""
+    usual = [_usual_row(doc, sizes) for doc in raw]
+    count = len(usual) - usual.count(None)
+    budget.take(count, count)
+    return [entry if entry is not None else _parse_tensor(doc, index, sizes, budget)
+            for index, (doc, entry) in enumerate(zip(raw, usual))]
+
+
+_USUAL_TENSOR = frozenset({"key", "dtype", "shape", "kind", "requires_grad", "shards", "stats"})
+_USUAL_SHARD = frozenset({"offsets", "shape", "rank", "pieces"})
+_USUAL_KEY_CHARS = MAX_KEY_BYTES // 4  # a key of at most this many characters is within the byte limit
+_new_tensor = partial(tuple.__new__, TensorEntry)
+_new_shard = partial(tuple.__new__, ShardEntry)
+
+
+def _usual_row(doc: Any, sizes: _Sizes) -> TensorEntry | None:
+    """A tensor row as ``ckptfmt.save`` writes most (no ``same_as``, one shard at the origin covering the
+    tensor, one piece holding all its bytes), checked as ``_parse_tensor`` checks it; None for any
+    other row, or one that fails a check (the full parse then names what is wrong)."""
+    if type(doc) is not dict or not _USUAL_TENSOR.issuperset(doc):
+        return None
+    key, dtype, shape, shards = doc.get("key"), doc.get("dtype"), doc.get("shape"), doc.get("shards")
+    if (type(key) is not str or not key or len(key) > _USUAL_KEY_CHARS or type(dtype) is not str
+            or type(shape) is not list or len(shape) > MAX_DIMS or type(shards) is not list or len(shards) != 1
+            or (shape and not set(map(type, shape)) <= _INT)):
+        return None
+    width = _ITEMSIZES.get(dtype)
+    numel = math.prod(shape)
+    if width is None or min(shape, default=0) < 0 or not 0 < numel * width <= MAX_TENSOR_BYTES:
+        return None
+    kind, requires_grad, shard = doc.get("kind", "tensor"), doc.get("requires_grad", False), shards[0]
+    if (kind not in TENSOR_KINDS or type(requires_grad) is not bool or type(shard) is not dict
+            or shard.keys() != _USUAL_SHARD):
+        return None
+    offsets, box, rank, pieces = shard["offsets"], shard["shape"], shard["rank"], shard["pieces"]
+    if (type(box) is not list or box != shape or not set(map(type, box)) <= _INT or type(offsets) is not list
+            or len(offsets) != len(shape) or any(offsets) or not set(map(type, offsets)) <= _INT
+            or type(rank) is not int or not 0 <= rank <= MAX_RANK or type(pieces) is not list or len(pieces) != 1):
+        return None
+    piece = pieces[0]
+    if type(piece) is not list or len(piece) != 3 or not set(map(type, piece)) <= _INT:
+        return None
+    chunk, offset, length = piece
+    if length != numel * width or offset < 0 or not 0 <= chunk < len(sizes) or offset + length > sizes[chunk]:
+        return None
+    stats = doc.get("stats")
+    if "stats" in doc and not _usual_stats(stats, numel, dtype):  # nil too: the full parse refuses it
+        return None
+    dims = tuple(shape)
+    return _new_tensor((key, dtype, dims, (_new_shard(((0,) * len(dims), dims, rank, (_new_piece(piece),))),),
+                        kind, requires_grad, None, stats))
+
+
+def _usual_stats(doc: Any, numel: int, dtype: str) -> bool:
+    """Whether ``stats`` holds exactly one set its dtype allows, valid (``_parse_stats``' checks), and no
+    name this reader does not know (those are checked for nesting by the full parse)."""
+    if type(doc) is not dict or not any(doc.keys() == fields for fields in _stat_sets(dtype)):
+        return False
+    for name in _STAT_COUNTS:
+        value = doc.get(name, 0)
+        if type(value) is not int or not 0 <= value <= numel:
+            return False
+    return doc["count"] == numel and all(
+        doc[name] is None or type(doc[name]) in _NUMBERS for name in _STAT_VALUES if name in doc)
+
+
+_NUMBERS = frozenset({int, float})
+_STAT_VALUES = ("min", "max", "mean", "l2", "absmax")
+
+
 def _parse_tensor(doc: Any, index: int, sizes: _Sizes, budget: _Budget) -> TensorEntry:
     if not isinstance(doc, dict):
         raise ManifestError(f"tensor {index} is not a map")
@@ -514,6 +588,7 @@ _FLOAT_DTYPES = frozenset({"float64", "float32", "float16", "bfloat16", "float8_
 _INTEGER_DTYPES = frozenset({"bool", "uint8", "uint16", "uint32", "uint64", "int8", "int16", "int32", "int64"})
 
 
+@functools.cache
 def _stat_sets(dtype: str) -> tuple[frozenset, ...]:
     """The statistics sets a tensor of ``dtype`` may carry (spec 6.10): its own, or the count alone."""
     if dtype in _FLOAT_DTYPES:
