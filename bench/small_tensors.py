@@ -1,0 +1,161 @@
+"""Many small tensors (issue 31, part 2): a save and a load of N tensors of 8 floats against torch.save
++ fsync and torch.load of the same dict, their peak memory, the manifest's bytes per tensor, and its
+parse against msgpack's own unpack of the same bytes (part 5).
+
+Usage (from the repository root)::
+
+    python bench/small_tensors.py [--tensors 100000] [--repeats 7]
+
+Each repeat saves with both, order alternated, then loads with both, order alternated; the ratios are
+per repeat (ckptfmt over torch), their median and range printed. Peak memory is each library's save
+(then load) in a fresh process: its most resident memory (VmHWM) above that of a process that
+builds the state (or imports the libraries) and does nothing else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import msgpack
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import console
+
+import ckptfmt
+from ckptfmt.format.manifest import Manifest
+from ckptfmt.format.maps import unique_map
+
+
+def small_state(count: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    return {f"blocks.{i // 100}.param{i % 100}": torch.randn(8, generator=generator) for i in range(count)}
+
+
+def torch_save(state: dict, path: Path) -> None:
+    with open(path, "wb") as file:
+        torch.save(state, file)
+        file.flush()
+        os.fsync(file.fileno())
+
+
+def timed(work) -> float:
+    start = time.perf_counter()
+    work()
+    return time.perf_counter() - start
+
+
+def child(mode: str, count: int, folder: Path) -> None:
+    """One library's save or load in this process; prints the peak resident KiB above the state."""
+    state = small_state(count) if mode.startswith(("save", "build")) else None
+    if mode == "save-ckptfmt":
+        ckptfmt.save(state, str(folder / "repo" / "a"))
+    elif mode == "save-torch":
+        torch_save(state, folder / "state.pt")
+    elif mode == "load-ckptfmt":
+        ckptfmt.load(str(folder / "repo" / "a"))
+    elif mode == "load-torch":
+        torch.load(folder / "state.pt")
+    print(high_water_kib())
+
+
+def high_water_kib() -> int:
+    """This process's peak resident memory (VmHWM: ``ru_maxrss`` would carry the launching process's
+    peak over from before the exec)."""
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmHWM:"))
+
+
+def peak_kib(mode: str, count: int, folder: Path) -> int:
+    if mode == "save-ckptfmt":
+        shutil.rmtree(folder / "repo", ignore_errors=True)
+    result = subprocess.run([sys.executable, __file__, "--child", mode, "--tensors", str(count), "--folder",
+                             str(folder)], capture_output=True, text=True, check=True)
+    return int(result.stdout.split()[-1])
+
+
+def parse_ratio(data: bytes, repeats: int) -> tuple[float, float, float]:
+    """Median seconds of msgpack's unpack and of ckptfmt's parse, and the median per-repeat ratio; both
+    with Python's cyclic collector off (ckptfmt pauses it while it parses)."""
+    gc.disable()
+    unpacks, parses, ratios = [], [], []
+    for repeat in range(repeats):
+        times = {}
+        for which in ((0, 1) if repeat % 2 == 0 else (1, 0)):
+            times[which] = timed((lambda: msgpack.unpackb(data, raw=False, strict_map_key=False),
+                                  lambda: Manifest.from_bytes(data, "bench"))[which])
+        unpacks.append(times[0])
+        parses.append(times[1])
+        ratios.append(times[1] / times[0])
+    gc.enable()
+    return statistics.median(unpacks), statistics.median(parses), ratios
+
+
+def spread(values: list[float]) -> str:
+    return f"{statistics.median(values):.2f}x (range {min(values):.2f}-{max(values):.2f})"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tensors", type=int, default=100_000)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--child")
+    parser.add_argument("--folder")
+    args = parser.parse_args()
+    if args.child:
+        child(args.child, args.tensors, Path(args.folder))
+        return
+    state = small_state(args.tensors)
+    with tempfile.TemporaryDirectory(prefix="ckptfmt-small-") as scratch:
+        folder = Path(scratch)
+        saves: dict[str, list[float]] = {"ckptfmt": [], "torch": []}
+        loads: dict[str, list[float]] = {"ckptfmt": [], "torch": []}
+        for repeat in range(args.repeats):
+            order = ("ckptfmt", "torch") if repeat % 2 == 0 else ("torch", "ckptfmt")
+            shutil.rmtree(folder / "repo", ignore_errors=True)
+            for name in order:
+                saves[name].append(timed(lambda name=name: ckptfmt.save(state, str(folder / "repo" / "a"))
+                                         if name == "ckptfmt" else torch_save(state, folder / "state.pt")))
+            for name in order:
+                loads[name].append(timed(lambda name=name: ckptfmt.load(str(folder / "repo" / "a"))
+                                         if name == "ckptfmt" else torch.load(folder / "state.pt")))
+        save_ratios = [a / b for a, b in zip(saves["ckptfmt"], saves["torch"])]
+        load_ratios = [a / b for a, b in zip(loads["ckptfmt"], loads["torch"])]
+        console.print(f"{args.tensors} tensors of 8 floats, {args.repeats} repeats, order alternated")
+        console.print(f"save: ckptfmt {statistics.median(saves['ckptfmt']):.2f} s, torch.save + fsync "
+                      f"{statistics.median(saves['torch']):.2f} s: {spread(save_ratios)}")
+        console.print(f"load: ckptfmt {statistics.median(loads['ckptfmt']):.2f} s, torch.load "
+                      f"{statistics.median(loads['torch']):.2f} s: {spread(load_ratios)}")
+        built, imported = peak_kib("build", args.tensors, folder), peak_kib("nothing", args.tensors, folder)
+        peaks = {mode: peak_kib(mode, args.tensors, folder) - (built if mode.startswith("save") else imported)
+                 for mode in ("save-ckptfmt", "save-torch", "load-ckptfmt", "load-torch")}
+        mib = {mode: peak / 1024 for mode, peak in peaks.items()}
+        console.print(f"peak memory above the state: save {mib['save-ckptfmt']:.0f} MiB vs {mib['save-torch']:.0f} "
+                      f"MiB ({mib['save-ckptfmt'] / max(mib['save-torch'], 1e-3):.2f}x); "
+                      f"load {mib['load-ckptfmt']:.0f} MiB vs {mib['load-torch']:.0f} MiB")
+        with ckptfmt.open(str(folder / "repo" / "a")) as reader:
+            manifest = reader.manifest
+        data = manifest.to_bytes()
+        keys = sum(len(entry.key.encode()) for entry in manifest.tensors)
+        doc = msgpack.unpackb(data, raw=False, strict_map_key=False, object_pairs_hook=unique_map)
+        table = len(msgpack.packb(doc["tensors"], use_bin_type=True)) - keys
+        stats = sum(len(msgpack.packb(t.stats)) for t in manifest.tensors if t.stats)
+        count = len(manifest.tensors)
+        console.print(f"manifest: {len(data) / 2**20:.1f} MiB, its tensor table {table / count:.0f} bytes per "
+                      f"tensor beyond its key (statistics {stats / count:.0f} of them)")
+        unpack, parse, ratios = parse_ratio(data, args.repeats)
+        console.print(f"manifest parse: {parse * 1e3:.0f} ms against msgpack's unpack {unpack * 1e3:.0f} ms: "
+                      f"{spread(ratios)}")
+
+
+if __name__ == "__main__":
+    main()
