@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.certificates import assert_diverged_at, assert_identical
 from tests.support.helpers import SCRIPTS, require_module, script_env
 
 require_module("accelerate", "Accelerate is a test dependency (pip install ckptfmt[accelerate])")
@@ -71,13 +72,10 @@ def test_an_accelerate_resume_is_certified_with_its_first_diverging_step_and_cau
     certificate = certify(runs / "reference", repo)
     (alone,) = certify(repo)
     if expected is None:
-        assert (certificate.verdict, certificate.steps_compared) == ("identical", STEPS), certificate.to_json()
+        assert_identical(certificate, STEPS)
         assert alone.verdict == "identical", alone.to_json()
         return
     step, cause, named = expected
-    divergence = certificate.first_divergence
-    assert certificate.verdict == "diverged" and (divergence["step"], divergence["cause"]) == (step, cause), \
-        certificate.to_json()
-    assert any(named in line for line in divergence["evidence"]), divergence["evidence"]
+    assert_diverged_at(certificate, step, cause, named)
     # A part the resume left otherwise is on the resume's own record: no reference needed to see it.
     assert (alone.verdict == "diverged") == (cause == "load"), alone.to_json()

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.certificates import assert_diverged_at, assert_identical
 from tests.support.helpers import require_module, torchrun
 
 require_module("torchtitan", "torchtitan is a test dependency (pip install --no-deps torchtitan, see docs)")
@@ -73,14 +74,10 @@ def test_a_torchtitan_resume_is_certified_with_its_first_diverging_step_and_caus
     certificate = certify(runs / "reference-repo", repo)
     alone = {resume.verdict for resume in certify(repo)}  # each rank's resume, certified alone
     if expected is None:
-        assert (certificate.verdict, certificate.steps_compared) == ("identical", STEPS), certificate.to_json()
+        assert_identical(certificate, STEPS)
         assert alone == {"identical"}
         return
-    step, cause, named = expected
-    divergence = certificate.first_divergence
-    assert certificate.verdict == "diverged" and (divergence["step"], divergence["cause"]) == (step, cause), \
-        certificate.to_json()
-    assert any(named in line for line in divergence["evidence"]), divergence["evidence"]
+    assert_diverged_at(certificate, *expected)
     # A part left out is on the resume's own record: no reference needed to see it.
     left_out = "exclude_from_loading" in config
     assert alone == ({"diverged"} if left_out else {"identical"})

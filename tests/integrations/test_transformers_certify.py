@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.certificates import assert_diverged_at, assert_identical
 from tests.support.helpers import require_module
 
 require_module("transformers", "transformers is a test dependency (pip install ckptfmt[transformers])")
@@ -66,16 +67,12 @@ def test_a_trainer_resume_is_certified_with_its_first_diverging_step_and_cause(r
     train(tmp_path / "out", tmp_path / "repo", resume=True, **resumed)
     certificate = certify(reference, tmp_path / "repo")
     if expected is None:
-        assert certificate.verdict == "identical" and certificate.steps_compared == 8, certificate.to_json()
+        assert_identical(certificate, 8)
         (alone,) = certify(tmp_path / "repo")
         parts = {part["part"]: part["verdict"] for part in alone.resume["parts"]}
         assert alone.verdict == "identical" and parts["data_position"] == "equal", alone.resume
         return
-    step, cause, named = expected
-    assert certificate.verdict == "diverged", certificate.to_json()
-    divergence = certificate.first_divergence
-    assert (divergence["step"], divergence["cause"]) == (step, cause), certificate.to_json()
-    assert any(named in line for line in divergence["evidence"]), divergence["evidence"]
+    assert_diverged_at(certificate, *expected)
     if case == "batches not skipped":  # the resume's own record says the Trainer skipped nothing
         (alone,) = certify(tmp_path / "repo")
         assert (alone.verdict, alone.first_divergence["cause"]) == ("diverged", "load"), alone.to_json()
