@@ -36,7 +36,8 @@ from ckptfmt.metadata.system import decode_samples
 from ckptfmt.repository.history import read_histories, removed_histories
 from ckptfmt.repository.repository import CommitRecord, Repository
 
-TABLE_NAMES = ("checkpoints", "saves", "steps", "tensors", "environment", "system", "tensor_stats", "resumes")
+TABLE_NAMES = ("checkpoints", "saves", "steps", "tensors", "environment", "environments", "system", "tensor_stats",
+               "resumes")
 #: Manifests read at once from remote stores (and so the most held in memory before they are added).
 #: Local disks answer at once: parsing is the work there, and threads only contend for the GIL.
 READ_WORKERS, LOCAL_READ_WORKERS = 16, 2
@@ -57,8 +58,9 @@ def tables(repos: str | os.PathLike | Iterable | Mapping[str, str | os.PathLike]
     (without labels, a run is labelled by its URL). Checkpoints come in commit order.
     ``workers``: manifests read at once (default: 16 from remote stores, 2 from local disks).
     """
-    builders: list[TableBuilder] = [Checkpoints(), Saves(), Steps(), Tensors(), Environment(), System(),
-                                    TensorStats(), Resumes()]
+    environment = Environment()
+    builders: list[TableBuilder] = [Checkpoints(), Saves(), Steps(), Tensors(), environment,
+                                    EnvironmentFields(environment), System(), TensorStats(), Resumes()]
     for run, url in _runs(repos):
         repo = Repository.open(url, storage_options)
         readers = workers or (LOCAL_READ_WORKERS if repo.storage.cheap_exists else READ_WORKERS)
@@ -553,21 +555,22 @@ class TensorStats(_Builder):
 
 
 class Environment:
-    """One row per checkpoint, rank and environment field (dotted path) -> value, as text.
-
-    Ranks of one checkpoint share their environment record (spec 9.2), so a
-    record is flattened once and its rows repeated per rank, as dictionary-encoded
-    columns: a thousand checkpoints of 64 ranks stay small.
-    """
+    """One row per checkpoint and rank: the environment it ran in, as ``environment_id``, whose fields
+    are rows of ``environments`` (``EnvironmentFields``). A run's ranks and checkpoints mostly share a
+    few environments (spec 9.2): each distinct one is stored once (a thousand checkpoints of 64 ranks
+    gave 11 million field rows when every rank's fields were rows of their own)."""
 
     fields = (("run", pa.string()), ("name", pa.string()), ("step", pa.int64()), ("rank", pa.int64()),
-              ("field", pa.string()), ("value", pa.string()))
+              ("environment_id", pa.int64()))
     reads_history = False
 
     def __init__(self):
-        self.words = _Words()  # every run, name, field and value
+        self.words = _Words()  # every run and name, and every environment's fields and values
         self.parts: dict[str, list[np.ndarray]] = {name: [] for name in [*dict(self.fields), "no_step"]}
-        self.last: tuple[dict, np.ndarray, np.ndarray] | None = None  # the last environment flattened
+        #: Each distinct environment's field and value ids, by id; and its id by those ids' bytes.
+        self.environments: list[tuple[np.ndarray, np.ndarray]] = []
+        self._ids: dict[tuple[bytes, bytes], int] = {}
+        self.last: tuple[dict, int] | None = None  # the last environment met, and its id
 
     def add(self, run: str, record: CommitRecord, manifest: Manifest, where: str) -> None:
         environment = _map(manifest.environment, where, "environment")
@@ -577,25 +580,29 @@ class Environment:
             ranks = group.get("ranks", [0])
             if not isinstance(ranks, list) or not all(type(r) is int for r in ranks):
                 raise ManifestError(f"{where}: environment.ranks is not an array of ints")
-            fields, values = self._flat_ids({k: v for k, v in group.items() if k not in ("ranks", "others")})
-            count = len(ranks) * len(fields)
+            identity = self._id({k: v for k, v in group.items() if k not in ("ranks", "others")})
+            count = len(ranks)
             self._extend(run=np.full(count, self.words.id(run), np.int32),
                          name=np.full(count, self.words.id(record.name), np.int32),
                          step=np.full(count, record.step or 0, np.int64),
                          no_step=np.full(count, record.step is None),
-                         rank=np.repeat(np.array(ranks, dtype=np.int64), len(fields)),
-                         field=np.tile(fields, len(ranks)), value=np.tile(values, len(ranks)))
+                         rank=np.array(ranks, dtype=np.int64), environment_id=np.full(count, identity, np.int64))
 
     def flush(self) -> None:
         """Rows are arrays already."""
 
-    def _flat_ids(self, environment: dict) -> tuple[np.ndarray, np.ndarray]:
-        """The ids of an environment's fields and values; a run's checkpoints mostly repeat the last one."""
-        if self.last is None or self.last[0] != environment:
-            flat = list(flatten_fields(environment))
-            self.last = (environment, np.array([self.words.id(f) for f, _ in flat], dtype=np.int32),
-                         np.array([self.words.id(v) for _, v in flat], dtype=np.int32))
-        return self.last[1], self.last[2]
+    def _id(self, environment: dict) -> int:
+        """The id of an environment, numbered as first met; a run's checkpoints mostly repeat the last one."""
+        if self.last is not None and self.last[0] == environment:
+            return self.last[1]
+        flat = list(flatten_fields(environment))
+        fields = np.array([self.words.id(f) for f, _ in flat], dtype=np.int32)
+        values = np.array([self.words.id(v) for _, v in flat], dtype=np.int32)
+        identity = self._ids.setdefault((fields.tobytes(), values.tobytes()), len(self.environments))
+        if identity == len(self.environments):
+            self.environments.append((fields, values))
+        self.last = (environment, identity)
+        return identity
 
     def _extend(self, **parts: np.ndarray) -> None:
         for name, part in parts.items():
@@ -613,6 +620,32 @@ class Environment:
             else:
                 arrays.append(pa.array(part, type_))
         return pa.Table.from_arrays(arrays, names=[name for name, _ in self.fields])
+
+
+class EnvironmentFields:
+    """The ``environments`` table: one row per distinct environment and dotted field, its value as text
+    (the environments ``Environment`` met, by its ``environment_id``)."""
+
+    fields = (("environment_id", pa.int64()), ("field", pa.string()), ("value", pa.string()))
+    reads_history = False
+
+    def __init__(self, environment: Environment):
+        self.environment = environment
+
+    def add(self, run: str, record: CommitRecord, manifest: Manifest, where: str) -> None:
+        """``Environment`` reads the manifests."""
+
+    def flush(self) -> None:
+        """Rows are arrays already."""
+
+    def table(self) -> pa.Table:
+        found = self.environment.environments
+        ids = np.repeat(np.arange(len(found), dtype=np.int64), [len(fields) for fields, _ in found])
+        fields = np.concatenate([f for f, _ in found]) if found else np.array([], np.int32)
+        values = np.concatenate([v for _, v in found]) if found else np.array([], np.int32)
+        words = self.environment.words
+        return pa.Table.from_arrays([pa.array(ids, pa.int64()), words.encode(fields), words.encode(values)],
+                                    names=[name for name, _ in self.fields])
 
 
 def flatten_fields(value: Any, prefix: str = "") -> Iterator[tuple[str, str]]:

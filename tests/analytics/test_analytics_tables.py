@@ -92,11 +92,15 @@ def test_tensors_list_their_chunks_and_environment_is_flattened(local_run):
     weight = [t for t in tensors if t["key"] == "model/weight"]
     assert len(weight) == 3 and weight[0]["shape"] == [4, 8] and weight[0]["dtype"] == "float32"
     assert all(len(t["chunks"]) == 1 and len(t["chunks"][0]) == 64 for t in weight)
+    # the three checkpoints ran in one environment: stored once, each checkpoint's rank referring to it
     environment = built["environment"].to_pylist()
-    versions = {(row["name"], row["rank"]): row["value"] for row in environment if row["field"] == "torch.version"}
-    assert set(versions.values()) == {torch.__version__} and len(versions) == 3
-    fields = {row["field"] for row in environment}
-    assert {"python.version", "determinism.deterministic_algorithms", "packages.torch"} <= fields
+    assert [(row["name"], row["rank"]) for row in environment] == [(n, 0) for n in ("step-0004", "step-0008",
+                                                                                     "step-0012")]
+    assert {row["environment_id"] for row in environment} == {0}
+    fields = {row["field"]: row["value"] for row in built["environments"].to_pylist()}
+    assert set(built["environments"].column("environment_id").to_pylist()) == {0}
+    assert fields["torch.version"] == torch.__version__
+    assert {"python.version", "determinism.deterministic_algorithms", "packages.torch"} <= set(fields)
 
 
 def test_exported_parquet_answers_sql(local_run, tmp_path):
@@ -111,8 +115,10 @@ def test_exported_parquet_answers_sql(local_run, tmp_path):
         SELECT c.step, sum(t.nbytes) FROM '{out}/checkpoints.parquet' c JOIN '{out}/tensors.parquet' t
         ON c.name = t.name GROUP BY c.step ORDER BY c.step""").fetchall()
     assert joined == [(4, 144), (8, 144), (12, 144)]  # weight 4x8 and bias 4, fp32
-    torch_rows = duckdb.sql(f"SELECT DISTINCT value FROM '{out}/environment.parquet' WHERE field = 'torch.version'")
-    assert torch_rows.fetchall() == [(torch.__version__,)]
+    torch_rows = duckdb.sql(f"""
+        SELECT e.name, f.value FROM '{out}/environment.parquet' e JOIN '{out}/environments.parquet' f
+        USING (environment_id) WHERE f.field = 'torch.version' ORDER BY e.name""")
+    assert torch_rows.fetchall() == [(name, torch.__version__) for name in ("step-0004", "step-0008", "step-0012")]
 
 
 def test_the_cli_exports_csv(local_run, tmp_path):
