@@ -15,26 +15,27 @@ the XOR is mostly zero bytes in the planes the shuffle puts together.
 (bf16/fp16, fp32, fp64), and ``floatdeltaN-zstd`` its delta form (XOR with the base first). Each
 element, read as a little-endian N-byte unsigned integer, is rotated left by one bit, so that the sign
 bit drops to bit 0 and the exponent's top bits make the element's high byte (all 8 exponent bits for
-bf16 and fp32, the top 8 of fp64's 11, fp16's 5 and its 3 top mantissa bits). The rotated bytes are cut into N planes
-(plane j: byte j of every element) and each plane is stored on its own: as a zstd frame where that is
-shorter, raw otherwise. Why this design, measured on a small transformer's weights and AdamW moments
+bf16 and fp32, the top 8 of fp64's 11, fp16's 5 and its 3 top mantissa bits). The rotated bytes are
+cut into N planes (plane j: byte j of every element) and each plane is stored on its own: as a zstd
+frame where that is shorter, raw otherwise. Why this design, measured on a small transformer's weights and AdamW moments
 (docs/performance.md, "Float codec"):
 
 - The exponent plane carries nearly all the redundancy (about 2.5 bits of entropy a byte); the
-  mantissa planes are almost random (7.95 bits). ZipNN and DFloat11 split the same way. Plain
-  shuffle-zstd leaves the sign in the exponent's byte (doubling its alphabet) and makes zstd search for
-  matches across the random mantissa planes too.
-- zstd entropy-codes literals with Huffman, per 128 KiB block; on the exponent plane matches rarely pay,
-  so the exponent plane is compressed with zstd's ``fast`` strategy, a small window and a minimum match
-  of 7 bytes (``_EXPONENT_PARAMS``): nearly Huffman alone, a higher ratio than level 1 (which takes
-  short matches that cost more than the literals they replace) and faster.
-- A mantissa plane is only compressed where a sample of it has clearly under 8 bits of entropy a byte
-  (Adam's second moment has no negative values: the sign bit in plane 0 is constant), so the random
-  planes cost a copy, not a zstd pass.
+  mantissa planes are almost random (7.95 bits). ZipNN and DFloat11 split the same way, and so
+  store less than shuffle-zstd on weights and Adam's second moment (the sign, constant there, joins
+  the mantissa plane instead of doubling the exponent byte's alphabet).
+- zstd entropy-codes literals with Huffman, per 128 KiB block; on an exponent plane matches rarely
+  pay, and zstd's ``fast`` strategy with a 16 KiB window and matches of 7 bytes or more
+  (``_exponent_compressor``) is nearly Huffman alone: a higher ratio than level 1 on weights (level 1
+  takes short matches that cost more than the literals they replace) and faster. Adam's first
+  moment keeps its signs in runs, where level 1's matches win; so each plane goes to whichever of the
+  two stores a 128 KiB sample of it (16 blocks spread over it) smaller.
+- A mantissa plane is compressed only where that makes its sample 2% smaller (runs of zeros in a
+  delta, a constant sign), so the random planes cost a copy, not a zstd pass.
 - numpy and zstandard only (both are dependencies already); the rotation is two shifts and an or.
-
-The codec table needs nothing; the transforms import numpy and zstandard when
-they run, so that listing a repository (which parses no chunk) loads neither.
+  The price is speed: zstd's match finder runs over the exponent plane even where it finds nothing,
+  so this codec encodes at about half ZipNN's speed and decodes at about a third (ZipNN calls the
+  Huffman coder directly, which zstandard does not expose; docs/performance.md, "Float codec").
 """
 
 from __future__ import annotations
@@ -55,9 +56,9 @@ CODECS = frozenset({NONE, ZSTD, *(f"shuffle{w}-zstd" for w in _SHUFFLE_WIDTHS), 
 #: What ``compression`` may be set to; ``delta-zstd`` and ``auto`` choose a codec per chunk.
 COMPRESSIONS = (None, NONE, ZSTD, "shuffle-zstd", "float-zstd", "delta-zstd", "auto")
 ZSTD_LEVEL = 1
-#: A mantissa plane is compressed only where a sample of it has at most this many bits of entropy a byte.
-_PLANE_ENTROPY_BITS = 7.6
-_SAMPLE_BLOCKS, _SAMPLE_BLOCK = 16, 4096
+#: A mantissa plane is compressed only where that makes a sample of it this much smaller (2%).
+_PAYS = 0.98
+_SAMPLE_BLOCKS, _SAMPLE_BLOCK = 16, 8192
 
 
 def check_codec(codec: object) -> str:
@@ -153,19 +154,27 @@ def _exponent_compressor() -> Any:
     return zstandard.ZstdCompressor(compression_params=params)
 
 
-def _entropy_bits(plane: memoryview | bytes) -> float:
-    """Order-0 entropy (bits a byte) of a sample of ``plane``: 16 blocks of 4 KiB spread over it."""
-    import numpy as np
+def _sample(plane: bytes) -> bytes:
+    """16 blocks of 8 KiB spread over ``plane`` (the plane itself when it is no longer)."""
+    if len(plane) <= _SAMPLE_BLOCKS * _SAMPLE_BLOCK:
+        return plane
+    step = len(plane) // _SAMPLE_BLOCKS
+    return b"".join(plane[i * step : i * step + _SAMPLE_BLOCK] for i in range(_SAMPLE_BLOCKS))
 
-    raw = np.frombuffer(plane, dtype=np.uint8)
-    if len(raw) > _SAMPLE_BLOCKS * _SAMPLE_BLOCK:
-        step = len(raw) // _SAMPLE_BLOCKS
-        raw = np.concatenate([raw[i * step : i * step + _SAMPLE_BLOCK] for i in range(_SAMPLE_BLOCKS)])
-    if not len(raw):
-        return 0.0
-    counts = np.bincount(raw, minlength=256)
-    p = counts[counts > 0] / len(raw)
-    return float(-(p * np.log2(p)).sum())
+
+def _compress_plane(plane: bytes, exponent: bool) -> bytes | None:
+    """The zstd frame of ``plane`` by whichever compressor stores a sample of it smaller, or None (store it
+    raw) where neither makes the sample ``_PAYS`` smaller (any gain at all for the exponent plane)."""
+    sample = _sample(plane)
+    best, best_size = None, len(sample) * (1.0 if exponent else _PAYS)
+    for make in (_exponent_compressor, _plane_compressor):
+        size = len(make().compress(sample))
+        if size < best_size:
+            best, best_size = make, size
+    if best is None:
+        return None
+    frame = best().compress(plane) if len(sample) < len(plane) else best().compress(sample)
+    return frame if len(frame) < len(plane) else None
 
 
 def _float_encode(data: memoryview | bytes, width: int) -> bytes:
@@ -183,16 +192,14 @@ def _float_encode(data: memoryview | bytes, width: int) -> bytes:
     stored = []
     for j in range(width):
         plane = planes[j].tobytes()
-        frame = None
-        if count and (j == width - 1 or _entropy_bits(plane) <= _PLANE_ENTROPY_BITS):
-            frame = _exponent_compressor().compress(plane) if j == width - 1 else \
-                _plane_compressor().compress(plane)
-        stored.append(frame if frame is not None and len(frame) < count else plane)
+        frame = _compress_plane(plane, exponent=j == width - 1) if count else None
+        stored.append(frame if frame is not None else plane)
     header = np.array([len(s) for s in stored], dtype="<u8").tobytes()
     return b"".join([header, *stored, raw[whole:].tobytes()])
 
 
 def _plane_compressor() -> Any:
+    """zstd level 1: for planes with runs and repeats (zeros of a delta, momenta's signs in runs)."""
     import zstandard
 
     return zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_content_size=True)
