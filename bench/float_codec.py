@@ -17,7 +17,9 @@ the codecs' order reversed every other repeat. Codecs:
   otherwise. ZipNN writes into the buffer it compresses (even a ``bytes`` object), so it is given a
   fresh copy each time, made before its clock starts;
 - ``delta``/``fdelta``: the final state stored against the state 10 steps earlier, as
-  ``deltaN-zstd`` (XOR, shuffle, zstd) and ``floatdeltaN-zstd`` (XOR, then the float codec's planes).
+  ``deltaN-zstd`` (XOR, shuffle, zstd) and ``floatdeltaN-zstd`` (XOR, then the float codec's planes);
+- ``auto``/``autodelta``: what ``compression="auto"`` chooses for a chunk of floats, whole (the float
+  codec or the shuffle) and as a delta (either delta), by a sample; the sample's cost is in the time.
 
 Prints, per dtype and buffer, each codec's ratio (original / stored), compress and decompress GB/s
 of original bytes (median and range over the repeats), and the median, over the repeats, of the
@@ -91,6 +93,19 @@ def codec_runs(dtype: torch.dtype, data: bytes, base: bytes) -> dict:
         runs[name] = (lambda: memoryview(data),
                       lambda view, c=codec, b=against: codecs.encode(c, view, b),
                       lambda stored, c=codec, b=against: codecs.decode(c, stored, len(data), "bench", b))
+    # compression="auto"'s choice for a chunk of floats: the float codec or the shuffle (whole), the float
+    # delta or the XOR-shuffle delta, whichever stores a sample smaller (the sample's cost is timed).
+    for name, pair, against in (("auto", [f"float{width}-zstd", f"shuffle{width}-zstd"], None),
+                                ("autodelta", [f"floatdelta{width}-zstd", f"delta{width}-zstd"], base)):
+        chosen: dict[str, str] = {}
+
+        def auto_encode(view, pair=pair, b=against, chosen=chosen):  # type: ignore[no-untyped-def]
+            chosen["codec"] = codecs.smaller_on_sample(pair, view, b)
+            return codecs.encode(chosen["codec"], view, b)
+
+        runs[name] = (lambda: memoryview(data), auto_encode,
+                      lambda stored, b=against, chosen=chosen: codecs.decode(chosen["codec"], stored, len(data),
+                                                                            "bench", b))
     zipnn = _zipnn(dtype)
     if zipnn is not None:  # ZipNN writes into what it compresses: a fresh copy each time
         runs["zipnn"] = (lambda: bytearray(data), zipnn.compress, zipnn.decompress)

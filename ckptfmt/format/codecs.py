@@ -97,6 +97,24 @@ def delta_codec_for(itemsize: int, floating: bool = False) -> str:
     return f"delta{itemsize}-zstd" if itemsize in _DELTA_WIDTHS else "delta1-zstd"
 
 
+def smaller_on_sample(candidates: list[str], data: memoryview, base: memoryview | bytes | None = None) -> str:
+    """Which of ``candidates`` stores a sample of ``data`` smallest (the first of equals): 16 blocks of
+    32 KiB spread over it, at offsets that are multiples of 8 (whole elements), or ``data`` itself
+    where it is no longer; a delta codec encodes the sample against the same bytes of ``base``."""
+    if len(candidates) == 1:
+        return candidates[0]
+    blocks, block = 16, 32 * 1024
+    if len(data) <= blocks * block:
+        sample, base_sample = data, base
+    else:
+        step = (len(data) // blocks) & ~7
+        sample = memoryview(b"".join(data[i * step : i * step + block] for i in range(blocks)))
+        base_sample = None if base is None else \
+            b"".join(memoryview(base)[i * step : i * step + block] for i in range(blocks))
+    sizes = [len(encode(c, sample, base_sample if is_delta(c) else None)) for c in candidates]
+    return candidates[sizes.index(min(sizes))]
+
+
 def is_float(codec: str) -> bool:
     """Whether ``codec`` stores bytes as planes of rotated floating-point elements (1.11)."""
     return codec in FLOAT_CODECS or codec in FLOAT_DELTA_CODECS

@@ -22,10 +22,12 @@ stored; unchanged bytes reuse the statistics remembered with their hash.
 bytes (``_store_chosen``): a private copy is hashed, then encoded against the
 parent's chunk for the same region (``delta_bases.py``) and whole, and the
 smaller kept where it pays; ``auto`` also keeps bytes that compress by less than
-10% uncompressed. A chunk equal to its base reuses the base's row. ``"auto"`` and ``"float-zstd"`` store
-the chunks of a floating-point tensor (bf16, fp16, fp32, fp64) with the float codecs (``floatN-zstd``,
-and with ``auto`` its delta form ``floatdeltaN-zstd``), which split each element's sign and exponent from
-its mantissa (format/codecs.py).
+10% uncompressed. A chunk equal to its base reuses the base's row. ``"float-zstd"`` stores the chunks
+of a floating-point tensor (bf16, fp16, fp32, fp64) with the float codecs (``floatN-zstd``), which split
+each element's sign and exponent from its mantissa (format/codecs.py); ``"auto"`` stores them with the
+float codec or the shuffle, and their deltas with ``floatdeltaN-zstd`` or ``deltaN-zstd``, whichever
+stores a sample of the chunk (16 blocks of 32 KiB) smaller: the float codec wins on weights and Adam's
+second moment, the shuffle on the first moment, whose signs come in runs.
 """
 
 from __future__ import annotations
@@ -315,11 +317,17 @@ class ChunkWriter:
             return StoredChunk(self.bases.table[row], 0, stats, self.bases.table)
         floating = self.compression == "auto" and self._floating(job)
         codec = codecs.codec_for(self.compression, job.itemsize, floating)
+        if floating:  # the float codec or the shuffle, whichever stores a sample smaller
+            codec = codecs.smaller_on_sample([codec, codecs.codec_for("shuffle-zstd", job.itemsize)], private)
         encoded = codecs.encode(codec, private)
         base = None
         if row is not None and self.bases is not None:
+            base_bytes = self.bases.read(row)
             delta_codec = codecs.delta_codec_for(job.itemsize, floating)
-            delta = codecs.encode(delta_codec, private, self.bases.read(row))
+            if floating:
+                delta_codec = codecs.smaller_on_sample([delta_codec, codecs.delta_codec_for(job.itemsize)],
+                                                       private, base_bytes)
+            delta = codecs.encode(delta_codec, private, base_bytes)
             if len(delta) < PAYS * len(encoded):
                 codec, encoded, base = delta_codec, delta, (self.bases.table, row)
         if self.compression == "auto" and base is None and len(encoded) > PAYS * len(private):

