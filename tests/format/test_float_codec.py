@@ -266,3 +266,30 @@ def test_the_specs_worked_example_is_what_ckptfmt_stores():
     x, stored = (bytes.fromhex(group) for group in given.groups())
     assert bytes(codecs.encode("float2-zstd", memoryview(x))) == stored
     assert bytes(codecs.decode("float2-zstd", stored, len(x), "example")) == x
+
+
+@pytest.mark.parametrize("codec", ["float2-zstd", "float4-zstd", "float8-zstd"])
+def test_whatever_the_stored_bytes_claim_decode_returns_size_bytes_or_raises(codec):
+    """Stored bytes damaged at random (bytes flipped, cut, headers rewritten to other lengths): decode
+    gives exactly ``size`` bytes or raises CorruptDataError, never anything else."""
+    rng = np.random.default_rng(8)
+    width = int(codec[len("float") : -len("-zstd")])
+    data = _special_values({2: torch.bfloat16, 4: torch.float32, 8: torch.float64}[width], 3001) + b"\x07"
+    stored = bytearray(codecs.encode(codec, memoryview(data)))
+    for trial in range(300):
+        bad = bytearray(stored)
+        kind = trial % 3
+        if kind == 0:
+            for at in rng.integers(0, len(bad), 1 + trial % 5):
+                bad[at] ^= 1 << int(rng.integers(0, 8))
+        elif kind == 1:
+            bad = bad[: int(rng.integers(0, len(bad)))]
+        else:
+            j = int(rng.integers(0, width))
+            bad[8 * j : 8 * j + 8] = int(rng.integers(0, 2 * 3001)).to_bytes(8, "little")
+        try:
+            out = codecs.decode(codec, bytes(bad), len(data), "fuzzed")
+        except CorruptDataError as exc:
+            assert str(exc).startswith("fuzzed"), exc
+        else:
+            assert len(out) == len(data)
