@@ -11,11 +11,37 @@ in the parent checkpoint), then shuffled over N-byte elements and zstd-compresse
 Weights that moved a little keep their sign, exponent and high mantissa bits, so
 the XOR is mostly zero bytes in the planes the shuffle puts together.
 
-The codec table needs nothing; the transforms import numpy and zstandard when
-they run, so that listing a repository (which parses no chunk) loads neither.
+``floatN-zstd`` (format 1.11) is the codec for floating-point elements of N = 2, 4 or 8 bytes
+(bf16/fp16, fp32, fp64), and ``floatdeltaN-zstd`` its delta form (XOR with the base first). Each
+element, read as a little-endian N-byte unsigned integer, is rotated left by one bit, so that the sign
+bit drops to bit 0 and the exponent's top bits make the element's high byte (all 8 exponent bits for
+bf16 and fp32, the top 8 of fp64's 11, fp16's 5 and its 3 top mantissa bits). The rotated bytes are
+cut into N planes (plane j: byte j of every element) and each plane is stored on its own: as a zstd
+frame where that is shorter, raw otherwise. Why this design, measured on a small transformer's weights and AdamW moments
+(docs/performance.md, "Float codec"):
+
+- The exponent plane carries nearly all the redundancy (about 2.5 bits of entropy a byte); the
+  mantissa planes are almost random (7.95 bits). ZipNN and DFloat11 split the same way, and so
+  store less than shuffle-zstd on weights and Adam's second moment (the sign, constant there, joins
+  the mantissa plane instead of doubling the exponent byte's alphabet).
+- zstd entropy-codes literals with Huffman, per 128 KiB block; on an exponent plane matches rarely
+  pay, and zstd's ``fast`` strategy with a 16 KiB window and matches of 7 bytes or more
+  (``_exponent_compressor``) is nearly Huffman alone: a higher ratio than level 1 on weights (level 1
+  takes short matches that cost more than the literals they replace) and faster. Adam's first
+  moment keeps its signs in runs, where level 1's matches win; so each plane goes to whichever of the
+  two stores a 128 KiB sample of it (16 blocks spread over it) smaller.
+- A mantissa plane is compressed only where that makes its sample 2% smaller (runs of zeros in a
+  delta, a constant sign), so the random planes cost a copy, not a zstd pass.
+- numpy and zstandard only (both are dependencies already); the rotation is two shifts and an or.
+  The price is speed: zstd's match finder runs over the exponent plane even where it finds nothing,
+  so this codec encodes at 0.6-0.9x ZipNN's speed and decodes at 0.3-0.6x (ZipNN calls a Huffman
+  coder directly, which zstandard does not expose; docs/performance.md, "Float codec"). Adam's first
+  moment stores smaller with the shuffle; ``compression="auto"`` weighs both on a sample.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from ckptfmt.errors import CorruptDataError, ManifestError, quoted
 
@@ -23,11 +49,17 @@ NONE = "none"
 ZSTD = "zstd"
 _SHUFFLE_WIDTHS = (2, 4, 8)
 _DELTA_WIDTHS = (1, 2, 4, 8)
-DELTA_CODECS = frozenset(f"delta{w}-zstd" for w in _DELTA_WIDTHS)
-CODECS = frozenset({NONE, ZSTD, *(f"shuffle{w}-zstd" for w in _SHUFFLE_WIDTHS), *DELTA_CODECS})
+_FLOAT_WIDTHS = (2, 4, 8)
+FLOAT_CODECS = frozenset(f"float{w}-zstd" for w in _FLOAT_WIDTHS)
+FLOAT_DELTA_CODECS = frozenset(f"floatdelta{w}-zstd" for w in _FLOAT_WIDTHS)
+DELTA_CODECS = frozenset({*(f"delta{w}-zstd" for w in _DELTA_WIDTHS), *FLOAT_DELTA_CODECS})
+CODECS = frozenset({NONE, ZSTD, *(f"shuffle{w}-zstd" for w in _SHUFFLE_WIDTHS), *DELTA_CODECS, *FLOAT_CODECS})
 #: What ``compression`` may be set to; ``delta-zstd`` and ``auto`` choose a codec per chunk.
-COMPRESSIONS = (None, NONE, ZSTD, "shuffle-zstd", "delta-zstd", "auto")
+COMPRESSIONS = (None, NONE, ZSTD, "shuffle-zstd", "float-zstd", "delta-zstd", "auto")
 ZSTD_LEVEL = 1
+#: A mantissa plane is compressed only where that makes a sample of it this much smaller (2%).
+_PAYS = 0.98
+_SAMPLE_BLOCKS, _SAMPLE_BLOCK = 16, 8192
 
 
 def check_codec(codec: object) -> str:
@@ -42,28 +74,57 @@ def is_delta(codec: str) -> bool:
     return codec in DELTA_CODECS
 
 
-def codec_for(compression: str | None, itemsize: int) -> str:
+def codec_for(compression: str | None, itemsize: int, floating: bool = False) -> str:
     """The codec a writer uses for ``compression`` where it stores a chunk whole (no base): 'delta-zstd'
-    falls back to 'shuffle-zstd', 'auto' starts from it."""
+    falls back to 'shuffle-zstd'; 'float-zstd' and 'auto' use ``float<itemsize>-zstd`` for the chunks of
+    one ``floating`` tensor (a real floating-point dtype) of 2, 4 or 8 bytes, and 'shuffle-zstd''s codec
+    for the others."""
     if compression in (None, NONE):
         return NONE
     if compression == ZSTD:
         return ZSTD
-    if compression in ("shuffle-zstd", "delta-zstd", "auto"):
+    if compression in ("float-zstd", "auto") and floating and itemsize in _FLOAT_WIDTHS:
+        return f"float{itemsize}-zstd"
+    if compression in ("shuffle-zstd", "float-zstd", "delta-zstd", "auto"):
         return f"shuffle{itemsize}-zstd" if itemsize in _SHUFFLE_WIDTHS else ZSTD
     raise ValueError(f"unknown compression {compression!r}: use one of {', '.join(map(repr, COMPRESSIONS))}")
 
 
-def delta_codec_for(itemsize: int) -> str:
-    """The delta codec for elements of ``itemsize`` bytes."""
+def delta_codec_for(itemsize: int, floating: bool = False) -> str:
+    """The delta codec for elements of ``itemsize`` bytes: ``floatdelta<itemsize>-zstd`` for a
+    ``floating`` tensor of 2, 4 or 8 bytes (``compression="auto"``), else ``delta<itemsize>-zstd``."""
+    if floating and itemsize in _FLOAT_WIDTHS:
+        return f"floatdelta{itemsize}-zstd"
     return f"delta{itemsize}-zstd" if itemsize in _DELTA_WIDTHS else "delta1-zstd"
 
 
+def smaller_on_sample(candidates: list[str], data: memoryview, base: memoryview | bytes | None = None) -> str:
+    """Which of ``candidates`` stores a sample of ``data`` smallest (the first of equals): 16 blocks of
+    32 KiB spread over it, at offsets that are multiples of 8 (whole elements), or ``data`` itself
+    where it is no longer; a delta codec encodes the sample against the same bytes of ``base``."""
+    if len(candidates) == 1:
+        return candidates[0]
+    blocks, block = 16, 32 * 1024
+    if len(data) <= blocks * block:
+        sample, base_sample = data, base
+    else:
+        step = (len(data) // blocks) & ~7
+        sample = memoryview(b"".join(data[i * step : i * step + block] for i in range(blocks)))
+        base_sample = None if base is None else \
+            b"".join(memoryview(base)[i * step : i * step + block] for i in range(blocks))
+    sizes = [len(encode(c, sample, base_sample if is_delta(c) else None)) for c in candidates]
+    return candidates[sizes.index(min(sizes))]
+
+
+def is_float(codec: str) -> bool:
+    """Whether ``codec`` stores bytes as planes of rotated floating-point elements (1.11)."""
+    return codec in FLOAT_CODECS or codec in FLOAT_DELTA_CODECS
+
+
 def _shuffle_width(codec: str) -> int:
-    if codec.startswith("shuffle"):
-        return int(codec[len("shuffle") : -len("-zstd")])
-    if codec.startswith("delta"):
-        return int(codec[len("delta") : -len("-zstd")])
+    for prefix in ("shuffle", "floatdelta", "float", "delta"):
+        if codec.startswith(prefix):
+            return int(codec[len(prefix) : -len("-zstd")])
     return 1
 
 
@@ -98,6 +159,113 @@ def _unshuffle(data: bytes, width: int) -> bytes:
     return body + raw[whole:].tobytes()
 
 
+_UINT = {2: "<u2", 4: "<u4", 8: "<u8"}
+
+
+def _exponent_compressor() -> Any:
+    """zstd tuned for an exponent plane: the fast strategy, a 16 KiB window, matches of 7 bytes or more
+    (few are worth taking: nearly all of the gain is the literals' Huffman coding)."""
+    import zstandard
+
+    params = zstandard.ZstdCompressionParameters(
+        strategy=zstandard.STRATEGY_FAST, window_log=14, hash_log=10, chain_log=6, search_log=1, min_match=7,
+        target_length=0, write_content_size=1)
+    return zstandard.ZstdCompressor(compression_params=params)
+
+
+def _sample(plane: bytes) -> bytes:
+    """16 blocks of 8 KiB spread over ``plane`` (the plane itself when it is no longer)."""
+    if len(plane) <= _SAMPLE_BLOCKS * _SAMPLE_BLOCK:
+        return plane
+    step = len(plane) // _SAMPLE_BLOCKS
+    return b"".join(plane[i * step : i * step + _SAMPLE_BLOCK] for i in range(_SAMPLE_BLOCKS))
+
+
+def _compress_plane(plane: bytes, exponent: bool) -> bytes | None:
+    """The zstd frame of ``plane`` by whichever compressor stores a sample of it smaller, or None (store it
+    raw) where neither makes the sample ``_PAYS`` smaller (any gain at all for the exponent plane)."""
+    sample = _sample(plane)
+    best, best_size = None, len(sample) * (1.0 if exponent else _PAYS)
+    for make in (_exponent_compressor, _plane_compressor):
+        size = len(make().compress(sample))
+        if size < best_size:
+            best, best_size = make, size
+    if best is None:
+        return None
+    frame = best().compress(plane) if len(sample) < len(plane) else best().compress(sample)
+    return frame if len(frame) < len(plane) else None
+
+
+def _float_encode(data: memoryview | bytes, width: int) -> bytes:
+    """``floatN-zstd``'s stored bytes (spec 5.3): N little-endian uint64 plane lengths, the N planes of the
+    rotated elements (each a zstd frame where that is shorter, else raw), then the tail bytes unchanged."""
+    import numpy as np
+
+    raw = np.frombuffer(data, dtype=np.uint8)
+    whole = len(raw) - len(raw) % width
+    count = whole // width
+    values = raw[:whole].view(_UINT[width])
+    rotated = np.left_shift(values, 1)
+    np.bitwise_or(rotated, values >> (8 * width - 1), out=rotated)
+    planes = rotated.view(np.uint8).reshape(count, width).T
+    stored = []
+    for j in range(width):
+        plane = planes[j].tobytes()
+        frame = _compress_plane(plane, exponent=j == width - 1) if count else None
+        stored.append(frame if frame is not None else plane)
+    header = np.array([len(s) for s in stored], dtype="<u8").tobytes()
+    return b"".join([header, *stored, raw[whole:].tobytes()])
+
+
+def _plane_compressor() -> Any:
+    """zstd level 1: for planes with runs and repeats (zeros of a delta, momenta's signs in runs)."""
+    import zstandard
+
+    return zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_content_size=True)
+
+
+def _float_decode(stored: bytes | memoryview, size: int, width: int, where: str, codec: str) -> memoryview:
+    """Inverse of ``_float_encode``, into a new buffer of exactly ``size`` bytes; every length the stored
+    bytes claim is checked against ``size`` before anything is allocated or decompressed."""
+    import numpy as np
+    import zstandard
+
+    count, tail = divmod(size, width)
+    stored = memoryview(stored).cast("B")
+    if len(stored) < 8 * width:
+        raise CorruptDataError(f"{where}: {codec} chunk of {len(stored)} bytes is shorter than its header")
+    lengths = [int(n) for n in np.frombuffer(stored[: 8 * width], dtype="<u8")]
+    if any(n > count for n in lengths) or 8 * width + sum(lengths) + tail != len(stored):
+        raise CorruptDataError(f"{where}: {codec} plane lengths {lengths} do not fit {len(stored)} stored bytes "
+                               f"of a chunk of {size}")
+    out = np.empty(size, dtype=np.uint8)  # a new buffer: nothing of ``stored`` is aliased
+    elements = out[: count * width].reshape(count, width)
+    offset = 8 * width
+    for j, length in enumerate(lengths):
+        piece = stored[offset : offset + length]
+        offset += length
+        if length == count:
+            elements[:, j] = np.frombuffer(piece, dtype=np.uint8)
+            continue
+        try:
+            declared = zstandard.frame_content_size(piece)
+            if declared != count:
+                raise CorruptDataError(f"{where}: plane {j}'s zstd frame declares {declared} bytes, "
+                                       f"the chunk's planes hold {count}")
+            plane = zstandard.ZstdDecompressor().decompress(piece, max_output_size=count, allow_extra_data=False)
+        except zstandard.ZstdError as exc:
+            raise CorruptDataError(f"{where}: plane {j} is not one complete zstd frame ({exc})") from None
+        if len(plane) != count:
+            raise CorruptDataError(f"{where}: plane {j} decompressed to {len(plane)} bytes, not {count}")
+        elements[:, j] = np.frombuffer(plane, dtype=np.uint8)
+    values = out[: count * width].view(_UINT[width])
+    low = np.left_shift(values, 8 * width - 1)  # bit 0 (the sign) back to the top
+    np.right_shift(values, 1, out=values)
+    np.bitwise_or(values, low, out=values)
+    out[count * width :] = np.frombuffer(stored[offset:], dtype=np.uint8)
+    return out.data
+
+
 def encode(codec: str, data: memoryview, base: memoryview | bytes | None = None) -> memoryview | bytes:
     """Encode decoded chunk bytes for storage (``none`` returns ``data`` itself, no copy); a delta codec
     needs the decoded bytes of its ``base``."""
@@ -107,9 +275,11 @@ def encode(codec: str, data: memoryview, base: memoryview | bytes | None = None)
         if base is None:
             raise ValueError(f"codec {codec} needs a base chunk")
         data = memoryview(xor(data, base))
+    width = _shuffle_width(codec)
+    if is_float(codec):
+        return _float_encode(data, width)
     import zstandard
 
-    width = _shuffle_width(codec)
     payload = _shuffle(data, width) if width > 1 else data
     return zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_content_size=True).compress(payload)
 
@@ -124,6 +294,9 @@ def decode(codec: str, stored: bytes, size: int, where: str,
         if len(stored) != size:
             raise CorruptDataError(f"{where}: {len(stored)} bytes stored, manifest says {size}")
         return stored
+    if is_float(codec):
+        decoded = _float_decode(stored, size, _shuffle_width(codec), where, codec)
+        return xor(decoded, base) if base is not None and is_delta(codec) else decoded
     import zstandard
 
     try:

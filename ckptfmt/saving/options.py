@@ -59,7 +59,8 @@ class SaveOptions:
     #: Bytes per chunk (4 KiB to the format's limit); None: the default.
     chunk_size: int | None = None
     #: One of ``format.codecs.COMPRESSIONS``: None or "none" (stored as is), "zstd", "shuffle-zstd" (bytes
-    #: grouped by significance first), "delta-zstd" (against the parent's chunk), "auto" (chosen per tensor).
+    #: grouped by significance first), "float-zstd" (floating-point tensors' sign and exponent apart from
+    #: their mantissa), "delta-zstd" (against the parent's chunk), "auto" (chosen per tensor).
     compression: str | None = None
     #: The caller's own per-step timings, stored under ``timing.steps``.
     step_times: list | None = None
@@ -135,7 +136,7 @@ class SaveOptions:
         if self.scope == "node" and self.compression in ("delta-zstd", "auto"):
             raise ValueError(f"compression={self.compression!r} stores chunks against the parent's, which a "
                              "node-scoped repository does not promise to hold on the same node: use 'zstd', "
-                             "'shuffle-zstd' or none with scope='node'")
+                             "'shuffle-zstd', 'float-zstd' or none with scope='node'")
 
     @classmethod
     def from_keywords(cls, caller: str, keywords: dict[str, Any]) -> SaveOptions:

@@ -57,10 +57,13 @@ def save(
     must be new. Returns the checkpoint's URL. Durable when it returns.
 
     ``parent`` defaults to the repository's latest checkpoint (None for none);
-    ``compression`` is None, 'zstd', 'shuffle-zstd', 'delta-zstd' (each chunk
+    ``compression`` is None, 'zstd', 'shuffle-zstd', 'float-zstd' (floating-point
+    tensors' sign and exponent apart from their mantissa; the rest as
+    'shuffle-zstd'), 'delta-zstd' (each chunk
     stored as its XOR against the parent's chunk for the same tensor region,
     where that is smaller by 10%; the rest as 'shuffle-zstd') or 'auto' (per
-    chunk, what stores it smallest, uncompressed unless compression saves 10%);
+    chunk, what stores it smallest, uncompressed unless compression saves 10%;
+    floating-point tensors with the float codecs, whole or as deltas);
     deltas need a parent, and are taken on every rank of a collective save
     alike. ``step_times`` are the caller's per-step timings, stored under
     ``timing``; ``parallelism`` records the run's layout (e.g.

@@ -35,7 +35,8 @@ def test_writer_refuses_what_readers_would_refuse(tmp_path, state, message):
     ({"step_times": [object()]}, UnsupportedValueError, r"^step_times must hold plain values .*'object'"),
     ({"parallelism": {"dp": object()}}, UnsupportedValueError, r"^parallelism must hold plain values .*'object'"),
     ({"compression": "lz4"}, ValueError,
-     r"^unknown compression 'lz4': use one of None, 'none', 'zstd', 'shuffle-zstd', 'delta-zstd', 'auto'$"),
+     r"^unknown compression 'lz4': use one of None, 'none', 'zstd', 'shuffle-zstd', 'float-zstd', 'delta-zstd', "
+     r"'auto'$"),
 ], ids=["chunk_size", "step_times", "parallelism", "compression"])
 def test_bad_arguments_fail_before_anything_is_written(tmp_path, kwargs, error, message):
     with pytest.raises(error, match=message) as info:

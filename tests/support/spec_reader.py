@@ -66,14 +66,43 @@ _ITEMSIZE = {"bool": 1, "uint8": 1, "int8": 1, "int16": 2, "uint16": 2, "float16
              "complex128": 16}
 #: FORMAT.md 5.3: the codecs and the element width N each shuffles by (1: no shuffle).
 _WIDTHS = {"none": 1, "zstd": 1, "shuffle2-zstd": 2, "shuffle4-zstd": 4, "shuffle8-zstd": 8,
-           "delta1-zstd": 1, "delta2-zstd": 2, "delta4-zstd": 4, "delta8-zstd": 8}
+           "delta1-zstd": 1, "delta2-zstd": 2, "delta4-zstd": 4, "delta8-zstd": 8,
+           "float2-zstd": 2, "float4-zstd": 4, "float8-zstd": 8,
+           "floatdelta2-zstd": 2, "floatdelta4-zstd": 4, "floatdelta8-zstd": 8}
+
+
+def is_delta(codec: str) -> bool:
+    """FORMAT.md 5.5: the delta codecs (1.5's deltaN-zstd, 1.11's floatdeltaN-zstd) are stored against a base."""
+    return codec.startswith(("delta", "floatdelta"))
+
+
+def float_decode(stored: bytes, size: int, width: int) -> bytes:
+    """FORMAT.md 5.3, the float codecs: N uint64 plane lengths, the N planes (raw where a plane's length
+    is n, else one zstd frame of n bytes), the tail; planes unshuffled, each element rotated right by 1."""
+    n, tail = divmod(size, width)
+    lengths = [int.from_bytes(stored[8 * j : 8 * j + 8], "little") for j in range(width)]
+    assert len(stored) >= 8 * width and all(length <= n for length in lengths)
+    assert 8 * width + sum(lengths) + tail == len(stored), "the lengths account for every stored byte"
+    planes, offset = [], 8 * width
+    for length in lengths:
+        piece = stored[offset : offset + length]
+        offset += length
+        if length < n:
+            assert zstandard.frame_content_size(piece) == n, "a plane's frame declares n bytes"
+            piece = zstandard.ZstdDecompressor().decompress(piece, max_output_size=n)
+        assert len(piece) == n
+        planes.append(piece)
+    rotated = np.frombuffer(unshuffle(b"".join(planes), width), dtype=f"<u{width}")
+    values = (rotated >> 1) | (rotated << (8 * width - 1))  # bits shifted out of the N bytes are dropped
+    return values.astype(f"<u{width}").tobytes() + stored[offset:]
+
 #: FORMAT.md 5.5: bases a delta chunk may be decoded through.
 _MAX_DELTA_DEPTH = 16
 
 
 def chunk_key(digest: str, codec: str, base_digest: str | None = None) -> str:
     """FORMAT.md 4.1: a chunk's key, relative to REPO; a delta chunk's names its base chunk's hash."""
-    assert (base_digest is not None) == codec.startswith("delta"), "a base exactly for the delta codecs"
+    assert (base_digest is not None) == is_delta(codec), "a base exactly for the delta codecs"
     suffix = "" if codec == "none" else f".{codec}" if base_digest is None else f".{codec}.{base_digest}"
     return f"chunks/{digest[:2]}/{digest}{suffix}"
 
@@ -115,7 +144,7 @@ class SpecReader:
         digest, codec = row["hash"], row["codec"]
         assert codec in _WIDTHS, f"unknown chunk codec {codec}"
         base = None
-        if codec.startswith("delta"):
+        if is_delta(codec):
             base = row["base"]
             assert type(base) is int and base != index and self.chunks[base]["size"] == row["size"]
             assert depth < _MAX_DELTA_DEPTH, "at most 16 bases deep"
@@ -126,6 +155,10 @@ class SpecReader:
         stored = path.read_bytes()
         if codec == "none":
             data = stored
+        elif codec.startswith("float"):
+            data = float_decode(stored, row["size"], _WIDTHS[codec])
+            if base is not None:
+                data = xor(data, self.chunk(base, depth + 1))
         else:
             assert zstandard.frame_content_size(stored) == row["size"], "frame declares its content size"
             data = zstandard.ZstdDecompressor().decompress(stored, max_output_size=row["size"])
