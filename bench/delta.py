@@ -75,14 +75,14 @@ def corpus() -> torch.Tensor:
     return torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
 
 
-def train(dtype: torch.dtype, steps: int, dim: int, layers: int) -> dict[int, dict]:
-    """The run's state (model and AdamW) at every 10th step, cloned."""
+def training(dtype: torch.dtype, steps: int, dim: int, layers: int):
+    """TinyGPT trained on the corpus with AdamW: yields (step, model, optimizer) after each step, and prints
+    the run's time, final loss and size at its end."""
     torch.manual_seed(0)
     context, batch = 64, 16
     data = corpus()
     model = TinyGPT(dim, layers, context).to(dtype)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    kept = {}
     started = time.perf_counter()
     for step in range(1, steps + 1):
         starts = torch.randint(0, len(data) - context - 1, (batch,))
@@ -92,12 +92,16 @@ def train(dtype: torch.dtype, steps: int, dim: int, layers: int) -> dict[int, di
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-        if step % 10 == 0:
-            kept[step] = {"model": {k: v.clone() for k, v in model.state_dict().items()},
-                          "optim": _cloned(optimizer.state_dict()), "step": step}
+        yield step, model, optimizer
     console.print(f"{str(dtype).removeprefix('torch.')}: {steps} steps in {time.perf_counter() - started:.0f} s, "
                   f"final loss {loss.item():.2f}, {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters")
-    return kept
+
+
+def train(dtype: torch.dtype, steps: int, dim: int, layers: int) -> dict[int, dict]:
+    """The run's state (model and AdamW) at every 10th step, cloned."""
+    return {step: {"model": {k: v.clone() for k, v in model.state_dict().items()},
+                   "optim": _cloned(optimizer.state_dict()), "step": step}
+            for step, model, optimizer in training(dtype, steps, dim, layers) if step % 10 == 0}
 
 
 def _cloned(value):

@@ -35,10 +35,9 @@ import time
 from pathlib import Path
 
 import torch
-from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from delta import TinyGPT, corpus
+from delta import training
 
 from ckptfmt.format import codecs
 
@@ -46,21 +45,8 @@ from ckptfmt.format import codecs
 def train(dtype: torch.dtype, steps: int, dim: int, layers: int) -> tuple[dict, dict]:
     """The run's (state 10 steps before the end, final state): {"weights", "exp_avg", "exp_avg_sq"}
     as one flat tensor each."""
-    torch.manual_seed(0)
-    context, batch = 64, 16
-    data = corpus()
-    model = TinyGPT(dim, layers, context).to(dtype)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     kept = {}
-    started = time.perf_counter()
-    for step in range(1, steps + 1):
-        starts = torch.randint(0, len(data) - context - 1, (batch,))
-        tokens = torch.stack([data[s : s + context + 1] for s in starts.tolist()])
-        logits = model(tokens[:, :-1])
-        loss = nn.functional.cross_entropy(logits.float().reshape(-1, 256), tokens[:, 1:].reshape(-1))
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
+    for step, model, optimizer in training(dtype, steps, dim, layers):
         if step in (steps - 10, steps):
             moments = optimizer.state.values()
             kept[step] = {
@@ -68,9 +54,6 @@ def train(dtype: torch.dtype, steps: int, dim: int, layers: int) -> tuple[dict, 
                 "exp_avg": torch.cat([s["exp_avg"].flatten() for s in moments]),
                 "exp_avg_sq": torch.cat([s["exp_avg_sq"].flatten() for s in moments]),
             }
-    params = sum(p.numel() for p in model.parameters())
-    print(f"{str(dtype).removeprefix('torch.')}: {steps} steps in {time.perf_counter() - started:.0f} s, "
-          f"final loss {loss.item():.2f}, {params / 1e6:.2f}M parameters", flush=True)
     return kept[steps - 10], kept[steps]
 
 
