@@ -109,9 +109,8 @@ def smaller_on_sample(candidates: list[str], data: memoryview, base: memoryview 
         sample, base_sample = data, base
     else:
         step = (len(data) // blocks) & ~7
-        sample = memoryview(b"".join(data[i * step : i * step + block] for i in range(blocks)))
-        base_sample = None if base is None else \
-            b"".join(memoryview(base)[i * step : i * step + block] for i in range(blocks))
+        sample = memoryview(_spread(data, blocks, block, step))
+        base_sample = None if base is None else _spread(base, blocks, block, step)
     sizes = [len(encode(c, sample, base_sample if is_delta(c) else None)) for c in candidates]
     return candidates[sizes.index(min(sizes))]
 
@@ -173,26 +172,31 @@ def _exponent_compressor() -> Any:
     return zstandard.ZstdCompressor(compression_params=params)
 
 
+def _spread(data: memoryview | bytes, blocks: int, block: int, step: int) -> bytes:
+    """``blocks`` runs of ``block`` bytes of ``data``, ``step`` bytes apart from its start."""
+    view = memoryview(data)
+    return b"".join(view[i * step : i * step + block] for i in range(blocks))
+
+
 def _sample(plane: bytes) -> bytes:
     """16 blocks of 8 KiB spread over ``plane`` (the plane itself when it is no longer)."""
     if len(plane) <= _SAMPLE_BLOCKS * _SAMPLE_BLOCK:
         return plane
-    step = len(plane) // _SAMPLE_BLOCKS
-    return b"".join(plane[i * step : i * step + _SAMPLE_BLOCK] for i in range(_SAMPLE_BLOCKS))
+    return _spread(plane, _SAMPLE_BLOCKS, _SAMPLE_BLOCK, len(plane) // _SAMPLE_BLOCKS)
 
 
 def _compress_plane(plane: bytes, exponent: bool) -> bytes | None:
     """The zstd frame of ``plane`` by whichever compressor stores a sample of it smaller, or None (store it
     raw) where neither makes the sample ``_PAYS`` smaller (any gain at all for the exponent plane)."""
     sample = _sample(plane)
-    best, best_size = None, len(sample) * (1.0 if exponent else _PAYS)
+    best, best_frame, best_size = None, b"", len(sample) * (1.0 if exponent else _PAYS)
     for make in (_exponent_compressor, _plane_compressor):
-        size = len(make().compress(sample))
-        if size < best_size:
-            best, best_size = make, size
+        frame = make().compress(sample)
+        if len(frame) < best_size:
+            best, best_frame, best_size = make, frame, len(frame)
     if best is None:
         return None
-    frame = best().compress(plane) if len(sample) < len(plane) else best().compress(sample)
+    frame = best_frame if len(sample) == len(plane) else best().compress(plane)  # a whole plane: done once
     return frame if len(frame) < len(plane) else None
 
 
