@@ -15,6 +15,7 @@ builds the state (or imports the libraries) and does nothing else.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import os
 import shutil
@@ -83,15 +84,16 @@ def peak_kib(mode: str, count: int, folder: Path) -> int:
     return int(result.stdout.split()[-1])
 
 
-def parse_ratio(data: bytes, repeats: int) -> tuple[float, float, float]:
-    """Median seconds of msgpack's unpack and of ckptfmt's parse, and the median per-repeat ratio; both
-    with Python's cyclic collector off (ckptfmt pauses it while it parses)."""
+def parse_ratio(data: bytes, repeats: int, unpacked: bytes | None = None) -> tuple[float, float, list[float]]:
+    """Median seconds of msgpack's unpack (of ``unpacked``, by default ``data`` itself) and of ckptfmt's
+    parse of ``data``, and the per-repeat ratios; both with Python's cyclic collector off (ckptfmt pauses
+    it while it parses)."""
     gc.disable()
     unpacks, parses, ratios = [], [], []
     for repeat in range(repeats):
         times = {}
         for which in ((0, 1) if repeat % 2 == 0 else (1, 0)):
-            times[which] = timed((lambda: msgpack.unpackb(data, raw=False, strict_map_key=False),
+            times[which] = timed((lambda: msgpack.unpackb(unpacked or data, raw=False, strict_map_key=False),
                                   lambda: Manifest.from_bytes(data, "bench"))[which])
         unpacks.append(times[0])
         parses.append(times[1])
@@ -148,13 +150,18 @@ def main() -> None:
         keys = sum(len(entry.key.encode()) for entry in manifest.tensors)
         doc = msgpack.unpackb(data, raw=False, strict_map_key=False, object_pairs_hook=unique_map)
         table = len(msgpack.packb(doc["tensors"], use_bin_type=True)) - keys
-        stats = sum(len(msgpack.packb(t.stats)) for t in manifest.tensors if t.stats)
+        stats = len(msgpack.packb(doc["tensors"].get("stats", {}), use_bin_type=True)) if isinstance(
+            doc["tensors"], dict) else sum(len(msgpack.packb(t.stats)) for t in manifest.tensors if t.stats)
         count = len(manifest.tensors)
         console.print(f"manifest: {len(data) / 2**20:.1f} MiB, its tensor table {table / count:.0f} bytes per "
                       f"tensor beyond its key (statistics {stats / count:.0f} of them)")
         unpack, parse, ratios = parse_ratio(data, args.repeats)
         console.print(f"manifest parse: {parse * 1e3:.0f} ms against msgpack's unpack {unpack * 1e3:.0f} ms: "
                       f"{spread(ratios)}")
+        rows = dataclasses.replace(manifest, version=(1, 11)).to_bytes()  # the same table, one map per tensor
+        unpack, parse, ratios = parse_ratio(data, args.repeats, unpacked=rows)
+        console.print(f"manifest parse against msgpack's unpack of the same table as rows (1.11, "
+                      f"{len(rows) / 2**20:.1f} MiB) {unpack * 1e3:.0f} ms: {spread(ratios)}")
 
 
 if __name__ == "__main__":

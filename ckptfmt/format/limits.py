@@ -28,6 +28,8 @@ MAX_SHARDS_PER_TENSOR = 1_000_000
 #: Shards and pieces of all tensors together: what one manifest may ask a reader to check.
 MAX_SHARDS = 2**24
 MAX_PIECES = 2**24
+#: Dimensions of shard maps (spec 6.5) in one manifest, all tensors together; shard grids do not count.
+MAX_SHARD_MAP_DIMS = 2**22
 MAX_CHUNK_BYTES = 4 * 2**30
 #: Bases a delta chunk may be decoded through (spec 5.5): a reader holds that many chunks at once.
 MAX_DELTA_DEPTH = 16

@@ -41,15 +41,18 @@ from ckptfmt.format.limits import (
     check_hash,
     check_name,
 )
-from ckptfmt.format.maps import unique_map
 from ckptfmt.format.placement import Placement
 from ckptfmt.format.shards import MAX_RANK, Piece, ShardEntry, ShardGrid, grid_of, grid_to_dict, parse_grid
-from ckptfmt.format.tensor_stats import COUNT_FIELDS, FLOAT_FIELDS, INTEGER_FIELDS
+from ckptfmt.format.tensor_columns import parse_columns, to_columns
+from ckptfmt.format.tensor_entry import TENSOR_KINDS, TensorEntry
+from ckptfmt.format.tensor_stats import FLOAT_FIELDS, stat_sets
 from ckptfmt.format.tiling import check_tiling
+from ckptfmt.format.unpacking import unpack_manifest
 from ckptfmt.format.version import FORMAT_VERSION, check_version
 
 MANIFEST_FORMAT = "ckptfmt-manifest"
-TENSOR_KINDS = ("tensor", "parameter", "numpy")
+#: The first version whose writers hold the tensor table in columns (spec 6.12).
+_COLUMNS_FROM = (1, 12)
 
 
 class Chunk(NamedTuple):
@@ -76,29 +79,6 @@ def delta_depth(chunks: list[Chunk] | tuple[Chunk, ...], index: int) -> int:
         if depth > MAX_DELTA_DEPTH:
             break
     return depth
-
-
-class TensorEntry(NamedTuple):
-    """A tensor of the state: key, dtype, global shape, and the shards that tile it."""
-
-    key: str
-    dtype: str
-    shape: tuple[int, ...]
-    #: One ``ShardEntry`` per box, or (format 1.6, many shards) a ``ShardGrid`` of packed columns.
-    shards: tuple[ShardEntry, ...] | ShardGrid
-    kind: str = "tensor"
-    requires_grad: bool = False
-    same_as: int | None = None
-    #: The statistics of its elements (spec 6.10, format 1.4), or None where not recorded.
-    stats: dict | None = None
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * itemsize(self.dtype)
 
 
 @dataclass
@@ -147,7 +127,8 @@ class Manifest:
                 {"hash": c.hash, "codec": c.codec, "size": c.size, "stored_size": c.stored_size,
                  **({} if c.base is None else {"base": c.base})} for c in self.chunks
             ],
-            "tensors": [_tensor_to_dict(t) for t in self.tensors],
+            "tensors": to_columns(self.tensors, _tensor_to_dict) if self.version >= _COLUMNS_FROM
+            else [_tensor_to_dict(t) for t in self.tensors],
             "state": self.state,
             "user": self.user,
             "rng": self.rng,
@@ -182,8 +163,7 @@ class Manifest:
             raise ValueError(f"only optional fields can be skipped ({', '.join(sorted(OPTIONAL_FIELDS))})")
         with collector_paused():
             try:
-                doc = _unpack_skipping(data, skip) if skip else msgpack.unpackb(
-                    data, raw=False, strict_map_key=False, object_pairs_hook=unique_map)
+                doc = unpack_manifest(data, skip)
             except CheckpointError as exc:
                 raise type(exc)(f"{where}: {exc}") from None
             except Exception as exc:
@@ -210,32 +190,6 @@ def optional_fields_except(*needed: str) -> frozenset[str]:
     if unknown:
         raise ValueError(f"not optional manifest fields: {', '.join(sorted(unknown))}")
     return OPTIONAL_FIELDS - frozenset(needed)
-
-
-def _unpack_skipping(data: bytes, skip: frozenset[str]) -> dict:
-    """The manifest's top-level map without the ``skip`` fields' values (msgpack passes over them)."""
-    unpacker = msgpack.Unpacker(raw=False, strict_map_key=False, object_pairs_hook=unique_map,
-                                max_buffer_size=max(len(data), 1))
-    unpacker.feed(data)
-    try:
-        entries = unpacker.read_map_header()
-    except msgpack.UnpackValueError:
-        raise ManifestError("manifest is not a map") from None
-    doc, seen = {}, set()
-    for _ in range(entries):
-        key = unpacker.unpack()
-        if key in seen:
-            raise ManifestError(f"map has the key {quoted(key)} twice")
-        seen.add(key)
-        if key in skip:
-            unpacker.skip()
-        else:
-            doc[key] = unpacker.unpack()
-    try:
-        unpacker.unpack()
-    except msgpack.OutOfData:
-        return doc
-    raise ManifestError("extra data after the manifest")
 
 
 def _tensor_to_dict(t: TensorEntry) -> dict:
@@ -325,7 +279,7 @@ def _parse(doc: Any) -> Manifest:
         raise ManifestError(f"not a ckptfmt manifest (format field {quoted(doc.get('format'))})")
     version = check_version(doc.get("version"), "manifest")
     raw_chunks = _get(doc, "chunks", list)
-    raw_tensors = _get(doc, "tensors", list)
+    raw_tensors = _get(doc, "tensors", (list, dict))
     if len(raw_chunks) > MAX_CHUNKS or len(raw_tensors) > MAX_TENSORS:
         raise ManifestError("too many chunks or tensors")
     chunks = _plain_chunk_rows(raw_chunks)
@@ -334,7 +288,8 @@ def _parse(doc: Any) -> Manifest:
         _check_chunk_rows(chunks)
     sizes = _Sizes(c.size for c in chunks)
     budget = _Budget()
-    tensors = _parse_tensors(raw_tensors, sizes, budget)
+    tensors = _parse_tensors(raw_tensors, sizes, budget) if type(raw_tensors) is list else parse_columns(
+        raw_tensors, sizes, budget, partial(_parse_tensor, sizes=sizes, budget=budget))
     if len({t.key for t in tensors}) != len(tensors):
         raise ManifestError("two tensors share one key")
     _check_same_as(tensors)
@@ -528,7 +483,7 @@ def _usual_row(doc: Any, sizes: _Sizes) -> TensorEntry | None:
 def _usual_stats(doc: Any, numel: int, dtype: str) -> bool:
     """Whether ``stats`` holds exactly one set its dtype allows, valid (``_parse_stats``' checks), and no
     name this reader does not know (those are checked for nesting by the full parse)."""
-    if type(doc) is not dict or not any(doc.keys() == fields for fields in _stat_sets(dtype)):
+    if type(doc) is not dict or not any(doc.keys() == fields for fields in stat_sets(dtype)):
         return False
     for name in _STAT_COUNTS:
         value = doc.get(name, 0)
@@ -583,19 +538,6 @@ def _parse_tensor(doc: Any, index: int, sizes: _Sizes, budget: _Budget) -> Tenso
 
 
 _STAT_COUNTS = ("count", "nan", "posinf", "neginf", "zeros")
-_FLOAT_DTYPES = frozenset({"float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e4m3fnuz",
-                           "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu"})
-_INTEGER_DTYPES = frozenset({"bool", "uint8", "uint16", "uint32", "uint64", "int8", "int16", "int32", "int64"})
-
-
-@functools.cache
-def _stat_sets(dtype: str) -> tuple[frozenset, ...]:
-    """The statistics sets a tensor of ``dtype`` may carry (spec 6.10): its own, or the count alone."""
-    if dtype in _FLOAT_DTYPES:
-        return frozenset(FLOAT_FIELDS), frozenset(COUNT_FIELDS)
-    if dtype in _INTEGER_DTYPES:
-        return frozenset(INTEGER_FIELDS), frozenset(COUNT_FIELDS)
-    return (frozenset(COUNT_FIELDS),)
 
 
 def _parse_stats(doc: Any, what: str, numel: int, dtype: str) -> dict:
@@ -604,7 +546,7 @@ def _parse_stats(doc: Any, what: str, numel: int, dtype: str) -> dict:
     if type(doc) is not dict or not all(type(name) is str for name in doc):
         raise ManifestError(f"{what}: stats must be a map of names to values")
     known = frozenset(name for name in doc if name in FLOAT_FIELDS)
-    if known not in _stat_sets(dtype):
+    if known not in stat_sets(dtype):
         raise ManifestError(f"{what}: stats fields {sorted(known)} are none of the sets spec 6.10 defines for {dtype}")
     if doc["count"] != numel:
         raise ManifestError(f"{what}: stats count {quoted(doc['count'])} differs from the {numel} elements")

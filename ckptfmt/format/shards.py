@@ -182,20 +182,20 @@ def grid_to_dict(grid: ShardGrid, width: int) -> dict:
     """The grid's map (spec 6.11): columns packed in the narrowest width, defaults left out."""
     import numpy as np
 
-    doc: dict[str, Any] = {"cells": list(grid.cells), "cuts": [_pack(c) for c in grid.cuts]}
+    doc: dict[str, Any] = {"cells": list(grid.cells), "cuts": [pack_column(c) for c in grid.cuts]}
     if np.any(grid.ranks):
-        doc["ranks"] = _pack(grid.ranks)
+        doc["ranks"] = pack_column(grid.ranks)
     counts = np.diff(grid.starts)
     bytes_ = _cell_volumes(grid.cuts, grid.cells, tuple(int(c[-1]) for c in grid.cuts)) * width
     if np.array_equal(counts, (bytes_ > 0).astype(counts.dtype)) and np.array_equal(grid.length, bytes_[bytes_ > 0]):
-        doc.update(chunk=_pack(grid.chunk), offset=_pack(grid.offset))
+        doc.update(chunk=pack_column(grid.chunk), offset=pack_column(grid.offset))
     else:
-        doc.update(counts=_pack(counts), chunk=_pack(grid.chunk), offset=_pack(grid.offset),
-                   length=_pack(grid.length))
+        doc.update(counts=pack_column(counts), chunk=pack_column(grid.chunk), offset=pack_column(grid.offset),
+                   length=pack_column(grid.length))
     return doc
 
 
-def _pack(values: np.ndarray) -> bytes:
+def pack_column(values: np.ndarray) -> bytes:
     """Unsigned little-endian integers of the narrowest of 1, 2, 4 or 8 bytes that holds them all."""
     import numpy as np
 
@@ -224,15 +224,15 @@ def parse_grid(doc: dict, what: str, shape: tuple[int, ...], width: int, chunk_s
     cuts = [_cuts(raw, count + 1, extent, f"cuts[{dim}]", what)
             for dim, (raw, count, extent) in enumerate(zip(raw_cuts, per_dim, shape))]
     volumes = _cell_volumes(cuts, per_dim, shape)
-    ranks = _column(doc.get("ranks"), "ranks", cells, what, high=MAX_RANK) if "ranks" in doc else None
+    ranks = column(doc.get("ranks"), "ranks", cells, what, high=MAX_RANK) if "ranks" in doc else None
     starts: np.ndarray | None = None
     if "counts" in doc:
-        counts = _column(doc.get("counts"), "counts", cells, what, high=MAX_CHUNK_BYTES)
+        counts = column(doc.get("counts"), "counts", cells, what, high=MAX_CHUNK_BYTES)
         total = int(counts.sum(dtype=np.int64))
         budget.take(0, total)
         starts = np.zeros(cells + 1, dtype=np.int64)
         np.cumsum(counts, out=starts[1:])
-        length = _column(doc.get("length"), "length", total, what, low=1, high=MAX_CHUNK_BYTES)
+        length = column(doc.get("length"), "length", total, what, low=1, high=MAX_CHUNK_BYTES)
         ends = np.zeros(total + 1, dtype=np.int64)
         np.cumsum(length, out=ends[1:])
         held = ends[starts[1:]] - ends[starts[:-1]]
@@ -254,8 +254,8 @@ def parse_grid(doc: dict, what: str, shape: tuple[int, ...], width: int, chunk_s
         starts = np.zeros(cells + 1, dtype=np.int64)
         np.cumsum(solid, out=starts[1:])
         length = volumes[solid] * width
-    chunk = _column(doc.get("chunk"), "chunk", total, what, high=len(chunk_sizes) - 1)
-    offset = _column(doc.get("offset"), "offset", total, what, high=MAX_CHUNK_BYTES)
+    chunk = column(doc.get("chunk"), "chunk", total, what, high=len(chunk_sizes) - 1)
+    offset = column(doc.get("offset"), "offset", total, what, high=MAX_CHUNK_BYTES)
     if total:
         over = offset + length > chunk_sizes[chunk]
         if over.any():
@@ -274,31 +274,33 @@ def _cuts(raw: Any, count: int, extent: int, name: str, what: str) -> np.ndarray
         half = len(raw) // 2
         if int.from_bytes(raw[:half], "little") == 0 and int.from_bytes(raw[half:], "little") == extent:
             return np.array([0, extent], dtype=np.int64)
-    cuts = _column(raw, name, count, what, high=extent).astype(np.int64)  # count values: a small copy
+    cuts = column(raw, name, count, what, high=extent).astype(np.int64)  # count values: a small copy
     if cuts[0] != 0 or cuts[-1] != extent or (count > 2 and np.diff(cuts).min() < 0):
         raise ManifestError(f"{what}: shard grid {name} must run from 0 to the extent {extent} "
                             "without decreasing")
     return cuts
 
 
-def _column(raw: Any, name: str, count: int, what: str, *, low: int = 0, high: int = _MAX_INT64) -> np.ndarray:
+def column(raw: Any, name: str, count: int, what: str, *, low: int = 0, high: int = _MAX_INT64,
+           table: str = "shard grid") -> np.ndarray:
     """A column of ``count`` unsigned little-endian ints in [low, high]: a bin of count x w bytes,
-    w in 1, 2, 4, 8 (spec 6.11). Read in place, without a copy, except 8-byte ints (made int64)."""
+    w in 1, 2, 4, 8 (spec 6.11, and the tensor columns of 6.12). Read in place, without a copy,
+    except 8-byte ints (made int64)."""
     import numpy as np
 
     if type(raw) is not bytes:
-        raise ManifestError(f"{what}: shard grid column {name!r} must be a bin")
+        raise ManifestError(f"{what}: {table} column {name!r} must be a bin")
     if count == 0:
         if raw:
-            raise ManifestError(f"{what}: shard grid column {name!r} must be empty")
+            raise ManifestError(f"{what}: {table} column {name!r} must be empty")
         return np.empty(0, dtype=np.int64)
     width, rest = divmod(len(raw), count)
     if rest or width not in _WIDTHS:
-        raise ManifestError(f"{what}: shard grid column {name!r} of {len(raw)} bytes does not hold {count} "
+        raise ManifestError(f"{what}: {table} column {name!r} of {len(raw)} bytes does not hold {count} "
                             "integers of 1, 2, 4 or 8 bytes")
     values = np.frombuffer(raw, dtype=np.dtype(f"<u{width}"))
     if (low and values.min() < low) or (high < 256 ** width - 1 and values.max() > high):
-        raise ManifestError(f"{what}: shard grid column {name!r} holds values outside [{low}, {high}]")
+        raise ManifestError(f"{what}: {table} column {name!r} holds values outside [{low}, {high}]")
     return values if width < 8 else values.astype(np.int64)
 
 

@@ -23,6 +23,21 @@ INTEGER_FIELDS = ("count", "min", "max", "zeros")
 COUNT_FIELDS = ("count",)
 
 
+_FLOAT_DTYPES = frozenset({"float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e4m3fnuz",
+                           "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu"})
+_INTEGER_DTYPES = frozenset({"bool", "uint8", "uint16", "uint32", "uint64", "int8", "int16", "int32", "int64"})
+
+
+@functools.cache
+def stat_sets(dtype: str) -> tuple[frozenset, ...]:
+    """The statistics sets a tensor of ``dtype`` may carry (spec 6.10): its own, or the count alone."""
+    if dtype in _FLOAT_DTYPES:
+        return frozenset(FLOAT_FIELDS), frozenset(COUNT_FIELDS)
+    if dtype in _INTEGER_DTYPES:
+        return frozenset(INTEGER_FIELDS), frozenset(COUNT_FIELDS)
+    return (frozenset(COUNT_FIELDS),)
+
+
 def lower(a, b):
     """The smaller extreme, -0.0 below +0.0 whichever comes first (``min`` keeps the first of equals)."""
     return a if a < b or (a == b and math.copysign(1.0, a) < 0) else b

@@ -19,7 +19,7 @@ import zstandard
 
 import ckptfmt
 from ckptfmt import ManifestError
-from ckptfmt.format import codecs, layout
+from ckptfmt.format import codecs, layout, unpacking
 from ckptfmt.format import manifest as manifest_module
 from ckptfmt.format.manifest import FORMAT_VERSION, MANIFEST_FORMAT, Manifest
 from ckptfmt.format.tiling import check_tiling
@@ -198,3 +198,40 @@ def test_a_zstd_frame_holding_more_than_it_declares_is_refused_at_once():
     with pytest.raises(ckptfmt.CorruptDataError, match="not one complete zstd frame"):
         codecs.decode("zstd", forged, 2**20, "bomb")
     assert time.process_time() - started < 0.5
+
+
+def _many_dimensional_tensors(count: int, dims: int = 64, shards: int = 256) -> list[dict]:
+    """Tensors of ``shards`` one-element shard maps along the last of ``dims`` dimensions."""
+    one = {"dtype": "uint8", "shape": [1] * (dims - 1) + [shards], "shards": [
+        {"offsets": [0] * (dims - 1) + [i], "shape": [1] * dims, "pieces": [[0, 0, 1]]} for i in range(shards)]}
+    return [{"key": f"t{i}", **one} for i in range(count)]
+
+
+def test_a_manifest_of_too_many_shard_map_dimensions_is_refused_while_it_is_decoded():
+    """2^22 dimensions of shard maps in all (spec 14): the 257th tensor of 256 shards in 64 dimensions
+    goes over, and the table is decoded tensor by tensor, so the refusal comes there, not after msgpack
+    decoded the whole (85 MiB of such tensors took 14.5 s to refuse, 5.4 s of it decoding)."""
+    chunks = [{"hash": HASH, "codec": "none", "size": 1, "stored_size": 1}]
+    data = manifest_bytes(chunks, _many_dimensional_tensors(300))
+    assert len(data) > unpacking.STREAM_FROM
+    with pytest.raises(ManifestError, match=r"shard maps of more than 4194304 dimensions in all, after tensor "
+                                            r"'t256'"):
+        Manifest.from_bytes(data, "m")
+
+
+@pytest.mark.parametrize("form", ["rows", "columns"])
+def test_shard_map_dimensions_count_in_both_forms_of_the_tensor_table(monkeypatch, form):
+    monkeypatch.setattr(unpacking, "MAX_SHARD_MAP_DIMS", 2 * 2 * 5)  # five tensors of two shards in two dims
+    monkeypatch.setattr(unpacking, "STREAM_FROM", 0)
+    chunks = [{"hash": HASH, "codec": "none", "size": 4, "stored_size": 4}]
+    tensors = _many_dimensional_tensors(6, dims=2, shards=2)
+
+    def table(entries: list[dict]):
+        if form == "rows":
+            return entries
+        return {"key": [""] * len(entries), "dtypes": [], "dtype": bytes(len(entries)), "ndim": bytes(len(entries)),
+                "dims": b"", "chunk": bytes(len(entries)), "offset": bytes(len(entries)), "rows": entries,
+                "row_at": bytes(range(len(entries)))}
+    Manifest.from_bytes(manifest_bytes(chunks, table(tensors[:5])), "m")
+    with pytest.raises(ManifestError, match="shard maps of more than 20 dimensions in all, after tensor 't5'"):
+        Manifest.from_bytes(manifest_bytes(chunks, table(tensors)), "m")

@@ -25,6 +25,7 @@ from ckptfmt.format.manifest import FORMAT_VERSION, MANIFEST_FORMAT, Chunk, Mani
 from ckptfmt.format.shards import Piece, ShardEntry, ShardGrid
 from ckptfmt.storage.factory import open_storage
 from tests.support.helpers import rewrite_manifest
+from tests.support.spec_reader import tensor_rows
 
 
 def blocks(full: torch.Tensor, row_cuts: list[int], column_cuts: list[int]) -> ckptfmt.Sharded:
@@ -41,7 +42,7 @@ def raw_entry(repo, name: str, key: str) -> dict:
     with ckptfmt.open(f"{repo}/{name}") as checkpoint:
         data = checkpoint.manifest.to_bytes()
     doc = msgpack.unpackb(data, raw=False, strict_map_key=False)
-    return next(t for t in doc["tensors"] if t["key"] == key)
+    return next(t for t in tensor_rows(doc["tensors"]) if t["key"] == key)
 
 
 LAYOUTS = {

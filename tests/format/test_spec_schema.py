@@ -36,6 +36,7 @@ from tests.support.spec_reader import (
     json_image,
     shuffle,
     store_chunk,
+    tensor_rows,
     tree_hook,
     unpack,
     unshuffle,
@@ -150,12 +151,15 @@ def test_real_checkpoint_matches_schemas(saved, name):
     _validator("commit.schema.json").validate(json.loads((repo / name / "COMMIT").read_bytes()))
     manifest = unpack(_manifest_bytes(repo, name))
     _validator("manifest.schema.json").validate(json_image(manifest))
+    assert isinstance(manifest["tensors"], dict)  # in columns (1.12)
+    _validator("manifest.schema.json").validate(json_image({**manifest, "tensors": tensor_rows(manifest["tensors"])}))
     # The fixture exercises what it claims to: split, packed, compressed, empty, 0-dim, tied, int keys.
-    big = next(t for t in manifest["tensors"] if t["key"] == "model/big")
+    tensors = tensor_rows(manifest["tensors"])
+    big = next(t for t in tensors if t["key"] == "model/big")
     assert len(big["shards"][0]["pieces"]) == math.ceil(300 * 300 * 4 / CHUNK_SIZE) == 6
-    keys = [t["key"] for t in manifest["tensors"]]
+    keys = [t["key"] for t in tensors]
     assert {"layers/0", "layers/1", "scalar", "empty", "tied"} <= set(keys)
-    assert any(t.get("same_as") is not None for t in manifest["tensors"])
+    assert any(t.get("same_as") is not None for t in tensors)
     codecs = {c["codec"] for c in manifest["chunks"]}
     assert codecs == ({"none"} if name == "plain" else {"zstd", "shuffle2-zstd", "shuffle4-zstd"})
     steps = manifest["timing"]["ranks"][0].get("steps")
@@ -197,11 +201,20 @@ def test_schema_vocabulary_and_limits_match_the_implementation():
     assert commit["manifest_size"]["maximum"] == limits.MAX_MANIFEST_BYTES
 
 
-def _bad_manifests(good: dict):
+def _bad_manifests(good: dict, rows: list):
+    """Documents the schema refuses: ``good`` (its tensor table in columns) and, for the row form,
+    ``good`` with the tensor table ``rows``."""
     def edit(fn):
         doc = copy.deepcopy(good)
         fn(doc)
         return doc
+
+    yield "columns: unknown dtype", edit(lambda d: d["tensors"]["dtypes"].append("qint8"))
+    yield "columns: a column not a bin", edit(lambda d: d["tensors"].update(ndim=[2]))
+    yield "columns: no dims", edit(lambda d: d["tensors"].pop("dims"))
+    yield "columns: rows without row_at", edit(lambda d: d["tensors"].pop("row_at"))
+    yield "columns: statistics without a set", edit(lambda d: d["tensors"]["stats"].pop("set"))
+    good = {**good, "tensors": rows}
 
     yield "uppercase hash", edit(lambda d: d["chunks"][0].update(hash=d["chunks"][0]["hash"].upper()))
     yield "short hash", edit(lambda d: d["chunks"][0].update(hash="ab" * 31))
@@ -223,9 +236,11 @@ def _bad_manifests(good: dict):
 def test_broken_documents_fail_the_schemas(saved):
     repo, _ = saved
     manifest_validator = _validator("manifest.schema.json")
-    good = json_image(unpack(_manifest_bytes(repo, "plain")))
+    manifest = unpack(_manifest_bytes(repo, "plain"))
+    good, rows = json_image(manifest), json_image(tensor_rows(manifest["tensors"]))
     manifest_validator.validate(good)
-    for what, bad in _bad_manifests(good):
+    manifest_validator.validate({**good, "tensors": rows})
+    for what, bad in _bad_manifests(good, rows):
         assert not manifest_validator.is_valid(bad), what
 
     commit_validator = _validator("commit.schema.json")

@@ -8,6 +8,7 @@ import base64
 import itertools
 import json
 import math
+import struct
 from pathlib import Path
 
 import blake3
@@ -63,7 +64,9 @@ def shuffle(data: bytes, width: int) -> bytes:
 
 _ITEMSIZE = {"bool": 1, "uint8": 1, "int8": 1, "int16": 2, "uint16": 2, "float16": 2, "bfloat16": 2,
              "int32": 4, "uint32": 4, "float32": 4, "int64": 8, "uint64": 8, "float64": 8, "complex64": 8,
-             "complex128": 16}
+             "complex128": 16, "complex32": 4, "float8_e4m3fn": 1, "float8_e4m3fnuz": 1, "float8_e5m2": 1,
+             "float8_e5m2fnuz": 1, "float8_e8m0fnu": 1, "float4_e2m1fn_x2": 1, "bits8": 1, "bits16": 2, "bits1x8": 1,
+             "bits2x4": 1, "bits4x2": 1}
 #: FORMAT.md 5.3: the codecs and the element width N each shuffles by (1: no shuffle).
 _WIDTHS = {"none": 1, "zstd": 1, "shuffle2-zstd": 2, "shuffle4-zstd": 4, "shuffle8-zstd": 8,
            "delta1-zstd": 1, "delta2-zstd": 2, "delta4-zstd": 4, "delta8-zstd": 8,
@@ -132,7 +135,7 @@ class SpecReader:
         assert self.manifest["format"] == "ckptfmt-manifest" and self.manifest["version"][0] == 1
         assert self.manifest["name"] == name
         self.chunks = self.manifest["chunks"]
-        self.tensors = self.manifest["tensors"]
+        self.tensors = tensor_rows(self.manifest["tensors"])
         self._decoded: dict[int, bytes] = {}
         self.chunks_read = 0
 
@@ -230,6 +233,49 @@ def shard_maps(shards, shape: list[int], width: int) -> list[dict]:
                      "rank": rank, "pieces": pieces})
         row += count
     return maps
+
+
+#: FORMAT.md 6.12: the statistics sets by their number in the ``set`` column, and the kinds by theirs.
+_SETS = {1: ("count", "min", "max", "mean", "l2", "absmax", "nan", "posinf", "neginf", "zeros"),
+         2: ("count", "min", "max", "zeros"), 3: ("count",)}
+_KINDS = ("tensor", "parameter", "numpy")
+
+
+def tensor_rows(tensors) -> list[dict]:
+    """The tensor table as the maps of FORMAT.md 6.4, from either form: the array itself, or (6.12) the
+    columns, each entry rebuilt as the map it stands for."""
+    if isinstance(tensors, list):
+        return tensors
+    count = len(tensors["key"])
+    column = {name: _column(tensors[name], count) if name in tensors else [0] * count
+              for name in ("dtype", "ndim", "kind", "requires_grad", "rank", "chunk", "offset")}
+    dims = _column(tensors["dims"], sum(column["ndim"]))
+    stats = tensors.get("stats")
+    if stats is not None:
+        sets = _column(stats["set"], count)
+        floats = {name: struct.unpack(f"<{count}d", stats[name]) for name in ("min", "max", "mean", "l2", "absmax")}
+        counts = {name: _column(stats[name], count) for name in ("nan", "posinf", "neginf", "zeros")}
+    rows, start = [], 0
+    for i in range(count):
+        shape = dims[start:start + column["ndim"][i]]
+        start += column["ndim"][i]
+        dtype = tensors["dtypes"][column["dtype"][i]] if tensors["dtypes"] else None
+        nbytes = math.prod(shape) * _ITEMSIZE[dtype] if dtype else 0
+        row = {"key": tensors["key"][i], "dtype": dtype, "shape": shape, "kind": _KINDS[column["kind"][i]],
+               "requires_grad": bool(column["requires_grad"][i]),
+               "shards": [{"offsets": [0] * len(shape), "shape": shape, "rank": column["rank"][i],
+                           "pieces": [[column["chunk"][i], column["offset"][i], nbytes]] if nbytes else []}]}
+        if stats is not None and sets[i]:
+            values = {"count": math.prod(shape), **{name: floats[name][i] for name in floats},
+                      **{name: counts[name][i] for name in counts}}
+            row["stats"] = {name: None if values[name] != values[name] else
+                            int(values[name]) if sets[i] == 2 and name in ("min", "max") else values[name]
+                            for name in _SETS[sets[i]]}
+        rows.append(row)
+    for index, row in zip(_column(tensors["row_at"], len(tensors["rows"])) if "rows" in tensors else [],
+                          tensors.get("rows", [])):
+        rows[index] = row
+    return rows
 
 
 def _column(data: bytes, count: int) -> list[int]:

@@ -1,0 +1,380 @@
+"""The tensor table in columns (spec 6.12, format 1.12): one packed column per field, not a map per tensor.
+
+A state of 100,000 small tensors cost 214 bytes a tensor beyond its key as
+maps (half of them statistics) and a decoded map, shard map and piece list
+apiece. In columns a tensor costs its key and a few bytes per field, and a
+reader checks every tensor with a few dozen numpy operations. Entries the
+columns cannot describe (several shards or pieces, ``same_as``, statistics
+that are not exactly binary64) stay maps, in ``rows``, by index.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from functools import partial
+from itertools import chain, islice, repeat
+from typing import TYPE_CHECKING, Any
+
+from ckptfmt.errors import ManifestError
+from ckptfmt.format.dtypes import itemsize
+from ckptfmt.format.limits import MAX_CHUNK_BYTES, MAX_DIMS, MAX_KEY_BYTES, MAX_TENSOR_BYTES, MAX_TENSORS
+from ckptfmt.format.shards import MAX_RANK, Piece, ShardEntry, column, pack_column
+from ckptfmt.format.tensor_entry import TENSOR_KINDS, TensorEntry
+from ckptfmt.format.tensor_stats import COUNT_FIELDS, FLOAT_FIELDS, INTEGER_FIELDS, stat_sets
+
+if TYPE_CHECKING:
+    import numpy as np
+
+#: Statistics sets by their number in the ``set`` column; 0: no statistics (spec 6.12).
+STAT_SETS: tuple[tuple[str, ...], ...] = ((), FLOAT_FIELDS, INTEGER_FIELDS, COUNT_FIELDS)
+_VALUE_FIELDS = ("min", "max", "mean", "l2", "absmax")
+_COUNT_FIELDS = ("nan", "posinf", "neginf", "zeros")
+#: Integers binary64 holds exactly: an integer set's extremes beyond them keep their entry a map.
+_EXACT = 2**53
+_MAX_DIM = 2**63 - 1
+_new_tensor = partial(tuple.__new__, TensorEntry)
+_new_shard = partial(tuple.__new__, ShardEntry)
+_new_piece = partial(tuple.__new__, Piece)
+
+
+# -- writing -------------------------------------------------------------------------------------
+
+def to_columns(tensors: Sequence[TensorEntry], row_of: Callable[[TensorEntry], dict]) -> dict:
+    """The tensor table ``tensors`` as columns; ``row_of`` writes an entry the columns cannot hold.
+
+    Each entry's layout is checked on its own; its statistics a set at a time, one list per field
+    (what binary64 holds exactly is checked on the whole list, entry by entry only if that fails).
+    """
+    places = [_one_piece(tensor) for tensor in tensors]
+    sets = [_stat_set(tensor.stats, tensor.numel) if place else None for tensor, place in zip(tensors, places)]
+    values, counts = _stat_cells(tensors, sets)
+    row_at = [index for index, stat_set in enumerate(sets) if stat_set is None]
+    entries = [tensor if stat_set is not None else _PLACEHOLDER for tensor, stat_set in zip(tensors, sets)]
+    dtypes: dict[str, int] = {}
+    dtype_ids = [dtypes.setdefault(entry.dtype, len(dtypes)) if entry.dtype else 0 for entry in entries]
+    shapes = [entry.shape for entry in entries]
+    doc: dict[str, Any] = {
+        "key": [entry.key for entry in entries], "dtypes": list(dtypes), "dtype": _pack(dtype_ids),
+        "ndim": _pack(list(map(len, shapes))), "dims": _pack(list(chain.from_iterable(shapes))),
+    }
+    held = [place if place and stat_set is not None else _NO_PLACE for place, stat_set in zip(places, sets)]
+    optional = {"kind": [_KIND_NUMBERS[entry.kind] for entry in entries],
+                "requires_grad": [entry.requires_grad for entry in entries], "rank": [p[0] for p in held]}
+    doc.update((name, _pack(cells)) for name, cells in optional.items() if any(cells))
+    doc.update(chunk=_pack([p[1] for p in held]), offset=_pack([p[2] for p in held]))
+    if any(sets):
+        doc["stats"] = {"set": _pack([stat_set or 0 for stat_set in sets]),
+                        **{name: values[:, i].tobytes() for i, name in enumerate(_VALUE_FIELDS)},
+                        **{name: pack_column(counts[:, i]) for i, name in enumerate(_COUNT_FIELDS)}}
+    if row_at:
+        doc.update(rows=[row_of(tensors[index]) for index in row_at], row_at=_pack(row_at))
+    return doc
+
+
+class _Placeholder:
+    """What a ``rows`` entry leaves in the columns: zeros, an empty key."""
+
+    key, dtype, shape, kind, requires_grad, stats = "", "", (), "tensor", False, None
+
+
+_PLACEHOLDER: Any = _Placeholder()
+_NO_PLACE = (0, 0, 0)
+_KIND_NUMBERS = {kind: number for number, kind in enumerate(TENSOR_KINDS)}
+
+
+def _pack(values: list) -> bytes:
+    import numpy as np
+
+    return pack_column(np.array(values, dtype=np.uint64))
+
+
+def _one_piece(tensor: TensorEntry) -> tuple[int, int, int] | None:
+    """(rank, chunk, offset) of a tensor held as one shard covering it in one piece (no piece when it
+    has no bytes), without ``same_as``; None for any other entry."""
+    shards = tensor.shards
+    if type(shards) is not tuple or len(shards) != 1 or tensor.same_as is not None:
+        return None
+    offsets, shape, rank, pieces = shards[0]
+    if shape != tensor.shape or any(offsets) or max(shape, default=0) > _MAX_DIM:
+        return None
+    if not pieces:
+        return (rank, 0, 0) if tensor.nbytes == 0 else None
+    if len(pieces) != 1 or pieces[0].length != tensor.nbytes:
+        return None
+    return rank, pieces[0].chunk, pieces[0].offset
+
+
+_SET_OF_SIZE = {len(FLOAT_FIELDS): (1, frozenset(FLOAT_FIELDS)), len(INTEGER_FIELDS): (2, frozenset(INTEGER_FIELDS)),
+                len(COUNT_FIELDS): (3, frozenset(COUNT_FIELDS))}
+
+
+def _stat_set(stats: dict | None, numel: int) -> int | None:
+    """The number of the set ``stats`` holds (0: none), or None for fields of no one set, or a count that
+    is not the tensor's (the row form keeps those as they are)."""
+    if stats is None:
+        return 0
+    number, fields = _SET_OF_SIZE.get(len(stats), (None, None))
+    return number if fields is not None and stats.keys() == fields and stats["count"] == numel else None
+
+
+def _stat_cells(tensors: Sequence[TensorEntry], sets: list[int | None]) -> tuple[np.ndarray, np.ndarray]:
+    """The statistics' binary64 and count cells, a set at a time; an entry whose values the cells do not
+    hold exactly (an int in the float set, a NaN, an integer extreme over 2^53, a count not an int) has
+    its set made None in ``sets``: it is written as a map."""
+    import numpy as np
+
+    values, counts = np.zeros((len(tensors), 5), dtype="<f8"), np.zeros((len(tensors), 4), dtype=np.int64)
+    for number, value_names, count_names in ((1, _VALUE_FIELDS, _COUNT_FIELDS), (2, ("min", "max"), ("zeros",))):
+        at = [index for index, stat_set in enumerate(sets) if stat_set == number]
+        group: list[dict] = [tensors[index].stats or {} for index in at]  # a set numbered: stats present
+        cells = {name: [stats[name] for stats in group] for name in (*value_names, *count_names)}
+        if not all(_exact(number, name, column) for name, column in cells.items()):
+            for index, stats in zip(at, group):
+                if not all(_exact(number, name, [stats[name]]) for name in cells):
+                    sets[index] = None
+            return _stat_cells(tensors, sets)
+        for name in value_names:
+            values[at, _VALUE_FIELDS.index(name)] = np.array(cells[name], dtype=np.float64)  # None: NaN
+        for name in count_names:
+            counts[at, _COUNT_FIELDS.index(name)] = cells[name]
+    return values, counts
+
+
+def _exact(stat_set: int, name: str, column: list) -> bool:
+    """Whether binary64 (or, for counts, an unsigned column) holds every value of ``column`` exactly."""
+    import numpy as np
+
+    types = set(map(type, column))
+    if name in _COUNT_FIELDS:
+        return types <= _INT and min(column, default=0) >= 0
+    if stat_set == 1:  # floats, none of them NaN: NaN stands for nil (None, which numpy makes NaN)
+        return types <= _FLOAT_OR_NIL and int(np.isnan(np.array(column, dtype=np.float64)).sum()) == column.count(None)
+    present = [value for value in column if value is not None]
+    return types <= _INT_OR_NIL and all(-_EXACT <= value <= _EXACT for value in present)
+
+
+_INT, _FLOAT_OR_NIL, _INT_OR_NIL = {int}, {float, type(None)}, {int, type(None)}
+
+
+# -- reading -------------------------------------------------------------------------------------
+
+def parse_columns(doc: dict, chunk_sizes: Sequence[int], budget: Any,
+                  parse_row: Callable[[Any, int], TensorEntry]) -> list[TensorEntry]:
+    """The entries of a tensor table in columns, every check of spec 6.12 done on whole columns;
+    ``parse_row(map, index)`` parses an entry of ``rows`` as the row form's entries are parsed."""
+    import numpy as np
+
+    keys = doc.get("key")
+    if type(keys) is not list or not all(type(key) is str for key in keys):
+        raise ManifestError("tensor columns: 'key' must be an array of strings")
+    count = len(keys)
+    if count > MAX_TENSORS:
+        raise ManifestError("too many chunks or tensors")
+    names = doc.get("dtypes")
+    if type(names) is not list or not all(type(name) is str for name in names) or len(set(names)) != len(names):
+        raise ManifestError("tensor columns: 'dtypes' must be an array of distinct strings")
+    widths = np.array([itemsize(name) for name in names] or [0], dtype=np.int64)
+    col = partial(_column, doc, count)
+    dtype = col("dtype", high=max(len(names) - 1, 0))
+    ndim = col("ndim", high=MAX_DIMS)
+    dims = column(doc.get("dims"), "dims", int(ndim.sum()), "tensor columns", high=_MAX_DIM, table="tensor")
+    kind = col("kind", high=len(TENSOR_KINDS) - 1, optional=True)
+    grad = col("requires_grad", high=1, optional=True)
+    rank = col("rank", high=MAX_RANK, optional=True)
+    chunk = col("chunk", high=max(len(chunk_sizes) - 1, 0))
+    offset = col("offset", high=MAX_CHUNK_BYTES)
+    row_at, rows = _rows(doc, count)
+    in_rows = np.zeros(count, dtype=bool)
+    in_rows[row_at] = True
+    fields = [dtype, ndim, kind, grad, rank, chunk, offset]
+    if any(column_values[row_at].any() for column_values in fields) or any(keys[i] for i in row_at):
+        raise ManifestError("tensor columns: an entry of 'rows' must be zero in every column, its key empty")
+    if not names and len(row_at) < count:
+        raise ManifestError("tensor columns: 'dtypes' is empty")
+    numel = _numel(ndim, dims, keys)
+    nbytes = numel * widths[dtype]
+    too_big = np.flatnonzero(nbytes > MAX_TENSOR_BYTES)
+    if len(too_big):
+        raise ManifestError(f"tensor {keys[too_big[0]]!r}: its shape is over the size limit")
+    _check_keys(keys, in_rows)
+    held = ~in_rows & (nbytes > 0)
+    budget.take(count - len(row_at), int(held.sum()))
+    _check_pieces(chunk, offset, nbytes, held, in_rows, np.asarray(chunk_sizes, dtype=np.int64), keys)
+    stats = _parse_stats(doc.get("stats"), count, dtype, names, numel, in_rows, keys) if "stats" in doc else None
+    entries = _entries(keys, names, dtype, ndim, dims, kind, grad, rank, chunk, offset, numel, nbytes, stats)
+    for index, row in zip(row_at.tolist(), rows):
+        entries[index] = parse_row(row, index)
+    return entries
+
+
+def _column(doc: dict, count: int, name: str, *, high: int, optional: bool = False) -> np.ndarray:
+    import numpy as np
+
+    if optional and name not in doc:
+        return np.zeros(count, dtype=np.uint8)
+    return column(doc.get(name), name, count, "tensor columns", high=high, table="tensor")
+
+
+def _rows(doc: dict, count: int) -> tuple[np.ndarray, list]:
+    """The indexes and maps of the entries held as maps, indexes strictly increasing."""
+    import numpy as np
+
+    if ("rows" in doc) != ("row_at" in doc):
+        raise ManifestError("tensor columns: 'rows' and 'row_at' must be present together")
+    rows = doc.get("rows", [])
+    if type(rows) is not list:
+        raise ManifestError("tensor columns: 'rows' must be an array of tensor entries")
+    at = column(doc["row_at"], "row_at", len(rows), "tensor columns", high=max(count - 1, 0), table="tensor") \
+        if rows or "row_at" in doc else np.empty(0, dtype=np.int64)
+    if len(at) and (count == 0 or (len(at) > 1 and not (np.diff(at.astype(np.int64)) > 0).all())):
+        raise ManifestError("tensor columns: 'row_at' must name entries in increasing order, each once")
+    return at.astype(np.int64), rows
+
+
+def _numel(ndim: np.ndarray, dims: np.ndarray, keys: list) -> np.ndarray:
+    """Each entry's element count, exactly, refusing a count over the byte limit before it can overflow."""
+    import numpy as np
+
+    count = len(ndim)
+    starts = np.cumsum(ndim, dtype=np.int64) - ndim
+    numel = np.ones(count, dtype=np.int64)
+    approx = np.ones(count, dtype=np.float64)
+    empty = np.zeros(count, dtype=bool)
+    for axis in range(int(ndim.max()) if count else 0):
+        has = ndim > axis
+        extent = np.ones(count, dtype=np.int64)
+        extent[has] = dims[starts[has] + axis]
+        empty |= extent == 0
+        approx *= extent
+        numel *= np.where(approx > MAX_TENSOR_BYTES, 1, extent)  # stays exact; the entry is refused below
+    over = np.flatnonzero(~empty & (approx > MAX_TENSOR_BYTES))
+    if len(over):
+        raise ManifestError(f"tensor {keys[over[0]]!r}: its shape is over the size limit")
+    numel[empty] = 0
+    return numel
+
+
+def _check_keys(keys: list[str], in_rows: np.ndarray) -> None:
+    """Every column entry's key holds 1 to MAX_KEY_BYTES bytes of UTF-8 (at most 4 bytes a character, so
+    only a long key is encoded to be measured)."""
+    for index, length in enumerate(map(len, keys)):
+        if (length == 0 or length > MAX_KEY_BYTES // 4) and not in_rows[index] and (
+                not length or len(keys[index].encode("utf-8", "surrogatepass")) > MAX_KEY_BYTES):
+            raise ManifestError(f"tensor {index} has an invalid key")
+
+
+def _check_pieces(chunk: np.ndarray, offset: np.ndarray, nbytes: np.ndarray, held: np.ndarray,
+                  in_rows: np.ndarray, sizes: np.ndarray, keys: list) -> None:
+    """A held entry's piece lies in its chunk; an entry of no bytes names none (chunk and offset 0)."""
+    import numpy as np
+
+    if held.any():
+        if not len(sizes):
+            raise ManifestError(f"tensor {keys[int(np.flatnonzero(held)[0])]!r}: its piece names a chunk outside "
+                                "the chunk table of 0 rows")
+        rows = chunk.astype(np.int64)
+        outside = np.flatnonzero(held & (offset.astype(np.int64) + nbytes > sizes[rows]))
+        if len(outside):
+            index = int(outside[0])
+            raise ManifestError(f"tensor {keys[index]!r}: piece [{offset[index]}, +{nbytes[index]}) runs past "
+                                f"chunk {rows[index]} ({sizes[rows[index]]} bytes)")
+    stray = np.flatnonzero(~held & ~in_rows & ((chunk != 0) | (offset != 0)))
+    if len(stray):
+        raise ManifestError(f"tensor {keys[int(stray[0])]!r}: an entry of no bytes must have chunk and offset 0")
+
+
+def _parse_stats(doc: Any, count: int, dtype: np.ndarray, names: list[str], numel: np.ndarray,
+                 in_rows: np.ndarray, keys: list) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The statistics columns, checked: (set, values count x 5 binary64, counts count x 4)."""
+    import numpy as np
+
+    if type(doc) is not dict:
+        raise ManifestError("tensor columns: 'stats' must be a map of columns")
+    sets = column(doc.get("set"), "set", count, "tensor statistics", high=len(STAT_SETS) - 1, table="tensor")
+    values = np.empty((count, 5), dtype=np.float64)
+    for i, name in enumerate(_VALUE_FIELDS):
+        raw = doc.get(name)
+        if type(raw) is not bytes or len(raw) != 8 * count:
+            raise ManifestError(f"tensor statistics: {name!r} must be a bin of {count} binary64 values")
+        values[:, i] = np.frombuffer(raw, dtype="<f8")
+    counts = np.stack([column(doc.get(name), name, count, "tensor statistics", table="tensor")
+                       .astype(np.int64) for name in _COUNT_FIELDS], axis=1) if count else np.zeros((0, 4), np.int64)
+    allowed = np.array([[True] + [frozenset(STAT_SETS[s]) in stat_sets(name) for s in (1, 2, 3)] for name in names]
+                       or [[True, False, False, False]])
+    bad = np.flatnonzero(~allowed[dtype, sets] | (in_rows & (sets != 0)))
+    if len(bad):
+        index = int(bad[0])
+        raise ManifestError(f"tensor {keys[index]!r}: statistics set {int(sets[index])} is not one spec 6.10 "
+                            f"allows for {names[dtype[index]] if names else 'it'}")
+    zero_values = np.array([[True] * 5, [False] * 5, [False, False, True, True, True], [True] * 5])[sets]
+    zero_counts = np.array([[True] * 4, [False] * 4, [True, True, True, False], [True] * 4])[sets]
+    if (values.view(np.uint64)[zero_values] != 0).any() or (counts[zero_counts] != 0).any():
+        index = int(np.flatnonzero((values.view(np.uint64) * zero_values).any(axis=1)
+                                   | (counts * zero_counts).any(axis=1))[0])
+        raise ManifestError(f"tensor {keys[index]!r}: a statistics column holds a value its set does not have "
+                            "(it must be 0)")
+    over = np.flatnonzero((counts > numel[:, None]).any(axis=1))
+    if len(over):
+        raise ManifestError(f"tensor {keys[int(over[0])]!r}: a statistics count is over its elements")
+    extremes = values[:, :2]
+    inexact = np.flatnonzero((sets == 2) & (~np.isnan(extremes) & ((extremes != np.trunc(extremes))
+                                                                   | (np.abs(extremes) > _EXACT))).any(axis=1))
+    if len(inexact):
+        raise ManifestError(f"tensor {keys[int(inexact[0])]!r}: an integer set's min or max is not an integer of "
+                            f"at most 2^53")
+    return sets, values, counts
+
+
+def _entries(keys, names, dtype, ndim, dims, kind, grad, rank, chunk, offset, numel, nbytes, stats) -> list:
+    """The ``TensorEntry`` of every entry (those of ``rows`` are replaced by the caller), built by maps
+    over the columns: a Python loop per entry costs more than the rest of the parse."""
+    import numpy as np
+
+    ndims = ndim.tolist()
+    flat = iter(dims.tolist())
+    shapes = list(map(tuple, map(islice, repeat(flat), ndims)))
+    lengths = nbytes.tolist()
+    pieces: list[tuple] = list(zip(map(_new_piece, zip(chunk.tolist(), offset.tolist(), lengths))))
+    for index in np.flatnonzero(nbytes == 0).tolist():
+        pieces[index] = ()
+    origins = [(0,) * length for length in range(MAX_DIMS + 1)]
+    shards = list(zip(map(_new_shard, zip(map(origins.__getitem__, ndims), shapes, rank.tolist(), pieces))))
+    dtypes = list(map(names.__getitem__, dtype.tolist())) if names else [""] * len(keys)
+    kinds = map(TENSOR_KINDS.__getitem__, kind.tolist())
+    per_stats = _stats_dicts(stats, numel) if stats is not None else repeat(None)
+    return list(map(_new_tensor, zip(keys, dtypes, shapes, shards, kinds, map(bool, grad.tolist()), repeat(None),
+                                     per_stats)))
+
+
+def _stats_dicts(stats: tuple, numel: np.ndarray) -> list[dict | None]:
+    """Each entry's statistics as the map its row would hold (nil for NaN; an integer set's ints), a set
+    at a time: ``dict(zip(fields, cells))`` over columns of Python values."""
+    import numpy as np
+
+    sets, values, counts = stats
+    out: list[dict | None] = [None] * len(sets)
+    for number, fields in enumerate(STAT_SETS):
+        at = np.flatnonzero(sets == number)
+        if number == 0 or not len(at):
+            continue
+        cells = {"count": numel[at].tolist()}
+        for i, name in enumerate(_VALUE_FIELDS):
+            if name in fields:
+                column = values[at, i]
+                cells[name] = _nil_for_nan(column.astype(np.int64) if number == 2 else column, np.isnan(column))
+        for i, name in enumerate(_COUNT_FIELDS):
+            if name in fields:
+                cells[name] = counts[at, i].tolist()
+        made = map(dict, map(zip, repeat(fields), zip(*(cells[name] for name in fields))))
+        for index, entry_stats in zip(at.tolist(), made):
+            out[index] = entry_stats
+    return out
+
+
+def _nil_for_nan(column: np.ndarray, nan: np.ndarray) -> list:
+    """The column's values as Python numbers, None where ``nan``."""
+    if not nan.any():
+        return column.tolist()
+    boxed = column.astype(object)
+    boxed[nan] = None
+    return boxed.tolist()

@@ -1,0 +1,182 @@
+"""The tensor table in columns (spec 6.12, format 1.12): the same entries as the row form, every rule
+refused by name, and fields of newer minors ignored."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import struct
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+
+import ckptfmt
+from ckptfmt.errors import ManifestError
+from ckptfmt.format.manifest import Manifest
+from tests.support.spec_reader import tensor_rows
+
+
+def _state() -> dict:
+    """Every kind of entry: plain, parameter, numpy, empty, 0-dim, tied, sharded, cut into several pieces,
+    statistics of every set, non-finite values, an integer extreme binary64 does not hold."""
+    weight = torch.randn(3, 4)
+    return {
+        "w": weight, "tied": weight, "p": torch.nn.Parameter(torch.ones(5)), "n": np.arange(6, dtype=np.int32),
+        "empty": torch.empty(0, 7), "scalar": torch.tensor(2.5), "flags": torch.tensor([True, False]),
+        "odd": torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0, 1.0]),
+        "u16": torch.tensor([1, 2], dtype=torch.uint16), "c": torch.ones(2, dtype=torch.complex64),
+        "huge": torch.tensor([2**62, -(2**62)], dtype=torch.int64), "bf": torch.randn(8).to(torch.bfloat16),
+        "big": torch.randn(70_000), "sharded": ckptfmt.Sharded((4,), [ckptfmt.Shard((0,), torch.ones(2), 0),
+                                                                      ckptfmt.Shard((2,), torch.zeros(2), 3)]),
+        "ranked": ckptfmt.Sharded((3,), [ckptfmt.Shard((0,), torch.ones(3), 7)]),
+    }
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> tuple[bytes, dict]:
+    repo = tmp_path_factory.mktemp("columns") / "repo"
+    ckptfmt.save(_state(), f"{repo}/a", chunk_size=2**16)
+    commit = json.loads((repo / "a" / "COMMIT").read_bytes())
+    data = (repo / "a" / f"manifest-{commit['manifest']}.msgpack").read_bytes()
+    return data, msgpack.unpackb(data, raw=False, strict_map_key=False)
+
+
+def test_the_columns_hold_the_entries_the_row_form_holds(saved):
+    data, doc = saved
+    columns = doc["tensors"]
+    assert isinstance(columns, dict) and doc["version"] == [1, 12]
+    manifest = Manifest.from_bytes(data, "columns")
+    rows_bytes = dataclasses.replace(manifest, version=(1, 11)).to_bytes()  # a 1.11 writer: one map per entry
+    assert isinstance(msgpack.unpackb(rows_bytes, raw=False, strict_map_key=False)["tensors"], list)
+    assert Manifest.from_bytes(rows_bytes, "rows").tensors == manifest.tensors
+    assert manifest.to_bytes() == data  # read and written again: the same bytes
+    # What the columns could not hold is in rows, whole: tied (same_as), sharded and several pieces, the
+    # integer extremes beyond 2^53, the NaN-free float set with infinities stays in the columns.
+    in_rows = {row["key"] for row in columns["rows"]}
+    assert in_rows == {"tied", "sharded", "big", "huge"}
+    by_key = {entry.key: entry for entry in manifest.tensors}
+    assert by_key["odd"].stats == {"count": 5, "min": -0.0, "max": 1.0, "mean": 0.5, "l2": 1.0, "absmax": 1.0,
+                                   "nan": 1, "posinf": 1, "neginf": 1, "zeros": 1}
+    assert str(by_key["odd"].stats["min"]) == "-0.0"
+    assert by_key["flags"].stats == {"count": 2, "min": 0, "max": 1, "zeros": 1}
+    assert type(by_key["flags"].stats["min"]) is int
+    assert by_key["u16"].stats == by_key["c"].stats == {"count": 2}
+    assert by_key["empty"].shards[0].pieces == () and by_key["empty"].stats["min"] is None
+    assert by_key["ranked"].shards[0].rank == 7 and by_key["p"].kind == "parameter" and by_key["p"].requires_grad
+    assert by_key["n"].kind == "numpy" and by_key["scalar"].shape == ()
+    # The independent reader (tests/support/spec_reader.py) rebuilds the same maps from the columns.
+    assert tensor_rows(columns) == msgpack.unpackb(rows_bytes, raw=False, strict_map_key=False)["tensors"]
+
+
+def test_a_checkpoint_in_columns_loads_as_saved(tmp_path):
+    state = _state()
+    ckptfmt.save(state, f"{tmp_path}/repo/a")
+    loaded = ckptfmt.load(f"{tmp_path}/repo/a")
+    assert loaded["tied"] is loaded["w"] and isinstance(loaded["p"], torch.nn.Parameter)
+    for key in ("w", "empty", "scalar", "flags", "u16", "huge", "bf", "big"):
+        assert torch.equal(loaded[key], state[key]) and loaded[key].dtype == state[key].dtype, key
+    assert np.array_equal(loaded["n"], state["n"])
+    assert torch.equal(loaded["sharded"], torch.tensor([1.0, 1, 0, 0]))
+
+
+def _set(name: str, value):
+    return lambda t: t.__setitem__(name, value)
+
+
+def _cell(name: str, index: int, value: int, width: int = 1):
+    """Set cell ``index`` of column ``name`` (of ``width``-byte ints) to ``value``."""
+    def change(t):
+        raw = bytearray(t[name])
+        raw[index * width:(index + 1) * width] = value.to_bytes(width, "little")
+        t[name] = bytes(raw)
+    return change
+
+
+def _stat(name: str, index: int, value: float):
+    def change(t):
+        raw = bytearray(t["stats"][name])
+        raw[8 * index:8 * index + 8] = struct.pack("<d", value)
+        t["stats"][name] = bytes(raw)
+    return change
+
+
+def _key_index(t, key: str) -> int:
+    return t["key"].index(key)
+
+
+#: mutation -> the words its error names
+REFUSED = {
+    "key not strings": (_set("key", [1]), "'key' must be an array of strings"),
+    "dtypes twice": (lambda t: t["dtypes"].append(t["dtypes"][0]), "distinct strings"),
+    "unknown dtype": (lambda t: t["dtypes"].__setitem__(0, "qint8"), "qint8"),
+    "dtype past dtypes": (lambda t: _cell("dtype", 0, 200)(t), "'dtype' holds values outside"),
+    "column of another length": (lambda t: t.update(chunk=t["chunk"][:-1]), "'chunk' of"),
+    "column not a bin": (_set("offset", [0]), "'offset' must be a bin"),
+    "missing dims": (lambda t: t.pop("dims"), "'dims' must be a bin"),
+    "ndim over 64": (lambda t: _cell("ndim", 0, 65)(t), "'ndim' holds values outside"),
+    "kind 3": (lambda t: t.update(kind=bytes(len(t["key"]) - 1) + b"\x03"), "'kind' holds values outside"),
+    "requires_grad 2": (lambda t: t.update(requires_grad=b"\x02" + bytes(len(t["key"]) - 1)),
+                        "'requires_grad' holds values outside"),
+    "chunk past the table": (lambda t: _cell("chunk", 0, 250)(t), "'chunk' holds values outside"),
+    "piece past its chunk": (lambda t: t.update(offset=struct.pack(
+        f"<{len(t['key'])}I", *(2**20 if key == "w" else 0 for key in t["key"]))), "runs past chunk"),
+    "empty key": (lambda t: t["key"].__setitem__(0, ""), "invalid key"),
+    "key over 4096 bytes": (lambda t: t["key"].__setitem__(0, "é" * 2049), "invalid key"),
+    "two keys the same": (lambda t: t["key"].__setitem__(_key_index(t, "p"), "w"), "share one key"),
+    "a key the same as a row's": (lambda t: t["key"].__setitem__(0, t["rows"][0]["key"]), "share one key"),
+    "rows without row_at": (lambda t: t.pop("row_at"), "together"),
+    "row_at not increasing": (lambda t: t.update(row_at=t["row_at"][::-1]), "increasing order"),
+    "a row's cell not 0": (lambda t: t["key"].__setitem__(t["row_at"][0], "x"), "zero in every column"),
+    "a row that is not an entry": (lambda t: t["rows"].__setitem__(0, 5), "not a map"),
+    "integer set on float32": (lambda t: _cell("set", _key_index(t, "w"), 2)(t["stats"]),
+                               "statistics set 2 is not one spec 6.10 allows for float32"),
+    "float set on int32": (lambda t: _cell("set", _key_index(t, "n"), 1)(t["stats"]), "allows for int32"),
+    "count over the elements": (lambda t: _cell("zeros", _key_index(t, "w"), 13)(t["stats"]),
+                                "count is over its elements"),
+    "integer set's mean": (lambda t: _stat("mean", _key_index(t, "flags"), 1.0)(t), "does not have"),
+    "count set's min": (lambda t: _stat("min", _key_index(t, "c"), 1.0)(t), "does not have"),
+    "integer min not an integer": (lambda t: _stat("min", _key_index(t, "flags"), 0.5)(t), "not an integer"),
+    "stats without a column": (lambda t: t["stats"].pop("l2"), "'l2' must be a bin"),
+    "stats not a map": (_set("stats", [1]), "'stats' must be a map"),
+    "shape over the limit": (lambda t: t.update(ndim=b"\x40" + t["ndim"][1:],
+                                                dims=b"\xff" * 64 + t["dims"][t["ndim"][0]:]), "its shape"),
+}
+
+
+@pytest.mark.parametrize("mutation", sorted(REFUSED))
+def test_every_rule_of_the_columns_is_refused_by_name(saved, mutation):
+    _, doc = saved
+    change, words = REFUSED[mutation]
+    bad = copy.deepcopy(doc)
+    change(bad["tensors"])
+    with pytest.raises(ManifestError) as caught:
+        Manifest.from_bytes(msgpack.packb(bad, use_bin_type=True), "m")
+    assert words in str(caught.value) and str(caught.value).startswith("m: "), str(caught.value)
+
+
+def test_a_shape_with_a_zero_is_empty_whatever_its_other_dimensions(saved):
+    _, doc = saved
+    good = copy.deepcopy(doc)
+    columns = good["tensors"]
+    index = columns["key"].index("empty")  # float32, shape [0, 7]; its own dims start after the others'
+    ndims = list(columns["ndim"])
+    start = sum(ndims[:index])
+    dims = np.frombuffer(columns["dims"], dtype=f"<u{len(columns['dims']) // sum(ndims)}").astype("<u8")
+    dims[start + 1] = 2**62  # [0, 2^62]: no elements, so within every limit
+    columns["dims"] = dims.tobytes()
+    entry = next(t for t in Manifest.from_bytes(msgpack.packb(good, use_bin_type=True), "m").tensors
+                 if t.key == "empty")
+    assert entry.shape == (0, 2**62) and entry.nbytes == 0
+
+
+def test_fields_a_newer_minor_adds_are_ignored(saved):
+    data, doc = saved
+    newer = copy.deepcopy(doc)
+    newer["version"] = [1, 99]
+    newer["tensors"]["future_column"] = b"\x01" * len(doc["tensors"]["key"])
+    newer["tensors"]["stats"]["p99"] = b"\x00" * 8 * len(doc["tensors"]["key"])
+    read = Manifest.from_bytes(msgpack.packb(newer, use_bin_type=True), "newer")
+    assert read.tensors == Manifest.from_bytes(data, "m").tensors
