@@ -157,25 +157,37 @@ class Manifest:
         without building their values (they read as their defaults). Analytics
         skips ``rng``, 80% of a many-rank manifest's parse time.
         """
-        if len(data) > MAX_MANIFEST_BYTES:
-            raise ManifestError(f"{where}: manifest of {len(data)} bytes is over the {MAX_MANIFEST_BYTES} limit")
-        if not skip <= OPTIONAL_FIELDS:
-            raise ValueError(f"only optional fields can be skipped ({', '.join(sorted(OPTIONAL_FIELDS))})")
-        with collector_paused():
-            try:
-                doc = unpack_manifest(data, skip)
-            except CheckpointError as exc:
-                raise type(exc)(f"{where}: {exc}") from None
-            except Exception as exc:
-                raise ManifestError(f"{where}: not a valid msgpack manifest ({exc})") from None
-            try:
-                return _parse(doc)
-            except CheckpointError as exc:
-                raise type(exc)(f"{where}: {exc}") from None
-            except RecursionError:  # a safety net: nesting is bounded where values are parsed
-                raise ManifestError(f"{where}: malformed manifest (nested too deeply)") from None
-            except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
-                raise ManifestError(f"{where}: malformed manifest ({exc})") from None
+        return _from_bytes(data, where, skip, statistics=True)
+
+    @classmethod
+    def check(cls, data: bytes, where: str) -> None:
+        """Validate a manifest as ``from_bytes`` does, keeping nothing: a save checks its own manifest
+        before it commits it, and the statistics of a table in columns are then checked in their
+        columns without being rebuilt as a map per tensor (100,000 tensors: 0.1 s and 100 MB less)."""
+        _from_bytes(data, where, frozenset(), statistics=False)
+
+
+def _from_bytes(data: bytes, where: str, skip: frozenset[str], *, statistics: bool) -> Manifest:
+    """``Manifest.from_bytes``; without ``statistics``, tensor columns' entries have none (a check)."""
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise ManifestError(f"{where}: manifest of {len(data)} bytes is over the {MAX_MANIFEST_BYTES} limit")
+    if not skip <= OPTIONAL_FIELDS:
+        raise ValueError(f"only optional fields can be skipped ({', '.join(sorted(OPTIONAL_FIELDS))})")
+    with collector_paused():
+        try:
+            doc = unpack_manifest(data, skip)
+        except CheckpointError as exc:
+            raise type(exc)(f"{where}: {exc}") from None
+        except Exception as exc:
+            raise ManifestError(f"{where}: not a valid msgpack manifest ({exc})") from None
+        try:
+            return _parse(doc, statistics)
+        except CheckpointError as exc:
+            raise type(exc)(f"{where}: {exc}") from None
+        except RecursionError:  # a safety net: nesting is bounded where values are parsed
+            raise ManifestError(f"{where}: malformed manifest (nested too deeply)") from None
+        except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
+            raise ManifestError(f"{where}: malformed manifest ({exc})") from None
 
 
 #: Top-level fields ``from_bytes`` may skip (wire names): optional, and nothing else in the manifest refers
@@ -272,7 +284,7 @@ class _Budget:
             raise ManifestError(f"more than {MAX_PIECES} pieces in one manifest")
 
 
-def _parse(doc: Any) -> Manifest:
+def _parse(doc: Any, statistics: bool = True) -> Manifest:
     if not isinstance(doc, dict):
         raise ManifestError("manifest is not a map")
     if doc.get("format") != MANIFEST_FORMAT:
@@ -289,7 +301,7 @@ def _parse(doc: Any) -> Manifest:
     sizes = _Sizes(c.size for c in chunks)
     budget = _Budget()
     tensors = _parse_tensors(raw_tensors, sizes, budget) if type(raw_tensors) is list else parse_columns(
-        raw_tensors, sizes, budget, partial(_parse_tensor, sizes=sizes, budget=budget))
+        raw_tensors, sizes.array, budget, partial(_parse_tensor, sizes=sizes, budget=budget), statistics=statistics)
     if len({t.key for t in tensors}) != len(tensors):
         raise ManifestError("two tensors share one key")
     _check_same_as(tensors)

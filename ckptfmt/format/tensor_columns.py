@@ -158,10 +158,11 @@ _INT, _FLOAT_OR_NIL, _INT_OR_NIL = {int}, {float, type(None)}, {int, type(None)}
 
 # -- reading -------------------------------------------------------------------------------------
 
-def parse_columns(doc: dict, chunk_sizes: Sequence[int], budget: Any,
-                  parse_row: Callable[[Any, int], TensorEntry]) -> list[TensorEntry]:
+def parse_columns(doc: dict, chunk_sizes: np.ndarray, budget: Any,
+                  parse_row: Callable[[Any, int], TensorEntry], *, statistics: bool = True) -> list[TensorEntry]:
     """The entries of a tensor table in columns, every check of spec 6.12 done on whole columns;
-    ``parse_row(map, index)`` parses an entry of ``rows`` as the row form's entries are parsed."""
+    ``parse_row(map, index)`` parses an entry of ``rows`` as the row form's entries are parsed. Without
+    ``statistics`` the entries of the columns carry none (a check that keeps nothing: they are checked)."""
     import numpy as np
 
     keys = doc.get("key")
@@ -199,9 +200,10 @@ def parse_columns(doc: dict, chunk_sizes: Sequence[int], budget: Any,
     _check_keys(keys, in_rows)
     held = ~in_rows & (nbytes > 0)
     budget.take(count - len(row_at), int(held.sum()))
-    _check_pieces(chunk, offset, nbytes, held, in_rows, np.asarray(chunk_sizes, dtype=np.int64), keys)
+    _check_pieces(chunk, offset, nbytes, held, in_rows, chunk_sizes, keys)
     stats = _parse_stats(doc.get("stats"), count, dtype, names, numel, in_rows, keys) if "stats" in doc else None
-    entries = _entries(keys, names, dtype, ndim, dims, kind, grad, rank, chunk, offset, numel, nbytes, stats)
+    entries = _entries(keys, names, dtype, ndim, dims, kind, grad, rank, chunk, offset, numel, nbytes,
+                       stats if statistics else None)
     for index, row in zip(row_at.tolist(), rows):
         entries[index] = parse_row(row, index)
     return entries

@@ -284,7 +284,7 @@ def commit_manifest(repo: Repository, manifest: Manifest, lease: Lease, signer: 
     lease has run out (a collector may have swept a chunk it reuses). With a ``signer``, the signature
     goes between the two (spec 10.3): a signed save is never seen committed and unsigned."""
     data = manifest.to_bytes()
-    Manifest.from_bytes(data, repo.storage.describe(manifest.name))  # never commit what readers refuse
+    Manifest.check(data, repo.storage.describe(manifest.name))  # never commit what readers refuse
     digest = chunk_hash(data)
     key = layout.manifest_key(manifest.name, digest)
     repo.storage.write(key, data, durable=False)  # one fsync, the sync's, with its folder's

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import re
 import struct
 
 import msgpack
@@ -53,6 +54,7 @@ def test_the_columns_hold_the_entries_the_row_form_holds(saved):
     assert isinstance(msgpack.unpackb(rows_bytes, raw=False, strict_map_key=False)["tensors"], list)
     assert Manifest.from_bytes(rows_bytes, "rows").tensors == manifest.tensors
     assert manifest.to_bytes() == data  # read and written again: the same bytes
+    assert Manifest.check(data, "m") is None
     # What the columns could not hold is in rows, whole: tied (same_as), sharded and several pieces, the
     # integer extremes beyond 2^53, the NaN-free float set with infinities stays in the columns.
     in_rows = {row["key"] for row in columns["rows"]}
@@ -152,9 +154,12 @@ def test_every_rule_of_the_columns_is_refused_by_name(saved, mutation):
     change, words = REFUSED[mutation]
     bad = copy.deepcopy(doc)
     change(bad["tensors"])
+    data = msgpack.packb(bad, use_bin_type=True)
     with pytest.raises(ManifestError) as caught:
-        Manifest.from_bytes(msgpack.packb(bad, use_bin_type=True), "m")
+        Manifest.from_bytes(data, "m")
     assert words in str(caught.value) and str(caught.value).startswith("m: "), str(caught.value)
+    with pytest.raises(ManifestError, match=re.escape(str(caught.value))):  # a save's own check: the same
+        Manifest.check(data, "m")
 
 
 def test_a_shape_with_a_zero_is_empty_whatever_its_other_dimensions(saved):
