@@ -310,20 +310,28 @@ def tensor_stats_of(tensor: torch.Tensor) -> dict:
 def test_show_fits_the_statistics_in_100_columns_with_the_keys_on_lines_of_their_own(tmp_path, capsys,
                                                                                    monkeypatch):
     """In a 100-column terminal every statistics column stays in the table (a key too long for its row
-    moves to a line of its own) and no line is longer."""
+    moves to a line of its own; where the other columns leave the keys too little room, every key does)
+    and no line is longer. Which of the two depends on how wide the figures print: both are checked."""
     for name in ("FORCE_COLOR", "NO_COLOR", "TTY_INTERACTIVE"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("COLUMNS", "100")
     monkeypatch.setenv("TTY_COMPATIBLE", "1")
     key = "encoder.layers.11.self_attention.query_key_value.lora_A.default.weight"
-    state = {key: torch.randn(1024, 1000), "bias": torch.full((30000,), -1.5e-5, dtype=torch.bfloat16)}
-    state["bias"][::7] = float("nan")
-    ckptfmt.save(state, str(tmp_path / "repo" / "a"))
-    assert main(["show", str(tmp_path / "repo" / "a")]) == 0
-    lines = [re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", line) for line in capsys.readouterr().out.splitlines()]
-    assert max(map(len, lines)) <= 100
-    header = next(line for line in lines if line.lstrip().startswith("key"))
-    assert header.split() == ["key", "dtype", "shape", "size", "mean", "l2", "absmax", "nan/inf", "zeros"]
-    assert key in lines  # on a line of its own, whole
-    bias = next(line for line in lines if line.startswith("bias"))
-    assert "4286 nan" in bias and "(30000)" in bias
+    layouts = set()
+    for seed in (0, 12):  # seed 12's mean prints a digit wider: the keys' column no longer fits beside the rest
+        weight = torch.randn(1024, 1000, generator=torch.Generator().manual_seed(seed))
+        state = {key: weight, "bias": torch.full((30000,), -1.5e-5, dtype=torch.bfloat16)}
+        state["bias"][::7] = float("nan")
+        ckptfmt.save(state, str(tmp_path / "repo" / f"s{seed}"))
+        assert main(["show", str(tmp_path / "repo" / f"s{seed}")]) == 0
+        lines = [re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", line) for line in capsys.readouterr().out.splitlines()]
+        assert max(map(len, lines)) <= 100
+        at = next(i for i, line in enumerate(lines) if line.lstrip().startswith("key"))
+        stacked = lines[at].split() == ["key"]  # every key on a line of its own, the figures under it
+        layouts.add(stacked)
+        header = lines[at].split() + (lines[at + 1].split() if stacked else [])
+        assert header == ["key", "dtype", "shape", "size", "mean", "l2", "absmax", "nan/inf", "zeros"]
+        assert key in lines  # on a line of its own, whole
+        at = lines.index("bias") + 1 if stacked else next(i for i, line in enumerate(lines) if line.startswith("bias"))
+        assert "4286 nan" in lines[at] and "(30000)" in lines[at]
+    assert layouts == {False, True}
