@@ -134,10 +134,12 @@ def _write_and_commit(decision: dict, failure: Failure | None, url: str, name: s
             assigned = agreed.assigned[ranks.position]
             mine = [sources[i] for i in assigned]
             bases = _delta_bases(repo, agreed, entries, sources, assigned, options)
-            stored = store_sources(repo, mine, compression=options.compression, parent_keys=agreed.parent_keys,
-                                   cache=DEFAULT_CACHE, chunk_size=options.chunk_size,
-                                   workers=options.chunk_workers, timer=timer, tensor_stats=options.tensor_stats,
-                                   bases=bases, breaks=agreed.breaks[ranks.position] if agreed.breaks else ())
+            with collector_paused():  # records per chunk and per piece: no cycles to find
+                stored = store_sources(repo, mine, compression=options.compression,
+                                       parent_keys=agreed.parent_keys, cache=DEFAULT_CACHE,
+                                       chunk_size=options.chunk_size, workers=options.chunk_workers, timer=timer,
+                                       tensor_stats=options.tensor_stats, bases=bases,
+                                       breaks=agreed.breaks[ranks.position] if agreed.breaks else ())
             return {"stored": stored, **rank_record(ranks.rank, timer, ranks.topology_entry(), captured)}
         written, own_failure = _attempt(write)
         with timer.phase("wait_ranks") if ranks.count > 1 else nullcontext():
@@ -153,7 +155,8 @@ def _write_and_commit(decision: dict, failure: Failure | None, url: str, name: s
                 manifest = _manifest(agreed, reports, ranks, name, options)
             if options.before_commit is not None:
                 options.before_commit()
-            commit_manifest(repo, manifest, lease, options.signer)
+            with collector_paused():  # the manifest written and checked: a record per tensor, no cycles
+                commit_manifest(repo, manifest, lease, options.signer)
             committed.append(manifest)
             return repo.storage.describe(name)
         outcome, failure = _coordinate(results, ranks, commit)
