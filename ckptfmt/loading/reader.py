@@ -14,6 +14,7 @@ import torch
 
 from ckptfmt._collector import collector_paused
 from ckptfmt.errors import CheckpointError, CheckpointNotFoundError, CheckpointWarning, CorruptDataError, ManifestError
+from ckptfmt.format import codecs
 from ckptfmt.format.dtypes import itemsize
 from ckptfmt.format.manifest import Manifest, Piece, TensorEntry
 from ckptfmt.format.shards import ShardEntry, ShardGrid, chunk_rows
@@ -202,7 +203,11 @@ class CheckpointReader(Checkpoint):
         loaded: list[Any] = [None] * len(tensors)
         first_of = {index: tensors[index].same_as for index in wanted}  # same_as: an earlier entry's bytes
         firsts = sorted({index if first is None else first for index, first in first_of.items()})
-        if workers <= 1 or self._reads_are_views():
+        mapped = self._mapped_chunks(firsts) if workers > 1 else None
+        if mapped:  # verified maps: hash them on every core, largest first, then build the views here
+            with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckptfmt-load") as pool:
+                list(pool.map(self._map_ahead, mapped))
+        if workers <= 1 or self._reads_are_views() or mapped:
             for index in firsts:
                 loaded[index] = self._read(index)
         else:
@@ -213,6 +218,32 @@ class CheckpointReader(Checkpoint):
             if first is not None:
                 loaded[index] = loaded[first]
         return loaded
+
+    def _map_ahead(self, row: int) -> None:
+        """Map and verify chunk ``row`` for the views built next; a chunk that fails is left to its tensor's
+        read, which names the tensor (and heals it where it can)."""
+        try:
+            self._chunks.mapped(row)
+        except CheckpointError:
+            pass
+
+    def _mapped_chunks(self, indexes: list[int]) -> list[int] | None:
+        """The chunk rows of entries ``indexes``, largest first, when every entry is one piece of an
+        uncompressed local chunk (so a view of its verified map): then the only work is hashing the maps,
+        and a thread per tensor only adds hand-offs (99 tensors of 90 MB, warm: 15.5 ms -> 13.5 ms)."""
+        if not (self.mmap and self._chunks.verify is not False and self._chunks.storage.zero_copy_reads
+                and self.map_location.type == "cpu"):
+            return None
+        tensors, chunks = self.manifest.tensors, self.manifest.chunks
+        rows: set[int] = set()
+        for index in indexes:
+            shards = tensors[index].shards
+            if isinstance(shards, ShardGrid) or len(shards) != 1 or len(shards[0].pieces) > 1:
+                return None
+            rows.update(piece.chunk for piece in shards[0].pieces)
+        if any(chunks[row].codec != codecs.NONE for row in rows):
+            return None
+        return sorted(rows, key=lambda row: -chunks[row].size)
 
     def _reads_are_views(self) -> bool:
         """Whether the tensors are views of local memory maps that no read hashes (``verify=False``): then
