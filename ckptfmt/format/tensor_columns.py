@@ -196,7 +196,7 @@ def parse_columns(doc: dict, chunk_sizes: np.ndarray, budget: Any,
     nbytes = numel * widths[dtype]
     too_big = np.flatnonzero(nbytes > MAX_TENSOR_BYTES)
     if len(too_big):
-        raise ManifestError(f"tensor {keys[too_big[0]]!r}: its shape is over the size limit")
+        raise ManifestError(f"{_what(keys, too_big[0])}: its shape is over the size limit")
     _check_keys(keys, in_rows)
     held = ~in_rows & (nbytes > 0)
     budget.take(count - len(row_at), int(held.sum()))
@@ -251,9 +251,15 @@ def _numel(ndim: np.ndarray, dims: np.ndarray, keys: list) -> np.ndarray:
         numel *= np.where(approx > MAX_TENSOR_BYTES, 1, extent)  # stays exact; the entry is refused below
     over = np.flatnonzero(~empty & (approx > MAX_TENSOR_BYTES))
     if len(over):
-        raise ManifestError(f"tensor {keys[over[0]]!r}: its shape is over the size limit")
+        raise ManifestError(f"{_what(keys, over[0])}: its shape is over the size limit")
     numel[empty] = 0
     return numel
+
+
+def _what(keys: list[str], index: Any) -> str:
+    """An entry, for an error: by its key, or by its number where the key is empty (an entry of rows)."""
+    index = int(index)
+    return f"tensor {keys[index]!r}" if keys[index] else f"tensor {index}"
 
 
 def _check_keys(keys: list[str], in_rows: np.ndarray) -> None:
@@ -272,17 +278,17 @@ def _check_pieces(chunk: np.ndarray, offset: np.ndarray, nbytes: np.ndarray, hel
 
     if held.any():
         if not len(sizes):
-            raise ManifestError(f"tensor {keys[int(np.flatnonzero(held)[0])]!r}: its piece names a chunk outside "
+            raise ManifestError(f"{_what(keys, np.flatnonzero(held)[0])}: its piece names a chunk outside "
                                 "the chunk table of 0 rows")
         rows = chunk.astype(np.int64)
         outside = np.flatnonzero(held & (offset.astype(np.int64) + nbytes > sizes[rows]))
         if len(outside):
             index = int(outside[0])
-            raise ManifestError(f"tensor {keys[index]!r}: piece [{offset[index]}, +{nbytes[index]}) runs past "
+            raise ManifestError(f"{_what(keys, index)}: piece [{offset[index]}, +{nbytes[index]}) runs past "
                                 f"chunk {rows[index]} ({sizes[rows[index]]} bytes)")
     stray = np.flatnonzero(~held & ~in_rows & ((chunk != 0) | (offset != 0)))
     if len(stray):
-        raise ManifestError(f"tensor {keys[int(stray[0])]!r}: an entry of no bytes must have chunk and offset 0")
+        raise ManifestError(f"{_what(keys, stray[0])}: an entry of no bytes must have chunk and offset 0")
 
 
 def _parse_stats(doc: Any, count: int, dtype: np.ndarray, names: list[str], numel: np.ndarray,
@@ -306,23 +312,23 @@ def _parse_stats(doc: Any, count: int, dtype: np.ndarray, names: list[str], nume
     bad = np.flatnonzero(~allowed[dtype, sets] | (in_rows & (sets != 0)))
     if len(bad):
         index = int(bad[0])
-        raise ManifestError(f"tensor {keys[index]!r}: statistics set {int(sets[index])} is not one spec 6.10 "
+        raise ManifestError(f"{_what(keys, index)}: statistics set {int(sets[index])} is not one spec 6.10 "
                             f"allows for {names[dtype[index]] if names else 'it'}")
     zero_values = np.array([[True] * 5, [False] * 5, [False, False, True, True, True], [True] * 5])[sets]
     zero_counts = np.array([[True] * 4, [False] * 4, [True, True, True, False], [True] * 4])[sets]
     if (values.view(np.uint64)[zero_values] != 0).any() or (counts[zero_counts] != 0).any():
         index = int(np.flatnonzero((values.view(np.uint64) * zero_values).any(axis=1)
                                    | (counts * zero_counts).any(axis=1))[0])
-        raise ManifestError(f"tensor {keys[index]!r}: a statistics column holds a value its set does not have "
+        raise ManifestError(f"{_what(keys, index)}: a statistics column holds a value its set does not have "
                             "(it must be 0)")
     over = np.flatnonzero((counts > numel[:, None]).any(axis=1))
     if len(over):
-        raise ManifestError(f"tensor {keys[int(over[0])]!r}: a statistics count is over its elements")
+        raise ManifestError(f"{_what(keys, over[0])}: a statistics count is over its elements")
     extremes = values[:, :2]
     inexact = np.flatnonzero((sets == 2) & (~np.isnan(extremes) & ((extremes != np.trunc(extremes))
                                                                    | (np.abs(extremes) > _EXACT))).any(axis=1))
     if len(inexact):
-        raise ManifestError(f"tensor {keys[int(inexact[0])]!r}: an integer set's min or max is not an integer of "
+        raise ManifestError(f"{_what(keys, inexact[0])}: an integer set's min or max is not an integer of "
                             f"at most 2^53")
     return sets, values, counts
 
