@@ -42,7 +42,16 @@ from ckptfmt.format.limits import (
     check_name,
 )
 from ckptfmt.format.placement import Placement
-from ckptfmt.format.shards import MAX_RANK, Piece, ShardEntry, ShardGrid, grid_of, grid_to_dict, parse_grid
+from ckptfmt.format.shards import (
+    MAX_RANK,
+    Piece,
+    ShardEntry,
+    ShardGrid,
+    grid_of,
+    grid_to_dict,
+    parse_grid,
+    parse_usual_grids,
+)
 from ckptfmt.format.tensor_columns import parse_columns, to_columns
 from ckptfmt.format.tensor_entry import TENSOR_KINDS, TensorEntry
 from ckptfmt.format.tensor_stats import FLOAT_FIELDS, stat_sets
@@ -301,7 +310,7 @@ def _parse(doc: Any, statistics: bool = True) -> Manifest:
     sizes = _Sizes(c.size for c in chunks)
     budget = _Budget()
     tensors = _parse_tensors(raw_tensors, sizes, budget) if type(raw_tensors) is list else parse_columns(
-        raw_tensors, sizes.array, budget, partial(_parse_tensor, sizes=sizes, budget=budget), statistics=statistics)
+        raw_tensors, sizes.array, budget, partial(_parse_rows, sizes=sizes, budget=budget), statistics=statistics)
     if len({t.key for t in tensors}) != len(tensors):
         raise ManifestError("two tensors share one key")
     _check_same_as(tensors)
@@ -443,8 +452,39 @@ def _parse_tensors(raw: list, sizes: _Sizes, budget: _Budget) -> list[TensorEntr
     usual = [_usual_row(doc, sizes) for doc in raw]
     count = len(usual) - usual.count(None)
     budget.take(count, count)
-    return [entry if entry is not None else _parse_tensor(doc, index, sizes, budget)
-            for index, (doc, entry) in enumerate(zip(raw, usual))]
+    others = iter(_parse_rows([(index, doc) for index, (doc, entry) in enumerate(zip(raw, usual)) if entry is None],
+                              sizes, budget))
+    return [entry if entry is not None else next(others) for entry in usual]
+
+
+def _parse_rows(rows: list[tuple[int, Any]], sizes: _Sizes, budget: _Budget) -> list[TensorEntry]:
+    """The tensor entries ``rows`` (index, map) in full, their shard grids of the usual form checked
+    together first (``parse_usual_grids``)."""
+    grids = _usual_grids(rows, sizes, budget)
+    return [_parse_tensor(doc, index, sizes, budget, grids.get(index)) for index, doc in rows]
+
+
+def _usual_grids(rows: list[tuple[int, Any]], sizes: _Sizes, budget: _Budget) -> dict[int, ShardGrid]:
+    """The shard grids of the usual form among ``rows`` with a valid shape and dtype, by index, checked
+    together (``parse_usual_grids``) and taken from the budget; the rest are checked row by row."""
+    items, indexes = [], []
+    for index, doc in rows:
+        if type(doc) is not dict:
+            continue
+        shards, shape, dtype = doc.get("shards"), doc.get("shape"), doc.get("dtype")
+        if (isinstance(shards, dict) and type(shape) is list and len(shape) <= MAX_DIMS and _all_ints(shape)
+                and type(dtype) is str and dtype in _ITEMSIZES
+                and math.prod(shape) * _ITEMSIZES[dtype] <= MAX_TENSOR_BYTES):
+            items.append((shards, tuple(shape), _ITEMSIZES[dtype]))
+            indexes.append(index)
+    if len(items) < 2:  # one grid is checked as quickly alone
+        return {}
+    grids = {index: grid for index, grid in zip(indexes, parse_usual_grids(items, sizes.array)) if grid is not None}
+    cells = sum(map(len, grids.values()))
+    if cells > min(budget.shards, budget.pieces):  # the row-by-row parse names where the budget runs out
+        return {}
+    budget.take(cells, cells)
+    return grids
 
 
 _USUAL_TENSOR = frozenset({"key", "dtype", "shape", "kind", "requires_grad", "shards", "stats"})
@@ -509,7 +549,8 @@ _NUMBERS = frozenset({int, float})
 _STAT_VALUES = ("min", "max", "mean", "l2", "absmax")
 
 
-def _parse_tensor(doc: Any, index: int, sizes: _Sizes, budget: _Budget) -> TensorEntry:
+def _parse_tensor(doc: Any, index: int, sizes: _Sizes, budget: _Budget, grid: ShardGrid | None = None) -> TensorEntry:
+    """A tensor entry (spec 6.4); ``grid``: its shard grid, already checked (``_usual_grids``)."""
     if not isinstance(doc, dict):
         raise ManifestError(f"tensor {index} is not a map")
     key = doc.get("key")
@@ -536,7 +577,9 @@ def _parse_tensor(doc: Any, index: int, sizes: _Sizes, budget: _Budget) -> Tenso
             raise ManifestError(f"{what}: same_as must name an earlier tensor")
     raw_shards = doc.get("shards")
     shards: tuple[ShardEntry, ...] | ShardGrid
-    if type(raw_shards) is dict:
+    if grid is not None:
+        shards = grid
+    elif type(raw_shards) is dict:
         shards = parse_grid(raw_shards, what, shape, width, sizes.array, budget)
     elif not isinstance(raw_shards, list) or not raw_shards or len(raw_shards) > MAX_SHARDS_PER_TENSOR:
         raise ManifestError(f"{what}: shards must be a shard grid or a non-empty list of at most "

@@ -11,6 +11,7 @@ shard. It is a sequence of ``ShardEntry`` for code that wants them one by one.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
@@ -264,6 +265,157 @@ def parse_grid(doc: dict, what: str, shape: tuple[int, ...], width: int, chunk_s
                                 f"{int(chunk[row])} ({int(chunk_sizes[chunk[row]])} bytes)")
     return ShardGrid(cuts, ranks if ranks is not None else np.zeros(cells, dtype=np.uint8), starts,
                      chunk, offset, length)
+
+
+#: The fields of a grid of the usual form (no ``counts`` or ``length``: a piece a cell).
+_USUAL_GRID_FIELDS = frozenset({"cells", "cuts", "ranks", "chunk", "offset"})
+#: Cells of usual grids checked together: a few hundred KiB of columns, in cache (2 M cells at once were
+#: fresh pages, slower than a grid at a time).
+_BATCH_CELLS = 1 << 15
+
+
+def parse_usual_grids(items: Sequence[tuple[dict, tuple[int, ...], int]],
+                      chunk_sizes: np.ndarray) -> list[ShardGrid | None]:
+    """The grids of ``items`` (a grid's map, its tensor's shape and element width) that have the usual
+    form (at most one dimension cut, every cell holding elements, a piece a cell), checked together:
+    each check of ``parse_grid`` is one numpy operation over many grids' columns rather than some 20
+    per grid, which were most of the parse of a manifest of thousands of tensors sharded over a
+    thousand ranks. None for a grid of another form, and for every grid of a batch where one fails
+    a check: ``parse_grid`` then takes each alone and names the fault."""
+    found: list[ShardGrid | None] = [None] * len(items)
+    batch: list[int] = []
+    usual: list[tuple] = []
+    cells = 0
+    for index, (doc, shape, width) in enumerate(items):
+        grid = _usual_grid(doc, shape, width)
+        if grid is not None:
+            batch.append(index)
+            usual.append(grid)
+            cells += grid[1]
+        if batch and (cells >= _BATCH_CELLS or index == len(items) - 1):  # batches' arrays stay in cache
+            checked = _usual_batch(usual, [items[i][1] for i in batch], chunk_sizes)
+            for at, checked_grid in zip(batch, checked or ()):
+                found[at] = checked_grid
+            batch, usual, cells = [], [], 0
+    return found
+
+
+def _usual_batch(usual: list[tuple], shapes: list[tuple[int, ...]], chunk_sizes: np.ndarray) -> list[ShardGrid] | None:
+    """``parse_usual_grids``'s checks of some grids (``_usual_grid``'s tuples) at once."""
+    import numpy as np
+
+    dims, counts, scale, cut_columns, rank_columns, chunk_columns, offset_columns = zip(*usual)
+    cells_at = np.zeros(len(usual) + 1, dtype=np.int64)
+    np.cumsum(counts, out=cells_at[1:])
+    extents = np.array([shape[dim] for shape, dim in zip(shapes, dims)], dtype=np.uint64)
+    cuts = _usual_cuts(cut_columns, cells_at, extents)
+    if cuts is None:
+        return None
+    # Cell c of grid g spans cuts[c + g] to cuts[c + g + 1]: each grid's cuts hold one value more than its cells.
+    steps = np.diff(cuts)
+    if min(scale) == max(scale):  # the usual case: the tensors' uncut dimensions agree (a model's hidden size)
+        length = steps * scale[0]
+    else:
+        per_cell = np.zeros(len(steps), dtype=np.int64)  # each cell's bytes per unit of its cut dimension
+        per_cell[cells_at[:-1] + np.arange(len(usual))] = np.diff(scale, prepend=0)
+        length = steps * np.cumsum(per_cell, out=per_cell)
+    if len(usual) > 1:
+        within = np.ones(len(steps), dtype=bool)
+        within[cells_at[1:-1] + np.arange(len(usual) - 1)] = False  # a grid's last cut to the next one's first
+        length = length[within]
+    chunk, offset = np.concatenate(chunk_columns), np.concatenate(offset_columns)
+    ranks = [column for column in rank_columns if column is not None]
+    if ((length <= 0).any() or (ranks and np.concatenate(ranks).max() > MAX_RANK)
+            or offset.max() > MAX_CHUNK_BYTES or chunk.max() >= len(chunk_sizes)
+            or (offset.astype(np.int64) + length > chunk_sizes[chunk]).any()):
+        return None
+    grids = []
+    for index, (shape, dim, cells) in enumerate(zip(shapes, dims, counts)):
+        first = int(cells_at[index])
+        grid_cuts = [np.array([0, extent], dtype=np.int64) for extent in shape]
+        grid_cuts[dim] = cuts[first + index:first + index + cells + 1]
+        grids.append(ShardGrid(grid_cuts, _wide(rank_columns[index]) if rank_columns[index] is not None
+                               else np.zeros(cells, dtype=np.uint8), None, _wide(chunk_columns[index]),
+                               _wide(offset_columns[index]), length[first:first + cells]))
+    return grids
+
+
+def _usual_grid(doc: Any, shape: tuple[int, ...], width: int) -> tuple | None:
+    """A grid of the usual form as (its cut dimension, cells, bytes a cell per unit of that dimension,
+    and its cut, ranks, chunk and offset columns, read in place; ranks None where absent); a grid
+    cut nowhere stands cut in dimension 0 into one cell. None for any other grid."""
+    per_dim, raw_cuts = doc.get("cells"), doc.get("cuts")
+    if (not shape or not _USUAL_GRID_FIELDS.issuperset(doc) or type(per_dim) is not list or type(raw_cuts)
+            is not list or len(per_dim) != len(shape) or len(raw_cuts) != len(shape)):
+        return None
+    cut = None
+    for dim, (count, raw, extent) in enumerate(zip(per_dim, raw_cuts, shape)):
+        if type(count) is not int or count < 1 or type(raw) is not bytes:
+            return None
+        if count > 1:
+            if cut is not None:
+                return None
+            cut = dim
+        elif not _whole(raw, extent):
+            return None
+    dim = cut or 0
+    cells = per_dim[dim]
+    if cells > MAX_SHARDS_PER_TENSOR:
+        return None
+    columns = [_view(raw_cuts[dim], cells + 1), _view(doc["ranks"], cells) if "ranks" in doc else None,
+               _view(doc.get("chunk"), cells), _view(doc.get("offset"), cells)]
+    if columns[0] is None or columns[2] is None or columns[3] is None or (columns[1] is None and "ranks" in doc):
+        return None
+    bytes_per_unit = math.prod(extent for other, extent in enumerate(shape) if other != dim) * width
+    return (dim, cells, bytes_per_unit, *columns)
+
+
+def _whole(raw: bytes, extent: int) -> bool:
+    """Whether ``raw`` is the cuts of a dimension not cut: [0, extent] in one width."""
+    half = len(raw) // 2
+    return len(raw) in (2, 4, 8, 16) and not int.from_bytes(raw[:half], "little") \
+        and int.from_bytes(raw[half:], "little") == extent
+
+
+def _view(raw: Any, count: int) -> np.ndarray | None:
+    """A bin of ``count`` little-endian unsigned ints of one width, read in place; None if it is not."""
+    import numpy as np
+
+    if type(raw) is not bytes:
+        return None
+    width, rest = divmod(len(raw), count)
+    return None if rest or width not in _WIDTHS else np.frombuffer(raw, dtype=_unsigned(width))
+
+
+@functools.cache
+def _unsigned(width: int) -> np.dtype:
+    """The little-endian unsigned int dtype of ``width`` bytes (made once: parsing its name costs a
+    microsecond a column)."""
+    import numpy as np
+
+    return np.dtype(f"<u{width}")
+
+
+def _wide(column: np.ndarray) -> np.ndarray:
+    """A column as ``column()`` gives it: in place, but 8-byte ints made int64."""
+    import numpy as np
+
+    return column.astype(np.int64) if column.itemsize == 8 else column
+
+
+def _usual_cuts(columns: Sequence[np.ndarray], cells_at: np.ndarray, extents: np.ndarray) -> np.ndarray | None:
+    """The grids' cut columns joined as int64 (grid i's at ``cells_at[i] + i``, one value more than its
+    cells); None unless each runs from 0 to its extent."""
+    import numpy as np
+
+    joined = np.concatenate(columns)
+    if joined.dtype == np.uint64 and joined.max() > _MAX_INT64:
+        return None
+    first = cells_at[:-1] + np.arange(len(columns))
+    last = first + np.diff(cells_at)
+    if joined[first].any() or (joined[last].astype(np.uint64) != extents).any():
+        return None
+    return joined.astype(np.int64)
 
 
 def _cuts(raw: Any, count: int, extent: int, name: str, what: str) -> np.ndarray:

@@ -159,9 +159,10 @@ _INT, _FLOAT_OR_NIL, _INT_OR_NIL = {int}, {float, type(None)}, {int, type(None)}
 # -- reading -------------------------------------------------------------------------------------
 
 def parse_columns(doc: dict, chunk_sizes: np.ndarray, budget: Any,
-                  parse_row: Callable[[Any, int], TensorEntry], *, statistics: bool = True) -> list[TensorEntry]:
+                  parse_rows: Callable[[list[tuple[int, Any]]], list[TensorEntry]], *,
+                  statistics: bool = True) -> list[TensorEntry]:
     """The entries of a tensor table in columns, every check of spec 6.12 done on whole columns;
-    ``parse_row(map, index)`` parses an entry of ``rows`` as the row form's entries are parsed. Without
+    ``parse_rows([(index, map), ...])`` parses the entries of ``rows`` as the row form's are. Without
     ``statistics`` the entries of the columns carry none (a check that keeps nothing: they are checked)."""
     import numpy as np
 
@@ -204,8 +205,9 @@ def parse_columns(doc: dict, chunk_sizes: np.ndarray, budget: Any,
     stats = _parse_stats(doc.get("stats"), count, dtype, names, numel, in_rows, keys) if "stats" in doc else None
     entries = _entries(keys, names, dtype, ndim, dims, kind, grad, rank, chunk, offset, numel, nbytes,
                        stats if statistics else None)
-    for index, row in zip(row_at.tolist(), rows):
-        entries[index] = parse_row(row, index)
+    at = row_at.tolist()
+    for index, entry in zip(at, parse_rows(list(zip(at, rows)))):
+        entries[index] = entry
     return entries
 
 

@@ -10,6 +10,7 @@ overlaps.
 
 from __future__ import annotations
 
+import math
 import tracemalloc
 
 import msgpack
@@ -123,12 +124,14 @@ def test_an_uneven_split_is_a_grid_of_the_ranks_that_hold_elements(tmp_path):
 HASH = "ab" * 32
 
 
-def grid_manifest(grid: dict, shape=(8, 6), chunks: int = 4, size: int = 48) -> bytes:
+def grid_manifest(grid: dict, shape=(8, 6), chunks: int = 4, size: int = 48, before: int = 0) -> bytes:
+    """A manifest whose tensor 'w' has ``grid``, after ``before`` tensors of the spec's example grid."""
     return msgpack.packb({
         "format": MANIFEST_FORMAT, "version": list(FORMAT_VERSION), "name": "m", "step": 1, "created_ns": 1,
         "parent": None, "chunks": [{"hash": f"{i:064x}", "codec": "none", "size": size, "stored_size": size}
                                    for i in range(chunks)],
-        "tensors": [{"key": "w", "dtype": "float32", "shape": list(shape), "shards": grid}],
+        "tensors": [*({"key": f"good{i}", "dtype": "float32", "shape": [8, 6], "shards": GOOD} for i in range(before)),
+                    {"key": "w", "dtype": "float32", "shape": list(shape), "shards": grid}],
         "state": b"\x80", "user": b"\x80",
     }, use_bin_type=True)
 
@@ -187,12 +190,82 @@ def test_the_spec_examples_grid_and_a_grid_of_many_pieces_are_valid():
         (Piece(0, 0, 48),), (Piece(1, 0, 24), Piece(1, 24, 24)), (), (Piece(3, 0, 48),)]
 
 
+@pytest.mark.parametrize("before", [0, 2], ids=["alone", "after-two-grids"])
 @pytest.mark.parametrize("case", sorted(HOSTILE))
-def test_hostile_grids_are_refused_naming_the_tensor_and_the_rule(case):
+def test_hostile_grids_are_refused_naming_the_tensor_and_the_rule(case, before):
+    """Alone, or among other grids (which are checked together, every grid at once: the fault must still
+    be named as a grid checked alone names it)."""
     grid, message = HOSTILE[case]
     with pytest.raises(ManifestError, match=message) as caught:
-        Manifest.from_bytes(grid_manifest(grid, shape=shape_of(grid)), "m")
+        Manifest.from_bytes(grid_manifest(grid, shape=shape_of(grid), before=before), "m")
     assert str(caught.value).startswith("m: tensor 'w': ")
+
+
+def many_grids() -> tuple[list[tuple[dict, tuple[int, ...], int]], np.ndarray]:
+    """Grids of every usual shape as a writer packs them (``grid_to_dict``), with their tensors' shapes and
+    widths, and the chunk sizes they lie in: uneven cuts, a 3-D tensor cut in its middle dimension, one
+    cut nowhere, ranks past 65,535, chunk rows past 255, offsets past 4 GiB, and several widths."""
+    rng = np.random.default_rng(5)
+    chunk_sizes = np.full(300, 2**33, dtype=np.int64)
+    items = []
+    for case in range(40):
+        dims = [(64, 6), (10, 7, 3), (33,)][case % 3]
+        cut = 1 if len(dims) == 3 else 0
+        cells = [1, 2, 5, 64][case % 4] if case % 7 else 1
+        inner = sorted(rng.choice(np.arange(1, dims[cut]), size=min(cells, dims[cut]) - 1, replace=False).tolist())
+        cuts = [np.array([0, extent], dtype=np.int64) for extent in dims]
+        cuts[cut] = np.array([0, *inner, dims[cut]], dtype=np.int64)
+        count = len(cuts[cut]) - 1
+        width = [2, 4, 8][case % 3]
+        length = np.diff(cuts[cut]) * (math.prod(dims) // dims[cut]) * width
+        ranks = rng.integers(0, 2**17 if case % 5 == 0 else 200, size=count)
+        offset = rng.integers(0, 2**32 + 10 if case % 6 == 0 else 1000, size=count)
+        grid = ShardGrid(cuts, ranks, None, rng.integers(0, 300, size=count), offset, length)
+        items.append((shards_module.grid_to_dict(grid, width), dims, width))
+    return items, chunk_sizes
+
+
+class NoBudget:
+    def take(self, shards: int, pieces: int) -> None:
+        pass
+
+
+def test_usual_grids_checked_together_are_what_each_checked_alone_is():
+    items, chunk_sizes = many_grids()
+    items.insert(3, ({**GOOD, **PIECES}, (6, 6), 4))  # a grid of several pieces a cell: not of the usual form
+    together = shards_module.parse_usual_grids(items, chunk_sizes)
+    alone = [shards_module.parse_grid(doc, "t", shape, width, chunk_sizes, NoBudget()) for doc, shape, width in items]
+    assert together[3] is None and len(together) == len(alone)
+    for mine, theirs in zip(together[:3] + together[4:], alone[:3] + alone[4:]):
+        assert mine is not None
+        assert mine.cells == theirs.cells and all(np.array_equal(a, b) for a, b in zip(mine.cuts, theirs.cuts))
+        for column in ("ranks", "starts", "chunk", "offset", "length"):
+            assert np.array_equal(getattr(mine, column), getattr(theirs, column)), column
+            assert getattr(mine, column).dtype.kind == getattr(theirs, column).dtype.kind, column
+        assert list(mine) == list(theirs)
+
+
+@pytest.mark.parametrize("fault", ["a piece past its chunk", "a grid of lengths", "cuts short", "a chunk row outside"])
+def test_one_grid_not_of_the_usual_form_leaves_every_grid_to_be_checked_alone(fault):
+    items, chunk_sizes = many_grids()
+    doc, shape, width = items[17]
+    if fault == "a piece past its chunk":
+        doc = {**doc, "offset": np.full(doc["cells"][0], 2**33 - 1, dtype="<u8").tobytes()}
+    elif fault == "a grid of lengths":
+        doc = {**doc, "counts": bytes(doc["cells"][0])}
+    elif fault == "cuts short":
+        cuts = np.frombuffer(doc["cuts"][0], dtype="<u1").copy()
+        cuts[-1] -= 1
+        doc = {**doc, "cuts": [cuts.tobytes(), *doc["cuts"][1:]]}
+    else:
+        doc = {**doc, "chunk": np.full(doc["cells"][0], 300, dtype="<u2").tobytes()}
+    items[17] = (doc, shape, width)
+    found = shards_module.parse_usual_grids(items, chunk_sizes)
+    if fault == "a grid of lengths":  # not of the usual form: the others are still checked together
+        assert found.index(None) == 17 and found.count(None) == 1
+    else:  # a check fails: its batch (here all 40 grids) is left to be checked grid by grid
+        assert found.count(None) == len(items)
+    assert shards_module.parse_usual_grids(items[:17] + items[18:], chunk_sizes).count(None) == 0
 
 
 def test_a_grid_counts_against_the_shards_and_pieces_of_its_manifest(monkeypatch):
