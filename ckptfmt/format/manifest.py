@@ -10,25 +10,20 @@ from __future__ import annotations
 import functools
 import math
 import operator
-import re
 import warnings
 from dataclasses import dataclass, field
 from functools import partial
-from itertools import chain, repeat
-from typing import Any, NamedTuple
+from itertools import chain
+from typing import Any
 
 import msgpack
 
 from ckptfmt._collector import collector_paused
 from ckptfmt.errors import CheckpointError, ManifestError, quoted
-from ckptfmt.format import layout
-from ckptfmt.format.codecs import CODECS, NONE, check_codec, is_delta
+from ckptfmt.format.chunk_table import Chunk, parse_table, table_doc
 from ckptfmt.format.dtypes import ITEMSIZES as _ITEMSIZES
 from ckptfmt.format.dtypes import itemsize
 from ckptfmt.format.limits import (
-    MAX_CHUNK_BYTES,
-    MAX_CHUNKS,
-    MAX_DELTA_DEPTH,
     MAX_DIMS,
     MAX_KEY_BYTES,
     MAX_MANIFEST_BYTES,
@@ -38,7 +33,6 @@ from ckptfmt.format.limits import (
     MAX_SHARDS_PER_TENSOR,
     MAX_TENSOR_BYTES,
     MAX_TENSORS,
-    check_hash,
     check_name,
 )
 from ckptfmt.format.placement import Placement
@@ -62,32 +56,8 @@ from ckptfmt.format.version import FORMAT_VERSION, check_version
 MANIFEST_FORMAT = "ckptfmt-manifest"
 #: The first version whose writers hold the tensor table in columns (spec 6.12).
 _COLUMNS_FROM = (1, 12)
-
-
-class Chunk(NamedTuple):
-    """One content-addressed chunk: BLAKE3 of its decoded bytes, codec and sizes; a delta chunk's
-    base is the row of the chunk it is stored against (spec 5.5, format 1.5)."""
-
-    hash: str
-    codec: str
-    size: int
-    stored_size: int
-    base: int | None = None
-
-
-def stored_key(chunks: list[Chunk] | tuple[Chunk, ...], chunk: Chunk) -> str:
-    """The key ``chunk`` of table ``chunks`` is stored under (a delta's names its base's hash)."""
-    return layout.chunk_key(chunk.hash, chunk.codec, None if chunk.base is None else chunks[chunk.base].hash)
-
-
-def delta_depth(chunks: list[Chunk] | tuple[Chunk, ...], index: int) -> int:
-    """How many bases chunk ``index`` is decoded through (0: stored whole)."""
-    depth = 0
-    while (base := chunks[index].base) is not None:
-        depth, index = depth + 1, base
-        if depth > MAX_DELTA_DEPTH:
-            break
-    return depth
+#: The first version whose writers hold the chunk table in columns (spec 6.13).
+_CHUNK_COLUMNS_FROM = (1, 13)
 
 
 @dataclass
@@ -132,10 +102,7 @@ class Manifest:
             "step": self.step,
             "created_ns": self.created_ns,
             "parent": self.parent,
-            "chunks": [
-                {"hash": c.hash, "codec": c.codec, "size": c.size, "stored_size": c.stored_size,
-                 **({} if c.base is None else {"base": c.base})} for c in self.chunks
-            ],
+            "chunks": table_doc(self.chunks, columns=self.version >= _CHUNK_COLUMNS_FROM),
             "tensors": to_columns(self.tensors, _tensor_to_dict) if self.version >= _COLUMNS_FROM
             else [_tensor_to_dict(t) for t in self.tensors],
             "state": self.state,
@@ -299,14 +266,11 @@ def _parse(doc: Any, statistics: bool = True) -> Manifest:
     if doc.get("format") != MANIFEST_FORMAT:
         raise ManifestError(f"not a ckptfmt manifest (format field {quoted(doc.get('format'))})")
     version = check_version(doc.get("version"), "manifest")
-    raw_chunks = _get(doc, "chunks", list)
+    raw_chunks = _get(doc, "chunks", (list, dict))
     raw_tensors = _get(doc, "tensors", (list, dict))
-    if len(raw_chunks) > MAX_CHUNKS or len(raw_tensors) > MAX_TENSORS:
+    if len(raw_tensors) > MAX_TENSORS:
         raise ManifestError("too many chunks or tensors")
-    chunks = _plain_chunk_rows(raw_chunks)
-    if chunks is None:  # delta rows, or something wrong: row by row, each problem named
-        chunks = [_parse_chunk(c, i) for i, c in enumerate(raw_chunks)]
-        _check_chunk_rows(chunks)
+    chunks = parse_table(raw_chunks)
     sizes = _Sizes(c.size for c in chunks)
     budget = _Budget()
     tensors = _parse_tensors(raw_tensors, sizes, budget) if type(raw_tensors) is list else parse_columns(
@@ -362,67 +326,6 @@ def _check_nesting(value: Any, what: str) -> None:
             raise ManifestError(f"{what} nested deeper than {MAX_METADATA_NESTING} levels")
         if not _CONTAINERS.isdisjoint(map(type, children)):
             stack.extend((child, depth + 1) for child in children if type(child) in _CONTAINERS)
-
-
-def _parse_chunk(doc: Any, index: int) -> Chunk:
-    if not isinstance(doc, dict):
-        raise ManifestError(f"chunk {index} is not a map")
-    size = _int(doc.get("size"), f"chunk {index} size", 0, MAX_CHUNK_BYTES)
-    stored = _int(doc.get("stored_size"), f"chunk {index} stored_size", 0, MAX_CHUNK_BYTES)
-    codec = check_codec(doc.get("codec"))
-    if codec == NONE and stored != size:
-        raise ManifestError(f"chunk {index}: uncompressed but stored_size {stored} differs from size {size}")
-    base = None
-    if is_delta(codec):
-        base = _int(doc.get("base"), f"chunk {index} base", 0, MAX_CHUNKS)
-    elif doc.get("base") is not None:
-        raise ManifestError(f"chunk {index}: a {codec} chunk has no base")
-    return Chunk(check_hash(doc.get("hash")), codec, size, stored, base)
-
-
-_HEX = re.compile(r"[0-9a-f]*")
-_new_chunk = partial(tuple.__new__, Chunk)
-_PLAIN_FIELDS = frozenset({"hash", "codec", "size", "stored_size"})
-
-
-def _plain_chunk_rows(raw: list) -> list[Chunk] | None:
-    """A chunk table of valid rows without deltas, checked a column at a time (a many-rank save has tens
-    of thousands of rows); None for anything else, which the row-by-row parse then names."""
-    if not set(map(type, raw)) <= {dict} or not all(map(_PLAIN_FIELDS.issuperset, raw)):
-        return None
-    hashes, codecs = [row.get("hash") for row in raw], [row.get("codec") for row in raw]
-    sizes, stored = [row.get("size") for row in raw], [row.get("stored_size") for row in raw]
-    if not (set(map(type, hashes)) <= {str} and set(map(len, hashes)) <= {64} and _HEX.fullmatch("".join(hashes))
-            and set(map(type, codecs)) <= {str} and set(codecs) <= CODECS and not any(map(is_delta, set(codecs)))
-            and _all_ints(sizes, 0, MAX_CHUNK_BYTES) and _all_ints(stored, 0, MAX_CHUNK_BYTES)):
-        return None
-    if NONE in codecs and any(c == NONE and a != b for c, a, b in zip(codecs, sizes, stored)):
-        return None
-    if len(set(hashes)) != len(raw) and (len(set(zip(hashes, codecs))) != len(raw)  # a row twice
-                                         or len(set(zip(hashes, sizes))) != len(set(hashes))):  # two sizes
-        return None
-    return list(map(_new_chunk, zip(hashes, codecs, sizes, stored, repeat(None))))
-
-
-def _check_chunk_rows(chunks: list[Chunk]) -> None:
-    """One row per stored key, rows of one hash agree on its decoded size (they are the same bytes), and
-    every delta's base is another row of that size, at most MAX_DELTA_DEPTH bases deep (no cycle)."""
-    for index, chunk in enumerate(chunks):
-        if chunk.base is None:
-            continue
-        if chunk.base >= len(chunks) or chunk.base == index:
-            raise ManifestError(f"chunk {index}: base {chunk.base} is not another row of the table")
-        if chunks[chunk.base].size != chunk.size:
-            raise ManifestError(f"chunk {index}: {chunk.size} bytes, its base chunk {chunk.base} has "
-                                f"{chunks[chunk.base].size}")
-        if delta_depth(chunks, index) > MAX_DELTA_DEPTH:
-            raise ManifestError(f"chunk {index}: more than {MAX_DELTA_DEPTH} bases deep, or bases in a cycle")
-    if len({stored_key(chunks, c) for c in chunks}) != len(chunks):
-        raise ManifestError("the chunk table lists a chunk twice")
-    sizes: dict[str, int] = {}
-    for chunk in chunks:
-        if sizes.setdefault(chunk.hash, chunk.size) != chunk.size:
-            raise ManifestError(f"chunk {chunk.hash[:16]}...: rows of one hash but sizes differ")
 
 
 # The checks below run once per shard and per piece of a manifest that may hold

@@ -22,8 +22,9 @@ from dataclasses import asdict, dataclass, field
 
 from ckptfmt.errors import CheckpointError, CheckpointNotFoundError
 from ckptfmt.format import layout
+from ckptfmt.format.chunk_table import stored_key
 from ckptfmt.format.limits import is_valid_name
-from ckptfmt.format.manifest import OPTIONAL_FIELDS, stored_key
+from ckptfmt.format.manifest import OPTIONAL_FIELDS
 from ckptfmt.repository.leases import SAVE, Lease, live_leases, try_gc_lease
 from ckptfmt.repository.lost_commits import lost_commits
 from ckptfmt.repository.repository import CommitRecord, Repository

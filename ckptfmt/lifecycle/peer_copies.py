@@ -31,9 +31,10 @@ import torch.distributed as dist
 
 from ckptfmt.errors import CheckpointError, CheckpointNotFoundError, CheckpointWarning
 from ckptfmt.format import codecs, layout
+from ckptfmt.format.chunk_table import stored_key
 from ckptfmt.format.commit_record import CommitRecord
 from ckptfmt.format.hashing import check_chunk
-from ckptfmt.format.manifest import Chunk, Manifest, optional_fields_except, stored_key
+from ckptfmt.format.manifest import Chunk, Manifest, optional_fields_except
 from ckptfmt.format.signatures import is_signature_entry
 from ckptfmt.groups.process_group import RankGroup, peer_group
 from ckptfmt.lifecycle.housekeeping import Tier

@@ -25,10 +25,11 @@ from fsspec.callbacks import Callback
 
 from ckptfmt.errors import CheckpointError, CheckpointNotFoundError, CorruptDataError, ManifestError, StorageError
 from ckptfmt.format import layout
+from ckptfmt.format.chunk_table import stored_key
 from ckptfmt.format.commit_record import CommitRecord
 from ckptfmt.format.hashing import check_chunk
 from ckptfmt.format.limits import MAX_MARKER_BYTES, is_valid_name
-from ckptfmt.format.manifest import Chunk, Manifest, stored_key
+from ckptfmt.format.manifest import Chunk, Manifest
 from ckptfmt.repository.chunk_copies import find_copy
 from ckptfmt.repository.history import history_keys, read_history, read_history_bytes
 from ckptfmt.repository.leases import save_lease

@@ -33,9 +33,10 @@ from fsspec.callbacks import Callback, NoOpCallback
 from ckptfmt._deprecation import renamed_arguments
 from ckptfmt.errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError, CorruptDataError
 from ckptfmt.format import codecs, layout
+from ckptfmt.format.chunk_table import delta_depth, stored_key
 from ckptfmt.format.hashing import check_chunk, chunk_hash
 from ckptfmt.format.limits import check_name
-from ckptfmt.format.manifest import OPTIONAL_FIELDS, Chunk, delta_depth, stored_key
+from ckptfmt.format.manifest import OPTIONAL_FIELDS, Chunk
 from ckptfmt.loading.chunkio import ChunkReader
 from ckptfmt.repository.chunk_reads import read_chunk
 from ckptfmt.repository.history import copy_histories

@@ -10,8 +10,9 @@ from concurrent.futures import Future
 
 from ckptfmt.errors import CheckpointNotFoundError, CorruptDataError
 from ckptfmt.format import codecs
+from ckptfmt.format.chunk_table import stored_key
 from ckptfmt.format.hashing import check_chunk
-from ckptfmt.format.manifest import Chunk, stored_key
+from ckptfmt.format.manifest import Chunk
 from ckptfmt.loading import verified_files
 from ckptfmt.loading.healing import ChunkHealer
 from ckptfmt.repository.chunk_reads import missing_chunk_named, read_chunk

@@ -45,9 +45,10 @@ import xxhash
 from ckptfmt._platform import single_threaded_kernels
 from ckptfmt.errors import CheckpointError
 from ckptfmt.format import codecs, layout
+from ckptfmt.format.chunk_table import stored_key
 from ckptfmt.format.hashing import chunk_hash
 from ckptfmt.format.limits import MAX_CHUNK_BYTES
-from ckptfmt.format.manifest import Chunk, Piece, TensorEntry, stored_key
+from ckptfmt.format.manifest import Chunk, Piece, TensorEntry
 from ckptfmt.format.tensor_stats import merge_stats
 from ckptfmt.repository.repository import Repository
 from ckptfmt.saving.chunker import DEFAULT_CHUNK_SIZE, ChunkJob, ChunkPlanner, PieceRef

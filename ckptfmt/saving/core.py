@@ -37,9 +37,10 @@ from ckptfmt.errors import (
     UnsupportedValueError,
 )
 from ckptfmt.format import layout
+from ckptfmt.format.chunk_table import stored_key
 from ckptfmt.format.hashing import chunk_hash
 from ckptfmt.format.limits import MAX_KEY_BYTES, check_name
-from ckptfmt.format.manifest import MAX_RANK, Chunk, Manifest, ShardEntry, TensorEntry, stored_key
+from ckptfmt.format.manifest import MAX_RANK, Chunk, Manifest, ShardEntry, TensorEntry
 from ckptfmt.format.signatures import SigningKey
 from ckptfmt.format.tensor_stats import merge_stats
 from ckptfmt.format.tiling import check_tiling

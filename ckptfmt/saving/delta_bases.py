@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ckptfmt.format.manifest import Chunk, Manifest, delta_depth
+from ckptfmt.format.chunk_table import delta_depth
+from ckptfmt.format.manifest import Chunk, Manifest
 from ckptfmt.loading.chunkio import ChunkReader
 from ckptfmt.repository.repository import Repository
 from ckptfmt.saving.plan import PlannedTensor

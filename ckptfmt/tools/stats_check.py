@@ -24,8 +24,9 @@ from typing import Any
 import torch
 
 from ckptfmt.errors import CheckpointError
+from ckptfmt.format.chunk_table import stored_key
 from ckptfmt.format.dtypes import itemsize
-from ckptfmt.format.manifest import Manifest, TensorEntry, stored_key
+from ckptfmt.format.manifest import Manifest, TensorEntry
 from ckptfmt.format.tensor_stats import merge_stats
 from ckptfmt.loading.chunkio import ChunkReader
 from ckptfmt.repository.repository import Repository

@@ -22,7 +22,8 @@ from fsspec.callbacks import Callback, NoOpCallback
 from ckptfmt._platform import single_threaded_kernels
 from ckptfmt.errors import CheckpointError, CheckpointNotFoundError, CorruptDataError, ManifestError, StorageError
 from ckptfmt.format import layout
-from ckptfmt.format.manifest import Manifest, stored_key
+from ckptfmt.format.chunk_table import stored_key
+from ckptfmt.format.manifest import Manifest
 from ckptfmt.format.shards import chunk_rows
 from ckptfmt.format.signatures import TrustedKeys, trusted_public_keys
 from ckptfmt.loading.chunkio import ChunkReader

@@ -44,7 +44,7 @@ from ckptfmt.loading.reader import CheckpointReader
 from ckptfmt.repository.repository import CommitRecord, Repository
 from ckptfmt.storage.factory import open_storage
 from tests.support.helpers import ANY_SIZE, assert_same, rewrite_manifest
-from tests.support.spec_reader import tensor_rows
+from tests.support.spec_reader import chunk_rows, tensor_rows
 
 NAME = "victim"
 
@@ -311,7 +311,7 @@ def test_damaged_commit_records_raise_only_checkpoint_errors(document, data):
 def manifest_doc(base_bytes) -> dict:
     """The victim's manifest document, its tensor table as one map per entry (spec 6.4)."""
     doc = msgpack.unpackb(base_bytes[1], raw=False, strict_map_key=False)
-    doc["tensors"] = tensor_rows(doc["tensors"])
+    doc["tensors"], doc["chunks"] = tensor_rows(doc["tensors"]), chunk_rows(doc["chunks"])
     return doc
 
 
@@ -739,7 +739,7 @@ def test_consistent_but_hostile_manifests(victim, case):
     change, refuser = HOSTILE_CONTENT[case]
     repo_url, data = victim
     doc = msgpack.unpackb(data, raw=False, strict_map_key=False)
-    doc["tensors"] = tensor_rows(doc["tensors"])
+    doc["tensors"], doc["chunks"] = tensor_rows(doc["tensors"]), chunk_rows(doc["chunks"])
     change(doc)
     new = msgpack.packb(doc, use_bin_type=True)
     if refuser == "parse":

@@ -248,9 +248,9 @@ def test_a_reader_of_1_10_refuses_the_float_codecs_by_name(tmp_path, monkeypatch
     ckptfmt.save({"w": torch.randn(100_000)}, f"{tmp_path}/repo/a", compression="float-zstd")
     older = codecs.CODECS - codecs.FLOAT_CODECS - codecs.FLOAT_DELTA_CODECS
     monkeypatch.setattr(codecs, "CODECS", older)
-    from ckptfmt.format import manifest
+    from ckptfmt.format import chunk_table
 
-    monkeypatch.setattr(manifest, "CODECS", older)
+    monkeypatch.setattr(chunk_table, "CODECS", older)
     with pytest.raises(ManifestError, match="unknown chunk codec 'float4-zstd'"):
         ckptfmt.load(f"{tmp_path}/repo/a")
 

@@ -33,6 +33,7 @@ from tests.support.helpers import require_module
 from tests.support.spec_reader import (
     SpecReader,
     blake3_hex,
+    chunk_rows,
     json_image,
     shuffle,
     store_chunk,
@@ -151,8 +152,9 @@ def test_real_checkpoint_matches_schemas(saved, name):
     _validator("commit.schema.json").validate(json.loads((repo / name / "COMMIT").read_bytes()))
     manifest = unpack(_manifest_bytes(repo, name))
     _validator("manifest.schema.json").validate(json_image(manifest))
-    assert isinstance(manifest["tensors"], dict)  # in columns (1.12)
-    _validator("manifest.schema.json").validate(json_image({**manifest, "tensors": tensor_rows(manifest["tensors"])}))
+    assert isinstance(manifest["tensors"], dict) and isinstance(manifest["chunks"], dict)  # in columns (1.12, 1.13)
+    _validator("manifest.schema.json").validate(json_image({**manifest, "tensors": tensor_rows(manifest["tensors"]),
+                                                            "chunks": chunk_rows(manifest["chunks"])}))
     # The fixture exercises what it claims to: split, packed, compressed, empty, 0-dim, tied, int keys.
     tensors = tensor_rows(manifest["tensors"])
     big = next(t for t in tensors if t["key"] == "model/big")
@@ -160,7 +162,7 @@ def test_real_checkpoint_matches_schemas(saved, name):
     keys = [t["key"] for t in tensors]
     assert {"layers/0", "layers/1", "scalar", "empty", "tied"} <= set(keys)
     assert any(t.get("same_as") is not None for t in tensors)
-    codecs = {c["codec"] for c in manifest["chunks"]}
+    codecs = {c["codec"] for c in chunk_rows(manifest["chunks"])}
     assert codecs == ({"none"} if name == "plain" else {"zstd", "shuffle2-zstd", "shuffle4-zstd"})
     steps = manifest["timing"]["ranks"][0].get("steps")
     if name == "plain":  # the step records of spec 9.4, with a phase that starts at the second step
@@ -201,9 +203,9 @@ def test_schema_vocabulary_and_limits_match_the_implementation():
     assert commit["manifest_size"]["maximum"] == limits.MAX_MANIFEST_BYTES
 
 
-def _bad_manifests(good: dict, rows: list):
-    """Documents the schema refuses: ``good`` (its tensor table in columns) and, for the row form,
-    ``good`` with the tensor table ``rows``."""
+def _bad_manifests(good: dict, rows: list, chunks: list):
+    """Documents the schema refuses: ``good`` (its tables in columns) and, for the row form, ``good``
+    with the tensor table ``rows`` and the chunk table ``chunks``."""
     def edit(fn):
         doc = copy.deepcopy(good)
         fn(doc)
@@ -214,7 +216,10 @@ def _bad_manifests(good: dict, rows: list):
     yield "columns: no dims", edit(lambda d: d["tensors"].pop("dims"))
     yield "columns: rows without row_at", edit(lambda d: d["tensors"].pop("row_at"))
     yield "columns: statistics without a set", edit(lambda d: d["tensors"]["stats"].pop("set"))
-    good = {**good, "tensors": rows}
+    yield "chunk columns: unknown codec", edit(lambda d: d["chunks"]["codecs"].append("lz4"))
+    yield "chunk columns: hashes as a list", edit(lambda d: d["chunks"].update(hash=[d["chunks"]["hash"]]))
+    yield "chunk columns: no sizes", edit(lambda d: d["chunks"].pop("size"))
+    good = {**good, "tensors": rows, "chunks": chunks}
 
     yield "uppercase hash", edit(lambda d: d["chunks"][0].update(hash=d["chunks"][0]["hash"].upper()))
     yield "short hash", edit(lambda d: d["chunks"][0].update(hash="ab" * 31))
@@ -238,9 +243,10 @@ def test_broken_documents_fail_the_schemas(saved):
     manifest_validator = _validator("manifest.schema.json")
     manifest = unpack(_manifest_bytes(repo, "plain"))
     good, rows = json_image(manifest), json_image(tensor_rows(manifest["tensors"]))
+    chunks = json_image(chunk_rows(manifest["chunks"]))
     manifest_validator.validate(good)
-    manifest_validator.validate({**good, "tensors": rows})
-    for what, bad in _bad_manifests(good, rows):
+    manifest_validator.validate({**good, "tensors": rows, "chunks": chunks})
+    for what, bad in _bad_manifests(good, rows, chunks):
         assert not manifest_validator.is_valid(bad), what
 
     commit_validator = _validator("commit.schema.json")

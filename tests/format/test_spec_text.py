@@ -46,7 +46,15 @@ from ckptfmt.errors import InvalidNameError, ManifestError, UnsupportedValueErro
 from ckptfmt.format import values
 from ckptfmt.format.manifest import FORMAT_VERSION
 from ckptfmt.repository.repository import Repository
-from tests.support.spec_reader import SpecReader, json_image, shard_maps, store_chunk, tensor_rows, write_by_spec
+from tests.support.spec_reader import (
+    SpecReader,
+    chunk_rows,
+    json_image,
+    shard_maps,
+    store_chunk,
+    tensor_rows,
+    write_by_spec,
+)
 
 SPEC = Path(__file__).resolve().parents[2] / "spec"
 FORMAT = (SPEC / "FORMAT.md").read_text(encoding="utf-8")
@@ -150,13 +158,13 @@ def _files(root: Path) -> dict[str, bytes]:
 
 
 def _manifest_doc(repo: Path, name: str, *, rows: bool = True) -> tuple[dict, bytes]:
-    """A checkpoint's manifest document and bytes; with ``rows``, its tensor table as one map per entry
-    (section 6.4) whichever form it was written in."""
+    """A checkpoint's manifest document and bytes; with ``rows``, its tensor and chunk tables as one map per
+    entry (sections 6.4 and 6.3) whichever form they were written in."""
     commit = json.loads((repo / name / "COMMIT").read_bytes())
     data = (repo / name / f"manifest-{commit['manifest']}.msgpack").read_bytes()
     doc = msgpack.unpackb(data, raw=False, strict_map_key=False)
     if rows:
-        doc["tensors"] = tensor_rows(doc["tensors"])
+        doc["tensors"], doc["chunks"] = tensor_rows(doc["tensors"]), chunk_rows(doc["chunks"])
     return doc, data
 
 

@@ -16,7 +16,7 @@ import torch
 import ckptfmt
 from ckptfmt.errors import CheckpointError
 from ckptfmt.format.manifest import _Budget, _parse_tensor, _Sizes, _usual_row
-from tests.support.spec_reader import tensor_rows
+from tests.support.spec_reader import chunk_rows, tensor_rows
 
 #: Values a mutation puts in place of a leaf: other types, signs, bounds and shapes.
 REPLACEMENTS = [None, True, False, 0, 1, -1, 2, 3, 7, 2**63, 2**64, 1.0, -0.0, float("nan"), "", "x",
@@ -61,7 +61,7 @@ def rows(tmp_path_factory):
     commit = json.loads((folder / "repo" / "a" / "COMMIT").read_bytes())
     data = (folder / "repo" / "a" / f"manifest-{commit['manifest']}.msgpack").read_bytes()
     doc = msgpack.unpackb(data, raw=False, strict_map_key=False)
-    return tensor_rows(doc["tensors"]), _Sizes(chunk["size"] for chunk in doc["chunks"])
+    return tensor_rows(doc["tensors"]), _Sizes(chunk["size"] for chunk in chunk_rows(doc["chunks"]))
 
 
 def test_saved_rows_take_the_short_path_and_give_the_full_parses_entries(rows):

@@ -10,7 +10,7 @@ import torch
 
 import ckptfmt
 from ckptfmt.errors import CheckpointNotFoundError, CorruptDataError
-from ckptfmt.format.manifest import stored_key
+from ckptfmt.format.chunk_table import stored_key
 from ckptfmt.lifecycle.peer_copies import _check_every_chunk_there
 from ckptfmt.lifecycle.replicate import commit_copy, copy_rows
 from ckptfmt.repository.leases import save_lease

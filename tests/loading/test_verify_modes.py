@@ -10,7 +10,7 @@ import torch
 
 import ckptfmt
 from ckptfmt.errors import CorruptDataError
-from ckptfmt.format.manifest import stored_key
+from ckptfmt.format.chunk_table import stored_key
 from ckptfmt.loading import verified_files
 from ckptfmt.repository.repository import Repository
 

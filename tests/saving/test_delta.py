@@ -16,12 +16,14 @@ import ckptfmt
 from ckptfmt.cli import main
 from ckptfmt.errors import ManifestError
 from ckptfmt.format import layout
+from ckptfmt.format.chunk_table import delta_depth, stored_key
 from ckptfmt.format.limits import MAX_DELTA_DEPTH
-from ckptfmt.format.manifest import Manifest, delta_depth, stored_key
+from ckptfmt.format.manifest import Manifest
 from ckptfmt.lifecycle.gc import collect
 from ckptfmt.lifecycle.retention import Retention
 from ckptfmt.saving.delta_bases import MAX_CHAIN
 from tests.support.helpers import assert_bits
+from tests.support.spec_reader import chunk_rows
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int8, torch.uint8, torch.int32,
           torch.int64, torch.bool, torch.complex64]
@@ -199,6 +201,7 @@ def test_show_says_which_tensors_are_deltas_and_against_what(tmp_path, capsys):
 def hostile(url: str, edit) -> Manifest:
     """The checkpoint's manifest with its chunk table edited, parsed again."""
     doc = manifest_of(url).to_dict()
+    doc["chunks"] = chunk_rows(doc["chunks"])
     edit(doc["chunks"])
     return Manifest.from_bytes(msgpack.packb(doc, use_bin_type=True), "hostile")
 

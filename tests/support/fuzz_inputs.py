@@ -52,6 +52,7 @@ from ckptfmt.format import layout
 from ckptfmt.format.hashing import chunk_hash
 from ckptfmt.format.values import OpaqueObject
 from ckptfmt.tools.diff import diff
+from tests.support.spec_reader import chunk_rows
 
 #: What one case may cost (the issue's bounds), checked by the quick test and reported by the script:
 #: CPU seconds (the work a case costs, whatever else the machine runs), and wall seconds against a hang.
@@ -333,7 +334,7 @@ def build_base(root: Path) -> Base:
         record = json.loads(storage.read(layout.commit_key(name), max_size=2**20))
         commits.append(record)
         manifests.append(storage.read(layout.manifest_key(name, record["manifest"]), max_size=2**28))
-    chunk_hashes = [row["hash"] for m in manifests for row in msgpack.unpackb(m, raw=False)["chunks"]]
+    chunk_hashes = [row["hash"] for m in manifests for row in chunk_rows(msgpack.unpackb(m, raw=False)["chunks"])]
     marker = (marker_repo / layout.MARKER_KEY).read_bytes()
     return Base(root, repo, marker_repo, manifests, commits, marker, strings=chunk_hashes[:4] + ["base0", "base1"])
 

@@ -21,7 +21,7 @@ from ckptfmt.format import layout
 from ckptfmt.format.hashing import chunk_hash
 from ckptfmt.storage.factory import open_storage
 from tests.support import exit_check, markers
-from tests.support.spec_reader import tensor_rows
+from tests.support.spec_reader import chunk_rows, tensor_rows
 
 #: The programs the tests launch (tests/scripts/).
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
@@ -186,12 +186,13 @@ def run_in_threads(target, count: int) -> None:
 def rewrite_manifest(storage, name: str, change, patch=None, *, rows: bool = True) -> None:
     """Apply ``change`` to checkpoint ``name``'s manifest document (and ``patch`` to its encoded bytes,
     for what msgpack's packer refuses to write) and commit the result. With ``rows``, ``change`` sees the
-    tensor table as one map per entry (spec 6.4, valid in every version), not in columns (6.12)."""
+    tensor and chunk tables as one map per entry (spec 6.4 and 6.3, valid in every version), not in columns
+    (6.12, 6.13)."""
     commit = json.loads(storage.read(layout.commit_key(name), max_size=ANY_SIZE))
     doc = msgpack.unpackb(storage.read(layout.manifest_key(name, commit["manifest"]), max_size=ANY_SIZE), raw=False,
                           strict_map_key=False)
     if rows:
-        doc["tensors"] = tensor_rows(doc["tensors"])
+        doc["tensors"], doc["chunks"] = tensor_rows(doc["tensors"]), chunk_rows(doc["chunks"])
     change(doc)
     data = msgpack.packb(doc, use_bin_type=True)
     if patch is not None:

@@ -134,7 +134,7 @@ class SpecReader:
         self.manifest = unpack(data)
         assert self.manifest["format"] == "ckptfmt-manifest" and self.manifest["version"][0] == 1
         assert self.manifest["name"] == name
-        self.chunks = self.manifest["chunks"]
+        self.chunks = chunk_rows(self.manifest["chunks"])
         self.tensors = tensor_rows(self.manifest["tensors"])
         self._decoded: dict[int, bytes] = {}
         self.chunks_read = 0
@@ -239,6 +239,26 @@ def shard_maps(shards, shape: list[int], width: int) -> list[dict]:
 _SETS = {1: ("count", "min", "max", "mean", "l2", "absmax", "nan", "posinf", "neginf", "zeros"),
          2: ("count", "min", "max", "zeros"), 3: ("count",)}
 _KINDS = ("tensor", "parameter", "numpy")
+
+
+def chunk_rows(chunks) -> list[dict]:
+    """The chunk table as the maps of FORMAT.md 6.3, from either form: the array itself, or (6.13) the
+    columns, each row rebuilt as the map it stands for."""
+    if isinstance(chunks, list):
+        return chunks
+    hashes = chunks["hash"]
+    assert len(hashes) % 32 == 0
+    count = len(hashes) // 32
+    codec, size, stored = (_column(chunks[name], count) for name in ("codec", "size", "stored_size"))
+    base = _column(chunks["base"], count) if "base" in chunks else [0] * count
+    rows = []
+    for i in range(count):
+        row = {"hash": hashes[32 * i : 32 * (i + 1)].hex(), "codec": chunks["codecs"][codec[i]], "size": size[i],
+               "stored_size": stored[i]}
+        if base[i]:
+            row["base"] = base[i] - 1
+        rows.append(row)
+    return rows
 
 
 def tensor_rows(tensors) -> list[dict]:
