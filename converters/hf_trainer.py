@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import struct
 from typing import Any
 
 import numpy as np
@@ -36,6 +37,7 @@ import torch
 from ckptfmt.converters import safetensors_format, torch_format
 from ckptfmt.converters.importer import Imported
 from ckptfmt.errors import CheckpointError, CheckpointNotFoundError, ManifestError
+from ckptfmt.format.rng_states import pack_python_words
 from ckptfmt.format.values import format_key
 
 TRAINER_STATE = "trainer_state.json"
@@ -287,8 +289,8 @@ def _rng_entry(path: str, rank: int, notes: list[str]) -> dict:
             if type(version) is not int or not all(type(v) is int for v in internal) or \
                     not (gauss_next is None or type(gauss_next) is float):
                 raise TypeError("malformed")
-            entry["python"] = {"version": version, "state": list(internal), "gauss_next": gauss_next}
-        except (TypeError, ValueError) as exc:
+            entry["python"] = {"version": version, "state": pack_python_words(internal), "gauss_next": gauss_next}
+        except (TypeError, ValueError, struct.error) as exc:
             raise CheckpointError(f"{path}: 'python' is not a random.getstate() tuple ({exc})") from None
     others = sorted(str(k) for k in states if k not in ("cpu", "cuda", "numpy", "python"))
     if others:

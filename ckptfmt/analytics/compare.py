@@ -42,6 +42,7 @@ from ckptfmt.errors import quoted
 from ckptfmt.format.history import History
 from ckptfmt.format.manifest import Manifest
 from ckptfmt.format.plain_values import plain_leaves, plain_values
+from ckptfmt.format.rng_states import python_words
 from ckptfmt.format.values import decode_tree
 from ckptfmt.loading.reader import CheckpointReader
 from ckptfmt.metadata.step_timer import decode_steps
@@ -417,7 +418,7 @@ def _freshly_seeded(generator: str, entry: dict) -> bool:
             return state["has_gauss"] == 0 and ((pos == 623 and block_start) or
                                                  (pos == 624 and (block_start or _init_genrand_key(keys))))
         if generator == "python":
-            words = state["state"]
+            words = python_words(state["state"])
             return words[-1] == 624 and words[0] == 0x80000000 and state["gauss_next"] is None
     except (KeyError, TypeError, IndexError, ValueError, RuntimeError, OverflowError):
         pass

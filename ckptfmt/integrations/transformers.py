@@ -50,6 +50,7 @@ from transformers import TrainerCallback
 
 from ckptfmt.errors import CheckpointError, CheckpointWarning
 from ckptfmt.format.plain_values import plain_tree
+from ckptfmt.format.rng_states import python_words
 from ckptfmt.integrations.sampler import check_position, fingerprint
 from ckptfmt.lifecycle.manager import CheckpointManager
 from ckptfmt.loading.load_into import load_into
@@ -373,7 +374,7 @@ def _trainer_rng(entry: dict) -> dict:
     numpy_state = entry["numpy"]
     python_state = entry["python"]
     states = {
-        "python": (python_state["version"], tuple(python_state["state"]), python_state["gauss_next"]),
+        "python": (python_state["version"], python_words(python_state["state"]), python_state["gauss_next"]),
         "numpy": (numpy_state["bit_generator"], np.frombuffer(numpy_state["keys"], dtype="<u4").astype(np.uint32),
                   numpy_state["pos"], numpy_state["has_gauss"], numpy_state["cached_gaussian"]),
         "cpu": torch.frombuffer(bytearray(entry["torch_cpu"]), dtype=torch.uint8),

@@ -38,6 +38,7 @@ from ckptfmt.format.hashing import chunk_hash
 from ckptfmt.format.manifest import TensorEntry
 from ckptfmt.format.per_rank import PerRankValues
 from ckptfmt.format.plain_values import plain_leaves, plain_tree
+from ckptfmt.format.rng_states import comparable_entry
 from ckptfmt.format.values import format_key
 from ckptfmt.loading.loaded_fingerprints import dtype_name, fingerprint, leaves, remembered
 from ckptfmt.loading.reader import CheckpointReader
@@ -348,7 +349,7 @@ def _check_rng(stored: list, rank: int) -> PartCheck:
     if entry is None:
         check.verdict = "not stored"
         return check
-    now = capture_states()
+    entry, now = comparable_entry(entry), comparable_entry(capture_states())
     for name in ("torch_cpu", "numpy", "python", "cuda"):
         if name in entry:
             check.stored += 1

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from ckptfmt.errors import CheckpointError
+from ckptfmt.format.rng_states import pack_python_words, python_words
 
 
 def capture_rng(rank: int) -> dict:
@@ -54,7 +55,7 @@ def _numpy_state() -> dict:
 
 def _python_state() -> dict:
     version, internal, gauss_next = random.getstate()
-    return {"version": version, "state": list(internal), "gauss_next": gauss_next}
+    return {"version": version, "state": pack_python_words(internal), "gauss_next": gauss_next}
 
 
 def apply_rng(entry: dict, where: str) -> None:
@@ -97,7 +98,7 @@ def _set_states(entry: dict, where: str) -> None:
         ))
     python_state = entry.get("python")
     if python_state:
-        random.setstate((python_state["version"], tuple(python_state["state"]), python_state["gauss_next"]))
+        random.setstate((python_state["version"], python_words(python_state["state"]), python_state["gauss_next"]))
 
 
 def _current_states() -> tuple:

@@ -18,6 +18,7 @@ from ckptfmt.format.dtypes import numeric
 from ckptfmt.format.hashing import chunk_hash
 from ckptfmt.format.manifest import Manifest, TensorEntry
 from ckptfmt.format.plain_values import plain_values
+from ckptfmt.format.rng_states import comparable_entry
 from ckptfmt.format.values import decode_tree
 from ckptfmt.loading.checkpoint import Checkpoint
 
@@ -180,7 +181,7 @@ def metadata_difference(a: Checkpoint, b: Checkpoint) -> list[tuple[str, Any, An
         return {
             "step": m.step,
             "environment": m.environment,
-            "rng": {str(e.get("rank")): e for e in m.rng},
+            "rng": {str(e.get("rank")): comparable_entry(e) for e in m.rng},
             "topology": m.topology,
             "user": decode_tree(m.user),
         }

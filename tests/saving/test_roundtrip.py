@@ -411,6 +411,51 @@ def test_restore_rng_restores_every_stream(repo_url):
     assert draw() == expected
 
 
+def test_pythons_generator_state_restores_and_compares_from_either_form(tmp_path):
+    """Format 1.13 keeps Python's 625 state words as one bin; a 1.12 manifest's array of ints restores the
+    same generator, and the resume check and diff call the two forms' states equal."""
+    from ckptfmt.format.rng_states import python_words
+    from ckptfmt.loading.resume_check import check_generators
+    from ckptfmt.storage.factory import open_storage
+    from ckptfmt.tools.diff import metadata_difference
+    from tests.support.helpers import rewrite_manifest
+
+    random.seed(11)
+    random.random()
+    for name in ("bin", "ints"):
+        ckptfmt.save({"x": 1}, tmp_path / "repo" / name)
+    with ckptfmt.open(tmp_path / "repo" / "bin") as reader:
+        state = reader.metadata["rng"][0]["python"]["state"]
+        assert type(state) is bytes and len(state) == 2500 and python_words(state) == random.getstate()[1]
+    rewrite_manifest(open_storage(tmp_path / "repo"), "ints", lambda doc: doc["rng"][0]["python"].update(
+        state=list(python_words(doc["rng"][0]["python"]["state"]))))
+    expected = [random.random() for _ in range(3)]
+    for name in ("bin", "ints"):
+        random.seed(99)
+        with ckptfmt.open(tmp_path / "repo" / name) as reader:
+            assert (type(reader.metadata["rng"][0]["python"]["state"]) is list) == (name == "ints")
+            ckptfmt.restore_rng(reader)
+            assert check_generators(reader).verdict == "equal"
+            assert [random.random() for _ in range(3)] == expected
+    with ckptfmt.open(tmp_path / "repo" / "bin") as a, ckptfmt.open(tmp_path / "repo" / "ints") as b:
+        assert not [field for field, _, _ in metadata_difference(a, b) if field.startswith("rng.")]
+
+
+@pytest.mark.parametrize("state", [b"\x00" * 2499, [1] * 624, [1.0] * 625])
+def test_a_malformed_python_state_leaves_the_generators_as_they_were(tmp_path, state):
+    from ckptfmt.storage.factory import open_storage
+    from tests.support.helpers import rewrite_manifest
+
+    ckptfmt.save({"x": 1}, tmp_path / "repo" / "a")
+    rewrite_manifest(open_storage(tmp_path / "repo"), "a", lambda doc: doc["rng"][0]["python"].update(state=state))
+    random.seed(5)
+    torch.manual_seed(5)
+    before = (random.getstate(), torch.get_rng_state())
+    with pytest.raises(ckptfmt.CheckpointError, match="malformed RNG state .python state must be 625 ints"):
+        ckptfmt.restore_rng(tmp_path / "repo" / "a")
+    assert random.getstate() == before[0] and torch.equal(torch.get_rng_state(), before[1])
+
+
 def test_restore_rng_for_a_missing_rank(repo_url):
     ckptfmt.save({}, f"{repo_url}/rng")
     with pytest.raises(ckptfmt.CheckpointNotFoundError, match="rank 5"):
