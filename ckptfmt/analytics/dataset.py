@@ -108,14 +108,15 @@ def _export_run(folder: Path, label: str, repo: Repository, url: str, workers: i
     built["environments"] = environments.filter(pc.invert(pc.is_in(environments["environment_id"],
                                                                     pa.array(sorted(known), pa.int64()))))
     part = f"part-{state['exports']:06d}.parquet"
-    written = []
+    changed: set[Path] = set()  # folders whose entries changed
     for name, table in built.items():
         if table.num_rows:
-            written.append(_write_part(folder / name / f"run={label}", part, _with_run(table, label)))
+            partition = folder / name / f"run={label}"
+            changed.update(_make_folders(partition), [partition])
+            _write_part(partition / part, _with_run(table, label))
             state["parts"].setdefault(name, []).append(part)
             appended.rows[name] = table.num_rows
-    # the parts' names reach the disk before the state that names them
-    _fsync_folders({*written, *(p.parent for p in written), folder, folder.parent})
+    _fsync_folders(changed)  # the parts' names reach the disk before the state that names them
     state["exports"] += 1
     state["environments"] = sorted(known | set(environments["environment_id"].to_pylist()))
     for item in new:
@@ -190,25 +191,34 @@ def _remove_orphans(partition: Path, named: set[str]) -> None:
             path.unlink()
 
 
-def _write_part(partition: Path, name: str, table: pa.Table) -> Path:
-    """Write a part under a temporary name, fsync it and rename it; returns its folder (not yet fsynced)."""
-    partition.mkdir(parents=True, exist_ok=True)
-    temporary = partition / f".{name}.tmp"
+def _make_folders(path: Path) -> list[Path]:
+    """Make ``path`` and its missing parents; returns the folders that gained an entry."""
+    missing = []
+    while not path.is_dir():
+        missing.append(path)
+        path = path.parent
+    for each in reversed(missing):
+        each.mkdir()
+    return [each.parent for each in missing]
+
+
+def _write_part(path: Path, table: pa.Table) -> None:
+    """Write a part under a temporary name, fsync it and rename it (its folder is not fsynced here)."""
+    temporary = path.with_name(f".{path.name}.tmp")
     pq.write_table(table, temporary)
     _fsync(temporary)
-    os.replace(temporary, partition / name)
-    return partition
+    os.replace(temporary, path)
 
 
 def _write_durably(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
+    changed = {*_make_folders(path.parent), path.parent}
     temporary = path.with_name(f".{path.name}.tmp")
     with open(temporary, "wb") as file:
         file.write(data)
         file.flush()
         os.fsync(file.fileno())
     os.replace(temporary, path)
-    _fsync_folders({path.parent, path.parent.parent})
+    _fsync_folders(changed)
 
 
 def _fsync(path: Path) -> None:

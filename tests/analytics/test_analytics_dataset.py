@@ -173,11 +173,11 @@ def test_a_failure_mid_export_leaves_the_previous_state_and_the_next_export_comp
     save_checkpoints(repo, 2, 2)
     write, written = dataset._write_part, []
 
-    def fail_after_one(*args):
+    def fail_after_one(path, table):
         if written:
             raise OSError("disk full")
-        written.append(write(*args))
-        return written[-1]
+        written.append(path)
+        write(path, table)
     monkeypatch.setattr(dataset, "_write_part", fail_after_one)
     with pytest.raises(OSError, match="disk full"):
         analytics.export_incremental({"a": str(repo)}, out)
@@ -197,12 +197,12 @@ KILLED = """
 import os, signal, sys
 from ckptfmt.analytics import dataset
 write, written = dataset._write_part, []
-def kill_after_two(*args):
+def kill_after_two(path, table):
     if len(written) == 2:
-        open(os.path.join(args[0], "." + args[1] + ".tmp"), "wb").write(b"half a part")
+        path.with_name("." + path.name + ".tmp").write_bytes(b"half a part")
         os.kill(os.getpid(), signal.SIGKILL)
-    written.append(write(*args))
-    return written[-1]
+    written.append(path)
+    write(path, table)
 dataset._write_part = kill_after_two
 dataset.export_incremental({"a": sys.argv[1]}, sys.argv[2])
 """
