@@ -4,9 +4,11 @@ tensor statistics (spec/ANALYTICS.md).
 ``tables(repos)`` reads every committed checkpoint's commit record and manifest,
 and the history objects of removed checkpoints (spec 4.5: their saves, steps and
 system samples), several at a time (remote stores answer slowly, and the window
-of manifests in flight is bounded), and appends each to seven column builders. Columns are
-built as Python lists and converted once at the end; a value of the wrong type
-in a hostile manifest is found then and named with its checkpoint and rank.
+of manifests in flight is bounded), and appends each to nine table builders (``build``: for
+``tables``, every checkpoint; for ``export_incremental``, the new ones). Columns of
+numbers are built as arrays, the rest as Python lists converted to Arrow a batch
+of rows at a time; a value of the wrong type in a hostile manifest is found then
+and named with its checkpoint and rank.
 """
 
 from __future__ import annotations
@@ -157,12 +159,14 @@ class TableBuilder(Protocol):
 
 class _Builder:
     """A table built one manifest at a time: its rows are gathered as Python lists, then converted to
-    Arrow arrays at once (so memory holds Arrow's compact columns, plus one manifest's lists), where a
-    value of the wrong type is named with its checkpoint."""
+    Arrow arrays every ``BATCH_ROWS`` rows (so memory holds Arrow's compact columns, plus a few
+    thousand rows' lists, and a conversion's cost is spread over many manifests' rows), where a value
+    of the wrong type is named with its checkpoint."""
 
     #: (column, Arrow type) of the columns, in table order.
     fields: tuple[tuple[str, pa.DataType], ...] = ()
     reads_history = False
+    BATCH_ROWS = 2**14
 
     def __init__(self):
         self.batches: list[dict[str, pa.Array]] = []
@@ -170,19 +174,24 @@ class _Builder:
 
     def _start(self) -> None:
         self.columns: dict[str, list] = {name: [] for name, _ in self.fields}
-        self.origins: list[tuple[int, str]] = []  # (first row, where) within this manifest's rows
+        self.origins: list[tuple[int, str]] = []  # (first row, where) of each manifest's rows in the batch
         self.rows = 0
 
     def origin(self, where: str) -> None:
         self.origins.append((self.rows, where))
 
     def flush(self) -> None:
-        """Convert the current manifest's rows to Arrow arrays."""
+        """Convert the rows gathered to Arrow arrays once they are ``BATCH_ROWS`` or more."""
+        if self.rows >= self.BATCH_ROWS:
+            self._convert()
+
+    def _convert(self) -> None:
         if self.rows:
             self.batches.append({name: self._array(name, type_, self.columns[name]) for name, type_ in self.fields})
         self._start()
 
     def table(self) -> pa.Table:
+        self._convert()
         columns = []
         for name, type_ in self.fields:
             if type_ == _TIME:  # nanoseconds as int64 until now: one conversion for the whole column
@@ -347,7 +356,7 @@ class Steps:
     dictionary-encoded (a run's millions of steps share a few names and hosts).
     """
 
-    WINDOW_ROWS = 2**20
+    WINDOW_ROWS = 2**18
     reads_history = True
 
     def __init__(self):

@@ -158,7 +158,7 @@ def test_several_runs_concatenate_by_label(local_run, tmp_path):
     (lambda ranks: ranks[0]["steps"].update(duration_s="fast"), "duration_s is not 2 float64 values"),
     (lambda ranks: ranks[0]["steps"].update(count=3), "step is not 3 int64 values"),
     (lambda ranks: ranks[0]["steps"]["phases"].update(data={"a": 1}), "phases.data is not 2 float64"),
-    (lambda ranks: ranks[0].update(rank="zero"), "rank holds 'zero'"),
+    (lambda ranks: ranks[0].update(rank="zero"), r"timing.ranks\[0\].rank is not an int"),
     (lambda ranks: ranks[0].update(phases=7), "not an array"),
     (lambda ranks: ranks[0]["phases"][0].update(duration_s="slow"), "duration_s holds 'slow'"),
 ])
