@@ -369,6 +369,8 @@ class Steps:
         #: (run, checkpoint, rank, host, rows) per rank record: constant over its rows, expanded at the end.
         self.repeats: list[tuple[int, int, int, int, int]] = []
         self.named: dict[str, list[tuple[int, np.ndarray, np.ndarray | None]]] = {}  # (first row, values, missing)
+        #: phase_<name>: (first row, seconds); NaN where the step had none, which is null in the table.
+        self.phases: dict[str, list[tuple[int, np.ndarray]]] = {}
         self.digests: dict[str, list[tuple[int, np.ndarray]]] = {}  # rng_<generator>: (first row, count x 16)
         self.rows = 0
 
@@ -386,7 +388,7 @@ class Steps:
             for name in _STEP_PARTS:
                 self.parts[name].append(getattr(columns, name))
             for name, values in columns.phases.items():
-                self.named.setdefault(f"phase_{name}", []).append((self.rows, values, np.isnan(values)))
+                self.phases.setdefault(f"phase_{name}", []).append((self.rows, values))
             for name, values in columns.metrics.items():
                 self.named.setdefault(f"metric_{name}", []).append((self.rows, values,
                                                                     columns.metrics_missing.get(name)))
@@ -427,6 +429,11 @@ class Steps:
                 values[start:start + len(piece)] = piece
                 missing[start:start + len(piece)] = False if piece_missing is None else piece_missing
             arrays[name] = pa.array(values, mask=missing)
+        for name, spans in self.phases.items():  # one isnan a column and window, not one a rank record
+            values = np.full(self.rows, np.nan)
+            for start, span in spans:
+                values[start:start + len(span)] = span
+            arrays[name] = pa.array(values, mask=np.isnan(values))
         self.chunks.append((self.rows, arrays))
         self._start_window()
 
