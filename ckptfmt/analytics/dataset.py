@@ -127,7 +127,7 @@ def _export_run(folder: Path, label: str, repo: Repository, url: str, workers: i
 
 def _with_run(table: pa.Table, label: str) -> pa.Table:
     """The table with ``run`` as plain strings (what a hive partition's readers expect), added where absent."""
-    run = pa.array([label] * table.num_rows, pa.string())
+    run = pa.repeat(pa.scalar(label, pa.string()), table.num_rows)
     if "run" in table.column_names:
         return table.set_column(table.column_names.index("run"), "run", run)
     return table.add_column(0, "run", run)
