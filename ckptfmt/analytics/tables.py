@@ -67,8 +67,8 @@ def tables(repos: str | os.PathLike | Iterable | Mapping[str, str | os.PathLike]
 
 def build(items: Iterable[tuple[str, Repository, Sequence[CommitRecord | HistoryKey]]],
           workers: int | None = None) -> dict[str, pa.Table]:
-    """The tables of the given checkpoints of each run: ``(run label, repository, records and history keys
-    as ``saved`` lists them)``. ``tables`` passes every checkpoint; an incremental export the new ones."""
+    """The tables of the chosen checkpoints of each run, given as (run label, repository, commit records
+    and history keys from ``saved``): ``tables`` passes every checkpoint, an incremental export the new ones."""
     environment = Environment()
     builders: list[TableBuilder] = [Checkpoints(), Saves(), Steps(), Tensors(), environment,
                                     EnvironmentFields(environment), System(), TensorStats(), Resumes()]
