@@ -1,8 +1,10 @@
-"""How fast ``ckptfmt.analytics.tables`` turns a big run's metadata into Arrow tables, and in how much memory.
+"""How fast ``ckptfmt.analytics.tables`` turns a big run's metadata into Arrow tables, and in how much memory;
+with ``--runs``, how fast many runs' incremental exports and a DuckDB query over them are.
 
 Usage (from the repository root)::
 
     python bench/analytics.py [--checkpoints 1000] [--ranks 64] [--steps 100] [--repeats 3] [--dir /path]
+    python bench/analytics.py --runs 100 --checkpoints 10 --ranks 8 --steps 100 [--repeats 3]
 
 Writes a simulated repository: manifests as a collective save on ``--ranks``
 ranks writes them (per-rank save phases, one shared environment, and
@@ -10,6 +12,12 @@ ranks writes them (per-rank save phases, one shared environment, and
 each with one small tensor, committed by ckptfmt's own writer. Then, in a
 fresh process per repeat, times ``tables(repo)`` and reads its peak RSS above
 the process's RSS before the call. Prints the median time and rows per table.
+
+``--runs N`` simulates N such runs in one folder (8 ranks a host, the runs
+spread over 32 hosts). Each repeat copies them, exports every run to a fresh
+dataset (``export_incremental``), adds one checkpoint to each run, exports
+again (counting the manifests read), and times DuckDB's p99 step time per host
+over every run's parts. Prints the median and range of each.
 """
 
 from __future__ import annotations
@@ -37,12 +45,19 @@ def main() -> int:
     parser.add_argument("--ranks", type=int, default=64)
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--runs", type=int, default=0, help="simulate this many runs and measure their "
+                        "incremental export and a DuckDB query over them (default: one run, tables())")
     parser.add_argument("--dir", default=None, help="scratch folder (default: a temporary one)")
     parser.add_argument("--measure", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.measure:
         return measure(args.measure)
     root = Path(tempfile.mkdtemp(prefix="ckptfmt-analytics-bench-", dir=args.dir))
+    if args.runs:
+        try:
+            return many_runs(root, args)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
     try:
         repo = str(root / "run")
         start = time.perf_counter()
@@ -57,9 +72,10 @@ def main() -> int:
                 raise SystemExit(f"the measuring process failed:\n{out.stderr[-3000:]}")
             runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
         seconds = statistics.median(r["seconds"] for r in runs)
+        cpu = statistics.median(r["cpu_s"] for r in runs)
         peak = statistics.median(r["peak_mib"] for r in runs)
         each = ", ".join(f"{r['seconds']:.2f}" for r in runs)
-        console.print(f"tables(): median {seconds:.2f} s over {args.repeats} runs ({each} s); "
+        console.print(f"tables(): median {seconds:.2f} s over {args.repeats} runs ({each} s), {cpu:.2f} s of CPU; "
                       f"peak RSS above start {peak:.0f} MiB")
         for name, rows in runs[0]["rows"].items():
             console.print(f"  {name}: {rows:,} rows, {runs[0]['arrow_mib'][name]:.0f} MiB in Arrow")
@@ -68,8 +84,53 @@ def main() -> int:
     return 0
 
 
-def simulate(repo_url: str, checkpoints: int, ranks: int, steps: int) -> int:
-    """Commit ``checkpoints`` manifests shaped like a ``ranks``-rank collective save with a StepTimer."""
+def many_runs(root: Path, args) -> int:
+    """``--runs``: first export, export after one more checkpoint a run, and the p99 query, per repeat."""
+    import duckdb
+
+    from ckptfmt import analytics
+
+    start = time.perf_counter()
+    manifest_bytes = sum(simulate(str(root / "runs" / f"run-{r:04d}"), args.checkpoints, args.ranks, args.steps,
+                                  host_base=r * args.ranks // 8) for r in range(args.runs))
+    console.print(f"simulated {args.runs} runs of {args.checkpoints} checkpoints x {args.ranks} ranks x "
+                  f"{args.steps} steps in {time.perf_counter() - start:.1f} s ({manifest_bytes / 2**20:.0f} MiB of "
+                  "manifests)")
+    query = """SELECT host, quantile_cont(duration_s, 0.99) AS p99_s
+        FROM read_parquet('{}/steps/*/*.parquet', hive_partitioning = true, union_by_name = true)
+        GROUP BY host ORDER BY p99_s DESC"""
+    measured: dict[str, list[float]] = {"first export": [], "export after one more checkpoint a run": [],
+                                        "DuckDB p99 per host": []}
+    for repeat in range(args.repeats):
+        runs = root / f"copy-{repeat}"
+        shutil.copytree(root / "runs", runs)
+        repos = sorted(runs.iterdir())
+        out = root / f"dataset-{repeat}"
+        start = time.perf_counter()
+        first = analytics.export_incremental(repos, out)
+        measured["first export"].append(time.perf_counter() - start)
+        for index, repo in enumerate(repos):
+            simulate(str(repo), 1, args.ranks, args.steps, first=args.checkpoints, host_base=index * args.ranks // 8)
+        start = time.perf_counter()
+        second = analytics.export_incremental(repos, out)
+        measured["export after one more checkpoint a run"].append(time.perf_counter() - start)
+        start = time.perf_counter()
+        hosts = duckdb.sql(query.format(out)).fetchall()
+        measured["DuckDB p99 per host"].append(time.perf_counter() - start)
+        console.print(f"repeat {repeat + 1}: first export read {first.read:,} manifests, wrote "
+                      f"{first.rows['steps']:,} steps; the next read {second.read:,} and wrote "
+                      f"{second.rows['steps']:,}; {len(hosts)} hosts")
+        shutil.rmtree(runs)
+        shutil.rmtree(out)
+    for what, seconds in measured.items():
+        console.print(f"{what}: median {statistics.median(seconds):.2f} s over {args.repeats} repeats "
+                      f"({min(seconds):.2f}-{max(seconds):.2f} s)")
+    return 0
+
+
+def simulate(repo_url: str, checkpoints: int, ranks: int, steps: int, *, first: int = 0, host_base: int = 0) -> int:
+    """Commit ``checkpoints`` manifests shaped like a ``ranks``-rank collective save with a StepTimer, from
+    checkpoint ``first`` on; ranks run 8 a host, from host ``host_base`` (of 32)."""
     from ckptfmt.format.manifest import Chunk, Manifest, Piece, ShardEntry, TensorEntry
     from ckptfmt.format.values import TensorRef, encode_tree
     from ckptfmt.metadata.environment import capture_environment
@@ -87,26 +148,26 @@ def simulate(repo_url: str, checkpoints: int, ranks: int, steps: int) -> int:
     jitter = random.Random(0)
     total = 0
     now = time.time_ns()
-    for index in range(checkpoints):
-        first = index * steps
+    for index in range(first, first + checkpoints):
+        step_zero = index * steps
         records = []
         for rank in range(ranks):
             durations = [0.1 + jitter.random() * 0.01 for _ in range(steps)]
             records.append({
-                "rank": rank, "host": f"node{rank // 8}", "start_ns": now, "total_s": 1.0,
+                "rank": rank, "host": f"node{(host_base + rank // 8) % 32}", "start_ns": now, "total_s": 1.0,
                 "phases": [{"name": p, "start_ns": now, "duration_s": 0.1} for p in
                            ("join", "prepare", "plan", "write_chunks", "sync", "environment")],
                 "steps": encode_steps({
-                    "step": list(range(first, first + steps)),
+                    "step": list(range(step_zero, step_zero + steps)),
                     "start_ns": [now + int(i * 1e8) for i in range(steps)],
                     "duration_s": durations,
                     "phases": {p: [d / 4 for d in durations] for p in PHASES},
                     "batch": [jitter.randbytes(16) for _ in range(steps)],
                     "batch_size": [32] * steps,
-                    "metrics": {"loss": [1.0 / (first + i + 1) for i in range(steps)]},
+                    "metrics": {"loss": [1.0 / (step_zero + i + 1) for i in range(steps)]},
                 }),
             })
-        step = first + steps
+        step = step_zero + steps
         manifest = Manifest(
             name=f"step-{step:07d}",
             step=step,
@@ -132,15 +193,16 @@ def simulate(repo_url: str, checkpoints: int, ranks: int, steps: int) -> int:
 
 
 def measure(repo: str) -> int:
-    """One timed ``tables(repo)`` in this fresh process: seconds, peak RSS above start, rows per table."""
+    """One timed ``tables(repo)`` in this fresh process: seconds (and CPU seconds, every thread's: what a
+    busy machine disturbs less), peak RSS above start, rows per table."""
     from ckptfmt import analytics
 
     baseline = _status_kib("VmRSS")
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     built = analytics.tables(repo)
-    seconds = time.perf_counter() - start
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     peak = _status_kib("VmHWM")
-    print(json.dumps({"seconds": seconds, "peak_mib": (peak - baseline) / 1024,
+    print(json.dumps({"seconds": seconds, "cpu_s": cpu, "peak_mib": (peak - baseline) / 1024,
                       "rows": {name: table.num_rows for name, table in built.items()},
                       "arrow_mib": {name: table.nbytes / 2**20 for name, table in built.items()}}))
     return 0

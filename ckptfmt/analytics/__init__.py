@@ -8,10 +8,11 @@ ckptfmt needs neither.
 
 from ckptfmt.analytics.certify import certify
 from ckptfmt.analytics.compare import compare
+from ckptfmt.analytics.dataset import Appended, export_incremental
 from ckptfmt.analytics.goodput import goodput
 from ckptfmt.analytics.health import health
 from ckptfmt.analytics.stragglers import Thresholds, episode_ranges, stragglers
 from ckptfmt.analytics.tables import TABLE_NAMES, export, tables
 
-__all__ = ["TABLE_NAMES", "Thresholds", "certify", "compare", "episode_ranges", "export", "goodput", "health",
-           "stragglers", "tables"]
+__all__ = ["TABLE_NAMES", "Appended", "Thresholds", "certify", "compare", "episode_ranges", "export",
+           "export_incremental", "goodput", "health", "stragglers", "tables"]

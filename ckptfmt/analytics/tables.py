@@ -4,18 +4,21 @@ tensor statistics (spec/ANALYTICS.md).
 ``tables(repos)`` reads every committed checkpoint's commit record and manifest,
 and the history objects of removed checkpoints (spec 4.5: their saves, steps and
 system samples), several at a time (remote stores answer slowly, and the window
-of manifests in flight is bounded), and appends each to seven column builders. Columns are
-built as Python lists and converted once at the end; a value of the wrong type
-in a hostile manifest is found then and named with its checkpoint and rank.
+of manifests in flight is bounded), and appends each to nine table builders (``build``: for
+``tables``, every checkpoint; for ``export_incremental``, the new ones). Columns of
+numbers are built as arrays, the rest as Python lists converted to Arrow a batch
+of rows at a time; a value of the wrong type in a hostile manifest is found then
+and named with its checkpoint and rank.
 """
 
 from __future__ import annotations
 
 import bisect
+import hashlib
 import itertools
 import json
 import os
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol
@@ -58,13 +61,20 @@ def tables(repos: str | os.PathLike | Iterable | Mapping[str, str | os.PathLike]
     (without labels, a run is labelled by its URL). Checkpoints come in commit order.
     ``workers``: manifests read at once (default: 16 from remote stores, 2 from local disks).
     """
+    opened = ((run, Repository.open(url, storage_options)) for run, url in runs(repos))
+    return build(((run, repo, saved(repo)) for run, repo in opened), workers)
+
+
+def build(items: Iterable[tuple[str, Repository, Sequence[CommitRecord | HistoryKey]]],
+          workers: int | None = None) -> dict[str, pa.Table]:
+    """The tables of the chosen checkpoints of each run, given as (run label, repository, commit records
+    and history keys from ``saved``): ``tables`` passes every checkpoint, an incremental export the new ones."""
     environment = Environment()
     builders: list[TableBuilder] = [Checkpoints(), Saves(), Steps(), Tensors(), environment,
                                     EnvironmentFields(environment), System(), TensorStats(), Resumes()]
-    for run, url in _runs(repos):
-        repo = Repository.open(url, storage_options)
+    for run, repo, chosen in items:
         readers = workers or (LOCAL_READ_WORKERS if repo.storage.cheap_exists else READ_WORKERS)
-        for record, manifest in _manifests(repo, readers):
+        for record, manifest in _manifests(repo, chosen, readers):
             removed = isinstance(manifest, History)  # its record and manifest are the history object
             where = repo.storage.describe(record.name) + (" (removed: its history object)" if removed else "")
             for builder in builders:
@@ -92,7 +102,8 @@ def export(built: Mapping[str, pa.Table], out: str | os.PathLike, fmt: str = "pa
 
 
 # -- reading -----------------------------------------------------------------------------------
-def _runs(repos) -> list[tuple[str, str]]:
+def runs(repos) -> list[tuple[str, str]]:
+    """(label, URL) of each run of ``repos`` as ``tables`` takes them."""
     if isinstance(repos, (str, os.PathLike)):
         return [(os.fspath(repos), os.fspath(repos))]
     if isinstance(repos, Mapping):
@@ -100,13 +111,18 @@ def _runs(repos) -> list[tuple[str, str]]:
     return [(os.fspath(url), os.fspath(url)) for url in repos]
 
 
-def _manifests(repo: Repository, workers: int) -> Iterator[tuple[CommitRecord | History, Manifest | History]]:
-    """Every committed checkpoint's record and manifest, and every removed checkpoint's history object
-    (spec 4.5) as both, in the order they were saved, ``workers`` read at a time. A damaged history
-    object is skipped with a warning (``ckptfmt verify`` names it)."""
+def saved(repo: Repository) -> list[CommitRecord | HistoryKey]:
+    """Every committed checkpoint's record and every removed checkpoint's history key (spec 4.5), in the
+    order they were saved."""
     records = repo.commits()
-    items: list[CommitRecord | HistoryKey] = sorted([*records, *removed_histories(repo, records)],
-                                                    key=lambda item: (item.created_ns, item.name))
+    return sorted([*records, *removed_histories(repo, records)], key=lambda item: (item.created_ns, item.name))
+
+
+def _manifests(repo: Repository, items: Sequence[CommitRecord | HistoryKey],
+               workers: int) -> Iterator[tuple[CommitRecord | History, Manifest | History]]:
+    """The manifest of each committed checkpoint of ``items`` with its record, and each removed
+    checkpoint's history object as both, in order, ``workers`` read at a time. A damaged history
+    object is skipped with a warning (``ckptfmt verify`` names it)."""
     with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="ckptfmt-analytics") as pool:
         pending = iter(items)
         def read(item: CommitRecord | HistoryKey) -> Manifest | History | None:
@@ -143,12 +159,14 @@ class TableBuilder(Protocol):
 
 class _Builder:
     """A table built one manifest at a time: its rows are gathered as Python lists, then converted to
-    Arrow arrays at once (so memory holds Arrow's compact columns, plus one manifest's lists), where a
-    value of the wrong type is named with its checkpoint."""
+    Arrow arrays every ``BATCH_ROWS`` rows (so memory holds Arrow's compact columns, plus a few
+    thousand rows' lists, and a conversion's cost is spread over many manifests' rows), where a value
+    of the wrong type is named with its checkpoint."""
 
     #: (column, Arrow type) of the columns, in table order.
     fields: tuple[tuple[str, pa.DataType], ...] = ()
     reads_history = False
+    BATCH_ROWS = 2**14
 
     def __init__(self):
         self.batches: list[dict[str, pa.Array]] = []
@@ -156,19 +174,24 @@ class _Builder:
 
     def _start(self) -> None:
         self.columns: dict[str, list] = {name: [] for name, _ in self.fields}
-        self.origins: list[tuple[int, str]] = []  # (first row, where) within this manifest's rows
+        self.origins: list[tuple[int, str]] = []  # (first row, where) of each manifest's rows in the batch
         self.rows = 0
 
     def origin(self, where: str) -> None:
         self.origins.append((self.rows, where))
 
     def flush(self) -> None:
-        """Convert the current manifest's rows to Arrow arrays."""
+        """Convert the rows gathered to Arrow arrays once they are ``BATCH_ROWS`` or more."""
+        if self.rows >= self.BATCH_ROWS:
+            self._convert()
+
+    def _convert(self) -> None:
         if self.rows:
             self.batches.append({name: self._array(name, type_, self.columns[name]) for name, type_ in self.fields})
         self._start()
 
     def table(self) -> pa.Table:
+        self._convert()
         columns = []
         for name, type_ in self.fields:
             if type_ == _TIME:  # nanoseconds as int64 until now: one conversion for the whole column
@@ -333,7 +356,7 @@ class Steps:
     dictionary-encoded (a run's millions of steps share a few names and hosts).
     """
 
-    WINDOW_ROWS = 2**20
+    WINDOW_ROWS = 2**18
     reads_history = True
 
     def __init__(self):
@@ -346,6 +369,8 @@ class Steps:
         #: (run, checkpoint, rank, host, rows) per rank record: constant over its rows, expanded at the end.
         self.repeats: list[tuple[int, int, int, int, int]] = []
         self.named: dict[str, list[tuple[int, np.ndarray, np.ndarray | None]]] = {}  # (first row, values, missing)
+        #: phase_<name>: (first row, seconds); NaN where the step had none, which is null in the table.
+        self.phases: dict[str, list[tuple[int, np.ndarray]]] = {}
         self.digests: dict[str, list[tuple[int, np.ndarray]]] = {}  # rng_<generator>: (first row, count x 16)
         self.rows = 0
 
@@ -363,7 +388,7 @@ class Steps:
             for name in _STEP_PARTS:
                 self.parts[name].append(getattr(columns, name))
             for name, values in columns.phases.items():
-                self.named.setdefault(f"phase_{name}", []).append((self.rows, values, np.isnan(values)))
+                self.phases.setdefault(f"phase_{name}", []).append((self.rows, values))
             for name, values in columns.metrics.items():
                 self.named.setdefault(f"metric_{name}", []).append((self.rows, values,
                                                                     columns.metrics_missing.get(name)))
@@ -404,6 +429,11 @@ class Steps:
                 values[start:start + len(piece)] = piece
                 missing[start:start + len(piece)] = False if piece_missing is None else piece_missing
             arrays[name] = pa.array(values, mask=missing)
+        for name, spans in self.phases.items():  # one isnan a column and window, not one a rank record
+            values = np.full(self.rows, np.nan)
+            for start, span in spans:
+                values[start:start + len(span)] = span
+            arrays[name] = pa.array(values, mask=np.isnan(values))
         self.chunks.append((self.rows, arrays))
         self._start_window()
 
@@ -567,9 +597,8 @@ class Environment:
     def __init__(self):
         self.words = _Words()  # every run and name, and every environment's fields and values
         self.parts: dict[str, list[np.ndarray]] = {name: [] for name in [*dict(self.fields), "no_step"]}
-        #: Each distinct environment's field and value ids, by id; and its id by those ids' bytes.
-        self.environments: list[tuple[np.ndarray, np.ndarray]] = []
-        self._ids: dict[tuple[bytes, bytes], int] = {}
+        #: Each distinct environment's field and value ids (word ids), by environment id.
+        self.environments: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self.last: tuple[dict, int] | None = None  # the last environment met, and its id
 
     def add(self, run: str, record: CommitRecord, manifest: Manifest, where: str) -> None:
@@ -592,15 +621,14 @@ class Environment:
         """Rows are arrays already."""
 
     def _id(self, environment: dict) -> int:
-        """The id of an environment, numbered as first met; a run's checkpoints mostly repeat the last one."""
+        """The id of an environment (``environment_id``); a run's checkpoints mostly repeat the last one."""
         if self.last is not None and self.last[0] == environment:
             return self.last[1]
-        flat = list(flatten_fields(environment))
-        fields = np.array([self.words.id(f) for f, _ in flat], dtype=np.int32)
-        values = np.array([self.words.id(v) for _, v in flat], dtype=np.int32)
-        identity = self._ids.setdefault((fields.tobytes(), values.tobytes()), len(self.environments))
-        if identity == len(self.environments):
-            self.environments.append((fields, values))
+        flat = sorted(flatten_fields(environment))
+        identity = environment_id(flat)
+        if identity not in self.environments:
+            self.environments[identity] = (np.array([self.words.id(f) for f, _ in flat], dtype=np.int32),
+                                           np.array([self.words.id(v) for _, v in flat], dtype=np.int32))
         self.last = (environment, identity)
         return identity
 
@@ -640,12 +668,19 @@ class EnvironmentFields:
 
     def table(self) -> pa.Table:
         found = self.environment.environments
-        ids = np.repeat(np.arange(len(found), dtype=np.int64), [len(fields) for fields, _ in found])
-        fields = np.concatenate([f for f, _ in found]) if found else np.array([], np.int32)
-        values = np.concatenate([v for _, v in found]) if found else np.array([], np.int32)
+        ids = np.repeat(np.fromiter(found, np.int64, len(found)), [len(fields) for fields, _ in found.values()])
+        fields = np.concatenate([f for f, _ in found.values()]) if found else np.array([], np.int32)
+        values = np.concatenate([v for _, v in found.values()]) if found else np.array([], np.int32)
         words = self.environment.words
         return pa.Table.from_arrays([pa.array(ids, pa.int64()), words.encode(fields), words.encode(values)],
                                     names=[name for name, _ in self.fields])
+
+
+def environment_id(fields: list[tuple[str, str]]) -> int:
+    """An environment's id, the same in every call and run: BLAKE2b with an 8-byte digest over the JSON
+    text of its sorted ``[field, value]`` pairs, as a big-endian signed int64 (spec/ANALYTICS.md)."""
+    text = json.dumps(fields, ensure_ascii=False, separators=(",", ":")).encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "big", signed=True)
 
 
 def flatten_fields(value: Any, prefix: str = "") -> Iterator[tuple[str, str]]:

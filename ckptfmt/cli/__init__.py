@@ -78,6 +78,11 @@ def build_parser(*, plugins: bool = True) -> argparse.ArgumentParser:
     e.add_argument("repo", help="repository URL")
     e.add_argument("out", help="folder for checkpoints.parquet, saves.parquet, steps.parquet, ...")
     e.add_argument("--format", choices=["parquet", "csv"], default="parquet")
+    e.add_argument("--append", action="store_true",
+                   help="add the checkpoints not exported yet to a run-partitioned Parquet dataset: "
+                        "OUT/<table>/run=LABEL/part-N.parquet (reads only their manifests)")
+    e.add_argument("--run", dest="label", metavar="LABEL", default=None,
+                   help="with --append: the run's label (default: the repository's folder name)")
     e.set_defaults(run=command("analysis", "analytics_export"))
 
     p = sub.add_parser("stragglers", help="ranks that delayed the others, and slow saves (needs ckptfmt[analytics])")

@@ -15,12 +15,30 @@ from ckptfmt.tools.output import KEY, NAME, TEXT, Column, Output
 
 def analytics_export(args, console: Console) -> int:
     analytics = _analytics()
+    if args.append:
+        return _append(analytics, args, console)
+    if args.label is not None:
+        raise CheckpointError("--run LABEL labels a run of a dataset: it goes with --append")
     built = analytics.tables(args.repo)
     paths = analytics.export(built, args.out, args.format)
     columns = [Column("table"), Column("rows", right=True), Column("columns", right=True), Column("file", NAME)]
     Output(console).table(f"{args.repo}: {counted(built['checkpoints'].num_rows, 'checkpoint')}", columns, (
         (name, number(data.num_rows), number(data.num_columns), str(path))
         for (name, data), path in zip(built.items(), paths)))
+    return 0
+
+
+def _append(analytics, args, console: Console) -> int:
+    if args.format != "parquet":
+        raise CheckpointError("--append writes a Parquet dataset: --format csv does not go with it")
+    from ckptfmt.analytics.dataset import default_label
+
+    label = args.label or default_label(args.repo)
+    appended = analytics.export_incremental({label: args.repo}, args.out)
+    out = Output(console)
+    out.table(f"run {label}: {counted(appended.read, 'checkpoint')} read, {number(appended.skipped)} exported "
+              "before", [Column("table"), Column("rows added", right=True)],
+              ((name, number(rows)) for name, rows in appended.rows.items()))
     return 0
 
 

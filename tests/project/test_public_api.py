@@ -21,8 +21,8 @@ TOP_LEVEL = [
 #: The ``__all__`` of the public subpackages: the DCP storage layer, analytics, converters and the TUI.
 SUBPACKAGES = {
     "ckptfmt.dcp": ["StorageReader", "StorageWriter"],
-    "ckptfmt.analytics": ["TABLE_NAMES", "Thresholds", "certify", "compare", "episode_ranges", "export", "goodput",
-                          "health", "stragglers", "tables"],
+    "ckptfmt.analytics": ["TABLE_NAMES", "Appended", "Thresholds", "certify", "compare", "episode_ranges", "export",
+                          "export_incremental", "goodput", "health", "stragglers", "tables"],
     "ckptfmt.converters": ["ExportResult", "ImportResult", "Imported", "export_checkpoint", "import_checkpoint"],
     "ckptfmt.tui": ["CheckpointApp", "create_app", "main"],
 }
