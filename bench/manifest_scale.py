@@ -242,7 +242,7 @@ def main() -> None:
             whole = spread(command_seconds([*CLI, command, target], args.repeats))
             print(f"ckptfmt {command:12} {call}; whole command {whole}")
         noop = command_seconds([sys.executable, "-c", "import ckptfmt.cli"], args.repeats)
-        print(f"  python + import ckptfmt.cli: {spread(noop)} (of which torch: all but 0.3-0.6 s)")
+        print(f"  python + import ckptfmt.cli: {spread(noop)} (torch is not imported by it)")
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
