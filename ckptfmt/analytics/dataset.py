@@ -5,15 +5,19 @@ the checkpoints not exported yet: it reads only their manifests (or removed chec
 objects), never again those of checkpoints ``OUT/_state/run=<label>.json`` names. Each export
 writes its parts under temporary names, fsyncs and renames them, and only then replaces the state
 file (temporary file, fsync, rename): a killed export leaves the previous state whole, and parts
-the state does not name, which the next export removes before it reads.
+the state does not name, which the next export removes before it reads. An export holds a lock file
+per run (``OUT/_state/run=<label>.lock``) while it works: a second export of the run would take the
+first one's new parts for a killed export's and remove them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
-from collections.abc import Iterable, Mapping
+import socket
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -92,6 +96,63 @@ def _where(url: str) -> str:
 
 
 def _export_run(folder: Path, label: str, repo: Repository, url: str, workers: int | None) -> Appended:
+    with _run_lock(folder / STATE_DIR / f"run={label}.lock", label):
+        return _export_locked(folder, label, repo, url, workers)
+
+
+@contextlib.contextmanager
+def _run_lock(path: Path, label: str) -> Iterator[None]:
+    """Hold the run's lock file for the block. A lock left by a process of this host that no longer runs
+    (a killed export) is taken over; any other is refused, naming its holder."""
+    _make_folders(path.parent)
+    mine = json.dumps({"pid": os.getpid(), "host": socket.gethostname()}).encode()
+    for _ in range(2):
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            holder = _lock_holder(path)
+            if holder is None or holder["host"] != socket.gethostname() or _alive(holder["pid"]):
+                held = f"process {holder['pid']} on {holder['host']}" if holder else "an unreadable lock"
+                raise CheckpointError(f"{path}: another export of run {label!r} is in progress ({held}); if "
+                                      "none is, remove this file") from None
+            path.unlink(missing_ok=True)  # its holder was killed: taken over
+            continue
+        try:
+            os.write(fd, mine)
+        finally:
+            os.close(fd)
+        break
+    else:
+        raise CheckpointError(f"{path}: another export of run {label!r} took the lock at the same time")
+    try:
+        yield
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def _lock_holder(path: Path) -> dict | None:
+    """The pid and host a lock file names, or None where it names none (being written, or damaged)."""
+    try:
+        holder = json.loads(path.read_bytes())
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+    if isinstance(holder, dict) and type(holder.get("pid")) is int and isinstance(holder.get("host"), str):
+        return holder
+    return None
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` of this host runs (one of another user counts as running)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _export_locked(folder: Path, label: str, repo: Repository, url: str, workers: int | None) -> Appended:
     state_path = folder / STATE_DIR / f"run={label}.json"
     state = _read_state(state_path, label, url)
     for name in TABLE_NAMES:

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -223,6 +225,28 @@ def test_a_killed_export_is_completed_by_the_next(tmp_path):
     appended = analytics.export_incremental({"a": str(repo)}, out)
     assert (appended.read, appended.rows["steps"]) == (1, 3)
     assert not list(out.glob("*/run=a/.*"))
+    assert_dataset_is_tables(out, "a", repo)
+
+
+def test_an_export_of_a_run_another_export_holds_is_refused_and_a_killed_ones_lock_taken_over(tmp_path):
+    """Two exports of one run at once would each take the other's new parts for a killed export's."""
+    repo, out = tmp_path / "run", tmp_path / "out"
+    save_checkpoints(repo, 0, 1)
+    lock = out / "_state" / "run=a.lock"
+    lock.parent.mkdir(parents=True)
+    lock.write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))  # a running holder
+    with pytest.raises(ckptfmt.CheckpointError, match=f"another export of run 'a' is in progress .process "
+                                                       f"{os.getpid()} on"):
+        analytics.export_incremental({"a": str(repo)}, out)
+    assert lock.exists() and not (out / "_state" / "run=a.json").exists()
+    lock.write_text(json.dumps({"pid": os.getpid(), "host": "another-host"}))  # cannot be checked: refused
+    with pytest.raises(ckptfmt.CheckpointError, match="in progress .process .* on another-host"):
+        analytics.export_incremental({"a": str(repo)}, out)
+    finished = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True, timeout=60)
+    lock.write_text(json.dumps({"pid": int(finished.stdout), "host": socket.gethostname()}))  # a killed export's
+    assert analytics.export_incremental({"a": str(repo)}, out).read == 1
+    assert not lock.exists()  # released when the export ends
     assert_dataset_is_tables(out, "a", repo)
 
 
