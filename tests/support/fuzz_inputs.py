@@ -243,8 +243,8 @@ def mutate(root: Any, rng: random.Random, base_strings: list[str]) -> str:
         return "tweak-int"
     if op == 2 and isinstance(value, list) and value:
         times = rng.choice([2, 10, 100, 1000])
-        if len(encode(value)) * times < MAX_DOCUMENT_BYTES // 4:
-            put(container, key, value * times)
+        if len(encode(value)) * times < MAX_DOCUMENT_BYTES // 4:  # copies, not references: a later mutation
+            put(container, key, [copy.deepcopy(item) for _ in range(times) for item in value])  # changes one
             return "inflate-count"
     if op == 3 and isinstance(container, dict):
         del container[key]
