@@ -382,10 +382,10 @@ def _usual_grids(rows: list[tuple[int, Any]], sizes: _Sizes, budget: _Budget) ->
             indexes.append(index)
     if len(items) < 2:  # one grid is checked as quickly alone
         return {}
-    grids = {index: grid for index, grid in zip(indexes, parse_usual_grids(items, sizes.array)) if grid is not None}
+    room = min(budget.shards, budget.pieces)  # past it, the row-by-row parse refuses the manifest, naming why
+    grids = {index: grid for index, grid in zip(indexes, parse_usual_grids(items, sizes.array, room))
+             if grid is not None}
     cells = sum(map(len, grids.values()))
-    if cells > min(budget.shards, budget.pieces):  # the row-by-row parse names where the budget runs out
-        return {}
     budget.take(cells, cells)
     return grids
 

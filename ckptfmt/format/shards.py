@@ -274,29 +274,35 @@ _USUAL_GRID_FIELDS = frozenset({"cells", "cuts", "ranks", "chunk", "offset"})
 _BATCH_CELLS = 1 << 15
 
 
-def parse_usual_grids(items: Sequence[tuple[dict, tuple[int, ...], int]],
-                      chunk_sizes: np.ndarray) -> list[ShardGrid | None]:
+def parse_usual_grids(items: Sequence[tuple[dict, tuple[int, ...], int]], chunk_sizes: np.ndarray,
+                      most_cells: int = _MAX_INT64) -> list[ShardGrid | None]:
     """The grids of ``items`` (a grid's map, its tensor's shape and element width) that have the usual
     form (at most one dimension cut, every cell holding elements, a piece a cell), checked together:
     each check of ``parse_grid`` is one numpy operation over many grids' columns rather than some 20
     per grid, which were most of the parse of a manifest of thousands of tensors sharded over a
     thousand ranks. None for a grid of another form, and for every grid of a batch where one fails
-    a check: ``parse_grid`` then takes each alone and names the fault."""
+    a check: ``parse_grid`` then takes each alone and names the fault. Grids past ``most_cells`` cells
+    in all (what the manifest's budget has left) are left alone too: their parse refuses the manifest
+    before building them."""
     found: list[ShardGrid | None] = [None] * len(items)
     batch: list[int] = []
     usual: list[tuple] = []
-    cells = 0
+    cells = taken = 0
     for index, (doc, shape, width) in enumerate(items):
         grid = _usual_grid(doc, shape, width)
-        if grid is not None:
+        over = grid is not None and taken + grid[1] > most_cells
+        if grid is not None and not over:
+            taken += grid[1]
             batch.append(index)
             usual.append(grid)
             cells += grid[1]
-        if batch and (cells >= _BATCH_CELLS or index == len(items) - 1):  # batches' arrays stay in cache
+        if batch and (cells >= _BATCH_CELLS or over or index == len(items) - 1):  # batches stay in cache
             checked = _usual_batch(usual, [items[i][1] for i in batch], chunk_sizes)
             for at, checked_grid in zip(batch, checked or ()):
                 found[at] = checked_grid
             batch, usual, cells = [], [], 0
+        if over:  # this grid and those after it are left to be parsed alone
+            break
     return found
 
 
@@ -313,19 +319,23 @@ def _usual_batch(usual: list[tuple], shapes: list[tuple[int, ...]], chunk_sizes:
         return None
     # Cell c of grid g spans cuts[c + g] to cuts[c + g + 1]: each grid's cuts hold one value more than its cells.
     steps = np.diff(cuts)
+    if len(usual) > 1:
+        within = np.ones(len(steps), dtype=bool)
+        within[cells_at[1:-1] + np.arange(len(usual) - 1)] = False  # a grid's last cut to the next one's first
+        steps = steps[within]
+    # Every step positive, from 0 to the extent: every cut within [0, extent] (checked before multiplying, so
+    # that no product wraps: each is then at most the tensor's bytes).
+    if (steps <= 0).any():
+        return None
     if min(scale) == max(scale):  # the usual case: the tensors' uncut dimensions agree (a model's hidden size)
         length = steps * scale[0]
     else:
         per_cell = np.zeros(len(steps), dtype=np.int64)  # each cell's bytes per unit of its cut dimension
-        per_cell[cells_at[:-1] + np.arange(len(usual))] = np.diff(scale, prepend=0)
+        per_cell[cells_at[:-1]] = np.diff(scale, prepend=0)
         length = steps * np.cumsum(per_cell, out=per_cell)
-    if len(usual) > 1:
-        within = np.ones(len(steps), dtype=bool)
-        within[cells_at[1:-1] + np.arange(len(usual) - 1)] = False  # a grid's last cut to the next one's first
-        length = length[within]
     chunk, offset = np.concatenate(chunk_columns), np.concatenate(offset_columns)
     ranks = [column for column in rank_columns if column is not None]
-    if ((length <= 0).any() or (ranks and np.concatenate(ranks).max() > MAX_RANK)
+    if ((ranks and np.concatenate(ranks).max() > MAX_RANK)
             or offset.max() > MAX_CHUNK_BYTES or chunk.max() >= len(chunk_sizes)
             or (offset.astype(np.int64) + length > chunk_sizes[chunk]).any()):
         return None

@@ -153,6 +153,9 @@ HOSTILE = {
     "cuts short of the extent": ({**GOOD, "cuts": [bytes([0, 2, 4, 6, 7]), bytes([0, 6])]}, "to the extent 8"),
     "cuts past the extent": ({**GOOD, "cuts": [bytes([0, 2, 4, 9, 8]), bytes([0, 6])]}, "'cuts.0.' holds values"),
     "cuts decreasing": ({**GOOD, "cuts": [bytes([0, 5, 4, 6, 8]), bytes([0, 6])]}, "without decreasing"),
+    # Its cells' bytes, 24 a row, wrap around 2**64 to 48 each: what a product must never be trusted for.
+    "a cut past the extent by 2**62": ({**GOOD, "cuts": [np.array([0, 2, 2**62 + 4, 6, 8], "<u8").tobytes(),
+                                                         bytes([0, 6])]}, "'cuts.0.' holds values outside"),
     "cuts as a list": ({**GOOD, "cuts": [[0, 2, 4, 6, 8], bytes([0, 6])]}, r"'cuts\[0\]' must be a bin"),
     "cuts for other cells": ({**GOOD, "cuts": [bytes([0, 2, 8]), bytes([0, 6])]}, "'cuts.0.' of 3 bytes does not"),
     "a column of 3-byte ints": ({**GOOD, "offset": bytes(12)}, "does not hold 4 integers of 1, 2, 4 or 8"),
@@ -268,14 +271,26 @@ def test_one_grid_not_of_the_usual_form_leaves_every_grid_to_be_checked_alone(fa
     assert shards_module.parse_usual_grids(items[:17] + items[18:], chunk_sizes).count(None) == 0
 
 
-def test_a_grid_counts_against_the_shards_and_pieces_of_its_manifest(monkeypatch):
-    monkeypatch.setattr(manifest_module, "MAX_SHARDS", 3)
-    with pytest.raises(ManifestError, match="more than 3 shards in one manifest"):
-        Manifest.from_bytes(grid_manifest(GOOD), "m")
-    monkeypatch.setattr(manifest_module, "MAX_SHARDS", 4)
-    monkeypatch.setattr(manifest_module, "MAX_PIECES", 3)
-    with pytest.raises(ManifestError, match="more than 3 pieces in one manifest"):
-        Manifest.from_bytes(grid_manifest(GOOD), "m")
+@pytest.mark.parametrize("before", [0, 2], ids=["alone", "after-two-grids"])
+def test_a_grid_counts_against_the_shards_and_pieces_of_its_manifest(monkeypatch, before):
+    cells = 4 * (before + 1)
+    monkeypatch.setattr(manifest_module, "MAX_SHARDS", cells - 1)
+    with pytest.raises(ManifestError, match=f"more than {cells - 1} shards in one manifest"):
+        Manifest.from_bytes(grid_manifest(GOOD, before=before), "m")
+    monkeypatch.setattr(manifest_module, "MAX_SHARDS", cells)
+    monkeypatch.setattr(manifest_module, "MAX_PIECES", cells - 1)
+    with pytest.raises(ManifestError, match=f"more than {cells - 1} pieces in one manifest"):
+        Manifest.from_bytes(grid_manifest(GOOD, before=before), "m")
+    monkeypatch.setattr(manifest_module, "MAX_PIECES", cells)
+    assert len(Manifest.from_bytes(grid_manifest(GOOD, before=before), "m").tensors) == before + 1
+
+
+def test_usual_grids_past_the_budget_are_left_to_be_parsed_alone():
+    items, chunk_sizes = many_grids()
+    cells = [len(shards_module.parse_grid(doc, "t", shape, width, chunk_sizes, NoBudget()))
+             for doc, shape, width in items]
+    found = shards_module.parse_usual_grids(items, chunk_sizes, most_cells=sum(cells[:10]))
+    assert all(grid is not None for grid in found[:10]) and found[10:].count(None) == len(items) - 10
 
 
 def test_a_damaged_grid_in_a_real_checkpoint_is_one_line_from_the_cli(tmp_path, capsys):
