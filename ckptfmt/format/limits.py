@@ -23,7 +23,9 @@ MAX_NESTING = 256
 #: Maps and arrays inside a manifest's run metadata (environment, rng, topology, timing, ...).
 MAX_METADATA_NESTING = 64
 MAX_TENSORS = 2_000_000
-MAX_CHUNKS = 10_000_000
+#: Chunk rows (1.13: 2^22, was 10,000,000; no manifest of rows within MAX_MANIFEST_BYTES holds more, about
+#: 100 bytes a row, while columns, 41, would make a reader build 10 million rows: 2.5 GB of them).
+MAX_CHUNKS = 2**22
 MAX_SHARDS_PER_TENSOR = 1_000_000
 #: Shards and pieces of all tensors together: what one manifest may ask a reader to check.
 MAX_SHARDS = 2**24
