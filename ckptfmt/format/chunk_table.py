@@ -15,10 +15,10 @@ from functools import partial
 from itertools import repeat
 from typing import Any, NamedTuple
 
-from ckptfmt.errors import ManifestError, quoted
+from ckptfmt.errors import ManifestError
 from ckptfmt.format import layout
 from ckptfmt.format.codecs import CODECS, NONE, check_codec, is_delta
-from ckptfmt.format.limits import MAX_CHUNK_BYTES, MAX_CHUNKS, MAX_DELTA_DEPTH, check_hash
+from ckptfmt.format.limits import MAX_CHUNK_BYTES, MAX_CHUNKS, MAX_DELTA_DEPTH, all_ints, check_hash, check_int
 from ckptfmt.format.shards import column, pack_column
 
 #: Bytes of a BLAKE3 hash: a row's cell in the ``hash`` column.
@@ -138,7 +138,6 @@ def _parse_columns(doc: dict) -> list[Chunk]:
 _HEX = re.compile(r"[0-9a-f]*")
 _new_chunk = partial(tuple.__new__, Chunk)
 _PLAIN_FIELDS = frozenset({"hash", "codec", "size", "stored_size"})
-_MAX_INT = 2**63 - 1
 
 
 def _plain_rows(raw: list) -> list[Chunk] | None:
@@ -150,17 +149,12 @@ def _plain_rows(raw: list) -> list[Chunk] | None:
     sizes, stored = [row.get("size") for row in raw], [row.get("stored_size") for row in raw]
     if not (set(map(type, hashes)) <= {str} and set(map(len, hashes)) <= {64} and _HEX.fullmatch("".join(hashes))
             and set(map(type, codecs)) <= {str} and set(codecs) <= CODECS and not any(map(is_delta, set(codecs)))
-            and _all_sizes(sizes) and _all_sizes(stored)):
+            and all_ints(sizes, 0, MAX_CHUNK_BYTES) and all_ints(stored, 0, MAX_CHUNK_BYTES)):
         return None
     if NONE in codecs and any(c == NONE and a != b for c, a, b in zip(codecs, sizes, stored)):
         return None
     chunks = list(map(_new_chunk, zip(hashes, codecs, sizes, stored, repeat(None))))
     return chunks if _distinct(chunks) else None
-
-
-def _all_sizes(values: list) -> bool:
-    """Whether every value is an int (not a bool) in [0, MAX_CHUNK_BYTES]."""
-    return not values or (set(map(type, values)) <= {int} and min(values) >= 0 and max(values) <= MAX_CHUNK_BYTES)
 
 
 def _distinct(chunks: list[Chunk]) -> bool:
@@ -173,23 +167,17 @@ def _distinct(chunks: list[Chunk]) -> bool:
 def _parse_row(doc: Any, index: int) -> Chunk:
     if not isinstance(doc, dict):
         raise ManifestError(f"chunk {index} is not a map")
-    size = _int(doc.get("size"), f"chunk {index} size", MAX_CHUNK_BYTES)
-    stored = _int(doc.get("stored_size"), f"chunk {index} stored_size", MAX_CHUNK_BYTES)
+    size = check_int(doc.get("size"), f"chunk {index} size", 0, MAX_CHUNK_BYTES)
+    stored = check_int(doc.get("stored_size"), f"chunk {index} stored_size", 0, MAX_CHUNK_BYTES)
     codec = check_codec(doc.get("codec"))
     if codec == NONE and stored != size:
         raise ManifestError(f"chunk {index}: uncompressed but stored_size {stored} differs from size {size}")
     base = None
     if is_delta(codec):
-        base = _int(doc.get("base"), f"chunk {index} base", MAX_CHUNKS)
+        base = check_int(doc.get("base"), f"chunk {index} base", 0, MAX_CHUNKS)
     elif doc.get("base") is not None:
         raise ManifestError(f"chunk {index}: a {codec} chunk has no base")
     return Chunk(check_hash(doc.get("hash")), codec, size, stored, base)
-
-
-def _int(value: Any, what: str, high: int) -> int:
-    if type(value) is not int or not 0 <= value <= high:
-        raise ManifestError(f"{what} must be an integer in [0, {high}], found {quoted(value)}")
-    return value
 
 
 def _check_rows(chunks: list[Chunk]) -> None:

@@ -7,9 +7,9 @@ escape the repository (path traversal) on any filesystem or object store.
 from __future__ import annotations
 
 import re
-from typing import TypeGuard
+from typing import Any, TypeGuard
 
-from ckptfmt.errors import InvalidNameError, quoted
+from ckptfmt.errors import InvalidNameError, ManifestError, quoted
 
 MAX_MANIFEST_BYTES = 256 * 2**20
 MAX_COMMIT_BYTES = 64 * 2**10
@@ -66,3 +66,19 @@ def check_hash(value: object) -> str:
     if not isinstance(value, str) or not HASH_PATTERN.fullmatch(value):
         raise InvalidNameError(f"invalid chunk hash {quoted(value)}: expected 64 lowercase hex digits")
     return value
+
+
+_MAX_INT = 2**63 - 1
+
+
+def check_int(value: Any, what: str, low: int = 0, high: int = _MAX_INT) -> int:
+    """``value`` if it is an int (not a bool) in [low, high]; else ManifestError naming ``what``."""
+    if type(value) is not int or not low <= value <= high:
+        raise ManifestError(f"{what} must be an integer in [{low}, {high}], found {quoted(value)}")
+    return value
+
+
+def all_ints(values, low: int = 0, high: int = _MAX_INT) -> bool:
+    """Whether every value is an int (not a bool) in [low, high], checked with builtins over the whole
+    list (a manifest's lists may hold millions)."""
+    return not values or (set(map(type, values)) <= {int} and min(values) >= low and max(values) <= high)

@@ -33,6 +33,8 @@ from ckptfmt.format.limits import (
     MAX_SHARDS_PER_TENSOR,
     MAX_TENSOR_BYTES,
     MAX_TENSORS,
+    all_ints,
+    check_int,
     check_name,
 )
 from ckptfmt.format.placement import Placement
@@ -221,12 +223,6 @@ def _get(doc: dict, key: str, kind: type | tuple, *, optional: bool = False, def
     return value
 
 
-def _int(value: Any, what: str, low: int = 0, high: int = 2**63 - 1) -> int:
-    if type(value) is not int or not low <= value <= high:
-        raise ManifestError(f"{what} must be an integer in [{low}, {high}], found {quoted(value)}")
-    return value
-
-
 _KNOWN_FIELDS = frozenset(
     "format version name step created_ns parent chunks tensors state user rng environment topology timing stats "
     "provenance replicas placement".split()
@@ -290,7 +286,7 @@ def _parse(doc: Any, statistics: bool = True) -> Manifest:
     return Manifest(
         name=check_name(_get(doc, "name", str)),
         step=_get(doc, "step", int, optional=True),
-        created_ns=_int(_get(doc, "created_ns", int), "created_ns"),
+        created_ns=check_int(_get(doc, "created_ns", int), "created_ns"),
         parent=check_name(parent) if parent is not None else None,
         chunks=chunks,
         tensors=tensors,
@@ -332,18 +328,12 @@ def _check_nesting(value: Any, what: str) -> None:
 # millions: they work on whole lists with builtins (map, min, max, sum) rather
 # than element by element in Python, so a hostile manifest costs what its bytes cost.
 
-_MAX_INT = 2**63 - 1
 _INT = {int}
 _new_piece = partial(tuple.__new__, Piece)
 
 
-def _all_ints(values, low: int = 0, high: int = _MAX_INT) -> bool:
-    """Whether every value is an int (not a bool) in [low, high]."""
-    return not values or (set(map(type, values)) <= _INT and min(values) >= low and max(values) <= high)
-
-
 def _parse_dims(value: Any, what: str) -> tuple[int, ...]:
-    if type(value) is not list or len(value) > MAX_DIMS or not _all_ints(value):
+    if type(value) is not list or len(value) > MAX_DIMS or not all_ints(value):
         raise ManifestError(f"{what} must be a list of at most {MAX_DIMS} integers in [0, 2**63-1]")
     return tuple(value)
 
@@ -375,7 +365,7 @@ def _usual_grids(rows: list[tuple[int, Any]], sizes: _Sizes, budget: _Budget) ->
         if type(doc) is not dict:
             continue
         shards, shape, dtype = doc.get("shards"), doc.get("shape"), doc.get("dtype")
-        if (isinstance(shards, dict) and type(shape) is list and len(shape) <= MAX_DIMS and _all_ints(shape)
+        if (isinstance(shards, dict) and type(shape) is list and len(shape) <= MAX_DIMS and all_ints(shape)
                 and type(dtype) is str and dtype in _ITEMSIZES
                 and math.prod(shape) * _ITEMSIZES[dtype] <= MAX_TENSOR_BYTES):
             items.append((shards, tuple(shape), _ITEMSIZES[dtype]))
@@ -475,7 +465,7 @@ def _parse_tensor(doc: Any, index: int, sizes: _Sizes, budget: _Budget, grid: Sh
         raise ManifestError(f"{what}: requires_grad is not a bool")
     same_as = doc.get("same_as")
     if same_as is not None:
-        _int(same_as, f"{what} same_as", 0, index - 1 if index else 0)
+        check_int(same_as, f"{what} same_as", 0, index - 1 if index else 0)
         if index == 0:
             raise ManifestError(f"{what}: same_as must name an earlier tensor")
     raw_shards = doc.get("shards")
@@ -511,7 +501,7 @@ def _parse_stats(doc: Any, what: str, numel: int, dtype: str) -> dict:
     for name in known:
         value = doc[name]
         if name in _STAT_COUNTS:
-            _int(value, f"{what}: stats {name}", 0, numel)
+            check_int(value, f"{what}: stats {name}", 0, numel)
         elif value is not None and (type(value) not in (int, float)):
             raise ManifestError(f"{what}: stats {name} must be a number or nil, found {quoted(value)}")
     _check_nesting(doc, f"{what} stats")
@@ -527,7 +517,7 @@ def _parse_shard(doc: Any, what: str, shape: tuple, width: int, sizes: list[int]
         raise ManifestError(f"{what}: shard rank differs from the tensor's {len(shape)} dims")
     if any(map(operator.gt, map(operator.add, offsets, box), shape)):
         raise ManifestError(f"{what}: shard at {list(offsets)} of shape {list(box)} lies outside {list(shape)}")
-    rank = _int(doc.get("rank", 0), f"{what} shard rank", 0, MAX_RANK)
+    rank = check_int(doc.get("rank", 0), f"{what} shard rank", 0, MAX_RANK)
     pieces = _parse_pieces(doc.get("pieces"), what, sizes, budget)
     expected = math.prod(box) * width
     total = sum(p.length for p in pieces)
@@ -545,16 +535,16 @@ def _parse_pieces(raw: Any, what: str, sizes: list[int], budget: _Budget) -> tup
         return ()
     if len(raw) == 1:  # the usual case, checked without the list machinery below
         piece = raw[0]
-        if (type(piece) is list and len(piece) == 3 and _all_ints(piece) and piece[2] >= 1
+        if (type(piece) is list and len(piece) == 3 and all_ints(piece) and piece[2] >= 1
                 and piece[0] < len(sizes) and piece[1] + piece[2] <= sizes[piece[0]]):
             return (_new_piece(piece),)
     if set(map(type, raw)) != {list} or set(map(len, raw)) != {3}:
         raise ManifestError(f"{what}: a piece must be [chunk, offset, length]")
     flat = list(chain.from_iterable(raw))
     indexes, offsets, lengths = flat[0::3], flat[1::3], flat[2::3]
-    if not _all_ints(indexes, 0, len(sizes) - 1):
+    if not all_ints(indexes, 0, len(sizes) - 1):
         raise ManifestError(f"{what}: a piece names a chunk outside the chunk table of {len(sizes)} rows")
-    if not _all_ints(offsets) or not _all_ints(lengths, 1):
+    if not all_ints(offsets) or not all_ints(lengths, 1):
         raise ManifestError(f"{what}: piece offsets must be integers >= 0 and lengths integers >= 1")
     ends = map(operator.add, offsets, lengths)
     if any(map(operator.gt, ends, map(sizes.__getitem__, indexes))):

@@ -432,10 +432,8 @@ def _cuts(raw: Any, count: int, extent: int, name: str, what: str) -> np.ndarray
     """One dimension's boundaries: a column of ``count`` ints, 0 first, ``extent`` last, never decreasing."""
     import numpy as np
 
-    if count == 2 and type(raw) is bytes and len(raw) in (2, 4, 8, 16):  # a dimension not split: [0, extent]
-        half = len(raw) // 2
-        if int.from_bytes(raw[:half], "little") == 0 and int.from_bytes(raw[half:], "little") == extent:
-            return np.array([0, extent], dtype=np.int64)
+    if count == 2 and type(raw) is bytes and _whole(raw, extent):  # a dimension not split: [0, extent]
+        return np.array([0, extent], dtype=np.int64)
     cuts = column(raw, name, count, what, high=extent).astype(np.int64)  # count values: a small copy
     if cuts[0] != 0 or cuts[-1] != extent or (count > 2 and np.diff(cuts).min() < 0):
         raise ManifestError(f"{what}: shard grid {name} must run from 0 to the extent {extent} "
@@ -456,14 +454,13 @@ def column(raw: Any, name: str, count: int, what: str, *, low: int = 0, high: in
         if raw:
             raise ManifestError(f"{what}: {table} column {name!r} must be empty")
         return np.empty(0, dtype=np.int64)
-    width, rest = divmod(len(raw), count)
-    if rest or width not in _WIDTHS:
+    values = _view(raw, count)
+    if values is None:
         raise ManifestError(f"{what}: {table} column {name!r} of {len(raw)} bytes does not hold {count} "
                             "integers of 1, 2, 4 or 8 bytes")
-    values = np.frombuffer(raw, dtype=np.dtype(f"<u{width}"))
-    if (low and values.min() < low) or (high < 256 ** width - 1 and values.max() > high):
+    if (low and values.min() < low) or (high < 256 ** values.itemsize - 1 and values.max() > high):
         raise ManifestError(f"{what}: {table} column {name!r} holds values outside [{low}, {high}]")
-    return values if width < 8 else values.astype(np.int64)
+    return _wide(values)
 
 
 def _cell_volumes(cuts: Sequence[np.ndarray], per_dim: Sequence[int], shape: tuple[int, ...]) -> np.ndarray:
