@@ -51,13 +51,13 @@ def higher(a, b):
 def merge_stats(parts: Iterable[dict[str, Any]]) -> dict[str, Any]:
     """The statistics of the elements of every part together (the shards of one tensor)."""
     parts = list(parts)
+    if len(parts) == 1:  # the part's own map, not a copy: statistics are never changed once taken
+        return parts[0]
     if not parts:
         raise ValueError("merge_stats needs at least one part")
     fields = set(parts[0])
     if any(set(part) != fields for part in parts):
         raise ValueError("merge_stats: the parts hold different fields (statistics of different dtypes)")
-    if len(parts) == 1:  # the part's own map, not a copy: statistics are never changed once taken
-        return parts[0]
     merged: dict[str, Any] = {"count": sum(part["count"] for part in parts)}
     for name in ("nan", "posinf", "neginf", "zeros"):
         if name in fields:

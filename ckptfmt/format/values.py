@@ -176,6 +176,9 @@ class _Encoder:
         self.rank = rank  # whose value a PerRank leaf is
         self.in_key = 0  # > 0 while packing a dict key or set item
         self.in_per_rank = 0  # per-rank maps around the value being packed: each is a level (spec 7.4)
+        self.packer = msgpack.Packer(use_bin_type=True, strict_types=True)  # one for every extension's body
+        #: The usual tensor leaves' types, found by one set lookup (``is_tensor_leaf`` does the rest).
+        self.tensor_types = _tensor_types()
 
     def pack(self, value: Any, path: tuple) -> Any:
         """Turn ``value`` into msgpack-native data plus ExtTypes."""
@@ -203,7 +206,7 @@ class _Encoder:
             return self.ext(EXT_ODICT, body)
         if kind is tuple:
             return self.ext(EXT_TUPLE, [self.pack(item, (*path, i)) for i, item in enumerate(value)])
-        if is_tensor_leaf(value):
+        if kind in self.tensor_types or is_tensor_leaf(value):
             if self.in_key:
                 raise UnsupportedValueError(
                     f"{_where(path)}: tensors cannot be dict keys or set items (nor part of one)"
@@ -270,14 +273,21 @@ class _Encoder:
         return self.ext(EXT_DTYPE, name)
 
     def ext(self, code: int, body: Any) -> msgpack.ExtType:
-        return msgpack.ExtType(code, _packb(body))
+        return msgpack.ExtType(code, _packb(body, self.packer))
 
 
-def _packb(obj: Any) -> bytes:
+def _packb(obj: Any, packer: msgpack.Packer | None = None) -> bytes:
     try:
-        return msgpack.packb(obj, use_bin_type=True, strict_types=True)
+        return (packer or msgpack.Packer(use_bin_type=True, strict_types=True)).pack(obj)
     except UnicodeEncodeError as exc:  # lone surrogates in a str
         raise UnsupportedValueError(f"state holds a string that is not valid Unicode text: {exc}") from None
+
+
+def _tensor_types() -> frozenset[type]:
+    """torch.Tensor, torch.nn.Parameter and numpy.ndarray, those of them whose module is loaded."""
+    torch, np = sys.modules.get("torch"), _numpy()
+    return frozenset(([torch.Tensor, torch.nn.Parameter] if torch is not None else [])
+                     + ([np.ndarray] if np is not None else []))
 
 
 def encode_tree(value: Any, on_tensor: OnTensor | None = None, rank: int = 0) -> bytes:

@@ -32,7 +32,7 @@ class ChunkJob:
     itemsize: int = 1
 
 
-@dataclass
+@dataclass(slots=True)
 class PieceRef:
     """A tensor's byte range inside a chunk job (resolved to a chunk index after hashing)."""
 

@@ -109,7 +109,7 @@ class TensorCollector:
         key = format_key(path)
         if not path:
             raise UnsupportedValueError("a tensor at the root of the state has no key: save {'tensor': t} instead")
-        if len(key.encode("utf-8", "surrogatepass")) > MAX_KEY_BYTES:
+        if len(key) > MAX_KEY_BYTES // 4 and len(key.encode("utf-8", "surrogatepass")) > MAX_KEY_BYTES:
             raise UnsupportedValueError(f"tensor key {key[:80]!r}... is longer than {MAX_KEY_BYTES} bytes")
         if key in self.keys:
             raise UnsupportedValueError(f"two tensors map to the key {key!r}; rename one of the dict keys")
@@ -120,7 +120,7 @@ class TensorCollector:
             self.entries.append(self.entries[first].alias(key, first))
             return index
         self.seen[id(value)] = index
-        where = "state" + "".join(f"[{p!r}]" for p in path)
+        where = _Where(path)
         if type(value) is Sharded:
             self.entries.append(self._sharded(key, value, where))
             return index
@@ -132,12 +132,12 @@ class TensorCollector:
                                           (SourceBox(len(self.sources) - 1, (0,) * len(source.shape)),)))
         return index
 
-    def _dtensor(self, key: str, value, where: str) -> PlannedTensor:
+    def _dtensor(self, key: str, value, where: _Where) -> PlannedTensor:
         """An entry for this rank's shard of a DTensor, or of a staged one (the other ranks add theirs).
 
         A process saving alone holds every shard only where the mesh is this one process (a job of
         one rank, as torchtitan or FSDP2 run on one GPU): such a DTensor is saved, any other refused."""
-        shard = value if type(value) is LocalShard else local_shard(value, where)
+        shard = value if type(value) is LocalShard else local_shard(value, str(where))
         if not self.collective and math.prod(shard.mesh["shape"]) != 1:
             raise UnsupportedValueError(
                 f"{where}: a DTensor is saved by a collective save: call ckptfmt.save on every rank of its "
@@ -149,7 +149,7 @@ class TensorCollector:
         return PlannedTensor(key, source.dtype, tuple(shard.global_shape), shard.kind, shard.requires_grad,
                              (SourceBox(len(self.sources) - 1, tuple(shard.offsets)),))
 
-    def _source(self, value, where: str) -> TensorSource:
+    def _source(self, value, where: _Where | str) -> TensorSource:
         """A new source for ``value`` (frozen: staged memory that nothing changes during the save),
         with its statistics when they are taken before its bytes reach the host."""
         on_device = self.tensor_stats and isinstance(value, torch.Tensor) and value.device.type not in ("cpu", "meta")
@@ -163,7 +163,7 @@ class TensorCollector:
         self.sources.append(source)
         return source
 
-    def _sharded(self, key: str, value: Sharded, where: str) -> PlannedTensor:
+    def _sharded(self, key: str, value: Sharded, where: _Where) -> PlannedTensor:
         """An entry whose shards are separate sources; refuses layouts readers would refuse."""
         if not value.shards:
             raise UnsupportedValueError(f"{where}: a sharded tensor needs at least one shard")
@@ -182,13 +182,26 @@ class TensorCollector:
             if any(len(b.offsets) != len(value.shape) or len(b.shape) != len(value.shape) or
                    any(o + n > d for o, n, d in zip(b.offsets, b.shape, value.shape)) for b in boxes):
                 raise ManifestError(f"{where}: a shard lies outside the global shape {list(value.shape)}")
-            check_tiling(where, value.shape, boxes)
+            check_tiling(str(where), value.shape, boxes)
         except ManifestError as exc:
             raise UnsupportedValueError(str(exc)) from None
         return PlannedTensor(key, dtypes.pop(), tuple(value.shape), "tensor", False, tuple(shards))
 
 
-def _shard_rank(shard: Shard, where: str) -> int:
+class _Where:
+    """Where a leaf is in the state, as errors name it (``state['a'][0]``): spelled out only for an error,
+    as most leaves never need it."""
+
+    __slots__ = ("path",)
+
+    def __init__(self, path: tuple):
+        self.path = path
+
+    def __str__(self) -> str:
+        return "state" + "".join(f"[{segment!r}]" for segment in self.path)
+
+
+def _shard_rank(shard: Shard, where: _Where) -> int:
     """A shard's owning rank (spec 6.5): an integer in [0, MAX_RANK], refused before anything is written."""
     rank = shard.rank
     if isinstance(rank, bool) or not hasattr(rank, "__index__") or not 0 <= operator.index(rank) <= MAX_RANK:

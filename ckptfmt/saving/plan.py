@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class SourceBox:
     """One box of a tensor that this rank holds (spec 6.5): the index of the source holding its bytes,
     where the box starts in the global tensor, and the rank recorded as its owner (a ``Sharded`` shard's
@@ -18,7 +18,7 @@ class SourceBox:
     owner: int | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class PlannedTensor:
     """A tensor of the state as one rank holds it (spec 6.4): key, dtype, global shape, kind, whether it
     requires grad, its boxes, and ``same_as``: the index of an earlier entry that is the same tensor."""

@@ -41,7 +41,7 @@ class RankPlan:
     host: str = ""
 
 
-@dataclass
+@dataclass(slots=True)
 class Box:
     """One box of a tensor's data, the members holding it (position, source index), their fingerprints
     of it (none when not compared), its owner if the state named one, and the member writing it."""
@@ -61,7 +61,7 @@ class Box:
         return replicas.agreeing_groups([(position, p) for (position, _), p in zip(self.holders, self.prints)])
 
 
-@dataclass
+@dataclass(slots=True)
 class MergedTensor:
     """A tensor of the checkpoint: its facts, ``same_as`` (the index of the tensor it is another name
     of) and, unless it is one, the boxes of its data."""

@@ -45,7 +45,7 @@ def tensor_entry(key: str, dtype: str, shape: tuple[int, ...], shards: Sequence[
                  kind: str = "tensor", requires_grad: bool = False, same_as: int | None = None) -> TensorEntry:
     """A tensor's row: its shards (each with its statistics), in offset order, and its statistics merged
     from theirs (none on a ``same_as`` entry, whose data is another's)."""
-    ordered = sorted(shards, key=lambda shard: shard[0].offsets)
+    ordered = shards if len(shards) == 1 else sorted(shards, key=lambda shard: shard[0].offsets)
     return TensorEntry(key=key, dtype=dtype, shape=tuple(shape), shards=tuple(shard for shard, _ in ordered),
                        kind=kind, requires_grad=requires_grad, same_as=same_as,
                        stats=None if same_as is not None else merged_stats([stats for _, stats in ordered]))

@@ -19,7 +19,7 @@ if sys.byteorder != "little":  # pragma: no cover - every supported platform is 
     raise ImportError("ckptfmt stores little-endian bytes and supports little-endian hosts only")
 
 
-@dataclass
+@dataclass(slots=True)
 class TensorSource:
     """A tensor ready to be written: its CPU bytes and what the manifest says about it."""
 
@@ -38,7 +38,7 @@ class TensorSource:
 
     @property
     def nbytes(self) -> int:
-        return self.tensor.numel() * self.tensor.element_size()
+        return self.tensor.nbytes
 
     @property
     def itemsize(self) -> int:
@@ -53,8 +53,9 @@ class TensorSource:
         return self.tensor.reshape(-1).view(torch.uint8)
 
 
-def prepare(value: torch.Tensor | np.ndarray, where: str) -> TensorSource:
-    """Check a leaf and bring it to contiguous CPU memory (copying only when needed)."""
+def prepare(value: torch.Tensor | np.ndarray, where: object) -> TensorSource:
+    """Check a leaf and bring it to contiguous CPU memory (copying only when needed); errors name it as
+    ``str(where)``, spelled out only then."""
     if isinstance(value, np.ndarray):
         if value.dtype.kind not in "biufc" or value.dtype.byteorder == ">":
             raise UnsupportedValueError(f"{where}: numpy arrays of dtype {value.dtype} cannot be stored")
@@ -66,15 +67,21 @@ def prepare(value: torch.Tensor | np.ndarray, where: str) -> TensorSource:
             raise UnsupportedValueError(f"{where}: {exc}") from None
         return TensorSource(tensor, dtype_name(tensor.dtype), tuple(value.shape), "numpy", False, array is value)
     kind = type(value)
-    if kind not in (torch.Tensor, torch.nn.Parameter):
+    if kind is not torch.Tensor and kind is not torch.nn.Parameter:
         raise UnsupportedValueError(f"{where}: tensor subclass {kind.__qualname__} is not supported yet")
     if value.layout != torch.strided or value.is_quantized or value.is_nested:
         raise UnsupportedValueError(f"{where}: {value.layout} / quantized / nested tensors are not supported")
-    if value.device.type == "meta":
+    if value.is_meta:
         raise UnsupportedValueError(f"{where}: meta tensors have no data to save")
     name = dtype_name(value.dtype)
-    tensor = value.detach().resolve_conj().resolve_neg()
-    on_cpu = tensor.device.type == "cpu"
+    requires_grad = value.requires_grad
+    # Detached only where autograd tracks it, a view resolved only where lazy: cheap tests first, as a save of
+    # many small tensors is mostly per-tensor work like this.
+    tensor = value.detach() if requires_grad or kind is not torch.Tensor else value
+    resolved = tensor.is_conj() or tensor.is_neg()  # a lazy view: its values need a copy
+    if resolved:
+        tensor = tensor.resolve_conj().resolve_neg()
+    on_cpu = tensor.is_cpu
     if not on_cpu:
         tensor = tensor.cpu()
     contiguous = tensor.is_contiguous()
@@ -83,7 +90,7 @@ def prepare(value: torch.Tensor | np.ndarray, where: str) -> TensorSource:
     return TensorSource(
         tensor, name, tuple(value.shape),
         "parameter" if kind is torch.nn.Parameter else "tensor",
-        bool(value.requires_grad), on_cpu and contiguous,
+        requires_grad, on_cpu and contiguous and not resolved,
     )
 
 
