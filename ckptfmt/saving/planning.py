@@ -51,7 +51,7 @@ class Box:
     nbytes: int
     holders: list[tuple[int, int]]
     owner: int | None = None
-    prints: list[bytes] = field(default_factory=list)
+    prints: list[bytes] | tuple[()] = ()  # a list once there is one (most boxes have none)
     writer: tuple[int, int] = (-1, -1)  # (position, index in that member's assigned sources)
 
     def groups(self) -> tuple[tuple[int, ...], ...]:
@@ -209,6 +209,8 @@ def _boxes(plans: list[RankPlan], holders: list[tuple[int, PlannedTensor]], key:
                                       f"shapes ({list(box.shape)} and {list(shape)})")
             box.holders.append((position, held.source))
             if plan.fingerprints is not None:
+                if not box.prints:
+                    box.prints = []
                 box.prints.append(plan.fingerprints[held.source])
     return [boxes[offsets] for offsets in sorted(boxes)]
 
