@@ -270,6 +270,9 @@ class ChunkWriter:
 
     def close(self, cancel: bool = False) -> None:
         self.pool.shutdown(wait=True, cancel_futures=cancel)
+        # Each future holds this writer through its done callback: let go of them, so that reference
+        # counting frees the writer and its sources now, not the cyclic collector some time later.
+        self.futures.clear()
 
     def make_durable(self) -> None:
         """Sync what this save wrote (each file, then the folders: one pass over them all, which is

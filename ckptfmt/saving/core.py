@@ -132,6 +132,11 @@ class TensorCollector:
                                           (SourceBox(len(self.sources) - 1, (0,) * len(source.shape)),)))
         return index
 
+    def forget(self) -> None:
+        """Let go of what only the encoding needs (the keys and objects met), once the tree is encoded."""
+        self.seen.clear()
+        self.keys.clear()
+
     def _dtensor(self, key: str, value, where: _Where) -> PlannedTensor:
         """An entry for this rank's shard of a DTensor, or of a staged one (the other ranks add theirs).
 
