@@ -97,9 +97,10 @@ def _one_piece(tensor: TensorEntry) -> tuple[int, int, int] | None:
     offsets, shape, rank, pieces = shards[0]
     if shape != tensor.shape or any(offsets) or max(shape, default=0) > _MAX_DIM:
         return None
+    nbytes = tensor.nbytes
     if not pieces:
-        return (rank, 0, 0) if tensor.nbytes == 0 else None
-    if len(pieces) != 1 or pieces[0].length != tensor.nbytes:
+        return (rank, 0, 0) if nbytes == 0 else None
+    if len(pieces) != 1 or pieces[0].length != nbytes:
         return None
     return rank, pieces[0].chunk, pieces[0].offset
 

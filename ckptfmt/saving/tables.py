@@ -22,13 +22,16 @@ class ManifestTables:
     def __init__(self):
         self.chunks = ChunkTable()
         self._rows: list[list[int]] = []
+        #: Per writer, whether its rows are the same rows of the merged table (its pieces stand as they are).
+        self._same: list[bool] = []
 
     def add_writer(self, chunks: Sequence[Chunk], written_rows: frozenset[int] | set[int]) -> int:
         """Take a writer's chunk table (``written_rows``: the rows it stored, not found stored); returns
         the writer's number for ``pieces``."""
         table = list(chunks)
-        self._rows.append([self.chunks.add_with_bases(chunk, table, row in written_rows)
-                           for row, chunk in enumerate(table)])
+        rows = [self.chunks.add_with_bases(chunk, table, row in written_rows) for row, chunk in enumerate(table)]
+        self._rows.append(rows)
+        self._same.append(rows == list(range(len(rows))))  # its rows are the merged table's (one writer)
         return len(self._rows) - 1
 
     def rows(self, writer: int) -> list[int]:
@@ -37,6 +40,8 @@ class ManifestTables:
 
     def pieces(self, writer: int, pieces: Sequence[Piece]) -> tuple[Piece, ...]:
         """A writer's pieces of one source, pointing at rows of the merged table."""
+        if self._same[writer]:
+            return tuple(pieces)
         rows = self._rows[writer]
         return tuple(Piece(rows[piece.chunk], piece.offset, piece.length) for piece in pieces)
 
@@ -45,7 +50,11 @@ def tensor_entry(key: str, dtype: str, shape: tuple[int, ...], shards: Sequence[
                  kind: str = "tensor", requires_grad: bool = False, same_as: int | None = None) -> TensorEntry:
     """A tensor's row: its shards (each with its statistics), in offset order, and its statistics merged
     from theirs (none on a ``same_as`` entry, whose data is another's)."""
-    ordered = shards if len(shards) == 1 else sorted(shards, key=lambda shard: shard[0].offsets)
+    if len(shards) == 1:  # the usual entry: its shard's statistics are the tensor's
+        (shard, stats), = shards
+        return TensorEntry(key, dtype, tuple(shape), (shard,), kind, requires_grad, same_as,
+                           None if same_as is not None else stats)
+    ordered = sorted(shards, key=lambda shard: shard[0].offsets)
     return TensorEntry(key=key, dtype=dtype, shape=tuple(shape), shards=tuple(shard for shard, _ in ordered),
                        kind=kind, requires_grad=requires_grad, same_as=same_as,
                        stats=None if same_as is not None else merged_stats([stats for _, stats in ordered]))
