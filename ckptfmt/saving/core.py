@@ -39,7 +39,7 @@ from ckptfmt.errors import (
 from ckptfmt.format import layout
 from ckptfmt.format.chunk_table import stored_key
 from ckptfmt.format.hashing import chunk_hash
-from ckptfmt.format.limits import MAX_KEY_BYTES, check_name
+from ckptfmt.format.limits import MAX_DIMS, MAX_KEY_BYTES, check_name
 from ckptfmt.format.manifest import MAX_RANK, Chunk, Manifest, ShardEntry, TensorEntry
 from ckptfmt.format.signatures import SigningKey
 from ckptfmt.format.tensor_stats import merge_stats
@@ -82,6 +82,10 @@ class Captured:
     device_stats: dict[tuple, dict] | None = None
 
 
+#: The offsets of a whole tensor's box, by its number of dimensions.
+_ORIGINS = [(0,) * ndim for ndim in range(MAX_DIMS + 1)]
+
+
 class TensorCollector:
     """The value tree's tensor hook: prepares each leaf and numbers it (same object, same entry).
 
@@ -121,15 +125,17 @@ class TensorCollector:
             return index
         self.seen[id(value)] = index
         where = _Where(path)
-        if type(value) is Sharded:
-            self.entries.append(self._sharded(key, value, where))
-            return index
-        if is_dtensor(value) or type(value) is LocalShard:
-            self.entries.append(self._dtensor(key, value, where))
-            return index
+        kind = type(value)
+        if kind is not torch.Tensor and kind is not torch.nn.Parameter:  # a plain tensor is neither below
+            if kind is Sharded:
+                self.entries.append(self._sharded(key, value, where))
+                return index
+            if is_dtensor(value) or kind is LocalShard:
+                self.entries.append(self._dtensor(key, value, where))
+                return index
         source = self._source(value, where)
         self.entries.append(PlannedTensor(key, source.dtype, source.shape, source.kind, source.requires_grad,
-                                          (SourceBox(len(self.sources) - 1, (0,) * len(source.shape)),)))
+                                          (SourceBox(len(self.sources) - 1, _ORIGINS[len(source.shape)]),)))
         return index
 
     def forget(self) -> None:
@@ -157,7 +163,8 @@ class TensorCollector:
     def _source(self, value, where: _Where | str) -> TensorSource:
         """A new source for ``value`` (frozen: staged memory that nothing changes during the save),
         with its statistics when they are taken before its bytes reach the host."""
-        on_device = self.tensor_stats and isinstance(value, torch.Tensor) and value.device.type not in ("cpu", "meta")
+        on_device = (self.tensor_stats and isinstance(value, torch.Tensor) and not value.is_cpu
+                     and not value.is_meta)
         pending = PendingStats(value) if on_device else None
         source = prepare(value, where)
         source.frozen = self.frozen and source.borrowed

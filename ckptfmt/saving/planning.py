@@ -167,8 +167,11 @@ def _tensors(plans: list[RankPlan], order: list[str], rank_of) -> list[MergedTen
             holding.setdefault(entry.key, []).append((position, entry))
     disagreements = []
     for key in order:
-        first_position, first = holding[key][0]
-        for position, entry in holding[key][1:]:
+        holders = holding[key]
+        if len(holders) == 1:
+            continue
+        first_position, first = holders[0]
+        for position, entry in holders[1:]:
             if (entry.dtype, tuple(entry.shape)) != (first.dtype, tuple(first.shape)):
                 disagreements.append(f"{key!r} is {first.dtype} {list(first.shape)} on rank {rank_of(first_position)}, "
                                      f"{entry.dtype} {list(entry.shape)} on rank {rank_of(position)}")
@@ -203,8 +206,10 @@ def _boxes(plans: list[RankPlan], holders: list[tuple[int, PlannedTensor]], key:
         plan = plans[position]
         for held in entry.boxes:
             offsets, shape = tuple(held.offsets), tuple(plan.shapes[held.source])
-            box = boxes.setdefault(offsets, Box(offsets, shape, plan.nbytes[held.source], [], held.owner))
-            if box.shape != shape:
+            box = boxes.get(offsets)
+            if box is None:
+                box = boxes[offsets] = Box(offsets, shape, plan.nbytes[held.source], [], held.owner)
+            elif box.shape != shape:
                 raise CheckpointError(f"tensor {key!r}: ranks hold boxes at offsets {list(offsets)} of different "
                                       f"shapes ({list(box.shape)} and {list(shape)})")
             box.holders.append((position, held.source))
@@ -212,7 +217,7 @@ def _boxes(plans: list[RankPlan], holders: list[tuple[int, PlannedTensor]], key:
                 if not box.prints:
                     box.prints = []
                 box.prints.append(plan.fingerprints[held.source])
-    return [boxes[offsets] for offsets in sorted(boxes)]
+    return [boxes[offsets] for offsets in sorted(boxes)] if len(boxes) > 1 else list(boxes.values())
 
 
 def _assign(tensors: list[MergedTensor], members: int) -> list[list[int]]:

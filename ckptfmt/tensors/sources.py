@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from ckptfmt.errors import UnsupportedValueError
+from ckptfmt.format.limits import MAX_DIMS
 from ckptfmt.tensors.dtypes import dtype_from_name, dtype_name
 
 if sys.byteorder != "little":  # pragma: no cover - every supported platform is little-endian
@@ -56,6 +57,8 @@ class TensorSource:
 def prepare(value: torch.Tensor | np.ndarray, where: object) -> TensorSource:
     """Check a leaf and bring it to contiguous CPU memory (copying only when needed); errors name it as
     ``str(where)``, spelled out only then."""
+    if value.ndim > MAX_DIMS:
+        raise UnsupportedValueError(f"{where}: {value.ndim} dimensions, more than the format holds ({MAX_DIMS})")
     if isinstance(value, np.ndarray):
         if value.dtype.kind not in "biufc" or value.dtype.byteorder == ">":
             raise UnsupportedValueError(f"{where}: numpy arrays of dtype {value.dtype} cannot be stored")

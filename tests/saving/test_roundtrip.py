@@ -238,6 +238,7 @@ def test_unsupported_values_name_their_path(repo_url):
         ({torch.ones(1): "tensor as key"}, "tensors cannot be dict keys"),
         ({"arr": np.array(["a", "b"])}, "state['arr']"),
         ({"big": 10**5000}, "state['big']"),
+        ({"deep": torch.zeros([1] * 65)}, "state['deep']: 65 dimensions"),
     ]
     ckptfmt.save({"ok": 1}, f"{repo_url}/good")
     for i, (state, where) in enumerate(bad):
