@@ -32,6 +32,7 @@ second moment, the shuffle on the first moment, whose signs come in runs.
 
 from __future__ import annotations
 
+import ctypes
 import threading
 from collections.abc import Callable, Collection
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
@@ -369,10 +370,19 @@ class ChunkWriter:
             view = source.byte_view()[start : start + length]
             address = source.tensor.data_ptr() + start if source.borrowed else None
             return view, address
+        return memoryview(self._packed(job)), None
+
+    def _packed(self, job: ChunkJob) -> bytearray:
+        """A pack's bytes: each small tensor's copied from its address (a byte view per tensor cost 3 us of
+        torch calls, most of a pack's time), every range checked against both ends first."""
         buffer = bytearray(job.size)
+        base = ctypes.addressof(ctypes.c_char.from_buffer(buffer)) if job.size else 0
         for source_index, start, length, offset in job.parts:
-            buffer[offset : offset + length] = self.sources[source_index].byte_view()[start : start + length]
-        return memoryview(buffer), None
+            source = self.sources[source_index]
+            if start < 0 or length < 0 or start + length > source.nbytes or offset < 0 or offset + length > job.size:
+                raise AssertionError(f"pack part {start}+{length} of {source.nbytes} bytes at {offset} of {job.size}")
+            ctypes.memmove(base + offset, source.tensor.data_ptr() + start, length)
+        return buffer
 
     def _hash_unchanged(self, data: memoryview, address: int, fingerprint: bytes, dtype: torch.dtype | None
                         ) -> tuple[str | None, dict[str, Any] | None]:
