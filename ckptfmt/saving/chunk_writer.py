@@ -200,14 +200,20 @@ def _table(stored: dict[int, StoredChunk], refs: list[list[PieceRef]], sources: 
 def _source_stats(stored: dict[int, StoredChunk], sources: list[TensorSource]) -> list[dict[str, Any] | None]:
     """Each source's statistics: given with it (taken on its device), or merged from its parts' in
     byte order (jobs are numbered in byte order); an empty source has its count alone."""
-    parts: dict[int, list[dict[str, Any]]] = {}
+    first: list[dict[str, Any] | None] = [None] * len(sources)  # a small tensor's one part: no list of it
+    more: dict[int, list[dict[str, Any]]] = {}
     for index in sorted(stored):
         for source, part in stored[index].stats:
-            parts.setdefault(source, []).append(part)
+            known = first[source]
+            if known is None:
+                first[source] = part
+            else:
+                more.setdefault(source, [known]).append(part)
     return [source.stats if source.stats is not None
-            else merge_stats(parts[index]) if index in parts
+            else merge_stats(more[index]) if index in more
+            else found if found is not None
             else StatsAccumulator(source.tensor.dtype).result()
-            for index, source in enumerate(sources)]
+            for index, (source, found) in enumerate(zip(sources, first))]
 
 
 class ChunkWriter:
