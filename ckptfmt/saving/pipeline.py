@@ -69,13 +69,12 @@ EVERY_RANK = ("Every rank of the process group must call ckptfmt.save, each with
               "rank's state alone (the 'if rank == 0' habit), pass coordinated=False")
 
 
-@collector_paused()
 def save_over(state: Any, url: str | os.PathLike, ranks: Ranks, options: SaveOptions, captured: Captured) -> str:
     """Save ``state`` (this member's part of it) as checkpoint ``url`` over ``ranks``; returns its URL.
 
-    Python's cyclic collector is paused throughout: the save's records of each tensor, chunk and piece form
-    no cycle, and a pause per stage left each stage's records to one full scan as the next began (100,000
-    small tensors: a quarter of a second)."""
+    Python's cyclic collector is paused while each stage builds its records (a record per tensor, chunk
+    and piece, none in a cycle), never while the save waits (for other ranks, for ``before_commit``): the
+    pause is process-wide, and an asynchronous save's training thread goes on beside it."""
     url = os.fspath(url)
     timer = PhaseTimer(captured.staged)
     repo_url, name = split_checkpoint_url(url)
@@ -94,7 +93,8 @@ def save_over(state: Any, url: str | os.PathLike, ranks: Ranks, options: SaveOpt
                                     tensor_stats=options.tensor_stats, device_stats=captured.device_stats)
 
         def prepare() -> RankPlan:
-            encoded = encode_tree(state, collector, rank=ranks.rank)
+            with collector_paused():
+                encoded = encode_tree(state, collector, rank=ranks.rank)
             collector.forget()
             compared = together and options.on_divergence != "ignore"  # replicas exist only in a group
             return RankPlan(encoded, entries, [s.shape for s in sources], [s.nbytes for s in sources],
@@ -139,11 +139,12 @@ def _write_and_commit(decision: dict, failure: Failure | None, url: str, name: s
             assigned = agreed.assigned[ranks.position]
             mine = [sources[i] for i in assigned]
             bases = _delta_bases(repo, agreed, entries, sources, assigned, options)
-            stored = store_sources(repo, mine, compression=options.compression,
-                                   parent_keys=agreed.parent_keys, cache=DEFAULT_CACHE,
-                                   chunk_size=options.chunk_size, workers=options.chunk_workers, timer=timer,
-                                   tensor_stats=options.tensor_stats, bases=bases,
-                                   breaks=agreed.breaks[ranks.position] if agreed.breaks else ())
+            with collector_paused():
+                stored = store_sources(repo, mine, compression=options.compression,
+                                       parent_keys=agreed.parent_keys, cache=DEFAULT_CACHE,
+                                       chunk_size=options.chunk_size, workers=options.chunk_workers, timer=timer,
+                                       tensor_stats=options.tensor_stats, bases=bases,
+                                       breaks=agreed.breaks[ranks.position] if agreed.breaks else ())
             return {"stored": stored, **rank_record(ranks.rank, timer, ranks.topology_entry(), captured)}
         written, own_failure = _attempt(write)
         # The encoding's records of each tensor are spent once its chunks are stored: freed before the
@@ -159,11 +160,13 @@ def _write_and_commit(decision: dict, failure: Failure | None, url: str, name: s
             repo, lease = agreed.repo, agreed.lease
             assert repo is not None and lease is not None  # run on the coordinator, which holds both
             reports[0]["timing"] = timer.record(ranks.rank, captured.steps, captured.resumes)  # with its wait
-            manifest = _manifest(agreed, reports, ranks, name, options)
+            with collector_paused():
+                manifest = _manifest(agreed, reports, ranks, name, options)
             agreed.tensors.clear()  # their boxes are the manifest's shards now: freed before it is written and checked
             if options.before_commit is not None:
                 options.before_commit()
-            commit_manifest(repo, manifest, lease, options.signer)
+            with collector_paused():
+                commit_manifest(repo, manifest, lease, options.signer)
             committed.append(manifest)
             return repo.storage.describe(name)
         outcome, failure = _coordinate(results, ranks, commit)
