@@ -166,7 +166,8 @@ def format_key(path: tuple) -> str:
     return "/".join(parts)
 
 
-def _where(path: tuple) -> str:
+def state_path(path: tuple) -> str:
+    """Where a value is in the state, as errors name it: ``state['model'][0]``."""
     return "state" + "".join(f"[{segment!r}]" for segment in path)
 
 
@@ -183,7 +184,7 @@ class _Encoder:
     def pack(self, value: Any, path: tuple) -> Any:
         """Turn ``value`` into msgpack-native data plus ExtTypes."""
         if len(path) + self.in_per_rank > MAX_NESTING:
-            raise UnsupportedValueError(f"{_where(path[:8])}...: nested deeper than {MAX_NESTING} levels")
+            raise UnsupportedValueError(f"{state_path(path[:8])}...: nested deeper than {MAX_NESTING} levels")
         kind = type(value)
         if value is None or kind in (bool, float, str, bytes):
             return value
@@ -195,7 +196,7 @@ class _Encoder:
             except ValueError:  # over sys.get_int_max_str_digits()
                 text = None
             if text is None or len(text.lstrip("-")) > _BIGINT_DIGITS:
-                raise UnsupportedValueError(f"{_where(path)}: integer of more than {_BIGINT_DIGITS} digits")
+                raise UnsupportedValueError(f"{state_path(path)}: integer of more than {_BIGINT_DIGITS} digits")
             return msgpack.ExtType(EXT_BIGINT, text.encode("ascii"))
         if kind is list:
             return [self.pack(item, (*path, i)) for i, item in enumerate(value)]
@@ -209,13 +210,13 @@ class _Encoder:
         if kind in self.tensor_types or is_tensor_leaf(value):
             if self.in_key:
                 raise UnsupportedValueError(
-                    f"{_where(path)}: tensors cannot be dict keys or set items (nor part of one)"
+                    f"{state_path(path)}: tensors cannot be dict keys or set items (nor part of one)"
                 )
             if self.in_per_rank:
-                raise UnsupportedValueError(f"{_where(path)}: tensors inside ckptfmt.PerRank are not supported; "
+                raise UnsupportedValueError(f"{state_path(path)}: tensors inside ckptfmt.PerRank are not supported; "
                                             "save a per-rank tensor as a DTensor or under a key naming its rank")
             if self.on_tensor is None:
-                raise UnsupportedValueError(f"{_where(path)}: tensors are not allowed here")
+                raise UnsupportedValueError(f"{state_path(path)}: tensors are not allowed here")
             return self.ext(EXT_TENSOR, self.on_tensor(path, value))
         if kind is PerRank:
             return self.per_rank(PerRankValues({self.rank: value.value}), path)
@@ -231,13 +232,13 @@ class _Encoder:
         np = _numpy()
         if np is not None and isinstance(value, np.generic) and value.dtype.kind in "biufc":
             if value.dtype.str not in _typestrs():
-                raise UnsupportedValueError(f"{_where(path)}: a numpy {value.dtype} scalar means different "
+                raise UnsupportedValueError(f"{state_path(path)}: a numpy {value.dtype} scalar means different "
                                             "things on different platforms; convert it to float64 or complex128")
             return self.ext(EXT_NUMPY_SCALAR, [value.dtype.str, value.tobytes()])
         if kind is OpaqueObject:
             return self.ext(EXT_OPAQUE, {"module": value.module, "qualname": value.qualname, "pickle": value.pickle})
         raise UnsupportedValueError(
-            f"{_where(path)}: cannot store a {kind.__module__}.{kind.__qualname__} exactly; "
+            f"{state_path(path)}: cannot store a {kind.__module__}.{kind.__qualname__} exactly; "
             "convert it to plain values (dict, list, tuple, int, float, str, bytes, tensors)"
         )
 
@@ -251,7 +252,7 @@ class _Encoder:
 
     def per_rank(self, values: PerRankValues, path: tuple) -> msgpack.ExtType:
         if self.in_key:
-            raise UnsupportedValueError(f"{_where(path)}: a PerRank value cannot be a dict key or set item")
+            raise UnsupportedValueError(f"{state_path(path)}: a PerRank value cannot be a dict key or set item")
         self.in_per_rank += 1
         try:
             body = {int(rank): self.pack(value, path) for rank, value in sorted(values.items())}
@@ -268,7 +269,7 @@ class _Encoder:
             return self.ext(EXT_DEVICE, str(payload))
         name = str(payload).rpartition(".")[2]
         if name not in ITEMSIZES:
-            raise UnsupportedValueError(f"{_where(path)}: dtype {payload} cannot be stored (quantized and sub-byte "
+            raise UnsupportedValueError(f"{state_path(path)}: dtype {payload} cannot be stored (quantized and sub-byte "
                                         "integer dtypes are not in format 1.0)")
         return self.ext(EXT_DTYPE, name)
 

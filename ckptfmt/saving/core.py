@@ -44,7 +44,7 @@ from ckptfmt.format.manifest import MAX_RANK, Chunk, Manifest, ShardEntry, Tenso
 from ckptfmt.format.signatures import SigningKey
 from ckptfmt.format.tensor_stats import merge_stats
 from ckptfmt.format.tiling import check_tiling
-from ckptfmt.format.values import format_key
+from ckptfmt.format.values import format_key, state_path
 from ckptfmt.metadata.environment import capture_environment, merge_environments
 from ckptfmt.metadata.rng import rng_entry
 from ckptfmt.metadata.timing import PhaseTimer, with_steps
@@ -160,7 +160,7 @@ class TensorCollector:
         return PlannedTensor(key, source.dtype, tuple(shard.global_shape), shard.kind, shard.requires_grad,
                              (SourceBox(len(self.sources) - 1, tuple(shard.offsets)),))
 
-    def _source(self, value, where: _Where | str) -> TensorSource:
+    def _source(self, value, where: _Where) -> TensorSource:
         """A new source for ``value`` (frozen: staged memory that nothing changes during the save),
         with its statistics when they are taken before its bytes reach the host."""
         on_device = (self.tensor_stats and isinstance(value, torch.Tensor) and not value.is_cpu
@@ -210,7 +210,7 @@ class _Where:
         self.path = path
 
     def __str__(self) -> str:
-        return "state" + "".join(f"[{segment!r}]" for segment in self.path)
+        return state_path(self.path)
 
 
 def _shard_rank(shard: Shard, where: _Where) -> int:

@@ -15,7 +15,7 @@ from collections import OrderedDict
 from typing import Any
 
 from ckptfmt.format.per_rank import PerRankValues
-from ckptfmt.format.values import TensorRef, encode_tree
+from ckptfmt.format.values import TensorRef, encode_tree, state_path
 
 #: Paths of differing values named in the report, at most.
 MAX_REPORTED = 8
@@ -44,7 +44,7 @@ def _merge(values: list[tuple[int, Any]], path: tuple, differences: list[str]) -
             return first
     differing = [r for r, v in values[1:] if type(v) is not kind or not _same(first, v)]
     differences.append(
-        f"{_where(path)} differs between ranks (rank {first_rank} has {_brief(first)}, "
+        f"{state_path(path)} differs between ranks (rank {first_rank} has {_brief(first)}, "
         f"rank {differing[0]} has {_brief(dict(values)[differing[0]])}"
         + (f", {len(differing) - 1} more rank(s) differ" if len(differing) > 1 else "") + ")"
     )
@@ -57,9 +57,6 @@ def _same(a: Any, b: Any) -> bool:
         return a == b
     return encode_tree(a, lambda path, ref: 0) == encode_tree(b, lambda path, ref: 0)
 
-
-def _where(path: tuple) -> str:
-    return "state" + "".join(f"[{segment!r}]" for segment in path)
 
 
 def _brief(value: Any) -> str:
