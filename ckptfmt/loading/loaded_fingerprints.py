@@ -41,13 +41,13 @@ def remember_load(manifest_hash: str, manifest: Manifest, state: Any) -> None:
                         if isinstance(leaf, torch.Tensor) and leaf.nbytes > EXACT_BYTES}
     _LOADED.pop(manifest_hash, None)
     _LOADED[manifest_hash] = (manifest, fingerprints)
+    while len(_LOADED) > LOADS_REMEMBERED:
+        del _LOADED[next(iter(_LOADED))]
 
 
 def remembered(manifest_hash: str) -> tuple[Manifest, dict[str, bytes]] | None:
     """The manifest and fingerprints of a checkpoint this process has just loaded, if it has."""
     return _LOADED.get(manifest_hash)
-    while len(_LOADED) > LOADS_REMEMBERED:
-        del _LOADED[next(iter(_LOADED))]
 
 
 def fingerprint(tensor: torch.Tensor) -> bytes:

@@ -205,3 +205,16 @@ def test_a_resume_right_after_its_load_compares_fingerprints_and_finds_a_change(
         live.bias[7] += 1.0
     record = ckptfmt.record_resume(url, {"model": live})
     assert verdicts(record) == {"model": "different"} and record.parts[0].keys == ["model/weight", "model/bias"]
+
+
+def test_a_process_remembers_only_its_last_few_loads(tmp_path):
+    """Each load keeps its manifest and fingerprints for a resume's check: a process that loads many
+    checkpoints (an evaluation sweep) keeps the last few, not all of them."""
+    from ckptfmt.loading import loaded_fingerprints
+
+    urls = [ckptfmt.save({"w": torch.full((32_768,), float(i))}, f"{tmp_path}/run/s{i}") for i in range(7)]
+    for url in urls:
+        ckptfmt.load(url)
+    kept = loaded_fingerprints._LOADED
+    assert len(kept) == loaded_fingerprints.LOADS_REMEMBERED
+    assert verdicts(ckptfmt.record_resume(urls[-1], {"w": torch.full((32_768,), 6.0)})) == {"w": "equal"}
