@@ -9,6 +9,7 @@ them whole: microseconds per tensor whatever its size.
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -55,8 +56,12 @@ def fingerprint(tensor: torch.Tensor) -> bytes:
     up to 4 KiB, else 16 windows of 64 bytes spread over them: a few microseconds whatever its size."""
     to_local = getattr(tensor, "to_local", None)
     local = to_local() if callable(to_local) else tensor
-    flat = local.detach().reshape(-1)
     hasher = blake3.blake3(f"{dtype_name(tensor.dtype)}{tuple(tensor.shape)}".encode())
+    if local.is_cpu and local.layout is torch.strided and local.is_contiguous() and not (
+            local.is_conj() or local.is_neg() or local.is_quantized):
+        hasher.update(_sampled(local))  # its bytes read in place: half the time of the views below
+        return hasher.digest(16)
+    flat = local.detach().resolve_conj().resolve_neg().reshape(-1)  # a view's values, not its raw bytes
     if not flat.numel():
         return hasher.digest(16)
     data = (flat if flat.is_contiguous() else flat.contiguous()).view(torch.uint8)
@@ -71,6 +76,20 @@ def fingerprint(tensor: torch.Tensor) -> bytes:
             return hasher.digest(16)
     hasher.update(_buffer(data.cpu().numpy()))
     return hasher.digest(16)
+
+
+def _sampled(tensor: torch.Tensor) -> bytes | memoryview:
+    """The bytes ``fingerprint`` hashes of a contiguous CPU tensor, read at its address (which the tensor,
+    alive for the call, keeps valid): whole up to ``WHOLE_BYTES``, else the windows."""
+    size = tensor.nbytes
+    if not size:
+        return b""
+    whole = memoryview((ctypes.c_char * size).from_address(tensor.data_ptr())).cast("B")
+    if size <= WHOLE_BYTES:
+        return whole
+    step = size - SAMPLE_BYTES
+    last = SAMPLE_WINDOWS - 1
+    return b"".join([whole[at : at + SAMPLE_BYTES] for at in [i * step // last for i in range(SAMPLE_WINDOWS)]])
 
 
 def _buffer(array: np.ndarray) -> bytes:

@@ -218,3 +218,21 @@ def test_a_process_remembers_only_its_last_few_loads(tmp_path):
     kept = loaded_fingerprints._LOADED
     assert len(kept) == loaded_fingerprints.LOADS_REMEMBERED
     assert verdicts(ckptfmt.record_resume(urls[-1], {"w": torch.full((32_768,), 6.0)})) == {"w": "equal"}
+
+
+def test_a_fingerprint_is_of_values_whatever_the_layout():
+    """Contiguous CPU tensors are sampled at their address, others through torch views: both give the
+    same fingerprint for the same values; a conjugate view is taken by its values (it raised before)."""
+    from ckptfmt.loading.loaded_fingerprints import fingerprint
+
+    torch.manual_seed(0)
+    for wide in (torch.randn(300, 300).t(), torch.randn(40, 30).t(), torch.randn(2, 4000)[:, ::2]):
+        assert not wide.is_contiguous()
+        assert fingerprint(wide) == fingerprint(wide.contiguous())
+    z = torch.randn(64, 64, dtype=torch.complex64)
+    assert fingerprint(z.conj()) == fingerprint(z.conj().resolve_conj()) != fingerprint(z)
+    a = torch.randn(2048)  # 8 KiB: sampled, first and last bytes included
+    for at in (0, 2047):
+        b = a.clone()
+        b[at] += 1
+        assert fingerprint(b) != fingerprint(a) == fingerprint(a.clone())
