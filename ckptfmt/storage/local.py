@@ -163,8 +163,6 @@ class LocalStorage(Storage):
                 mapping = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
         finally:
             os.close(fd)
-        if hasattr(mapping, "madvise"):
-            mapping.madvise(mmap.MADV_WILLNEED)  # start reading the whole file ahead of the hash
         return mapping
 
     def size(self, key: str) -> int | None:
