@@ -10,7 +10,7 @@ them whole: microseconds per tensor whatever its size.
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import blake3
@@ -34,12 +34,17 @@ WHOLE_BYTES, SAMPLE_WINDOWS, SAMPLE_BYTES = 4096, 16, 64
 EXACT_BYTES = 64 * 2**10
 
 
-def remember_load(manifest_hash: str, manifest: Manifest, state: Any) -> None:
+def remember_load(manifest_hash: str, manifest: Manifest, state: Any,
+                  known: Mapping[str, bytes] | None = None) -> None:
     """Fingerprint the tensors of ``state``, just loaded from the checkpoint of ``manifest`` (whole or
-    into live objects), and keep the manifest, for ``record_resume``."""
+    into live objects), and keep the manifest, for ``record_resume``. ``known``: fingerprints the load
+    took already, by key (of views of chunk maps, from the files: ``CheckpointReader.view_fingerprints``)."""
     with collector_paused():  # a path per leaf: 100,000 small tensors' walk took twice as long with it on
-        fingerprints = {format_key(path): fingerprint(leaf) for path, leaf in leaves((), state)
-                        if isinstance(leaf, torch.Tensor) and leaf.nbytes > EXACT_BYTES}
+        fingerprints = {}
+        for path, leaf in leaves((), state):
+            if isinstance(leaf, torch.Tensor) and leaf.nbytes > EXACT_BYTES:
+                key = format_key(path)
+                fingerprints[key] = (known or {}).get(key) or fingerprint(leaf)
     _LOADED.pop(manifest_hash, None)
     _LOADED[manifest_hash] = (manifest, fingerprints)
     while len(_LOADED) > LOADS_REMEMBERED:
@@ -56,19 +61,17 @@ def fingerprint(tensor: torch.Tensor) -> bytes:
     up to 4 KiB, else 16 windows of 64 bytes spread over them: a few microseconds whatever its size."""
     to_local = getattr(tensor, "to_local", None)
     local = to_local() if callable(to_local) else tensor
-    hasher = blake3.blake3(f"{dtype_name(tensor.dtype)}{tuple(tensor.shape)}".encode())
     if local.is_cpu and local.layout is torch.strided and local.is_contiguous() and not (
             local.is_conj() or local.is_neg() or local.is_quantized):
-        hasher.update(_sampled(local))  # its bytes read in place: half the time of the views below
-        return hasher.digest(16)
+        return sampled_fingerprint(tensor.dtype, tensor.shape, _sampled(local))  # its bytes read in place
+    hasher = _header(tensor.dtype, tensor.shape)
     flat = local.detach().resolve_conj().resolve_neg().reshape(-1)  # a view's values, not its raw bytes
     if not flat.numel():
         return hasher.digest(16)
     data = (flat if flat.is_contiguous() else flat.contiguous()).view(torch.uint8)
     size = data.numel()
     if size > WHOLE_BYTES:
-        offsets = ((np.arange(SAMPLE_WINDOWS) * (size - SAMPLE_BYTES) // (SAMPLE_WINDOWS - 1))[:, None]
-                   + _WINDOW).reshape(-1)
+        offsets = (np.array(window_starts(size))[:, None] + _WINDOW).reshape(-1)
         if data.device.type != "cpu":  # one gather on the device, one small copy
             data = data[torch.from_numpy(offsets).to(data.device)]
         else:
@@ -78,18 +81,35 @@ def fingerprint(tensor: torch.Tensor) -> bytes:
     return hasher.digest(16)
 
 
+def sampled_fingerprint(dtype: torch.dtype, shape: Sequence[int], sampled: bytes | memoryview) -> bytes:
+    """``fingerprint`` of a tensor of ``dtype`` and ``shape`` whose sampled bytes (whole up to
+    ``WHOLE_BYTES``, else its windows at ``window_starts``, joined) are ``sampled``."""
+    hasher = _header(dtype, shape)
+    hasher.update(sampled)
+    return hasher.digest(16)
+
+
+def window_starts(size: int) -> list[int]:
+    """Where ``fingerprint`` samples a tensor of ``size`` bytes (over ``WHOLE_BYTES``): 16 windows of
+    ``SAMPLE_BYTES``, evenly spread, the first at its start and the last at its end."""
+    step, last = size - SAMPLE_BYTES, SAMPLE_WINDOWS - 1
+    return [i * step // last for i in range(SAMPLE_WINDOWS)]
+
+
+def _header(dtype: torch.dtype, shape: Sequence[int]):
+    return blake3.blake3(f"{dtype_name(dtype)}{tuple(shape)}".encode())
+
+
 def _sampled(tensor: torch.Tensor) -> bytes | memoryview:
     """The bytes ``fingerprint`` hashes of a contiguous CPU tensor, read at its address (which the tensor,
-    alive for the call, keeps valid): whole up to ``WHOLE_BYTES``, else the windows."""
+    alive for the call, keeps valid): half the time of numpy views of it."""
     size = tensor.nbytes
     if not size:
         return b""
     whole = memoryview((ctypes.c_char * size).from_address(tensor.data_ptr())).cast("B")
     if size <= WHOLE_BYTES:
         return whole
-    step = size - SAMPLE_BYTES
-    last = SAMPLE_WINDOWS - 1
-    return b"".join([whole[at : at + SAMPLE_BYTES] for at in [i * step // last for i in range(SAMPLE_WINDOWS)]])
+    return b"".join([whole[at : at + SAMPLE_BYTES] for at in window_starts(size)])
 
 
 def _buffer(array: np.ndarray) -> bytes:

@@ -23,7 +23,13 @@ from ckptfmt.format.values import decode_tree
 from ckptfmt.loading.checkpoint import Checkpoint
 from ckptfmt.loading.healing import HealFrom
 from ckptfmt.loading.load_into import load_into
-from ckptfmt.loading.loaded_fingerprints import remember_load
+from ckptfmt.loading.loaded_fingerprints import (
+    EXACT_BYTES,
+    SAMPLE_BYTES,
+    remember_load,
+    sampled_fingerprint,
+    window_starts,
+)
 from ckptfmt.loading.threads import read_threads
 from ckptfmt.metadata.rng import apply_rng
 from ckptfmt.metadata.topology import current_rank
@@ -67,6 +73,10 @@ class CheckpointReader(Checkpoint):
                             verify=verify)
         self.mmap = mmap
         self.map_location = torch.device(map_location if map_location is not None else "cpu")
+        #: Fingerprints (``loaded_fingerprints``) of the large tensors read as views of unhashed maps, by
+        #: key, taken from the chunk files: sampling the views would fault 16 pages of each map in (about
+        #: half of a warm ``verify=False`` load of 38 such tensors).
+        self.view_fingerprints: dict[str, bytes] = {}
 
     # -- reading -------------------------------------------------------------
     def get_tensor(self, key: str):
@@ -220,6 +230,8 @@ class CheckpointReader(Checkpoint):
         for index, first in first_of.items():
             if first is not None:
                 loaded[index] = loaded[first]
+                if tensors[first].key in self.view_fingerprints:
+                    self.view_fingerprints[tensors[index].key] = self.view_fingerprints[tensors[first].key]
         return loaded
 
     def _map_ahead(self, row: int) -> None:
@@ -280,7 +292,22 @@ class CheckpointReader(Checkpoint):
         if mapping is None or piece.offset % itemsize(entry.dtype):
             return None
         raw = torch.frombuffer(mapping, dtype=torch.uint8, count=piece.length, offset=piece.offset)
-        return raw.view(dtype_from_name(entry.dtype)).reshape(entry.shape)
+        tensor = raw.view(dtype_from_name(entry.dtype)).reshape(entry.shape)
+        if piece.length > EXACT_BYTES and self._chunks.verify is not True:  # a hashed map's pages are in
+            self._fingerprint_view(entry.key, tensor, piece)
+        return tensor
+
+    def _fingerprint_view(self, key: str, tensor: torch.Tensor, piece) -> None:
+        """Keep ``tensor``'s fingerprint from the windows of its chunk file (the bytes its map shows, as
+        copy-on-write maps of immutable files do until written); where they cannot be read, a resume's
+        check samples the tensor itself."""
+        try:
+            windows = self._chunks.read_windows(piece.chunk, [piece.offset + at for at in window_starts(piece.length)],
+                                                SAMPLE_BYTES)
+        except CheckpointError:
+            return
+        if windows is not None:
+            self.view_fingerprints[key] = sampled_fingerprint(tensor.dtype, tensor.shape, windows)
 
     def _assemble(self, entry: TensorEntry, parallel: bool) -> torch.Tensor:
         """The tensor in fresh memory, its shards' pieces read into place.
@@ -389,9 +416,11 @@ def load(url: str | os.PathLike, *, map_location: str | torch.device | None = "c
         if into is not None:
             rank, world_size = current_rank()
             state = load_into(reader, into, strict=strict, rank=rank, world_size=world_size, keep_per_rank=True)
+            taken = None  # the live tensors are sampled themselves: what the resume's check must vouch for
         else:
             state = reader.load_state()
-        remember_load(reader.commit.manifest_hash, reader.manifest, state)  # a resume's check compares with it
+            taken = reader.view_fingerprints  # of the very views in ``state``
+        remember_load(reader.commit.manifest_hash, reader.manifest, state, taken)  # a resume's check compares with it
         return state
 
 

@@ -18,7 +18,7 @@ import contextlib
 import errno
 import mmap
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 import fsspec
@@ -97,6 +97,11 @@ class Storage:
 
     def map(self, key: str, size: int) -> mmap.mmap | None:
         """A private (copy-on-write) memory map of ``key``, or None where mapping is not possible."""
+        return None
+
+    def read_windows(self, key: str, starts: Sequence[int], length: int) -> bytes | None:
+        """The ``length`` bytes of ``key`` at each of ``starts``, joined, where a few small reads are
+        cheap (a local file: without touching a map of it); else None."""
         return None
 
     def size(self, key: str) -> int | None:

@@ -9,6 +9,7 @@ import mmap
 import os
 import stat
 import uuid
+from collections.abc import Sequence
 
 import fsspec
 
@@ -164,6 +165,18 @@ class LocalStorage(Storage):
         finally:
             os.close(fd)
         return mapping
+
+    def read_windows(self, key: str, starts: Sequence[int], length: int) -> bytes:
+        fd, size = self._open_regular(key)
+        where = self.describe(key)
+        try:
+            with backend_errors(where):
+                windows = [os.pread(fd, length, start) for start in starts]
+        finally:
+            os.close(fd)
+        if any(len(window) != length for window in windows):
+            raise CorruptDataError(f"{where}: {size} bytes, shorter than the windows read")
+        return b"".join(windows)
 
     def size(self, key: str) -> int | None:
         with backend_errors(self.describe(key)):

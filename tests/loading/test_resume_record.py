@@ -236,3 +236,25 @@ def test_a_fingerprint_is_of_values_whatever_the_layout():
         b = a.clone()
         b[at] += 1
         assert fingerprint(b) != fingerprint(a) == fingerprint(a.clone())
+
+
+@pytest.mark.parametrize("verify", [False, "once"])
+def test_a_load_that_hashes_nothing_fingerprints_its_views_from_the_files(tmp_path, verify):
+    """Sampling a view of an unhashed map would read 16 of its pages in: the load reads the windows from
+    the chunk files instead, the same fingerprints (a shared tensor's second key too), and a resume's
+    check after such a load still finds a change."""
+    from ckptfmt.loading.loaded_fingerprints import EXACT_BYTES, fingerprint
+
+    torch.manual_seed(0)
+    shared = torch.randn(100_000)
+    url = ckptfmt.save({"a": torch.randn(256, 256), "b": shared, "c": shared, "small": torch.randn(8)},
+                       f"{tmp_path}/run/a")
+    with ckptfmt.open(url, verify=verify) as reader:
+        state = reader.load_state()
+        assert reader.view_fingerprints == {key: fingerprint(value) for key, value in state.items()
+                                            if value.nbytes > EXACT_BYTES}
+        assert set(reader.view_fingerprints) == {"a", "b", "c"}
+    live = ckptfmt.load(url, verify=verify)
+    assert verdicts(ckptfmt.record_resume(url, live)) == {"a": "equal", "b": "equal", "c": "equal", "small": "equal"}
+    live["a"][-1, -1] += 1.0
+    assert verdicts(ckptfmt.record_resume(url, live))["a"] == "different"

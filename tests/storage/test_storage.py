@@ -123,3 +123,15 @@ def test_a_storage_error_keeps_its_errno_when_pickled():
     error = pickle.loads(pickle.dumps(StorageError("s3://b/k: permission denied", errno.EACCES)))
     assert type(error) is StorageError and str(error) == "s3://b/k: permission denied"
     assert error.errno == errno.EACCES
+
+
+def test_windows_of_a_local_file_are_read_where_asked(tmp_path):
+    """``read_windows`` reads small spans without mapping (a fingerprint's 16 windows of a chunk file);
+    a file shorter than a window asked for is damage, named; storages without cheap reads say None."""
+    storage = open_storage(str(tmp_path))
+    storage.write("chunks/a", bytes(range(256)) * 4)
+    assert storage.read_windows("chunks/a", [0, 250, 1020], 4) == bytes([0, 1, 2, 3, 250, 251, 252, 253, 252, 253,
+                                                                            254, 255])
+    with pytest.raises(CorruptDataError, match="chunks/a"):
+        storage.read_windows("chunks/a", [1022], 4)
+    assert open_storage("memory://windows").read_windows("chunks/a", [0], 4) is None
