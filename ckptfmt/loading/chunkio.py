@@ -176,6 +176,12 @@ class ChunkReader:
         """Where checked files are remembered: the chunk file as it is before it is read (else None)."""
         return verified_files.identity(self.storage, key) if self.remember else None
 
+    def would_hash(self, index: int) -> bool:
+        """Whether reading chunk ``index`` now would hash it (under ``"once"``: its file not checked yet)."""
+        if self.verify != "once":
+            return self.verify is True
+        return not verified_files.known(self._identity(stored_key(self.chunks, self.chunks[index])))
+
     def _skips(self, file: verified_files.FileIdentity | None) -> bool:
         """Whether ``verify`` lets this read go unhashed."""
         return self.verify is False or (self.verify == "once" and verified_files.known(file))

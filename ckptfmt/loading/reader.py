@@ -217,10 +217,11 @@ class CheckpointReader(Checkpoint):
         first_of = {index: tensors[index].same_as for index in wanted}  # same_as: an earlier entry's bytes
         firsts = sorted({index if first is None else first for index, first in first_of.items()})
         mapped = self._mapped_chunks(firsts) if workers > 1 else None
-        if mapped:  # verified maps: hash them on every core, largest first, then build the views here
+        hashed = [row for row in mapped or () if self._chunks.would_hash(row)]  # "once": files not checked yet
+        if hashed:  # verified maps: hash them on every core, largest first, then build the views here
             with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckptfmt-load") as pool:
-                list(pool.map(self._map_ahead, mapped))
-        if workers <= 1 or self._reads_are_views() or mapped:
+                list(pool.map(self._map_ahead, hashed))
+        if workers <= 1 or self._reads_are_views() or mapped is not None:
             for index in firsts:
                 loaded[index] = self._read(index)
         else:
