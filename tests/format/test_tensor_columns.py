@@ -129,6 +129,12 @@ REFUSED = {
     "key over 4096 bytes": (lambda t: t["key"].__setitem__(0, "é" * 2049), "invalid key"),
     "two keys the same": (lambda t: t["key"].__setitem__(_key_index(t, "p"), "w"), "share one key"),
     "a key the same as a row's": (lambda t: t["key"].__setitem__(0, t["rows"][0]["key"]), "share one key"),
+    "same_as of a column entry of another kind": (  # tied's row names w, a column entry: made a parameter
+        lambda t: t.update(kind=bytes(1 if key == "w" else k for key, k in zip(t["key"], t["kind"]))),
+        "same_as names a different tensor"),
+    "same_as with requires_grad where the first has none": (
+        lambda t: next(row for row in t["rows"] if "same_as" in row).update(requires_grad=True),
+        "same_as names a different tensor"),
     "rows without row_at": (lambda t: t.pop("row_at"), "together"),
     "row_at not increasing": (lambda t: t.update(row_at=t["row_at"][::-1]), "increasing order"),
     "a row's cell not 0": (lambda t: t["key"].__setitem__(t["row_at"][0], "x"), "zero in every column"),
