@@ -139,6 +139,7 @@ def _write_and_commit(decision: dict, failure: Failure | None, url: str, name: s
             assigned = agreed.assigned[ranks.position]
             mine = [sources[i] for i in assigned]
             bases = _delta_bases(repo, agreed, entries, sources, assigned, options)
+            entries.clear()  # spent: the agreed plan holds what the manifest needs (100,000 tensors: 13 MiB)
             with collector_paused():
                 stored = store_sources(repo, mine, compression=options.compression,
                                        parent_keys=agreed.parent_keys, cache=DEFAULT_CACHE,
@@ -150,7 +151,7 @@ def _write_and_commit(decision: dict, failure: Failure | None, url: str, name: s
         # The encoding's records of each tensor are spent once its chunks are stored: freed before the
         # manifest is built (a save of 100,000 small tensors peaks there).
         sources.clear()
-        entries.clear()
+        entries.clear()  # where the write failed before it let go of them
         with timer.phase("wait_ranks") if ranks.count > 1 else nullcontext():
             results = ranks.gather(_report(written, own_failure, ranks.position))
 
