@@ -10,6 +10,7 @@ them whole: microseconds per tensor whatever its size.
 from __future__ import annotations
 
 import ctypes
+import threading
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -24,6 +25,7 @@ from ckptfmt.format.values import format_key
 #: Sampled fingerprints of the tensors of the last checkpoints loaded in this process, by manifest hash:
 #: what a resume's live tensors are compared with, at a cost that does not grow with their size.
 _LOADED: dict[str, tuple[Manifest, dict[str, bytes]]] = {}
+_LOCK = threading.Lock()
 #: Checkpoints whose loads are remembered (a resume compares with the one it has just loaded).
 LOADS_REMEMBERED = 4
 #: A tensor's fingerprint: its bytes whole up to this size, else SAMPLE_WINDOWS windows of SAMPLE_BYTES
@@ -45,10 +47,11 @@ def remember_load(manifest_hash: str, manifest: Manifest, state: Any,
             if isinstance(leaf, torch.Tensor) and leaf.nbytes > EXACT_BYTES:
                 key = format_key(path)
                 fingerprints[key] = (known or {}).get(key) or fingerprint(leaf)
-    _LOADED.pop(manifest_hash, None)
-    _LOADED[manifest_hash] = (manifest, fingerprints)
-    while len(_LOADED) > LOADS_REMEMBERED:
-        del _LOADED[next(iter(_LOADED))]
+    with _LOCK:  # loads in several threads
+        _LOADED.pop(manifest_hash, None)
+        _LOADED[manifest_hash] = (manifest, fingerprints)
+        while len(_LOADED) > LOADS_REMEMBERED:
+            del _LOADED[next(iter(_LOADED))]
 
 
 def remembered(manifest_hash: str) -> tuple[Manifest, dict[str, bytes]] | None:
@@ -61,8 +64,7 @@ def fingerprint(tensor: torch.Tensor) -> bytes:
     up to 4 KiB, else 16 windows of 64 bytes spread over them: a few microseconds whatever its size."""
     to_local = getattr(tensor, "to_local", None)
     local = to_local() if callable(to_local) else tensor
-    if local.is_cpu and local.layout is torch.strided and local.is_contiguous() and not (
-            local.is_conj() or local.is_neg() or local.is_quantized):
+    if _in_place(local):
         return sampled_fingerprint(tensor.dtype, tensor.shape, _sampled(local))  # its bytes read in place
     hasher = _header(tensor.dtype, tensor.shape)
     flat = local.detach().resolve_conj().resolve_neg().reshape(-1)  # a view's values, not its raw bytes
@@ -94,6 +96,23 @@ def window_starts(size: int) -> list[int]:
     ``SAMPLE_BYTES``, evenly spread, the first at its start and the last at its end."""
     step, last = size - SAMPLE_BYTES, SAMPLE_WINDOWS - 1
     return [i * step // last for i in range(SAMPLE_WINDOWS)]
+
+
+def _in_place(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s bytes can be read at its address: a plain CPU tensor (or Parameter), dense,
+    contiguous, no conjugate or negative bit, whose storage holds them. Not a subclass (a wrapper, a
+    FakeTensor), a ZeroTensor or a storage freed in place: their address is 0 or not theirs."""
+    if type(tensor) not in _PLAIN or not tensor.is_cpu or tensor.layout is not torch.strided \
+            or not tensor.is_contiguous() or tensor.is_conj() or tensor.is_neg() or tensor.is_quantized:
+        return False
+    if not tensor.nbytes:
+        return True
+    storage = tensor.untyped_storage()
+    return tensor.data_ptr() != 0 and storage.data_ptr() != 0 and \
+        storage.nbytes() >= tensor.storage_offset() * tensor.element_size() + tensor.nbytes
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def _header(dtype: torch.dtype, shape: Sequence[int]):

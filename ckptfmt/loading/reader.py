@@ -8,6 +8,7 @@ import warnings
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 import torch
@@ -223,10 +224,10 @@ class CheckpointReader(Checkpoint):
                 list(pool.map(self._map_ahead, hashed))
         if workers <= 1 or self._reads_are_views() or mapped is not None:
             for index in firsts:
-                loaded[index] = self._read(index)
+                loaded[index] = self._read(index, fingerprint=True)
         else:
             with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckptfmt-load") as pool:
-                for index, value in zip(firsts, pool.map(self._read, firsts)):
+                for index, value in zip(firsts, pool.map(partial(self._read, fingerprint=True), firsts)):
                     loaded[index] = value
         for index, first in first_of.items():
             if first is not None:
@@ -267,12 +268,14 @@ class CheckpointReader(Checkpoint):
         return (self.mmap and self._chunks.verify is False and self._chunks.storage.zero_copy_reads
                 and self.map_location.type == "cpu")
 
-    def _read(self, index: int, parallel: bool = False):
+    def _read(self, index: int, parallel: bool = False, *, fingerprint: bool = False):
+        """Tensor ``index``; ``fingerprint``: a view of an unhashed map also gets its fingerprint from the
+        file (``view_fingerprints``), for a whole load's ``remember_load``."""
         entry = self.manifest.tensors[index]
         if entry.same_as is not None:
             entry = self.manifest.tensors[entry.same_as]
         try:  # as ``_reading`` does, inline: a context manager's frame is 3 us of each tensor's few
-            tensor = self._mapped(entry, parallel) if self.mmap else None
+            tensor = self._mapped(entry, parallel, fingerprint) if self.mmap else None
             if tensor is None:
                 tensor = self._assemble(entry, parallel)
         except (CorruptDataError, CheckpointNotFoundError) as exc:
@@ -284,7 +287,7 @@ class CheckpointReader(Checkpoint):
         except (RuntimeError, TypeError) as exc:  # e.g. a numpy kind with a dtype numpy lacks
             raise ManifestError(f"{self.url}: tensor {entry.key!r} cannot be rebuilt as saved: {exc}") from None
 
-    def _mapped(self, entry: TensorEntry, parallel: bool) -> torch.Tensor | None:
+    def _mapped(self, entry: TensorEntry, parallel: bool, fingerprint: bool = False) -> torch.Tensor | None:
         """The tensor as a view of its memory-mapped chunk, when it lies whole in one uncompressed chunk."""
         if len(entry.shards) != 1 or len(entry.shards[0].pieces) != 1:
             return None
@@ -294,7 +297,7 @@ class CheckpointReader(Checkpoint):
             return None
         raw = torch.frombuffer(mapping, dtype=torch.uint8, count=piece.length, offset=piece.offset)
         tensor = raw.view(dtype_from_name(entry.dtype)).reshape(entry.shape)
-        if piece.length > EXACT_BYTES and self._chunks.verify is not True:  # a hashed map's pages are in
+        if fingerprint and piece.length > EXACT_BYTES and self._chunks.verify is not True:  # hashed: pages in
             self._fingerprint_view(entry.key, tensor, piece)
         return tensor
 
