@@ -57,7 +57,7 @@ from ckptfmt.saving.delta_bases import DeltaBases
 from ckptfmt.saving.hashcache import HashCache
 from ckptfmt.storage.base import Staged
 from ckptfmt.tensors.sources import TensorSource
-from ckptfmt.tensors.stats import StatsAccumulator, stats_of_parts
+from ckptfmt.tensors.stats import StatsAccumulator, stats_of_spans
 
 #: Bytes copied, hashed and written at a time from the caller's memory.
 BLOCK_BYTES = 2**20
@@ -364,7 +364,7 @@ class ChunkWriter:
         found: list[PartStats] = []
         for dtype, parts in by_dtype.items():
             for batch in _batches(parts):  # the float64 copy of a batch stays bounded
-                stats = stats_of_parts(dtype, [whole[offset:offset + length] for _, offset, length in batch])
+                stats = stats_of_spans(dtype, whole, [(offset, length) for _, offset, length in batch])
                 found += zip([index for index, _, _ in batch], stats)
         return found
 
@@ -540,15 +540,14 @@ class ChunkWriter:
 
 
 def _batches(parts: list[tuple[int, int, int]]) -> list[list[tuple[int, int, int]]]:
-    """``parts`` (index, offset, length) cut into runs of at most BLOCK_BYTES bytes (a part longer alone)."""
+    """``parts`` (index, offset, length), in offset order, cut into runs spanning at most BLOCK_BYTES bytes
+    of the pack, from the first's start to the last's end (a part longer alone): what a run's segmented
+    reductions copy to 64-bit, other dtypes' parts between included."""
     batches: list[list[tuple[int, int, int]]] = [[]]
-    held = 0
     for part in parts:
-        if batches[-1] and held + part[2] > BLOCK_BYTES:
+        if batches[-1] and part[1] + part[2] - batches[-1][0][1] > BLOCK_BYTES:
             batches.append([])
-            held = 0
         batches[-1].append(part)
-        held += part[2]
     return batches
 
 

@@ -91,6 +91,27 @@ def test_a_packs_small_tensors_are_measured_together_each_as_alone(tmp_path):
     assert_recorded_stats_match(url)
 
 
+def test_a_packs_tensors_of_dtypes_in_turn_are_measured_each_as_alone(tmp_path):
+    """Tensors of four dtypes in turn fill packs (a dtype's spans of a pack are reduced together, the
+    others' bytes between them dropped) over more than one run of 1 MiB of a pack: each one's figures
+    are its own."""
+    from ckptfmt.saving.chunk_writer import BLOCK_BYTES
+
+    generator = torch.Generator().manual_seed(11)
+    dtypes = (torch.float32, torch.int64, torch.float16, torch.bool)
+    state = {}
+    for index in range(5000):
+        dtype, length = dtypes[index % 4], 1 + index % 301
+        state[f"t{index}"] = (special(dtype, generator, length) if dtype.is_floating_point else
+                              torch.randint(-100, 100, (length,), generator=generator) > 0 if dtype == torch.bool else
+                              torch.randint(-100, 100, (length,), generator=generator).to(dtype))
+    url = str(tmp_path / "repo" / "a")
+    ckptfmt.save(state, url)
+    with ckptfmt.open(url) as reader:
+        assert max(chunk.size for chunk in reader.manifest.chunks) > 2 * BLOCK_BYTES  # several runs a pack
+    assert_recorded_stats_match(url)
+
+
 def test_shards_are_measured_one_by_one_and_merged_exactly(tmp_path):
     tensor = special(torch.float32, torch.Generator().manual_seed(5), 80_000).reshape(400, 200)
     sharded = ckptfmt.Sharded((400, 200), [ckptfmt.Shard((0, 0), tensor[:130].clone(), 0),
