@@ -61,6 +61,9 @@ from ckptfmt.tensors.stats import StatsAccumulator, stats_of_spans
 
 #: Bytes copied, hashed and written at a time from the caller's memory.
 BLOCK_BYTES = 2**20
+#: Bytes of a pack whose small tensors' statistics are reduced together: their 64-bit copy and its
+#: masks (some 8 times as much) stay in each writer thread's memory after the save.
+STATS_RUN_BYTES = 2**18
 
 
 #: The statistics of one part of a chunk job: (source index, statistics of its bytes in the job).
@@ -540,12 +543,12 @@ class ChunkWriter:
 
 
 def _batches(parts: list[tuple[int, int, int]]) -> list[list[tuple[int, int, int]]]:
-    """``parts`` (index, offset, length), in offset order, cut into runs spanning at most BLOCK_BYTES bytes
-    of the pack, from the first's start to the last's end (a part longer alone): what a run's segmented
+    """``parts`` (index, offset, length), in offset order, cut into runs spanning at most STATS_RUN_BYTES
+    bytes of the pack, from the first's start to the last's end (a part longer alone): what a run's segmented
     reductions copy to 64-bit, other dtypes' parts between included."""
     batches: list[list[tuple[int, int, int]]] = [[]]
     for part in parts:
-        if batches[-1] and part[1] + part[2] - batches[-1][0][1] > BLOCK_BYTES:
+        if batches[-1] and part[1] + part[2] - batches[-1][0][1] > STATS_RUN_BYTES:
             batches.append([])
         batches[-1].append(part)
     return batches
