@@ -49,7 +49,7 @@ from ckptfmt.format.shards import (
     parse_usual_grids,
 )
 from ckptfmt.format.tensor_columns import parse_columns, to_columns
-from ckptfmt.format.tensor_entry import TENSOR_KINDS, TensorEntry
+from ckptfmt.format.tensor_entry import TENSOR_KINDS, TensorEntry, check_table, likeness
 from ckptfmt.format.tensor_stats import FLOAT_FIELDS, stat_sets
 from ckptfmt.format.tiling import check_tiling
 from ckptfmt.format.unpacking import unpack_manifest
@@ -275,9 +275,7 @@ def _parse(doc: Any, build: bool = True) -> Manifest:
     tensors = _parse_tensors(raw_tensors, sizes, budget) if type(raw_tensors) is list else parse_columns(
         raw_tensors, sizes.array, budget, partial(_parse_rows, sizes=sizes, budget=budget), build=build)
     if build or type(raw_tensors) is list:  # else checked on the columns
-        if len({t.key for t in tensors}) != len(tensors):
-            raise ManifestError("two tensors share one key")
-        _check_same_as(tensors)
+        check_table([t.key for t in tensors], tensors, lambda index: likeness(tensors[index]))
     parent = _get(doc, "parent", str, optional=True)
     rng = _get(doc, "rng", list, optional=True, default=[])
     if not all(isinstance(r, dict) for r in rng):
@@ -555,13 +553,3 @@ def _parse_pieces(raw: Any, what: str, sizes: list[int], budget: _Budget) -> tup
         index, offset, length = next(p for p in raw if p[1] + p[2] > sizes[p[0]])
         raise ManifestError(f"{what}: piece [{offset}, +{length}) runs past chunk {index} ({sizes[index]} bytes)")
     return tuple(map(_new_piece, raw))
-
-
-def _check_same_as(tensors: list[TensorEntry]) -> None:
-    for t in tensors:
-        if t.same_as is not None:
-            first = tensors[t.same_as]
-            if (first.dtype, first.shape, first.kind, first.requires_grad) != (
-                t.dtype, t.shape, t.kind, t.requires_grad
-            ) or first.same_as is not None:
-                raise ManifestError(f"tensor {t.key!r}: same_as names a different tensor")

@@ -19,7 +19,7 @@ from ckptfmt.errors import ManifestError
 from ckptfmt.format.dtypes import itemsize
 from ckptfmt.format.limits import MAX_CHUNK_BYTES, MAX_DIMS, MAX_KEY_BYTES, MAX_TENSOR_BYTES, MAX_TENSORS
 from ckptfmt.format.shards import MAX_RANK, Piece, ShardEntry, column, pack_column
-from ckptfmt.format.tensor_entry import TENSOR_KINDS, TensorEntry
+from ckptfmt.format.tensor_entry import TENSOR_KINDS, Likeness, TensorEntry, check_table, likeness
 from ckptfmt.format.tensor_stats import COUNT_FIELDS, FLOAT_FIELDS, INTEGER_FIELDS, stat_sets
 
 if TYPE_CHECKING:
@@ -218,30 +218,22 @@ def parse_columns(doc: dict, chunk_sizes: np.ndarray, budget: Any,
 
 
 def _check_table(keys, names, dtype, ndim, dims, kind, grad, rows: dict[int, TensorEntry]) -> None:
-    """What a reader checks of the whole table once its entries are built (``manifest._parse``), here on
-    the columns: no two keys alike, and each ``same_as`` (only rows have one) names an entry of the
-    same dtype, shape, kind and ``requires_grad`` that has none."""
+    """``check_table`` on the columns, whose entries are not built: the keys with those of ``rows``, and
+    a column entry's likeness from its cells (only rows have a ``same_as``)."""
     import numpy as np
 
     every = list(keys)
     for index, entry in rows.items():
         every[index] = entry.key
-    if len(set(every)) != len(every):
-        raise ManifestError("two tensors share one key")
     starts = np.cumsum(ndim, dtype=np.int64) - ndim
-    for entry in rows.values():
-        if entry.same_as is None:
-            continue
-        first = rows.get(entry.same_as)
-        if first is not None:
-            named = (first.dtype, first.shape, first.kind, first.requires_grad, first.same_as)
-        else:
-            at = entry.same_as
-            start = int(starts[at])
-            named = (names[dtype[at]] if names else "", tuple(dims[start:start + int(ndim[at])].tolist()),
-                     TENSOR_KINDS[kind[at]], bool(grad[at]), None)
-        if named != (entry.dtype, entry.shape, entry.kind, entry.requires_grad, None):
-            raise ManifestError(f"tensor {entry.key!r}: same_as names a different tensor")
+
+    def likeness_of(at: int) -> Likeness:
+        if at in rows:
+            return likeness(rows[at])
+        start = int(starts[at])
+        return (names[dtype[at]] if names else "", tuple(dims[start:start + int(ndim[at])].tolist()),
+                TENSOR_KINDS[kind[at]], bool(grad[at]), None)
+    check_table(every, rows.values(), likeness_of)
 
 
 def _column(doc: dict, count: int, name: str, *, high: int, optional: bool = False) -> np.ndarray:

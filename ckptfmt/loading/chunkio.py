@@ -178,9 +178,7 @@ class ChunkReader:
 
     def would_hash(self, index: int) -> bool:
         """Whether reading chunk ``index`` now would hash it (under ``"once"``: its file not checked yet)."""
-        if self.verify != "once":
-            return self.verify is True
-        return not verified_files.known(self._identity(stored_key(self.chunks, self.chunks[index])))
+        return not self._skips(self._identity(stored_key(self.chunks, self.chunks[index])))
 
     def _skips(self, file: verified_files.FileIdentity | None) -> bool:
         """Whether ``verify`` lets this read go unhashed."""

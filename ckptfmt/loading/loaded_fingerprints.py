@@ -42,11 +42,12 @@ def remember_load(manifest_hash: str, manifest: Manifest, state: Any,
     into live objects), and keep the manifest, for ``record_resume``. ``known``: fingerprints the load
     took already, by key (of views of chunk maps, from the files: ``CheckpointReader.view_fingerprints``)."""
     with collector_paused():  # a path per leaf: 100,000 small tensors' walk took twice as long with it on
+        known = known or {}
         fingerprints = {}
         for path, leaf in leaves((), state):
             if isinstance(leaf, torch.Tensor) and leaf.nbytes > EXACT_BYTES:
                 key = format_key(path)
-                fingerprints[key] = (known or {}).get(key) or fingerprint(leaf)
+                fingerprints[key] = known.get(key) or fingerprint(leaf)
     with _LOCK:  # loads in several threads
         _LOADED.pop(manifest_hash, None)
         _LOADED[manifest_hash] = (manifest, fingerprints)

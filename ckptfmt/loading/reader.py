@@ -301,7 +301,7 @@ class CheckpointReader(Checkpoint):
             self._fingerprint_view(entry.key, tensor, piece)
         return tensor
 
-    def _fingerprint_view(self, key: str, tensor: torch.Tensor, piece) -> None:
+    def _fingerprint_view(self, key: str, tensor: torch.Tensor, piece: Piece) -> None:
         """Keep ``tensor``'s fingerprint from the windows of its chunk file (the bytes its map shows, as
         copy-on-write maps of immutable files do until written); where they cannot be read, a resume's
         check samples the tensor itself."""
