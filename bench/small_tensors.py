@@ -84,17 +84,20 @@ def peak_kib(mode: str, count: int, folder: Path) -> int:
     return int(result.stdout.split()[-1])
 
 
-def parse_ratio(data: bytes, repeats: int, unpacked: bytes | None = None) -> tuple[float, float, list[float]]:
+def parse_ratio(data: bytes, repeats: int, unpacked: bytes | None = None,
+                entries: bool = False) -> tuple[float, float, list[float]]:
     """Median seconds of msgpack's unpack (of ``unpacked``, by default ``data`` itself) and of ckptfmt's
-    parse of ``data``, and the per-repeat ratios; both with Python's cyclic collector off (ckptfmt pauses
-    it while it parses)."""
+    parse of ``data`` (and, with ``entries``, every entry of its tensor table read, which builds them),
+    and the per-repeat ratios; both with Python's cyclic collector off (ckptfmt pauses it while it
+    parses)."""
     gc.disable()
     unpacks, parses, ratios = [], [], []
     for repeat in range(repeats):
         times = {}
         for which in ((0, 1) if repeat % 2 == 0 else (1, 0)):
             times[which] = timed((lambda: msgpack.unpackb(unpacked or data, raw=False, strict_map_key=False),
-                                  lambda: Manifest.from_bytes(data, "bench"))[which])
+                                  lambda: Manifest.from_bytes(data, "bench") if not entries
+                                  else list(Manifest.from_bytes(data, "bench").tensors))[which])
         unpacks.append(times[0])
         parses.append(times[1])
         ratios.append(times[1] / times[0])
@@ -158,6 +161,9 @@ def main() -> None:
         unpack, parse, ratios = parse_ratio(data, args.repeats)
         console.print(f"manifest parse: {parse * 1e3:.0f} ms against msgpack's unpack {unpack * 1e3:.0f} ms: "
                       f"{spread(ratios)}")
+        unpack, parse, ratios = parse_ratio(data, args.repeats, entries=True)
+        console.print(f"manifest parse, then every entry read (built): {parse * 1e3:.0f} ms against msgpack's "
+                      f"unpack {unpack * 1e3:.0f} ms: {spread(ratios)}")
         rows = dataclasses.replace(manifest, version=(1, 11)).to_bytes()  # the same table, one map per tensor
         unpack, parse, ratios = parse_ratio(data, args.repeats, unpacked=rows)
         console.print(f"manifest parse against msgpack's unpack of the same table as rows (1.11, "

@@ -19,7 +19,7 @@ from ckptfmt.errors import ManifestError
 from ckptfmt.format.dtypes import itemsize
 from ckptfmt.format.limits import MAX_CHUNK_BYTES, MAX_DIMS, MAX_KEY_BYTES, MAX_TENSOR_BYTES, MAX_TENSORS
 from ckptfmt.format.shards import MAX_RANK, Piece, ShardEntry, column, pack_column
-from ckptfmt.format.tensor_entry import TENSOR_KINDS, Likeness, TensorEntry, check_table, likeness
+from ckptfmt.format.tensor_entry import TENSOR_KINDS, Likeness, TensorEntry, TensorTable, check_table, likeness
 from ckptfmt.format.tensor_stats import COUNT_FIELDS, FLOAT_FIELDS, INTEGER_FIELDS, stat_sets
 
 if TYPE_CHECKING:
@@ -160,17 +160,14 @@ _INT, _FLOAT_OR_NIL, _INT_OR_NIL = {int}, {float, type(None)}, {int, type(None)}
 # -- reading -------------------------------------------------------------------------------------
 
 def parse_columns(doc: dict, chunk_sizes: np.ndarray, budget: Any,
-                  parse_rows: Callable[[list[tuple[int, Any]]], list[TensorEntry]], *,
-                  build: bool = True) -> list[TensorEntry]:
-    """The entries of a tensor table in columns, every check of spec 6.12 done on whole columns;
-    ``parse_rows([(index, map), ...])`` parses the entries of ``rows`` as the row form's are. Without
-    ``build``, a check that keeps nothing: the table is checked whole, keys and ``same_as`` included,
-    and only the entries of ``rows`` are returned (building 100,000 entries again beside a save's own
-    doubled its memory while it checked its manifest)."""
+                  parse_rows: Callable[[list[tuple[int, Any]]], list[TensorEntry]]) -> TensorTable:
+    """The entries of a tensor table in columns, every check of spec 6.12 done on whole columns, keys
+    and ``same_as`` included; ``parse_rows([(index, map), ...])`` parses the entries of ``rows`` as the
+    row form's are. The entries are built from the checked columns when read (``TensorTable``)."""
     import numpy as np
 
     keys = doc.get("key")
-    if type(keys) is not list or not all(type(key) is str for key in keys):
+    if type(keys) is not list or not _strings(keys):
         raise ManifestError("tensor columns: 'key' must be an array of strings")
     count = len(keys)
     if count > MAX_TENSORS:
@@ -201,39 +198,67 @@ def parse_columns(doc: dict, chunk_sizes: np.ndarray, budget: Any,
     too_big = np.flatnonzero(nbytes > MAX_TENSOR_BYTES)
     if len(too_big):
         raise ManifestError(f"{_what(keys, too_big[0])}: its shape is over the size limit")
-    _check_keys(keys, in_rows)
+    _check_keys(keys, in_rows, len(row_at))
     held = ~in_rows & (nbytes > 0)
     budget.take(count - len(row_at), int(held.sum()))
     _check_pieces(chunk, offset, nbytes, held, in_rows, chunk_sizes, keys)
     stats = _parse_stats(doc.get("stats"), count, dtype, names, numel, in_rows, keys) if "stats" in doc else None
     at = row_at.tolist()
-    parsed = parse_rows(list(zip(at, rows)))
-    if not build:
-        _check_table(keys, names, dtype, ndim, dims, kind, grad, dict(zip(at, parsed)))
-        return parsed
-    entries = _entries(keys, names, dtype, ndim, dims, kind, grad, rank, chunk, offset, numel, nbytes, stats)
-    for index, entry in zip(at, parsed):
-        entries[index] = entry
-    return entries
+    parsed = dict(zip(at, parse_rows(list(zip(at, rows)))))
+    columns = _Columns(keys, names, dtype, ndim, dims, kind, grad, rank, chunk, offset, numel, nbytes, stats, parsed)
+    check_table(columns.keys(), parsed.values(), columns.likeness)
+    return TensorTable(lazy=columns, count=count)
 
 
-def _check_table(keys, names, dtype, ndim, dims, kind, grad, rows: dict[int, TensorEntry]) -> None:
-    """``check_table`` on the columns, whose entries are not built: the keys with those of ``rows``, and
-    a column entry's likeness from its cells (only rows have a ``same_as``)."""
-    import numpy as np
+class _Columns:
+    """A checked tensor table's columns, from which its entries are built when read (``TensorTable``)."""
 
-    every = list(keys)
-    for index, entry in rows.items():
-        every[index] = entry.key
-    starts = np.cumsum(ndim, dtype=np.int64) - ndim
+    def __init__(self, keys: list[str], names: list[str], dtype: np.ndarray, ndim: np.ndarray, dims: np.ndarray,
+                 kind: np.ndarray, grad: np.ndarray, rank: np.ndarray, chunk: np.ndarray, offset: np.ndarray,
+                 numel: np.ndarray, nbytes: np.ndarray, stats: tuple | None, rows: dict[int, TensorEntry]) -> None:
+        import numpy as np
 
-    def likeness_of(at: int) -> Likeness:
-        if at in rows:
-            return likeness(rows[at])
-        start = int(starts[at])
-        return (names[dtype[at]] if names else "", tuple(dims[start:start + int(ndim[at])].tolist()),
-                TENSOR_KINDS[kind[at]], bool(grad[at]), None)
-    check_table(every, rows.values(), likeness_of)
+        every = list(keys)
+        for index, entry in rows.items():
+            every[index] = entry.key
+        self._keys, self._names, self._rows = every, names, rows
+        self._dtype, self._ndim, self._dims, self._kind, self._grad = dtype, ndim, dims, kind, grad
+        self._rank, self._chunk, self._offset, self._numel, self._nbytes = rank, chunk, offset, numel, nbytes
+        self._stats = stats
+        self._starts = np.cumsum(ndim, dtype=np.int64) - ndim
+
+    def keys(self) -> list[str]:
+        """Every entry's key, those of ``rows`` included."""
+        return self._keys
+
+    def likeness(self, at: int) -> Likeness:
+        """An entry's likeness (``check_table``) from its cells; only rows have a ``same_as``."""
+        if at in self._rows:
+            return likeness(self._rows[at])
+        start = int(self._starts[at])
+        return (self._names[self._dtype[at]] if self._names else "",
+                tuple(self._dims[start:start + int(self._ndim[at])].tolist()),
+                TENSOR_KINDS[self._kind[at]], bool(self._grad[at]), None)
+
+    def entries(self) -> list[TensorEntry]:
+        """Every entry, built by maps over the columns."""
+        entries = self._build(slice(None), self._dims)
+        for index, entry in self._rows.items():
+            entries[index] = entry
+        return entries
+
+    def entry(self, at: int) -> TensorEntry:
+        """The entry numbered ``at``, built as ``entries`` builds it."""
+        if at in self._rows:
+            return self._rows[at]
+        start = int(self._starts[at])
+        return self._build(slice(at, at + 1), self._dims[start:start + int(self._ndim[at])])[0]
+
+    def _build(self, at: slice, dims: np.ndarray) -> list[TensorEntry]:
+        stats = None if self._stats is None else tuple(column[at] for column in self._stats)
+        return _entries(self._keys[at], self._names, self._dtype[at], self._ndim[at], dims, self._kind[at],
+                        self._grad[at], self._rank[at], self._chunk[at], self._offset[at], self._numel[at],
+                        self._nbytes[at], stats)
 
 
 def _column(doc: dict, count: int, name: str, *, high: int, optional: bool = False) -> np.ndarray:
@@ -289,13 +314,25 @@ def _what(keys: list[str], index: Any) -> str:
     return f"tensor {keys[index]!r}" if keys[index] else f"tensor {index}"
 
 
-def _check_keys(keys: list[str], in_rows: np.ndarray) -> None:
+def _check_keys(keys: list[str], in_rows: np.ndarray, rows: int) -> None:
     """Every column entry's key holds 1 to MAX_KEY_BYTES bytes of UTF-8 (at most 4 bytes a character, so
-    only a long key is encoded to be measured)."""
+    only a long key is encoded to be measured); the ``rows`` entries' keys are empty (checked before).
+    The usual table is passed by two scans in C; an entry by entry search names the first bad key."""
+    if (0 if all(keys) else keys.count("")) == rows and max(map(len, keys), default=0) <= MAX_KEY_BYTES // 4:
+        return
     for index, length in enumerate(map(len, keys)):
         if (length == 0 or length > MAX_KEY_BYTES // 4) and not in_rows[index] and (
                 not length or len(keys[index].encode("utf-8", "surrogatepass")) > MAX_KEY_BYTES):
             raise ManifestError(f"tensor {index} has an invalid key")
+
+
+def _strings(values: list) -> bool:
+    """Whether every one of ``values`` is a ``str`` (joining them is the fastest test in C)."""
+    try:
+        "".join(values)
+    except TypeError:
+        return False
+    return True
 
 
 def _check_pieces(chunk: np.ndarray, offset: np.ndarray, nbytes: np.ndarray, held: np.ndarray,
@@ -320,20 +357,21 @@ def _check_pieces(chunk: np.ndarray, offset: np.ndarray, nbytes: np.ndarray, hel
 
 def _parse_stats(doc: Any, count: int, dtype: np.ndarray, names: list[str], numel: np.ndarray,
                  in_rows: np.ndarray, keys: list) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The statistics columns, checked: (set, values count x 5 binary64, counts count x 4)."""
+    """The statistics columns, checked: (set, values count x 5 binary64, counts count x 4). Each check
+    runs on the column of one field, and on the entries of a set only where that set is present."""
     import numpy as np
 
     if type(doc) is not dict:
         raise ManifestError("tensor columns: 'stats' must be a map of columns")
     sets = column(doc.get("set"), "set", count, "tensor statistics", high=len(STAT_SETS) - 1, table="tensor")
-    values = np.empty((count, 5), dtype=np.float64)
-    for i, name in enumerate(_VALUE_FIELDS):
+    for name in _VALUE_FIELDS:
         raw = doc.get(name)
         if type(raw) is not bytes or len(raw) != 8 * count:
             raise ManifestError(f"tensor statistics: {name!r} must be a bin of {count} binary64 values")
-        values[:, i] = np.frombuffer(raw, dtype="<f8")
-    counts = np.stack([column(doc.get(name), name, count, "tensor statistics", table="tensor")
-                       .astype(np.int64) for name in _COUNT_FIELDS], axis=1) if count else np.zeros((0, 4), np.int64)
+    values = np.stack([np.frombuffer(doc[name], dtype="<f8") for name in _VALUE_FIELDS]) if count \
+        else np.zeros((5, 0), np.float64)
+    counts = np.stack([column(doc.get(name), name, count, "tensor statistics", table="tensor").astype(np.int64)
+                       for name in _COUNT_FIELDS]) if count else np.zeros((4, 0), np.int64)
     allowed = np.array([[True] + [frozenset(STAT_SETS[s]) in stat_sets(name) for s in (1, 2, 3)] for name in names]
                        or [[True, False, False, False]])
     bad = np.flatnonzero(~allowed[dtype, sets] | (in_rows & (sets != 0)))
@@ -341,23 +379,37 @@ def _parse_stats(doc: Any, count: int, dtype: np.ndarray, names: list[str], nume
         index = int(bad[0])
         raise ManifestError(f"{_what(keys, index)}: statistics set {int(sets[index])} is not one spec 6.10 "
                             f"allows for {names[dtype[index]] if names else 'it'}")
-    zero_values = np.array([[True] * 5, [False] * 5, [False, False, True, True, True], [True] * 5])[sets]
-    zero_counts = np.array([[True] * 4, [False] * 4, [True, True, True, False], [True] * 4])[sets]
-    if (values.view(np.uint64)[zero_values] != 0).any() or (counts[zero_counts] != 0).any():
-        index = int(np.flatnonzero((values.view(np.uint64) * zero_values).any(axis=1)
-                                   | (counts * zero_counts).any(axis=1))[0])
-        raise ManifestError(f"{_what(keys, index)}: a statistics column holds a value its set does not have "
-                            "(it must be 0)")
-    over = np.flatnonzero((counts > numel[:, None]).any(axis=1))
+    present = np.flatnonzero(np.bincount(sets, minlength=len(STAT_SETS))).tolist()
+    stray = [_first_stray(values.view(np.uint64), counts, np.flatnonzero(sets == number), number)
+             for number in present if number != 1]
+    if any(index is not None for index in stray):
+        raise ManifestError(f"{_what(keys, min(i for i in stray if i is not None))}: a statistics column holds "
+                            "a value its set does not have (it must be 0)")
+    over = np.flatnonzero((counts > numel).any(axis=0))
     if len(over):
         raise ManifestError(f"{_what(keys, over[0])}: a statistics count is over its elements")
-    extremes = values[:, :2]
-    inexact = np.flatnonzero((sets == 2) & (~np.isnan(extremes) & ((extremes != np.trunc(extremes))
-                                                                   | (np.abs(extremes) > _EXACT))).any(axis=1))
-    if len(inexact):
-        raise ManifestError(f"{_what(keys, inexact[0])}: an integer set's min or max is not an integer of "
-                            f"at most 2^53")
-    return sets, values, counts
+    if 2 in present:
+        at = np.flatnonzero(sets == 2)
+        extremes = values[:2, at]
+        inexact = (~np.isnan(extremes) & ((extremes != np.trunc(extremes)) | (np.abs(extremes) > _EXACT))).any(axis=0)
+        if inexact.any():
+            raise ManifestError(f"{_what(keys, at[np.flatnonzero(inexact)[0]])}: an integer set's min or max is "
+                                "not an integer of at most 2^53")
+    return sets, values.T, counts.T
+
+
+#: The value and count fields each statistics set leaves out: zero in its columns (spec 6.12).
+_ABSENT = [(tuple(range(5)), tuple(range(4))), ((), ()), ((2, 3, 4), (0, 1, 2)), (tuple(range(5)), tuple(range(4)))]
+
+
+def _first_stray(values: np.ndarray, counts: np.ndarray, at: np.ndarray, number: int) -> int | None:
+    """The first of the entries ``at`` (of set ``number``) with a value or count its set leaves out."""
+    import numpy as np
+
+    value_fields, count_fields = _ABSENT[number]
+    held = np.concatenate([values[list(value_fields)][:, at].astype(bool), counts[list(count_fields)][:, at] != 0])
+    stray = np.flatnonzero(held.any(axis=0))
+    return int(at[stray[0]]) if len(stray) else None
 
 
 def _entries(keys, names, dtype, ndim, dims, kind, grad, rank, chunk, offset, numel, nbytes, stats) -> list:
@@ -396,7 +448,8 @@ def _stats_dicts(stats: tuple, numel: np.ndarray) -> list[dict | None]:
         for i, name in enumerate(_VALUE_FIELDS):
             if name in fields:
                 column = values[at, i]
-                cells[name] = _nil_for_nan(column.astype(np.int64) if number == 2 else column, np.isnan(column))
+                nan = np.isnan(column)
+                cells[name] = _nil_for_nan(np.where(nan, 0, column).astype(np.int64) if number == 2 else column, nan)
         for i, name in enumerate(_COUNT_FIELDS):
             if name in fields:
                 cells[name] = counts[at, i].tolist()

@@ -4,8 +4,9 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Sequence
-from typing import NamedTuple
+import operator
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, NamedTuple, Protocol, overload
 
 from ckptfmt.errors import ManifestError
 from ckptfmt.format.dtypes import itemsize
@@ -56,3 +57,94 @@ def check_table(keys: Sequence[str], entries: Iterable[TensorEntry], likeness_of
     for entry in entries:
         if entry.same_as is not None and likeness_of(entry.same_as) != (*likeness(entry)[:4], None):
             raise ManifestError(f"tensor {entry.key!r}: same_as names a different tensor")
+
+
+class LazyEntries(Protocol):
+    """Where a ``TensorTable`` read in columns builds its entries from: checked columns."""
+
+    def keys(self) -> list[str]: ...
+
+    def entry(self, index: int) -> TensorEntry: ...
+
+    def entries(self) -> list[TensorEntry]: ...
+
+
+class TensorTable(Sequence[TensorEntry]):
+    """A manifest's tensor table: a sequence of ``TensorEntry``, indexed as the manifest numbers them.
+
+    A table read in columns (spec 6.12) is checked whole when the manifest is parsed, but its entries
+    are built only when read: one by one for the first few a caller asks for (opening a checkpoint to
+    read one tensor of 100,000), all at once, by maps over the columns, when it is iterated or after
+    ``BUILT_ONE_BY_ONE`` entries were asked for one by one (a reader walking the table by index pays
+    the bulk build once). Building 100,000 entries and their statistics maps was most of a manifest's
+    parse, for callers (listing, verifying, analytics) that never read them.
+    """
+
+    __slots__ = ("_built", "_count", "_lazy", "_one_by_one")
+
+    #: Entries built one by one before the whole table is.
+    BUILT_ONE_BY_ONE = 64
+
+    def __init__(self, entries: Iterable[TensorEntry] = (), *, lazy: LazyEntries | None = None,
+                 count: int = 0) -> None:
+        self._built: list[TensorEntry] | None = None if lazy is not None else list(entries)
+        self._lazy = lazy
+        self._one_by_one: dict[int, TensorEntry] = {}
+        self._count = count if self._built is None else len(self._built)
+
+    def keys(self) -> list[str]:
+        """Every entry's key, in order, without building the entries."""
+        lazy = self._lazy
+        return lazy.keys() if lazy is not None else [entry.key for entry in self._entries()]
+
+    def __len__(self) -> int:
+        return self._count
+
+    @overload
+    def __getitem__(self, index: int) -> TensorEntry: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[TensorEntry]: ...
+
+    def __getitem__(self, index: int | slice) -> TensorEntry | list[TensorEntry]:
+        lazy = self._lazy
+        if lazy is None or isinstance(index, slice) or len(self._one_by_one) >= self.BUILT_ONE_BY_ONE:
+            return self._entries()[index]
+        at = operator.index(index)
+        at = at + self._count if at < 0 else at
+        if not 0 <= at < self._count:
+            raise IndexError("tensor table index out of range")
+        entry = self._one_by_one.get(at)
+        if entry is None:
+            entry = self._one_by_one[at] = lazy.entry(at)
+        return entry
+
+    def __iter__(self) -> Iterator[TensorEntry]:
+        return iter(self._entries())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (TensorTable, list, tuple)):
+            return len(self) == len(other) and all(a == b for a, b in zip(self, other))
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]  # compared by its entries, like the list it stands for
+
+    def __repr__(self) -> str:
+        return f"TensorTable({self._count} entries)"
+
+    def _entries(self) -> list[TensorEntry]:
+        """Every entry, built now if they are not yet. Threads may read one table: the entries are set
+        before the columns are let go, so a thread that finds no columns finds the entries."""
+        lazy = self._lazy
+        if lazy is None:
+            built = self._built
+            assert built is not None
+            return built
+        built = self._built = lazy.entries()
+        self._lazy, self._one_by_one = None, {}
+        return built
+
+
+def as_table(tensors: Any) -> TensorTable:
+    """``tensors`` (a ``TensorTable``, or entries in any iterable) as a ``TensorTable``."""
+    return tensors if isinstance(tensors, TensorTable) else TensorTable(tensors)

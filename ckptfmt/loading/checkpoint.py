@@ -46,7 +46,7 @@ class Checkpoint:
         self.signature: Signature | None = None if trusted_keys is None else check_signed(
             repository, self.commit, trusted_public_keys(trusted_keys))
         self.manifest: Manifest = repository.manifest(name, self.commit) if read is None else read[1]
-        self._index = {t.key: i for i, t in enumerate(self.manifest.tensors)}
+        self._index = {key: i for i, key in enumerate(self.manifest.tensors.keys())}  # entries built when read
         self._chunks = ChunkReader(repository.storage, self.manifest.chunks, ChunkHealer.of(heal_from),
                                    check_verify_mode(verify))
 

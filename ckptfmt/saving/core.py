@@ -40,7 +40,7 @@ from ckptfmt.format import layout
 from ckptfmt.format.chunk_table import stored_key
 from ckptfmt.format.hashing import chunk_hash
 from ckptfmt.format.limits import MAX_DIMS, MAX_KEY_BYTES, check_name
-from ckptfmt.format.manifest import MAX_RANK, Chunk, Manifest, ShardEntry, TensorEntry
+from ckptfmt.format.manifest import MAX_RANK, Chunk, Manifest, ShardEntry, TensorEntry, TensorTable
 from ckptfmt.format.signatures import SigningKey
 from ckptfmt.format.tensor_stats import merge_stats
 from ckptfmt.format.tiling import check_tiling
@@ -292,8 +292,8 @@ def manifest_for(name: str, options: SaveOptions, *, parent: str | None, chunks:
     """
     environments = [record["environment"] for record in records]
     return Manifest(
-        name=name, step=options.step, created_ns=time.time_ns(), parent=parent, chunks=chunks, tensors=tensors,
-        state=state, user=user,
+        name=name, step=options.step, created_ns=time.time_ns(), parent=parent, chunks=chunks,
+        tensors=TensorTable(tensors), state=state, user=user,
         rng=options.rng if options.rng is not None else [record["rng"] for record in records],
         environment=merge_environments(environments) if collective else environments[0],
         topology=topology,

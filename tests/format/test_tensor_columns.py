@@ -146,6 +146,8 @@ REFUSED = {
                                 "count is over its elements"),
     "integer set's mean": (lambda t: _stat("mean", _key_index(t, "flags"), 1.0)(t), "does not have"),
     "count set's min": (lambda t: _stat("min", _key_index(t, "c"), 1.0)(t), "does not have"),
+    "integer set's nan count": (lambda t: _cell("nan", _key_index(t, "flags"), 1)(t["stats"]), "does not have"),
+    "a row's statistics cell": (lambda t: _stat("l2", _key_index(t, ""), 2.0)(t), "does not have"),
     "integer min not an integer": (lambda t: _stat("min", _key_index(t, "flags"), 0.5)(t), "not an integer"),
     "stats without a column": (lambda t: t["stats"].pop("l2"), "'l2' must be a bin"),
     "stats not a map": (_set("stats", [1]), "'stats' must be a map"),
@@ -191,3 +193,55 @@ def test_fields_a_newer_minor_adds_are_ignored(saved):
     newer["tensors"]["stats"]["p99"] = b"\x00" * 8 * len(doc["tensors"]["key"])
     read = Manifest.from_bytes(msgpack.packb(newer, use_bin_type=True), "newer")
     assert read.tensors == Manifest.from_bytes(data, "m").tensors
+
+
+def _rows_read(data: bytes) -> list:
+    """The tensor table of ``data`` written again as 1.11's rows and read: entries built as parsed."""
+    manifest = Manifest.from_bytes(data, "m")
+    rows = Manifest.from_bytes(dataclasses.replace(manifest, version=(1, 11)).to_bytes(), "rows")
+    return list(rows.tensors)
+
+
+def test_entries_built_one_by_one_are_those_built_all_at_once(saved):
+    data, _ = saved
+    expected = _rows_read(data)
+    table = Manifest.from_bytes(data, "m").tensors
+    assert len(table) == len(expected) and table.keys() == [entry.key for entry in expected]
+    # Read by index, from the last (negative indexes too): each is built alone, from its cells or its row.
+    alone = [table[index - len(expected)] for index in reversed(range(len(expected)))][::-1]
+    assert alone == expected and table._built is None
+    assert [type(entry.stats) for entry in alone] == [type(entry.stats) for entry in expected]
+    assert list(table) == expected and table._built is not None
+    with pytest.raises(IndexError):
+        Manifest.from_bytes(data, "m").tensors[len(expected)]
+    assert Manifest.from_bytes(data, "m").tensors[1:3] == expected[1:3]
+
+
+def test_a_table_read_by_index_is_built_whole_after_a_few(saved, monkeypatch):
+    data, _ = saved
+    table = Manifest.from_bytes(data, "m").tensors
+    monkeypatch.setattr(type(table), "BUILT_ONE_BY_ONE", 3)
+    assert [table[i] for i in range(3)] == _rows_read(data)[:3] and table._built is None
+    assert table[5] == _rows_read(data)[5] and table._built is not None
+
+
+def test_threads_reading_one_table_read_the_same_entries(saved):
+    from concurrent.futures import ThreadPoolExecutor
+
+    data, _ = saved
+    expected = _rows_read(data)
+    for _ in range(20):
+        table = Manifest.from_bytes(data, "m").tensors
+        with ThreadPoolExecutor(4) as pool:
+            reads = list(pool.map(lambda turn: list(table) if turn % 2 else [table[i] for i in range(len(table))],
+                                  range(8)))
+        assert all(read == expected for read in reads)
+
+
+def test_a_manifest_made_with_a_list_holds_a_table_equal_to_it(saved):
+    data, _ = saved
+    manifest = Manifest.from_bytes(data, "m")
+    entries = list(manifest.tensors)
+    made = dataclasses.replace(manifest, tensors=entries)
+    assert made.tensors == entries and entries == made.tensors and made.tensors is not entries
+    assert made.tensors != entries[:-1] and made.to_bytes() == data
