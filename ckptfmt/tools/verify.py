@@ -250,6 +250,19 @@ def _rows_here(repo: Repository, manifests: dict[str, Manifest], node: str,
     return here
 
 
+def _chunk_users(manifests: dict[str, Manifest], here: dict[str, set[int]]) -> dict[str, list[tuple[str, str]]]:
+    """Each chunk's users, by its stored key: (checkpoint, tensor key) for every tensor with a piece in it
+    (on this node, for a node-scoped checkpoint)."""
+    users: dict[str, list[tuple[str, str]]] = {}
+    for name, manifest in manifests.items():
+        held = here.get(name)
+        for tensor in manifest.tensors:
+            for row in dict.fromkeys(chunk_rows(tensor.shards)):
+                if held is None or row in held:
+                    users.setdefault(stored_key(manifest.chunks, manifest.chunks[row]), []).append((name, tensor.key))
+    return users
+
+
 def check_chunks(repo: Repository, manifests: dict[str, Manifest], report: VerifyReport,
                  callback: Callback | None = None, workers: int = 16, cancel: threading.Event | None = None,
                  stats: StatsCheck | None = None, here: dict[str, set[int]] | None = None) -> None:
@@ -258,16 +271,12 @@ def check_chunks(repo: Repository, manifests: dict[str, Manifest], report: Verif
     checkpoint, the rows this node holds (only those are checked)."""
     here = here or {}
     callback = callback or NoOpCallback()
-    # Each distinct chunk once, remembering who uses it, to name the damage.
-    users: dict[str, list[tuple[str, str]]] = {}
+    # Each distinct chunk once; who uses it, to name the damage, is worked out at the first problem (a
+    # clean verify of 100,000 tensors builds no tensor entry).
+    users: dict[str, list[tuple[str, str]]] | None = None
     jobs: dict[str, tuple[Manifest, int]] = {}
     for name, manifest in manifests.items():
         held = here.get(name)
-        for tensor in manifest.tensors:
-            for row in dict.fromkeys(chunk_rows(tensor.shards)):
-                if held is None or row in held:
-                    chunk = manifest.chunks[row]
-                    users.setdefault(stored_key(manifest.chunks, chunk), []).append((name, tensor.key))
         for index, chunk in enumerate(manifest.chunks):
             if held is None or index in held:
                 jobs.setdefault(stored_key(manifest.chunks, chunk), (manifest, index))
@@ -288,6 +297,7 @@ def check_chunks(repo: Repository, manifests: dict[str, Manifest], report: Verif
     spread = len(jobs) < (os.cpu_count() or 1)
 
     def check(item) -> None:
+        nonlocal users
         ident, (manifest, index) = item
         if failed.is_set():
             return
@@ -319,6 +329,7 @@ def check_chunks(repo: Repository, manifests: dict[str, Manifest], report: Verif
             report.chunks_checked += 1
             report.bytes_checked += chunk.size
             if problem:
+                users = _chunk_users(manifests, here) if users is None else users
                 for checkpoint in sorted({n for n, _ in users.get(ident, [])}) or [manifest.name]:
                     keys = tuple(sorted({k for n, k in users.get(ident, []) if n == checkpoint}))
                     report.problems.append(Problem(problem[0], checkpoint, problem[1], chunk.hash, keys,
