@@ -82,6 +82,8 @@ def summary(meta: Mapping, url: str, ident: str, *, utc: bool = False) -> list[t
 
 def delta_tensors(manifest) -> list[str]:
     """Keys of the tensors with a chunk stored as a delta against another (spec 5.5)."""
+    if all(chunk.base is None for chunk in manifest.chunks):  # the usual checkpoint: no tensor to look at
+        return []
     return [tensor.key for tensor in manifest.tensors
             if any(manifest.chunks[row].base is not None for row in set(chunk_rows(tensor.shards)))]
 
