@@ -10,6 +10,7 @@ that are not exactly binary64) stay maps, in ``rows``, by index.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Callable, Sequence
 from functools import partial
 from itertools import chain, islice, repeat
@@ -226,6 +227,7 @@ class _Columns:
         self._rank, self._chunk, self._offset, self._numel, self._nbytes = rank, chunk, offset, numel, nbytes
         self._stats = stats
         self._starts = np.cumsum(ndim, dtype=np.int64) - ndim
+        self._row_at = sorted(rows)
 
     def keys(self) -> list[str]:
         """Every entry's key, those of ``rows`` included."""
@@ -240,25 +242,20 @@ class _Columns:
                 tuple(self._dims[start:start + int(self._ndim[at])].tolist()),
                 TENSOR_KINDS[self._kind[at]], bool(self._grad[at]), None)
 
-    def entries(self) -> list[TensorEntry]:
-        """Every entry, built by maps over the columns."""
-        entries = self._build(slice(None), self._dims)
-        for index, entry in self._rows.items():
-            entries[index] = entry
-        return entries
-
-    def entry(self, at: int) -> TensorEntry:
-        """The entry numbered ``at``, built as ``entries`` builds it."""
-        if at in self._rows:
-            return self._rows[at]
-        start = int(self._starts[at])
-        return self._build(slice(at, at + 1), self._dims[start:start + int(self._ndim[at])])[0]
-
-    def _build(self, at: slice, dims: np.ndarray) -> list[TensorEntry]:
+    def entries(self, start: int = 0, stop: int | None = None) -> list[TensorEntry]:
+        """The entries numbered ``start`` to ``stop`` (the end by default), built by maps over the columns."""
+        stop = len(self._keys) if stop is None else min(stop, len(self._keys))
+        if stop <= start:
+            return []
+        at = slice(start, stop)
+        dims = self._dims[int(self._starts[start]):int(self._starts[stop - 1] + self._ndim[stop - 1])]
         stats = None if self._stats is None else tuple(column[at] for column in self._stats)
-        return _entries(self._keys[at], self._names, self._dtype[at], self._ndim[at], dims, self._kind[at],
-                        self._grad[at], self._rank[at], self._chunk[at], self._offset[at], self._numel[at],
-                        self._nbytes[at], stats)
+        entries = _entries(self._keys[at], self._names, self._dtype[at], self._ndim[at], dims, self._kind[at],
+                           self._grad[at], self._rank[at], self._chunk[at], self._offset[at], self._numel[at],
+                           self._nbytes[at], stats)
+        for index in self._row_at[bisect_left(self._row_at, start):bisect_left(self._row_at, stop)]:
+            entries[index - start] = self._rows[index]
+        return entries
 
 
 def _column(doc: dict, count: int, name: str, *, high: int, optional: bool = False) -> np.ndarray:

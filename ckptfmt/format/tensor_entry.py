@@ -64,32 +64,32 @@ class LazyEntries(Protocol):
 
     def keys(self) -> list[str]: ...
 
-    def entry(self, index: int) -> TensorEntry: ...
-
-    def entries(self) -> list[TensorEntry]: ...
+    def entries(self, start: int = 0, stop: int | None = None) -> list[TensorEntry]: ...
 
 
 class TensorTable(Sequence[TensorEntry]):
     """A manifest's tensor table: a sequence of ``TensorEntry``, indexed as the manifest numbers them.
 
     A table read in columns (spec 6.12) is checked whole when the manifest is parsed, but its entries
-    are built only when read: one by one for the first few a caller asks for (opening a checkpoint to
-    read one tensor of 100,000), all at once, by maps over the columns, when it is iterated or after
-    ``BUILT_ONE_BY_ONE`` entries were asked for one by one (a reader walking the table by index pays
-    the bulk build once). Building 100,000 entries and their statistics maps was most of a manifest's
+    are built only when read, by maps over the columns: a block of ``BLOCK`` entries around each index
+    asked for (opening a checkpoint of 100,000 tensors to read one), the whole table when it is
+    iterated, sliced, or read by index in more than ``BLOCKS`` blocks (a reader walking it by index pays
+    the whole build once). Building 100,000 entries and their statistics maps was most of a manifest's
     parse, for callers (listing, verifying, analytics) that never read them.
     """
 
-    __slots__ = ("_built", "_count", "_lazy", "_one_by_one")
+    __slots__ = ("_blocks", "_built", "_count", "_lazy")
 
-    #: Entries built one by one before the whole table is.
-    BUILT_ONE_BY_ONE = 64
+    #: Entries built together when one is read by index (a table no longer is built whole at once).
+    BLOCK = 256
+    #: Blocks built one at a time before the whole table is.
+    BLOCKS = 8
 
     def __init__(self, entries: Iterable[TensorEntry] = (), *, lazy: LazyEntries | None = None,
                  count: int = 0) -> None:
         self._built: list[TensorEntry] | None = None if lazy is not None else list(entries)
         self._lazy = lazy
-        self._one_by_one: dict[int, TensorEntry] = {}
+        self._blocks: dict[int, list[TensorEntry]] = {}
         self._count = count if self._built is None else len(self._built)
 
     def keys(self) -> list[str]:
@@ -107,17 +107,20 @@ class TensorTable(Sequence[TensorEntry]):
     def __getitem__(self, index: slice) -> list[TensorEntry]: ...
 
     def __getitem__(self, index: int | slice) -> TensorEntry | list[TensorEntry]:
-        lazy = self._lazy
-        if lazy is None or isinstance(index, slice) or len(self._one_by_one) >= self.BUILT_ONE_BY_ONE:
+        lazy, block_size = self._lazy, self.BLOCK
+        if lazy is None or isinstance(index, slice) or self._count <= block_size:
             return self._entries()[index]
         at = operator.index(index)
         at = at + self._count if at < 0 else at
         if not 0 <= at < self._count:
             raise IndexError("tensor table index out of range")
-        entry = self._one_by_one.get(at)
-        if entry is None:
-            entry = self._one_by_one[at] = lazy.entry(at)
-        return entry
+        number = at // block_size
+        block = self._blocks.get(number)
+        if block is None:
+            if len(self._blocks) >= self.BLOCKS:
+                return self._entries()[at]
+            block = self._blocks[number] = lazy.entries(number * block_size, (number + 1) * block_size)
+        return block[at - number * block_size]
 
     def __iter__(self) -> Iterator[TensorEntry]:
         return iter(self._entries())
@@ -141,7 +144,7 @@ class TensorTable(Sequence[TensorEntry]):
             assert built is not None
             return built
         built = self._built = lazy.entries()
-        self._lazy, self._one_by_one = None, {}
+        self._lazy, self._blocks = None, {}
         return built
 
 

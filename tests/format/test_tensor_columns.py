@@ -202,14 +202,15 @@ def _rows_read(data: bytes) -> list:
     return list(rows.tensors)
 
 
-def test_entries_built_one_by_one_are_those_built_all_at_once(saved):
+def test_entries_built_by_blocks_are_those_built_all_at_once(saved, monkeypatch):
     data, _ = saved
     expected = _rows_read(data)
     table = Manifest.from_bytes(data, "m").tensors
-    assert len(table) == len(expected) and table.keys() == [entry.key for entry in expected]
-    # Read by index, from the last (negative indexes too): each is built alone, from its cells or its row.
+    assert len(table) == len(expected) == 15 and table.keys() == [entry.key for entry in expected]
+    monkeypatch.setattr(type(table), "BLOCK", 4)
+    # Read by index, from the last (negative indexes too): each block of 4 built alone, from cells and rows.
     alone = [table[index - len(expected)] for index in reversed(range(len(expected)))][::-1]
-    assert alone == expected and table._built is None
+    assert alone == expected and table._built is None and sorted(table._blocks) == [0, 1, 2, 3]
     assert [type(entry.stats) for entry in alone] == [type(entry.stats) for entry in expected]
     assert list(table) == expected and table._built is not None
     with pytest.raises(IndexError):
@@ -217,12 +218,16 @@ def test_entries_built_one_by_one_are_those_built_all_at_once(saved):
     assert Manifest.from_bytes(data, "m").tensors[1:3] == expected[1:3]
 
 
-def test_a_table_read_by_index_is_built_whole_after_a_few(saved, monkeypatch):
+def test_a_table_read_by_index_is_built_whole_after_a_few_blocks(saved, monkeypatch):
     data, _ = saved
     table = Manifest.from_bytes(data, "m").tensors
-    monkeypatch.setattr(type(table), "BUILT_ONE_BY_ONE", 3)
-    assert [table[i] for i in range(3)] == _rows_read(data)[:3] and table._built is None
-    assert table[5] == _rows_read(data)[5] and table._built is not None
+    monkeypatch.setattr(type(table), "BLOCK", 2)
+    monkeypatch.setattr(type(table), "BLOCKS", 3)
+    assert [table[i] for i in (0, 2, 5)] == [_rows_read(data)[i] for i in (0, 2, 5)] and table._built is None
+    assert table[9] == _rows_read(data)[9] and table._built is not None
+    monkeypatch.undo()
+    small = Manifest.from_bytes(data, "m").tensors  # a table of one block is built whole at its first read
+    assert small[3] == _rows_read(data)[3] and small._built is not None
 
 
 def test_threads_reading_one_table_read_the_same_entries(saved):
