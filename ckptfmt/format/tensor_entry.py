@@ -8,6 +8,7 @@ import operator
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, NamedTuple, Protocol, overload
 
+from ckptfmt._collector import collector_paused
 from ckptfmt.errors import ManifestError
 from ckptfmt.format.dtypes import itemsize
 from ckptfmt.format.shards import ShardEntry, ShardGrid
@@ -95,7 +96,7 @@ class TensorTable(Sequence[TensorEntry]):
     def keys(self) -> list[str]:
         """Every entry's key, in order, without building the entries."""
         lazy = self._lazy
-        return lazy.keys() if lazy is not None else [entry.key for entry in self._entries()]
+        return list(lazy.keys()) if lazy is not None else [entry.key for entry in self._entries()]
 
     def __len__(self) -> int:
         return self._count
@@ -119,7 +120,10 @@ class TensorTable(Sequence[TensorEntry]):
         if block is None:
             if len(self._blocks) >= self.BLOCKS:
                 return self._entries()[at]
-            block = self._blocks[number] = lazy.entries(number * block_size, (number + 1) * block_size)
+            with collector_paused():
+                block = lazy.entries(number * block_size, (number + 1) * block_size)
+            if self._lazy is lazy:  # else another thread built the whole table meanwhile
+                self._blocks[number] = block
         return block[at - number * block_size]
 
     def __iter__(self) -> Iterator[TensorEntry]:
@@ -143,7 +147,8 @@ class TensorTable(Sequence[TensorEntry]):
             built = self._built
             assert built is not None
             return built
-        built = self._built = lazy.entries()
+        with collector_paused():  # a named tuple, shard, piece and statistics map per entry: no cycles
+            built = self._built = lazy.entries()
         self._lazy, self._blocks = None, {}
         return built
 

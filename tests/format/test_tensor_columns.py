@@ -250,3 +250,28 @@ def test_a_manifest_made_with_a_list_holds_a_table_equal_to_it(saved):
     made = dataclasses.replace(manifest, tensors=entries)
     assert made.tensors == entries and entries == made.tensors and made.tensors is not entries
     assert made.tensors != entries[:-1] and made.to_bytes() == data
+
+
+def test_entries_are_built_with_the_collector_paused_and_keys_are_the_callers(tmp_path):
+    """Building 3,000 entries would run the cyclic collector dozens of times (the parse that built them
+    before paused it); and the keys a caller gets are its own list, not the table's."""
+    import gc
+
+    ckptfmt.save({f"t{i}": torch.full((2,), float(i)) for i in range(3000)}, f"{tmp_path}/repo/a")
+    with ckptfmt.open(f"{tmp_path}/repo/a") as reader:
+        data = reader.manifest.to_bytes()
+    collections = []
+
+    def count(phase, info):
+        if phase == "start":
+            collections.append(info["generation"])
+    table = Manifest.from_bytes(data, "m").tensors
+    keys = table.keys()
+    keys[0] = "changed"
+    gc.callbacks.append(count)
+    try:
+        assert table[2500].key == "t2500" and table[0].key == "t0"  # two blocks
+        assert len(list(table)) == 3000
+    finally:
+        gc.callbacks.remove(count)
+    assert collections == [] and table.keys()[0] == "t0"
