@@ -81,7 +81,7 @@ class TensorTable(Sequence[TensorEntry]):
 
     __slots__ = ("_blocks", "_built", "_count", "_lazy")
 
-    #: Entries built together when one is read by index (a table no longer is built whole at once).
+    #: Entries built together when one is read by index (a table of no more is built whole at once).
     BLOCK = 256
     #: Blocks built one at a time before the whole table is.
     BLOCKS = 8
