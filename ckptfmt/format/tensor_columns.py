@@ -11,7 +11,7 @@ that are not exactly binary64) stay maps, in ``rows``, by index.
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from itertools import chain, islice, repeat
 from typing import TYPE_CHECKING, Any
@@ -21,7 +21,7 @@ from ckptfmt.format.dtypes import itemsize
 from ckptfmt.format.limits import MAX_CHUNK_BYTES, MAX_DIMS, MAX_KEY_BYTES, MAX_TENSOR_BYTES, MAX_TENSORS
 from ckptfmt.format.shards import MAX_RANK, Piece, ShardEntry, column, pack_column
 from ckptfmt.format.tensor_entry import TENSOR_KINDS, Likeness, TensorEntry, TensorTable, check_table, likeness
-from ckptfmt.format.tensor_stats import COUNT_FIELDS, FLOAT_FIELDS, INTEGER_FIELDS, stat_sets
+from ckptfmt.format.tensor_stats import COUNT_FIELDS, FLOAT_FIELDS, INTEGER_FIELDS, StatsRow, stat_sets
 
 if TYPE_CHECKING:
     import numpy as np
@@ -110,7 +110,7 @@ _SET_OF_SIZE = {len(FLOAT_FIELDS): (1, frozenset(FLOAT_FIELDS)), len(INTEGER_FIE
                 len(COUNT_FIELDS): (3, frozenset(COUNT_FIELDS))}
 
 
-def _stat_set(stats: dict | None, numel: int) -> int | None:
+def _stat_set(stats: Mapping[str, Any] | None, numel: int) -> int | None:
     """The number of the set ``stats`` holds (0: none), or None for fields of no one set, or a count that
     is not the tensor's (the row form keeps those as they are)."""
     if stats is None:
@@ -128,24 +128,55 @@ def _stat_cells(tensors: Sequence[TensorEntry], sets: list[int | None]) -> tuple
     values, counts = np.zeros((len(tensors), 5), dtype="<f8"), np.zeros((len(tensors), 4), dtype=np.int64)
     for number, value_names, count_names in ((1, _VALUE_FIELDS, _COUNT_FIELDS), (2, ("min", "max"), ("zeros",))):
         at = [index for index, stat_set in enumerate(sets) if stat_set == number]
-        group: list[dict] = [tensors[index].stats or {} for index in at]  # a set numbered: stats present
-        cells = {name: [stats[name] for stats in group] for name in (*value_names, *count_names)}
-        if not all(_exact(number, name, column) for name, column in cells.items()):
-            for index, stats in zip(at, group):
-                if not all(_exact(number, name, [stats[name]]) for name in cells):
-                    sets[index] = None
-            return _stat_cells(tensors, sets)
-        for name in value_names:
-            values[at, _VALUE_FIELDS.index(name)] = np.array(cells[name], dtype=np.float64)  # None: NaN
-        for name in count_names:
-            counts[at, _COUNT_FIELDS.index(name)] = cells[name]
+        names = (*value_names, *count_names)
+        for indexes, cells in _cell_groups(tensors, at, names):
+            if not all(_exact(number, name, column) for name, column in cells.items()):
+                for index in indexes:
+                    stats = tensors[index].stats or {}  # a set numbered: stats present
+                    if not all(_exact(number, name, [stats[name]]) for name in names):
+                        sets[index] = None
+                return _stat_cells(tensors, sets)
+            for name in value_names:
+                values[indexes, _VALUE_FIELDS.index(name)] = np.array(cells[name], dtype=np.float64)  # None: NaN
+            for name in count_names:
+                counts[indexes, _COUNT_FIELDS.index(name)] = cells[name]
     return values, counts
 
 
-def _exact(stat_set: int, name: str, column: list) -> bool:
+def _cell_groups(tensors: Sequence[TensorEntry], at: list[int],
+                 names: tuple[str, ...]) -> list[tuple[list[int], dict[str, Any]]]:
+    """The statistics cells of the entries ``at``, by field, in groups: the rows of each ``StatsRow``
+    columns as arrays taken from them at once (a Python number made per cell was most of writing the
+    statistics of 100,000 small tensors), the other maps' cells as lists."""
+    tables: dict[int, tuple[dict, list[int], list[int]]] = {}  # columns' id -> them, entries, their rows
+    others = []
+    for index in at:
+        stats = tensors[index].stats
+        if type(stats) is StatsRow:
+            table = tables.get(id(stats.columns))
+            if table is None:
+                table = tables[id(stats.columns)] = (stats.columns, [], [])
+            table[1].append(index)
+            table[2].append(stats.at)
+        else:
+            others.append(index)
+    groups = [(indexes, {name: columns[name][rows] for name in names}) for columns, indexes, rows in tables.values()]
+    if others:
+        maps = [tensors[index].stats or {} for index in others]
+        groups.append((others, {name: [stats[name] for stats in maps] for name in names}))
+    return groups
+
+
+def _exact(stat_set: int, name: str, column: list | np.ndarray) -> bool:
     """Whether binary64 (or, for counts, an unsigned column) holds every value of ``column`` exactly."""
     import numpy as np
 
+    if isinstance(column, np.ndarray):  # a ``StatsRow`` column's cells: numbers of its dtype, no nil
+        if name in _COUNT_FIELDS:
+            return column.dtype.kind in "iu" and bool((column >= 0).all())
+        if stat_set == 1:
+            return column.dtype == np.float64 and not np.isnan(column).any()
+        return column.dtype.kind in "iu" and bool(((-_EXACT <= column) & (column <= _EXACT)).all())
     types = set(map(type, column))
     if name in _COUNT_FIELDS:
         return types <= _INT and min(column, default=0) >= 0

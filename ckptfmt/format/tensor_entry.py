@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple, Protocol, overload
 
 from ckptfmt._collector import collector_paused
@@ -28,8 +28,9 @@ class TensorEntry(NamedTuple):
     kind: str = "tensor"
     requires_grad: bool = False
     same_as: int | None = None
-    #: The statistics of its elements (spec 6.10, format 1.4), or None where not recorded.
-    stats: dict | None = None
+    #: The statistics of its elements (spec 6.10, format 1.4), or None where not recorded: a dict when
+    #: read; a save's own may be a read-only row of its pack's columns (tensors/stats.py ``SpanStats``).
+    stats: Mapping[str, Any] | None = None
 
     @property
     def numel(self) -> int:

@@ -93,11 +93,12 @@ class Checkpoint:
     def tensor_stats(self, key: str) -> dict | None:
         """The statistics of one tensor's elements as its writer recorded them (spec 6.10: count, min,
         max, mean, l2, absmax, nan, posinf, neginf, zeros), without reading it; None where not recorded.
-        A tensor that is the same object as an earlier one (tied weights) has that one's."""
+        A tensor that is the same object as an earlier one (tied weights) has that one's. The caller's own
+        dict: changing it changes no manifest."""
         entry = self.manifest.tensors[self.lookup(key)]
         if entry.same_as is not None:
             entry = self.manifest.tensors[entry.same_as]
-        return entry.stats
+        return None if entry.stats is None else dict(entry.stats)
 
     def lookup(self, key: str) -> int:
         """The tensor table's index of ``key``; CheckpointNotFoundError with a "did you mean" otherwise."""

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, overload
@@ -67,7 +67,7 @@ STATS_RUN_BYTES = 2**18
 
 
 #: The statistics of one part of a chunk job: (source index, statistics of its bytes in the job).
-PartStats = tuple[int, dict[str, Any]]
+PartStats = tuple[int, Mapping[str, Any]]
 
 
 #: How much smaller than the alternative an encoding must be to be chosen (delta over whole, compressed over raw).
@@ -100,7 +100,7 @@ class StoredSources:
     #: Rows of ``chunks`` that this call wrote.
     written_rows: frozenset[int]
     #: Per source, the statistics of its elements (spec 6.10), or None when not taken.
-    stats: list[dict[str, Any] | None]
+    stats: list[Mapping[str, Any] | None]
 
 
 def store_sources(repo: Repository, sources: list[TensorSource], *, compression: str | None, parent_keys: set[str],
@@ -200,11 +200,11 @@ def _table(stored: dict[int, StoredChunk], refs: list[list[PieceRef]], sources: 
                          _source_stats(stored, sources) if tensor_stats else [None] * len(sources))
 
 
-def _source_stats(stored: dict[int, StoredChunk], sources: list[TensorSource]) -> list[dict[str, Any] | None]:
+def _source_stats(stored: dict[int, StoredChunk], sources: list[TensorSource]) -> list[Mapping[str, Any] | None]:
     """Each source's statistics: given with it (taken on its device), or merged from its parts' in
     byte order (jobs are numbered in byte order); an empty source has its count alone."""
-    first: list[dict[str, Any] | None] = [None] * len(sources)  # a small tensor's one part: no list of it
-    more: dict[int, list[dict[str, Any]]] = {}
+    first: list[Mapping[str, Any] | None] = [None] * len(sources)  # a small tensor's one part: no list of it
+    more: dict[int, list[Mapping[str, Any]]] = {}
     for index in sorted(stored):
         for source, part in stored[index].stats:
             known = first[source]

@@ -22,7 +22,7 @@ import math
 import operator
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -221,7 +221,7 @@ def _shard_rank(shard: Shard, where: _Where) -> int:
     return operator.index(rank)
 
 
-def merged_stats(parts: Sequence[dict | None]) -> dict | None:
+def merged_stats(parts: Sequence[Mapping | None]) -> Mapping | None:
     """A tensor's statistics from its shards' (spec 6.10), or None when any shard has none."""
     if not parts or any(part is None for part in parts):
         return None

@@ -13,12 +13,13 @@ from __future__ import annotations
 import functools
 import math
 import threading
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 import torch
 
-from ckptfmt.format.tensor_stats import COUNT_FIELDS, FLOAT_FIELDS, INTEGER_FIELDS, higher, lower
+from ckptfmt.format.tensor_stats import COUNT_FIELDS, FLOAT_FIELDS, INTEGER_FIELDS, StatsRow, higher, lower
 
 #: Elements taken at a time by ``tensor_stats``: 8 MiB of float64 scratch at most per block.
 BLOCK_ELEMENTS = 1 << 20
@@ -39,7 +40,8 @@ def tensor_stats(tensor: torch.Tensor, *, block: int = BLOCK_ELEMENTS) -> dict[s
     return accumulator.result()
 
 
-def stats_of_spans(dtype: torch.dtype, whole: torch.Tensor, spans: list[tuple[int, int]]) -> list[dict[str, Any]]:
+def stats_of_spans(dtype: torch.dtype, whole: torch.Tensor,
+                   spans: list[tuple[int, int]]) -> list[Mapping[str, Any]]:
     """The statistics of each span (byte offset, byte length: whole ``dtype`` elements, at offsets its
     size divides, in increasing order, apart) of ``whole``, a 1-D uint8 tensor (a pack of small tensors),
     as ``tensor_stats`` gives them (``mean`` and ``l2`` to binary64 rounding, spec 6.10), by segmented
@@ -47,13 +49,14 @@ def stats_of_spans(dtype: torch.dtype, whole: torch.Tensor, spans: list[tuple[in
     which made the statistics 40% of a save of 20,000 tensors of 8 floats; and a view of each span, 100
     MiB of short-lived tensors that the writer's threads' memory kept (100,000 tensors). Each segment
     is [start, end) of a span; the padding between them is reduced apart and dropped. A span holding a
-    NaN or an infinity, or whose sums overflow, is taken alone."""
+    NaN or an infinity, or whose sums overflow, is taken alone. The others' statistics stay the
+    reductions' columns, each span's a ``StatsRow`` of them."""
     fields = fields_for(dtype)
     size = dtype.itemsize
-    counts = [length // size for _, length in spans]
+    counts = np.array([length // size for _, length in spans], dtype=np.int64)
     if fields is COUNT_FIELDS:
-        return [{"count": count} for count in counts]
-    if len(spans) < 2 or 0 in counts:
+        return _rows({"count": counts})
+    if len(spans) < 2 or not counts.all():
         return [_one_part(dtype, whole[offset:offset + length]) for offset, length in spans]
     first, (last, last_length) = spans[0][0], spans[-1]
     region = whole[first:last + last_length].view(dtype)
@@ -64,32 +67,33 @@ def stats_of_spans(dtype: torch.dtype, whole: torch.Tensor, spans: list[tuple[in
         return ufunc.reduceat(column, bounds)[segments]
     if fields is INTEGER_FIELDS:
         values = (region.view(torch.uint8) if dtype == torch.bool else region).to(torch.int64).numpy()
-        lows, highs = reduced(np.minimum, values), reduced(np.maximum, values)
         nonzero = reduced(np.add, (values != 0).astype(np.int64))
-        return [{"count": count, "min": int(low), "max": int(high), "zeros": count - int(filled)}
-                for count, low, high, filled in zip(counts, lows.tolist(), highs.tolist(), nonzero.tolist())]
+        return _rows({"count": counts, "min": reduced(np.minimum, values), "max": reduced(np.maximum, values),
+                      "zeros": counts - nonzero})
     values = region.to(torch.float64).numpy()
     with np.errstate(all="ignore"):  # a span's NaN, infinities or overflow: that span is taken alone
         totals, squares = reduced(np.add, values), reduced(np.add, values * values)
-    alone = (~np.isfinite(totals) | ~np.isfinite(squares)).tolist()
+    alone = ~np.isfinite(totals) | ~np.isfinite(squares)
     lows, highs = reduced(np.minimum, values), reduced(np.maximum, values)
     zero = values == 0
     zeros = reduced(np.add, zero.astype(np.int64))
     negative_zeros = reduced(np.add, (zero & np.signbit(values)).astype(np.int64))
-    found = []
-    for (offset, length), unusual, count, total, square, low, high, zeros_here, negative in zip(
-            spans, alone, counts, totals.tolist(), squares.tolist(), lows.tolist(), highs.tolist(), zeros.tolist(),
-            negative_zeros.tolist()):
-        if unusual:
-            found.append(_one_part(dtype, whole[offset:offset + length]))
-            continue
-        if low == 0:  # -0.0 below +0.0 (spec 6.10), whichever of a tie the reduction kept
-            low = -0.0 if negative else 0.0
-        if high == 0:
-            high = 0.0 if zeros_here > negative else -0.0
-        found.append({"count": count, "min": low, "max": high, "mean": total / count, "l2": math.sqrt(square),
-                      "absmax": max(abs(low), abs(high)), "nan": 0, "posinf": 0, "neginf": 0, "zeros": zeros_here})
+    # -0.0 below +0.0 (spec 6.10), whichever of a tie the reduction kept
+    lows = np.where(lows == 0, np.where(negative_zeros > 0, -0.0, 0.0), lows)
+    highs = np.where(highs == 0, np.where(zeros > negative_zeros, 0.0, -0.0), highs)
+    none = np.zeros(len(spans), dtype=np.int64)
+    with np.errstate(all="ignore"):  # (the spans taken alone hold anything here: never read)
+        found = _rows({"count": counts, "min": lows, "max": highs, "mean": totals / counts, "l2": np.sqrt(squares),
+                       "absmax": np.maximum(np.abs(lows), np.abs(highs)), "nan": none, "posinf": none,
+                       "neginf": none, "zeros": zeros})
+    for at in np.flatnonzero(alone).tolist():
+        offset, length = spans[at]
+        found[at] = _one_part(dtype, whole[offset:offset + length])
     return found
+
+
+def _rows(columns: dict[str, np.ndarray]) -> list[Mapping[str, Any]]:
+    return [StatsRow(columns, at) for at in range(len(columns["count"]))]
 
 
 def _one_part(dtype: torch.dtype, part: torch.Tensor) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -120,14 +121,14 @@ class StatsCheck:
         return found
 
     @staticmethod
-    def _compare(name: str, tensor: TensorEntry, actual: dict[str, Any]) -> list[Disagreement]:
+    def _compare(name: str, tensor: TensorEntry, actual: Mapping[str, Any]) -> list[Disagreement]:
         recorded = tensor.stats or {}
         differing = {field: (recorded.get(field), value) for field, value in actual.items()
                      if not _agree(field, recorded.get(field), value, actual)}
         return [Disagreement(name, tensor.key, differing)] if differing else []
 
 
-def _agree(field: str, recorded: Any, actual: Any, stats: dict[str, Any]) -> bool:
+def _agree(field: str, recorded: Any, actual: Any, stats: Mapping[str, Any]) -> bool:
     if recorded is None or actual is None:
         return recorded is None and actual is None
     if isinstance(recorded, bool) or not isinstance(recorded, (int, float)):

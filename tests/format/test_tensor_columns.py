@@ -275,3 +275,32 @@ def test_entries_are_built_with_the_collector_paused_and_keys_are_the_callers(tm
     finally:
         gc.callbacks.remove(count)
     assert collections == [] and table.keys()[0] == "t0"
+
+
+def test_statistics_written_from_a_packs_columns_are_those_its_maps_give(tmp_path, monkeypatch):
+    """A save keeps the statistics of a pack's small tensors as rows of the pack's columns, and the writer
+    takes their cells from those columns at once: the manifest is the one written from maps (read and
+    written again: the same bytes), an integer extreme beyond 2^53 among a pack's rows still puts that
+    entry in the rows (and no other), and a tensor holding a NaN (a map among the rows) is written alike."""
+    from ckptfmt.format import tensor_columns
+    from ckptfmt.tensors.stats import tensor_stats
+
+    generator = torch.Generator().manual_seed(11)
+    state = {f"f{index}": torch.randn(3, generator=generator) for index in range(50)}
+    state["f7"][1] = float("nan")
+    state.update({f"i{index}": torch.tensor([index, -index], dtype=torch.int64) for index in range(20)})
+    state["i5"] = torch.tensor([2**60, 3], dtype=torch.int64)
+    groups: list[list[type]] = []
+    real = tensor_columns._cell_groups
+    monkeypatch.setattr(tensor_columns, "_cell_groups", lambda *args: [
+        group for group in real(*args) if not groups.append([type(cells) for cells in group[1].values()])])
+    repo = tmp_path / "repo"
+    ckptfmt.save(state, f"{repo}/a")
+    assert [np.ndarray] * 9 in groups and [np.ndarray] * 3 in groups and [list] * 9 in groups  # rows and a map
+    commit = json.loads((repo / "a" / "COMMIT").read_bytes())
+    data = (repo / "a" / f"manifest-{commit['manifest']}.msgpack").read_bytes()
+    manifest = Manifest.from_bytes(data, "m")
+    assert manifest.to_bytes() == data
+    assert [row["key"] for row in msgpack.unpackb(data, raw=False)["tensors"]["rows"]] == ["i5"]
+    for entry in manifest.tensors:
+        assert entry.stats == tensor_stats(state[entry.key]), entry.key

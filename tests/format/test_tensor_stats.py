@@ -4,13 +4,15 @@ infinities and zeros, blocks smaller than the tensor, and shards merged back to 
 from __future__ import annotations
 
 import math
+import pickle
+import sys
 
 import numpy as np
 import pytest
 import torch
 
-from ckptfmt.format.tensor_stats import FLOAT_FIELDS, INTEGER_FIELDS, merge_stats
-from ckptfmt.tensors.stats import tensor_stats
+from ckptfmt.format.tensor_stats import FLOAT_FIELDS, INTEGER_FIELDS, StatsRow, merge_stats
+from ckptfmt.tensors.stats import stats_of_spans, tensor_stats
 from tests.support.tensor_values import FLOAT_DTYPES, INTEGER_DTYPES, special
 from tests.support.tensor_values import assert_stats_close as assert_close
 from tests.support.tensor_values import expected_stats as expected_float
@@ -176,3 +178,35 @@ def test_zero_extremes_of_a_large_tensor_do_not_depend_on_where_its_zeros_are():
         positive = torch.zeros(3 << 19, dtype=dtype).abs()
         assert _same_float(tensor_stats(positive)["min"], 0.0)
         assert _same_float(tensor_stats(-positive)["max"], -0.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int16, torch.complex64], ids=str)
+def test_a_packs_statistics_read_and_pickle_as_the_dicts_each_tensor_alone_gets(dtype):
+    """``stats_of_spans`` keeps a pack's statistics as columns, each span's a row of them: a row reads as
+    ``tensor_stats`` of that span alone (fields in order, Python numbers, the zero's sign), pickles as
+    that dict and nothing of the columns, and holds none of its own values."""
+    generator = torch.Generator().manual_seed(5)
+    tensors = [torch.randn(1 + index % 5, generator=generator).mul(10).to(dtype) for index in range(40)]
+    tensors[3] = torch.tensor([0.0, -0.0]).to(dtype)
+    if dtype.is_floating_point:
+        tensors[7][0] = float("nan")  # a span taken alone: a plain dict among the rows
+    spans, packed, offset = [], b"", 0
+    for tensor in tensors:
+        padding = -offset % 16
+        packed += b"\xff" * padding + tensor.view(torch.uint8).numpy().tobytes()
+        spans.append((offset + padding, tensor.nbytes))
+        offset = len(packed)
+    rows = stats_of_spans(dtype, torch.frombuffer(bytearray(packed), dtype=torch.uint8), spans)
+    for tensor, row in zip(tensors, rows):
+        alone = tensor_stats(tensor)
+        assert list(row.items()) == list(alone.items())
+        assert [type(value) for value in row.values()] == [type(value) for value in alone.values()]
+        assert [math.copysign(1, value) for value in row.values() if value == 0 and isinstance(value, float)] == \
+            [math.copysign(1, value) for value in alone.values() if value == 0 and isinstance(value, float)]
+        copied = pickle.loads(pickle.dumps(row))
+        assert type(copied) is dict and copied == alone
+        assert len(pickle.dumps(row)) < len(pickle.dumps(alone)) + 40  # not the columns: 320 bytes a field
+    row = rows[0]
+    assert isinstance(row, StatsRow) and sys.getsizeof(row) < 64 and not hasattr(row, "__dict__")
+    with pytest.raises(TypeError):
+        row["count"] = 0  # type: ignore[index]
