@@ -492,6 +492,8 @@ _STAT_COUNTS = ("count", "nan", "posinf", "neginf", "zeros")
 def _parse_stats(doc: Any, what: str, numel: int, dtype: str) -> dict:
     """A tensor's ``stats`` (spec 6.10): a field set its dtype allows, counts within the element
     count, the other fields numbers or nil; names a newer writer adds are kept as read."""
+    if _usual_stats(doc, numel, dtype):  # one set exactly, as written: every check below passes (by set ops)
+        return doc
     if type(doc) is not dict or not all(type(name) is str for name in doc):
         raise ManifestError(f"{what}: stats must be a map of names to values")
     known = frozenset(name for name in doc if name in FLOAT_FIELDS)
