@@ -1,6 +1,7 @@
 """Many small tensors (issue 31, part 2): a save and a load of N tensors of 8 floats against torch.save
 + fsync and torch.load of the same dict, their peak memory, the manifest's bytes per tensor, and its
-parse against msgpack's own unpack of the same bytes (part 5).
+parse against msgpack's own unpack of the same bytes (part 5), and that of a table of sharded tensors
+(the form whose entries are rows).
 
 Usage (from the repository root)::
 
@@ -168,6 +169,27 @@ def main() -> None:
         unpack, parse, ratios = parse_ratio(data, args.repeats, unpacked=rows)
         console.print(f"manifest parse against msgpack's unpack of the same table as rows (1.11, "
                       f"{len(rows) / 2**20:.1f} MiB) {unpack * 1e3:.0f} ms: {spread(ratios)}")
+        sharded = sharded_manifest(folder / "sharded")
+        unpack, parse, ratios = parse_ratio(sharded, args.repeats)
+        console.print(f"manifest of {SHARDED[0]:,} tensors sharded over {SHARDED[1]} ranks (rows, a shard grid each, "
+                      f"{len(sharded) / 2**20:.1f} MiB): parse {parse * 1e3:.0f} ms against msgpack's unpack "
+                      f"{unpack * 1e3:.0f} ms: {spread(ratios)}")
+
+
+#: The sharded table's tensors and ranks: the manifest form whose entries are rows (spec 6.12).
+SHARDED = (5_000, 4)
+
+
+def sharded_manifest(folder: Path) -> bytes:
+    """The manifest of a state of ``SHARDED`` tensors, each cut in rows over its ranks (as a collective
+    save of DTensors records them), saved by this process."""
+    tensors, ranks = SHARDED
+    state = {f"layers.{index}.weight": ckptfmt.Sharded((ranks * 4, 8), [
+        ckptfmt.Shard((rank * 4, 0), torch.full((4, 8), float(rank)), rank) for rank in range(ranks)])
+        for index in range(tensors)}
+    ckptfmt.save(state, str(folder / "a"))
+    with ckptfmt.open(str(folder / "a")) as reader:
+        return reader.manifest.to_bytes()
 
 
 if __name__ == "__main__":
