@@ -43,8 +43,9 @@ _new_piece = partial(tuple.__new__, Piece)
 def to_columns(tensors: Sequence[TensorEntry], row_of: Callable[[TensorEntry], dict]) -> dict:
     """The tensor table ``tensors`` as columns; ``row_of`` writes an entry the columns cannot hold.
 
-    Each entry's layout is checked on its own; its statistics a set at a time, one list per field
-    (what binary64 holds exactly is checked on the whole list, entry by entry only if that fails).
+    Each entry's layout is checked on its own; its statistics a set at a time, in groups (the rows of
+    one ``StatsRow`` columns, or the other maps), a column per field: what binary64 holds exactly is
+    checked on a group's whole column, entry by entry only if that fails.
     """
     places = [_one_piece(tensor) for tensor in tensors]
     sets = [_stat_set(tensor.stats, tensor.numel) if place else None for tensor, place in zip(tensors, places)]
@@ -131,16 +132,32 @@ def _stat_cells(tensors: Sequence[TensorEntry], sets: list[int | None]) -> tuple
         names = (*value_names, *count_names)
         for indexes, cells in _cell_groups(tensors, at, names):
             if not all(_exact(number, name, column) for name, column in cells.items()):
-                for index in indexes:
-                    stats = tensors[index].stats or {}  # a set numbered: stats present
-                    if not all(_exact(number, name, [stats[name]]) for name in names):
-                        sets[index] = None
-                return _stat_cells(tensors, sets)
+                indexes, cells = _exact_entries(number, indexes, cells, sets)
             for name in value_names:
                 values[indexes, _VALUE_FIELDS.index(name)] = np.array(cells[name], dtype=np.float64)  # None: NaN
             for name in count_names:
                 counts[indexes, _COUNT_FIELDS.index(name)] = cells[name]
     return values, counts
+
+
+def _exact_entries(number: int, indexes: list[int], cells: dict[str, Any],
+                   sets: list[int | None]) -> tuple[list[int], dict[str, Any]]:
+    """The entries of a group that failed ``_exact`` whose own cells pass it, and their cells; the others
+    have their set made None (written as maps). Each group settles alone: recomputing every group
+    after each failing one was quadratic in the groups (a save of 1,000 packs, each with an int64
+    extreme, ran out of recursion)."""
+    import numpy as np
+
+    def cell(column: Any, at: int) -> Any:
+        return column[at].item() if isinstance(column, np.ndarray) else column[at]
+    keep = []
+    for at, index in enumerate(indexes):
+        if all(_exact(number, name, [cell(column, at)]) for name, column in cells.items()):
+            keep.append(at)
+        else:
+            sets[index] = None
+    return [indexes[at] for at in keep], {name: column[keep] if isinstance(column, np.ndarray)
+                                          else [column[at] for at in keep] for name, column in cells.items()}
 
 
 def _cell_groups(tensors: Sequence[TensorEntry], at: list[int],

@@ -29,7 +29,7 @@ class TensorEntry(NamedTuple):
     requires_grad: bool = False
     same_as: int | None = None
     #: The statistics of its elements (spec 6.10, format 1.4), or None where not recorded: a dict when
-    #: read; a save's own may be a read-only row of its pack's columns (tensors/stats.py ``SpanStats``).
+    #: read; a save's own may be a read-only row of its pack's columns (format/tensor_stats.py ``StatsRow``).
     stats: Mapping[str, Any] | None = None
 
     @property

@@ -9,7 +9,7 @@ and turns each writer's pieces into rows of it; ``tensor_entry`` makes a tensor'
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from ckptfmt.format.manifest import Chunk, Piece, ShardEntry, TensorEntry
 from ckptfmt.saving.chunk_writer import ChunkTable
@@ -46,7 +46,7 @@ class ManifestTables:
         return tuple(Piece(rows[piece.chunk], piece.offset, piece.length) for piece in pieces)
 
 
-def tensor_entry(key: str, dtype: str, shape: tuple[int, ...], shards: Sequence[tuple[ShardEntry, dict | None]], *,
+def tensor_entry(key: str, dtype: str, shape: tuple[int, ...], shards: Sequence[tuple[ShardEntry, Mapping | None]], *,
                  kind: str = "tensor", requires_grad: bool = False, same_as: int | None = None) -> TensorEntry:
     """A tensor's row: its shards (each with its statistics), in offset order, and its statistics merged
     from theirs (none on a ``same_as`` entry, whose data is another's)."""

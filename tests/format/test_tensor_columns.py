@@ -18,6 +18,7 @@ import ckptfmt
 from ckptfmt.errors import ManifestError
 from ckptfmt.format.manifest import Manifest
 from tests.support.spec_reader import tensor_rows
+from tests.support.tensor_values import assert_stats_close
 
 
 def _state() -> dict:
@@ -303,4 +304,31 @@ def test_statistics_written_from_a_packs_columns_are_those_its_maps_give(tmp_pat
     assert manifest.to_bytes() == data
     assert [row["key"] for row in msgpack.unpackb(data, raw=False)["tensors"]["rows"]] == ["i5"]
     for entry in manifest.tensors:
-        assert entry.stats == tensor_stats(state[entry.key]), entry.key
+        assert_stats_close(tensor_stats(state[entry.key]), entry.stats, entry.key)
+
+
+def test_many_packs_each_with_an_entry_the_columns_cannot_hold_are_written_in_one_pass():
+    """Rows of 1,500 statistics columns (a save's packs), each with an int64 extreme binary64 does not
+    hold beside an ordinary entry: the extremes go to the rows form, the others to the columns, with
+    their own figures. (Each failing pack made the writer start over, once per pack: quadratic, and
+    over Python's recursion limit at 1,000 packs.)"""
+    from ckptfmt.format.manifest import _tensor_to_dict
+    from ckptfmt.format.shards import Piece, ShardEntry
+    from ckptfmt.format.tensor_columns import to_columns
+    from ckptfmt.format.tensor_entry import TensorEntry
+    from ckptfmt.format.tensor_stats import StatsRow
+
+    entries = []
+    for pack in range(1500):
+        columns = {"count": np.array([2, 2]), "min": np.array([-(2**63), -pack]), "max": np.array([pack, pack]),
+                   "zeros": np.array([0, 1])}
+        for at in range(2):
+            shard = ShardEntry((0,), (2,), 0, (Piece(0, 16 * at, 16),))
+            entries.append(TensorEntry(f"t{pack}.{at}", "int64", (2,), (shard,), stats=StatsRow(columns, at)))
+    doc = to_columns(entries, _tensor_to_dict)
+    row_at = np.frombuffer(doc["row_at"], dtype=f"<u{len(doc['row_at']) // 1500}")
+    assert row_at.tolist() == list(range(0, 3000, 2))  # every extreme, and nothing else
+    assert [row["stats"]["min"] for row in doc["rows"]] == [-(2**63)] * 1500
+    sets = np.frombuffer(doc["stats"]["set"], dtype=np.uint8)
+    assert sets[1::2].tolist() == [2] * 1500  # the integer set
+    assert np.frombuffer(doc["stats"]["min"], "<f8")[1::2].tolist() == [-float(p) for p in range(1500)]
