@@ -203,7 +203,7 @@ def _tensor_to_dict(t: TensorEntry) -> dict:
     if t.same_as is not None:
         doc["same_as"] = t.same_as
     if t.stats is not None:
-        doc["stats"] = dict(t.stats)  # a save's may be a row of its pack's columns (tensors/stats.py)
+        doc["stats"] = dict(t.stats)  # a save's may be a row of its pack's columns (``StatsRow``)
     return doc
 
 
