@@ -27,12 +27,17 @@ CLI = [sys.executable, "-m", "ckptfmt.cli"]
 
 
 def make_repository(folder: Path) -> Path:
-    """Three small checkpoints (a few tensors each), saved in a child so that this process stays bare."""
+    """Three small checkpoints (a few tensors each, and the steps timed between them), saved in a child so
+    that this process stays bare."""
     repo = folder / "repo"
     program = ("import torch, ckptfmt\n"
+               "timer = ckptfmt.StepTimer()\n"
                "for step in range(3):\n"
+               "    for index in range(10):\n"
+               "        with timer.step(step * 10 + index), timer.phase('forward'):\n"
+               "            pass\n"
                "    state = {'model': {f'l{i}': torch.randn(64, 64) for i in range(8)}, 'step': step}\n"
-               f"    ckptfmt.save(state, {str(repo)!r} + f'/step-{{step}}', step=step)\n")
+               f"    ckptfmt.save(state, {str(repo)!r} + f'/step-{{step}}', step=step, timer=timer)\n")
     subprocess.run([sys.executable, "-c", program], check=True, timeout=300)
     return repo
 
@@ -113,11 +118,12 @@ def main() -> None:
               f"python {sys.version.split()[0]}")
         bare_all: list[float] = []
         for name, argv in (("ls", ["ls", str(repo)]), ("show", ["show", f"{repo}/step-1"]),
-                           ("verify", ["verify", str(repo)])):
+                           ("verify", ["verify", str(repo)]), ("stragglers", ["stragglers", str(repo)]),
+                           ("goodput", ["goodput", str(repo)])):
             mine, bare = paired([*CLI, *argv], args.repeats)
             bare_all += bare
             ratios = [m / b for m, b in zip(mine, bare)]
-            print(f"ckptfmt {name:7} {statistics.median(mine) * 1000:6.0f} ms; bare python "
+            print(f"ckptfmt {name:10} {statistics.median(mine) * 1000:6.0f} ms; bare python "
                   f"{statistics.median(bare) * 1000:4.0f} ms; ratio {spread(ratios)}")
         screens = first_screen(repo, max(3, args.repeats // 3))
         if screens:

@@ -230,6 +230,7 @@ def _times(ratio: float | None) -> str:
 def _analytics():
     """ckptfmt.analytics, or a one-line error naming the extra that brings pyarrow."""
     try:
+        import ckptfmt.analytics.tables  # noqa: F401 (pyarrow: the package's names load on first use)
         from ckptfmt import analytics
     except ImportError as exc:
         raise CheckpointError(f"ckptfmt analytics needs pyarrow ({exc}): pip install 'ckptfmt[analytics]'") from None

@@ -29,6 +29,8 @@ BYTE_LEVEL_MODULES = [
     "ckptfmt.lifecycle.replicate", "ckptfmt.lifecycle.repair", "ckptfmt.lifecycle.signing",
     "ckptfmt.lifecycle.housekeeping_process", "ckptfmt.lifecycle.advise", "ckptfmt.converters", "ckptfmt.tui.app",
     "ckptfmt.tui.screens.checkpoint", "ckptfmt.tui.screens.diff", "ckptfmt.tui.screens.verify",
+    "ckptfmt.analytics", "ckptfmt.analytics.tables", "ckptfmt.analytics.stragglers", "ckptfmt.analytics.goodput",
+    "ckptfmt.analytics.dataset",
 ]
 
 
@@ -73,12 +75,17 @@ def test_every_public_name_still_resolves(tmp_path):
 
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory) -> Path:
-    """Two checkpoints whose plain values hold a torch dtype, Size and device, and a changed bf16 tensor."""
+    """Two checkpoints whose plain values hold a torch dtype, Size and device, and a changed bf16 tensor;
+    each holds the steps timed since the one before (for the analytics commands)."""
     root = tmp_path_factory.mktemp("torch-line") / "repo"
+    timer = ckptfmt.StepTimer()
     for step in (1, 2):
+        for index in range(3):
+            with timer.step(step * 10 + index), timer.phase("forward"):
+                pass
         state = {"w": torch.full((64,), float(step)), "b": torch.full((8,), float(step)).bfloat16(),
                  "plain": {"dtype": torch.float16, "size": torch.Size([2, step]), "device": torch.device("cpu")}}
-        ckptfmt.save(state, root / f"step-{step}", step=step)
+        ckptfmt.save(state, root / f"step-{step}", step=step, timer=timer)
     return root
 
 
@@ -86,6 +93,8 @@ COMMANDS = {
     "--version": ["--version"], "--help": ["--help"], "ls": ["ls", "{repo}"], "show": ["show", "{repo}/step-1"],
     "verify": ["verify", "{repo}"], "diff": ["diff", "{repo}/step-1", "{repo}/step-2"],
     "gc --dry-run": ["gc", "{repo}", "--dry-run"], "sync": ["sync", "{repo}", "{copy}"],
+    "stragglers": ["stragglers", "{repo}"], "goodput": ["goodput", "{repo}"],
+    "analytics export": ["analytics", "export", "{repo}", "{copy}"],
 }
 
 
@@ -131,3 +140,20 @@ def test_the_replication_child_runs_without_torch(tmp_path, monkeypatch):
     manager.wait()
     manager.close()
     assert [r.step for r in ckptfmt.Repository.open(slow).commits()] == [1, 2]
+
+
+def test_the_analytics_names_stay_functions_whichever_module_loads_first():
+    """``ckptfmt.analytics`` loads its names on first use; its submodules are named as their functions, and
+    importing one first (as the CLI does) still leaves ``analytics.tables`` the function, not the module."""
+    program = textwrap.dedent("""
+        import ckptfmt.analytics.tables, ckptfmt.analytics.certify
+        from ckptfmt.analytics.stragglers import Thresholds
+        from ckptfmt import analytics
+        import types
+        names = ("tables", "certify", "stragglers", "goodput", "health", "compare", "export_incremental")
+        kinds = {name: type(getattr(analytics, name)).__name__ for name in names}
+        assert kinds == dict.fromkeys(names, "function"), kinds
+        assert analytics.Thresholds is Thresholds and set(analytics.__all__) <= set(dir(analytics))
+        assert not any(isinstance(getattr(analytics, name), types.ModuleType) for name in analytics.__all__)
+    """)
+    assert "torch" in loaded_torch(program)  # certify reads tensors: torch loads with it, and only then

@@ -94,6 +94,7 @@ class RunScreen(WorkerScreen):
     @work(thread=True, exclusive=True, exit_on_error=False)
     def load(self) -> None:
         try:
+            import ckptfmt.analytics.tables  # noqa: F401 (pyarrow: the package's names load on first use)
             from ckptfmt import analytics
         except ImportError as exc:
             raise CheckpointError(f"the run screen needs pyarrow ({exc}): pip install 'ckptfmt[analytics]'") from None
