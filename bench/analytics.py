@@ -4,6 +4,7 @@ with ``--runs``, how fast many runs' incremental exports and a DuckDB query over
 Usage (from the repository root)::
 
     python bench/analytics.py [--checkpoints 1000] [--ranks 64] [--steps 100] [--repeats 3] [--dir /path]
+                              [--processes N] [--vs-serial]
     python bench/analytics.py --runs 100 --checkpoints 10 --ranks 8 --steps 100 [--repeats 3]
 
 Writes a simulated repository: manifests as a collective save on ``--ranks``
@@ -11,7 +12,10 @@ ranks writes them (per-rank save phases, one shared environment, and
 ``--steps`` step records per rank with 4 phases, a batch digest and a loss),
 each with one small tensor, committed by ckptfmt's own writer. Then, in a
 fresh process per repeat, times ``tables(repo)`` and reads its peak RSS above
-the process's RSS before the call. Prints the median time and rows per table.
+the process's RSS before the call, the largest child's peak (where children
+built shares of the checkpoints) and the shared memory their tables hold.
+Prints the median time and rows per table; with ``--vs-serial``, each repeat
+also times ``processes=1`` (the order alternated) and the per-repeat ratios.
 
 ``--runs N`` simulates N such runs in one folder (8 ranks a host, the runs
 spread over 32 hosts). Each repeat copies them, exports every run to a fresh
@@ -25,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import resource
 import shutil
 import statistics
 import subprocess
@@ -48,10 +53,13 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=0, help="simulate this many runs and measure their "
                         "incremental export and a DuckDB query over them (default: one run, tables())")
     parser.add_argument("--dir", default=None, help="scratch folder (default: a temporary one)")
+    parser.add_argument("--processes", type=int, default=None, help="tables(processes=N) (default: its own, "
+                        "one per core); with --vs-serial, each repeat also times processes=1, the order alternated")
+    parser.add_argument("--vs-serial", action="store_true")
     parser.add_argument("--measure", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.measure:
-        return measure(args.measure)
+        return measure(args.measure, args.processes)
     root = Path(tempfile.mkdtemp(prefix="ckptfmt-analytics-bench-", dir=args.dir))
     if args.runs:
         try:
@@ -64,19 +72,19 @@ def main() -> int:
         manifest_bytes = simulate(repo, args.checkpoints, args.ranks, args.steps)
         console.print(f"simulated {args.checkpoints} checkpoints x {args.ranks} ranks x {args.steps} steps in "
                       f"{time.perf_counter() - start:.1f} s ({manifest_bytes / 2**20:.0f} MiB of manifests)")
-        runs = []
-        for _ in range(args.repeats):
-            out = subprocess.run([sys.executable, __file__, "--measure", repo], capture_output=True, text=True,
-                                 timeout=3600)
-            if out.returncode:
-                raise SystemExit(f"the measuring process failed:\n{out.stderr[-3000:]}")
-            runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
-        seconds = statistics.median(r["seconds"] for r in runs)
-        cpu = statistics.median(r["cpu_s"] for r in runs)
-        peak = statistics.median(r["peak_mib"] for r in runs)
-        each = ", ".join(f"{r['seconds']:.2f}" for r in runs)
-        console.print(f"tables(): median {seconds:.2f} s over {args.repeats} runs ({each} s), {cpu:.2f} s of CPU; "
-                      f"peak RSS above start {peak:.0f} MiB")
+        runs, serial = [], []
+        for repeat in range(args.repeats):
+            if args.vs_serial and repeat % 2:
+                serial.append(_measured(repo, 1))
+            runs.append(_measured(repo, args.processes))
+            if args.vs_serial and not repeat % 2:
+                serial.append(_measured(repo, 1))
+        _report("tables()", runs)
+        if serial:
+            _report("tables(processes=1)", serial)
+            ratios = [r["seconds"] / s["seconds"] for r, s in zip(runs, serial)]
+            console.print(f"time against processes=1: median {statistics.median(ratios):.2f}x "
+                          f"({min(ratios):.2f}-{max(ratios):.2f}), the order alternated")
         for name, rows in runs[0]["rows"].items():
             console.print(f"  {name}: {rows:,} rows, {runs[0]['arrow_mib'][name]:.0f} MiB in Arrow")
     finally:
@@ -192,19 +200,57 @@ def simulate(repo_url: str, checkpoints: int, ranks: int, steps: int, *, first: 
     return total
 
 
-def measure(repo: str) -> int:
-    """One timed ``tables(repo)`` in this fresh process: seconds (and CPU seconds, every thread's: what a
-    busy machine disturbs less), peak RSS above start, rows per table."""
+def _measured(repo: str, processes: int | None) -> dict:
+    """``measure`` in a fresh process."""
+    command = [sys.executable, __file__, "--measure", repo]
+    if processes is not None:
+        command += ["--processes", str(processes)]
+    out = subprocess.run(command, capture_output=True, text=True, timeout=3600)
+    if out.returncode:
+        raise SystemExit(f"the measuring process failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _report(what: str, runs: list[dict]) -> None:
+    seconds = statistics.median(r["seconds"] for r in runs)
+    cpu = statistics.median(r["cpu_s"] for r in runs)
+    peak = statistics.median(r["peak_mib"] for r in runs)
+    each = ", ".join(f"{r['seconds']:.2f}" for r in runs)
+    children = statistics.median(r["children_peak_mib"] for r in runs)
+    shared = statistics.median(r["shared_mib"] for r in runs)
+    console.print(f"{what}: median {seconds:.2f} s over {len(runs)} runs ({each} s), {cpu:.2f} s of CPU "
+                  f"(children's included); peak RSS above start {peak:.0f} MiB"
+                  + (f", the largest child's peak {children:.0f} MiB, its tables {shared:.0f} MiB of shared "
+                     "memory mapped here" if children else ""))
+
+
+def measure(repo: str, processes: int | None) -> int:
+    """One timed ``tables(repo)`` in this fresh process: seconds (and CPU seconds, every thread's and the
+    children's: what a busy machine disturbs less), peak RSS above start, the largest child's peak RSS
+    (whole: a child starts bare), rows per table."""
     from ckptfmt import analytics
 
-    baseline = _status_kib("VmRSS")
+    baseline, shared = _status_kib("VmRSS"), _shared_kib()
     start, cpu = time.perf_counter(), time.process_time()
-    built = analytics.tables(repo)
+    built = analytics.tables(repo, processes=processes)
     seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu += children.ru_utime + children.ru_stime
     peak = _status_kib("VmHWM")
     print(json.dumps({"seconds": seconds, "cpu_s": cpu, "peak_mib": (peak - baseline) / 1024,
+                      "children_peak_mib": children.ru_maxrss / 1024,
+                      "shared_mib": (_shared_kib() - shared) / 1024,
                       "rows": {name: table.num_rows for name, table in built.items()},
                       "arrow_mib": {name: table.nbytes / 2**20 for name, table in built.items()}}))
+    return 0
+
+
+def _shared_kib() -> int:
+    """The machine's shared memory (/proc/meminfo Shmem): where children's tables lie, mapped by this
+    process (counted in its RSS only as their pages are touched)."""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("Shmem:"):
+            return int(line.split()[1])
     return 0
 
 

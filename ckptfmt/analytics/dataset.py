@@ -53,12 +53,12 @@ class Appended:
 
 def export_incremental(repos: str | os.PathLike | Iterable | Mapping[str, str | os.PathLike],
                        out: str | os.PathLike, *, storage_options: dict | None = None,
-                       workers: int | None = None) -> Appended:
+                       workers: int | None = None, processes: int | None = None) -> Appended:
     """Append the rows of each run's checkpoints not yet in the dataset ``out`` to it.
 
     ``repos``: one repository URL, several, or a mapping of run label -> URL; without labels, a run is
     labelled by a safe form of its repository's name (``default_label``). Labels are folder names:
-    letters, digits, ``.``, ``_``, ``-``. ``workers``: as for ``tables``.
+    letters, digits, ``.``, ``_``, ``-``. ``workers``, ``processes``: as for ``tables``.
     """
     folder = Path(out)
     if folder.exists() and not folder.is_dir():
@@ -75,7 +75,8 @@ def export_incremental(repos: str | os.PathLike | Iterable | Mapping[str, str | 
     total = Appended()
     for label, url in labelled:
         repo = Repository.open(url, storage_options)
-        appended = _export_run(folder, label, repo, _where(repo.url), workers)
+        appended = _export_run(folder, label, repo, _where(repo.url),
+                               {"workers": workers, "processes": processes, "storage_options": storage_options})
         total.read += appended.read
         total.skipped += appended.skipped
         for name, rows in appended.rows.items():
@@ -95,9 +96,9 @@ def _where(url: str) -> str:
     return url if "://" in url else os.path.abspath(url)
 
 
-def _export_run(folder: Path, label: str, repo: Repository, url: str, workers: int | None) -> Appended:
+def _export_run(folder: Path, label: str, repo: Repository, url: str, building: dict) -> Appended:
     with _run_lock(folder / STATE_DIR / f"run={label}.lock", label):
-        return _export_locked(folder, label, repo, url, workers)
+        return _export_locked(folder, label, repo, url, building)
 
 
 @contextlib.contextmanager
@@ -152,7 +153,8 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _export_locked(folder: Path, label: str, repo: Repository, url: str, workers: int | None) -> Appended:
+def _export_locked(folder: Path, label: str, repo: Repository, url: str, building: dict) -> Appended:
+    """``building``: ``build``'s options (workers, processes, storage options)."""
     state_path = folder / STATE_DIR / f"run={label}.json"
     state = _read_state(state_path, label, url)
     for name in TABLE_NAMES:
@@ -163,7 +165,7 @@ def _export_locked(folder: Path, label: str, repo: Repository, url: str, workers
     appended = Appended(read=len(new), skipped=len(every) - len(new))
     if not new:
         return appended
-    built = build([(label, repo, new)], workers)
+    built = build([(label, repo, new)], **building)
     known = set(state["environments"])
     environments = built["environments"]
     built["environments"] = environments.filter(pc.invert(pc.is_in(environments["environment_id"],

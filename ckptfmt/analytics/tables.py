@@ -18,6 +18,7 @@ import hashlib
 import itertools
 import json
 import os
+import pickle
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -29,6 +30,7 @@ import pyarrow.compute as pc
 import pyarrow.csv as pa_csv
 import pyarrow.parquet as pq
 
+from ckptfmt.analytics.processes import TableProcess, usable_cores
 from ckptfmt.errors import ManifestError, quoted
 from ckptfmt.format.history import History, HistoryKey
 from ckptfmt.format.manifest import Manifest, optional_fields_except
@@ -54,21 +56,121 @@ SKIPPED_FIELDS = optional_fields_except("environment", "topology", "timing", "st
 
 
 def tables(repos: str | os.PathLike | Iterable | Mapping[str, str | os.PathLike], *,
-           storage_options: dict | None = None, workers: int | None = None) -> dict[str, pa.Table]:
+           storage_options: dict | None = None, workers: int | None = None,
+           processes: int | None = None) -> dict[str, pa.Table]:
     """The metadata of every committed checkpoint of ``repos`` as Arrow tables, by name (``TABLE_NAMES``).
 
     ``repos``: one repository URL, several, or a mapping of run label -> URL
     (without labels, a run is labelled by its URL). Checkpoints come in commit order.
-    ``workers``: manifests read at once (default: 16 from remote stores, 2 from local disks).
+    ``workers``: manifests read at once by each process (default: 16 from remote stores, 2 from local disks).
+    ``processes``: processes building the tables, each from its share of the checkpoints (default: one
+    per core, each with at least ``SHARE_MIN`` checkpoints; 1 builds them all in this process).
     """
-    opened = ((run, Repository.open(url, storage_options)) for run, url in runs(repos))
-    return build(((run, repo, saved(repo)) for run, repo in opened), workers)
+    opened = [(run, Repository.open(url, storage_options)) for run, url in runs(repos)]
+    return build([(run, repo, saved(repo)) for run, repo in opened], workers, storage_options=storage_options,
+                 processes=processes)
 
 
-def build(items: Iterable[tuple[str, Repository, Sequence[CommitRecord | HistoryKey]]],
-          workers: int | None = None) -> dict[str, pa.Table]:
+def build(items: Sequence[tuple[str, Repository, Sequence[CommitRecord | HistoryKey]]],
+          workers: int | None = None, *, storage_options: dict | None = None,
+          processes: int | None = None) -> dict[str, pa.Table]:
     """The tables of the chosen checkpoints of each run, given as (run label, repository, commit records
-    and history keys from ``saved``): ``tables`` passes every checkpoint, an incremental export the new ones."""
+    and history keys from ``saved``): ``tables`` passes every checkpoint, an incremental export the new ones.
+
+    With more than one process, the checkpoints are cut in order into shares; this process builds the
+    first while children (``processes``) build the others from the same URLs and ``storage_options``,
+    and the shares' tables are joined in order: the same rows, columns and order as one process gives."""
+    count = sum(len(chosen) for _, _, chosen in items)
+    processes = max(1, min(processes or usable_cores(), count // SHARE_MIN)) if processes != 1 else 1
+    shares = _shares(items, processes)
+    if len(shares) == 1:
+        return _build_here(items, workers)
+    try:
+        task = [pickle.dumps(([(run, repo.url, chosen) for run, repo, chosen in share], storage_options, workers))
+                for share in shares[1:]]
+    except (pickle.PicklingError, TypeError, AttributeError):  # storage options a child cannot be given
+        return _build_here(items, workers)
+    children = [TableProcess(WORKER_MODULE, each) for each in task]
+    try:
+        built = [_build_here(shares[0], workers), *(child.result() for child in children)]
+    finally:
+        for child in children:
+            child.stop()
+    return joined(built)
+
+
+def joined(built: Sequence[Mapping[str, pa.Table]]) -> dict[str, pa.Table]:
+    """The tables of shares of checkpoints (in order) as one process builds them all: rows in order,
+    every column met in any share (null where a share had none) in the table's order, each distinct
+    environment once, and one dictionary per text column."""
+    result = {}
+    for name in TABLE_NAMES:
+        pieces = [tables[name] for tables in built]
+        met = [column for piece in pieces for column in piece.column_names]
+        order = Steps.ordered(met) if name == "steps" else System.ordered(met) if name == "system" \
+            else list(dict.fromkeys(met))
+        types = {field.name: field.type for piece in reversed(pieces) for field in piece.schema}
+        pieces = [pa.table({column: piece[column] if column in piece.column_names
+                            else pa.nulls(piece.num_rows, types[column]) for column in order}) for piece in pieces]
+        if name == "environments":
+            pieces = _first_of_each_environment(pieces)
+        result[name] = pa.concat_tables(pieces).unify_dictionaries()
+    return result
+
+
+def _first_of_each_environment(pieces: list[pa.Table]) -> list[pa.Table]:
+    """``environments`` rows of shares, an environment's rows kept from the first share that has it."""
+    seen: set[int] = set()
+    kept = []
+    for piece in pieces:
+        if seen:
+            piece = piece.filter(pc.invert(pc.is_in(piece["environment_id"], pa.array(sorted(seen), pa.int64()))))
+        kept.append(piece)
+        seen.update(piece["environment_id"].unique().to_pylist())
+    return kept
+
+
+def build_share(task: bytes) -> dict[str, pa.Table]:
+    """A child's share (``table_worker``): (run, URL, chosen) of each run, the storage options, workers."""
+    share, storage_options, workers = pickle.loads(task)
+    return _build_here([(run, Repository.open(url, storage_options), chosen) for run, url, chosen in share], workers)
+
+
+#: What a child runs (``python -m``).
+WORKER_MODULE = "ckptfmt.analytics.table_worker"
+#: The fewest checkpoints a process is given: a child's start (about 0.3 s) is worth a few hundred ms of work.
+SHARE_MIN = 64
+#: How much more this process builds than each child: a child starts (0.3 s) and writes its tables
+#: (0.2 s for half of bench/analytics.py's run), while this process has its share done by then.
+FIRST_SHARE_EXTRA = 0.2
+
+
+def _shares(items: Sequence[tuple[str, Repository, Sequence[CommitRecord | HistoryKey]]],
+            count: int) -> list[list[tuple[str, Repository, Sequence[CommitRecord | HistoryKey]]]]:
+    """``items`` cut into ``count`` shares of checkpoints in order, as equal as whole checkpoints allow."""
+    total = sum(len(chosen) for _, _, chosen in items)
+    if count <= 1 or total == 0:
+        return [list(items)]
+    # The first share (this process's) is larger by FIRST_SHARE_EXTRA: a child pays its start and its tables' copy.
+    weights = [1 + FIRST_SHARE_EXTRA] + [1.0] * (count - 1)
+    ends = [round(sum(weights[:share + 1]) * total / sum(weights)) for share in range(count)]  # after each share
+    shares: list[list] = [[] for _ in range(count)]
+    share = position = 0
+    for run, repo, chosen in items:
+        start = 0
+        while start < len(chosen):
+            while position >= ends[share]:
+                share += 1
+            end = start + min(len(chosen) - start, ends[share] - position)
+            shares[share].append((run, repo, chosen[start:end]))
+            position += end - start
+            start = end
+    return [share for share in shares if share]
+
+
+def _build_here(items: Iterable[tuple[str, Repository, Sequence[CommitRecord | HistoryKey]]],
+                workers: int | None) -> dict[str, pa.Table]:
+    """The tables of ``items``, built in this process."""
     environment = Environment()
     builders: list[TableBuilder] = [Checkpoints(), Saves(), Steps(), Tensors(), environment,
                                     EnvironmentFields(environment), System(), TensorStats(), Resumes()]
@@ -437,13 +539,20 @@ class Steps:
         self.chunks.append((self.rows, arrays))
         self._start_window()
 
+    #: The columns every steps table has, first.
+    FIXED = ("run", "checkpoint", "rank", "host", "step", "start", "duration_s", "batch", "batch_size", "batch_kind")
+
+    @classmethod
+    def ordered(cls, met: Iterable[str]) -> list[str]:
+        """The table's columns, of those ``met`` (in the order met): the fixed ones, then metrics and
+        generators by name, then phases in the order met (the straggler analysis sums them in that order)."""
+        extra = [name for name in dict.fromkeys(met) if name not in cls.FIXED]
+        return [*cls.FIXED, *sorted(n for n in extra if not n.startswith("phase_")),
+                *(n for n in extra if n.startswith("phase_"))]
+
     def table(self) -> pa.Table:
         self._close_window()
-        names = ["run", "checkpoint", "rank", "host", "step", "start", "duration_s", "batch", "batch_size",
-                 "batch_kind"]
-        met = dict.fromkeys(name for _, arrays in self.chunks for name in arrays if name not in names)
-        # Phases in the order the timer first met them (the straggler analysis sums them in that order).
-        names += sorted(n for n in met if not n.startswith("phase_")) + [n for n in met if n.startswith("phase_")]
+        names = self.ordered(name for _, arrays in self.chunks for name in arrays)
         dictionary = pa.array(list(self.words.ids), pa.string())
         types = {"run": _WORDS, "checkpoint": _WORDS, "host": _WORDS, "rank": pa.int64(), "step": pa.int64(),
                  "start": _TIME, "duration_s": pa.float64(), "batch": pa.binary(16), "batch_size": pa.int64(),
@@ -541,6 +650,14 @@ class System:
     def flush(self) -> None:
         """Rows are arrays already."""
 
+    #: The columns every system table has, first.
+    FIXED = ("run", "checkpoint", "rank", "host", "time", "interval_s")
+
+    @classmethod
+    def ordered(cls, met: Iterable[str]) -> list[str]:
+        """The table's columns, of those ``met``: the fixed ones, then the samples' fields by name."""
+        return [*cls.FIXED, *sorted(set(met) - set(cls.FIXED))]
+
     def table(self) -> pa.Table:
         repeats = np.array([r[:4] + (r[5],) for r in self.repeats], dtype=np.int64).reshape(-1, 5)
         intervals = np.repeat(np.array([r[4] for r in self.repeats], dtype=np.float64), repeats[:, 4])
@@ -551,7 +668,7 @@ class System:
         times = np.concatenate(self.times) if self.times else np.array([], np.int64)
         columns["time"] = pa.array(times // 1000).view(_TIME)
         columns["interval_s"] = pa.array(intervals, mask=np.isnan(intervals))
-        for name in sorted(self.named):
+        for name in self.ordered(self.named)[len(self.FIXED):]:
             values = np.full(self.rows, np.nan)
             for start, piece in self.named[name]:
                 values[start:start + len(piece)] = piece
