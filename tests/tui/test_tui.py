@@ -524,3 +524,21 @@ async def test_on_the_s3_test_server(s3_bucket):
         assert isinstance(diff_app.screen, DiffScreen)
         rows = cells(diff_app.screen.query_one("#tensor-diff"))
         assert rows[0][0] == "model/head.bias" and rows[0][1] == "changed"
+
+
+def test_statistics_kept_as_rows_of_columns_show_as_their_dicts_do():
+    """A save's own manifest holds small tensors' statistics as ``StatsRow``s (a mapping, not a dict): the
+    detail pane and the NaN/Inf marks read them as the maps a parsed manifest holds."""
+    import numpy as np
+
+    from ckptfmt.format.tensor_stats import StatsRow
+    from ckptfmt.tui.screens.checkpoint import recorded_stats_rows
+    from ckptfmt.tui.widgets.tensor_tree import non_finite_count
+
+    columns = {"count": np.array([8, 4]), "min": np.array([-1.0, 0.5]), "max": np.array([2.0, 3.0]),
+               "nan": np.array([0, 2]), "posinf": np.array([0, 1]), "neginf": np.array([0, 0]),
+               "zeros": np.array([1, 0])}
+    for at in (0, 1):
+        row = StatsRow(columns, at)
+        assert recorded_stats_rows(row) == recorded_stats_rows(dict(row)) != [("statistics", "not recorded")]
+        assert non_finite_count(row) == non_finite_count(dict(row)) == (0, 3)[at]

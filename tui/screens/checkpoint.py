@@ -6,6 +6,8 @@ that reads only that tensor's chunks through ``Checkpoint.get_tensor``.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from rich.console import Group as RenderGroup
 from rich.table import Table
 from rich.text import Text
@@ -44,9 +46,9 @@ METADATA_TABS = {
 FILTER_DELAY_S = 0.15
 
 
-def recorded_stats_rows(stats: dict | None) -> list[tuple[str, str]]:
+def recorded_stats_rows(stats: Mapping | None) -> list[tuple[str, str]]:
     """The statistics the writer recorded (spec 6.10), as the detail pane's rows; none when absent."""
-    if not isinstance(stats, dict):
+    if not isinstance(stats, Mapping):
         return [("statistics", "not recorded")]
     labels = (("min", "min"), ("max", "max"), ("mean", "mean"), ("l2", "norm (l2)"), ("absmax", "absmax"))
     rows = [(label, number(stats[name])) for name, label in labels if name in stats]

@@ -9,6 +9,7 @@ that hold any, so that they can be found from the top of the tree.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from rich.style import Style
@@ -35,9 +36,9 @@ class Group:
     non_finite: int = 0
 
 
-def non_finite_count(stats: dict | None) -> int:
+def non_finite_count(stats: Mapping | None) -> int:
     """NaN and infinite elements a tensor's recorded statistics count (0 when none are recorded)."""
-    if not isinstance(stats, dict):
+    if not isinstance(stats, Mapping):
         return 0
     return sum(value for name in ("nan", "posinf", "neginf")
                if isinstance(value := stats.get(name), int) and not isinstance(value, bool))
@@ -136,7 +137,7 @@ class TensorTree(Tree[Group]):
 
 def _tensor_details(entry: TensorEntry) -> Text:
     """What a tensor's row says after its name: NaN/Inf count, dtype, shape, size, norm, shards."""
-    stats = entry.stats if isinstance(entry.stats, dict) else {}
+    stats = entry.stats if isinstance(entry.stats, Mapping) else {}
     details = Text()
     bad = non_finite_count(stats)
     if bad:
