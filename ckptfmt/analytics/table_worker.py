@@ -1,7 +1,9 @@
-"""A child process building its share of a run's analytics tables (``tables.build``): ``python -m``."""
+"""A child process building its share of a run's analytics tables (``tables.build``, ``processes``)."""
 
 from ckptfmt.analytics.processes import serve
 from ckptfmt.analytics.tables import build_share
 
-if __name__ == "__main__":
-    serve(build_share)
+
+def main(fd: int) -> None:
+    """Build the share the caller wrote to stdin; the tables go into the file ``fd``."""
+    serve(build_share, fd)

@@ -30,7 +30,7 @@ import pyarrow.compute as pc
 import pyarrow.csv as pa_csv
 import pyarrow.parquet as pq
 
-from ckptfmt.analytics.processes import TableProcess, usable_cores
+from ckptfmt.analytics.processes import TableProcess, TaskRefused, children_possible, usable_cores
 from ckptfmt.errors import ManifestError, quoted
 from ckptfmt.format.history import History, HistoryKey
 from ckptfmt.format.manifest import Manifest, optional_fields_except
@@ -40,6 +40,7 @@ from ckptfmt.metadata.step_timer import decode_steps
 from ckptfmt.metadata.system import decode_samples
 from ckptfmt.repository.history import read_histories, removed_histories
 from ckptfmt.repository.repository import CommitRecord, Repository
+from ckptfmt.storage.factory import in_process_memory
 
 TABLE_NAMES = ("checkpoints", "saves", "steps", "tensors", "environment", "environments", "system", "tensor_stats",
                "resumes")
@@ -64,14 +65,14 @@ def tables(repos: str | os.PathLike | Iterable | Mapping[str, str | os.PathLike]
     (without labels, a run is labelled by its URL). Checkpoints come in commit order.
     ``workers``: manifests read at once by each process (default: 16 from remote stores, 2 from local disks).
     ``processes``: processes building the tables, each from its share of the checkpoints (default: one
-    per core, each with at least ``SHARE_MIN`` checkpoints; 1 builds them all in this process).
+    per core, and no more than one per ``SHARE_MIN`` checkpoints; 1 builds them all in this process).
     """
     opened = [(run, Repository.open(url, storage_options)) for run, url in runs(repos)]
     return build([(run, repo, saved(repo)) for run, repo in opened], workers, storage_options=storage_options,
                  processes=processes)
 
 
-def build(items: Sequence[tuple[str, Repository, Sequence[CommitRecord | HistoryKey]]],
+def build(items: Iterable[tuple[str, Repository, Sequence[CommitRecord | HistoryKey]]],
           workers: int | None = None, *, storage_options: dict | None = None,
           processes: int | None = None) -> dict[str, pa.Table]:
     """The tables of the chosen checkpoints of each run, given as (run label, repository, commit records
@@ -80,19 +81,31 @@ def build(items: Sequence[tuple[str, Repository, Sequence[CommitRecord | History
     With more than one process, the checkpoints are cut in order into shares; this process builds the
     first while children (``processes``) build the others from the same URLs and ``storage_options``,
     and the shares' tables are joined in order: the same rows, columns and order as one process gives."""
+    items = list(items)
     count = sum(len(chosen) for _, _, chosen in items)
     processes = max(1, min(processes or usable_cores(), count // SHARE_MIN)) if processes != 1 else 1
+    if not children_possible() or any(in_process_memory(repo.url) for _, repo, _ in items):
+        processes = 1  # no child can start here, or a memory:// repository lives in this process only
     shares = _shares(items, processes)
     if len(shares) == 1:
         return _build_here(items, workers)
     try:
-        task = [pickle.dumps(([(run, repo.url, chosen) for run, repo, chosen in share], storage_options, workers))
-                for share in shares[1:]]
+        tasks = [pickle.dumps(([(run, repo.url, chosen) for run, repo, chosen in share], storage_options, workers))
+                 for share in shares[1:]]
     except (pickle.PicklingError, TypeError, AttributeError):  # storage options a child cannot be given
         return _build_here(items, workers)
-    children = [TableProcess(WORKER_MODULE, each) for each in task]
+    children: list[TableProcess] = []
     try:
-        built = [_build_here(shares[0], workers), *(child.result() for child in children)]
+        try:
+            children.extend(TableProcess(WORKER_MODULE, task) for task in tasks)
+        except OSError:  # no child can start here (no interpreter, descriptors or processes left)
+            return _build_here(items, workers)
+        built = [_build_here(shares[0], workers)]
+        for share, child in zip(shares[1:], children):
+            try:
+                built.append(child.result())
+            except TaskRefused:  # an object of the storage options only this process can rebuild
+                built.append(_build_here(share, workers))
     finally:
         for child in children:
             child.stop()
@@ -130,9 +143,9 @@ def _first_of_each_environment(pieces: list[pa.Table]) -> list[pa.Table]:
     return kept
 
 
-def build_share(task: bytes) -> dict[str, pa.Table]:
+def build_share(task: tuple) -> dict[str, pa.Table]:
     """A child's share (``table_worker``): (run, URL, chosen) of each run, the storage options, workers."""
-    share, storage_options, workers = pickle.loads(task)
+    share, storage_options, workers = task
     return _build_here([(run, Repository.open(url, storage_options), chosen) for run, url, chosen in share], workers)
 
 

@@ -3,12 +3,13 @@ same tables as one process builds, errors named as one process names them, a fai
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
-import torch
 
 import ckptfmt
 from ckptfmt import analytics
@@ -105,9 +106,12 @@ def test_a_child_that_cannot_run_is_named_in_one_line(tmp_path, children, monkey
     repo = str(tmp_path / "run")
     train_and_save(repo, checkpoints=2, steps_each=1)
     monkeypatch.setattr(TABLES, "WORKER_MODULE", "ckptfmt.analytics.no_such_module")
-    with pytest.raises(ckptfmt.CheckpointError, match=r"failed \(exit 1\): .*No module named") as info:
+    with pytest.raises(ckptfmt.CheckpointError, match=r"failed \(exit 1: .*No module named") as info:
         analytics.tables(repo, processes=2)
     assert "\n" not in str(info.value)
+    monkeypatch.setattr(TABLES, "WORKER_MODULE", "tests.support.dying_table_worker")
+    with pytest.raises(ckptfmt.CheckpointError, match=r"failed \(killed by SIGKILL\)$"):
+        analytics.tables(repo, processes=2)
 
 
 def test_storage_options_a_child_cannot_be_given_build_here(tmp_path, children):
@@ -117,10 +121,56 @@ def test_storage_options_a_child_cannot_be_given_build_here(tmp_path, children):
     assert children == [] and built["steps"].num_rows == 2
 
 
-def test_the_incremental_export_builds_in_children_too(tmp_path, children):
-    repo = str(tmp_path / "run")
-    train_and_save(repo, checkpoints=3, steps_each=1)
-    appended = analytics.export_incremental({"run": repo}, tmp_path / "dataset", processes=2)
-    assert len(children) == 1 and appended.read == 3 and appended.rows["steps"] == 3
-    ckptfmt.save({"w": torch.ones(2)}, f"{repo}/last", step=9)
-    assert analytics.export_incremental({"run": repo}, tmp_path / "dataset", processes=2).read == 1
+def test_the_incremental_export_builds_in_children_too(runs, tmp_path, children):
+    alone = analytics.export_incremental(runs, tmp_path / "alone", processes=1)
+    assert children == []
+    shared = analytics.export_incremental(runs, tmp_path / "shared", processes=2)
+    assert len(children) == 2 and shared == alone  # a child for each run's share
+    for name in ("steps", "system", "environments"):
+        parts = [sorted((folder / name).glob("run=*/*.parquet"))
+                 for folder in (tmp_path / "alone", tmp_path / "shared")]
+        assert [p.relative_to(tmp_path / "alone") for p in parts[0]] == [
+            p.relative_to(tmp_path / "shared") for p in parts[1]] != []
+        for one, other in zip(*parts):
+            assert plain(pq.ParquetFile(one).read()) == plain(pq.ParquetFile(other).read()), one
+
+
+def test_a_run_in_this_process_memory_is_built_here(children):
+    url = "memory://shares-in-memory/run"
+    train_and_save(url, checkpoints=3, steps_each=1)
+    assert plain(analytics.tables(url, processes=2)["steps"]) == plain(analytics.tables(url, processes=1)["steps"])
+    assert children == []
+
+
+def test_a_childs_warnings_are_raised_here(tmp_path, children):
+    """A damaged history object in a child's share: skipped with the warning one process gives."""
+    repo = tmp_path / "run"
+    train_and_save(str(repo), checkpoints=4, steps_each=1)
+    remove(Repository.open(str(repo)), ["step-0003"])
+    [history] = (repo / "_history").iterdir()
+    history.write_bytes(b"not msgpack")
+    for processes in (1, 2):
+        with pytest.warns(ckptfmt.CheckpointWarning, match="skipping a history object"):
+            built = analytics.tables(str(repo), processes=processes)
+        assert built["saves"]["name"].to_pylist().count("step-0003") == 0
+    assert len(children) == 1
+
+
+def _only_in(pid: int) -> object:
+    """Rebuilds a storage option in process ``pid`` only (as a class of a caller's ``__main__`` does)."""
+    if os.getpid() != pid:
+        raise RuntimeError("this object is rebuilt only where it was made")
+    return "unused"
+
+
+class CallerOnly:
+    def __reduce__(self):
+        return _only_in, (os.getpid(),)
+
+
+def test_a_share_a_child_cannot_load_or_no_child_can_start_is_built_here(runs, children, monkeypatch):
+    alone = plain(analytics.tables(runs, processes=1)["steps"])
+    assert plain(analytics.tables(runs, storage_options={"x": CallerOnly()}, processes=2)["steps"]) == alone
+    assert len(children) == 1 and children[0].process.returncode == 0
+    monkeypatch.setattr(sys, "executable", "/no/such/python")
+    assert plain(analytics.tables(runs, processes=3)["steps"]) == alone

@@ -30,7 +30,7 @@ BYTE_LEVEL_MODULES = [
     "ckptfmt.lifecycle.housekeeping_process", "ckptfmt.lifecycle.advise", "ckptfmt.converters", "ckptfmt.tui.app",
     "ckptfmt.tui.screens.checkpoint", "ckptfmt.tui.screens.diff", "ckptfmt.tui.screens.verify",
     "ckptfmt.analytics", "ckptfmt.analytics.tables", "ckptfmt.analytics.stragglers", "ckptfmt.analytics.goodput",
-    "ckptfmt.analytics.dataset",
+    "ckptfmt.analytics.dataset", "ckptfmt.analytics.table_worker",
 ]
 
 
