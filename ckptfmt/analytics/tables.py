@@ -5,7 +5,8 @@ tensor statistics (spec/ANALYTICS.md).
 and the history objects of removed checkpoints (spec 4.5: their saves, steps and
 system samples), several at a time (remote stores answer slowly, and the window
 of manifests in flight is bounded), and appends each to nine table builders (``build``: for
-``tables``, every checkpoint; for ``export_incremental``, the new ones). Columns of
+``tables``, every checkpoint; for ``export_incremental``, the new ones); a long run's checkpoints
+are shared out, in order, among a process per core (``processes.py``), whose tables are joined. Columns of
 numbers are built as arrays, the rest as Python lists converted to Arrow a batch
 of rows at a time; a value of the wrong type in a hostile manifest is found then
 and named with its checkpoint and rank.
@@ -149,7 +150,7 @@ def build_share(task: tuple) -> dict[str, pa.Table]:
     return _build_here([(run, Repository.open(url, storage_options), chosen) for run, url, chosen in share], workers)
 
 
-#: What a child runs (``python -m``).
+#: The module whose ``main(fd)`` a child runs (``processes.TableProcess``).
 WORKER_MODULE = "ckptfmt.analytics.table_worker"
 #: The fewest checkpoints a process is given: a child's start (about 0.3 s) is worth a few hundred ms of work.
 SHARE_MIN = 64
