@@ -8,6 +8,8 @@ import textwrap
 import tomllib
 from pathlib import Path
 
+import pytest
+
 from tests.support.markers import MARKERS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -19,8 +21,10 @@ def test_the_markers_are_the_ones_pytest_knows():
     assert names == {*MARKERS, "exhaustive"}
 
 
+@pytest.mark.exhaustive
 def test_a_test_that_starts_ranks_without_its_marker_fails_and_says_which(tmp_path):
-    """Negative control of the check: an unmarked test reaching run_ranks fails before any rank starts."""
+    """Negative control of the check: an unmarked test reaching run_ranks fails before any rank starts
+    (a whole pytest run in a child, 7-10 s: in make test-exhaustive, which CI runs too)."""
     (tmp_path / "test_probe.py").write_text(textwrap.dedent("""
         from tests.support.ranks import run_ranks
 
