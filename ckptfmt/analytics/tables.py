@@ -84,7 +84,7 @@ def build(items: Iterable[tuple[str, Repository, Sequence[CommitRecord | History
     and the shares' tables are joined in order: the same rows, columns and order as one process gives."""
     items = list(items)
     count = sum(len(chosen) for _, _, chosen in items)
-    processes = max(1, min(processes or usable_cores(), count // SHARE_MIN)) if processes != 1 else 1
+    processes = max(1, min(processes or usable_cores(), count // SHARE_MIN))
     if not children_possible() or any(in_process_memory(repo.url) for _, repo, _ in items):
         processes = 1  # no child can start here, or a memory:// repository lives in this process only
     shares = _shares(items, processes)
