@@ -3,9 +3,11 @@ missing or damaged here is read from another repository (``healing.py``)."""
 
 from __future__ import annotations
 
+import functools
 import mmap
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future
 
 from ckptfmt.errors import CheckpointNotFoundError, CorruptDataError
@@ -92,13 +94,14 @@ class ChunkReader:
         """
         return self._once(self._maps, index, lambda: self._map(index, parallel), small_only=False)
 
-    def read_windows(self, index: int, starts: list[int], length: int) -> bytes | None:
-        """``length`` bytes at each of ``starts`` of chunk ``index``'s file, joined, unhashed (no page of a
-        map of it touched); None where the chunk is not stored whole or the storage has no cheap reads."""
+    def windows_reader(self, index: int, starts: list[int], length: int) -> Callable[[], bytes | None] | None:
+        """What reads ``length`` bytes at each of ``starts`` of chunk ``index``'s file, joined, unhashed (no
+        page of a map of it touched), when called: the storage and key only, no map or cache kept alive.
+        None where the chunk is not stored whole; the call gives None where the storage has no cheap reads."""
         chunk = self.chunks[index]
         if chunk.codec != codecs.NONE or chunk.base is not None:
             return None
-        return self.storage.read_windows(stored_key(self.chunks, chunk), starts, length)
+        return functools.partial(self.storage.read_windows, stored_key(self.chunks, chunk), starts, length)
 
     def _once(self, cache: OrderedDict, index: int, load, *, small_only: bool):
         """Load ``index`` once even when several threads ask at the same time; cache the result."""

@@ -1,7 +1,8 @@
 """Fingerprints of what this process has just loaded, for a resume's check (``loading.resume_check``).
 
 A load (``ckptfmt.load``, the integrations') has verified every chunk; right then
-each large tensor it gives is fingerprinted (a sample of its bytes), and the
+each large tensor it gives is fingerprinted (a sample of its bytes; a view of a map
+the load did not hash: from its chunk file, when first asked), and the
 checkpoint's manifest is kept, for the last few checkpoints loaded. A resume's
 check compares the live tensors with these fingerprints instead of hashing
 them whole: microseconds per tensor whatever its size.
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import blake3
@@ -19,12 +20,13 @@ import numpy as np
 import torch
 
 from ckptfmt._collector import collector_paused
+from ckptfmt.errors import CheckpointError
 from ckptfmt.format.manifest import Manifest
 from ckptfmt.format.values import format_key
 
 #: Sampled fingerprints of the tensors of the last checkpoints loaded in this process, by manifest hash:
 #: what a resume's live tensors are compared with, at a cost that does not grow with their size.
-_LOADED: dict[str, tuple[Manifest, dict[str, bytes]]] = {}
+_LOADED: dict[str, tuple[Manifest, dict[str, Fingerprint]]] = {}
 _LOCK = threading.Lock()
 #: Checkpoints whose loads are remembered (a resume compares with the one it has just loaded).
 LOADS_REMEMBERED = 4
@@ -36,8 +38,42 @@ WHOLE_BYTES, SAMPLE_WINDOWS, SAMPLE_BYTES = 4096, 16, 64
 EXACT_BYTES = 64 * 2**10
 
 
+class FileFingerprint:
+    """The fingerprint of a view of an unhashed chunk map, read from the chunk's file when a resume's
+    check first asks for it: the file is content-addressed and never rewritten with other bytes, so its
+    windows then are the ones the view showed when loaded, and a load that no check follows (inference,
+    evaluation) reads nothing (38 files' windows were a third of MiniLM's unverified load). A file gone
+    by then gives None: the check compares that tensor exactly instead."""
+
+    __slots__ = ("_read", "_dtype", "_shape", "_value")
+
+    def __init__(self, read: Callable[[], bytes | memoryview | None], dtype: torch.dtype, shape: Sequence[int]):
+        self._read, self._dtype, self._shape = read, dtype, tuple(shape)
+        self._value: bytes | None = None
+
+    def value(self) -> bytes | None:
+        if self._value is None:
+            try:
+                windows = self._read()
+            except CheckpointError:
+                return None
+            if windows is None:
+                return None
+            self._value = sampled_fingerprint(self._dtype, self._shape, windows)
+        return self._value
+
+
+#: A loaded tensor's fingerprint: taken, or to be read from its chunk file.
+Fingerprint = bytes | FileFingerprint
+
+
+def fingerprint_value(kept: Fingerprint | None) -> bytes | None:
+    """The bytes of a kept fingerprint (None: none kept, or its file no longer readable)."""
+    return kept.value() if isinstance(kept, FileFingerprint) else kept
+
+
 def remember_load(manifest_hash: str, manifest: Manifest, state: Any,
-                  known: Mapping[str, bytes] | None = None) -> None:
+                  known: Mapping[str, Fingerprint] | None = None) -> None:
     """Fingerprint the tensors of ``state``, just loaded from the checkpoint of ``manifest`` (whole or
     into live objects), and keep the manifest, for ``record_resume``. ``known``: fingerprints the load
     took already, by key (of views of chunk maps, from the files: ``CheckpointReader.view_fingerprints``)."""
@@ -55,7 +91,7 @@ def remember_load(manifest_hash: str, manifest: Manifest, state: Any,
             del _LOADED[next(iter(_LOADED))]
 
 
-def remembered(manifest_hash: str) -> tuple[Manifest, dict[str, bytes]] | None:
+def remembered(manifest_hash: str) -> tuple[Manifest, dict[str, Fingerprint]] | None:
     """The manifest and fingerprints of a checkpoint this process has just loaded, if it has."""
     return _LOADED.get(manifest_hash)
 

@@ -27,8 +27,9 @@ from ckptfmt.loading.load_into import load_into
 from ckptfmt.loading.loaded_fingerprints import (
     EXACT_BYTES,
     SAMPLE_BYTES,
+    FileFingerprint,
+    Fingerprint,
     remember_load,
-    sampled_fingerprint,
     window_starts,
 )
 from ckptfmt.loading.threads import read_threads
@@ -77,7 +78,7 @@ class CheckpointReader(Checkpoint):
         #: Fingerprints (``loaded_fingerprints``) of the large tensors read as views of unhashed maps, by
         #: key, taken from the chunk files: sampling the views would fault 16 pages of each map in (about
         #: half of a warm ``verify=False`` load of 38 such tensors).
-        self.view_fingerprints: dict[str, bytes] = {}
+        self.view_fingerprints: dict[str, Fingerprint] = {}
 
     # -- reading -------------------------------------------------------------
     def get_tensor(self, key: str):
@@ -302,16 +303,13 @@ class CheckpointReader(Checkpoint):
         return tensor
 
     def _fingerprint_view(self, key: str, tensor: torch.Tensor, piece: Piece) -> None:
-        """Keep ``tensor``'s fingerprint from the windows of its chunk file (the bytes its map shows, as
-        copy-on-write maps of immutable files do until written); where they cannot be read, a resume's
-        check samples the tensor itself."""
-        try:
-            windows = self._chunks.read_windows(piece.chunk, [piece.offset + at for at in window_starts(piece.length)],
-                                                SAMPLE_BYTES)
-        except CheckpointError:
-            return
-        if windows is not None:
-            self.view_fingerprints[key] = sampled_fingerprint(tensor.dtype, tensor.shape, windows)
+        """Keep ``tensor``'s fingerprint, to be read from the windows of its chunk file (the bytes its map
+        shows, as copy-on-write maps of immutable files do until written) when a resume's check asks;
+        where they cannot be read, the check compares the tensor exactly."""
+        read = self._chunks.windows_reader(piece.chunk, [piece.offset + at for at in window_starts(piece.length)],
+                                           SAMPLE_BYTES)
+        if read is not None:
+            self.view_fingerprints[key] = FileFingerprint(read, tensor.dtype, tensor.shape)
 
     def _assemble(self, entry: TensorEntry, parallel: bool) -> torch.Tensor:
         """The tensor in fresh memory, its shards' pieces read into place.

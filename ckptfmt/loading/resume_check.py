@@ -40,7 +40,7 @@ from ckptfmt.format.per_rank import PerRankValues
 from ckptfmt.format.plain_values import plain_leaves, plain_tree
 from ckptfmt.format.rng_states import comparable_entry
 from ckptfmt.format.values import format_key
-from ckptfmt.loading.loaded_fingerprints import dtype_name, fingerprint, leaves, remembered
+from ckptfmt.loading.loaded_fingerprints import dtype_name, fingerprint, fingerprint_value, leaves, remembered
 from ckptfmt.loading.reader import CheckpointReader
 from ckptfmt.metadata.resumes import note_resume
 from ckptfmt.metadata.rng import capture_states
@@ -253,8 +253,9 @@ class _Tensors:
 
     def same(self, entry: TensorEntry, live: torch.Tensor) -> bool:
         """Whether ``live`` holds the stored tensor ``entry``: dtype, shape, then bytes."""
-        if entry.key in self.loaded:
-            return fingerprint(live) == self.loaded[entry.key]
+        loaded = fingerprint_value(self.loaded.get(entry.key))
+        if loaded is not None:
+            return fingerprint(live) == loaded
         if entry.same_as is not None:
             entry = self.reader.manifest.tensors[entry.same_as]
         if callable(getattr(live, "to_local", None)):  # a DTensor: this rank's shard, the box at its offsets

@@ -243,7 +243,7 @@ def test_a_load_that_hashes_nothing_fingerprints_its_views_from_the_files(tmp_pa
     """Sampling a view of an unhashed map would read 16 of its pages in: the load reads the windows from
     the chunk files instead, the same fingerprints (a shared tensor's second key too), and a resume's
     check after such a load still finds a change."""
-    from ckptfmt.loading.loaded_fingerprints import EXACT_BYTES, fingerprint
+    from ckptfmt.loading.loaded_fingerprints import EXACT_BYTES, fingerprint, fingerprint_value
 
     torch.manual_seed(0)
     shared = torch.randn(100_000)
@@ -251,8 +251,8 @@ def test_a_load_that_hashes_nothing_fingerprints_its_views_from_the_files(tmp_pa
                        f"{tmp_path}/run/a")
     with ckptfmt.open(url, verify=verify) as reader:
         state = reader.load_state()
-        assert reader.view_fingerprints == {key: fingerprint(value) for key, value in state.items()
-                                            if value.nbytes > EXACT_BYTES}
+        assert {key: fingerprint_value(kept) for key, kept in reader.view_fingerprints.items()} == \
+            {key: fingerprint(value) for key, value in state.items() if value.nbytes > EXACT_BYTES}
         assert set(reader.view_fingerprints) == {"a", "b", "c"}
     with ckptfmt.open(url, verify=verify) as reader:
         reader.get_tensor("a")
@@ -328,3 +328,27 @@ def test_loads_remembered_from_several_threads_at_once():
     finally:
         sys.setswitchinterval(interval)
     assert errors == [] and len(loaded_fingerprints._LOADED) == loaded_fingerprints.LOADS_REMEMBERED
+
+
+def test_an_unhashed_load_reads_its_fingerprints_only_when_a_check_asks(tmp_path, monkeypatch):
+    """A load that hashes nothing leaves its views' fingerprints to be read from the chunk files when a
+    resume's check first needs them (a load no check follows reads no window); a chunk file gone by then
+    leaves that tensor to the exact comparison, which still tells equal from different."""
+    from ckptfmt.storage.local import LocalStorage
+
+    torch.manual_seed(0)
+    url = ckptfmt.save({"a": torch.randn(256, 256), "b": torch.randn(100_000)}, f"{tmp_path}/run/a")
+    reads: list[str] = []
+    read_windows = LocalStorage.read_windows
+    monkeypatch.setattr(LocalStorage, "read_windows",
+                        lambda self, key, starts, length: reads.append(key) or read_windows(self, key, starts, length))
+    live = ckptfmt.load(url, verify=False)
+    assert reads == []
+    assert verdicts(ckptfmt.record_resume(url, live)) == {"a": "equal", "b": "equal"} and len(reads) == 2
+    live = ckptfmt.load(url, verify=False)
+    for chunk in (tmp_path / "run" / "chunks").rglob("*"):
+        if chunk.is_file() and chunk.stat().st_size == 100_000 * 4:
+            chunk.unlink()  # b's chunk: its map still shows its bytes
+    assert verdicts(ckptfmt.record_resume(url, live)) == {"a": "equal", "b": "equal"}
+    live["a"][0, 0] += 1.0
+    assert verdicts(ckptfmt.record_resume(url, live)) == {"a": "different", "b": "equal"}
