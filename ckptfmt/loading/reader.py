@@ -294,10 +294,11 @@ class CheckpointReader(Checkpoint):
             return None
         piece = entry.shards[0].pieces[0]
         mapping = self._chunks.mapped(piece.chunk, parallel=parallel)
-        if mapping is None or piece.offset % itemsize(entry.dtype):
+        size = itemsize(entry.dtype)
+        if mapping is None or piece.offset % size:
             return None
-        raw = torch.frombuffer(mapping, dtype=torch.uint8, count=piece.length, offset=piece.offset)
-        tensor = raw.view(dtype_from_name(entry.dtype)).reshape(entry.shape)
+        tensor = torch.frombuffer(mapping, dtype=dtype_from_name(entry.dtype), count=piece.length // size,
+                                  offset=piece.offset).reshape(entry.shape)
         if fingerprint and piece.length > EXACT_BYTES and self._chunks.verify is not True:  # hashed: pages in
             self._fingerprint_view(entry.key, tensor, piece)
         return tensor

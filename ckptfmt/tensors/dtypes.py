@@ -32,6 +32,9 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def dtype_from_name(name: str) -> torch.dtype:
     """The torch dtype for a format dtype name."""
+    found = DTYPES.get(name) if isinstance(name, str) else None  # once per tensor a load builds
+    if found is not None:
+        return found
     itemsize(name)
     try:
         return DTYPES[name]
