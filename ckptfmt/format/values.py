@@ -373,6 +373,10 @@ class _Decoder:
             self.depth -= 1
 
     def ext_hook(self, code: int, data: bytes) -> Any:
+        if code == EXT_TENSOR:  # a reference a tensor: its int read here, not by an Unpacker of its own
+            index = _plain_uint(data)
+            if index is not None:
+                return self._build(code, index)
         body = self.unpack(data) if code != EXT_BIGINT else data
         try:
             return self._build(code, body)
@@ -444,6 +448,20 @@ def _device(text: str) -> str:
     if kind not in DEVICE_TYPES or (colon and not (index.isdigit() and index.isascii())):
         raise ManifestError(f"value tree: {quoted(text)} is not a torch device")
     return text
+
+
+#: msgpack's unsigned int forms (uint 8 to uint 64) by their first byte: the bytes that follow it.
+_UINT_BYTES = {0xCC: 1, 0xCD: 2, 0xCE: 4, 0xCF: 8}
+
+
+def _plain_uint(data: bytes) -> int | None:
+    """``data`` as a msgpack document that is one unsigned int (a positive fixint or a uint form), or None
+    for any other document (left to the Unpacker, which reads or refuses it)."""
+    if len(data) == 1 and data[0] < 0x80:
+        return data[0]
+    if data and len(data) == 1 + _UINT_BYTES.get(data[0], -1):
+        return int.from_bytes(data[1:], "big")
+    return None
 
 
 def _expect(value: Any, kind: type) -> Any:

@@ -21,7 +21,6 @@ from ckptfmt.repository.chunk_reads import missing_chunk_named, read_chunk
 from ckptfmt.storage.base import Storage
 
 _CACHE_BYTES = 64 * 2**20
-_UNMAPPED = object()
 
 
 class ChunkReader:
@@ -93,9 +92,8 @@ class ChunkReader:
         Tensors built on it share the page cache instead of copying into fresh
         memory; the mapping stays valid even if the file is later unlinked.
         """
-        mapping = self._maps.get(index, _UNMAPPED)  # one lookup for each tensor after its chunk's first
-        if mapping is not _UNMAPPED:
-            return mapping
+        if index in self._maps:  # one lookup for each tensor after its chunk's first
+            return self._maps[index]
         return self._once(self._maps, index, lambda: self._map(index, parallel), small_only=False)
 
     def windows_reader(self, index: int, starts: list[int], length: int) -> Callable[[], bytes | None] | None:

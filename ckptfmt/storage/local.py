@@ -16,7 +16,7 @@ import fsspec
 from ckptfmt._platform import start_writeback
 from ckptfmt.errors import CheckpointError, CorruptDataError, UnsafePathError
 from ckptfmt.storage.base import Staged, Storage
-from ckptfmt.storage.errors import backend_errors
+from ckptfmt.storage.errors import backend_errors, translate_error
 
 
 def _file_kind(mode: int) -> str:
@@ -109,18 +109,16 @@ class LocalStorage(Storage):
         O_NONBLOCK: opening a FIFO must not wait for a writer; devices, FIFOs,
         sockets and folders are refused before a single byte is read.
         """
-        where = self.describe(key)
-        with backend_errors(where):
-            try:
-                fd = os.open(self.path(key), os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-            except OSError as exc:
-                if exc.errno == errno.ENXIO:  # a socket, or a FIFO-like device without a peer
-                    raise CorruptDataError(f"{where}: not a regular file (a socket or device)") from None
-                raise
+        try:  # no context manager or message made unless it fails: once for each chunk a load maps
+            fd = os.open(self.path(key), os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError as exc:
+            if exc.errno == errno.ENXIO:  # a socket, or a FIFO-like device without a peer
+                raise CorruptDataError(f"{self.describe(key)}: not a regular file (a socket or device)") from None
+            raise translate_error(exc, self.describe(key)) from exc
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
             os.close(fd)
-            raise CorruptDataError(f"{where}: not a regular file ({_file_kind(info.st_mode)})")
+            raise CorruptDataError(f"{self.describe(key)}: not a regular file ({_file_kind(info.st_mode)})")
         return fd, info.st_size
 
     def read(self, key: str, *, max_size: int) -> bytes:
@@ -158,10 +156,11 @@ class LocalStorage(Storage):
             return None
         fd, actual = self._open_regular(key)
         try:
-            with backend_errors(self.describe(key)):
-                if actual != size:
-                    raise CorruptDataError(f"{self.describe(key)}: {actual} bytes, expected {size}")
-                mapping = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
+            if actual != size:
+                raise CorruptDataError(f"{self.describe(key)}: {actual} bytes, expected {size}")
+            mapping = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
+        except (OSError, ValueError) as exc:  # ValueError: a file emptied since its size was read
+            raise translate_error(exc, self.describe(key)) from exc
         finally:
             os.close(fd)
         return mapping

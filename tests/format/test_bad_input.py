@@ -545,6 +545,20 @@ def test_hostile_extension_payloads(payload):
         decode_tree(payload)  # no tensors allowed at all
 
 
+def test_tensor_references_in_every_int_form():
+    """A reference in one of msgpack's unsigned forms is read in place; a signed form (another writer's)
+    still reads through the Unpacker; a payload with bytes after its int is refused either way."""
+    def found(payload: bytes) -> int:
+        return decode_tree(raw_ext(1, payload), lambda index: index)
+
+    for index in (0, 127, 128, 255, 256, 65_535, 65_536, 2**32 - 1, 2**32):
+        assert found(msgpack.packb(index)) == index
+    assert found(b"\xd1\x01\x00") == 256 and found(b"\xd0\x05") == 5
+    for trailing in (b"\x05\x00", b"\xcc\x05\x00", b"\xcd\x01", b"\xcf" + bytes(9)):
+        with pytest.raises(ManifestError):
+            found(trailing)
+
+
 def test_value_tree_must_be_bytes():
     for bad in ("text", bytearray(b"\xc0"), None, 5):
         with pytest.raises(ManifestError):
