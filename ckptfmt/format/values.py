@@ -373,11 +373,8 @@ class _Decoder:
             self.depth -= 1
 
     def ext_hook(self, code: int, data: bytes) -> Any:
-        if code == EXT_TENSOR:  # a reference a tensor: its int read here, not by an Unpacker of its own
-            index = _plain_uint(data)
-            if index is not None:
-                return self._build(code, index)
-        body = self.unpack(data) if code != EXT_BIGINT else data
+        index = _plain_uint(data) if code == EXT_TENSOR else None  # a tensor reference's int: no Unpacker
+        body = index if index is not None else self.unpack(data) if code != EXT_BIGINT else data
         try:
             return self._build(code, body)
         except ManifestError:

@@ -92,8 +92,10 @@ class ChunkReader:
         Tensors built on it share the page cache instead of copying into fresh
         memory; the mapping stays valid even if the file is later unlinked.
         """
-        if index in self._maps:  # one lookup for each tensor after its chunk's first
+        try:  # one lookup for each tensor after its chunk's first (atomic: a close may clear the maps)
             return self._maps[index]
+        except KeyError:
+            pass
         return self._once(self._maps, index, lambda: self._map(index, parallel), small_only=False)
 
     def windows_reader(self, index: int, starts: list[int], length: int) -> Callable[[], bytes | None] | None:

@@ -159,6 +159,8 @@ class LocalStorage(Storage):
             if actual != size:
                 raise CorruptDataError(f"{self.describe(key)}: {actual} bytes, expected {size}")
             mapping = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
+        except CheckpointError:
+            raise
         except (OSError, ValueError) as exc:  # ValueError: a file emptied since its size was read
             raise translate_error(exc, self.describe(key)) from exc
         finally:
