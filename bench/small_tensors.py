@@ -1,7 +1,8 @@
 """Many small tensors (issue 31, part 2): a save and a load of N tensors of 8 floats against torch.save
 + fsync and torch.load of the same dict, their peak memory, the manifest's bytes per tensor, and its
 parse against msgpack's own unpack of the same bytes (part 5), and that of a table of sharded tensors
-(the form whose entries are rows).
+(format 1.14: their shard grids in the tensor columns), against the same table in 1.13's form (a row
+and a grid map each).
 
 Usage (from the repository root)::
 
@@ -85,19 +86,20 @@ def peak_kib(mode: str, count: int, folder: Path) -> int:
     return int(result.stdout.split()[-1])
 
 
-def parse_ratio(data: bytes, repeats: int, unpacked: bytes | None = None,
-                entries: bool = False) -> tuple[float, float, list[float]]:
-    """Median seconds of msgpack's unpack (of ``unpacked``, by default ``data`` itself) and of ckptfmt's
-    parse of ``data`` (and, with ``entries``, every entry of its tensor table read, which builds them),
-    and the per-repeat ratios; both with Python's cyclic collector off (ckptfmt pauses it while it
-    parses)."""
+def parse_ratio(data: bytes, repeats: int, unpacked: bytes | None = None, entries: bool = False,
+                against: bytes | None = None) -> tuple[float, float, list[float]]:
+    """Median seconds of msgpack's unpack (of ``unpacked``, by default ``data`` itself; with ``against``,
+    ckptfmt's parse of those bytes instead) and of ckptfmt's parse of ``data`` (and, with ``entries``,
+    every entry of its tensor table read, which builds them), and the per-repeat ratios; both with
+    Python's cyclic collector off (ckptfmt pauses it while it parses)."""
     gc.disable()
     unpacks, parses, ratios = [], [], []
+    baseline = (lambda: Manifest.from_bytes(against, "bench")) if against is not None \
+        else (lambda: msgpack.unpackb(unpacked or data, raw=False, strict_map_key=False))
     for repeat in range(repeats):
         times = {}
         for which in ((0, 1) if repeat % 2 == 0 else (1, 0)):
-            times[which] = timed((lambda: msgpack.unpackb(unpacked or data, raw=False, strict_map_key=False),
-                                  lambda: Manifest.from_bytes(data, "bench") if not entries
+            times[which] = timed((baseline, lambda: Manifest.from_bytes(data, "bench") if not entries
                                   else list(Manifest.from_bytes(data, "bench").tensors))[which])
         unpacks.append(times[0])
         parses.append(times[1])
@@ -171,12 +173,22 @@ def main() -> None:
                       f"{len(rows) / 2**20:.1f} MiB) {unpack * 1e3:.0f} ms: {spread(ratios)}")
         sharded = sharded_manifest(folder / "sharded")
         unpack, parse, ratios = parse_ratio(sharded, args.repeats)
-        console.print(f"manifest of {SHARDED[0]:,} tensors sharded over {SHARDED[1]} ranks (rows, a shard grid each, "
-                      f"{len(sharded) / 2**20:.1f} MiB): parse {parse * 1e3:.0f} ms against msgpack's unpack "
-                      f"{unpack * 1e3:.0f} ms: {spread(ratios)}")
+        console.print(f"manifest of {SHARDED[0]:,} tensors sharded over {SHARDED[1]} ranks (1.14, grids in the "
+                      f"columns, {len(sharded) / 2**20:.2f} MiB): parse {parse * 1e3:.1f} ms against msgpack's "
+                      f"unpack {unpack * 1e3:.2f} ms: {spread(ratios)}")
+        unpack, parse, ratios = parse_ratio(sharded, args.repeats, entries=True)
+        console.print(f"  parse, then every entry read (a shard grid built each): {parse * 1e3:.1f} ms: "
+                      f"{spread(ratios)} the unpack")
+        rows = dataclasses.replace(Manifest.from_bytes(sharded, "bench"), version=(1, 13)).to_bytes()
+        unpack, parse, ratios = parse_ratio(rows, args.repeats)
+        console.print(f"  the same table as 1.13 wrote it (a row and a grid map a tensor, {len(rows) / 2**20:.2f} "
+                      f"MiB): parse {parse * 1e3:.1f} ms against its unpack {unpack * 1e3:.2f} ms: {spread(ratios)}")
+        new, old, ratios = parse_ratio(sharded, args.repeats, against=rows)
+        console.print(f"  1.14's parse over 1.13's, per repeat: {spread(ratios)} ({new * 1e3:.1f} ms, "
+                      f"{old * 1e3:.1f} ms)")
 
 
-#: The sharded table's tensors and ranks: the manifest form whose entries are rows (spec 6.12).
+#: The sharded table's tensors and ranks (each tensor's shards a grid: spec 6.11, in columns from 1.14).
 SHARDED = (5_000, 4)
 
 

@@ -60,6 +60,8 @@ MANIFEST_FORMAT = "ckptfmt-manifest"
 _COLUMNS_FROM = (1, 12)
 #: The first version whose writers hold the chunk table in columns (spec 6.13).
 _CHUNK_COLUMNS_FROM = (1, 13)
+#: The first version whose writers hold shard grids in the tensor columns (spec 6.12).
+_GRID_COLUMNS_FROM = (1, 14)
 
 
 @dataclass
@@ -109,7 +111,8 @@ class Manifest:
             "created_ns": self.created_ns,
             "parent": self.parent,
             "chunks": table_doc(self.chunks, columns=self.version >= _CHUNK_COLUMNS_FROM),
-            "tensors": to_columns(self.tensors, _tensor_to_dict) if self.version >= _COLUMNS_FROM
+            "tensors": to_columns(self.tensors, _tensor_to_dict, grids=self.version >= _GRID_COLUMNS_FROM)
+            if self.version >= _COLUMNS_FROM
             else [_tensor_to_dict(t) for t in self.tensors],
             "state": self.state,
             "user": self.user,

@@ -186,14 +186,23 @@ def grid_to_dict(grid: ShardGrid, width: int) -> dict:
     doc: dict[str, Any] = {"cells": list(grid.cells), "cuts": [pack_column(c) for c in grid.cuts]}
     if np.any(grid.ranks):
         doc["ranks"] = pack_column(grid.ranks)
-    counts = np.diff(grid.starts)
-    bytes_ = _cell_volumes(grid.cuts, grid.cells, tuple(int(c[-1]) for c in grid.cuts)) * width
-    if np.array_equal(counts, (bytes_ > 0).astype(counts.dtype)) and np.array_equal(grid.length, bytes_[bytes_ > 0]):
+    if pieces_are_cells(grid, width):
         doc.update(chunk=pack_column(grid.chunk), offset=pack_column(grid.offset))
     else:
-        doc.update(counts=pack_column(counts), chunk=pack_column(grid.chunk), offset=pack_column(grid.offset),
-                   length=pack_column(grid.length))
+        doc.update(counts=pack_column(np.diff(grid.starts)), chunk=pack_column(grid.chunk),
+                   offset=pack_column(grid.offset), length=pack_column(grid.length))
     return doc
+
+
+def pieces_are_cells(grid: ShardGrid, width: int) -> bool:
+    """Whether each cell of ``grid`` that holds elements has one piece of its whole bytes, and the others
+    none: the form whose ``counts`` and ``length`` a writer leaves out (spec 6.11)."""
+    import numpy as np
+
+    counts = np.diff(grid.starts)
+    bytes_ = cell_volumes(grid.cuts, grid.cells, tuple(int(c[-1]) for c in grid.cuts)) * width
+    return bool(np.array_equal(counts, (bytes_ > 0).astype(counts.dtype))
+                and np.array_equal(grid.length, bytes_[bytes_ > 0]))
 
 
 def pack_column(values: np.ndarray) -> bytes:
@@ -224,7 +233,7 @@ def parse_grid(doc: dict, what: str, shape: tuple[int, ...], width: int, chunk_s
     budget.take(cells, 0)
     cuts = [_cuts(raw, count + 1, extent, f"cuts[{dim}]", what)
             for dim, (raw, count, extent) in enumerate(zip(raw_cuts, per_dim, shape))]
-    volumes = _cell_volumes(cuts, per_dim, shape)
+    volumes = cell_volumes(cuts, per_dim, shape)
     ranks = column(doc.get("ranks"), "ranks", cells, what, high=MAX_RANK) if "ranks" in doc else None
     starts: np.ndarray | None = None
     if "counts" in doc:
@@ -463,10 +472,12 @@ def column(raw: Any, name: str, count: int, what: str, *, low: int = 0, high: in
     return _wide(values)
 
 
-def _cell_volumes(cuts: Sequence[np.ndarray], per_dim: Sequence[int], shape: tuple[int, ...]) -> np.ndarray:
+def cell_volumes(cuts: Sequence[np.ndarray], per_dim: Sequence[int], shape: tuple[int, ...]) -> np.ndarray:
     """Every cell's element count, in C order (no overflow: each is at most the tensor's, or all are 0)."""
     import numpy as np
 
+    if not all(shape):  # no element (its other extents may multiply out past int64)
+        return np.zeros(math.prod(per_dim), dtype=np.int64)
     split = [dim for dim, count in enumerate(per_dim) if count > 1]
     if len(split) <= 1:  # the usual grid: one dimension cut, each cell spans the others whole
         rest = math.prod(extent for dim, extent in enumerate(shape) if dim not in split)

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckptfmt.errors import ManifestError
 from ckptfmt.format.dtypes import itemsize
+from ckptfmt.format.grid_columns import GridColumns, column_grid, grids_to_columns, parse_grid_columns
 from ckptfmt.format.limits import MAX_CHUNK_BYTES, MAX_DIMS, MAX_KEY_BYTES, MAX_TENSOR_BYTES, MAX_TENSORS
 from ckptfmt.format.shards import MAX_RANK, Piece, ShardEntry, column, pack_column
 from ckptfmt.format.tensor_entry import TENSOR_KINDS, Likeness, TensorEntry, TensorTable, check_table, likeness
@@ -40,17 +41,23 @@ _new_piece = partial(tuple.__new__, Piece)
 
 # -- writing -------------------------------------------------------------------------------------
 
-def to_columns(tensors: Sequence[TensorEntry], row_of: Callable[[TensorEntry], dict]) -> dict:
+def to_columns(tensors: Sequence[TensorEntry], row_of: Callable[[TensorEntry], dict], *, grids: bool) -> dict:
     """The tensor table ``tensors`` as columns; ``row_of`` writes an entry the columns cannot hold.
+    ``grids`` (format 1.14): shard grids of whole-cell pieces go into the ``grids`` columns, their
+    entries' items of ``rows`` nil; else they are rows.
 
     Each entry's layout is checked on its own; its statistics a set at a time, in groups (the rows of
     one ``StatsRow`` columns, or the other maps), a column per field: what binary64 holds exactly is
     checked on a group's whole column, entry by entry only if that fails.
     """
     places = [_one_piece(tensor) for tensor in tensors]
-    sets = [_stat_set(tensor.stats, tensor.numel) if place else None for tensor, place in zip(tensors, places)]
-    values, counts = _stat_cells(tensors, sets)
-    row_at = [index for index, stat_set in enumerate(sets) if stat_set is None]
+    gridded = {index: grid for index, (tensor, place) in enumerate(zip(tensors, places))
+               if grids and place is None and (grid := column_grid(tensor)) is not None}
+    sets = [_stat_set(tensor.stats, tensor.numel) if place or index in gridded else None
+            for index, (tensor, place) in enumerate(zip(tensors, places))]
+    values, counts = _stat_cells(tensors, sets)  # an entry whose statistics the cells cannot hold: a row
+    in_grids = [index for index in gridded if sets[index] is not None]
+    row_at = sorted([index for index, stat_set in enumerate(sets) if stat_set is None] + in_grids)
     entries = [tensor if stat_set is not None else _PLACEHOLDER for tensor, stat_set in zip(tensors, sets)]
     dtypes: dict[str, int] = {}
     dtype_ids = [dtypes.setdefault(entry.dtype, len(dtypes)) if entry.dtype else 0 for entry in entries]
@@ -69,7 +76,10 @@ def to_columns(tensors: Sequence[TensorEntry], row_of: Callable[[TensorEntry], d
                         **{name: values[:, i].tobytes() for i, name in enumerate(_VALUE_FIELDS)},
                         **{name: pack_column(counts[:, i]) for i, name in enumerate(_COUNT_FIELDS)}}
     if row_at:
-        doc.update(rows=[row_of(tensors[index]) for index in row_at], row_at=_pack(row_at))
+        doc.update(rows=[None if sets[index] is not None else row_of(tensors[index]) for index in row_at],
+                   row_at=_pack(row_at))
+    if in_grids:
+        doc["grids"] = grids_to_columns([gridded[index] for index in in_grids])
     return doc
 
 
@@ -234,12 +244,19 @@ def parse_columns(doc: dict, chunk_sizes: np.ndarray, budget: Any,
     rank = col("rank", high=MAX_RANK, optional=True)
     chunk = col("chunk", high=max(len(chunk_sizes) - 1, 0))
     offset = col("offset", high=MAX_CHUNK_BYTES)
-    row_at, rows = _rows(doc, count)
-    in_rows = np.zeros(count, dtype=bool)
+    every_row_at, rows = _rows(doc, count)
+    gridded = np.array([row is None for row in rows], dtype=bool)  # 1.14: the entry's shards are in 'grids'
+    row_at, grid_at = every_row_at[~gridded], every_row_at[gridded]
+    in_rows, in_grids = np.zeros(count, dtype=bool), np.zeros(count, dtype=bool)
     in_rows[row_at] = True
+    in_grids[grid_at] = True
     fields = [dtype, ndim, kind, grad, rank, chunk, offset]
-    if any(column_values[row_at].any() for column_values in fields) or any(keys[i] for i in row_at):
+    if any(column_values[row_at].any() for column_values in fields) or any(keys[i] for i in row_at.tolist()):
         raise ManifestError("tensor columns: an entry of 'rows' must be zero in every column, its key empty")
+    if any(column_values[grid_at].any() for column_values in (rank, chunk, offset)):
+        raise ManifestError("tensor columns: an entry of 'grids' must be zero in 'rank', 'chunk' and 'offset'")
+    if ("grids" in doc) != bool(len(grid_at)):
+        raise ManifestError("tensor columns: 'grids' must be present exactly when an item of 'rows' is nil")
     if not names and len(row_at) < count:
         raise ManifestError("tensor columns: 'dtypes' is empty")
     numel = _numel(ndim, dims, keys)
@@ -248,15 +265,32 @@ def parse_columns(doc: dict, chunk_sizes: np.ndarray, budget: Any,
     if len(too_big):
         raise ManifestError(f"{_what(keys, too_big[0])}: its shape is over the size limit")
     _check_keys(keys, in_rows, len(row_at))
-    held = ~in_rows & (nbytes > 0)
-    budget.take(count - len(row_at), int(held.sum()))
-    _check_pieces(chunk, offset, nbytes, held, in_rows, chunk_sizes, keys)
+    held = ~in_rows & ~in_grids & (nbytes > 0)
+    budget.take(count - len(every_row_at), int(held.sum()))
+    _check_pieces(chunk, offset, nbytes, held, in_rows | in_grids, chunk_sizes, keys)
     stats = _parse_stats(doc.get("stats"), count, dtype, names, numel, in_rows, keys) if "stats" in doc else None
+    grids = _parse_grids(doc.get("grids"), grid_at, keys, ndim, dims, widths[dtype], chunk_sizes, budget) \
+        if len(grid_at) else None
     at = row_at.tolist()
-    parsed = dict(zip(at, parse_rows(list(zip(at, rows)))))
-    columns = _Columns(keys, names, dtype, ndim, dims, kind, grad, rank, chunk, offset, numel, nbytes, stats, parsed)
+    parsed = dict(zip(at, parse_rows(list(zip(at, [row for row in rows if row is not None])))))
+    columns = _Columns(keys, names, dtype, ndim, dims, kind, grad, rank, chunk, offset, numel, nbytes, stats, parsed,
+                       grids)
     check_table(columns.keys(), parsed.values(), columns.likeness)
     return TensorTable(lazy=columns, count=count)
+
+
+def _parse_grids(doc: Any, grid_at: np.ndarray, keys: list[str], ndim: np.ndarray, dims: np.ndarray,
+                 widths: np.ndarray, chunk_sizes: np.ndarray, budget: Any) -> tuple[list[int], GridColumns]:
+    """The entries ``grid_at``'s shard grids (``grid_columns``), their shapes gathered from ``dims``."""
+    import numpy as np
+
+    grid_ndim = ndim[grid_at].astype(np.int64)
+    starts = (np.cumsum(ndim, dtype=np.int64) - ndim)[grid_at]
+    own = np.arange(int(grid_ndim.sum()), dtype=np.int64) - np.repeat(np.cumsum(grid_ndim) - grid_ndim, grid_ndim)
+    grid_dims = dims[np.repeat(starts, grid_ndim) + own]
+    at = grid_at.tolist()
+    return at, parse_grid_columns(doc, [keys[i] for i in at], grid_ndim, grid_dims, widths[grid_at], chunk_sizes,
+                                  budget)
 
 
 class _Columns:
@@ -264,7 +298,8 @@ class _Columns:
 
     def __init__(self, keys: list[str], names: list[str], dtype: np.ndarray, ndim: np.ndarray, dims: np.ndarray,
                  kind: np.ndarray, grad: np.ndarray, rank: np.ndarray, chunk: np.ndarray, offset: np.ndarray,
-                 numel: np.ndarray, nbytes: np.ndarray, stats: tuple | None, rows: dict[int, TensorEntry]) -> None:
+                 numel: np.ndarray, nbytes: np.ndarray, stats: tuple | None, rows: dict[int, TensorEntry],
+                 grids: tuple[list[int], GridColumns] | None) -> None:
         import numpy as np
 
         every = list(keys)
@@ -276,6 +311,8 @@ class _Columns:
         self._stats = stats
         self._starts = np.cumsum(ndim, dtype=np.int64) - ndim
         self._row_at = sorted(rows)
+        self._grid_at: list[int] = grids[0] if grids is not None else []
+        self._grids: GridColumns | None = grids[1] if grids is not None else None
 
     def keys(self) -> list[str]:
         """Every entry's key, those of ``rows`` included."""
@@ -303,6 +340,10 @@ class _Columns:
                            self._nbytes[at], stats)
         for index in self._row_at[bisect_left(self._row_at, start):bisect_left(self._row_at, stop)]:
             entries[index - start] = self._rows[index]
+        grid_at, grids = self._grid_at, self._grids
+        if grids is not None:
+            for j in range(bisect_left(grid_at, start), bisect_left(grid_at, stop)):
+                entries[grid_at[j] - start] = entries[grid_at[j] - start]._replace(shards=grids.grid(j))
         return entries
 
 

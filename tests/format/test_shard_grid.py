@@ -10,6 +10,7 @@ overlaps.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import tracemalloc
 
@@ -40,8 +41,10 @@ def blocks(full: torch.Tensor, row_cuts: list[int], column_cuts: list[int]) -> c
 
 
 def raw_entry(repo, name: str, key: str) -> dict:
+    """The tensor's entry as a map, its grid as the map of spec 6.11: the manifest written as 1.13 (1.14
+    puts a grid of whole-cell pieces in the tensor columns: ``test_grid_columns.py``)."""
     with ckptfmt.open(f"{repo}/{name}") as checkpoint:
-        data = checkpoint.manifest.to_bytes()
+        data = dataclasses.replace(checkpoint.manifest, version=(1, 13)).to_bytes()
     doc = msgpack.unpackb(data, raw=False, strict_map_key=False)
     return next(t for t in tensor_rows(doc["tensors"]) if t["key"] == key)
 

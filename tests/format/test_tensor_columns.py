@@ -16,8 +16,9 @@ import torch
 
 import ckptfmt
 from ckptfmt.errors import ManifestError
+from ckptfmt.format.dtypes import ITEMSIZES
 from ckptfmt.format.manifest import Manifest
-from tests.support.spec_reader import tensor_rows
+from tests.support.spec_reader import shard_maps, tensor_rows
 from tests.support.tensor_values import assert_stats_close
 
 
@@ -56,10 +57,14 @@ def test_the_columns_hold_the_entries_the_row_form_holds(saved):
     assert Manifest.from_bytes(rows_bytes, "rows").tensors == manifest.tensors
     assert manifest.to_bytes() == data  # read and written again: the same bytes
     assert Manifest.check(data, "m") is None
-    # What the columns could not hold is in rows, whole: tied (same_as), sharded and several pieces, the
-    # integer extremes beyond 2^53, the NaN-free float set with infinities stays in the columns.
-    in_rows = {row["key"] for row in columns["rows"]}
-    assert in_rows == {"tied", "sharded", "big", "huge"}
+    # What the columns could not hold is in rows, whole: tied (same_as), several pieces, the integer
+    # extremes beyond 2^53; the NaN-free float set with infinities stays in the columns, and (1.14) the
+    # shard grid of whole-cell pieces in ``grids``, its item of rows nil.
+    in_rows = {row["key"] for row in columns["rows"] if row is not None}
+    assert in_rows == {"tied", "big", "huge"}
+    row_at = np.frombuffer(columns["row_at"], dtype=f"<u{len(columns['row_at']) // len(columns['rows'])}")
+    assert [columns["key"][at] for at, row in zip(row_at, columns["rows"]) if row is None] == ["sharded"]
+    assert set(columns["grids"]) == {"cells", "cuts", "ranks", "chunk", "offset"}
     by_key = {entry.key: entry for entry in manifest.tensors}
     assert by_key["odd"].stats == {"count": 5, "min": -0.0, "max": 1.0, "mean": 0.5, "l2": 1.0, "absmax": 1.0,
                                    "nan": 1, "posinf": 1, "neginf": 1, "zeros": 1}
@@ -70,8 +75,12 @@ def test_the_columns_hold_the_entries_the_row_form_holds(saved):
     assert by_key["empty"].shards[0].pieces == () and by_key["empty"].stats["min"] is None
     assert by_key["ranked"].shards[0].rank == 7 and by_key["p"].kind == "parameter" and by_key["p"].requires_grad
     assert by_key["n"].kind == "numpy" and by_key["scalar"].shape == ()
-    # The independent reader (tests/support/spec_reader.py) rebuilds the same maps from the columns.
-    assert tensor_rows(columns) == msgpack.unpackb(rows_bytes, raw=False, strict_map_key=False)["tensors"]
+    # The independent reader (tests/support/spec_reader.py) rebuilds the same maps from the columns (a
+    # grid's bins in the width of the columns it was cut from: compared as its shards' maps).
+    def shards_as_maps(rows: list[dict]) -> list[dict]:
+        return [{**row, "shards": shard_maps(row["shards"], row["shape"], ITEMSIZES[row["dtype"]])} for row in rows]
+    assert shards_as_maps(tensor_rows(columns)) == \
+        shards_as_maps(msgpack.unpackb(rows_bytes, raw=False, strict_map_key=False)["tensors"])
 
 
 def test_a_checkpoint_in_columns_loads_as_saved(tmp_path):
@@ -325,7 +334,7 @@ def test_many_packs_each_with_an_entry_the_columns_cannot_hold_are_written_in_on
         for at in range(2):
             shard = ShardEntry((0,), (2,), 0, (Piece(0, 16 * at, 16),))
             entries.append(TensorEntry(f"t{pack}.{at}", "int64", (2,), (shard,), stats=StatsRow(columns, at)))
-    doc = to_columns(entries, _tensor_to_dict)
+    doc = to_columns(entries, _tensor_to_dict, grids=True)
     row_at = np.frombuffer(doc["row_at"], dtype=f"<u{len(doc['row_at']) // 1500}")
     assert row_at.tolist() == list(range(0, 3000, 2))  # every extreme, and nothing else
     assert [row["stats"]["min"] for row in doc["rows"]] == [-(2**63)] * 1500

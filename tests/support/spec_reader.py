@@ -292,10 +292,57 @@ def tensor_rows(tensors) -> list[dict]:
                             int(values[name]) if sets[i] == 2 and name in ("min", "max") else values[name]
                             for name in _SETS[sets[i]]}
         rows.append(row)
+    gridded = []
     for index, row in zip(_column(tensors["row_at"], len(tensors["rows"])) if "rows" in tensors else [],
                           tensors.get("rows", [])):
-        rows[index] = row
+        if row is None:  # 1.14: its shards are the next grid of the 'grids' columns
+            gridded.append(rows[index])
+        else:
+            rows[index] = row
+    assert ("grids" in tensors) == bool(gridded)
+    if gridded:
+        _grids_from_columns(tensors["grids"], gridded)
     return rows
+
+
+def _grids_from_columns(grids: dict, entries: list[dict]) -> None:
+    """FORMAT.md 6.12 (1.14): give ``entries`` (those whose item of ``rows`` is nil, in order) their
+    shards: the next grid of the ``grids`` columns each, as the map of 6.11 it stands for (its columns
+    the next slices of those of ``grids``; one piece of a whole cell for each cell holding elements)."""
+    cells = iter(_column(grids["cells"], sum(len(entry["shape"]) for entry in entries)))
+    per_entry = [[next(cells) for _ in entry["shape"]] for entry in entries]
+    counts = {"cuts": sum(count + 1 for counts in per_entry for count in counts),
+              "ranks": sum(math.prod(counts) for counts in per_entry)}
+    cuts = _column(grids["cuts"], counts["cuts"])
+    solid, at = [], 0  # each grid's cells that hold elements: a piece each
+    for entry_counts in per_entry:
+        nonempty = 1
+        for count in entry_counts:
+            nonempty *= sum(1 for a, b in zip(cuts[at:at + count + 1], cuts[at + 1:at + count + 1]) if b > a)
+            at += count + 1
+        solid.append(nonempty)
+    counts["chunk"] = counts["offset"] = sum(solid)
+    sliced = {name: _slices(grids[name], counts[name]) for name in ("cuts", "ranks", "chunk", "offset")
+              if name in grids}
+    for entry, entry_counts, pieces in zip(entries, per_entry, solid):
+        grid = {"cells": entry_counts, "cuts": [sliced["cuts"](count + 1) for count in entry_counts],
+                "chunk": sliced["chunk"](pieces), "offset": sliced["offset"](pieces)}
+        if "ranks" in sliced:
+            grid["ranks"] = sliced["ranks"](math.prod(entry_counts))
+        entry["shards"] = grid
+
+
+def _slices(data: bytes, count: int):
+    """What cuts a column of ``count`` values into bins of the next ``n`` values, one call each."""
+    width = len(data) // count if count else 1
+    assert len(data) == width * count and width in (1, 2, 4, 8)
+    at = 0
+
+    def take(n: int) -> bytes:
+        nonlocal at
+        at += n
+        return data[(at - n) * width:at * width]
+    return take
 
 
 def _column(data: bytes, count: int) -> list[int]:
