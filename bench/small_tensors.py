@@ -183,7 +183,7 @@ def main() -> None:
         unpack, parse, ratios = parse_ratio(rows, args.repeats)
         console.print(f"  the same table as 1.13 wrote it (a row and a grid map a tensor, {len(rows) / 2**20:.2f} "
                       f"MiB): parse {parse * 1e3:.1f} ms against its unpack {unpack * 1e3:.2f} ms: {spread(ratios)}")
-        new, old, ratios = parse_ratio(sharded, args.repeats, against=rows)
+        old, new, ratios = parse_ratio(sharded, args.repeats, against=rows)
         console.print(f"  1.14's parse over 1.13's, per repeat: {spread(ratios)} ({new * 1e3:.1f} ms, "
                       f"{old * 1e3:.1f} ms)")
 

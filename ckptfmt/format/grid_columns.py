@@ -151,17 +151,17 @@ def _piece_lengths(piece_end: np.ndarray, pieces: np.ndarray, ndim: np.ndarray, 
                    solid_per_dim: np.ndarray, solid_steps: np.ndarray, width: np.ndarray) -> np.ndarray:
     """Each piece's bytes: piece ``i`` of a grid is its ``i``-th cell holding elements in C order, whose
     extent in each dimension is one of that dimension's non-empty intervals (``solid_steps``). A
-    dimension of one such interval (its whole extent) gives every cell the same factor, taken once a
-    grid; only the others (at most 20 a grid: their product is at most the cell limit) are walked
-    per piece, ``_BATCH`` pieces at a time (a million cells' index arrays at once were 140 bytes a
-    cell of transient memory)."""
+    dimension of one such interval (its whole extent) gives every cell of its grid the same factor
+    (``base``); the others are "cut". A grid cut in one dimension (a data or tensor parallel layout)
+    has those intervals' extents as its pieces, gathered for all such grids at once; a grid of many
+    pieces, an outer product of its cut dimensions' extents; any other walks its cut dimensions (at
+    most 12) piece by piece, some ``_BATCH`` pieces at a time."""
     import numpy as np
 
     solid_first = np.cumsum(solid_per_dim) - solid_per_dim
     grids = len(ndim)
-    dim_grid = np.repeat(np.arange(grids), ndim)
-    cut = np.flatnonzero(solid_per_dim > 1)  # the dimensions walked, by grid then dimension
-    cut_count = np.bincount(dim_grid[cut], minlength=grids)
+    cut = np.flatnonzero(solid_per_dim > 1)  # the cut dimensions, by grid then dimension
+    cut_count = np.bincount(np.repeat(np.arange(grids), ndim)[cut], minlength=grids)
     cut_end = np.cumsum(cut_count)
     whole = np.where(solid_per_dim == 1, solid_steps[np.minimum(solid_first, max(len(solid_steps) - 1, 0))]
                      if len(solid_steps) else 0, np.where(solid_per_dim == 0, 0, 1))
@@ -173,37 +173,54 @@ def _piece_lengths(piece_end: np.ndarray, pieces: np.ndarray, ndim: np.ndarray, 
     base *= width.astype(np.int64)
     piece_start = piece_end - pieces
     length = np.empty(int(piece_end[-1]) if len(piece_end) else 0, dtype=np.int64)
-    large = pieces >= _OUTER_FROM
-    for g in np.flatnonzero(large).tolist():  # a grid of many pieces: an outer product of its extents
-        extents = [solid_steps[first:first + count] for first, count in
-                   zip(solid_first[cut[cut_end[g] - cut_count[g]:cut_end[g]]].tolist(),
-                       solid_per_dim[cut[cut_end[g] - cut_count[g]:cut_end[g]]].tolist())]
+    uncut = np.flatnonzero((cut_count == 0) & (pieces > 0))
+    length[piece_start[uncut]] = base[uncut]  # one piece, the whole tensor
+    once = np.flatnonzero(cut_count == 1)
+    if len(once) == grids:  # the usual table: every cut dimension's intervals are its grid's pieces, in order
+        length[:] = solid_steps[np.repeat(solid_per_dim > 1, solid_per_dim)] * np.repeat(base, pieces)
+    elif len(once):
+        dim = cut[cut_end[once] - 1]
+        counts = solid_per_dim[dim]  # its pieces
+        length[_runs(piece_start[once], counts)] = solid_steps[_runs(solid_first[dim], counts)] * \
+            np.repeat(base[once], counts)
+    for g in np.flatnonzero((cut_count > 1) & (pieces >= _OUTER_FROM)).tolist():
+        dims = cut[cut_end[g] - cut_count[g]:cut_end[g]]
+        extents = [solid_steps[first:first + count] for first, count in zip(solid_first[dims].tolist(),
+                                                                            solid_per_dim[dims].tolist())]
         length[piece_start[g]:piece_end[g]] = functools.reduce(np.multiply.outer, extents, base[g:g + 1]).ravel()
-    for low in range(0, len(length), _BATCH):  # the others, each walking at most log2(_OUTER_FROM) dimensions
-        at = np.arange(low, min(low + _BATCH, len(length)), dtype=np.int64)
-        grid = np.searchsorted(piece_end, at, side="right")
-        small = np.flatnonzero(~large[grid])
-        if not len(small):
+    walked = np.flatnonzero((cut_count > 1) & (pieces < _OUTER_FROM))
+    bounds = np.searchsorted(np.cumsum(pieces[walked]), np.arange(_BATCH, int(pieces[walked].sum()), _BATCH))
+    for batch in np.split(walked, bounds + 1) if len(walked) else ():
+        if not len(batch):  # two bounds in one grid's pieces
             continue
-        at, grid = at[small], grid[small]
+        at = _runs(piece_start[batch], pieces[batch])
+        grid = np.repeat(batch, pieces[batch])
         rest = at - piece_start[grid]
         volume = base[grid]
         count_of = cut_count[grid]
         for axis in range(int(count_of.max())):  # from the grid's last cut dimension: it varies fastest
-            walked = np.flatnonzero(count_of > axis)
-            dim = cut[cut_end[grid[walked]] - 1 - axis]
+            on = np.flatnonzero(count_of > axis)
+            dim = cut[cut_end[grid[on]] - 1 - axis]
             count = solid_per_dim[dim]
-            volume[walked] *= solid_steps[solid_first[dim] + rest[walked] % count]
-            rest[walked] //= count
+            volume[on] *= solid_steps[solid_first[dim] + rest[on] % count]
+            rest[on] //= count
         length[at] = volume
     return length
 
 
-#: Pieces whose lengths are worked out together (``_piece_lengths``): a few MiB of index arrays.
+def _runs(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """``starts[i]``, ``starts[i] + 1``, ... ``counts[i]`` values for each ``i``, one after another."""
+    import numpy as np
+
+    before = np.cumsum(counts) - counts
+    return np.repeat(starts - before, counts) + np.arange(int(counts.sum()), dtype=np.int64)
+
+
+#: Pieces of grids cut in several dimensions whose lengths are walked together: a few MiB of index arrays.
 _BATCH = 1 << 16
-#: A grid of at least this many pieces has its lengths made alone, as an outer product: a piece of a
-#: smaller one walks at most 12 cut dimensions (a hostile grid cut in 19 of 64, walked per piece, took
-#: 3 s for 8 million pieces).
+#: A grid cut in several dimensions with at least this many pieces has its lengths made alone, as an
+#: outer product: a piece of a smaller one walks at most 12 cut dimensions (a hostile grid cut in 19
+#: of 64, walked per piece, took 3 s for 8 million pieces).
 _OUTER_FROM = 1 << 12
 
 
