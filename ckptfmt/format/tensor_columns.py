@@ -20,7 +20,7 @@ from ckptfmt.errors import ManifestError
 from ckptfmt.format.dtypes import itemsize
 from ckptfmt.format.grid_columns import GridColumns, column_grid, grids_to_columns, parse_grid_columns
 from ckptfmt.format.limits import MAX_CHUNK_BYTES, MAX_DIMS, MAX_KEY_BYTES, MAX_TENSOR_BYTES, MAX_TENSORS
-from ckptfmt.format.shards import MAX_RANK, Piece, ShardEntry, column, pack_column
+from ckptfmt.format.shards import MAX_RANK, Piece, ShardEntry, ShardGrid, column, pack_column
 from ckptfmt.format.tensor_entry import TENSOR_KINDS, Likeness, TensorEntry, TensorTable, check_table, likeness
 from ckptfmt.format.tensor_stats import COUNT_FIELDS, FLOAT_FIELDS, INTEGER_FIELDS, StatsRow, stat_sets
 
@@ -335,15 +335,15 @@ class _Columns:
         at = slice(start, stop)
         dims = self._dims[int(self._starts[start]):int(self._starts[stop - 1] + self._ndim[stop - 1])]
         stats = None if self._stats is None else tuple(column[at] for column in self._stats)
+        grid_at, grids = self._grid_at, self._grids
+        gridded = {grid_at[j] - start: grids.grid(j) for j in range(bisect_left(grid_at, start),
+                                                                     bisect_left(grid_at, stop))} \
+            if grids is not None else {}
         entries = _entries(self._keys[at], self._names, self._dtype[at], self._ndim[at], dims, self._kind[at],
                            self._grad[at], self._rank[at], self._chunk[at], self._offset[at], self._numel[at],
-                           self._nbytes[at], stats)
+                           self._nbytes[at], stats, gridded)
         for index in self._row_at[bisect_left(self._row_at, start):bisect_left(self._row_at, stop)]:
             entries[index - start] = self._rows[index]
-        grid_at, grids = self._grid_at, self._grids
-        if grids is not None:
-            for j in range(bisect_left(grid_at, start), bisect_left(grid_at, stop)):
-                entries[grid_at[j] - start] = entries[grid_at[j] - start]._replace(shards=grids.grid(j))
         return entries
 
 
@@ -489,9 +489,11 @@ def _first_stray(values: np.ndarray, counts: np.ndarray, at: np.ndarray, number:
     return int(at[stray[0]]) if len(stray) else None
 
 
-def _entries(keys, names, dtype, ndim, dims, kind, grad, rank, chunk, offset, numel, nbytes, stats) -> list:
-    """The ``TensorEntry`` of every entry (those of ``rows`` are replaced by the caller), built by maps
-    over the columns: a Python loop per entry costs more than the rest of the parse."""
+def _entries(keys, names, dtype, ndim, dims, kind, grad, rank, chunk, offset, numel, nbytes, stats,
+             grids: dict[int, ShardGrid]) -> list:
+    """The ``TensorEntry`` of every entry (those of ``rows`` are replaced by the caller; ``grids``: the
+    shards of those whose are a grid, by position), built by maps over the columns: a Python loop per
+    entry costs more than the rest of the parse."""
     import numpy as np
 
     ndims = ndim.tolist()
@@ -502,7 +504,9 @@ def _entries(keys, names, dtype, ndim, dims, kind, grad, rank, chunk, offset, nu
     for index in np.flatnonzero(nbytes == 0).tolist():
         pieces[index] = ()
     origins = [(0,) * length for length in range(MAX_DIMS + 1)]
-    shards = list(zip(map(_new_shard, zip(map(origins.__getitem__, ndims), shapes, rank.tolist(), pieces))))
+    shards: list = list(zip(map(_new_shard, zip(map(origins.__getitem__, ndims), shapes, rank.tolist(), pieces))))
+    for index, grid in grids.items():
+        shards[index] = grid
     dtypes = list(map(names.__getitem__, dtype.tolist())) if names else [""] * len(keys)
     kinds = map(TENSOR_KINDS.__getitem__, kind.tolist())
     per_stats = _stats_dicts(stats, numel) if stats is not None else repeat(None)
