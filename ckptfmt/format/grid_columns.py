@@ -175,7 +175,8 @@ def _piece_lengths(piece_end: np.ndarray, pieces: np.ndarray, ndim: np.ndarray, 
     length = np.empty(int(piece_end[-1]) if len(piece_end) else 0, dtype=np.int64)
     uncut = np.flatnonzero((cut_count == 0) & (pieces > 0))
     length[piece_start[uncut]] = base[uncut]  # one piece, the whole tensor
-    once = np.flatnonzero(cut_count == 1)
+    held = pieces > 0  # a grid of no piece (a dimension with no non-empty interval) has no length to make
+    once = np.flatnonzero((cut_count == 1) & held)
     if len(once) == grids:  # the usual table: every cut dimension's intervals are its grid's pieces, in order
         length[:] = solid_steps[np.repeat(solid_per_dim > 1, solid_per_dim)] * np.repeat(base, pieces)
     elif len(once):
@@ -188,7 +189,7 @@ def _piece_lengths(piece_end: np.ndarray, pieces: np.ndarray, ndim: np.ndarray, 
         extents = [solid_steps[first:first + count] for first, count in zip(solid_first[dims].tolist(),
                                                                             solid_per_dim[dims].tolist())]
         length[piece_start[g]:piece_end[g]] = functools.reduce(np.multiply.outer, extents, base[g:g + 1]).ravel()
-    walked = np.flatnonzero((cut_count > 1) & (pieces < _OUTER_FROM))
+    walked = np.flatnonzero((cut_count > 1) & held & (pieces < _OUTER_FROM))
     bounds = np.searchsorted(np.cumsum(pieces[walked]), np.arange(_BATCH, int(pieces[walked].sum()), _BATCH))
     for batch in np.split(walked, bounds + 1) if len(walked) else ():
         if not len(batch):  # two bounds in one grid's pieces

@@ -98,17 +98,28 @@ def test_grids_with_empty_cells_in_any_number_of_dimensions_read_back_as_written
     sizes = np.outer(np.diff(rows), np.diff(columns_cut)).ravel()[solid] * 2
     large = ShardGrid([rows, columns_cut], np.arange(5000) % 7, np.concatenate(([0], np.cumsum(solid))),
                       np.ones(len(sizes), dtype=np.int64), np.cumsum(sizes) - sizes, sizes)
+    # No element, yet cut in a dimension (and in two): cells but no piece, before and among the others.
+    nothing = ShardGrid([np.array([0, 0]), np.array([0, 2, 4])], np.array([5, 6]), np.zeros(3, dtype=np.int64),
+                        *[np.zeros(0, dtype=np.int64)] * 3)
+    none_twice = ShardGrid([np.array([0, 1, 2]), np.array([0, 0]), np.array([0, 3, 5])], np.arange(4),
+                           np.zeros(5, dtype=np.int64), *[np.zeros(0, dtype=np.int64)] * 3)
     tensors = [TensorEntry("holes", "float32", (5, 7), holes), TensorEntry("cube", "int16", (4, 6, 2), cube),
+               TensorEntry("none twice", "int8", (2, 0, 5), none_twice),
+               TensorEntry("nothing", "float32", (0, 4), nothing),
                TensorEntry("scalar", "float64", (), scalar), TensorEntry("large", "bfloat16", (197, 100), large)]
     manifest = Manifest("hand", 1, 1, None, [Chunk("ab" * 32, "none", 244, 244),
                                              Chunk("cd" * 32, "none", 39_400, 39_400)], tensors, b"\x80", b"\x80")
     data = manifest.to_bytes()
     columns = msgpack.unpackb(data, raw=False, strict_map_key=False)["tensors"]
-    assert columns["rows"] == [None] * 4 and "grids" in columns
+    assert columns["rows"] == [None] * 6 and "grids" in columns
     parsed = Manifest.from_bytes(data, "hand")
     assert list(parsed.tensors) == tensors == list(Manifest.from_bytes(
         dataclasses.replace(manifest, version=(1, 13)).to_bytes(), "1.13").tensors)
     assert [len(shard.pieces) for shard in parsed.tensors[0].shards] == [1, 1, 0, 0, 1, 1]
+    only = ShardGrid([np.array([0, 0]), np.array([0, 2, 4])], np.array([5, 6]), np.zeros(3, dtype=np.int64),
+                     *[np.zeros(0, dtype=np.int64)] * 3)  # every grid of a table with no piece
+    alone = Manifest("hand", 1, 1, None, [], [TensorEntry("nothing", "float32", (0, 4), only)], b"\x80", b"\x80")
+    assert list(Manifest.from_bytes(alone.to_bytes(), "alone").tensors) == list(alone.tensors)
 
 
 def test_a_grid_of_no_element_whose_other_extents_multiply_past_int64_reads_back():
