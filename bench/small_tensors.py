@@ -161,31 +161,27 @@ def main() -> None:
         count = len(manifest.tensors)
         console.print(f"manifest: {len(data) / 2**20:.1f} MiB, its tensor table {table / count:.0f} bytes per "
                       f"tensor beyond its key (statistics {stats / count:.0f} of them)")
-        unpack, parse, ratios = parse_ratio(data, args.repeats)
-        console.print(f"manifest parse: {parse * 1e3:.0f} ms against msgpack's unpack {unpack * 1e3:.0f} ms: "
-                      f"{spread(ratios)}")
-        unpack, parse, ratios = parse_ratio(data, args.repeats, entries=True)
-        console.print(f"manifest parse, then every entry read (built): {parse * 1e3:.0f} ms against msgpack's "
-                      f"unpack {unpack * 1e3:.0f} ms: {spread(ratios)}")
+        timed_parse("manifest parse", data, args.repeats)
+        timed_parse("manifest parse, then every entry read (built)", data, args.repeats, entries=True)
         rows = dataclasses.replace(manifest, version=(1, 11)).to_bytes()  # the same table, one map per tensor
-        unpack, parse, ratios = parse_ratio(data, args.repeats, unpacked=rows)
-        console.print(f"manifest parse against msgpack's unpack of the same table as rows (1.11, "
-                      f"{len(rows) / 2**20:.1f} MiB) {unpack * 1e3:.0f} ms: {spread(ratios)}")
+        timed_parse(f"manifest parse against msgpack's unpack of the same table as rows (1.11, "
+                    f"{len(rows) / 2**20:.1f} MiB)", data, args.repeats, unpacked=rows)
         sharded = sharded_manifest(folder / "sharded")
-        unpack, parse, ratios = parse_ratio(sharded, args.repeats)
-        console.print(f"manifest of {SHARDED[0]:,} tensors sharded over {SHARDED[1]} ranks (1.14, grids in the "
-                      f"columns, {len(sharded) / 2**20:.2f} MiB): parse {parse * 1e3:.1f} ms against msgpack's "
-                      f"unpack {unpack * 1e3:.2f} ms: {spread(ratios)}")
-        unpack, parse, ratios = parse_ratio(sharded, args.repeats, entries=True)
-        console.print(f"  parse, then every entry read (a shard grid built each): {parse * 1e3:.1f} ms: "
-                      f"{spread(ratios)} the unpack")
+        timed_parse(f"manifest of {SHARDED[0]:,} tensors sharded over {SHARDED[1]} ranks (1.14, grids in the "
+                    f"columns, {len(sharded) / 2**20:.2f} MiB)", sharded, args.repeats)
+        timed_parse("  parse, then every entry read (a shard grid built each)", sharded, args.repeats, entries=True)
         rows = dataclasses.replace(Manifest.from_bytes(sharded, "bench"), version=(1, 13)).to_bytes()
-        unpack, parse, ratios = parse_ratio(rows, args.repeats)
-        console.print(f"  the same table as 1.13 wrote it (a row and a grid map a tensor, {len(rows) / 2**20:.2f} "
-                      f"MiB): parse {parse * 1e3:.1f} ms against its unpack {unpack * 1e3:.2f} ms: {spread(ratios)}")
-        old, new, ratios = parse_ratio(sharded, args.repeats, against=rows)
-        console.print(f"  1.14's parse over 1.13's, per repeat: {spread(ratios)} ({new * 1e3:.1f} ms, "
-                      f"{old * 1e3:.1f} ms)")
+        timed_parse(f"  the same table as 1.13 wrote it (a row and a grid map a tensor, {len(rows) / 2**20:.2f} "
+                    "MiB)", rows, args.repeats)
+        timed_parse("  1.14's parse against 1.13's", sharded, args.repeats, against=rows)
+
+
+def timed_parse(what: str, data: bytes, repeats: int, **options) -> None:
+    """Print ``parse_ratio``'s medians and per-repeat ratios for ``data`` (``options``: its own)."""
+    baseline, parse, ratios = parse_ratio(data, repeats, **options)
+    against = "ckptfmt's parse of those bytes" if "against" in options else "msgpack's unpack"
+    console.print(f"{what}: parse {parse * 1e3:.1f} ms against {against} {baseline * 1e3:.2f} ms: "
+                  f"{spread(ratios)} per repeat")
 
 
 #: The sharded table's tensors and ranks (each tensor's shards a grid: spec 6.11, in columns from 1.14).
