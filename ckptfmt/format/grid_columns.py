@@ -231,24 +231,31 @@ class GridColumns:
     def __init__(self, per_dim: np.ndarray, dim_start: np.ndarray, ndim: np.ndarray, cuts: np.ndarray,
                  first: np.ndarray, cells: np.ndarray, ranks: np.ndarray | None, pieces: np.ndarray,
                  chunk: np.ndarray, offset: np.ndarray, length: np.ndarray) -> None:
+        self._cuts, self._ranks, self._chunk, self._offset, self._length = cuts, ranks, chunk, offset, length
+        self._where = (per_dim, dim_start, ndim, first, cells, pieces)
+
+    @functools.cached_property
+    def _spans(self) -> tuple[list, list, list, list]:
+        """Where each grid's values start and end, as Python ints (made when the first entry is read: a
+        table's entries are built a grid at a time; a parse that reads none pays nothing)."""
         import numpy as np
 
-        self._cuts, self._ranks, self._chunk, self._offset, self._length = cuts, ranks, chunk, offset, length
-        # Where each grid's values start, as Python ints: a table's entries are built a grid at a time.
-        self._dims = list(zip((dim_start + ndim).tolist(), dim_start.tolist()))
-        self._cut_spans = list(zip(first.tolist(), (first + per_dim + 1).tolist()))
-        self._cells = list(zip(cells.tolist(), (np.cumsum(cells) - cells).tolist()))
-        self._pieces = list(zip(pieces.tolist(), (np.cumsum(pieces) - pieces).tolist()))
+        per_dim, dim_start, ndim, first, cells, pieces = self._where
+        return (list(zip((dim_start + ndim).tolist(), dim_start.tolist())),
+                list(zip(first.tolist(), (first + per_dim + 1).tolist())),
+                list(zip(cells.tolist(), (np.cumsum(cells) - cells).tolist())),
+                list(zip(pieces.tolist(), (np.cumsum(pieces) - pieces).tolist())))
 
     def grid(self, j: int) -> ShardGrid:
         import numpy as np
 
-        end, start = self._dims[j]
-        cuts = [self._cuts[low:high] for low, high in self._cut_spans[start:end]]
-        cells, cell_start = self._cells[j]
+        dims, cut_spans, cell_spans, piece_spans = self._spans
+        end, start = dims[j]
+        cuts = [self._cuts[low:high] for low, high in cut_spans[start:end]]
+        cells, cell_start = cell_spans[j]
         ranks = self._ranks[cell_start:cell_start + cells] if self._ranks is not None \
             else np.zeros(cells, dtype=np.uint8)
-        pieces, at = self._pieces[j]
+        pieces, at = piece_spans[j]
         starts = None
         if pieces != cells:  # cells without elements: no piece (found from the cuts: no volume multiplied out)
             solid = functools.reduce(np.logical_and.outer, [np.diff(c) > 0 for c in cuts]).ravel()
