@@ -182,7 +182,7 @@ def _piece_lengths(piece_end: np.ndarray, pieces: np.ndarray, ndim: np.ndarray, 
     elif len(once):
         dim = cut[cut_end[once] - 1]
         counts = solid_per_dim[dim]  # its pieces
-        length[_runs(piece_start[once], counts)] = solid_steps[_runs(solid_first[dim], counts)] * \
+        length[runs(piece_start[once], counts)] = solid_steps[runs(solid_first[dim], counts)] * \
             np.repeat(base[once], counts)
     for g in np.flatnonzero((cut_count > 1) & (pieces >= _OUTER_FROM)).tolist():
         dims = cut[cut_end[g] - cut_count[g]:cut_end[g]]
@@ -194,7 +194,7 @@ def _piece_lengths(piece_end: np.ndarray, pieces: np.ndarray, ndim: np.ndarray, 
     for batch in np.split(walked, bounds + 1) if len(walked) else ():
         if not len(batch):  # two bounds in one grid's pieces
             continue
-        at = _runs(piece_start[batch], pieces[batch])
+        at = runs(piece_start[batch], pieces[batch])
         grid = np.repeat(batch, pieces[batch])
         rest = at - piece_start[grid]
         volume = base[grid]
@@ -209,7 +209,7 @@ def _piece_lengths(piece_end: np.ndarray, pieces: np.ndarray, ndim: np.ndarray, 
     return length
 
 
-def _runs(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+def runs(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
     """``starts[i]``, ``starts[i] + 1``, ... ``counts[i]`` values for each ``i``, one after another."""
     import numpy as np
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckptfmt.errors import ManifestError
 from ckptfmt.format.dtypes import itemsize
-from ckptfmt.format.grid_columns import GridColumns, column_grid, grids_to_columns, parse_grid_columns
+from ckptfmt.format.grid_columns import GridColumns, column_grid, grids_to_columns, parse_grid_columns, runs
 from ckptfmt.format.limits import MAX_CHUNK_BYTES, MAX_DIMS, MAX_KEY_BYTES, MAX_TENSOR_BYTES, MAX_TENSORS
 from ckptfmt.format.shards import MAX_RANK, Piece, ShardEntry, ShardGrid, column, pack_column
 from ckptfmt.format.tensor_entry import TENSOR_KINDS, Likeness, TensorEntry, TensorTable, check_table, likeness
@@ -285,9 +285,7 @@ def _parse_grids(doc: Any, grid_at: np.ndarray, keys: list[str], ndim: np.ndarra
     import numpy as np
 
     grid_ndim = ndim[grid_at].astype(np.int64)
-    starts = (np.cumsum(ndim, dtype=np.int64) - ndim)[grid_at]
-    own = np.arange(int(grid_ndim.sum()), dtype=np.int64) - np.repeat(np.cumsum(grid_ndim) - grid_ndim, grid_ndim)
-    grid_dims = dims[np.repeat(starts, grid_ndim) + own]
+    grid_dims = dims[runs((np.cumsum(ndim, dtype=np.int64) - ndim)[grid_at], grid_ndim)]
     at = grid_at.tolist()
     return at, parse_grid_columns(doc, [keys[i] for i in at], grid_ndim, grid_dims, widths[grid_at], chunk_sizes,
                                   budget)

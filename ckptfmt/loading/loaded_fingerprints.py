@@ -56,7 +56,7 @@ class FileFingerprint:
             try:
                 windows = self._read()
             except CheckpointError:
-                return None
+                windows = None
             if windows is None:
                 return None
             self._value = sampled_fingerprint(self._dtype, self._shape, windows)
