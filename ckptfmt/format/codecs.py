@@ -17,15 +17,15 @@ element, read as a little-endian N-byte unsigned integer, is rotated left by one
 bit drops to bit 0 and the exponent's top bits make the element's high byte (all 8 exponent bits for
 bf16 and fp32, the top 8 of fp64's 11, fp16's 5 and its 3 top mantissa bits). The rotated bytes are
 cut into N planes (plane j: byte j of every element) and each plane is stored on its own: as a zstd
-frame where that is shorter, raw otherwise. Why this design, measured on a small transformer's weights and AdamW moments
-(docs/performance.md, "Float codec"):
+frame where that is shorter, raw otherwise. Why this design, measured on a small transformer's
+weights and AdamW moments (docs/performance.md, "Float codec"):
 
 - The exponent plane carries nearly all the redundancy (about 2.5 bits of entropy a byte); the
   mantissa planes are almost random (7.95 bits). ZipNN and DFloat11 split the same way, and so
   store less than shuffle-zstd on weights and Adam's second moment (the sign, constant there, joins
   the mantissa plane instead of doubling the exponent byte's alphabet).
 - zstd entropy-codes literals with Huffman, per 128 KiB block; on an exponent plane matches rarely
-  pay (each costs more than the literals it replaces). ``_huffman_compressor`` reduces zstd to that
+  pay (each costs more than the literals it replaces). ``_HuffmanCompressor`` reduces zstd to that
   Huffman coding: the fast strategy told to skip so far ahead that it takes almost no match, with
   the literals' coding forced on (zstd turns it off by default whenever it skips). On a small
   transformer's bf16 weights that stores the exponent plane 3.46x where a 16 KiB-window fast search
@@ -36,7 +36,7 @@ frame where that is shorter, raw otherwise. Why this design, measured on a small
   delta, a constant sign), so the random planes cost a copy, not a zstd pass.
 - numpy, zstandard and the standard library's zstd (``compression.zstd``, Python 3.14; the
   ``backports.zstd`` package before it), for the one zstd parameter zstandard does not pass: literal
-  compression. The rotation is two shifts and an or.
+  compression. The rotation is two shifts and an or, run a block at a time in cached scratch.
 """
 
 from __future__ import annotations
