@@ -36,11 +36,12 @@ weights and AdamW moments (docs/performance.md, "Float codec"):
   delta, a constant sign), so the random planes cost a copy, not a zstd pass.
 - numpy, zstandard and the standard library's zstd (``compression.zstd``, Python 3.14; the
   ``backports.zstd`` package before it), for the one zstd parameter zstandard does not pass: literal
-  compression. The rotation is two shifts and an or, run a block at a time in cached scratch.
+  compression. The rotation is two shifts and an or, run a block at a time in cache-sized scratch.
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 from typing import Any
 
@@ -166,15 +167,24 @@ _UINT = {2: "<u2", 4: "<u4", 8: "<u8"}
 _LITERAL_COMPRESSION_MODE, _ENABLE = 1002, 1
 
 
-class _HuffmanCompressor:
-    """zstd reduced to the Huffman coding of its literals (see the module's docstring): the fast
-    strategy stepping 100,000 bytes past each failed match search, literal compression forced on."""
-
-    def __init__(self) -> None:
+def _standard_zstd() -> Any:
+    """The standard library's zstd module (``compression.zstd``, Python 3.14; ``backports.zstd`` before), or
+    None where this Python has none (built without it, or the backport not installed)."""
+    try:
         if sys.version_info >= (3, 14):
             from compression import zstd
         else:
             from backports import zstd
+    except ImportError:
+        return None
+    return zstd
+
+
+class _HuffmanCompressor:
+    """zstd reduced to the Huffman coding of its literals (see the module's docstring): the fast
+    strategy stepping 100,000 bytes past each failed match search, literal compression forced on."""
+
+    def __init__(self, zstd: Any) -> None:
         param = zstd.CompressionParameter
         self._options = {
             param.strategy: zstd.Strategy.fast, param.window_log: 14, param.hash_log: 10, param.min_match: 7,
@@ -183,6 +193,14 @@ class _HuffmanCompressor:
 
     def compress(self, data: bytes) -> bytes:
         return self._compress(data, options=self._options)
+
+
+def _plane_compressors() -> list[Any]:
+    """What makes a compressor for a plane's sample to be tried with: Huffman alone and level 1; level 1
+    alone where this Python has no standard zstd module (valid frames still; exponent planes ~10%
+    larger)."""
+    zstd = _standard_zstd()
+    return [_plane_compressor] if zstd is None else [functools.partial(_HuffmanCompressor, zstd), _plane_compressor]
 
 
 def _spread(data: memoryview | bytes, blocks: int, block: int, step: int) -> bytes:
@@ -203,7 +221,7 @@ def _compress_plane(plane: Any, exponent: bool) -> bytes | None:
     raw) where neither makes the sample ``_PAYS`` smaller (any gain at all for the exponent plane)."""
     sample = _sample(plane)
     best, best_frame, best_size = None, b"", len(sample) * (1.0 if exponent else _PAYS)
-    for make in (_HuffmanCompressor, _plane_compressor):
+    for make in _plane_compressors():
         frame = make().compress(sample)
         if len(frame) < best_size:
             best, best_frame, best_size = make, frame, len(frame)
@@ -229,14 +247,18 @@ def _float_encode(data: memoryview | bytes, width: int) -> memoryview:
     offset = 8 * width
     for j in range(width):
         frame = _compress_plane(planes[j], exponent=j == width - 1) if count else None
+        assert frame is None or len(frame) < count, "a longer frame would overwrite the next plane unread"
         piece = planes[j] if frame is None else np.frombuffer(frame, dtype=np.uint8)
         if frame is not None or offset != 8 * width + j * count:  # a raw plane in its place stays there
             out[offset : offset + len(piece)] = piece
         lengths.append(len(piece))
         offset += len(piece)
     out[: 8 * width] = np.array(lengths, dtype="<u8").view(np.uint8)
-    out[offset : offset + len(raw) - whole] = raw[whole:]
-    return out[: offset + len(raw) - whole].data
+    size = offset + len(raw) - whole
+    out[offset:size] = raw[whole:]
+    del planes, piece  # no view of ``out`` may outlive its resizing
+    out.resize(size, refcheck=False)  # in place (realloc): what compression saved is freed, nothing copied
+    return out.data
 
 
 #: Elements rotated or interleaved at a time: a block and its scratch stay in the CPU's cache, which
