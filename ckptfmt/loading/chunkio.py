@@ -7,7 +7,7 @@ import functools
 import mmap
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 
 from ckptfmt.errors import CheckpointNotFoundError, CorruptDataError
@@ -98,14 +98,15 @@ class ChunkReader:
             pass
         return self._once(self._maps, index, lambda: self._map(index, parallel), small_only=False)
 
-    def windows_reader(self, index: int, starts: list[int], length: int) -> Callable[[], bytes | None] | None:
-        """What reads ``length`` bytes at each of ``starts`` of chunk ``index``'s file, joined, unhashed (no
-        page of a map of it touched), when called: the storage and key only, no map or cache kept alive.
-        None where the chunk is not stored whole; the call gives None where the storage has no cheap reads."""
+    def windows_reader(self, index: int) -> Callable[[Sequence[int], int], bytes | None] | None:
+        """What reads, when called with ``starts`` and ``length``, that many bytes at each start of chunk
+        ``index``'s file, joined, unhashed (no page of a map of it touched): the storage and chunk table
+        only, no map or cache kept alive, and the key made at the call. None where the chunk is not
+        stored whole; the call gives None where the storage has no cheap reads."""
         chunk = self.chunks[index]
         if chunk.codec != codecs.NONE or chunk.base is not None:
             return None
-        return functools.partial(self.storage.read_windows, stored_key(self.chunks, chunk), starts, length)
+        return functools.partial(_read_windows, self.storage, self.chunks, index)
 
     def _once(self, cache: OrderedDict, index: int, load, *, small_only: bool):
         """Load ``index`` once even when several threads ask at the same time; cache the result."""
@@ -220,3 +221,9 @@ class ChunkReader:
         chunk = self.chunks[index]
         base = None if chunk.base is None else (self.chunks[chunk.base].hash, self.read(chunk.base))
         return self.healer.replacement(self.storage, chunk, damage, stored_key(self.chunks, chunk), base)
+
+
+def _read_windows(storage: Storage, chunks: list[Chunk], index: int, starts: Sequence[int],
+                  length: int) -> bytes | None:
+    """``ChunkReader.windows_reader``'s call."""
+    return storage.read_windows(stored_key(chunks, chunks[index]), starts, length)

@@ -45,16 +45,20 @@ class FileFingerprint:
     evaluation) reads nothing (38 files' windows were a third of MiniLM's unverified load). A file gone
     by then gives None: the check compares that tensor exactly instead."""
 
-    __slots__ = ("_read", "_dtype", "_shape", "_value")
+    __slots__ = ("_read", "_offset", "_length", "_dtype", "_shape", "_value")
 
-    def __init__(self, read: Callable[[], bytes | memoryview | None], dtype: torch.dtype, shape: Sequence[int]):
-        self._read, self._dtype, self._shape = read, dtype, tuple(shape)
+    def __init__(self, read: Callable[[Sequence[int], int], bytes | memoryview | None], offset: int, length: int,
+                 dtype: torch.dtype, shape: Sequence[int]):
+        """``read(starts, size)``: the file's ``size`` bytes at each of ``starts``, joined; the tensor's
+        bytes are ``length`` at ``offset`` of it."""
+        self._read, self._offset, self._length = read, offset, length
+        self._dtype, self._shape = dtype, tuple(shape)
         self._value: bytes | None = None
 
     def value(self) -> bytes | None:
         if self._value is None:
             try:
-                windows = self._read()
+                windows = self._read([self._offset + at for at in window_starts(self._length)], SAMPLE_BYTES)
             except CheckpointError:
                 windows = None
             if windows is None:

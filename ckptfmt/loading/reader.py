@@ -26,11 +26,9 @@ from ckptfmt.loading.healing import HealFrom
 from ckptfmt.loading.load_into import load_into
 from ckptfmt.loading.loaded_fingerprints import (
     EXACT_BYTES,
-    SAMPLE_BYTES,
     FileFingerprint,
     Fingerprint,
     remember_load,
-    window_starts,
 )
 from ckptfmt.loading.threads import read_threads
 from ckptfmt.metadata.rng import apply_rng
@@ -307,10 +305,9 @@ class CheckpointReader(Checkpoint):
         """Keep ``tensor``'s fingerprint, to be read from the windows of its chunk file (the bytes its map
         shows, as copy-on-write maps of immutable files do until written) when a resume's check asks;
         where they cannot be read, the check compares the tensor exactly."""
-        read = self._chunks.windows_reader(piece.chunk, [piece.offset + at for at in window_starts(piece.length)],
-                                           SAMPLE_BYTES)
+        read = self._chunks.windows_reader(piece.chunk)
         if read is not None:
-            self.view_fingerprints[key] = FileFingerprint(read, tensor.dtype, tensor.shape)
+            self.view_fingerprints[key] = FileFingerprint(read, piece.offset, piece.length, tensor.dtype, tensor.shape)
 
     def _assemble(self, entry: TensorEntry, parallel: bool) -> torch.Tensor:
         """The tensor in fresh memory, its shards' pieces read into place.
