@@ -3,6 +3,8 @@ failures keep botocore's retries."""
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import socket
 import subprocess
 import sys
@@ -73,7 +75,9 @@ def test_the_cli_says_so_in_one_line(refused_endpoint, tmp_path):
 @pytest.mark.slow
 def test_other_connection_failures_keep_every_retry(monkeypatch):
     """An endpoint that accepts the connection and closes it unanswered gets every attempt (of botocore's:
-    ckptfmt's own read loop tries once here, or the test would wait through its backoff for nothing)."""
+    ckptfmt's own read loop tries once here, or the test would wait through its backoff for nothing).
+    The clients' backoffs (asyncio sleeps of botocore's and s3fs's retries) only yield here: 8 s else."""
+    monkeypatch.setattr(asyncio, "sleep", functools.partial(_yield_only, asyncio.sleep))
     with socket.socket() as server:
         server.bind(("127.0.0.1", 0))
         server.listen(64)
@@ -97,3 +101,8 @@ def test_other_connection_failures_keep_every_retry(monkeypatch):
         with pytest.raises(StorageError):
             storage.read("ckptfmt.json", max_size=1024)
     assert max(numbers) == 3 > REFUSED_ATTEMPTS  # every attempt asked for (s3fs repeats them)
+
+
+async def _yield_only(sleep, delay: float, result: object = None) -> object:
+    """``asyncio.sleep`` that lets the other tasks run once, whatever ``delay`` it is given."""
+    return await sleep(0, result)

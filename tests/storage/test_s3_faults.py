@@ -29,6 +29,7 @@ from ckptfmt import CheckpointError, CheckpointExistsError, CorruptDataError, St
 from ckptfmt.format import layout
 from ckptfmt.format.hashing import check_chunk
 from ckptfmt.repository.repository import CommitRecord, Repository
+from ckptfmt.storage import object_store
 from ckptfmt.storage.factory import open_storage
 from ckptfmt.storage.object_store import S3FS_TRIES, ObjectStorage
 from tests.support.helpers import ANY_SIZE, assert_same
@@ -325,17 +326,22 @@ def test_a_damaged_or_cut_response_is_read_again(s3_bucket, s3_proxy, kind, targ
     assert s3_proxy.injected() == Counter({(kind, "GET"): 1})
 
 
-def test_a_read_that_keeps_failing_says_how_many_tries_it_made(s3_bucket, s3_proxy):
+def test_a_read_that_keeps_failing_says_how_many_tries_it_made(s3_bucket, s3_proxy, monkeypatch):
+    """Each failing read is tried 5 times, the pauses between doubling from 0.1-0.2 s (recorded, not
+    slept: 3-6 s of waiting otherwise)."""
     url = f"{s3_bucket}/tries"
     ckptfmt.save(small_state(4), f"{url}/a", chunk_size=65536)
     chunk = Repository.open(url).manifest("a").chunks[0]
     key = layout.chunk_key(chunk.hash, chunk.codec)
     options = through(s3_proxy, retries=NO_RETRIES)
+    pauses: list[float] = []
+    monkeypatch.setattr(object_store.time, "sleep", pauses.append)
 
     s3_proxy.script("truncate", op="GET", key_suffix=key, times=100)
     with pytest.raises(StorageError, match=r"after 5 tries over \d+\.\d s"):
         ckptfmt.load(f"{url}/a", storage_options=options)
     s3_proxy.unscript()
+    assert len(pauses) == 4 and all(0.1 * 2**i <= pause <= 0.2 * 2**i for i, pause in enumerate(pauses)), pauses
 
     # botocore checks a whole object's checksum (a StorageError once its tries are spent); ckptfmt checks
     # the chunk's hash wherever botocore cannot (a ranged read): either way the error counts the tries.
