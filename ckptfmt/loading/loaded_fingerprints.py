@@ -76,18 +76,20 @@ def fingerprint_value(kept: Fingerprint | None) -> bytes | None:
     return kept.value() if isinstance(kept, FileFingerprint) else kept
 
 
-def remember_load(manifest_hash: str, manifest: Manifest, state: Any,
-                  known: Mapping[str, Fingerprint] | None = None) -> None:
-    """Fingerprint the tensors of ``state``, just loaded from the checkpoint of ``manifest`` (whole or
-    into live objects), and keep the manifest, for ``record_resume``. ``known``: fingerprints the load
-    took already, by key (of views of chunk maps, from the files: ``CheckpointReader.view_fingerprints``)."""
+def remember_load(manifest_hash: str, manifest: Manifest, state: Any) -> None:
+    """Fingerprint the large tensors of ``state``, live objects just loaded into from the checkpoint of
+    ``manifest``, and keep them with the manifest, for ``record_resume``."""
     with collector_paused():  # a path per leaf: 100,000 small tensors' walk took twice as long with it on
-        known = known or {}
-        fingerprints = {}
-        for path, leaf in leaves((), state):
-            if isinstance(leaf, torch.Tensor) and leaf.nbytes > EXACT_BYTES:
-                key = format_key(path)
-                fingerprints[key] = known.get(key) or fingerprint(leaf)
+        fingerprints: dict[str, Fingerprint] = {
+            format_key(path): fingerprint(leaf) for path, leaf in leaves((), state)
+            if isinstance(leaf, torch.Tensor) and leaf.nbytes > EXACT_BYTES}
+    remember_fingerprints(manifest_hash, manifest, fingerprints)
+
+
+def remember_fingerprints(manifest_hash: str, manifest: Manifest, fingerprints: Mapping[str, Fingerprint]) -> None:
+    """Keep ``fingerprints`` (by key: of the large tensors a load of the checkpoint of ``manifest`` gave,
+    ``CheckpointReader.fingerprints`` for a whole load) and the manifest, for ``record_resume``."""
+    fingerprints = dict(fingerprints)
     with _LOCK:  # loads in several threads
         _LOADED.pop(manifest_hash, None)
         _LOADED[manifest_hash] = (manifest, fingerprints)

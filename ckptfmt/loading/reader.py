@@ -28,6 +28,8 @@ from ckptfmt.loading.loaded_fingerprints import (
     EXACT_BYTES,
     FileFingerprint,
     Fingerprint,
+    fingerprint,
+    remember_fingerprints,
     remember_load,
 )
 from ckptfmt.loading.threads import read_threads
@@ -73,10 +75,11 @@ class CheckpointReader(Checkpoint):
                             verify=verify)
         self.mmap = mmap
         self.map_location = torch.device(map_location if map_location is not None else "cpu")
-        #: Fingerprints (``loaded_fingerprints``) of the large tensors read as views of unhashed maps, by
-        #: key, taken from the chunk files: sampling the views would fault 16 pages of each map in (about
-        #: half of a warm ``verify=False`` load of 38 such tensors).
-        self.view_fingerprints: dict[str, Fingerprint] = {}
+        #: Fingerprints (``loaded_fingerprints``) of the large tensors a whole load (``load_state``) gave, by
+        #: key, for a resume's check: sampled as read, a view of an unhashed map's from its chunk file when
+        #: the check asks (sampling the view would fault 16 pages of each map in: about half of a warm
+        #: ``verify=False`` load of 38 such tensors).
+        self.fingerprints: dict[str, Fingerprint] = {}
 
     # -- reading -------------------------------------------------------------
     def get_tensor(self, key: str):
@@ -223,16 +226,16 @@ class CheckpointReader(Checkpoint):
                 list(pool.map(self._map_ahead, hashed))
         if workers <= 1 or self._reads_are_views() or mapped is not None:
             for index in firsts:
-                loaded[index] = self._read(index, fingerprint=True)
+                loaded[index] = self._read(index, remember=True)
         else:
             with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckptfmt-load") as pool:
-                for index, value in zip(firsts, pool.map(partial(self._read, fingerprint=True), firsts)):
+                for index, value in zip(firsts, pool.map(partial(self._read, remember=True), firsts)):
                     loaded[index] = value
         for index, first in first_of.items():
             if first is not None:
                 loaded[index] = loaded[first]
-                if tensors[first].key in self.view_fingerprints:
-                    self.view_fingerprints[tensors[index].key] = self.view_fingerprints[tensors[first].key]
+                if tensors[first].key in self.fingerprints:
+                    self.fingerprints[tensors[index].key] = self.fingerprints[tensors[first].key]
         return loaded
 
     def _map_ahead(self, row: int) -> None:
@@ -267,14 +270,13 @@ class CheckpointReader(Checkpoint):
         return (self.mmap and self._chunks.verify is False and self._chunks.storage.zero_copy_reads
                 and self.map_location.type == "cpu")
 
-    def _read(self, index: int, parallel: bool = False, *, fingerprint: bool = False):
-        """Tensor ``index``; ``fingerprint``: a view of an unhashed map also gets its fingerprint from the
-        file (``view_fingerprints``), for a whole load's ``remember_load``."""
+    def _read(self, index: int, parallel: bool = False, *, remember: bool = False):
+        """Tensor ``index``; ``remember``: a large one's fingerprint kept too (``fingerprints``)."""
         entry = self.manifest.tensors[index]
         if entry.same_as is not None:
             entry = self.manifest.tensors[entry.same_as]
         try:  # as ``_reading`` does, inline: a context manager's frame is 3 us of each tensor's few
-            tensor = self._mapped(entry, parallel, fingerprint) if self.mmap else None
+            tensor = self._mapped(entry, parallel, remember) if self.mmap else None
             if tensor is None:
                 tensor = self._assemble(entry, parallel)
         except (CorruptDataError, CheckpointNotFoundError) as exc:
@@ -282,11 +284,15 @@ class CheckpointReader(Checkpoint):
         if self.map_location.type != "cpu" and entry.kind != "numpy":
             tensor = tensor.to(self.map_location)
         try:
-            return finish(tensor, entry.kind, entry.requires_grad)
+            value = finish(tensor, entry.kind, entry.requires_grad)
         except (RuntimeError, TypeError) as exc:  # e.g. a numpy kind with a dtype numpy lacks
             raise ManifestError(f"{self.url}: tensor {entry.key!r} cannot be rebuilt as saved: {exc}") from None
+        if remember and isinstance(value, torch.Tensor) and value.nbytes > EXACT_BYTES \
+                and entry.key not in self.fingerprints:  # not a view's file fingerprint: sampled here
+            self.fingerprints[entry.key] = fingerprint(value)
+        return value
 
-    def _mapped(self, entry: TensorEntry, parallel: bool, fingerprint: bool = False) -> torch.Tensor | None:
+    def _mapped(self, entry: TensorEntry, parallel: bool, remember: bool = False) -> torch.Tensor | None:
         """The tensor as a view of its memory-mapped chunk, when it lies whole in one uncompressed chunk."""
         if len(entry.shards) != 1 or len(entry.shards[0].pieces) != 1:
             return None
@@ -297,7 +303,7 @@ class CheckpointReader(Checkpoint):
             return None
         tensor = torch.frombuffer(mapping, dtype=dtype_from_name(entry.dtype), count=piece.length // size,
                                   offset=piece.offset).reshape(entry.shape)
-        if fingerprint and piece.length > EXACT_BYTES and self._chunks.verify is not True:  # hashed: pages in
+        if remember and piece.length > EXACT_BYTES and self._chunks.verify is not True:  # hashed: pages in
             self._fingerprint_view(entry.key, tensor, piece)
         return tensor
 
@@ -307,7 +313,7 @@ class CheckpointReader(Checkpoint):
         where they cannot be read, the check compares the tensor exactly."""
         read = self._chunks.windows_reader(piece.chunk)
         if read is not None:
-            self.view_fingerprints[key] = FileFingerprint(read, piece.offset, piece.length, tensor.dtype, tensor.shape)
+            self.fingerprints[key] = FileFingerprint(read, piece.offset, piece.length, tensor.dtype, tensor.shape)
 
     def _assemble(self, entry: TensorEntry, parallel: bool) -> torch.Tensor:
         """The tensor in fresh memory, its shards' pieces read into place.
@@ -416,11 +422,11 @@ def load(url: str | os.PathLike, *, map_location: str | torch.device | None = "c
         if into is not None:
             rank, world_size = current_rank()
             state = load_into(reader, into, strict=strict, rank=rank, world_size=world_size, keep_per_rank=True)
-            taken = None  # the live tensors are sampled themselves: what the resume's check must vouch for
+            # the live tensors are sampled themselves: what the resume's check must vouch for
+            remember_load(reader.commit.manifest_hash, reader.manifest, state)
         else:
             state = reader.load_state()
-            taken = reader.view_fingerprints  # of the very views in ``state``
-        remember_load(reader.commit.manifest_hash, reader.manifest, state, taken)  # a resume's check compares with it
+            remember_fingerprints(reader.commit.manifest_hash, reader.manifest, reader.fingerprints)
         return state
 
 

@@ -238,25 +238,27 @@ def test_a_fingerprint_is_of_values_whatever_the_layout():
         assert fingerprint(b) != fingerprint(a) == fingerprint(a.clone())
 
 
-@pytest.mark.parametrize("verify", [False, "once"])
-def test_a_load_that_hashes_nothing_fingerprints_its_views_from_the_files(tmp_path, verify):
-    """Sampling a view of an unhashed map would read 16 of its pages in: the load reads the windows from
-    the chunk files instead, the same fingerprints (a shared tensor's second key too), and a resume's
-    check after such a load still finds a change."""
+@pytest.mark.parametrize(("verify", "compression"), [(False, None), ("once", None), (True, None),
+                                                     (False, "shuffle-zstd")])
+def test_a_whole_load_keeps_the_fingerprints_of_its_large_tensors(tmp_path, verify, compression):
+    """The fingerprints a whole load keeps for a resume's check are those of the state it gave, by key (a
+    shared tensor's second key too): taken as each tensor is read (no walk of the state after), a view of
+    an unhashed map's from its chunk file (sampling it would read 16 of its pages in). A resume's check
+    after such a load still finds a change."""
     from ckptfmt.loading.loaded_fingerprints import EXACT_BYTES, fingerprint, fingerprint_value
 
     torch.manual_seed(0)
     shared = torch.randn(100_000)
     url = ckptfmt.save({"a": torch.randn(256, 256), "b": shared, "c": shared, "small": torch.randn(8)},
-                       f"{tmp_path}/run/a")
+                       f"{tmp_path}/run/a", compression=compression)
     with ckptfmt.open(url, verify=verify) as reader:
         state = reader.load_state()
-        assert {key: fingerprint_value(kept) for key, kept in reader.view_fingerprints.items()} == \
+        assert {key: fingerprint_value(kept) for key, kept in reader.fingerprints.items()} == \
             {key: fingerprint(value) for key, value in state.items() if value.nbytes > EXACT_BYTES}
-        assert set(reader.view_fingerprints) == {"a", "b", "c"}
+        assert set(reader.fingerprints) == {"a", "b", "c"}
     with ckptfmt.open(url, verify=verify) as reader:
         reader.get_tensor("a")
-        assert reader.view_fingerprints == {}  # only a whole load's are kept (for remember_load)
+        assert reader.fingerprints == {}  # only a whole load's are kept (for remember_load)
     live = ckptfmt.load(url, verify=verify)
     assert verdicts(ckptfmt.record_resume(url, live)) == {"a": "equal", "b": "equal", "c": "equal", "small": "equal"}
     live["a"][-1, -1] += 1.0
