@@ -75,7 +75,7 @@ class CheckpointReader(Checkpoint):
                             verify=verify)
         self.mmap = mmap
         self.map_location = torch.device(map_location if map_location is not None else "cpu")
-        #: Fingerprints (``loaded_fingerprints``) of the large tensors a whole load (``load_state``) gave, by
+        #: Fingerprints (``loaded_fingerprints``) of the large tensors ``load_state(remember=True)`` gave, by
         #: key, for a resume's check: sampled as read, a view of an unhashed map's from its chunk file when
         #: the check asks (sampling the view would fault 16 pages of each map in: about half of a warm
         #: ``verify=False`` load of 38 such tensors).
@@ -178,13 +178,15 @@ class CheckpointReader(Checkpoint):
             flat = torch.frombuffer(span, dtype=target.dtype)
         target.copy_(flat.as_strided(size, strides, 0))
 
-    def load_state(self, *, workers: int | None = None, without: Iterable[str] = ()) -> Any:
+    def load_state(self, *, workers: int | None = None, without: Iterable[str] = (), remember: bool = False) -> Any:
         """The whole saved state, type-exact, every chunk verified.
 
         ``workers`` threads read and hash chunks (None: ``read_threads``); many reads in flight
         keep the disk's queue full (1.3 GB state, cold: 16 threads 0.95 s, 4 threads 1.16 s).
         ``without``: top-level entries of a state that is a dict to leave out, their
         tensors unread (the rest of a checkpoint whose model was loaded in place).
+        ``remember``: keep the large tensors' fingerprints in ``fingerprints`` as they are read, for a
+        resume's check (``ckptfmt.load`` does).
         """
         if workers is None:
             workers = read_threads(sum(chunk.stored_size for chunk in self.manifest.chunks))
@@ -200,7 +202,7 @@ class CheckpointReader(Checkpoint):
             if wanted and not 0 <= wanted[0] <= wanted[-1] < len(tensors):
                 raise CheckpointError(f"{self.url}: state refers to tensor {wanted[-1]}, table has {len(tensors)}")
         with collector_paused():  # a tensor object per entry (tracked, acyclic): a third of a load of 100,000
-            loaded = self._read_all(wanted, workers)
+            loaded = self._read_all(wanted, workers, remember)
 
         def resolve_tensor(index: int):
             if not 0 <= index < len(loaded):
@@ -213,7 +215,7 @@ class CheckpointReader(Checkpoint):
             state = type(state)((key, value) for key, value in state.items() if key not in left_out)
         return state
 
-    def _read_all(self, wanted: Iterable[int], workers: int) -> list[Any]:
+    def _read_all(self, wanted: Iterable[int], workers: int, remember: bool) -> list[Any]:
         """The tensors of entries ``wanted`` (a ``same_as`` entry: its first's object), None elsewhere."""
         tensors = self.manifest.tensors
         loaded: list[Any] = [None] * len(tensors)
@@ -226,10 +228,10 @@ class CheckpointReader(Checkpoint):
                 list(pool.map(self._map_ahead, hashed))
         if workers <= 1 or self._reads_are_views() or mapped is not None:
             for index in firsts:
-                loaded[index] = self._read(index, remember=True)
+                loaded[index] = self._read(index, remember=remember)
         else:
             with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckptfmt-load") as pool:
-                for index, value in zip(firsts, pool.map(partial(self._read, remember=True), firsts)):
+                for index, value in zip(firsts, pool.map(partial(self._read, remember=remember), firsts)):
                     loaded[index] = value
         for index, first in first_of.items():
             if first is not None:
@@ -303,7 +305,8 @@ class CheckpointReader(Checkpoint):
             return None
         tensor = torch.frombuffer(mapping, dtype=dtype_from_name(entry.dtype), count=piece.length // size,
                                   offset=piece.offset).reshape(entry.shape)
-        if remember and piece.length > EXACT_BYTES and self._chunks.verify is not True:  # hashed: pages in
+        if remember and piece.length > EXACT_BYTES and self._chunks.verify is not True \
+                and entry.kind != "numpy":  # hashed: its pages are in; numpy: not a tensor once finished
             self._fingerprint_view(entry.key, tensor, piece)
         return tensor
 
@@ -425,7 +428,7 @@ def load(url: str | os.PathLike, *, map_location: str | torch.device | None = "c
             # the live tensors are sampled themselves: what the resume's check must vouch for
             remember_load(reader.commit.manifest_hash, reader.manifest, state)
         else:
-            state = reader.load_state()
+            state = reader.load_state(remember=True)
             remember_fingerprints(reader.commit.manifest_hash, reader.manifest, reader.fingerprints)
         return state
 

@@ -12,8 +12,8 @@ then and now, is kept for this process's next save (``metadata.resumes``).
 
 Tensors are compared without reading them back. Those this process has just
 loaded from the checkpoint (``ckptfmt.load``, the integrations' loads) were
-verified against their chunks then and fingerprinted (``remember_load``: a
-sample of each one's bytes, whole up to 4 KiB); the live tensor's fingerprint
+verified against their chunks then and fingerprinted (``loaded_fingerprints``:
+a sample of each one's bytes, whole up to 4 KiB); the live tensor's fingerprint
 is compared with that, in microseconds whatever its size. That finds a state
 dropped, never loaded or loaded from elsewhere; a change confined to bytes
 between the samples of a large tensor it does not. Other tensors are checked
@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ckptfmt.errors import UnsupportedValueError
 from ckptfmt.format.hashing import chunk_hash
 from ckptfmt.format.manifest import TensorEntry
 from ckptfmt.format.per_rank import PerRankValues
@@ -45,6 +46,7 @@ from ckptfmt.loading.reader import CheckpointReader
 from ckptfmt.metadata.resumes import note_resume
 from ckptfmt.metadata.rng import capture_states
 from ckptfmt.repository.repository import resolve
+from ckptfmt.tensors.sources import prepare
 
 #: Keys named per part in a record: enough to say where to look, bounded whatever the state's size.
 KEYS_SHOWN = 8
@@ -199,6 +201,8 @@ def _check_part(reader: CheckpointReader, part: str, leaves: list[tuple[str, Any
     live_tensors: dict[str, Any] = {}
     live_values: dict[str, Any] = {}
     for key, leaf in leaves:
+        if isinstance(leaf, np.ndarray) and key in tensors:  # saved as a tensor of kind "numpy"
+            leaf = _as_saved_tensor(leaf)
         (live_tensors if isinstance(leaf, torch.Tensor) else live_values)[key] = leaf
     wrong: list[str] = []
     for key, entry in tensors.items():
@@ -223,6 +227,14 @@ def _check_part(reader: CheckpointReader, part: str, leaves: list[tuple[str, Any
     return check
 
 
+def _as_saved_tensor(array: np.ndarray) -> torch.Tensor | np.ndarray:
+    """A live numpy array as the tensor a save of it stores; one a save refuses stays as it is."""
+    try:
+        return prepare(array, "array").tensor
+    except UnsupportedValueError:
+        return array
+
+
 def _same_value(stored: Any, live: Any) -> bool:
     """Plain values equal as the checkpoint keeps them (spec 7.3: the type too), tuples as lists, a NaN
     equal to a NaN."""
@@ -240,7 +252,7 @@ def _same_value(stored: Any, live: Any) -> bool:
 
 class _Tensors:
     """Compares live tensors with the stored ones: by fingerprint where this process loaded them (large
-    tensors, ``remember_load``), else exactly by the chunks' hashes, a chunk that packs several small
+    tensors, ``loaded_fingerprints.remembered``), else exactly by the chunks' hashes, a chunk that packs several small
     tensors rebuilt from the live ones; read back only where that cannot tell."""
 
     def __init__(self, reader: CheckpointReader, live: dict[str, Any]):

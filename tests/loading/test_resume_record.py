@@ -3,6 +3,7 @@ objects with the checkpoint part by part, and the next checkpoint holds the reco
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -252,18 +253,37 @@ def test_a_whole_load_keeps_the_fingerprints_of_its_large_tensors(tmp_path, veri
     url = ckptfmt.save({"a": torch.randn(256, 256), "b": shared, "c": shared, "small": torch.randn(8)},
                        f"{tmp_path}/run/a", compression=compression)
     with ckptfmt.open(url, verify=verify) as reader:
-        state = reader.load_state()
+        state = reader.load_state(remember=True)
         assert {key: fingerprint_value(kept) for key, kept in reader.fingerprints.items()} == \
             {key: fingerprint(value) for key, value in state.items() if value.nbytes > EXACT_BYTES}
         assert set(reader.fingerprints) == {"a", "b", "c"}
     with ckptfmt.open(url, verify=verify) as reader:
         reader.get_tensor("a")
-        assert reader.fingerprints == {}  # only a whole load's are kept (for remember_load)
+        assert reader.fingerprints == {}  # only a whole load_state(remember=True)'s are kept
     live = ckptfmt.load(url, verify=verify)
     assert verdicts(ckptfmt.record_resume(url, live)) == {"a": "equal", "b": "equal", "c": "equal", "small": "equal"}
     live["a"][-1, -1] += 1.0
     assert verdicts(ckptfmt.record_resume(url, live))["a"] == "different"
 
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_numpy_arrays_saved_as_tensors_are_checked_as_tensors(tmp_path, verify):
+    """A numpy array is stored as a tensor of kind "numpy" and loads as an array: a resume's check
+    compares the live array with it exactly (it was "missing" before), and keeps no fingerprint of it
+    (the loaded view is no tensor)."""
+    arrays = {"large": np.arange(100_000, dtype=np.float32), "small": np.arange(10, dtype=np.int64)[::-1],
+              "tensor": torch.randn(300, 300)}
+    url = ckptfmt.save(arrays, f"{tmp_path}/run/a")
+    with ckptfmt.open(url, verify=verify) as reader:
+        reader.load_state(remember=True)
+        assert set(reader.fingerprints) == {"tensor"}
+    live = ckptfmt.load(url, verify=verify)
+    assert verdicts(ckptfmt.record_resume(url, live)) == {"large": "equal", "small": "equal", "tensor": "equal"}
+    live["large"][-1] += 1.0
+    live["small"][0] += 1
+    assert verdicts(ckptfmt.record_resume(url, live)) == {"large": "different", "small": "different",
+                                                          "tensor": "equal"}
 
 _NO_ADDRESS_OF_THEIR_OWN = '''
 import torch
