@@ -1,10 +1,11 @@
 """What checking a manifest costs per byte: hostile layouts against an ordinary manifest of the same size.
 
-    python bench/manifest_cost.py [--mib 64]
+    python bench/manifest_cost.py [--mib 64] [--repeats 7]
 
 Builds three manifests in memory (no storage involved) and times
-``Manifest.from_bytes`` on each, with the peak of Python allocations
-(tracemalloc) above the manifest bytes themselves:
+``Manifest.from_bytes`` on each ``--repeats`` times (the median and the
+range), with the peak of Python allocations (tracemalloc) above the manifest
+bytes themselves:
 
 - ``ordinary``: many one-shard tensors, one piece each, as ``ckptfmt.save`` writes them;
 - ``empty pieces``: one empty tensor whose shard lists millions of zero-length pieces;
@@ -15,6 +16,7 @@ Builds three manifests in memory (no storage involved) and times
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 import tracemalloc
 
@@ -82,13 +84,17 @@ def parse(name: str, data: bytes) -> str:
         return f"refused: {str(exc)[:70]}"
 
 
-def measure(name: str, data: bytes, memory: bool) -> None:
-    """Time one parse untraced, then (with ``memory``) trace a second one for its peak allocations."""
-    started = time.perf_counter()
-    outcome = parse(name, data)
-    seconds = time.perf_counter() - started
+def measure(name: str, data: bytes, memory: bool, repeats: int) -> None:
+    """Time ``repeats`` parses untraced, then (with ``memory``) trace one more for its peak allocations."""
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        outcome = parse(name, data)
+        times.append(time.perf_counter() - started)
+    seconds = statistics.median(times)
     mib = len(data) / 2**20
-    line = f"{name:14} {mib:7.1f} MiB  {seconds:7.2f} s  {seconds / mib * 1e3:7.1f} ms/MiB  "
+    line = (f"{name:14} {mib:7.1f} MiB  {seconds:7.2f} s ({min(times):.2f}-{max(times):.2f})  "
+            f"{seconds / mib * 1e3:7.1f} ms/MiB  ")
     if memory:
         tracemalloc.start()
         parse(name, data)
@@ -102,12 +108,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mib", type=float, default=16, help="size of each manifest (MiB)")
     parser.add_argument("--only", choices=sorted(BUILDERS), help="measure one kind of manifest")
+    parser.add_argument("--repeats", type=int, default=1, help="parses timed of each manifest (median, range)")
     parser.add_argument("--no-memory", action="store_true", help="skip the (slow) traced second parse")
     args = parser.parse_args()
     target = int(args.mib * 2**20)
     for name, build in BUILDERS.items():
         if args.only in (None, name):
-            measure(name, build(target), not args.no_memory)
+            measure(name, build(target), not args.no_memory, args.repeats)
 
 
 if __name__ == "__main__":

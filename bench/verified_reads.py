@@ -3,13 +3,15 @@ multi-threaded hashing of the same chunk bytes (warm), and against ``cat`` of th
 /dev/null with the page cache dropped (cold); and the warm load of a MiniLM-shaped state (99 float32
 tensors, 90 MB) with each ``verify`` mode against safetensors' ``load_file``.
 
-    python bench/verified_reads.py [--mb 1024] [--repeats 7] [--dir DIR]
+    python bench/verified_reads.py [--mb 1024] [--repeats 7] [--loads 31] [--dir DIR]
 
 A state of ``--mb`` MiB of float32 tensors (64 MiB each, uncompressed, as ``ckptfmt.save`` stores
 them by default) is saved once; each repeat then times, in alternating order, the warm pair (verify,
 then hashing each chunk's bytes already in memory with ``max_threads=AUTO``) and the cold pair
 (verify and ``cat``, each after ``posix_fadvise(DONTNEED)`` on every chunk file). Prints the rates
-and the median and range of the per-repeat ratios (verify's rate / the reference's).
+and the median and range of the per-repeat ratios (verify's rate / the reference's). A load takes a
+few milliseconds, so each repeat of the loads is ``--loads`` pairs (ckptfmt's load and ``load_file``,
+alternated) and gives the median of each; the ratio is taken per repeat, as above.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mb", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--loads", type=int, default=31, help="load pairs in a repeat of the loads (their medians)")
     parser.add_argument("--dir", default=None, help="where the repository goes (default: a temporary folder)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(dir=args.dir) as folder:
@@ -76,7 +79,7 @@ def main() -> None:
                 else:
                     b, a = theirs(), ours()
                 seconds[name].append((a, b))
-        loads = load_pairs(Path(folder), args.repeats)
+        loads = load_pairs(Path(folder), args.repeats, args.loads)
     print(f"{len(chunks)} chunk files, {total / 2**20:.0f} MiB, {args.repeats} repeats (alternating order)")
     for name, reference in (("warm", "blake3 AUTO hashing"), ("cold", "cat to /dev/null")):
         ours = [total / a / 1e9 for a, _ in seconds[name]]
@@ -90,8 +93,8 @@ def main() -> None:
     for mode, pairs in loads.items():
         ours = [a * 1e3 for a, _ in pairs]
         ratios = [a / b for a, b in pairs]
-        print(f"  load(verify={mode!r}) {statistics.median(ours):.1f} ms ({min(ours):.1f}-{max(ours):.1f}); "
-              f"/ load_file: median {statistics.median(ratios):.1f}x (range {min(ratios):.1f}-{max(ratios):.1f}); "
+        print(f"  load(verify={mode!r}) {statistics.median(ours):.2f} ms ({min(ours):.2f}-{max(ours):.2f}); "
+              f"/ load_file: median {statistics.median(ratios):.2f}x (range {min(ratios):.2f}-{max(ratios):.2f}); "
               f"load_file {statistics.median(b for _, b in pairs) * 1e3:.2f} ms")
 
 
@@ -109,8 +112,9 @@ def minilm_state() -> dict[str, torch.Tensor]:
     return state
 
 
-def load_pairs(folder: Path, repeats: int) -> dict[object, list[tuple[float, float]]]:
-    """Per verify mode, (ckptfmt.load seconds, load_file seconds) of each repeat, order alternated."""
+def load_pairs(folder: Path, repeats: int, loads: int) -> dict[object, list[tuple[float, float]]]:
+    """Per verify mode, (ckptfmt.load seconds, load_file seconds) of each repeat: the medians of ``loads``
+    pairs, the order alternated from pair to pair."""
     from safetensors.torch import load_file, save_file
 
     state = minilm_state()
@@ -127,14 +131,18 @@ def load_pairs(folder: Path, repeats: int) -> dict[object, list[tuple[float, flo
         ckptfmt.load(url, verify=mode)
     theirs = lambda: load_file(str(folder / "minilm.safetensors"))
     found: dict[object, list[tuple[float, float]]] = {mode: [] for mode in modes}
-    for repeat in range(repeats):
+    for _ in range(repeats):
         for mode in modes:
             ours = lambda mode=mode: ckptfmt.load(url, verify=mode)
-            if repeat % 2 == 0:
-                a, b = timed(ours), timed(theirs)
-            else:
-                b, a = timed(theirs), timed(ours)
-            found[mode].append((a, b))
+            times: tuple[list[float], list[float]] = ([], [])
+            for pair in range(loads):
+                if pair % 2 == 0:
+                    a, b = timed(ours), timed(theirs)
+                else:
+                    b, a = timed(theirs), timed(ours)
+                times[0].append(a)
+                times[1].append(b)
+            found[mode].append((statistics.median(times[0]), statistics.median(times[1])))
     return found
 
 
