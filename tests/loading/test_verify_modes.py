@@ -4,6 +4,8 @@ process (``"once"``), or never (``False``, sizes still checked)."""
 from __future__ import annotations
 
 import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -94,3 +96,24 @@ def test_compressed_chunks_follow_the_same_rules(tmp_path, monkeypatch):
 def test_an_unknown_mode_is_refused(checkpoint):
     with pytest.raises(ValueError, match="verify must be True, 'once' or False"):
         ckptfmt.load(checkpoint[0], verify="sometimes")
+
+
+def test_false_from_many_threads_at_once_gives_views_of_one_map_of_a_shared_chunk(tmp_path):
+    """Unverified maps are made without the hand-off a hashed one needs: threads asking for tensors of one
+    chunk at the same moment may each map its file, but every view they get is of the one map kept."""
+    state = {f"t{i}": torch.arange(64.0) + i for i in range(32)}  # small tensors: packed into one chunk
+    url = ckptfmt.save(state, tmp_path / "run" / "a")
+    for _ in range(5):
+        with ckptfmt.open(url, verify=False) as reader:
+            start = threading.Barrier(8)
+
+            def read(key: str) -> torch.Tensor:
+                if key in ("t0", "t1", "t2", "t3", "t4", "t5", "t6", "t7"):
+                    start.wait(timeout=30)
+                return reader.get_tensor(key)
+            with ThreadPoolExecutor(8) as pool:
+                got = dict(zip(state, pool.map(read, state)))
+            assert all(torch.equal(got[key], value) for key, value in state.items())
+            pack = reader.manifest.chunks[reader.manifest.tensors[0].shards[0].pieces[0].chunk]
+            addresses = [tensor.data_ptr() for tensor in got.values()]
+            assert max(addresses) - min(addresses) < pack.size  # one map's range, not two
