@@ -1,6 +1,6 @@
 """What checking a manifest costs per byte: hostile layouts against an ordinary manifest of the same size.
 
-    python bench/manifest_cost.py [--mib 64] [--repeats 7]
+    python bench/manifest_cost.py [--mib 16] [--repeats 1]
 
 Builds three manifests in memory (no storage involved) and times
 ``Manifest.from_bytes`` on each ``--repeats`` times (the median and the
@@ -111,6 +111,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1, help="parses timed of each manifest (median, range)")
     parser.add_argument("--no-memory", action="store_true", help="skip the (slow) traced second parse")
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
     target = int(args.mib * 2**20)
     for name, build in BUILDERS.items():
         if args.only in (None, name):
