@@ -109,17 +109,24 @@ class LocalStorage(Storage):
         O_NONBLOCK: opening a FIFO must not wait for a writer; devices, FIFOs,
         sockets and folders are refused before a single byte is read.
         """
+        fd = self._open(key)
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            os.close(fd)
+            raise self._not_regular(key, info.st_mode)
+        return fd, info.st_size
+
+    def _open(self, key: str) -> int:
+        """A read-only, non-blocking descriptor on ``key``, whatever it is (a socket refused)."""
         try:  # no context manager or message made unless it fails: once for each chunk a load maps
-            fd = os.open(self.path(key), os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+            return os.open(self.path(key), os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         except OSError as exc:
             if exc.errno == errno.ENXIO:  # a socket, or a FIFO-like device without a peer
                 raise CorruptDataError(f"{self.describe(key)}: not a regular file (a socket or device)") from None
             raise translate_error(exc, self.describe(key)) from exc
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            os.close(fd)
-            raise CorruptDataError(f"{self.describe(key)}: not a regular file ({_file_kind(info.st_mode)})")
-        return fd, info.st_size
+
+    def _not_regular(self, key: str, mode: int) -> CorruptDataError:
+        return CorruptDataError(f"{self.describe(key)}: not a regular file ({_file_kind(mode)})")
 
     def read(self, key: str, *, max_size: int) -> bytes:
         fd, size = self._open_regular(key)
@@ -154,17 +161,25 @@ class LocalStorage(Storage):
     def map(self, key: str, size: int) -> mmap.mmap | None:
         if size == 0:
             return None
-        fd, actual = self._open_regular(key)
+        fd = self._open(key)
         try:
-            if actual != size:
-                raise CorruptDataError(f"{self.describe(key)}: {actual} bytes, expected {size}")
+            # No fstat of our own (one syscall of each chunk a load maps): a length of 0 maps a regular file
+            # whole and fails on anything else (CPython's mmap maps st_size of regular files only, and the
+            # kernel refuses a map of no length); the file's kind is looked up when it fails.
             mapping = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
-        except CheckpointError:
-            raise
-        except (OSError, ValueError) as exc:  # ValueError: a file emptied since its size was read
+        except (OSError, ValueError) as exc:  # ValueError: an empty file
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise self._not_regular(key, info.st_mode) from None
+            if info.st_size != size:
+                raise CorruptDataError(f"{self.describe(key)}: {info.st_size} bytes, expected {size}") from None
             raise translate_error(exc, self.describe(key)) from exc
         finally:
             os.close(fd)
+        actual = len(mapping)
+        if actual != size:
+            mapping.close()
+            raise CorruptDataError(f"{self.describe(key)}: {actual} bytes, expected {size}")
         return mapping
 
     def read_windows(self, key: str, starts: Sequence[int], length: int) -> bytes:
