@@ -249,8 +249,12 @@ class StorageContract:
         assert storage.read("m", max_size=ANY_SIZE) == b"mapped bytes"
         mapping.close()
         assert storage.map("empty-needs-no-map", 0) is None
-        with pytest.raises(CorruptDataError):
-            storage.map("m", 13)
+        for expected in (13, 11):  # shorter or longer than the manifest says: refused, sizes named
+            with pytest.raises(CorruptDataError, match=f"12 bytes, expected {expected}"):
+                storage.map("m", expected)
+        storage.write("empty", b"")
+        with pytest.raises(CorruptDataError, match="0 bytes, expected 4"):
+            storage.map("empty", 4)
         with pytest.raises(CheckpointNotFoundError):
             storage.map("missing", 4)
 
