@@ -37,7 +37,7 @@ import torch
 from ckptfmt.converters import safetensors_format, torch_format
 from ckptfmt.converters.importer import Imported
 from ckptfmt.errors import CheckpointError, CheckpointNotFoundError, ManifestError
-from ckptfmt.format.rng_states import pack_python_words
+from ckptfmt.format.rng_states import numpy_state_tuple, pack_python_words
 from ckptfmt.format.values import format_key
 
 TRAINER_STATE = "trainer_state.json"
@@ -280,6 +280,7 @@ def _rng_entry(path: str, rank: int, notes: list[str]) -> dict:
                 raise TypeError("malformed")
             entry["numpy"] = {"bit_generator": bit_generator, "keys": keys.astype("<u4").tobytes(),
                               "pos": int(pos), "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
+            numpy_state_tuple(entry["numpy"])  # what a restore will check: a key of 624 words, its position in it
         except (TypeError, ValueError) as exc:
             raise CheckpointError(f"{path}: 'numpy' is not a numpy.random.get_state() tuple ({exc})") from None
     python_state = states.get("python")

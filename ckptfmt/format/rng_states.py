@@ -32,6 +32,38 @@ def python_words(state: Any) -> tuple[int, ...]:
     raise ValueError(f"python state must be {PYTHON_WORDS} ints or a bin of {_WORDS.size} bytes")
 
 
+#: The words of the Mersenne Twister key that numpy's legacy global state holds (spec 9.1).
+NUMPY_KEY_WORDS = 624
+
+
+def numpy_state_tuple(state: Any) -> tuple:
+    """A ``numpy`` field (spec 9.1) as the tuple ``np.random.set_state`` takes, its key, position and
+    Gaussian flag checked first: numpy checks none of them (no key words raised IndexError; it reads the
+    key word at the position on the next draw, and a position of 10**6 crashed the process). ValueError
+    for anything else (a restore names the checkpoint: "malformed RNG state")."""
+    import numpy as np
+
+    if type(state) is not dict or not {"bit_generator", "keys", "pos", "has_gauss", "cached_gaussian"} <= set(state):
+        raise ValueError("numpy's state must be a map of bit_generator, keys, pos, has_gauss and cached_gaussian")
+    keys, pos, has_gauss = state["keys"], state["pos"], state["has_gauss"]
+    if type(keys) is not bytes or len(keys) != 4 * NUMPY_KEY_WORDS:
+        raise ValueError(f"numpy's keys must be a bin of {4 * NUMPY_KEY_WORDS} bytes ({NUMPY_KEY_WORDS} uint32), "
+                         f"not {_described(keys)}")
+    if type(pos) is not int or not 0 <= pos <= NUMPY_KEY_WORDS:
+        raise ValueError(f"numpy's pos must be an int in [0, {NUMPY_KEY_WORDS}], not {_described(pos)}")
+    if type(has_gauss) is not int or has_gauss not in (0, 1):
+        raise ValueError(f"numpy's has_gauss must be 0 or 1, not {_described(has_gauss)}")
+    return (state["bit_generator"], np.frombuffer(keys, dtype="<u4").astype(np.uint32), pos, has_gauss,
+            state["cached_gaussian"])
+
+
+def _described(value: Any) -> str:
+    """A short account of a stored value, for a message: a bin's length, an int itself, else its type."""
+    if type(value) is bytes:
+        return f"{len(value)} bytes"
+    return str(value) if type(value) is int else f"a {type(value).__name__}"
+
+
 def comparable_entry(entry: Any) -> Any:
     """An ``rng`` entry with its Python state as a tuple of ints, so that entries written in either form
     compare equal when their states are (an entry whose state is neither is given back as it is)."""

@@ -44,13 +44,12 @@ import time
 import warnings
 from typing import Any
 
-import numpy as np
 import torch
 from transformers import TrainerCallback
 
-from ckptfmt.errors import CheckpointError, CheckpointWarning
+from ckptfmt.errors import CheckpointError, CheckpointWarning, quoted
 from ckptfmt.format.plain_values import plain_tree
-from ckptfmt.format.rng_states import python_words
+from ckptfmt.format.rng_states import numpy_state_tuple, python_words
 from ckptfmt.integrations.sampler import check_position, fingerprint
 from ckptfmt.lifecycle.manager import CheckpointManager
 from ckptfmt.loading.load_into import load_into
@@ -365,22 +364,29 @@ def _materialise(url: str, folder: str, storage_options: dict | None) -> None:
     with open(os.path.join(folder, "trainer_state.json"), "w", encoding="utf-8") as f:
         json.dump(state["trainer_state"], f, indent=2, sort_keys=True)
     for entry in rng:
-        name = f"rng_state_{entry['rank']}.pth" if len(rng) > 1 else "rng_state.pth"
-        torch.save(_trainer_rng(entry), os.path.join(folder, name))
+        rank = entry.get("rank")
+        if type(rank) is not int or rank < 0:  # it names a file: nothing but a rank may reach the path
+            raise CheckpointError(f"{url}: an RNG state's rank must be an int >= 0, not {quoted(rank)}")
+        name = f"rng_state_{rank}.pth" if len(rng) > 1 else "rng_state.pth"
+        torch.save(_trainer_rng(entry, url), os.path.join(folder, name))
 
 
-def _trainer_rng(entry: dict) -> dict:
-    """A ckptfmt RNG entry (spec 9.1) as the Trainer's ``rng_state.pth`` holds it."""
-    numpy_state = entry["numpy"]
-    python_state = entry["python"]
-    states = {
-        "python": (python_state["version"], python_words(python_state["state"]), python_state["gauss_next"]),
-        "numpy": (numpy_state["bit_generator"], np.frombuffer(numpy_state["keys"], dtype="<u4").astype(np.uint32),
-                  numpy_state["pos"], numpy_state["has_gauss"], numpy_state["cached_gaussian"]),
-        "cpu": torch.frombuffer(bytearray(entry["torch_cpu"]), dtype=torch.uint8),
-    }
-    if entry.get("cuda"):
-        states["cuda"] = [torch.frombuffer(bytearray(s), dtype=torch.uint8) for s in entry["cuda"]]
+def _trainer_rng(entry: dict, where: str) -> dict:
+    """A ckptfmt RNG entry (spec 9.1) as the Trainer's ``rng_state.pth`` holds it, checked as a restore checks
+    it: the Trainer sets numpy's generator from it, and numpy checks neither its key nor its position."""
+    try:
+        python_state = entry["python"]
+        if type(entry["torch_cpu"]) is not bytes or not all(type(s) is bytes for s in entry.get("cuda") or []):
+            raise TypeError("generator states must be bytes")
+        states = {
+            "python": (python_state["version"], python_words(python_state["state"]), python_state["gauss_next"]),
+            "numpy": numpy_state_tuple(entry["numpy"]),
+            "cpu": torch.frombuffer(bytearray(entry["torch_cpu"]), dtype=torch.uint8),
+        }
+        if entry.get("cuda"):
+            states["cuda"] = [torch.frombuffer(bytearray(s), dtype=torch.uint8) for s in entry["cuda"]]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"{where}: malformed RNG state of rank {entry['rank']} ({exc})") from None
     return states
 
 

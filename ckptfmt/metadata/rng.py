@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from ckptfmt.errors import CheckpointError
-from ckptfmt.format.rng_states import pack_python_words, python_words
+from ckptfmt.format.rng_states import numpy_state_tuple, pack_python_words, python_words
 
 
 def capture_rng(rank: int) -> dict:
@@ -77,17 +77,6 @@ def apply_rng(entry: dict, where: str) -> None:
         raise
 
 
-#: The words of a Mersenne Twister's key: numpy's legacy global state holds exactly this many (spec 9.1).
-_MT19937_WORDS = 624
-
-
-def _described(value: object) -> str:
-    """A short account of a stored value, for a message: a bin's length, an int itself, else its type."""
-    if type(value) is bytes:
-        return f"{len(value)} bytes"
-    return str(value) if type(value) is int else f"a {type(value).__name__}"
-
-
 def _set_states(entry: dict, where: str) -> None:
     # Byte states must be bytes: bytearray(n) of a hostile integer would allocate n bytes.
     if type(entry["torch_cpu"]) is not bytes or not all(type(s) is bytes for s in entry.get("cuda") or []):
@@ -102,18 +91,7 @@ def _set_states(entry: dict, where: str) -> None:
         torch.cuda.set_rng_state_all([torch.frombuffer(bytearray(s), dtype=torch.uint8) for s in cuda_states])
     numpy_state = entry.get("numpy")
     if numpy_state:
-        keys_bin, pos, has_gauss = numpy_state["keys"], numpy_state["pos"], numpy_state["has_gauss"]
-        # numpy checks neither: no key words made its set_state raise IndexError, and it reads the key word
-        # at ``pos`` unchecked on the next draw (a position of 10**6 crashed the process).
-        if type(keys_bin) is not bytes or len(keys_bin) != 4 * _MT19937_WORDS:
-            raise TypeError(f"numpy's keys must be a bin of {4 * _MT19937_WORDS} bytes "
-                            f"({_MT19937_WORDS} uint32), not {_described(keys_bin)}")
-        if type(pos) is not int or not 0 <= pos <= _MT19937_WORDS:
-            raise TypeError(f"numpy's pos must be an int in [0, {_MT19937_WORDS}], not {_described(pos)}")
-        if type(has_gauss) is not int or has_gauss not in (0, 1):
-            raise TypeError(f"numpy's has_gauss must be 0 or 1, not {_described(has_gauss)}")
-        keys = np.frombuffer(keys_bin, dtype="<u4").astype(np.uint32)
-        np.random.set_state((numpy_state["bit_generator"], keys, pos, has_gauss, numpy_state["cached_gaussian"]))
+        np.random.set_state(numpy_state_tuple(numpy_state))
     python_state = entry.get("python")
     if python_state:
         random.setstate((python_state["version"], python_words(python_state["state"]), python_state["gauss_next"]))

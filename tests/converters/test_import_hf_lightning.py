@@ -180,6 +180,19 @@ def test_hf_trainer_rng_state_restores_like_the_trainer_would(hf_checkpoint, tmp
     assert _draws() == expected
 
 
+@pytest.mark.parametrize("position, keys", [(10**6, 624), (-1, 624), (0, 0), (0, 625)])
+def test_an_hf_numpy_state_no_restore_could_apply_is_refused_at_import(hf_checkpoint, tmp_path, position, keys):
+    """numpy's set_state takes a position past its key (the next draw reads there: a crash at 10**6) and
+    raises IndexError on an empty key: such a state is refused when imported, not when restored."""
+    folder = _copy(hf_checkpoint, tmp_path / "checkpoint-3")
+    saved = torch.load(os.path.join(folder, "rng_state.pth"), weights_only=False)
+    name, _, _, has_gauss, cached = saved["numpy"]
+    torch.save(dict(saved, numpy=(name, np.zeros(keys, dtype=np.uint32), position, has_gauss, cached)),
+               os.path.join(folder, "rng_state.pth"))
+    with pytest.raises(CheckpointError, match=r"'numpy' is not a numpy.random.get_state\(\) tuple \(numpy's"):
+        read_source(folder)
+
+
 def test_hf_per_process_rng_files_become_ranks(hf_checkpoint, tmp_path):
     folder = _copy(hf_checkpoint, tmp_path / "checkpoint-3")
     os.rename(os.path.join(folder, "rng_state.pth"), os.path.join(folder, "rng_state_0.pth"))

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.support.helpers import require_module, torchrun
+from tests.support.helpers import require_module, rewrite_manifest, torchrun
 
 require_module("transformers", "transformers is a test dependency (pip install ckptfmt[transformers])")
 
@@ -22,8 +22,10 @@ from safetensors.torch import load_file
 
 import ckptfmt
 from ckptfmt.analytics import Thresholds, stragglers
+from ckptfmt.format import layout
 from ckptfmt.integrations.transformers import CkptfmtCallback
 from ckptfmt.metadata.step_timer import decode_steps
+from ckptfmt.storage.factory import open_storage
 from tests.support.hf_training import Record, arguments, trainer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -174,6 +176,28 @@ def test_resume_folder_is_none_on_a_fresh_start_and_names_a_missing_step(tmp_pat
     train(tmp_path / "out", [saving])
     with pytest.raises(ckptfmt.CheckpointError, match=r"repo: no checkpoint of step 5 \(there are \[4, 8\]\)"):
         saving.resume_folder(args, step=5)
+
+
+def test_a_malformed_rng_state_is_refused_before_the_trainer_gets_it(tmp_path):
+    """The Trainer sets numpy's generator from the folder's rng_state.pth, and numpy checks neither its key
+    nor its position (a position of 10**6 crashed the process on the next draw); a rank names a file."""
+    saving = CkptfmtCallback(tmp_path / "repo")
+    args = arguments(str(tmp_path / "out"))
+    train(tmp_path / "out", [saving])
+    storage = open_storage(tmp_path / "repo")
+    name = max(ckptfmt.Repository.open(str(tmp_path / "repo")).commits(), key=lambda record: record.step).name
+    refusals = [
+        (lambda rng: rng[0]["numpy"].update(pos=10**6), r"malformed RNG state of rank 0 \(numpy's pos must be"),
+        (lambda rng: rng[0]["numpy"].update(keys=b""), r"malformed RNG state of rank 0 \(numpy's keys must be"),
+        (lambda rng: rng[0].update(rank="../../escaped"), r"an RNG state's rank must be an int >= 0, not '\.\./"),
+    ]
+    for change, refusal in refusals:
+        good = storage.read(layout.commit_key(name), max_size=2**20)
+        rewrite_manifest(storage, name, lambda doc, change=change: change(doc["rng"]))
+        with pytest.raises(ckptfmt.CheckpointError, match=refusal):
+            saving.resume_folder(args)
+        storage.write(layout.commit_key(name), good)  # the checkpoint as it was, for the next change
+    assert saving.resume_folder(args) is not None
 
 
 @pytest.mark.distributed
