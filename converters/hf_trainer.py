@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import struct
 from typing import Any
@@ -37,7 +38,7 @@ import torch
 from ckptfmt.converters import safetensors_format, torch_format
 from ckptfmt.converters.importer import Imported
 from ckptfmt.errors import CheckpointError, CheckpointNotFoundError, ManifestError
-from ckptfmt.format.rng_states import numpy_state_tuple, pack_python_words
+from ckptfmt.format.rng_states import numpy_state_tuple, pack_python_words, python_state_tuple
 from ckptfmt.format.values import format_key
 
 TRAINER_STATE = "trainer_state.json"
@@ -280,8 +281,8 @@ def _rng_entry(path: str, rank: int, notes: list[str]) -> dict:
                 raise TypeError("malformed")
             entry["numpy"] = {"bit_generator": bit_generator, "keys": keys.astype("<u4").tobytes(),
                               "pos": int(pos), "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
-            numpy_state_tuple(entry["numpy"])  # what a restore will check: a key of 624 words, its position in it
-        except (TypeError, ValueError) as exc:
+            np.random.RandomState().set_state(numpy_state_tuple(entry["numpy"]))  # what a restore checks
+        except (TypeError, ValueError, OverflowError) as exc:
             raise CheckpointError(f"{path}: 'numpy' is not a numpy.random.get_state() tuple ({exc})") from None
     python_state = states.get("python")
     if python_state is not None:
@@ -291,7 +292,8 @@ def _rng_entry(path: str, rank: int, notes: list[str]) -> dict:
                     not (gauss_next is None or type(gauss_next) is float):
                 raise TypeError("malformed")
             entry["python"] = {"version": version, "state": pack_python_words(internal), "gauss_next": gauss_next}
-        except (TypeError, ValueError, struct.error) as exc:
+            random.Random().setstate(python_state_tuple(entry["python"]))  # what a restore checks: its position
+        except (TypeError, ValueError, OverflowError, struct.error) as exc:
             raise CheckpointError(f"{path}: 'python' is not a random.getstate() tuple ({exc})") from None
     others = sorted(str(k) for k in states if k not in ("cpu", "cuda", "numpy", "python"))
     if others:

@@ -12,6 +12,8 @@ import struct
 from collections.abc import Sequence
 from typing import Any
 
+from ckptfmt.errors import quoted
+
 #: The ints of ``random.getstate()[1]``: the Mersenne Twister's 624 key words, then its position.
 PYTHON_WORDS = 625
 _WORDS = struct.Struct(f"<{PYTHON_WORDS}I")
@@ -37,15 +39,18 @@ NUMPY_KEY_WORDS = 624
 
 
 def numpy_state_tuple(state: Any) -> tuple:
-    """A ``numpy`` field (spec 9.1) as the tuple ``np.random.set_state`` takes, its key, position and
-    Gaussian flag checked first: numpy checks none of them (no key words raised IndexError; it reads the
+    """A ``numpy`` field (spec 9.1) as the tuple ``np.random.set_state`` takes, every part checked first:
+    numpy checks neither the key's length nor the position (no key words raised IndexError; it reads the
     key word at the position on the next draw, and a position of 10**6 crashed the process). ValueError
     for anything else (a restore names the checkpoint: "malformed RNG state")."""
     import numpy as np
 
     if type(state) is not dict or not {"bit_generator", "keys", "pos", "has_gauss", "cached_gaussian"} <= set(state):
         raise ValueError("numpy's state must be a map of bit_generator, keys, pos, has_gauss and cached_gaussian")
-    keys, pos, has_gauss = state["keys"], state["pos"], state["has_gauss"]
+    keys, pos, has_gauss, cached = state["keys"], state["pos"], state["has_gauss"], state["cached_gaussian"]
+    if state["bit_generator"] != "MT19937":
+        raise ValueError(f"numpy's bit_generator must be 'MT19937' (its legacy state), "
+                         f"not {quoted(state['bit_generator'])}")
     if type(keys) is not bytes or len(keys) != 4 * NUMPY_KEY_WORDS:
         raise ValueError(f"numpy's keys must be a bin of {4 * NUMPY_KEY_WORDS} bytes ({NUMPY_KEY_WORDS} uint32), "
                          f"not {_described(keys)}")
@@ -53,8 +58,23 @@ def numpy_state_tuple(state: Any) -> tuple:
         raise ValueError(f"numpy's pos must be an int in [0, {NUMPY_KEY_WORDS}], not {_described(pos)}")
     if type(has_gauss) is not int or has_gauss not in (0, 1):
         raise ValueError(f"numpy's has_gauss must be 0 or 1, not {_described(has_gauss)}")
-    return (state["bit_generator"], np.frombuffer(keys, dtype="<u4").astype(np.uint32), pos, has_gauss,
-            state["cached_gaussian"])
+    if type(cached) is not float:
+        raise ValueError(f"numpy's cached_gaussian must be a float, not {_described(cached)}")
+    return ("MT19937", np.frombuffer(keys, dtype="<u4").astype(np.uint32), pos, has_gauss, cached)
+
+
+def python_state_tuple(state: Any) -> tuple:
+    """A ``python`` field (spec 9.1) as the tuple ``random.setstate`` takes; ValueError for anything else
+    (``random.setstate`` checks the version and the position itself, but takes any ``gauss_next``, which the
+    next ``random.gauss`` would trip over)."""
+    if type(state) is not dict or not {"version", "state", "gauss_next"} <= set(state):
+        raise ValueError("python's state must be a map of version, state and gauss_next")
+    version, gauss_next = state["version"], state["gauss_next"]
+    if type(version) is not int:
+        raise ValueError(f"python's version must be an int, not {_described(version)}")
+    if gauss_next is not None and type(gauss_next) is not float:
+        raise ValueError(f"python's gauss_next must be a float or nil, not {_described(gauss_next)}")
+    return version, python_words(state["state"]), gauss_next
 
 
 def _described(value: Any) -> str:

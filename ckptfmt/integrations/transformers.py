@@ -39,17 +39,19 @@ import dataclasses
 import inspect
 import json
 import os
+import random
 import shutil
 import time
 import warnings
 from typing import Any
 
+import numpy as np
 import torch
 from transformers import TrainerCallback
 
 from ckptfmt.errors import CheckpointError, CheckpointWarning, quoted
 from ckptfmt.format.plain_values import plain_tree
-from ckptfmt.format.rng_states import numpy_state_tuple, python_words
+from ckptfmt.format.rng_states import numpy_state_tuple, python_state_tuple
 from ckptfmt.integrations.sampler import check_position, fingerprint
 from ckptfmt.lifecycle.manager import CheckpointManager
 from ckptfmt.loading.load_into import load_into
@@ -352,10 +354,11 @@ def _new_best(args, state, metrics: dict | None) -> float | None:
 
 
 def _materialise(url: str, folder: str, storage_options: dict | None) -> None:
-    """The checkpoint ``url`` as the Trainer's ``checkpoint-N/`` folder (its file names and formats)."""
+    """The checkpoint ``url`` as the Trainer's ``checkpoint-N/`` folder (its file names and formats); its RNG
+    states are all checked before a file is written."""
     with open_checkpoint(url, storage_options=storage_options) as reader:
         state = reader.load_state()
-        rng = reader.metadata["rng"]
+        rng_files = _trainer_rng_files(reader.metadata["rng"], url)
     os.makedirs(folder, exist_ok=True)
     torch.save(state["model"], os.path.join(folder, "pytorch_model.bin"))
     for entry, file in (("optimizer", "optimizer.pt"), ("scheduler", "scheduler.pt"), ("scaler", "scaler.pt")):
@@ -363,30 +366,46 @@ def _materialise(url: str, folder: str, storage_options: dict | None) -> None:
             torch.save(state[entry], os.path.join(folder, file))
     with open(os.path.join(folder, "trainer_state.json"), "w", encoding="utf-8") as f:
         json.dump(state["trainer_state"], f, indent=2, sort_keys=True)
+    for name, states in rng_files.items():
+        torch.save(states, os.path.join(folder, name))
+
+
+def _trainer_rng_files(rng: list[dict], where: str) -> dict[str, dict]:
+    """The Trainer's ``rng_state[_RANK].pth`` files of a checkpoint's RNG entries (spec 9.1: a rank's first
+    entry is its state), each checked."""
+    firsts: dict[int, dict] = {}
     for entry in rng:
         rank = entry.get("rank")
         if type(rank) is not int or rank < 0:  # it names a file: nothing but a rank may reach the path
-            raise CheckpointError(f"{url}: an RNG state's rank must be an int >= 0, not {quoted(rank)}")
-        name = f"rng_state_{rank}.pth" if len(rng) > 1 else "rng_state.pth"
-        torch.save(_trainer_rng(entry, url), os.path.join(folder, name))
+            raise CheckpointError(f"{where}: an RNG state's rank must be an int >= 0, not {quoted(rank)}")
+        firsts.setdefault(rank, entry)
+    if len(firsts) == 1:
+        return {"rng_state.pth": _trainer_rng(next(iter(firsts.values())), where)}
+    return {f"rng_state_{rank}.pth": _trainer_rng(entry, where) for rank, entry in firsts.items()}
 
 
 def _trainer_rng(entry: dict, where: str) -> dict:
-    """A ckptfmt RNG entry (spec 9.1) as the Trainer's ``rng_state.pth`` holds it, checked as a restore checks
-    it: the Trainer sets numpy's generator from it, and numpy checks neither its key nor its position."""
+    """A ckptfmt RNG entry (spec 9.1) as the Trainer's ``rng_state.pth`` holds it, each state tried on a
+    generator of its own first: the Trainer sets the process's generators from it, and numpy checks
+    neither its key nor its position."""
+    rank = entry["rank"]
+    for name in ("numpy", "python"):
+        if not entry.get(name):
+            raise CheckpointError(f"{where}: rank {rank}'s RNG state has no {name} state, which the Trainer "
+                                  "restores on resume")
     try:
-        python_state = entry["python"]
         if type(entry["torch_cpu"]) is not bytes or not all(type(s) is bytes for s in entry.get("cuda") or []):
             raise TypeError("generator states must be bytes")
-        states = {
-            "python": (python_state["version"], python_words(python_state["state"]), python_state["gauss_next"]),
-            "numpy": numpy_state_tuple(entry["numpy"]),
-            "cpu": torch.frombuffer(bytearray(entry["torch_cpu"]), dtype=torch.uint8),
-        }
+        python, numpy, cpu = (python_state_tuple(entry["python"]), numpy_state_tuple(entry["numpy"]),
+                              torch.frombuffer(bytearray(entry["torch_cpu"]), dtype=torch.uint8))
+        random.Random().setstate(python)
+        np.random.RandomState().set_state(numpy)
+        torch.Generator().set_state(cpu)
+        states: dict[str, Any] = {"python": python, "numpy": numpy, "cpu": cpu}
         if entry.get("cuda"):
             states["cuda"] = [torch.frombuffer(bytearray(s), dtype=torch.uint8) for s in entry["cuda"]]
-    except (KeyError, TypeError, ValueError) as exc:
-        raise CheckpointError(f"{where}: malformed RNG state of rank {entry['rank']} ({exc})") from None
+    except (KeyError, TypeError, ValueError, OverflowError, RuntimeError) as exc:
+        raise CheckpointError(f"{where}: malformed RNG state of rank {rank} ({exc})") from None
     return states
 
 

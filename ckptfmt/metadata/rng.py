@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from ckptfmt.errors import CheckpointError
-from ckptfmt.format.rng_states import numpy_state_tuple, pack_python_words, python_words
+from ckptfmt.format.rng_states import numpy_state_tuple, pack_python_words, python_state_tuple
 
 
 def capture_rng(rank: int) -> dict:
@@ -78,10 +78,19 @@ def apply_rng(entry: dict, where: str) -> None:
 
 
 def _set_states(entry: dict, where: str) -> None:
+    """Every state checked and decoded before any generator is set; CUDA's last (a process that has not
+    started CUDA only queues them, and nothing can take a queued state back)."""
     # Byte states must be bytes: bytearray(n) of a hostile integer would allocate n bytes.
     if type(entry["torch_cpu"]) is not bytes or not all(type(s) is bytes for s in entry.get("cuda") or []):
         raise TypeError("generator states must be bytes")
+    numpy_state, python_state = entry.get("numpy"), entry.get("python")
+    numpy_tuple = numpy_state_tuple(numpy_state) if numpy_state else None
+    python_tuple = python_state_tuple(python_state) if python_state else None
     torch.set_rng_state(torch.frombuffer(bytearray(entry["torch_cpu"]), dtype=torch.uint8))
+    if numpy_tuple is not None:
+        np.random.set_state(numpy_tuple)
+    if python_tuple is not None:
+        random.setstate(python_tuple)
     cuda_states = entry.get("cuda") or []
     if cuda_states and torch.cuda.is_available():
         if len(cuda_states) != torch.cuda.device_count():
@@ -89,12 +98,6 @@ def _set_states(entry: dict, where: str) -> None:
                 f"{where}: {len(cuda_states)} CUDA generator states saved, {torch.cuda.device_count()} devices here"
             )
         torch.cuda.set_rng_state_all([torch.frombuffer(bytearray(s), dtype=torch.uint8) for s in cuda_states])
-    numpy_state = entry.get("numpy")
-    if numpy_state:
-        np.random.set_state(numpy_state_tuple(numpy_state))
-    python_state = entry.get("python")
-    if python_state:
-        random.setstate((python_state["version"], python_words(python_state["state"]), python_state["gauss_next"]))
 
 
 def _current_states() -> tuple:

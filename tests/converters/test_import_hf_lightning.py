@@ -193,6 +193,16 @@ def test_an_hf_numpy_state_no_restore_could_apply_is_refused_at_import(hf_checkp
         read_source(folder)
 
 
+def test_an_hf_python_state_no_restore_could_apply_is_refused_at_import(hf_checkpoint, tmp_path):
+    """random.setstate refuses a position past the key: so does the import, not the restore."""
+    folder = _copy(hf_checkpoint, tmp_path / "checkpoint-3")
+    saved = torch.load(os.path.join(folder, "rng_state.pth"), weights_only=False)
+    version, internal, gauss_next = saved["python"]
+    torch.save(dict(saved, python=(version, (*internal[:-1], 700), gauss_next)), os.path.join(folder, "rng_state.pth"))
+    with pytest.raises(CheckpointError, match=r"'python' is not a random.getstate\(\) tuple \(invalid state"):
+        read_source(folder)
+
+
 def test_hf_per_process_rng_files_become_ranks(hf_checkpoint, tmp_path):
     folder = _copy(hf_checkpoint, tmp_path / "checkpoint-3")
     os.rename(os.path.join(folder, "rng_state.pth"), os.path.join(folder, "rng_state_0.pth"))

@@ -792,28 +792,33 @@ def test_duplicate_map_keys_are_refused_everywhere(victim, base_bytes):
         CommitRecord.from_bytes(record, "COMMIT")
 
 
-@pytest.mark.parametrize("field, value, refusal", [
-    ("keys", b"short", "keys must be a bin of 2496 bytes .624 uint32., not 5 bytes"),
-    ("keys", b"", "keys must be a bin of 2496 bytes .624 uint32., not 0 bytes"),  # numpy: IndexError (`make fuzz`)
-    ("keys", b"\x00" * 2500, "keys must be a bin of 2496 bytes .624 uint32., not 2500 bytes"),
-    ("keys", "a string", "keys must be a bin of 2496 bytes .624 uint32., not a str"),
-    ("pos", 10**6, r"pos must be an int in \[0, 624\], not 1000000"),  # numpy: a crash on the next draw
-    ("pos", -1, r"pos must be an int in \[0, 624\], not -1"),
-    ("pos", 1.5, r"pos must be an int in \[0, 624\], not a float"),
-    ("has_gauss", 5, "has_gauss must be 0 or 1, not 5"),
+@pytest.mark.parametrize("section, field, value, refusal", [
+    ("numpy", "keys", b"short", "numpy's keys must be a bin of 2496 bytes .624 uint32., not 5 bytes"),
+    # an empty key made numpy's set_state raise IndexError, past the CheckpointError net (`make fuzz`)
+    ("numpy", "keys", b"", "numpy's keys must be a bin of 2496 bytes .624 uint32., not 0 bytes"),
+    ("numpy", "keys", b"\x00" * 2500, "numpy's keys must be a bin of 2496 bytes .624 uint32., not 2500 bytes"),
+    ("numpy", "keys", "a string", "numpy's keys must be a bin of 2496 bytes .624 uint32., not a str"),
+    ("numpy", "pos", 10**6, r"numpy's pos must be an int in \[0, 624\], not 1000000"),  # numpy: crashed on a draw
+    ("numpy", "pos", -1, r"numpy's pos must be an int in \[0, 624\], not -1"),
+    ("numpy", "pos", 1.5, r"numpy's pos must be an int in \[0, 624\], not a float"),
+    ("numpy", "has_gauss", 5, "numpy's has_gauss must be 0 or 1, not 5"),
+    ("numpy", "bit_generator", "PCG64", "numpy's bit_generator must be 'MT19937' .its legacy state., not 'PCG64'"),
+    ("numpy", "cached_gaussian", "x", "numpy's cached_gaussian must be a float, not a str"),
+    ("python", "gauss_next", "x", "python's gauss_next must be a float or nil, not a str"),  # random takes it
 ])
-def test_a_malformed_rng_entry_leaves_every_generator_as_it_was(tmp_path, field, value, refusal):
-    """torch's state is valid and numpy's is not: restore_rng fails, naming what is wrong, and no generator
-    is touched (numpy itself accepts a position past its key and reads there on its next draw)."""
+def test_a_malformed_rng_entry_leaves_every_generator_as_it_was(tmp_path, section, field, value, refusal):
+    """torch's state is valid and numpy's or Python's is not: restore_rng fails, naming what is wrong, and no
+    generator is touched (numpy itself accepts a position past its key and reads there on its next draw)."""
     ckptfmt.save({"w": torch.ones(2)}, tmp_path / "repo" / "a")
-    rewrite_manifest(open_storage(tmp_path / "repo"), "a", lambda d: d["rng"][0]["numpy"].update({field: value}))
+    rewrite_manifest(open_storage(tmp_path / "repo"), "a", lambda d: d["rng"][0][section].update({field: value}))
     with generators_kept():
         torch.manual_seed(123)
         np.random.seed(7)
-        before = torch.get_rng_state(), np.random.get_state()
-        with pytest.raises(CheckpointError, match=f"malformed RNG state .numpy's {refusal}"):
+        random.seed(9)
+        before = torch.get_rng_state(), np.random.get_state(), random.getstate()
+        with pytest.raises(CheckpointError, match=f"malformed RNG state .{refusal}"):
             ckptfmt.restore_rng(tmp_path / "repo" / "a", rank=0)
-        assert torch.equal(torch.get_rng_state(), before[0])
+        assert torch.equal(torch.get_rng_state(), before[0]) and random.getstate() == before[2]
         after = np.random.get_state()
         assert after[2:] == before[1][2:] and np.array_equal(after[1], before[1][1])
 

@@ -189,13 +189,17 @@ def test_a_malformed_rng_state_is_refused_before_the_trainer_gets_it(tmp_path):
     refusals = [
         (lambda rng: rng[0]["numpy"].update(pos=10**6), r"malformed RNG state of rank 0 \(numpy's pos must be"),
         (lambda rng: rng[0]["numpy"].update(keys=b""), r"malformed RNG state of rank 0 \(numpy's keys must be"),
+        (lambda rng: rng[0]["python"].update(gauss_next="x"), r"rank 0 \(python's gauss_next must be a float"),
+        (lambda rng: rng[0].update(torch_cpu=b"\x00" * 16), r"malformed RNG state of rank 0 \("),
+        (lambda rng: rng[0].update(numpy=None), "rank 0's RNG state has no numpy state, which the Trainer restores"),
         (lambda rng: rng[0].update(rank="../../escaped"), r"an RNG state's rank must be an int >= 0, not '\.\./"),
     ]
+    good = storage.read(layout.commit_key(name), max_size=2**20)
     for change, refusal in refusals:
-        good = storage.read(layout.commit_key(name), max_size=2**20)
         rewrite_manifest(storage, name, lambda doc, change=change: change(doc["rng"]))
         with pytest.raises(ckptfmt.CheckpointError, match=refusal):
             saving.resume_folder(args)
+        assert not (tmp_path / "out" / "ckptfmt-resume").exists()  # refused before a file is written
         storage.write(layout.commit_key(name), good)  # the checkpoint as it was, for the next change
     assert saving.resume_folder(args) is not None
 
