@@ -51,12 +51,12 @@ from transformers import TrainerCallback
 
 from ckptfmt.errors import CheckpointError, CheckpointWarning, quoted
 from ckptfmt.format.plain_values import plain_tree
-from ckptfmt.format.rng_states import numpy_state_tuple, python_state_tuple
 from ckptfmt.integrations.sampler import check_position, fingerprint
 from ckptfmt.lifecycle.manager import CheckpointManager
 from ckptfmt.loading.load_into import load_into
 from ckptfmt.loading.reader import open as open_checkpoint
 from ckptfmt.loading.resume_check import record_resume
+from ckptfmt.metadata.rng import decode_states
 from ckptfmt.metadata.step_timer import StepTimer
 from ckptfmt.saving.options import SaveOptions
 
@@ -394,18 +394,16 @@ def _trainer_rng(entry: dict, where: str) -> dict:
             raise CheckpointError(f"{where}: rank {rank}'s RNG state has no {name} state, which the Trainer "
                                   "restores on resume")
     try:
-        if type(entry["torch_cpu"]) is not bytes or not all(type(s) is bytes for s in entry.get("cuda") or []):
-            raise TypeError("generator states must be bytes")
-        python, numpy, cpu = (python_state_tuple(entry["python"]), numpy_state_tuple(entry["numpy"]),
-                              torch.frombuffer(bytearray(entry["torch_cpu"]), dtype=torch.uint8))
-        random.Random().setstate(python)
-        np.random.RandomState().set_state(numpy)
-        torch.Generator().set_state(cpu)
-        states: dict[str, Any] = {"python": python, "numpy": numpy, "cpu": cpu}
-        if entry.get("cuda"):
-            states["cuda"] = [torch.frombuffer(bytearray(s), dtype=torch.uint8) for s in entry["cuda"]]
+        decoded = decode_states(entry)
+        assert decoded.python is not None and decoded.numpy is not None  # both present: checked above
+        random.Random().setstate(decoded.python)
+        np.random.RandomState().set_state(decoded.numpy)
+        torch.Generator().set_state(decoded.torch_cpu)
     except (KeyError, TypeError, ValueError, OverflowError, RuntimeError) as exc:
         raise CheckpointError(f"{where}: malformed RNG state of rank {rank} ({exc})") from None
+    states: dict[str, Any] = {"python": decoded.python, "numpy": decoded.numpy, "cpu": decoded.torch_cpu}
+    if decoded.cuda:
+        states["cuda"] = decoded.cuda
     return states
 
 

@@ -8,6 +8,7 @@ verbatim; numpy's and Python's as plain lists and numbers.
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -77,27 +78,46 @@ def apply_rng(entry: dict, where: str) -> None:
         raise
 
 
-def _set_states(entry: dict, where: str) -> None:
-    """Every state checked and decoded before any generator is set; CUDA's last (a process that has not
-    started CUDA only queues them, and nothing can take a queued state back)."""
+@dataclass(frozen=True)
+class DecodedStates:
+    """An RNG entry's states (spec 9.1), each checked and in the form its generator's setter takes: numpy's
+    and Python's None where the entry has none."""
+
+    torch_cpu: torch.Tensor
+    cuda: list[torch.Tensor]
+    numpy: tuple | None
+    python: tuple | None
+
+
+def decode_states(entry: dict) -> DecodedStates:
+    """Every state of ``entry`` checked and decoded, before any generator is set; TypeError, ValueError or
+    KeyError for a malformed one."""
     # Byte states must be bytes: bytearray(n) of a hostile integer would allocate n bytes.
     if type(entry["torch_cpu"]) is not bytes or not all(type(s) is bytes for s in entry.get("cuda") or []):
         raise TypeError("generator states must be bytes")
     numpy_state, python_state = entry.get("numpy"), entry.get("python")
-    numpy_tuple = numpy_state_tuple(numpy_state) if numpy_state else None
-    python_tuple = python_state_tuple(python_state) if python_state else None
-    torch.set_rng_state(torch.frombuffer(bytearray(entry["torch_cpu"]), dtype=torch.uint8))
-    if numpy_tuple is not None:
-        np.random.set_state(numpy_tuple)
-    if python_tuple is not None:
-        random.setstate(python_tuple)
-    cuda_states = entry.get("cuda") or []
-    if cuda_states and torch.cuda.is_available():
-        if len(cuda_states) != torch.cuda.device_count():
+    return DecodedStates(
+        torch_cpu=torch.frombuffer(bytearray(entry["torch_cpu"]), dtype=torch.uint8),
+        cuda=[torch.frombuffer(bytearray(s), dtype=torch.uint8) for s in entry.get("cuda") or []],
+        numpy=numpy_state_tuple(numpy_state) if numpy_state else None,
+        python=python_state_tuple(python_state) if python_state else None)
+
+
+def _set_states(entry: dict, where: str) -> None:
+    """Every state decoded before any generator is set; CUDA's last (a process that has not started CUDA
+    only queues them, and nothing can take a queued state back)."""
+    states = decode_states(entry)
+    torch.set_rng_state(states.torch_cpu)
+    if states.numpy is not None:
+        np.random.set_state(states.numpy)
+    if states.python is not None:
+        random.setstate(states.python)
+    if states.cuda and torch.cuda.is_available():
+        if len(states.cuda) != torch.cuda.device_count():
             raise CheckpointError(
-                f"{where}: {len(cuda_states)} CUDA generator states saved, {torch.cuda.device_count()} devices here"
+                f"{where}: {len(states.cuda)} CUDA generator states saved, {torch.cuda.device_count()} devices here"
             )
-        torch.cuda.set_rng_state_all([torch.frombuffer(bytearray(s), dtype=torch.uint8) for s in cuda_states])
+        torch.cuda.set_rng_state_all(states.cuda)
 
 
 def _current_states() -> tuple:
