@@ -29,6 +29,11 @@ class ManifestError(CheckpointError, ValueError):
     """A manifest or commit record is malformed, inconsistent or over a limit."""
 
 
+class StateMismatchError(CheckpointError, ValueError):
+    """The state a load fills (``load(into=...)``) does not match the checkpoint: entries one has and the
+    other lacks, or tensors of another shape or dtype, each named. The checkpoint itself is sound."""
+
+
 class UnsupportedVersionError(CheckpointError):
     """The data was written by a newer, incompatible major version of the format."""
 

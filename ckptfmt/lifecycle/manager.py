@@ -36,7 +36,15 @@ from typing import Any
 
 import torch
 
-from ckptfmt.errors import CheckpointError, CheckpointNotFoundError, CheckpointWarning
+from ckptfmt.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CheckpointWarning,
+    CorruptDataError,
+    ManifestError,
+    StorageError,
+)
+from ckptfmt.format.signatures import SignatureError
 from ckptfmt.groups.process_group import RankGroup, distributed_group
 from ckptfmt.lifecycle.advise import auto_interval
 from ckptfmt.lifecycle.housekeeping import Housekeeper, Tier, tier_records
@@ -58,6 +66,9 @@ PLAN_AFTER_STEPS = 5
 _MANAGED_OPTIONS = frozenset({"step", "metadata", "storage_options", "process_group"})
 #: How many recent measurements the automatic interval takes the median of.
 WINDOW = 32
+#: What makes ``restore`` read a tier's copy from the next tier: the copy is missing, damaged or not the
+#: signer's. Anything else (a state that does not match the checkpoint) is the same on every tier: raised.
+DAMAGE_OR_ABSENCE = (CheckpointNotFoundError, CorruptDataError, ManifestError, StorageError, SignatureError)
 
 
 class CheckpointManager:
@@ -147,6 +158,9 @@ class CheckpointManager:
         self.planned_interval: int | None = None
         #: The step the last ``restore()`` loaded (None: it found none, or was not called).
         self.restored_step: int | None = None
+        #: The URL of the copy the last ``restore()`` loaded (the tier it came from; None as ``restored_step``):
+        #: what ``ckptfmt.record_resume`` and ``ckptfmt.restore_rng`` take.
+        self.restored_url: str | None = None
         #: What the last ``restore()`` fetched from other nodes' copies first, in words (a node whose disk
         #: was lost gets its chunks back from a peer).
         self.fetched_from_peers: list[str] = []
@@ -273,21 +287,26 @@ class CheckpointManager:
     def restore(self, step: int | None = None, into: Any = None, *, rng: bool = False, **load_options: Any) -> Any:
         """Load checkpoint ``step`` (default: the newest) from the fastest tier that has it complete.
 
-        Returns the state (``into``, filled in place, when given; see
-        ``ckptfmt.load``), or None when no tier holds any checkpoint yet and no
-        ``step`` was asked for: a fresh start. A copy that is missing or
-        damaged on one tier is read from the next; a chunk missing or damaged on
-        the tier read from is read from another tier that has it, the rest still
-        from the fast one, and the damaged copy is repaired before ``restore``
-        returns, with a warning (``ckptfmt.load(heal_from=...)``). ``rng=True`` also restores
-        this rank's RNG states from that copy (``ckptfmt.restore_rng``).
-        ``start_step`` then says where the loop resumes. The resume goes on record in the next
-        checkpoint (``ckptfmt.record_resume``: where from, and, with ``into``, whether each of its
-        top-level parts holds what the checkpoint stored); a loop that loads the state into its
-        objects itself (``load_state_dict``) calls ``record_resume`` with those objects instead.
+        ``into``: the objects to resume, filled in place (see ``ckptfmt.load``), as
+        ``{"model": model, "optim": optimizer, "sched": scheduler}``: each object with
+        ``state_dict()``/``load_state_dict()`` gets its state back, a fresh optimizer its
+        moments. Without it, returns the saved state; None when no tier holds any
+        checkpoint yet and no ``step`` was asked for: a fresh start. A state that does
+        not match the checkpoint raises ``StateMismatchError`` naming the entries (with
+        ``strict=False``, a warning, and what was not restored is on the resume's record).
+        A copy that is missing or damaged on one tier is read from the next; a chunk
+        missing or damaged on the tier read from is read from another tier that has it,
+        the rest still from the fast one, and the damaged copy is repaired before
+        ``restore`` returns, with a warning (``ckptfmt.load(heal_from=...)``).
+        ``rng=True`` also restores this rank's RNG states from that copy
+        (``ckptfmt.restore_rng``). ``start_step`` then says where the loop resumes.
+        The resume goes on record in the next checkpoint (``ckptfmt.record_resume``:
+        where from and, with ``into``, whether each part holds what the checkpoint
+        stored); a loop that loads the returned state into its objects itself may call
+        ``record_resume`` with them: that record replaces this one.
         """
         self.wait()
-        self.restored_step = None
+        self.restored_step = self.restored_url = None
         self.fetched_from_peers = []
         if step is None and self.peers is not None:
             step, self.fetched_from_peers = self.peers.restore_point()
@@ -297,25 +316,26 @@ class CheckpointManager:
             step = self.latest() if self.tiers[0].scope == "job" or self.group is None else self._latest_everywhere()
             if step is None:
                 return None
+        copies = [(tier, record) for tier in self.tiers
+                  for record in [next((r for r in tier_records(tier) if r.step == step), None)] if record is not None]
         failures = []
-        for tier in self.tiers:
-            record = next((r for r in tier_records(tier) if r.step == step), None)
-            if record is None:
-                continue
+        for index, (tier, record) in enumerate(copies):
             url = f"{tier.url}/{record.name}"
             try:
                 state = load(url, into=into, storage_options=tier.storage_options,
                              heal_from=_other_repositories(self.tiers, tier), **load_options)
-                if rng:
-                    restore_rng(url, storage_options=tier.storage_options,
-                                trusted_keys=load_options.get("trusted_keys"))
-                record_resume(url, _parts(into), rng=rng, storage_options=tier.storage_options)
-            except CheckpointError as exc:
+            except DAMAGE_OR_ABSENCE as exc:
                 failures.append(str(exc))
-                warnings.warn(f"restoring step {step} from the next tier: {exc}", CheckpointWarning, stacklevel=2)
-            else:
-                self.restored_step = step
-                return state
+                if index + 1 < len(copies):
+                    warnings.warn(f"restoring step {step} from {copies[index + 1][0].url}: {exc}", CheckpointWarning,
+                                  stacklevel=2)
+                continue
+            if rng:
+                restore_rng(url, storage_options=tier.storage_options, trusted_keys=load_options.get("trusted_keys"))
+            record_resume(url, _parts(into), rng=rng, storage_options=tier.storage_options,
+                          every_part=isinstance(into, dict))
+            self.restored_step, self.restored_url = step, url
+            return state
         raise CheckpointNotFoundError(f"step {step}: no tier has a readable copy"
                                       + (f" ({'; '.join(failures)})" if failures else ""))
 

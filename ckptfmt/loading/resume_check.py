@@ -112,7 +112,8 @@ class ResumeRecord:
 
 def record_resume(checkpoint: str | os.PathLike | CheckpointReader, live: Mapping[str, Any], *,
                   rng: bool = False, storage_options: dict | None = None, rank: int | None = None,
-                  checked: Sequence[PartCheck] = (), loaders: Collection[str] = ()) -> ResumeRecord:
+                  checked: Sequence[PartCheck] = (), loaders: Collection[str] = (),
+                  every_part: bool = False) -> ResumeRecord:
     """Compare the live objects a resume restored with ``checkpoint`` and keep the record for this
     process's next save (see the module's docstring); returns it.
 
@@ -125,12 +126,14 @@ def record_resume(checkpoint: str | os.PathLike | CheckpointReader, live: Mappin
     rest is loaded (a framework whose restore draws from them). ``loaders``: the parts that are data
     loaders' positions where ``live`` holds their states (a live ``DataLoader`` or ``Sampler`` is
     known as one): they feed a step its batches, which its signature shows (``PartCheck.feeds``).
+    ``every_part``: the checkpoint's top-level parts ``live`` lacks go on record too, as parts nothing
+    restored (``missing``): for a load that took only some of them (``strict=False``).
     """
     reader = checkpoint if isinstance(checkpoint, CheckpointReader) else _reader(checkpoint, storage_options)
     try:
         rank = _rank() if rank is None else rank
         manifest = reader.manifest
-        parts = check_parts(reader, live, rank=rank, loaders=loaders)
+        parts = check_parts(reader, live, rank=rank, loaders=loaders, every_part=every_part)
         parts += checked
         if rng:
             parts.append(_check_rng(reader.metadata["rng"], rank))
@@ -148,10 +151,11 @@ def record_resume(checkpoint: str | os.PathLike | CheckpointReader, live: Mappin
 
 
 def check_parts(reader: CheckpointReader, live: Mapping[str, Any], *, rank: int | None = None,
-                loaders: Collection[str] = ()) -> list[PartCheck]:
+                loaders: Collection[str] = (), every_part: bool = False) -> list[PartCheck]:
     """``record_resume``'s comparison of the live parts with the checkpoint, for a caller that records
     them later (``checked=``): parts that change as soon as training goes on (a data loader's position),
-    compared at once, beside parts compared when the first step begins."""
+    compared at once, beside parts compared when the first step begins. ``every_part``: as
+    ``record_resume``'s."""
     rank = _rank() if rank is None else rank
     tree = plain_tree(reader.manifest)
     stored_values = {format_key(path): value for path, value in plain_leaves(tree)}
@@ -161,11 +165,16 @@ def check_parts(reader: CheckpointReader, live: Mapping[str, Any], *, rank: int 
     roots = {name: (name,) if name not in per_rank else (name, rank) for name in states}
     keyed = {name: [(format_key(path), leaf) for path, leaf in leaves(roots[name], state)]
              for name, state in states.items()}
+    if every_part and isinstance(tree, dict):  # a part nothing took: every entry of it missing
+        for name in tree:
+            if name not in live:
+                roots[name] = (name,) if name not in per_rank else (name, rank)
+                keyed[name] = []
     comparer = _Tensors(reader, {key: leaf for found in keyed.values() for key, leaf in found
                                  if isinstance(leaf, torch.Tensor)})
-    checks = [_check_part(reader, name, keyed[name], stored_values, roots[name], comparer) for name in states]
+    checks = [_check_part(reader, name, keyed[name], stored_values, roots[name], comparer) for name in keyed]
     for check in checks:
-        if check.part in loaders or isinstance(live[check.part], (torch.utils.data.DataLoader,
+        if check.part in loaders or isinstance(live.get(check.part), (torch.utils.data.DataLoader,
                                                                   torch.utils.data.Sampler)):
             check.feeds = "batches"
     return checks

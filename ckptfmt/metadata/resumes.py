@@ -16,9 +16,17 @@ _LOCK = threading.Lock()
 
 
 def note_resume(record: dict) -> None:
-    """Keep ``record`` (a ``resumes`` entry) for the next save of this process."""
+    """Keep ``record`` (a ``resumes`` entry) for the next save of this process. It replaces a record not yet
+    stored of the same rank's resume from the same checkpoint: one resume recorded twice (``restore()``,
+    then the loop's own ``record_resume`` of the objects it loaded) is one resume, the later record the
+    one that knows more."""
     with _LOCK:
+        _PENDING[:] = [kept for kept in _PENDING if not _same_resume(kept, record)]
         _PENDING.append(record)
+
+
+def _same_resume(a: dict, b: dict) -> bool:
+    return a.get("rank") == b.get("rank") and a.get("from") == b.get("from")
 
 
 def pending_resumes() -> list[dict]:

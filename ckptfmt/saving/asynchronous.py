@@ -35,6 +35,7 @@ from ckptfmt.saving.core import Captured
 from ckptfmt.saving.options import SaveOptions
 from ckptfmt.saving.save import run_save, step_records
 from ckptfmt.saving.staging import StagingArea
+from ckptfmt.tensors.stateful import states_taken
 
 
 class AsyncSaver:
@@ -58,7 +59,7 @@ class AsyncSaver:
         start_ns, start = time.time_ns(), time.perf_counter()
         area = self.staging_area(url)
         area.tensor_stats = options.tensor_stats
-        staged = area.stage(state)
+        staged = area.stage(states_taken(state))
         captured = Captured(steps=steps, rng=rng, staged=(start_ns, time.perf_counter() - start), frozen=True,
                             device_stats=area.device_stats, resumes=pending_resumes())
         future = self._background().submit(_save_staged, staged, url, options, captured, timer)

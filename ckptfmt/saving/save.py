@@ -23,6 +23,7 @@ from ckptfmt.saving import in_flight
 from ckptfmt.saving.core import Captured
 from ckptfmt.saving.options import DEFAULT_TIMEOUT_S, LATEST, SaveOptions
 from ckptfmt.saving.pipeline import EVERY_RANK, save_over
+from ckptfmt.tensors.stateful import states_taken
 
 
 def save(
@@ -52,6 +53,10 @@ def save(
     timer: StepTimer | None = None,
 ) -> str:
     """Save ``state`` (nested dicts/lists/tuples of tensors and plain values) as checkpoint ``url``.
+
+    An object in it with ``state_dict()`` and ``load_state_dict()`` (a module, an optimizer, a
+    scheduler, a GradScaler, a stateful data loader: DCP's ``Stateful``) is stored as its
+    ``state_dict()`` taken now; ``load(url, into=...)`` loads it back into such objects in place.
 
     ``url`` is ``REPO/NAME``: the repository is created when missing and NAME
     must be new. Returns the checkpoint's URL. Durable when it returns.
@@ -136,7 +141,7 @@ def save_with(state: Any, url: str | os.PathLike, options: SaveOptions, *, timer
     in_flight.wait_for_previous(url)
     steps = step_records(timer)
     captured = Captured(steps=steps, resumes=pending_resumes())
-    committed = run_save(state, url, options, captured)
+    committed = run_save(states_taken(state), url, options, captured)
     if timer is not None:
         if steps is not None:
             timer.forget_stored(steps)

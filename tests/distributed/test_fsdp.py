@@ -61,6 +61,7 @@ def train_and_save(rank: int, world: int, folder: Path, url: str) -> list[str]:
         train_step(model, optimizer)
     model_state, optimizer_state = get_state_dict(model, optimizer)
     ckptfmt.save({"model": model_state, "optim": optimizer_state, "step": 3}, url, step=3, timeout=60)
+    ckptfmt.save({"model": model, "optim": optimizer, "step": 3}, f"{url}-objects", step=3, timeout=60)
     return next_losses(model, optimizer)  # the run going on at 4 ranks
 
 
@@ -75,6 +76,14 @@ def resume(rank: int, world: int, folder: Path, url: str) -> list[str]:
     return next_losses(model, optimizer)
 
 
+def resume_objects(rank: int, world: int, folder: Path, url: str) -> list[str]:
+    """The model and a fresh AdamW (no moments yet) loaded in place as the objects themselves."""
+    model, optimizer, _ = build(seed=1)
+    state = ckptfmt.load(f"{url}-objects", into={"model": model, "optim": optimizer, "step": 0})
+    assert state["step"] == 3 and state["optim"] is optimizer
+    return next_losses(model, optimizer)
+
+
 def test_fsdp2_saved_on_4_ranks_resumes_on_2_with_the_same_losses(tmp_path):
     url = str(tmp_path / "repo" / "step-3")
     at_four = [o.unwrap() for o in run_ranks(train_and_save, 4, tmp_path / "save", url=url)]
@@ -84,4 +93,6 @@ def test_fsdp2_saved_on_4_ranks_resumes_on_2_with_the_same_losses(tmp_path):
         assert [s.shape for s in weight.shards] == [(10, 16), (10, 16), (10, 16), (7, 16)]  # FSDP2's uneven shards
         assert "optim/state/0.weight/exp_avg" in reader.keys()
     at_two = [o.unwrap() for o in run_ranks(resume, 2, tmp_path / "resume", url=url)]
-    assert len({tuple(losses) for losses in at_four + at_two}) == 1, (at_four, at_two)
+    objects_at_two = [o.unwrap() for o in run_ranks(resume_objects, 2, tmp_path / "objects", url=url)]
+    assert len({tuple(losses) for losses in at_four + at_two + objects_at_two}) == 1, (at_four, at_two,
+                                                                                        objects_at_two)

@@ -118,8 +118,8 @@ def test_the_manager_records_its_restores_and_a_failed_save_keeps_the_record(tmp
         into = {"model": fresh[0].state_dict(), "optimizer": fresh[1].state_dict()}
         manager.restore(into=into, strict=False, rng=True)
         (pending,) = pending_resumes()
-        assert {p["part"]: p["verdict"] for p in pending["parts"]} == {
-            "model": "equal", "optimizer": "equal", "rng": "equal"}
+        assert {p["part"]: p["verdict"] for p in pending["parts"]} == {  # what the state did not take too
+            "model": "equal", "optimizer": "equal", "rng": "equal", "scheduler": "missing", "step": "missing"}
         from ckptfmt.saving import pipeline
 
         def broken(*args, **kwargs):
@@ -374,3 +374,22 @@ def test_an_unhashed_load_reads_its_fingerprints_only_when_a_check_asks(tmp_path
     assert verdicts(ckptfmt.record_resume(url, live)) == {"a": "equal", "b": "equal"}
     live["a"][0, 0] += 1.0
     assert verdicts(ckptfmt.record_resume(url, live)) == {"a": "different", "b": "equal"}
+
+
+def test_a_resume_recorded_by_restore_and_again_by_the_loop_is_one_record(tmp_path):
+    """A loop that loads the state itself after ``restore()`` and records the objects it loaded, as
+    restore's docstring says it may, makes one record of that resume (issue 46: each restart was counted
+    twice), the loop's; ``restored_url`` names the copy restored."""
+    url = str(tmp_path / "run")
+    model, optimizer, scheduler = make()
+    train(model, optimizer, scheduler, 2)
+    with CheckpointManager(url) as manager:
+        manager.save(2, state_of(model, optimizer, scheduler), force=True)
+    fresh = make(seed=3)
+    with CheckpointManager(url) as manager:
+        state = manager.restore()
+        assert manager.restored_url == f"{url}/step-000000002"
+        fresh[0].load_state_dict(state["model"])
+        ckptfmt.record_resume(manager.restored_url, {"model": fresh[0], "optimizer": fresh[1]})
+    (pending,) = pending_resumes()
+    assert [(p["part"], p["verdict"]) for p in pending["parts"]] == [("model", "equal"), ("optimizer", "missing")]

@@ -2,13 +2,14 @@
 
     torchrun --nnodes N --node_rank I ... hosts_manager.py LOCAL SHARED STEPS [--out OUT] [--table]
 
-Data-parallel training (gradients averaged every step); ``CheckpointManager(tiers=[Tier(LOCAL,
-scope="node"), SHARED], keep_last=2)`` restores the newest checkpoint every rank can read, then saves
+Data-parallel training with AdamW (gradients averaged every step); ``CheckpointManager(tiers=[Tier(LOCAL,
+scope="node"), SHARED], keep_last=2)`` restores the newest checkpoint every rank can read into the
+model and a fresh optimizer themselves (its moments made and filled from the checkpoint), then saves
 every 2 steps to each node's own disk at LOCAL, and copies to the shared folder SHARED (``none``: no
 shared tier). ``--table``: the state also holds an embedding table sharded over the ranks (a DTensor,
 ``arange + step``), so each node holds rows no other node's ranks hold. With OUT, each rank writes
-what it restored to OUT.RANK.pt (the step, the model, its rows of the table, where it came from, and
-what the manager fetched from other nodes' copies).
+what it restored to OUT.RANK.pt (the step, the model, the optimizer's state, its rows of the table,
+where it came from, and what the manager fetched from other nodes' copies).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     torch.manual_seed(0)
     model = torch.nn.Linear(16, 4)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
     batches = torch.Generator().manual_seed(dist.get_rank())
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     rows = torch.arange(64 * 8, dtype=torch.float32).reshape(64, 8)
@@ -50,12 +51,13 @@ def main() -> None:
 
     def state(step: int) -> dict:
         extra = {"table": distribute_tensor(rows + step, mesh, [Shard(0)])} if args.table else {}
-        return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step, **extra}
+        return {"model": model, "optimizer": optimizer, "step": step, **extra}
     with ckptfmt.CheckpointManager(tiers=tiers, keep_last=2, interval=2, housekeeping="thread") as manager:
         into = state(0)
         restored = manager.restore(into=into)
         if args.out is not None:
             torch.save({"step": manager.restored_step, "model": {k: v.clone() for k, v in model.state_dict().items()},
+                        "optimizer": optimizer.state_dict(),
                         "table": into["table"].to_local().clone() if args.table else None,
                         "resumes": ckptfmt_resumes(), "fetched": manager.fetched_from_peers},
                        f"{args.out}.{dist.get_rank()}.pt")
