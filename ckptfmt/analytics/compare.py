@@ -9,7 +9,8 @@ Then every recorded difference is listed with its kind, whether it can explain
 the divergence (``explains``) and why (``evidence``), the ones that can first:
 
 - hyperparameters: the optimizers' ``param_groups`` and schedulers' states in
-  the saved state, and the user metadata that stays the same along each run;
+  the saved state, the user metadata's ``hparams`` map, and the user metadata
+  that changes only where a run restarts (a setting changed at a resume);
 - data_order: per rank, the first step whose batch digests differ;
 - seed: seeds and generator states, compared at the first common step. A
   generator explains only if it was in use by the divergence: its state at the
@@ -17,7 +18,7 @@ the divergence (``explains``) and why (``evidence``), the ones that can first:
   checkpoints. Unseeded Python and NumPy generators differ between any two
   processes: never drawn from, they explain nothing ("differs, never used");
 - values: the state's other plain values, and user metadata that changes
-  along a run. A value that changes between one run's checkpoints (a counter,
+  between checkpoints one process saved. A value that changes so (a counter,
   a clock, a metric) records the run, it does not set it;
 - code, topology, determinism, versions, hardware, environment: the records of
   the first common checkpoint (a machine's name changes no computation).
@@ -236,11 +237,24 @@ def _tensors_differing(manifests: list[Manifest]) -> dict:
     return {"tensors_differing": len(differing), "groups_differing": groups}
 
 
-def _recorded_values(manifest: Manifest) -> dict[str, dict[str, Any]]:
-    """A checkpoint's plain values: its state's by key, its user metadata's by dotted field (``user.lr``)."""
+def _recorded_values(manifest: Manifest) -> dict[str, Any]:
+    """A checkpoint's plain values: its state's by key, its user metadata's by dotted field (``user.lr``),
+    and the processes that saved it (``_processes``)."""
     user = decode_tree(manifest.user) if manifest.user else {}
     return {"state": plain_values(manifest),
-            "user": {".".join(map(str, ("user", *path))): value for path, value in plain_leaves(user)} if user else {}}
+            "user": {".".join(map(str, ("user", *path))): value for path, value in plain_leaves(user)} if user else {},
+            "processes": _processes(manifest)}
+
+
+def _processes(manifest: Manifest) -> tuple[frozenset, bool]:
+    """Who saved the checkpoint, as the (host, pid) of each rank (spec 9.3), and whether one of them had
+    resumed since its last save (a ``resumes`` record, spec 9.4): a run's settings may change between two
+    of its checkpoints across a restart or a resume, not between two saves of the same processes."""
+    ranks = manifest.topology.get("ranks") if isinstance(manifest.topology, dict) else None
+    saved_by = frozenset((str(entry.get("host")), str(entry.get("pid"))) for entry in ranks or []
+                         if isinstance(entry, dict))
+    timing = manifest.timing.get("ranks") if isinstance(manifest.timing, dict) else None
+    return saved_by, any(isinstance(entry, dict) and entry.get("resumes") for entry in timing or [])
 
 
 def _layout(manifest: Manifest, tensor) -> tuple:
@@ -480,6 +494,9 @@ def _recorded_entry(kind: str, field: str, a: Any, b: Any, step: int, diverged_a
 
 
 # -- plain values: hyperparameters and the rest -----------------------------------------------------------
+#: The user metadata's map of the run's settings (``save(..., metadata={"hparams": {"lr": 0.1}})``): its values
+#: are hyperparameters whenever they change, never a run's counters.
+HPARAMS_KEY = "hparams"
 #: Key segments under which a state's plain values are hyperparameters (torch optimizers, Lightning).
 _HYPERPARAMETER_SEGMENTS = frozenset({"param_groups", "hparams", "hyper_parameters", "hyperparameters"})
 #: Keys beside ``last_epoch`` that make a map a learning-rate scheduler's state (LRScheduler, ReduceLROnPlateau).
@@ -491,22 +508,26 @@ def _plain_differences(recorded: dict[int, list[dict]], diverged_at: int | None)
     it differs, classified and judged."""
     found = []
     for source in ("state", "user"):
-        series = [(step, (pair[0][source], pair[1][source])) for step, pair in sorted(recorded.items())]
+        series = [(step, (pair[0][source], pair[1][source]), (pair[0]["processes"], pair[1]["processes"]))
+                  for step, pair in sorted(recorded.items())]
         seen: set[str] = set()
-        for step, (a, b) in series:
+        for step, (a, b), _ in series:
             new = [difference for difference in value_difference(a, b) if difference[0] not in seen]
             keys = a.keys() | b.keys() if new else set()
             for field, value_a, value_b in new:
                 seen.add(field)
-                hyperparameter = source == "state" and _is_hyperparameter(field, keys)
+                hyperparameter = _is_hyperparameter(field, keys) if source == "state" else \
+                    field.startswith(f"user.{HPARAMS_KEY}.")
                 found.append(_plain_entry(source, field, value_a, value_b, step, hyperparameter, series, diverged_at))
     return found
 
 
 def _plain_entry(source: str, field: str, a: Any, b: Any, step: int, hyperparameter: bool,
-                 series: list[tuple[int, tuple[dict, dict]]], diverged_at: int | None) -> Difference:
-    """A differing plain value: a hyperparameter by where it sits in the state, or metadata that holds along
-    each run; any other value that changes between one run's checkpoints records the run, it does not set it."""
+                 series: list[tuple[int, tuple[dict, dict], tuple]], diverged_at: int | None) -> Difference:
+    """A differing plain value: a hyperparameter by where it sits (an optimizer's ``param_groups``, a
+    scheduler's state, the metadata's ``hparams``), or metadata that changes only where a run restarts (a
+    setting changed at a resume); any other value that changes between checkpoints one process saved
+    records the run (a counter, a clock, a metric), it does not set it."""
     changing = None if hyperparameter else _change_along_a_run(field, series)
     kind = "hyperparameters" if hyperparameter or (source == "user" and changing is None) else "values"
     entry = _difference_entry(kind, field, _shown(a), _shown(b), step, diverged_at)
@@ -529,13 +550,15 @@ def _is_hyperparameter(key: str, keys: set[str]) -> bool:
     return False
 
 
-def _change_along_a_run(field: str, series: list[tuple[int, tuple[dict, dict]]]) -> str | None:
-    """'steps X and Y of run a' for the first two common steps between which ``field`` changes in one run,
-    or None."""
+def _change_along_a_run(field: str, series: list[tuple[int, tuple[dict, dict], tuple]]) -> str | None:
+    """'steps X and Y of run a' for the first two common steps, saved by the same processes, between which
+    ``field`` changes in one run, or None. A change between checkpoints of other processes (a restart:
+    the run resumed between them) is a setting changed at the resume, not a counter's."""
     for run, name in enumerate("ab"):
-        held = [(step, values[run][field]) for step, values in series if field in values[run]]
-        for (step, value), (later, next_value) in zip(held, held[1:]):
-            if not same_value(value, next_value):
+        held = [(step, values[run][field], processes[run]) for step, values, processes in series
+                if field in values[run]]
+        for (step, value, (saved_by, _)), (later, next_value, (next_saved_by, resumed)) in zip(held, held[1:]):
+            if not same_value(value, next_value) and saved_by == next_saved_by and not resumed:
                 return f"steps {step} and {later} of run {name}"
     return None
 

@@ -20,6 +20,7 @@ import ckptfmt
 from ckptfmt.analytics import certify
 from ckptfmt.cli import main
 from ckptfmt.metadata import resumes
+from tests.support.certificates import assert_diverged_at
 
 STEPS, CUT, BATCH, SAMPLES = 10, 4, 8, 48
 
@@ -32,9 +33,11 @@ def no_pending():
 
 
 def train(repo: str, *, stop: int | None = None, resume: bool = False, fault: str | None = None,
-          timer_on: bool = True) -> None:
+          timer_on: bool = True, max_norm: float | None = None, hparams: bool = False) -> None:
     """Train to STEPS (or ``stop``), saving every 2 steps; ``resume``: from the newest checkpoint, as a new
-    process would, with ``fault`` (a resume bug) applied."""
+    process would, with ``fault`` (a resume bug) applied. ``max_norm``: gradients clipped to that norm,
+    recorded in each save's metadata beside a counter of the samples seen, as a plain loop records its
+    settings (``hparams``: under the metadata's ``hparams`` map)."""
     torch.manual_seed(0), np.random.seed(0), random.seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.2), torch.nn.Linear(16, 1))
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
@@ -80,6 +83,8 @@ def train(repo: str, *, stop: int | None = None, resume: bool = False, fault: st
             if noise is not None:  # a perturbation from no generator a checkpoint holds
                 loss = loss + 1e-3 * torch.rand((), generator=noise)
             loss.backward()
+            if max_norm is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
             optimizer.step()
             optimizer.zero_grad()
             scheduler.step()
@@ -89,7 +94,10 @@ def train(repo: str, *, stop: int | None = None, resume: bool = False, fault: st
             state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                      "scheduler": scheduler.state_dict(), "position": position, "permutation": permutation,
                      "order": order.get_state(), "step": step + 1}
-            ckptfmt.save(state, f"{repo}/step-{step + 1:03d}", step=step + 1, timer=timer)
+            settings = {"max_norm": max_norm} if max_norm is not None else {}
+            metadata = ({"hparams": settings} if hparams else settings) | (
+                {"samples_seen": (step + 1) * BATCH} if settings else {})
+            ckptfmt.save(state, f"{repo}/step-{step + 1:03d}", step=step + 1, timer=timer, metadata=metadata or None)
         if stop is not None and step + 1 == stop:
             return
 
@@ -133,6 +141,22 @@ def test_each_resume_fault_is_named_with_its_first_step_and_cause(reference, tmp
     assert (result.first_divergence["step"], result.first_divergence["cause"]) == (step, cause), result.causes
     assert result.first_divergence["ranks"] == [0] and result.first_divergence["evidence"]
     assert result.steps_compared == step + 1 - 0  # steps 0 .. step, each compared
+
+
+@pytest.mark.parametrize("hparams", [False, True])
+def test_a_setting_changed_at_a_resume_is_named_not_taken_for_a_counter(tmp_path, hparams):
+    """A plain loop records its gradient clipping in the metadata, beside a counter; resumed with another
+    max_norm, the divergence is the setting's (it changes only where the run resumed), not noise, and the
+    counter, which changes between every save of one process, explains nothing."""
+    reference, run = str(tmp_path / "reference"), str(tmp_path / "run")
+    train(reference, max_norm=0.5, hparams=hparams)
+    train(run, stop=CUT, max_norm=0.5, hparams=hparams)
+    train(run, resume=True, max_norm=0.05, hparams=hparams)
+    field = "user.hparams.max_norm" if hparams else "user.max_norm"
+    assert_diverged_at(certify(reference, run), CUT + 1, "hyperparameters", f"{field}: 0.5 vs 0.05 (from step 6)")
+    differences = {d.field: d for d in ckptfmt.analytics.compare(reference, run).differences}
+    assert (differences[field].kind, differences[field].explains) == ("hyperparameters", True)
+    assert "user.samples_seen" not in differences  # a counter: the same along both runs
 
 
 def test_a_clean_resume_reproduces_bit_for_bit_and_certifies_alone(reference, tmp_path, capsys):
