@@ -10,17 +10,14 @@ A collective that fails (a rank died, raised before reaching it, or never
 called save) becomes a ``CollectiveError`` on every rank that can still run.
 
 The gloo groups are made once and reused, and let go of before the
-interpreter shuts down: a group still alive then is destroyed during
-finalisation, when its worker threads may still hold the last collective's
-tensors, and a thread that needs the interpreter to free them then aborts the
-process ("terminate called without an active exception").
+interpreter shuts down (groups/teardown.py): a group still alive then is
+destroyed during finalisation, when its worker threads may still hold the last
+collective's tensors, and a thread that needs the interpreter to free them
+then aborts the process ("terminate called without an active exception").
 """
 
 from __future__ import annotations
 
-import atexit
-import gc
-import time
 import weakref
 from datetime import timedelta
 from typing import Any
@@ -28,12 +25,11 @@ from typing import Any
 import torch
 
 from ckptfmt.errors import CheckpointError, CollectiveError
+from ckptfmt.groups import teardown
 from ckptfmt.metadata.topology import rank_entry
 
 #: Every side group made and not yet freed (tests check that a failed save's is freed at exit).
 _MADE: weakref.WeakSet = weakref.WeakSet()
-#: How long the exit handler lets go of the GIL for gloo's worker threads (release_side_groups).
-_WORKERS_GRACE_S = 0.05
 #: gloo groups made for saves: (the training group, its ranks, timeout) -> group.
 _SIDE_GROUPS: dict[tuple, Any] = {}
 
@@ -137,37 +133,20 @@ def _forget_destroyed() -> None:
         del _SIDE_GROUPS[key]
 
 
-@atexit.register
 def release_side_groups() -> None:
-    """Destroy this process's side groups (locally: no collective) while the interpreter still runs,
-    and free the process groups that only reference cycles still hold.
+    """Destroy this process's side groups (locally: no collective) and settle (``teardown.settle``), as at
+    exit (groups/teardown.py says why)."""
+    _destroy_side_groups()
+    teardown.settle()
 
-    A gloo worker thread lets go of a collective's work only after the caller has seen it complete,
-    and the work holds the collective's tensors, whose Python objects only the interpreter can free:
-    a group whose threads outlive the interpreter's shutdown aborts the process (seen in tests:
-    ``ProcessGroupGloo::runLoop`` -> ``~AsyncBroadcastWork`` -> ``take_gil`` during ``Py_FinalizeEx``).
-    Destroying the group here joins its threads first. ``destroy_process_group()`` alone does not
-    free a group that objects still hold (a checkpoint manager, FSDP's mesh information), and those
-    are often in reference cycles, freed only by the collection that ``Py_FinalizeEx`` runs: too
-    late (seen: the job's own group, 1 run in 25 of tests/scripts/torchtitan_manager.py, aborted in
-    ``~AsyncBarrierWork``). So the process collects its cycles here (this module is loaded only where
-    ckptfmt works with process groups), where a group's destructor can still join its threads. A
-    group that C++ still holds lives on: a worker thread that has just finished the last collective
-    (a barrier keeps the collectives before it until it is freed) may still be waiting for the GIL
-    to free its tensors, so the handler then lets go of the GIL for a moment. Measured on this
-    repository's 2-core CI machine, 2 gloo ranks doing FSDP2's ``full_tensor``, a barrier and
-    ``destroy_process_group()``, then exiting: 2 aborts in 35 runs without this handler, 0 in 40 with
-    the collection alone, 0 in 60 with the pause as well (the C++ stack of an abort, from its core:
-    a gloo worker in ``~AsyncBarrierWork`` -> ``~AsyncAllgatherCoalescedWork`` -> ``take_gil`` while
-    the main thread ran ``Py_FinalizeEx``'s collection).
-    Pending asynchronous saves, which use the groups, are finished before (threading's exit hooks
-    run before atexit's).
-    """
+
+def _destroy_side_groups() -> None:
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized():
         _forget_destroyed()
         for side in _SIDE_GROUPS.values():
             dist.destroy_process_group(side)
     _SIDE_GROUPS.clear()
-    gc.collect()
-    time.sleep(_WORKERS_GRACE_S)  # the GIL free a moment: a worker about to free a finished work takes it now
+
+
+teardown.at_exit(_destroy_side_groups)
