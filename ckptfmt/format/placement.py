@@ -43,7 +43,7 @@ class Placement:
         if not isinstance(value, dict) or value.get("scope") != NODE_SCOPE or not isinstance(value.get("nodes"), list):
             raise ManifestError(f"placement must be a map with scope 'node' and a list of nodes, "
                                 f"found {quoted(value)}")
-        nodes = []
+        nodes: list[NodeChunks] = []
         for index, node in enumerate(value["nodes"]):
             what = f"placement.nodes[{index}]"
             if not isinstance(node, dict):
@@ -51,8 +51,11 @@ class Placement:
             host, ranks, chunks = node.get("host"), node.get("ranks"), node.get("chunks")
             if not isinstance(host, str) or not host:
                 raise ManifestError(f"{what}.host must be a non-empty string, found {quoted(host)}")
-            if not isinstance(ranks, list) or not all(type(r) is int and r >= 0 for r in ranks):
-                raise ManifestError(f"{what}.ranks must be a list of ranks, found {quoted(ranks)}")
+            if not isinstance(ranks, list) or not ranks or not all(type(r) is int and r >= 0 for r in ranks):
+                raise ManifestError(f"{what}.ranks must be a non-empty list of ranks, found {quoted(ranks)}")
+            if nodes and min(ranks) <= min(nodes[-1].ranks):
+                raise ManifestError(f"{what} (lowest rank {min(ranks)}) comes after a node whose lowest rank is "
+                                    f"{min(nodes[-1].ranks)}: nodes are listed in the order of their lowest rank")
             if not isinstance(chunks, bytes) or len(chunks) % 4 or len(chunks) > 4 * chunk_count:
                 raise ManifestError(f"{what}.chunks must be at most {chunk_count} little-endian uint32 rows")
             rows = struct.unpack(f"<{len(chunks) // 4}I", chunks)

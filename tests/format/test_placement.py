@@ -43,12 +43,16 @@ def rows(*values: int) -> bytes:
     ([1, 2], "has type list"),
     ({"scope": "job", "nodes": []}, "scope 'node'"),
     ({"scope": "node", "nodes": [{"host": "", "ranks": [0], "chunks": b""}]}, r"host must be a non-empty string"),
-    ({"scope": "node", "nodes": [{"host": "a", "ranks": [-1], "chunks": b""}]}, r"ranks must be a list of ranks"),
+    ({"scope": "node", "nodes": [{"host": "a", "ranks": [-1], "chunks": b""}]}, r"ranks must be a non-empty list"),
+    ({"scope": "node", "nodes": [{"host": "a", "ranks": [], "chunks": b""}]}, r"ranks must be a non-empty list"),
     ({"scope": "node", "nodes": [{"host": "a", "ranks": [0], "chunks": b"\x00\x00\x00"}]}, "little-endian uint32"),
     ({"scope": "node", "nodes": [{"host": "a", "ranks": [0], "chunks": rows(7)}]}, "increasing rows"),
     ({"scope": "node", "nodes": [{"host": "a", "ranks": [0], "chunks": rows(0, 0)}]}, "increasing rows"),
     ({"scope": "node", "nodes": [{"host": "a", "ranks": [0], "chunks": rows(0)},
                                  {"host": "a", "ranks": [1], "chunks": rows(0)}]}, "names a host twice"),
+    ({"scope": "node", "nodes": [{"host": "b", "ranks": [2, 3], "chunks": rows(0)},  # issue 46: was accepted
+                                 {"host": "a", "ranks": [1, 0], "chunks": rows(1)}]},
+     r"nodes\[1\] \(lowest rank 0\) comes after a node whose lowest rank is 2"),
 ])
 def test_a_placement_that_breaks_a_rule_is_refused_naming_it(tmp_path, placement, message):
     repo = tmp_path / "run"
