@@ -182,12 +182,12 @@ class PeerCopies:
         repo = Repository.open(self.tier.url, self.tier.storage_options, create=True)
         shared = Repository.open(target.url, target.storage_options, create=True)
         failures: dict[str, str] = {}
-        records = {}
+        records, manifests = {}, {}
         with save_lease(shared) as lease:  # from before the first chunk to after rank 0's commit
             for name in names:
                 try:
                     record = records[name] = repo.commit(name)
-                    manifest = repo.manifest(name, record, skip=_SKIPPED)
+                    manifest = manifests[name] = repo.manifest(name, record, skip=_SKIPPED)
                     copy_rows(repo, shared, record, self._rows_to_drain(manifest), workers=DRAIN_WORKERS,
                               yield_to=yield_to)
                 except CheckpointError as exc:
@@ -201,6 +201,7 @@ class PeerCopies:
                         continue
                     try:
                         _check_every_chunk_there(repo, shared, records[name])
+                        _record_every_node(shared, records[name], manifests[name])
                         commit_copy(repo, shared, records[name], lease)
                     except CheckpointError as exc:
                         problems.append(f"{name} not committed on {target.url}: {exc}")
@@ -386,6 +387,18 @@ def _check_every_chunk_there(repo: Repository, shared: Repository, record: Commi
     if missing:
         raise CheckpointNotFoundError(f"{shared.storage.describe(missing[0])}: chunk is missing "
                                       f"({counted(len(missing), 'chunk')} no node sent)")
+
+
+def _record_every_node(shared: Repository, record: CommitRecord, manifest: Manifest) -> None:
+    """A copy record for every node of a drained checkpoint's placement (spec 9.8): the next tier holds
+    every node's rows, so a reader there on one of the nodes checks them all, as a reader anywhere else
+    does, rather than taking the other nodes' chunks as held on their own disks."""
+    if manifest.placement is None:
+        return
+    chunks = manifest.chunks
+    for node in manifest.placement.nodes:
+        write_copy_record(shared, record.name, node.host, record.manifest_hash, len(node.rows),
+                          sum(chunks[row].stored_size for row in node.rows))
 
 
 def _rows_of(manifest: Manifest, host: str) -> tuple[int, ...]:

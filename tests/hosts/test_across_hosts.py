@@ -115,6 +115,7 @@ def test_a_manager_with_a_node_local_tier_copies_to_a_peer_drains_and_restores_w
     assert torch.equal(state["table"], table(8))
     with ckptfmt.open(f"{shared}/step-000000008") as reader:
         assert [node.host for node in reader.manifest.placement.nodes] == ["hostA", "hostB"]
+        assert_every_chunk_due_on_the_shared_tier(shared, reader.manifest)
 
     shutil.rmtree(hosts.hosts[1].disk / "run")
     hosts.torchrun("hosts_manager.py", 2, str(local), str(shared), "10", "--table", "--out", str(hosts.root / "first"))
@@ -140,6 +141,23 @@ def test_a_manager_with_a_node_local_tier_copies_to_a_peer_drains_and_restores_w
         assert all(torch.equal(restored["model"][key], value) for key, value in expected["model"].items())
         assert_moments(restored["optimizer"], expected["optimizer"])
         assert torch.equal(restored["table"], table(10)[16 * rank:16 * (rank + 1)]), rank
+
+
+def assert_every_chunk_due_on_the_shared_tier(shared, manifest) -> None:
+    """The shared tier holds every node's rows of a drained checkpoint (issue 46: verify on hostA there
+    said OK with one of hostB's chunks deleted, "held on other nodes"): a chunk of hostB's alone lost
+    there is a problem, whichever node verifies."""
+    row = max(set(manifest.placement.node("hostB").rows) - set(manifest.placement.node("hostA").rows))
+    chunk = shared / chunk_key(manifest.chunks[row].hash, manifest.chunks[row].codec)
+    kept = chunk.read_bytes()
+    chunk.unlink()
+    try:
+        for node in ("hostA", "hostB", None):
+            report = ckptfmt.verify(str(shared), node=node)
+            assert not report.ok and [p.chunk for p in report.problems] == [manifest.chunks[row].hash], (node, report)
+    finally:
+        chunk.write_bytes(kept)
+    assert ckptfmt.verify(str(shared), node="hostA").ok
 
 
 def assert_moments(restored: dict, saved: dict) -> None:
