@@ -13,7 +13,7 @@ import warnings
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from ckptfmt.errors import CheckpointWarning, CorruptDataError, ManifestError
+from ckptfmt.errors import CheckpointWarning, CorruptDataError, ManifestError, UnsupportedVersionError
 from ckptfmt.format.history import HISTORY_DIR, MAX_HISTORY_BYTES, History, HistoryKey
 
 if TYPE_CHECKING:
@@ -61,7 +61,7 @@ def read_histories(repo: Repository, keys: Iterable[HistoryKey]) -> list[History
     for key in keys:
         try:
             histories.append(read_history(repo, key))
-        except (CorruptDataError, ManifestError) as exc:
+        except (CorruptDataError, ManifestError, UnsupportedVersionError) as exc:
             warnings.warn(f"skipping a history object: {exc}", stacklevel=2, category=CheckpointWarning)
     return histories
 
@@ -78,8 +78,8 @@ def copy_histories(source: Repository, target: Repository, *, verify: bool = Tru
             continue
         try:
             data = read_history_bytes(source, key)
-        except (CorruptDataError, ManifestError) as exc:  # never propagated; the checkpoints still go
-            warnings.warn(f"not copying a damaged history object: {exc}", stacklevel=3, category=CheckpointWarning)
+        except (CorruptDataError, ManifestError, UnsupportedVersionError) as exc:  # the checkpoints still go
+            warnings.warn(f"not copying a history object: {exc}", stacklevel=3, category=CheckpointWarning)
             continue
         target.storage.write(key.key, data)
         if verify:

@@ -20,7 +20,14 @@ from typing import TYPE_CHECKING
 from fsspec.callbacks import Callback, NoOpCallback
 
 from ckptfmt._platform import single_threaded_kernels
-from ckptfmt.errors import CheckpointError, CheckpointNotFoundError, CorruptDataError, ManifestError, StorageError
+from ckptfmt.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptDataError,
+    ManifestError,
+    StorageError,
+    UnsupportedVersionError,
+)
 from ckptfmt.format import layout
 from ckptfmt.format.chunk_table import stored_key
 from ckptfmt.format.manifest import Manifest
@@ -178,6 +185,8 @@ def _history_problems(repo: Repository) -> tuple[int, list[Problem]]:
         except (CorruptDataError, ManifestError) as exc:
             problems.append(Problem("bad-history", key.name, f"{exc}; `ckptfmt repair {repo.url} --from COPY` "
                                     "restores it from a copy of the repository", key=key.key))
+        except UnsupportedVersionError as exc:  # one unreadable history object: the rest are still checked
+            problems.append(Problem("bad-history", key.name, str(exc), key=key.key))
     return len(keys), problems
 
 

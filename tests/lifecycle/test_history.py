@@ -8,6 +8,7 @@ import re
 import warnings
 from pathlib import Path
 
+import msgpack
 import pytest
 import torch
 
@@ -16,6 +17,7 @@ from ckptfmt import CheckpointManager, StepTimer
 from ckptfmt.analytics import stragglers, tables
 from ckptfmt.cli import main as cli_main
 from ckptfmt.errors import CheckpointWarning
+from ckptfmt.format.hashing import chunk_hash
 from ckptfmt.format.history import HISTORY_DIR, History, HistoryKey
 from ckptfmt.lifecycle.gc import collect, remove
 from ckptfmt.lifecycle.repair import repair
@@ -117,6 +119,29 @@ def test_a_damaged_history_object_is_reported_skipped_and_repaired_from_a_copy(t
     assert step_numbers(url) == list(range(6))
     path.unlink()  # gone altogether: the copy brings it back too
     assert [fix.key for fix in repair(url, [copy]).fixed] == [key.key]
+
+
+def test_a_history_object_of_another_major_version_is_reported_and_the_rest_still_read(tmp_path, capsys):
+    """Issue 46: verify stopped with exit 2 at such an object instead of reporting it."""
+    url = str(tmp_path / "run")
+    train(url, range(6), StepTimer(system_interval=None))
+    repo = Repository.open(url)
+    remove(repo, ["step-2", "step-4"])
+    first = history_keys(repo)[0]
+    doc = msgpack.unpackb(Path(url, first.key).read_bytes())
+    newer = msgpack.packb({**doc, "version": [2, 0]}, use_bin_type=True)
+    Path(url, first.key).unlink()
+    key = HistoryKey(first.created_ns, first.name, chunk_hash(newer))
+    Path(url, key.key).write_bytes(newer)
+
+    report = ckptfmt.verify(url)
+    (problem,) = report.problems
+    assert (problem.kind, problem.checkpoint, problem.key) == ("bad-history", "step-2", key.key)
+    assert "upgrade" in problem.message and report.histories_checked == 2
+    assert cli_main(["verify", url]) == 1
+    assert "bad-history" in capsys.readouterr().out
+    with pytest.warns(CheckpointWarning, match="skipping a history object: .*step-2"):
+        assert step_numbers(url) == [2, 3, 4, 5]
 
 
 def test_removing_a_damaged_checkpoint_goes_on_without_its_history(tmp_path):
