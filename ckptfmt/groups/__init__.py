@@ -3,7 +3,7 @@
 ``ranks.py`` says what a save needs of its group (``Ranks``) and gives the group
 of one, this process alone (``SoloRanks``: no collectives); ``process_group.py``
 gives the ranks of a torch.distributed process group (``RankGroup``). The save
-pipeline (``saving/pipeline.py``) runs the same protocol on either. ``teardown.py``
-is what a process with process groups does before its interpreter shuts down,
-asked for by every path that touches one (saves, loads, the manager).
+pipeline (``saving/pipeline.py``) runs the same protocol on either. What a
+process with process groups does before its interpreter shuts down is
+``ckptfmt/_teardown.py``, below every layer that touches a group.
 """

@@ -10,7 +10,7 @@ A collective that fails (a rank died, raised before reaching it, or never
 called save) becomes a ``CollectiveError`` on every rank that can still run.
 
 The gloo groups are made once and reused, and let go of before the
-interpreter shuts down (groups/teardown.py): a group still alive then is
+interpreter shuts down (ckptfmt/_teardown.py): a group still alive then is
 destroyed during finalisation, when its worker threads may still hold the last
 collective's tensors, and a thread that needs the interpreter to free them
 then aborts the process ("terminate called without an active exception").
@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
+from ckptfmt._teardown import at_exit, settle
 from ckptfmt.errors import CheckpointError, CollectiveError
-from ckptfmt.groups import teardown
 from ckptfmt.metadata.topology import rank_entry
 
 #: Every side group made and not yet freed (tests check that a failed save's is freed at exit).
@@ -134,10 +134,10 @@ def _forget_destroyed() -> None:
 
 
 def release_side_groups() -> None:
-    """Destroy this process's side groups (locally: no collective) and settle (``teardown.settle``), as at
-    exit (groups/teardown.py says why)."""
+    """Destroy this process's side groups (locally: no collective) and settle (``_teardown.settle``), as at
+    exit (ckptfmt/_teardown.py says why)."""
     _destroy_side_groups()
-    teardown.settle()
+    settle()
 
 
 def _destroy_side_groups() -> None:
@@ -149,4 +149,4 @@ def _destroy_side_groups() -> None:
     _SIDE_GROUPS.clear()
 
 
-teardown.at_exit(_destroy_side_groups)
+at_exit(_destroy_side_groups)

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from ckptfmt._collector import collector_paused
+from ckptfmt._teardown import if_distributed
 from ckptfmt.errors import CheckpointError, CheckpointNotFoundError, CheckpointWarning, CorruptDataError, ManifestError
 from ckptfmt.format import codecs
 from ckptfmt.format.dtypes import itemsize
@@ -21,7 +22,6 @@ from ckptfmt.format.manifest import Manifest, Piece, TensorEntry
 from ckptfmt.format.shards import ShardEntry, ShardGrid, chunk_rows
 from ckptfmt.format.signatures import TrustedKeys
 from ckptfmt.format.values import decode_tree
-from ckptfmt.groups import teardown
 from ckptfmt.loading.checkpoint import Checkpoint
 from ckptfmt.loading.healing import HealFrom
 from ckptfmt.loading.load_into import load_into
@@ -72,7 +72,7 @@ class CheckpointReader(Checkpoint):
     def _setup(self, repository: Repository, name: str, map_location, mmap: bool, heal_from: HealFrom,
                trusted_keys: TrustedKeys, read: tuple[CommitRecord, Manifest] | None = None,
                verify: bool | str = True) -> None:
-        teardown.if_distributed()
+        if_distributed()
         Checkpoint.__init__(self, repository, name, trusted_keys=trusted_keys, heal_from=heal_from, read=read,
                             verify=verify)
         self.mmap = mmap

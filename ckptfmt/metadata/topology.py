@@ -7,15 +7,15 @@ import socket
 
 import torch
 
-from ckptfmt.groups import teardown
+from ckptfmt._teardown import at_exit
 
 
 def current_rank() -> tuple[int, int]:
     """(rank, world size) from torch.distributed when initialised, else the launcher's env. A process
-    with a process group gets ckptfmt's exit handling (groups/teardown.py), loads included."""
+    with a process group gets ckptfmt's exit handling (ckptfmt/_teardown.py), loads included."""
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized():
-        teardown.at_exit()
+        at_exit()
         return dist.get_rank(), dist.get_world_size()
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 

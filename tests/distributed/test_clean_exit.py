@@ -78,11 +78,11 @@ def test_jobs_that_only_load_exit_cleanly(tmp_path, runs):
 
 def load_only(rank: int, world: int, folder: Path, url: str) -> tuple[bool, bool]:
     """Whether this rank, which has only loaded, has ckptfmt's exit handling, and had it before the load."""
-    from ckptfmt.groups import teardown
+    from ckptfmt._teardown import registered
 
-    before = teardown._registered
+    before = registered()
     ckptfmt.load(url)
-    return before, teardown._registered
+    return before, registered()
 
 
 def test_a_load_under_a_process_group_sets_up_the_exit_handling(tmp_path):

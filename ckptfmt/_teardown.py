@@ -53,6 +53,11 @@ def at_exit(release: Callable[[], None] | None = None) -> None:
         atexit.register(_at_exit)
 
 
+def registered() -> bool:
+    """Whether this process has the exit handling."""
+    return _registered
+
+
 def if_distributed() -> None:
     """``at_exit()`` where this process has a torch.distributed process group (the readers call it: a job
     that only loads gets the handling too)."""
