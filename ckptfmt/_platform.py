@@ -7,6 +7,11 @@
 - ``before_thread_shutdown``: run a function at interpreter exit *before*
   ``concurrent.futures`` refuses new work and joins its threads (threading's own
   exit hooks), where ``atexit`` would be too late.
+- ``process_identity`` / ``process_gone``: a process named so that another
+  process of the same machine (the same boot, the same process-id namespace:
+  Linux's ``/proc``) can tell for sure that it has ended, its pid reused or not
+  (its start time, in clock ticks since boot, differs). Elsewhere: None, and
+  nothing is ever known gone.
 - ``single_threaded_kernels``: the OpenMP runtime torch loaded (``libgomp``,
   ``libiomp5``, ``libomp``) runs this thread's torch operations on this thread
   alone (``omp_set_num_threads`` sets the calling thread's own limit). Elsewhere:
@@ -18,6 +23,7 @@ from __future__ import annotations
 import atexit
 import concurrent.futures.thread  # noqa: F401 - its exit hook must be registered before ours
 import ctypes
+import os
 import signal
 import sys
 import threading
@@ -54,6 +60,53 @@ def start_writeback(fd: int) -> None:
     """
     if _SYNC_FILE_RANGE is not None:
         _SYNC_FILE_RANGE(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)
+
+
+def process_identity(pid: int | None = None) -> dict | None:
+    """This process (or ``pid``) as ``{"boot", "pid_namespace", "pid", "start"}``: the machine's boot id, the
+    process-id namespace, the pid and its start in clock ticks since boot; None where ``/proc`` does not
+    say (not Linux), or the process does not exist."""
+    pid = os.getpid() if pid is None else pid
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as file:
+            boot = file.read().strip()
+        namespace = os.readlink("/proc/self/ns/pid")
+        start = _start_ticks(pid)
+    except (OSError, ValueError, IndexError):
+        return None
+    return {"boot": boot, "pid_namespace": namespace, "pid": pid, "start": start}
+
+
+def process_gone(identity: object) -> bool:
+    """Whether the process ``identity`` names (``process_identity``'s, as another process stored it) has
+    certainly ended: it ran on this boot of this machine, in this process's pid namespace, and no process
+    of its pid and start time runs. False whenever that cannot be told (another machine or namespace, a
+    malformed identity, no ``/proc``)."""
+    if not isinstance(identity, dict) or type(identity.get("pid")) is not int or type(identity.get("start")) is not int:
+        return False
+    here = process_identity()
+    if here is None or (identity.get("boot"), identity.get("pid_namespace")) != (here["boot"], here["pid_namespace"]):
+        return False
+    try:
+        state, start = _stat(identity["pid"])
+    except FileNotFoundError:
+        return True
+    except (OSError, ValueError, IndexError):
+        return False
+    return start != identity["start"] or state == "Z"  # another process now has the pid, or it died unreaped
+
+
+def _start_ticks(pid: int) -> int:
+    return _stat(pid)[1]
+
+
+def _stat(pid: int) -> tuple[str, int]:
+    """Fields 3 and 22 of ``/proc/PID/stat``: the process's state (``Z``: ended, not yet reaped) and its start in
+    clock ticks since boot (the command name, field 2, may hold spaces and parentheses: the fields after its
+    last ``)`` are counted)."""
+    with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as file:
+        fields = file.read().rsplit(")", 1)[1].split()
+    return fields[0], int(fields[19])
 
 
 #: The OpenMP runtimes torch builds load, by the names the dynamic loader knows them by.

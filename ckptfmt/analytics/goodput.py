@@ -4,7 +4,8 @@ Per rank, the run's timeline is rebuilt from every save's timing (spec 9.4: each
 step's start, duration and phases; each save's phases; each resume), the history
 objects of removed checkpoints (spec 4.5) and the progress objects of the
 processes (spec 4.6: the steps a killed process computed after its last save,
-which no checkpoint holds). Its wall time, from its first step's start to its
+which no checkpoint holds, and its resumes no save stored: a process killed before
+its first save after a resume is a restart all the same). Its wall time, from its first step's start to its
 last step's or save's end, is split into:
 
 - ``productive``: the steps the run kept (the last computation of each step
@@ -127,6 +128,8 @@ def goodput(run: str | os.PathLike, *, storage_options: dict | None = None, buil
         if progress.steps:
             records.computations |= _computations(decode_steps(progress.steps, f"progress of rank {progress.rank}"))
         records.held += _held(progress.stalls)  # also stored by a save, if one came after: stalls dedupes
+        # a process that died before its first save after a resume: its resume is on record here alone
+        records.resumes += [r for r in progress.resumes or [] if isinstance(r, dict)]
     straggling = _straggler_waits(repo.url, storage_options, built) if len(ranks) > 1 else 0.0
     per_rank = [_account(records, straggling) for records in ranks.values() if records.computations]
     if not per_rank:
@@ -212,10 +215,12 @@ def _account(records: _Rank, straggling: float) -> _Account:
     starts = [step_start for step_start, _ in ordered]
     account["save_stalls"] = sum(_outside(start, end, ordered, starts) for start, end in stalls if start >= first)
     restarts = []
+    seen: set[int] = set()
     for resume in records.resumes:
         resumed = resume.get("resumed_ns")
-        if type(resumed) is not int:
+        if type(resumed) is not int or resumed in seen:  # a progress object's and a save's record of one resume
             continue
+        seen.add(resumed)
         before = [end for _, end in steps + stalls if end <= resumed]
         after = [start for start, _ in steps if start >= resumed]
         if not before or not after:

@@ -7,7 +7,8 @@ struck (``ckptfmt goodput``), a ``StepTimer`` bound to a repository rewrites one
 small object of its own (per process, rank and timer) as it trains:
 ``REPO/_progress/<started_ns>.<rank>.<pid>.msgpack``, a msgpack map holding the
 process's identity, the steps it has not saved yet and the times saves held its
-loop that no save stored yet (spec 9.4's ``steps`` and ``stalls``).
+loop that no save stored yet (spec 9.4's ``steps`` and ``stalls``), and (1.15) its
+resumes no save stored yet (spec 9.4's ``resumes``), written the moment it resumes.
 """
 
 from __future__ import annotations
@@ -62,12 +63,14 @@ class Progress:
     steps: dict | None
     #: The times saves held its loop not yet stored by a save, as spec 9.4's ``stalls`` (None: none).
     stalls: dict | None = None
+    #: Its resumes not yet stored by a save (1.15), as spec 9.4's ``resumes`` records (None: none).
+    resumes: list[dict] | None = None
 
     def to_bytes(self) -> bytes:
         return msgpack.packb({"format": PROGRESS_FORMAT, "version": list(FORMAT_VERSION),
                               "started_ns": self.started_ns, "rank": self.rank, "pid": self.pid,
                               "host": self.host, "written_ns": self.written_ns, "steps": self.steps,
-                              "stalls": self.stalls},
+                              "stalls": self.stalls, **({"resumes": self.resumes} if self.resumes else {})},
                              use_bin_type=True)
 
     @classmethod
@@ -81,7 +84,9 @@ class Progress:
         host, written, steps = doc.get("host"), doc.get("written_ns"), doc.get("steps")
         if not isinstance(host, str) or type(written) is not int:
             raise ManifestError(f"{where}: host or written_ns missing")
-        stalls = doc.get("stalls")
+        stalls, resumes = doc.get("stalls"), doc.get("resumes")
         if steps is not None and not isinstance(steps, dict) or stalls is not None and not isinstance(stalls, dict):
             raise ManifestError(f"{where}: steps or stalls is not a map")
-        return cls(expected.started_ns, expected.rank, expected.pid, host, written, steps, stalls)
+        if resumes is not None and not (isinstance(resumes, list) and all(isinstance(r, dict) for r in resumes)):
+            raise ManifestError(f"{where}: resumes is not an array of maps")
+        return cls(expected.started_ns, expected.rank, expected.pid, host, written, steps, stalls, resumes or None)

@@ -8,7 +8,7 @@ from typing import Any
 from ckptfmt.errors import ManifestError, UnsupportedVersionError, quoted
 
 #: The version of the format this ckptfmt writes: [major, minor].
-FORMAT_VERSION = (1, 14)
+FORMAT_VERSION = (1, 15)
 
 
 def check_version(version: Any, what: str) -> tuple[int, int]:

@@ -146,7 +146,7 @@ def record_resume(checkpoint: str | os.PathLike | CheckpointReader, live: Mappin
     finally:
         if reader is not checkpoint:
             reader.close()
-    note_resume(result.to_dict())
+    note_resume(result.to_dict(), reader.repository)
     return result
 
 

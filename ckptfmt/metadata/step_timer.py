@@ -34,11 +34,14 @@ import blake3
 import numpy as np
 
 from ckptfmt.errors import ManifestError
+from ckptfmt.metadata.resumes import take_resumed_progress
 from ckptfmt.metadata.rng_digests import RNG_DIGEST_BYTES, RngDigests
-from ckptfmt.metadata.system import DEFAULT_INTERVAL_S, SystemSampler
+from ckptfmt.metadata.system import DEFAULT_INTERVAL_S as DEFAULT_SYSTEM_INTERVAL_S
+from ckptfmt.metadata.system import SystemSampler
+from ckptfmt.repository.progress import DEFAULT_INTERVAL_S
 
 #: Seconds between rewrites of a process's progress object (spec 4.6) by default.
-DEFAULT_PROGRESS_INTERVAL_S = 10.0
+DEFAULT_PROGRESS_INTERVAL_S = DEFAULT_INTERVAL_S
 #: Bytes of a batch digest (BLAKE3 of the indices as little-endian int64).
 BATCH_DIGEST_BYTES = 16
 #: What a step's batch digest was taken of (spec 9.4 ``batch_kind``).
@@ -56,7 +59,7 @@ class StepTimer:
     end of every step, or None for none. The samples are stored with the steps.
     """
 
-    def __init__(self, *, system_interval: float | str | None = DEFAULT_INTERVAL_S, rng: bool = True,
+    def __init__(self, *, system_interval: float | str | None = DEFAULT_SYSTEM_INTERVAL_S, rng: bool = True,
                  generators: dict[str, Any] | None = None,
                  progress_interval: float | None = DEFAULT_PROGRESS_INTERVAL_S):
         self._columns = _empty_columns()
@@ -217,6 +220,8 @@ class StepTimer:
                 if name not in columns:
                     columns[name] = [None] * rows
                 columns[name][-1] = number
+        if self.progress is not None:  # the finished step's outputs, on record with it
+            self.progress.maybe_write(self)
 
     def held(self, start_ns: int, duration_s: float) -> None:
         """A save held the loop from ``start_ns`` for ``duration_s`` (from its call to its return: what
@@ -274,6 +279,14 @@ class StepTimer:
                 else:
                     del column[:rows]
 
+    def _bind_to_a_resume(self) -> None:
+        """A process that has resumed keeps its progress object from its first step on (spec 4.6, 1.15), in
+        the repository it resumed from, not from its first save."""
+        writer = take_resumed_progress()
+        if writer is not None and self.progress_interval is not None:
+            writer.interval_s = self.progress_interval
+            self.progress = writer
+
     def __len__(self) -> int:
         """Finished steps not yet stored in a checkpoint."""
         return len(self._columns["step"])
@@ -283,6 +296,8 @@ class StepTimer:
         with self._lock:
             self._append(step, end)
         self._current = None
+        if self.progress is None and self.progress_interval is not None:
+            self._bind_to_a_resume()
         if self.progress is not None:
             self.progress.maybe_write(self)
         if self._sampler is not None:

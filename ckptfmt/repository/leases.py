@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from ckptfmt._platform import process_gone, process_identity
 from ckptfmt.errors import CheckpointError, StorageError
 from ckptfmt.format.layout import LEASES_DIR
 from ckptfmt.format.maps import unique_map
@@ -36,6 +37,16 @@ CLOCK_SKEW_S = 30.0
 #: A holder stops trusting its own lease this long before it expires (by its own clock).
 SAFETY_MARGIN_S = 10.0
 MAX_LEASE_BYTES = 4096
+#: This process as its leases name it (a forked child names itself again).
+_PROCESS = process_identity()
+
+
+def _name_the_child() -> None:
+    global _PROCESS
+    _PROCESS = process_identity()
+
+
+os.register_at_fork(after_in_child=_name_the_child)
 
 
 class LeaseLostError(StorageError):
@@ -50,9 +61,13 @@ class LeaseRecord:
     kind: str
     holder: str
     expires_ns: int
+    #: The holding process as ``_platform.process_identity`` names it (format 1.15), or None.
+    process: dict | None = None
 
     def live(self, now_ns: int) -> bool:
-        return now_ns <= self.expires_ns + int(CLOCK_SKEW_S * 1e9)
+        """Live until its expiry plus the clock skew, unless its holder is a process of this machine that has
+        certainly ended (a killed save's lease then stalls no one: spec 11.6, 1.15)."""
+        return now_ns <= self.expires_ns + int(CLOCK_SKEW_S * 1e9) and not process_gone(self.process)
 
     def describe(self, now_ns: int) -> str:
         """Who holds it and until when, for messages: '_leases/save-....json, held by host:4242 until 12:03:07
@@ -107,7 +122,8 @@ class Lease:
         now = time.time_ns()
         expires = now + int(self.ttl_s * 1e9)
         record = {"format": LEASE_FORMAT, "version": list(FORMAT_VERSION), "kind": self.kind,
-                  "holder": self.holder, "created_ns": now, "expires_ns": expires}
+                  "holder": self.holder, "created_ns": now, "expires_ns": expires,
+                  **({"process": _PROCESS} if _PROCESS is not None else {})}
         # Visible to other processes is enough: a crash that loses the lease ends its holder too.
         self.repo.storage.write(self.key, json.dumps(record).encode(), durable=False)
         self._valid_until_ns = expires
@@ -157,7 +173,9 @@ def _parse(data: bytes, key: str) -> LeaseRecord:
     expires = doc["expires_ns"]
     if type(expires) is not int:
         raise TypeError("expires_ns is not an integer")
-    return LeaseRecord(key=key, kind=doc["kind"], holder=str(doc.get("holder", "?")), expires_ns=expires)
+    process = doc.get("process")
+    return LeaseRecord(key=key, kind=doc["kind"], holder=str(doc.get("holder", "?")), expires_ns=expires,
+                       process=process if isinstance(process, dict) else None)
 
 
 def live_leases(repo: Repository, kind: str, *, reclaim_for: str | None = None) -> list[str]:
@@ -177,10 +195,10 @@ def live_leases(repo: Repository, kind: str, *, reclaim_for: str | None = None) 
 
 
 def reclaim(repo: Repository, expired: list[str]) -> None:
-    """Delete expired leases (past their expiry and the clock skew): their holders were killed or lost them,
-    and a holder never renews a lapsed lease (``Lease``), so none comes back to life. Best effort: an
-    expired lease left behind is ignored anyway. Unreadable leases are never reclaimed: they may be a live
-    holder's, as far as anyone can tell."""
+    """Delete expired leases (past their expiry and the clock skew, or held by a process of this machine that
+    has ended): their holders were killed or lost them, and a holder never renews a lapsed lease
+    (``Lease``), so none comes back to life. Best effort: an expired lease left behind is ignored anyway.
+    Unreadable leases are never reclaimed: they may be a live holder's, as far as anyone can tell."""
     if not expired:
         return
     try:

@@ -1,6 +1,10 @@
 """Progress objects (spec 4.6, 1.9): written as a process trains, read by ``ckptfmt goodput``.
 
-A save with a ``StepTimer`` binds the timer to its repository (``bind``): from
+A resume writes its record at once to a progress object of its own in the
+repository it resumed from (``ProgressWriter.write_now``, 1.15), so that a process
+killed before its first save is still on record as a restart; the process's step
+timer then takes that object over at its first step. A save with a ``StepTimer``
+binds the timer to its repository otherwise (``bind``): from
 then on, at the end of a step (or a save's return) at least
 ``StepTimer(progress_interval=...)`` seconds after its last write, the timer's steps not yet saved are written to
 this process's progress object on a background thread (one write in flight at
@@ -18,12 +22,16 @@ import socket
 import threading
 import time
 import warnings
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ckptfmt.errors import CheckpointError, CheckpointWarning
 from ckptfmt.format.progress import MAX_PROGRESS_BYTES, PROGRESS_DIR, Progress, ProgressKey
 from ckptfmt.repository.repository import Repository
+
+#: Seconds between rewrites of a process's progress object by default (``StepTimer(progress_interval=...)``).
+DEFAULT_INTERVAL_S = 10.0
 
 
 class ProgressWriter:
@@ -32,38 +40,69 @@ class ProgressWriter:
 
     def __init__(self, repo: Repository, rank: int, interval_s: float):
         self.repo, self.interval_s = repo, interval_s
-        self.key = ProgressKey(time.time_ns(), rank, os.getpid())  # one object per timer bound
+        self.key = ProgressKey(time.time_ns(), rank, os.getpid())  # one object per timer bound, or resume
+        _MADE.add(self)
+        #: This rank's resumes that no committed save holds yet (spec 9.4 ``resumes``), in every write.
+        self.resumes: list[dict] = []
         self._last = -float("inf")
         self._busy = threading.Lock()
+        #: A timer whose state to write once the write in flight is done (asked for while it ran).
+        self._again: Any = None
         self._warned = False
         self._host = socket.gethostname()
 
     def maybe_write(self, timer: Any) -> None:
-        """At a step's end or a save's return: start a write if the interval has passed and none is in
-        flight."""
+        """At a step's end, its metrics or a save's return: start a write if the interval has passed; with
+        one in flight, that write is followed by one of the state now (the last step's metrics, recorded
+        just after its end, are not left to a write that may never come)."""
         now = time.monotonic()
-        if now - self._last < self.interval_s or not self._busy.acquire(blocking=False):
+        if now - self._last < self.interval_s:
+            return
+        if not self._busy.acquire(blocking=False):
+            self._again = timer
             return
         self._last = now
-        steps, stalls = timer.progress_record()
-        data = Progress(self.key.started_ns, self.key.rank, self.key.pid, self._host, time.time_ns(), steps,
-                        stalls).to_bytes()  # here: the thread then holds the interpreter only to write
+        data = self._record(timer)  # here: the thread then holds the interpreter only to write
         _writer().submit(self._write, data)
 
-    def _write(self, data: bytes) -> None:
-        try:
-            self.repo.storage.write(self.key.key, data, durable=False)
-        except (CheckpointError, OSError) as exc:
-            if not self._warned:
-                self._warned = True
+    def write_now(self, timer: Any = None) -> None:
+        """Write the object now, on this thread, once the write in flight is done (a resume: on record before
+        the loop goes on); ``timer``: the steps of the timer bound, if one is."""
+        with self._busy:
+            try:
+                self.repo.storage.write(self.key.key, self._record(timer), durable=False)
+            except (CheckpointError, OSError) as exc:
                 warnings.warn(f"progress of rank {self.key.rank} not written to {self.repo.url} ({exc}); "
-                              "ckptfmt goodput will not see the steps since the last save", CheckpointWarning,
-                              stacklevel=2)
-        finally:
+                              "ckptfmt goodput will not see this resume if the process ends before its next save",
+                              CheckpointWarning, stacklevel=3)
+
+    def _record(self, timer: Any) -> bytes:
+        steps, stalls = timer.progress_record() if timer is not None else (None, None)
+        return Progress(self.key.started_ns, self.key.rank, self.key.pid, self._host, time.time_ns(), steps,
+                        stalls, list(self.resumes) or None).to_bytes()
+
+    def _write(self, data: bytes) -> None:
+        """Write ``data``, then the state asked for meanwhile, if any (``maybe_write``)."""
+        while True:
+            try:
+                self.repo.storage.write(self.key.key, data, durable=False)
+            except (CheckpointError, OSError) as exc:
+                if not self._warned:
+                    self._warned = True
+                    warnings.warn(f"progress of rank {self.key.rank} not written to {self.repo.url} ({exc}); "
+                                  "ckptfmt goodput will not see the steps since the last save", CheckpointWarning,
+                                  stacklevel=2)
             self._busy.release()
+            timer = self._again
+            if timer is None or not self._busy.acquire(blocking=False):
+                return  # none asked for, or the loop has started that write itself
+            self._again = None
+            data = self._record(timer)
 
 
 _WRITER: ThreadPoolExecutor | None = None
+#: This process's progress writers, for the resumes a save has stored (``forget_stored_resumes``).
+_MADE: weakref.WeakSet = weakref.WeakSet()
 
 
 def _writer() -> ThreadPoolExecutor:
@@ -94,6 +133,12 @@ def bind_repository(timer: Any, repo_url: str, storage_options: dict | None, ran
     there is no repository yet."""
     if timer.progress_interval is not None and timer.progress is None:
         timer.progress = ProgressWriter(Repository.open(repo_url, storage_options), rank, timer.progress_interval)
+
+
+def forget_stored_resumes(stored: list[dict]) -> None:
+    """Resumes a committed save holds: no progress object of this process needs them any more."""
+    for writer in list(_MADE):
+        writer.resumes = [kept for kept in writer.resumes if all(kept is not s for s in stored)]
 
 
 def progress_keys(repo: Repository) -> list[ProgressKey]:

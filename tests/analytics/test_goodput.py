@@ -93,6 +93,22 @@ def test_a_run_killed_and_resumed_twice_is_split_as_its_own_log_says(tmp_path, c
     assert "step-004" in restarts and "step-012" in restarts
 
 
+@pytest.mark.slow
+def test_a_process_killed_before_its_first_save_after_a_resume_is_a_restart_all_the_same(tmp_path):
+    """Issue 46: a restarted process's resume was in memory until its first save, so one killed before it
+    vanished: goodput dropped that restart and took its steps for restart time. Its resume is now in its
+    progress object at once, and its steps from its first one."""
+    repo, log = tmp_path / "run", tmp_path / "timeline.log"
+    for kill_after in (5, 6, -1):  # the second process resumes from step-004, dies after step 6: no save
+        run(repo, log, kill_after)
+    expected = truth(log)
+    found = goodput(repo)
+    assert [(r["from"], r["from_step"]) for r in found.restarts] == [("step-004", 4), ("step-004", 4)]
+    assert (found.steps_kept, found.steps_recomputed) == (STEPS, 2 + 3)  # steps 4-5, then 4-6, again
+    for name in ("restarts", "recomputed"):
+        assert found.seconds[name] == pytest.approx(expected[name], rel=0.05, abs=0.005), name
+
+
 @pytest.mark.distributed
 @pytest.mark.exhaustive  # 13 s of ranks: make test keeps the one-process run killed twice
 def test_a_two_rank_job_killed_and_resumed_twice_is_split_as_its_ranks_logs_say(tmp_path):

@@ -16,7 +16,7 @@ import ckptfmt
 from ckptfmt.format import layout
 from ckptfmt.lifecycle.gc import collect, remove
 from ckptfmt.lifecycle.retention import Retention
-from ckptfmt.repository.leases import LEASES_DIR, SAVE, LeaseLostError, try_gc_lease
+from ckptfmt.repository.leases import GC, LEASES_DIR, SAVE, LeaseLostError, live_leases, try_gc_lease
 from ckptfmt.repository.repository import Repository
 from tests.support.helpers import SCRIPTS
 
@@ -153,6 +153,44 @@ def test_expired_and_unreadable_leases(tmp_path):
     report = collect(repo)
     assert not report.swept and "save-garbage.json (unreadable" in report.busy[0]
     ckptfmt.save(state(2), f"{url}/b")  # saves are not held up by it
+
+
+HOLD_A_GC_LEASE = """
+import sys, time
+from ckptfmt.repository.leases import try_gc_lease
+from ckptfmt.repository.repository import Repository
+lease, _ = try_gc_lease(Repository.open(sys.argv[1]))
+print("held", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_killed_holders_lease_on_this_machine_is_reclaimed_at_once(tmp_path):
+    """Issue 46: a killed process's gc lease held the next save up to 90 s (its lifetime and the clock
+    skew). A lease whose holder is a process of this machine that has ended is not live; one of another
+    machine (another boot) holds until it expires."""
+    url = str(tmp_path / "repo")
+    ckptfmt.save(state(1), f"{url}/a")
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_A_GC_LEASE, url], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        repo = Repository.open(url)
+        (key,) = [f"{LEASES_DIR}/{entry}" for entry in repo.storage.list(LEASES_DIR)]
+        lease = json.loads(repo.storage.read(key, max_size=4096))
+        assert lease["process"]["pid"] == holder.pid
+        blocked = threading.Thread(target=ckptfmt.save, args=(state(2), f"{url}/b"))
+        blocked.start()
+        time.sleep(0.5)
+        assert blocked.is_alive() and repo.names() == ["a"]  # a live holder's sweep holds saves
+    finally:
+        holder.kill()
+        holder.wait()
+    blocked.join(timeout=10)  # once its holder is gone, within the save's waits, not 90 s
+    assert not blocked.is_alive() and repo.names() == ["a", "b"]
+    elsewhere = {**lease, "process": {**lease["process"], "boot": "another machine's boot"}}
+    repo.storage.write(key, json.dumps(elsewhere).encode())
+    (live,) = live_leases(repo, GC)  # another machine's: live until it expires, whatever its pid is here
+    assert live.startswith(key)
 
 
 def test_a_save_whose_lease_ran_out_does_not_commit(tmp_path, monkeypatch):
