@@ -42,6 +42,7 @@ from ckptfmt.analytics.compare import compare
 from ckptfmt.analytics.timings import saved_timings
 from ckptfmt.errors import CheckpointError
 from ckptfmt.metadata.step_timer import decode_steps
+from ckptfmt.repository.progress import read_progress
 from ckptfmt.repository.repository import Repository
 from ckptfmt.tools.formatting import world_sizes
 
@@ -67,7 +68,8 @@ class Signature:
     batch: bytes | None
     rng: dict[str, bytes]
     outputs: dict[str, bytes]
-    saved_ns: int  # when the save that recorded it was made
+    saved_ns: int  # when the save that recorded it was made (a progress object's: when it was written)
+    start_ns: int  # when the step started: a computation recorded twice (a progress object, then a save) is one
 
 
 @dataclass
@@ -138,7 +140,7 @@ class RunRecords:
         self.url, self.storage_options = self.repo.url, storage_options
         saves = saved_timings(self.repo)
         self.signatures: dict[tuple[int, int], Signature] = {}
-        #: Every signature of a (rank, step), oldest save first: a step computed again has several.
+        #: Every computation of a (rank, step), oldest first: a step computed again has several.
         self.branches: dict[tuple[int, int], list[Signature]] = {}
         self.resumes: list[dict] = []
         for saved_ns, timing in saves:
@@ -149,19 +151,25 @@ class RunRecords:
                 for resume in entry.get("resumes") or []:
                     if isinstance(resume, dict):
                         self.resumes.append({**resume, "saved_ns": saved_ns})
-                if entry.get("steps") is None or type(rank) is not int:
-                    continue
-                columns = decode_steps(entry["steps"], f"{self.url}: timing.ranks[{index}].steps")
-                outputs = {name: _bits(columns, name) for name in OUTPUTS}
-                for row, step in enumerate(columns.step.tolist()):
-                    kind = int(columns.batch_kind[row])
-                    signature = Signature(
-                        batch_kind=kind, batch=bytes(columns.batch[row]) if kind else None,
-                        rng={name: bytes(digests[row]) for name, digests in columns.rng.items() if digests[row].any()},
-                        outputs={name: value for name, bits in outputs.items() if (value := bits[row]) is not None},
-                        saved_ns=saved_ns)
-                    self.signatures[rank, step] = signature  # a later save's: the branch the run went on with
-                    self.branches.setdefault((rank, step), []).append(signature)
+                if entry.get("steps") is not None and type(rank) is int:
+                    self._add_steps(rank, entry["steps"], saved_ns, f"{self.url}: timing.ranks[{index}].steps")
+        # The steps a process computed after its last save (a killed one's), and its resumes no save stored:
+        # its progress object's (spec 4.6).
+        stored = {resume.get("resumed_ns") for resume in self.resumes}
+        for progress in read_progress(self.repo):
+            if progress.steps is not None:
+                self._add_steps(progress.rank, progress.steps, progress.written_ns,
+                                f"{self.url}: progress of rank {progress.rank}")
+            for resume in progress.resumes or []:
+                if resume.get("resumed_ns") not in stored:
+                    stored.add(resume.get("resumed_ns"))
+                    self.resumes.append({**resume, "saved_ns": progress.written_ns})
+        for key, branch in self.branches.items():  # each computation once (a save's record first), as they ran
+            unique: dict[int, Signature] = {}
+            for signature in branch:
+                unique.setdefault(signature.start_ns, signature)
+            self.branches[key] = sorted(unique.values(), key=lambda signature: signature.start_ns)
+            self.signatures[key] = self.branches[key][-1]  # the branch the run went on with
         #: Per rank, the generators the run drew from: their digest changes from a step to the next one
         #: in the same process (no resume of the rank between the saves that recorded them). One never
         #: drawn from (an unseeded one each new process starts with) feeds nothing, whatever its state.
@@ -175,6 +183,19 @@ class RunRecords:
             for name, digest in signature.rng.items():
                 if following.rng.get(name, digest) != digest:
                     self.in_use.setdefault(rank, set()).add(name)
+
+
+    def _add_steps(self, rank: int, steps: dict, saved_ns: int, where: str) -> None:
+        """A record's steps of ``rank`` (spec 9.4 ``steps``), each a computation of its step."""
+        columns = decode_steps(steps, where)
+        outputs = {name: _bits(columns, name) for name in OUTPUTS}
+        for row, step in enumerate(columns.step.tolist()):
+            kind = int(columns.batch_kind[row])
+            self.branches.setdefault((rank, step), []).append(Signature(
+                batch_kind=kind, batch=bytes(columns.batch[row]) if kind else None,
+                rng={name: bytes(digests[row]) for name, digests in columns.rng.items() if digests[row].any()},
+                outputs={name: value for name, bits in outputs.items() if (value := bits[row]) is not None},
+                saved_ns=saved_ns, start_ns=int(columns.start_ns[row])))
 
 
 def _bits(columns: Any, name: str) -> list[bytes | None]:
@@ -401,7 +422,7 @@ def certify_resumes(run: str | os.PathLike, *, storage_options: dict | None = No
         load = [Cause("load", _part_lines(f"rank {rank}: the resume left", part))
                 for part in resume.get("parts") or [] if part.get("verdict") in ("missing", "different")]
         again = sorted(step for (each, step), signatures in records.branches.items()
-                       if each == rank and len(signatures) > 1 and step > resumed_at)
+                       if each == rank and len(signatures) > 1 and step >= resumed_at)
         for step in again:
             before, after = records.branches[rank, step][-2:]
             found = _differences({(rank, step): before}, {(rank, step): after}, step, [rank], records.in_use)
@@ -421,10 +442,15 @@ def certify_resumes(run: str | os.PathLike, *, storage_options: dict | None = No
                 certificate.verdict, certificate.causes = "diverged", load
                 certificate.first_divergence = {"step": resumed_at + 1, "ranks": [rank], "cause": "load",
                                                 "evidence": load[0].evidence}
-            elif certificate.steps_compared or resume.get("parts"):
+            elif certificate.steps_compared:
                 certificate.verdict = "identical"
-            else:
-                certificate.missing = "the resume's record holds no parts and no step was computed again"
+            else:  # a certificate that compared no step vouches for nothing that ran after the resume
+                restored = sum(part.get("stored") or 0 for part in resume.get("parts") or [])
+                certificate.missing = (
+                    "no step was computed again after the resume to compare" +
+                    (f" (its record says every part was restored: {restored} entries equal)" if restored else
+                     ", and its record holds no parts") +
+                    "; `ckptfmt certify REFERENCE RUN` compares the run's steps with another run's")
         certificates.append(certificate)
     return certificates
 
@@ -432,9 +458,17 @@ def certify_resumes(run: str | os.PathLike, *, storage_options: dict | None = No
 def resumes_verdict(resumes: list[Certificate]) -> str:
     """One sentence on a run's resumes (``certify(run)``'s certificates)."""
     verdicts = {certificate.verdict for certificate in resumes}
+    restored = all(certificate.verdict == "identical" or _restored_every_part(certificate) for certificate in resumes)
     return ("No resume on record" if not resumes else
-            "Every resume restored what its checkpoint held" if verdicts == {"identical"} else
-            "A resume diverged" if "diverged" in verdicts else "Some resumes cannot be certified")
+            "A resume diverged" if "diverged" in verdicts else
+            "Every resume restored what its checkpoint held" if restored else "Some resumes cannot be certified")
+
+
+def _restored_every_part(certificate: Certificate) -> bool:
+    """Whether a resume's record says it restored every part (whether a step ran the same after it is
+    another matter: its certificate may still be undetermined)."""
+    parts = (certificate.resume or {}).get("parts") or []
+    return bool(parts) and all(part.get("verdict") in ("equal", "not stored") for part in parts)
 
 
 def _part_lines(what: str, part: dict) -> list[str]:

@@ -33,7 +33,8 @@ def no_pending():
 
 
 def train(repo: str, *, stop: int | None = None, resume: bool = False, fault: str | None = None,
-          timer_on: bool = True, max_norm: float | None = None, hparams: bool = False) -> None:
+          timer_on: bool = True, max_norm: float | None = None, hparams: bool = False,
+          progress_interval: float = 10.0) -> None:
     """Train to STEPS (or ``stop``), saving every 2 steps; ``resume``: from the newest checkpoint, as a new
     process would, with ``fault`` (a resume bug) applied. ``max_norm``: gradients clipped to that norm,
     recorded in each save's metadata beside a counter of the samples seen, as a plain loop records its
@@ -46,7 +47,8 @@ def train(repo: str, *, stop: int | None = None, resume: bool = False, fault: st
     target = torch.randn(SAMPLES, 1, generator=torch.Generator().manual_seed(2))
     order = torch.Generator().manual_seed(3)
     position, permutation = 0, torch.randperm(SAMPLES, generator=order)
-    timer = ckptfmt.StepTimer(system_interval=None, generators={"order": order}) if timer_on else None
+    timer = ckptfmt.StepTimer(system_interval=None, generators={"order": order},
+                              progress_interval=progress_interval) if timer_on else None
     start = 0
     if resume:
         newest = ckptfmt.Repository.open(repo).commits()[-1]
@@ -163,10 +165,38 @@ def test_a_clean_resume_reproduces_bit_for_bit_and_certifies_alone(reference, tm
     run = resumed(tmp_path, None)
     result = certify(reference, run)
     assert (result.verdict, result.steps_compared, result.first_divergence) == ("identical", STEPS, None)
-    (alone,) = certify(run)
-    assert alone.verdict == "identical" and alone.first_divergence is None
     assert main(["certify", reference, run]) == 0
     assert "verdict: identical over 10 common steps" in capsys.readouterr().out
+
+
+def test_a_resume_certified_alone_with_no_step_computed_again_cannot_tell(reference, tmp_path, capsys):
+    """Issue 46: such a certificate said "identical over 0 common steps" and exited 0."""
+    run = resumed(tmp_path, None)  # stopped right after its save at step 4: nothing computed twice
+    (alone,) = certify(run)
+    assert (alone.verdict, alone.steps_compared, alone.first_divergence) == ("undetermined", 0, None)
+    assert "no step was computed again" in alone.missing and "entries equal" in alone.missing
+    assert main(["certify", run]) == 2
+    assert "cannot tell: no step was computed again" in capsys.readouterr().out
+
+
+def test_the_steps_a_killed_process_computed_are_compared_with_their_second_computation(tmp_path, capsys):
+    """The steps computed after the last save by a process that then died are in its progress object
+    (spec 4.6): the resumed process computes them again, and certifying the resume compares the two."""
+    run = str(tmp_path / "run")
+    train(run, stop=CUT + 1, progress_interval=0.0)  # step 4 computed, never saved: the process "dies"
+    train(run, resume=True, progress_interval=0.0)  # from step-004: step 4 again
+    (alone,) = certify(run)
+    assert (alone.verdict, alone.steps_compared) == ("identical", 1), alone.to_json()
+    (faulty,) = certify(resumed_after_a_loss(tmp_path / "faulty"))
+    assert (faulty.verdict, faulty.first_divergence["step"], faulty.first_divergence["cause"]) == (
+        "diverged", CUT, "rng"), faulty.to_json()
+
+
+def resumed_after_a_loss(folder) -> str:
+    run = str(folder / "run")
+    train(run, stop=CUT + 1, progress_interval=0.0)
+    train(run, resume=True, fault="rng dropped", progress_interval=0.0)
+    return run
 
 
 @pytest.mark.parametrize("cut", [2, 6, 8])

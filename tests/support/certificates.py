@@ -18,3 +18,13 @@ def assert_diverged_at(certificate: Certificate, step: int, cause: str, named: s
     assert (divergence["step"], divergence["cause"]) == (step, cause), certificate.to_json()
     assert any(named in line for line in divergence["evidence"]), divergence["evidence"]
     return divergence
+
+
+def assert_restored_but_not_recomputed(certificate: Certificate) -> None:
+    """A resume certified alone whose record says it restored every part, with no step computed again to
+    compare: that is all it can say, so it cannot tell (a certificate that compared no step vouches for
+    nothing that ran after the resume)."""
+    parts = (certificate.resume or {}).get("parts") or []
+    assert certificate.verdict == "undetermined" and certificate.steps_compared == 0, certificate.to_json()
+    assert parts and all(part["verdict"] in ("equal", "not stored") for part in parts), parts
+    assert "no step was computed again" in str(certificate.missing)
