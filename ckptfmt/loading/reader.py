@@ -402,11 +402,15 @@ def load(url: str | os.PathLike, *, map_location: str | torch.device | None = "c
 
     ``into=state`` fills ``state`` in place instead and returns it: each tensor
     gets its saved value (a DTensor its own shard, at any world size or mesh),
-    plain values are replaced, and a value saved as ``PerRank`` becomes a
-    ``PerRank`` of this rank's own, so the next save keeps every rank's. Missing or
-    unexpected entries, shape or dtype mismatches, and ranks a ``PerRank`` value
-    was not saved for raise a CheckpointError listing them before anything changes;
-    ``strict=False`` loads what matches (a rank without a saved value keeps its own).
+    plain values are replaced, an object with ``state_dict()``/``load_state_dict()``
+    (a module, an optimizer, a scheduler, ...: ``{"model": model, "optim": optim}``)
+    gets its state back in place, a fresh optimizer its moments, and a value saved as
+    ``PerRank`` becomes a ``PerRank`` of this rank's own, so the next save keeps every
+    rank's. Missing or unexpected entries, shape or dtype mismatches, values a load
+    cannot fill and ranks a ``PerRank`` value was not saved for raise a
+    ``StateMismatchError`` listing them before anything changes; ``strict=False``
+    loads what matches and warns with the rest (a rank without a saved value keeps its
+    own).
 
     ``heal_from``: other repositories holding copies (slower tiers, replicas: URLs or
     ``Repository`` objects). A chunk missing or damaged here is read from the first

@@ -234,7 +234,10 @@ def test_the_next_save_reclaims_expired_leases(tmp_path, monkeypatch):
 def test_gc_names_the_live_lease_that_held_it_back_and_until_when(tmp_path, capsys):
     repo = tmp_path / "repo"
     ckptfmt.save(state(0), repo / "a", step=0)
-    hold_then_kill(repo, ttl_s=60)  # killed, but its lease is still live for 60 s plus the clock skew
+    hold_then_kill(repo, ttl_s=60)
+    (lease,) = (repo / LEASES_DIR).glob("*.json")  # its holder is on another machine: live for 60 s plus the skew
+    record = json.loads(lease.read_text())
+    lease.write_text(json.dumps({**record, "process": {**record["process"], "boot": "another machine's"}}))
 
     assert main(["gc", str(repo), "--wait", "1s"]) == 1
 
