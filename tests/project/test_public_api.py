@@ -15,8 +15,9 @@ TOP_LEVEL = [
     "CheckpointWarning", "CollectiveError", "CorruptDataError", "FORMAT_VERSION", "InvalidNameError",
     "ManifestError", "OpaqueObject", "PerRank", "PerRankValues", "RepairReport", "ReplicationReport", "Repository",
     "ResumeRecord", "Retention", "Shard", "Sharded", "SignatureError", "SigningKey", "StateMismatchError", "StepTimer",
-    "StorageError", "Tier", "UnsafePathError", "UnsupportedValueError", "UnsupportedVersionError", "VerifyReport", "async_save",
-    "generate_key", "load", "open", "record_resume", "repair", "replicate", "restore_rng", "save", "sign", "verify",
+    "StorageError", "Tier", "UnsafePathError", "UnsupportedValueError", "UnsupportedVersionError", "VerifyReport",
+    "async_save", "generate_key", "load", "open", "record_resume", "repair", "replicate", "restore_rng", "save", "sign",
+    "verify",
 ]
 #: The ``__all__`` of the public subpackages: the DCP storage layer, analytics, converters and the TUI.
 SUBPACKAGES = {
