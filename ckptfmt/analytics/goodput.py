@@ -178,8 +178,8 @@ def _straggler_waits(url: str, storage_options: dict | None, built: dict | None)
     from ckptfmt.analytics.stragglers import step_delays
     from ckptfmt.analytics.tables import tables
 
-    steps = (built if built is not None else tables(url, storage_options=storage_options))["steps"]
-    delays = step_delays(steps)
+    built = built if built is not None else tables(url, storage_options=storage_options)
+    delays = step_delays(built["steps"], system=built.get("system"))  # a busy host's noise is no straggler
     return float(delays.delay_s.max(axis=1).sum()) if delays.delay_s.size else 0.0
 
 

@@ -38,6 +38,29 @@ class StepGrid:
         grid[self._rows, self._columns] = (microseconds - microseconds.min()) / 1e6
         return grid
 
+    def sampled(self, system: pa.Table, column: str) -> np.ndarray:
+        """Steps x ranks: ``column`` of a system table (spec 9.4 samples) as the rank sampled it nearest its step's
+        start; NaN where the rank took no sample, or the table has no such column."""
+        grid = np.full((self.steps.size, self.ranks.size), np.nan)
+        if column not in system.column_names:
+            return grid
+        sample_ranks = system.column("rank").to_numpy(zero_copy_only=False)
+        sample_times = system.column("time").cast(pa.int64()).to_numpy(zero_copy_only=False)
+        values = system.column(column).to_numpy(zero_copy_only=False).astype(np.float64)
+        starts = self._table.column("start").cast(pa.int64()).to_numpy(zero_copy_only=False)
+        for column_index in np.unique(self._columns):
+            mine = sample_ranks == self.ranks[column_index]
+            if not mine.any():
+                continue
+            order = np.argsort(sample_times[mine])
+            times, own = sample_times[mine][order], values[mine][order]
+            rows = np.nonzero(self._columns == column_index)[0]
+            after = np.minimum(np.searchsorted(times, starts[rows]), times.size - 1)
+            before = np.maximum(after - 1, 0)
+            nearer = np.abs(times[before] - starts[rows]) <= np.abs(times[after] - starts[rows])
+            grid[self._rows[rows], column_index] = own[np.where(nearer, before, after)]
+        return grid
+
 
 def slowest_save_phases(saves: pa.Table) -> tuple[list[str], list[str], np.ndarray]:
     """(checkpoint names, phase names, phases x checkpoints array): the slowest rank's seconds in each

@@ -81,7 +81,8 @@ def report(repo: str | os.PathLike, *, html_path: str | os.PathLike | None = Non
     certificate = cast(Certificate, certify(compare_with, repo, storage_options=storage_options)) \
         if compare_with else None
     other_steps = tables(compare_with, storage_options=storage_options)["steps"] if compare_with else None
-    shown = [f for f in (_step_heatmap(built["steps"], found), _delay_heatmap(built["steps"], thresholds),
+    shown = [f for f in (_step_heatmap(built["steps"], found),
+                         _delay_heatmap(built["steps"], thresholds, built.get("system")),
                          _save_phases(built["saves"]), _sizes(built["checkpoints"]),
                          _metrics(built["steps"], other_steps), _norms(well), _non_finite(well),
                          _updates(well), _divergence(comparison)) if f is not None]
@@ -138,10 +139,10 @@ def _step_heatmap(steps: pa.Table, found: dict) -> Figure | None:
                   "end of a phase of their own work last.", figure)
 
 
-def _delay_heatmap(steps: pa.Table, thresholds: Thresholds) -> Figure | Omitted | None:
+def _delay_heatmap(steps: pa.Table, thresholds: Thresholds, system: pa.Table | None = None) -> Figure | Omitted | None:
     if steps.num_rows == 0 or not any(c.startswith("phase_") for c in steps.column_names):
         return None
-    delays = step_delays(steps, thresholds)
+    delays = step_delays(steps, thresholds, system)
     if not (delays.delay_s > 0).any():
         return Omitted("delays", "Delay each rank added", "No rank delayed the others beyond the jitter in any step.")
     figure, _ = _heatmap("Delay each rank added", delays.steps, delays.ranks, delays.delay_s.T, "seconds")
