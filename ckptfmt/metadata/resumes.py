@@ -19,8 +19,9 @@ from ckptfmt.repository.repository import Repository
 
 _PENDING: list[dict] = []
 _LOCK = threading.Lock()
-#: The progress writer of this process's last resume, until a step timer takes it over.
+#: The progress writer of this process's last resume, and whether a step timer has taken it over.
 _RESUMED: list[ProgressWriter] = []
+_TAKEN: list[bool] = [False]
 
 
 def note_resume(record: dict, repository: Repository | None = None) -> None:
@@ -34,19 +35,23 @@ def note_resume(record: dict, repository: Repository | None = None) -> None:
         mine = [kept for kept in _PENDING if kept.get("rank") == record.get("rank")]
     if repository is None or type(record.get("rank")) is not int:
         return
-    with _LOCK:
-        writer = _RESUMED[0] if _RESUMED and _same_place(_RESUMED[0], repository, record["rank"]) else \
-            ProgressWriter(repository, record["rank"], DEFAULT_INTERVAL_S)
-        _RESUMED[:] = [writer]
+    with _LOCK:  # the same writer again for the same place: a resume recorded twice is in one object
+        if not (_RESUMED and _same_place(_RESUMED[0], repository, record["rank"])):
+            writer = ProgressWriter(repository, record["rank"], DEFAULT_INTERVAL_S, provisional=True)
+            _RESUMED[:], _TAKEN[0] = [writer], False
+        writer = _RESUMED[0]
     writer.resumes = mine
     writer.write_now()
 
 
 def take_resumed_progress() -> ProgressWriter | None:
     """The progress writer of this process's last resume (``note_resume``), for the step timer that takes it
-    over (once: None afterwards, and before any resume)."""
-    with _LOCK:
-        return _RESUMED.pop() if _RESUMED else None
+    over (once: None afterwards, before any resume, and once a save has stored the resume)."""
+    with _LOCK:  # a resume a save has stored since is no longer the process's latest news
+        if not _RESUMED or _TAKEN[0] or not any(any(r is p for p in _PENDING) for r in _RESUMED[0].resumes):
+            return None
+        _TAKEN[0] = True
+        return _RESUMED[0]
 
 
 def _same_place(writer: ProgressWriter, repository: Repository, rank: int) -> bool:

@@ -38,8 +38,11 @@ class ProgressWriter:
     """Rewrites this process's progress object in ``repo`` with a timer's unsaved steps (a ``StepTimer``,
     which sits above this layer: anything with its ``progress_record()``)."""
 
-    def __init__(self, repo: Repository, rank: int, interval_s: float):
+    def __init__(self, repo: Repository, rank: int, interval_s: float, *, provisional: bool = False):
         self.repo, self.interval_s = repo, interval_s
+        #: Made for a resume, in the repository resumed from: a timer's first save moves its steps to the
+        #: repository it saves to, where that is another one.
+        self.provisional = provisional
         self.key = ProgressKey(time.time_ns(), rank, os.getpid())  # one object per timer bound, or resume
         _MADE.add(self)
         #: This rank's resumes that no committed save holds yet (spec 9.4 ``resumes``), in every write.
@@ -48,6 +51,8 @@ class ProgressWriter:
         self._busy = threading.Lock()
         #: A timer whose state to write once the write in flight is done (asked for while it ran).
         self._again: Any = None
+        #: The timer that writes here (its last ``maybe_write``), whose steps every write holds.
+        self._timer: Any = None
         self._warned = False
         self._host = socket.gethostname()
 
@@ -55,6 +60,7 @@ class ProgressWriter:
         """At a step's end, its metrics or a save's return: start a write if the interval has passed; with
         one in flight, that write is followed by one of the state now (the last step's metrics, recorded
         just after its end, are not left to a write that may never come)."""
+        self._timer = timer
         now = time.monotonic()
         if now - self._last < self.interval_s:
             return
@@ -65,12 +71,12 @@ class ProgressWriter:
         data = self._record(timer)  # here: the thread then holds the interpreter only to write
         _writer().submit(self._write, data)
 
-    def write_now(self, timer: Any = None) -> None:
+    def write_now(self) -> None:
         """Write the object now, on this thread, once the write in flight is done (a resume: on record before
-        the loop goes on); ``timer``: the steps of the timer bound, if one is."""
+        the loop goes on), with the steps of the timer that writes here, if one does."""
         with self._busy:
             try:
-                self.repo.storage.write(self.key.key, self._record(timer), durable=False)
+                self.repo.storage.write(self.key.key, self._record(self._timer), durable=False)
             except (CheckpointError, OSError) as exc:
                 warnings.warn(f"progress of rank {self.key.rank} not written to {self.repo.url} ({exc}); "
                               "ckptfmt goodput will not see this resume if the process ends before its next save",
@@ -129,10 +135,20 @@ def bind(timer: Any, checkpoint_url: str, storage_options: dict | None, rank: in
 
 def bind_repository(timer: Any, repo_url: str, storage_options: dict | None, rank: int) -> None:
     """Bind ``timer`` to the repository at ``repo_url`` (once), as rank ``rank``: for a rank whose steps
-    another rank saves (a framework that writes from rank 0 only). Raises ``CheckpointError`` where
-    there is no repository yet."""
-    if timer.progress_interval is not None and timer.progress is None:
-        timer.progress = ProgressWriter(Repository.open(repo_url, storage_options), rank, timer.progress_interval)
+    another rank saves (a framework that writes from rank 0 only). A timer writing to its resume's object
+    stays there if this is that repository, else moves here with the resumes. Raises ``CheckpointError``
+    where there is no repository yet."""
+    writer = timer.progress
+    if timer.progress_interval is None or writer is not None and not writer.provisional:
+        return
+    repo = Repository.open(repo_url, storage_options)
+    if writer is not None:
+        writer.provisional = False
+        if (writer.repo.url, writer.key.rank) == (repo.url, rank):
+            return
+    timer.progress = ProgressWriter(repo, rank, timer.progress_interval)
+    if writer is not None:
+        timer.progress.resumes = writer.resumes
 
 
 def forget_stored_resumes(stored: list[dict]) -> None:

@@ -11,6 +11,7 @@ import ckptfmt
 from ckptfmt import CheckpointManager
 from ckptfmt.lifecycle.gc import remove
 from ckptfmt.metadata.resumes import pending_resumes
+from ckptfmt.repository.progress import read_progress
 from ckptfmt.repository.history import read_histories, removed_histories
 from tests.support.helpers import require_module
 
@@ -393,3 +394,29 @@ def test_a_resume_recorded_by_restore_and_again_by_the_loop_is_one_record(tmp_pa
         ckptfmt.record_resume(manager.restored_url, {"model": fresh[0], "optimizer": fresh[1]})
     (pending,) = pending_resumes()
     assert [(p["part"], p["verdict"]) for p in pending["parts"]] == [("model", "equal"), ("optimizer", "missing")]
+    # on record at once, before any save: one progress object, holding the loop's record alone
+    (progress,) = read_progress(ckptfmt.Repository.open(url))
+    assert progress.steps is None and progress.resumes == [pending]
+
+
+def test_a_resumed_process_keeps_its_steps_where_it_saves_from_its_first_step(tmp_path):
+    """Its resume's progress object takes the step timer's steps from the first one (a process killed before
+    its first save is on record with them); the first save to another repository moves them there, the
+    resume with them."""
+    model, optimizer, scheduler = make()
+    ckptfmt.save(state_of(model, optimizer, scheduler), f"{tmp_path}/a/step-5", step=5)
+    ckptfmt.record_resume(f"{tmp_path}/a/step-5", {"model": model})
+    timer = ckptfmt.StepTimer(system_interval=None, progress_interval=0.0)
+    with timer.step(5):
+        pass
+    timer.progress.write_now()  # as the background write does, here at once
+    (progress,) = read_progress(ckptfmt.Repository.open(f"{tmp_path}/a"))
+    assert progress.steps is not None and len(progress.resumes) == 1
+    ckptfmt.save({"w": torch.ones(2)}, f"{tmp_path}/b/step-6", step=6, timer=timer)
+    with timer.step(6):
+        pass
+    timer.progress.write_now()
+    (moved,) = read_progress(ckptfmt.Repository.open(f"{tmp_path}/b"))
+    assert moved.steps is not None and moved.resumes is None  # the save to b stored the resume
+    with ckptfmt.open(f"{tmp_path}/b/step-6") as reader:
+        assert len(reader.metadata["timing"]["ranks"][0]["resumes"]) == 1
