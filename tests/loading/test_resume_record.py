@@ -11,8 +11,8 @@ import ckptfmt
 from ckptfmt import CheckpointManager
 from ckptfmt.lifecycle.gc import remove
 from ckptfmt.metadata.resumes import pending_resumes
-from ckptfmt.repository.progress import read_progress
 from ckptfmt.repository.history import read_histories, removed_histories
+from ckptfmt.repository.progress import read_progress
 from tests.support.helpers import require_module
 
 
