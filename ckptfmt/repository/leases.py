@@ -64,10 +64,15 @@ class LeaseRecord:
     #: The holding process as ``_platform.process_identity`` names it (format 1.15), or None.
     process: dict | None = None
 
+    def expired(self, now_ns: int) -> bool:
+        """Past its expiry plus the clock skew: its holder was killed or lost it (it is then reclaimed)."""
+        return now_ns > self.expires_ns + int(CLOCK_SKEW_S * 1e9)
+
     def live(self, now_ns: int) -> bool:
-        """Live until its expiry plus the clock skew, unless its holder is a process of this machine that has
-        certainly ended (a killed save's lease then stalls no one: spec 11.6, 1.15)."""
-        return now_ns <= self.expires_ns + int(CLOCK_SKEW_S * 1e9) and not process_gone(self.process)
+        """Not expired, unless its holder is a process of this machine that has certainly ended: a killed
+        save's lease then stalls no one (spec 11.6, 1.15). It stays until it expires, as the trace of a killed
+        save that ``verify`` reads (``saves_running_or_killed``)."""
+        return not self.expired(now_ns) and not process_gone(self.process)
 
     def describe(self, now_ns: int) -> str:
         """Who holds it and until when, for messages: '_leases/save-....json, held by host:4242 until 12:03:07
@@ -189,16 +194,26 @@ def live_leases(repo: Repository, kind: str, *, reclaim_for: str | None = None) 
     records, unreadable = read_leases(repo)
     now = time.time_ns()
     if reclaim_for is not None:
-        reclaim(repo, [r.key for r in records if not r.live(now) and r.key != reclaim_for])
+        reclaim(repo, [r.key for r in records if r.expired(now) and r.key != reclaim_for])
     live = [r.describe(now) for r in records if r.kind == kind and r.live(now)]
     return live + [f"{key} (unreadable: delete it if no save runs)" for key in unreadable] if kind == SAVE else live
 
 
+def saves_running_or_killed(repo: Repository) -> bool:
+    """Whether a save runs, or one was killed within its lease's lifetime: a save lease that has not
+    expired, whether its holder runs or not (a holder that ends the normal way deletes its own); an
+    unreadable lease counts. What a killed save left then is no damage to report."""
+    records, unreadable = read_leases(repo)
+    now = time.time_ns()
+    return bool(unreadable) or any(record.kind == SAVE and not record.expired(now) for record in records)
+
+
 def reclaim(repo: Repository, expired: list[str]) -> None:
-    """Delete expired leases (past their expiry and the clock skew, or held by a process of this machine that
-    has ended): their holders were killed or lost them, and a holder never renews a lapsed lease
-    (``Lease``), so none comes back to life. Best effort: an expired lease left behind is ignored anyway.
-    Unreadable leases are never reclaimed: they may be a live holder's, as far as anyone can tell."""
+    """Delete expired leases (past their expiry and the clock skew): their holders were killed or lost them,
+    and a holder never renews a lapsed lease (``Lease``), so none comes back to life. Best effort: an
+    expired lease left behind is ignored anyway. Unreadable leases are never reclaimed: they may be a live
+    holder's, as far as anyone can tell. A lease of an ended holder of this machine, not live, is left
+    until it expires: the trace of a killed save."""
     if not expired:
         return
     try:

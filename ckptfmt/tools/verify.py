@@ -36,7 +36,7 @@ from ckptfmt.format.signatures import TrustedKeys, trusted_public_keys
 from ckptfmt.loading.chunkio import ChunkReader
 from ckptfmt.repository.copies import copy_records
 from ckptfmt.repository.history import history_keys, read_history
-from ckptfmt.repository.leases import SAVE, live_leases
+from ckptfmt.repository.leases import saves_running_or_killed
 from ckptfmt.repository.lost_commits import lost_commits
 from ckptfmt.repository.repository import CommitRecord, Repository, resolve
 from ckptfmt.repository.signatures import judge, signature_problems
@@ -193,10 +193,11 @@ def _history_problems(repo: Repository) -> tuple[int, list[Problem]]:
 def _report_lost_commits(repo: Repository, ignored: list[str], manifests: dict[str, Manifest],
                          report: VerifyReport) -> None:
     """Checkpoints that lost their commit record are problems (they vanished from every listing); the rest
-    of what readers ignore is a warning. While a save runs, an index entry alone proves nothing: it may be
-    committing right now."""
+    of what readers ignore is a warning. While a save runs, or where one was killed (its lease is still
+    there, unreleased), an index entry alone proves nothing: it may be committing right now, or be what
+    the killed save left just before its commit (``ckptfmt gc`` reclaims it)."""
     lost = lost_commits(repo, ignored, {name: m.parent for name, m in manifests.items()})
-    if lost and not all(found.certain for found in lost) and live_leases(repo, SAVE):
+    if lost and not all(found.certain for found in lost) and saves_running_or_killed(repo):
         lost = [found for found in lost if found.certain]
     for found in lost:
         report.problems.append(Problem("missing-commit", found.name, found.message(repo.url)))
