@@ -10,9 +10,10 @@ import warnings
 from dataclasses import dataclass
 
 from ckptfmt.errors import CheckpointError, ManifestError, quoted
+from ckptfmt.format.features import check_object, version_fields
 from ckptfmt.format.limits import MAX_MANIFEST_BYTES, check_hash, check_name
 from ckptfmt.format.maps import parse_json
-from ckptfmt.format.version import FORMAT_VERSION, check_version
+from ckptfmt.format.version import FORMAT_VERSION
 
 COMMIT_FORMAT = "ckptfmt-commit"
 
@@ -29,6 +30,8 @@ class CommitRecord:
     parent: str | None
     #: The checkpoint's totals (spec 9.5: the manifest's ``stats`` map, tensor and chunk counts and bytes).
     totals: dict
+    #: The format version it is written for (spec 13): the save's.
+    version: tuple[int, int] = FORMAT_VERSION
 
     @property
     def stats(self) -> dict:
@@ -39,7 +42,7 @@ class CommitRecord:
     def to_dict(self) -> dict:
         return {
             "format": COMMIT_FORMAT,
-            "version": list(FORMAT_VERSION),
+            **version_fields(self.version),
             "name": self.name,
             "manifest": self.manifest_hash,
             "manifest_size": self.manifest_size,
@@ -62,7 +65,7 @@ class CommitRecord:
         try:
             if not isinstance(doc, dict) or doc.get("format") != COMMIT_FORMAT:
                 raise ManifestError("not a ckptfmt commit record")
-            check_version(doc.get("version"), "commit record")
+            version, _ = check_object(doc, "commit record")
             size = doc["manifest_size"]
             step = doc.get("step")
             created = doc["created_ns"]
@@ -84,6 +87,7 @@ class CommitRecord:
                 created_ns=created,
                 parent=check_name(parent) if parent is not None else None,
                 totals=stats,
+                version=version,
             )
         except CheckpointError as exc:
             raise type(exc)(f"{where}: {exc}") from None

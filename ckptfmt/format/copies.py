@@ -12,7 +12,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from ckptfmt.errors import ManifestError
+from ckptfmt.errors import CheckpointError, ManifestError
+from ckptfmt.format.features import check_object, version_fields
 from ckptfmt.format.limits import HASH_PATTERN, NAME_PATTERN
 from ckptfmt.format.maps import parse_json
 from ckptfmt.format.version import FORMAT_VERSION
@@ -50,8 +51,9 @@ class CopyRecord:
     chunks: int
     stored_bytes: int
 
-    def to_bytes(self) -> bytes:
-        return json.dumps({"format": COPY_FORMAT, "version": list(FORMAT_VERSION), "host": self.host,
+    def to_bytes(self, version: tuple[int, int] = FORMAT_VERSION) -> bytes:
+        """The stored form, for readers of ``version`` (its repository's marker's)."""
+        return json.dumps({"format": COPY_FORMAT, **version_fields(version), "host": self.host,
                            "manifest": self.manifest_hash, "copied_ns": self.copied_ns, "chunks": self.chunks,
                            "bytes": self.stored_bytes}, indent=1).encode()
 
@@ -61,10 +63,10 @@ class CopyRecord:
         doc = parse_json(data, where, "copy record")
         if not isinstance(doc, dict) or doc.get("format") != COPY_FORMAT:
             raise ManifestError(f"{where}: not a copy record (format {COPY_FORMAT!r} expected)")
-        version = doc.get("version")
-        if not (isinstance(version, list) and len(version) == 2 and all(type(v) is int for v in version)
-                and version[0] == FORMAT_VERSION[0]):
-            raise ManifestError(f"{where}: copy record of an unsupported version {version!r}")
+        try:
+            check_object(doc, "copy record")
+        except CheckpointError as exc:
+            raise type(exc)(f"{where}: {exc}") from None
         host, digest = doc.get("host"), doc.get("manifest")
         if not isinstance(host, str) or not NAME_PATTERN.fullmatch(host):
             raise ManifestError(f"{where}: copy record's host must be a host name, found {host!r}")

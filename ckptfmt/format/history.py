@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import msgpack
 
 from ckptfmt.errors import CheckpointError, CorruptDataError, ManifestError, quoted
+from ckptfmt.format.features import version_fields
 from ckptfmt.format.hashing import chunk_hash
 from ckptfmt.format.limits import MAX_MANIFEST_BYTES, check_hash, check_name
 from ckptfmt.format.maps import unpack_object
@@ -82,10 +83,11 @@ class History:
                    world_size=world_size if type(world_size) is int and world_size > 0 else None,
                    timing=manifest.timing)
 
-    def to_bytes(self) -> bytes:
-        """The stored form: the same history always gives the same bytes, hence the same key."""
+    def to_bytes(self, version: tuple[int, int] = FORMAT_VERSION) -> bytes:
+        """The stored form, for readers of ``version`` (its repository's marker's): the same history
+        always gives the same bytes, hence the same key."""
         return msgpack.packb({
-            "format": HISTORY_FORMAT, "version": list(FORMAT_VERSION), "name": self.name,
+            "format": HISTORY_FORMAT, **version_fields(version), "name": self.name,
             "manifest": self.manifest_hash, "step": self.step, "created_ns": self.created_ns,
             "parent": self.parent, "world_size": self.world_size, "timing": self.timing,
         }, use_bin_type=True)

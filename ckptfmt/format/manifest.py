@@ -21,8 +21,10 @@ import msgpack
 from ckptfmt._collector import collector_paused
 from ckptfmt.errors import CheckpointError, ManifestError, quoted
 from ckptfmt.format.chunk_table import Chunk, parse_table, table_doc
+from ckptfmt.format.codecs import is_delta, is_float
 from ckptfmt.format.dtypes import ITEMSIZES as _ITEMSIZES
 from ckptfmt.format.dtypes import itemsize
+from ckptfmt.format.features import check_declared, check_requires, first_version, version_fields, version_text
 from ckptfmt.format.limits import (
     MAX_DIMS,
     MAX_KEY_BYTES,
@@ -38,6 +40,7 @@ from ckptfmt.format.limits import (
     check_name,
 )
 from ckptfmt.format.placement import Placement
+from ckptfmt.format.rng_states import python_words
 from ckptfmt.format.shards import (
     MAX_RANK,
     Piece,
@@ -62,6 +65,10 @@ _COLUMNS_FROM = (1, 12)
 _CHUNK_COLUMNS_FROM = (1, 13)
 #: The first version whose writers hold shard grids in the tensor columns (spec 6.12).
 _GRID_COLUMNS_FROM = (1, 14)
+#: Shard grids (1.6, spec 6.11): a tensor's shards as a map, lists of maps before.
+_GRIDS_FROM = (1, 6)
+#: Python generator states as one bin (1.13, spec 9.1), arrays of ints before.
+_RNG_WORDS_FROM = (1, 13)
 
 
 @dataclass
@@ -90,6 +97,9 @@ class Manifest:
     #: Which node holds which chunks, in a node-scoped repository (spec 9.8); None elsewhere.
     placement: Placement | None = None
     version: tuple[int, int] = FORMAT_VERSION
+    #: Required features (spec 13.2): as read, those the manifest declares. A writer declares those the
+    #: written fields show, and of these the ones its state's bytes use (per-rank values).
+    requires: frozenset[str] = frozenset()
     #: Fields this reader does not know (from a newer minor version), kept as read.
     extra: dict = field(default_factory=dict)
 
@@ -113,10 +123,10 @@ class Manifest:
             "chunks": table_doc(self.chunks, columns=self.version >= _CHUNK_COLUMNS_FROM),
             "tensors": to_columns(self.tensors, _tensor_to_dict, grids=self.version >= _GRID_COLUMNS_FROM)
             if self.version >= _COLUMNS_FROM
-            else [_tensor_to_dict(t) for t in self.tensors],
+            else [_tensor_to_dict(t, grids=self.version >= _GRIDS_FROM) for t in self.tensors],
             "state": self.state,
             "user": self.user,
-            "rng": self.rng,
+            "rng": self.rng if self.version >= _RNG_WORDS_FROM else [_python_ints(entry) for entry in self.rng],
             "environment": self.environment,
             "topology": self.topology,
             "timing": self.timing,
@@ -128,7 +138,12 @@ class Manifest:
             doc["replicas"] = self.replicas
         if self.placement is not None:
             doc["placement"] = self.placement.to_record()
-        return {**self.extra, **doc}
+        used = features_of(doc) | (self.requires & _STATE_FEATURES)
+        too_new = sorted(name for name in used if first_version(name) > self.version)
+        if too_new:  # the writer chose forms for this version: this is a bug, never a file for a reader to meet
+            raise ValueError(f"a manifest of format {version_text(self.version)} cannot use {', '.join(too_new)}")
+        head = {"format": MANIFEST_FORMAT, **version_fields(self.version, used)}  # 'requires' read first
+        return {**self.extra, **head, **doc}
 
     def to_bytes(self) -> bytes:
         with collector_paused():  # a dict per tensor and shard: no cycles to find
@@ -184,9 +199,10 @@ def optional_fields_except(*needed: str) -> frozenset[str]:
     return OPTIONAL_FIELDS - frozenset(needed)
 
 
-def _tensor_to_dict(t: TensorEntry) -> dict:
+def _tensor_to_dict(t: TensorEntry, grids: bool = True) -> dict:
+    """An entry as a map (spec 6.4); its shards as a grid map where they form one and ``grids`` (1.6)."""
     width = itemsize(t.dtype)
-    grid = t.shards if isinstance(t.shards, ShardGrid) else grid_of(t.shape, t.shards)
+    grid = None if not grids else t.shards if isinstance(t.shards, ShardGrid) else grid_of(t.shape, t.shards)
     doc = {
         "key": t.key,
         "dtype": t.dtype,
@@ -227,7 +243,7 @@ def _get(doc: dict, key: str, kind: type | tuple, *, optional: bool = False, def
 
 _KNOWN_FIELDS = frozenset(
     "format version name step created_ns parent chunks tensors state user rng environment topology timing stats "
-    "provenance replicas placement".split()
+    "provenance replicas placement requires".split()
 )
 
 
@@ -265,6 +281,7 @@ def _parse(doc: Any) -> Manifest:
     if doc.get("format") != MANIFEST_FORMAT:
         raise ManifestError(f"not a ckptfmt manifest (format field {quoted(doc.get('format'))})")
     version = check_version(doc.get("version"), "manifest")
+    requires = check_requires(doc, version, "manifest")
     raw_chunks = _get(doc, "chunks", (list, dict))
     raw_tensors = _get(doc, "tensors", (list, dict))
     if len(raw_tensors) > MAX_TENSORS:
@@ -287,7 +304,7 @@ def _parse(doc: Any) -> Manifest:
         _check_nesting(doc.get(name), name)
     placement = _get(doc, "placement", dict, optional=True)
     _check_nesting(extra, "unknown fields")
-    return Manifest(
+    manifest = Manifest(
         name=check_name(_get(doc, "name", str)),
         step=_get(doc, "step", int, optional=True),
         created_ns=check_int(_get(doc, "created_ns", int), "created_ns"),
@@ -305,8 +322,55 @@ def _parse(doc: Any) -> Manifest:
         replicas=_get(doc, "replicas", dict, optional=True),
         placement=None if placement is None else Placement.from_record(placement, len(chunks)),
         version=version,
+        requires=requires,
         extra=extra,
     )
+    check_declared(features_of(doc), requires, version, "manifest")  # after the fields' own checks: theirs say more
+    return manifest
+
+
+def _python_ints(entry: Any) -> Any:
+    """An rng entry whose Python generator state is an array of ints (before 1.13: spec 9.1)."""
+    python = entry.get("python") if isinstance(entry, dict) else None
+    if not isinstance(python, dict) or not isinstance(python.get("state"), bytes):
+        return entry
+    return {**entry, "python": {**python, "state": list(python_words(python["state"]))}}
+
+
+#: The features a manifest's ``state`` bytes may use, which ``features_of`` cannot see.
+_STATE_FEATURES = frozenset({"per-rank-values"})
+
+
+def features_of(doc: dict) -> set[str]:
+    """The required features (spec 13.2) that a manifest document's forms use: table forms, codecs, shard
+    grids, placement, generator states. (Per-rank values are in ``state``'s bytes: the writer declares them.)"""
+    used = set()
+    chunks, tensors = doc.get("chunks"), doc.get("tensors")
+    if isinstance(chunks, dict):
+        used.add("chunk-columns")
+        codecs = chunks.get("codecs") or []
+    else:
+        codecs = {row.get("codec") for row in chunks or () if isinstance(row, dict)}
+    for codec in codecs:
+        if isinstance(codec, str) and is_float(codec):
+            used.add("float-codecs")
+        if isinstance(codec, str) and is_delta(codec):
+            used.add("delta-codecs")
+    if isinstance(tensors, dict):
+        used.add("tensor-columns")
+        if tensors.get("grids") is not None:
+            used.update(("grid-columns", "shard-grids"))
+        rows = tensors.get("rows") or ()
+    else:
+        rows = tensors or ()
+    if any(isinstance(row, dict) and isinstance(row.get("shards"), dict) for row in rows):
+        used.add("shard-grids")
+    if doc.get("placement") is not None:
+        used.add("node-placement")
+    if any(isinstance(entry, dict) and isinstance(entry.get("python"), dict)
+           and isinstance(entry["python"].get("state"), bytes) for entry in doc.get("rng") or ()):
+        used.add("rng-words")
+    return used
 
 
 _CONTAINERS = frozenset({dict, list})

@@ -47,7 +47,7 @@ def parse_json(data: bytes, where: str, what: str) -> object:
 def unpack_object(data: bytes, where: str, fmt: str, max_bytes: int) -> dict:
     """A repository object stored as a msgpack map (history, progress): at most ``max_bytes``, unique
     keys, its ``format`` member ``fmt`` and a version this reader reads; errors name ``where``."""
-    from ckptfmt.format.version import check_version
+    from ckptfmt.format.features import check_object
 
     what = fmt.removeprefix("ckptfmt-")
     if len(data) > max_bytes:
@@ -61,7 +61,7 @@ def unpack_object(data: bytes, where: str, fmt: str, max_bytes: int) -> dict:
     if not isinstance(doc, dict) or doc.get("format") != fmt:
         raise ManifestError(f"{where}: not a ckptfmt {what} object")
     try:
-        check_version(doc.get("version"), f"{what} object")
+        check_object(doc, f"{what} object")
     except CheckpointError as exc:
         raise type(exc)(f"{where}: {exc}") from None
     return doc

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import msgpack
 
 from ckptfmt.errors import ManifestError, quoted
+from ckptfmt.format.features import version_fields
 from ckptfmt.format.limits import MAX_MANIFEST_BYTES
 from ckptfmt.format.maps import unpack_object
 from ckptfmt.format.version import FORMAT_VERSION
@@ -66,8 +67,9 @@ class Progress:
     #: Its resumes not yet stored by a save (1.15), as spec 9.4's ``resumes`` records (None: none).
     resumes: list[dict] | None = None
 
-    def to_bytes(self) -> bytes:
-        return msgpack.packb({"format": PROGRESS_FORMAT, "version": list(FORMAT_VERSION),
+    def to_bytes(self, version: tuple[int, int] = FORMAT_VERSION) -> bytes:
+        """The stored form, for readers of ``version`` (its repository's marker's)."""
+        return msgpack.packb({"format": PROGRESS_FORMAT, **version_fields(version),
                               "started_ns": self.started_ns, "rank": self.rank, "pid": self.pid,
                               "host": self.host, "written_ns": self.written_ns, "steps": self.steps,
                               "stalls": self.stalls, **({"resumes": self.resumes} if self.resumes else {})},

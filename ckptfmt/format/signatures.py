@@ -24,9 +24,10 @@ from typing import TYPE_CHECKING, Any
 
 from ckptfmt.errors import CheckpointError, ManifestError, quoted
 from ckptfmt.format.commit_record import CommitRecord
+from ckptfmt.format.features import check_object, version_fields
 from ckptfmt.format.limits import check_hash
 from ckptfmt.format.maps import parse_json
-from ckptfmt.format.version import FORMAT_VERSION, check_version
+from ckptfmt.format.version import FORMAT_VERSION
 
 if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -90,10 +91,12 @@ class Signature:
     signature: bytes
     created_ns: int
     signer: str | None = None
+    #: The format version it is written for (spec 13): its checkpoint's.
+    version: tuple[int, int] = FORMAT_VERSION
 
     def to_bytes(self) -> bytes:
         doc: dict[str, Any] = {
-            "format": SIGNATURE_FORMAT, "version": list(FORMAT_VERSION), "algorithm": ALGORITHM,
+            "format": SIGNATURE_FORMAT, **version_fields(self.version), "algorithm": ALGORITHM,
             "key_id": self.key_id, "public_key": _b64(self.public_key), "manifest": self.manifest_hash,
             "signature": _b64(self.signature), "created_ns": self.created_ns,
         }
@@ -114,7 +117,7 @@ class Signature:
     def _from_doc(cls, doc: object) -> Signature:
         if not isinstance(doc, dict) or doc.get("format") != SIGNATURE_FORMAT:
             raise ValueError("not a ckptfmt signature object")
-        check_version(doc.get("version"), "signature object")
+        version, _ = check_object(doc, "signature object")
         if doc["algorithm"] != ALGORITHM:
             raise ValueError(f"algorithm {quoted(doc['algorithm'])} is not {ALGORITHM}")
         public_key, signature = _unb64(doc["public_key"], 32), _unb64(doc["signature"], 64)
@@ -125,7 +128,7 @@ class Signature:
             raise ValueError("created_ns is not an integer in [0, 2**63)")
         if signer is not None and not isinstance(signer, str):
             raise ValueError("signer is not a string")
-        return cls(doc["key_id"], public_key, check_hash(doc["manifest"]), signature, created, signer)
+        return cls(doc["key_id"], public_key, check_hash(doc["manifest"]), signature, created, signer, version)
 
     def verifies(self, record: CommitRecord, public_key: bytes | None = None) -> bool:
         """Whether this signature signs ``record`` under ``public_key`` (a trusted key's raw bytes; None:

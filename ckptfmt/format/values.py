@@ -31,6 +31,7 @@ when torch is loaded (a value cannot be one otherwise), and extensions 8-10 deco
 
 from __future__ import annotations
 
+import re
 import sys
 from collections import OrderedDict
 from collections.abc import Callable
@@ -289,6 +290,29 @@ def _tensor_types() -> frozenset[type]:
     torch, np = sys.modules.get("torch"), _numpy()
     return frozenset(([torch.Tensor, torch.nn.Parameter] if torch is not None else [])
                      + ([np.ndarray] if np is not None else []))
+
+
+#: Where extension 13 may start in msgpack bytes: a fixext or an ext8/16/32 header, then the type code.
+_EXT13 = re.compile(rb"[\xd4-\xd8]\x0d|\xc7.\x0d|\xc8..\x0d|\xc9....\x0d", re.S)
+
+
+def uses_per_rank(data: bytes) -> bool:
+    """Whether an encoded value tree holds a per-rank value (extension 13: required feature
+    ``per-rank-values``, spec 13.2). A scan of the bytes rules most trees out; a tree where the header
+    might appear (inside a string, say) is decoded to be sure."""
+    if _EXT13.search(data) is None:
+        return False
+    return _holds_per_rank(decode_tree(data, lambda index: None))
+
+
+def _holds_per_rank(value: Any) -> bool:
+    if isinstance(value, PerRankValues):
+        return True
+    if isinstance(value, dict):
+        return any(_holds_per_rank(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_holds_per_rank(v) for v in value)
+    return False
 
 
 def encode_tree(value: Any, on_tensor: OnTensor | None = None, rank: int = 0) -> bytes:

@@ -347,6 +347,7 @@ class PeerCopies:
                 repo.storage.write(key, value, durable=False)
             repo.storage.sync(list(objects))
             lease.check("writing the commit record")
+            repo.declare(record.version, manifest.requires)
             repo.create_commit(record)
 
     def _all_gather(self, value):

@@ -148,7 +148,8 @@ def commit_copy(source: Repository, target: Repository, record: CommitRecord, le
     """Commit on ``target`` checkpoint ``record``, whose chunks are all there (``copy_rows``): its
     manifest, signatures and commit record, as ``replicate`` does, then the source's run histories it
     lacks. False if another writer committed it meanwhile."""
-    committed = _Copier(source, target, 1, True, NoOpCallback())._commit(record, lease)
+    requires = source.manifest(record.name, record, skip=OPTIONAL_FIELDS).requires
+    committed = _Copier(source, target, 1, True, NoOpCallback())._commit(record, requires, lease)
     copy_histories(source, target)
     return committed
 
@@ -228,7 +229,7 @@ class _Copier:
         written, found = self._run(jobs, record.name)
         self.target.storage.sync(written)
         self.target.storage.make_durable(found)  # left by a killed run, which may not have made them durable
-        committed = self._commit(record, lease)
+        committed = self._commit(record, manifest.requires, lease)
         self.good.update(key for key, _ in chunks)
         return committed
 
@@ -342,8 +343,9 @@ class _Copier:
             if progress:
                 self.progress.relative_update(chunk.stored_size)
 
-    def _commit(self, record: CommitRecord, lease: Lease) -> bool:
-        """Write the source's manifest bytes, then the commit record (spec 11.1 steps 3 and 4)."""
+    def _commit(self, record: CommitRecord, requires: frozenset[str], lease: Lease) -> bool:
+        """Write the source's manifest bytes, then the commit record (spec 11.1 steps 3 and 4), once the
+        target's marker declares what the manifest ``requires`` (spec 10.2)."""
         key = layout.manifest_key(record.name, record.manifest_hash)
         where = self.source.storage.describe(key)
 
@@ -358,6 +360,7 @@ class _Copier:
             self.bytes_copied += len(data)
         self.signatures_copied += copy_signatures(self.source, self.target, record)  # signed when it appears
         lease.check("writing the commit record")
+        self.target.declare(record.version, requires)
         try:
             self.target.create_commit(record)
         except CheckpointExistsError:  # a rival replication of the same checkpoint is fine; another is not

@@ -45,4 +45,4 @@ def write_copy_record(repo: Repository, name: str, host: str, manifest_hash: str
                       size: int) -> None:
     """Say, durably, that ``repo`` holds node ``host``'s chunks of ``name``: once they are verified here."""
     key = copy_key(name, host)
-    repo.storage.write(key, CopyRecord(host, manifest_hash, time.time_ns(), chunks, size).to_bytes())
+    repo.storage.write(key, CopyRecord(host, manifest_hash, time.time_ns(), chunks, size).to_bytes(repo.format_version))

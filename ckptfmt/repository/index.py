@@ -35,9 +35,10 @@ from ckptfmt.errors import (
     quoted,
 )
 from ckptfmt.format.commit_record import CommitRecord
+from ckptfmt.format.features import check_object, version_fields
 from ckptfmt.format.limits import MAX_INDEX_PACK_BYTES, is_valid_name
 from ckptfmt.format.maps import unique_map
-from ckptfmt.format.version import FORMAT_VERSION, check_version
+from ckptfmt.format.version import FORMAT_VERSION
 from ckptfmt.storage.base import Storage
 
 INDEX_DIR = "_index"
@@ -116,8 +117,8 @@ class _PackGone(Exception):
     """A listed pack was deleted (replaced by a compaction) before it could be read: list again."""
 
 
-def encode_pack(records: list[CommitRecord]) -> bytes:
-    return json.dumps({"format": PACK_FORMAT, "version": list(FORMAT_VERSION),
+def encode_pack(records: list[CommitRecord], version: tuple[int, int] = FORMAT_VERSION) -> bytes:
+    return json.dumps({"format": PACK_FORMAT, **version_fields(version),
                        "records": [r.to_dict() for r in records]}, separators=(",", ":")).encode()
 
 
@@ -132,7 +133,7 @@ def decode_pack(data: bytes, ref: PackRef, where: str) -> list[CommitRecord]:
     if not isinstance(doc, dict) or doc.get("format") != PACK_FORMAT or not isinstance(doc.get("records"), list):
         raise IndexDamagedError(f"{where}: not a ckptfmt index pack")
     try:
-        check_version(doc.get("version"), where)
+        check_object(doc, where)
         records = [CommitRecord.from_dict(r, f"{where}: record {i}") for i, r in enumerate(doc["records"])]
     except CheckpointError as exc:  # a malformed record, or a pack of another major version
         raise IndexDamagedError(str(exc)) from None
@@ -156,9 +157,12 @@ class CommitIndex:
     """The index of one repository; ``read_commit(name)`` reads the authority, a checkpoint's commit record:
     the record, the error reading a damaged one, or None when there is none (store failures raise)."""
 
-    def __init__(self, storage: Storage, read_commit: Callable[[str], CommitRecord | CheckpointError | None]):
+    def __init__(self, storage: Storage, read_commit: Callable[[str], CommitRecord | CheckpointError | None],
+                 version: tuple[int, int] = FORMAT_VERSION):
         self.storage = storage
         self.read_commit = read_commit
+        #: The version its packs are written for: the repository marker's.
+        self.version = version
 
     # -- listing ------------------------------------------------------------
     def entries(self) -> list[Entry]:
@@ -319,12 +323,11 @@ class CommitIndex:
             self.storage.sync([ref.key])
             seq, start = seq + 1, end
 
-    @staticmethod
-    def _fitting(records: list[CommitRecord], start: int) -> tuple[int, bytes]:
+    def _fitting(self, records: list[CommitRecord], start: int) -> tuple[int, bytes]:
         """The longest run of records from ``start`` whose pack fits MAX_INDEX_PACK_BYTES, and that pack."""
         end = len(records)
         while True:
-            data = encode_pack(records[start:end])
+            data = encode_pack(records[start:end], self.version)
             if len(data) <= MAX_INDEX_PACK_BYTES or end - start == 1:
                 return end, data
             end = start + (end - start) // 2

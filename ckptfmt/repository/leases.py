@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 from ckptfmt._platform import process_gone, process_identity
 from ckptfmt.errors import CheckpointError, StorageError
+from ckptfmt.format.features import version_fields
 from ckptfmt.format.layout import LEASES_DIR
 from ckptfmt.format.maps import unique_map
-from ckptfmt.format.version import FORMAT_VERSION
 from ckptfmt.repository.repository import Repository
 
 LEASE_FORMAT = "ckptfmt-lease"
@@ -126,7 +126,7 @@ class Lease:
     def _write(self) -> None:
         now = time.time_ns()
         expires = now + int(self.ttl_s * 1e9)
-        record = {"format": LEASE_FORMAT, "version": list(FORMAT_VERSION), "kind": self.kind,
+        record = {"format": LEASE_FORMAT, **version_fields(self.repo.format_version), "kind": self.kind,
                   "holder": self.holder, "created_ns": now, "expires_ns": expires,
                   **({"process": _PROCESS} if _PROCESS is not None else {})}
         # Visible to other processes is enough: a crash that loses the lease ends its holder too.

@@ -85,7 +85,7 @@ class ProgressWriter:
     def _record(self, timer: Any) -> bytes:
         steps, stalls = timer.progress_record() if timer is not None else (None, None)
         return Progress(self.key.started_ns, self.key.rank, self.key.pid, self._host, time.time_ns(), steps,
-                        stalls, list(self.resumes) or None).to_bytes()
+                        stalls, list(self.resumes) or None).to_bytes(self.repo.format_version)
 
     def _write(self, data: bytes) -> None:
         """Write ``data``, then the state asked for meanwhile, if any (``maybe_write``)."""

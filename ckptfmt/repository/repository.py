@@ -28,12 +28,13 @@ from ckptfmt.errors import (
 )
 from ckptfmt.format import layout
 from ckptfmt.format.commit_record import CommitRecord
+from ckptfmt.format.features import check_object, version_fields, version_text
 from ckptfmt.format.hashing import check_chunk
 from ckptfmt.format.history import HISTORY_DIR, History, HistoryKey
 from ckptfmt.format.limits import MAX_COMMIT_BYTES, MAX_MARKER_BYTES, check_name, is_valid_name
 from ckptfmt.format.maps import unique_map
 from ckptfmt.format.progress import PROGRESS_DIR
-from ckptfmt.format.version import FORMAT_VERSION, check_version
+from ckptfmt.format.version import FORMAT_VERSION
 from ckptfmt.repository.index import INDEX_DIR, CommitIndex, IndexDamagedError, read_each
 from ckptfmt.repository.pointers import POINTER_SUFFIX, read_pointer
 from ckptfmt.storage.base import Storage
@@ -65,6 +66,10 @@ class Listing:
     ignored: list[str]
 
 
+#: Rewrites of the marker a save tries while other writers rewrite it too (spec 10.2).
+_DECLARE_TRIES = 8
+
+
 class Repository:
     """Access to one repository's checkpoints and chunks through a Storage."""
 
@@ -72,6 +77,9 @@ class Repository:
         self.storage = storage
         #: The marker's ``index`` (spec 4.4), known once ``check_marker`` has read it: None without an index.
         self.index_version: int | None = None
+        #: The marker's format version and required features (spec 10.2), known once it is read.
+        self.format_version: tuple[int, int] = FORMAT_VERSION
+        self.features: frozenset[str] = frozenset()
 
     @property
     def indexed(self) -> bool:
@@ -80,34 +88,51 @@ class Repository:
 
     @property
     def index(self) -> CommitIndex:
-        return CommitIndex(self.storage, self._commit_or_error)
+        return CommitIndex(self.storage, self._commit_or_error, self.format_version)
 
     @property
     def url(self) -> str:
         return self.storage.url
 
     @classmethod
-    def open(cls, url: str | os.PathLike, storage_options: dict | None = None, *, create: bool = False) -> Repository:
-        """The repository at ``url``; with ``create``, make it (marker included) when missing."""
+    def open(cls, url: str | os.PathLike, storage_options: dict | None = None, *, create: bool = False,
+             format_version: tuple[int, int] = FORMAT_VERSION) -> Repository:
+        """The repository at ``url``; with ``create``, make it (marker included) when missing, for readers of
+        ``format_version``."""
         repo = cls(open_storage(url, storage_options))
         if repo.storage.exists(layout.MARKER_KEY):
             repo.check_marker()
         elif create:
             repo.storage.makedirs("")
             try:
-                repo.storage.create(layout.MARKER_KEY, repo._marker_bytes())
-                repo.index_version = INDEX_VERSION
+                repo.storage.create(layout.MARKER_KEY, marker_bytes(format_version, frozenset()))
+                repo.index_version, repo.format_version = INDEX_VERSION, format_version
             except FileExistsError:  # another writer created it first
                 repo.check_marker()
         else:
             raise no_repository(repo.storage)
         return repo
 
-    @staticmethod
-    def _marker_bytes() -> bytes:
-        """A new repository's marker: new repositories keep a commit index (spec 4.4)."""
-        return json.dumps({"format": REPO_FORMAT, "version": list(FORMAT_VERSION), "index": INDEX_VERSION},
-                          indent=1).encode()
+    def declare(self, version: tuple[int, int], features: frozenset[str]) -> None:
+        """Make the marker declare what a checkpoint about to be committed needs (spec 13.2): the newest
+        version of its checkpoints, and from format 2 their required features, so that a reader that cannot
+        read one refuses the repository at once. Writers that race each rewrite until theirs are in."""
+        for _ in range(_DECLARE_TRIES):
+            doc = self._read_marker()
+            was = self.format_version
+            if version <= was and (version[0] < 2 or features <= self.features):
+                return
+            newer = max(was, version)
+            if newer > was:
+                refused = "now refuse it" if newer[0] > was[0] else "cannot read that checkpoint"
+                warnings.warn(f"{self.url}: a checkpoint of format {version_text(version)} makes the repository "
+                              f"format {version_text(newer)}: readers of format {version_text(was)} {refused} "
+                              f"(save with format_version=\"{version_text(was)}\" to keep it readable by them)",
+                              CheckpointWarning, stacklevel=4)
+            kept = self.features | features if newer[0] >= 2 else frozenset()
+            self.storage.write(layout.MARKER_KEY, marker_bytes(newer, kept, doc.get("index")))
+        raise StorageError(f"{self.url}: the repository marker kept changing while this save declared "
+                           f"{', '.join(sorted(features)) or 'its format version'} in it")
 
     def check_marker(self, *, hint: bool = True) -> None:
         """Read and check the marker; a damaged one's error says how to repair it (``hint``)."""
@@ -121,6 +146,7 @@ class Repository:
         doc = self.storage.read_checked(layout.MARKER_KEY, max_size=MAX_MARKER_BYTES,
                                         check=lambda data: parse_marker(data, where, repair_hint=repair_hint))
         self.index_version = doc.get("index")
+        self.format_version, self.features = tuple(doc["version"]), frozenset(doc.get("requires") or ())
         return doc
 
     # -- checkpoints ---------------------------------------------------------
@@ -377,7 +403,7 @@ class Repository:
 
         manifest = self.manifest(record.name, record, skip=optional_fields_except("timing", "topology"))
         history = History.of(record, manifest)
-        data = history.to_bytes()
+        data = history.to_bytes(self.format_version)
         key = history.key(data)
         self.storage.write(key.key, data)
         return key
@@ -432,6 +458,14 @@ class Repository:
         return manifest
 
 
+def marker_bytes(version: tuple[int, int], features: frozenset[str], index: int | None = INDEX_VERSION) -> bytes:
+    """A marker for ``version`` declaring ``features`` (spec 10.2); repositories keep a commit index (4.4)."""
+    doc: dict[str, Any] = {"format": REPO_FORMAT, **version_fields(version, features)}
+    if index is not None:
+        doc["index"] = index
+    return json.dumps(doc, indent=1).encode()
+
+
 def parse_marker(data: bytes, where: str, *, repair_hint: str = "") -> dict:
     """A repository marker's members, checked (spec 10.2): MarkerDamagedError (ending in ``repair_hint``)
     where the bytes are no marker; UnsupportedVersionError for a marker of another major version."""
@@ -444,8 +478,8 @@ def parse_marker(data: bytes, where: str, *, repair_hint: str = "") -> dict:
     if not isinstance(doc, dict) or doc.get("format") != REPO_FORMAT:
         raise MarkerDamagedError(f"{where}: not a ckptfmt repository marker{repair_hint}")
     try:
-        check_version(doc.get("version"), where)
-    except ManifestError as exc:  # malformed; another major version raises UnsupportedVersionError
+        check_object(doc, where)
+    except ManifestError as exc:  # malformed; another major version or an unknown feature: UnsupportedVersionError
         raise MarkerDamagedError(f"{exc}{repair_hint}") from None
     index = doc.get("index")
     if index is not None and (type(index) is not int or index < 1):

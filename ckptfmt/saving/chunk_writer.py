@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, overload
@@ -106,15 +106,16 @@ class StoredSources:
 def store_sources(repo: Repository, sources: list[TensorSource], *, compression: str | None, parent_keys: set[str],
                   cache: HashCache, chunk_size: int | None, workers: int, timer,
                   tensor_stats: bool = True, bases: DeltaBases | None = None,
-                  breaks: Collection[int] = ()) -> StoredSources:
+                  breaks: Collection[int] = (), float_codecs: bool = True) -> StoredSources:
     """Cut ``sources`` into chunks, store them (durably) and return the chunk table and pieces;
     with ``tensor_stats``, each source's statistics too, taken as its bytes are hashed. ``bases``: the
     parent's chunks that delta chunks may be stored against. ``breaks``: indices of sources that start
-    a new pack of small tensors (a sequence another writer stores alike).
+    a new pack of small tensors (a sequence another writer stores alike). ``float_codecs``: whether the
+    format written has them (spec 13.3: a save for an older reader).
 
     ``timer`` gets the phases ``write_chunks`` and ``sync``.
     """
-    writer = ChunkWriter(repo, sources, compression, parent_keys, cache, workers, tensor_stats, bases)
+    writer = ChunkWriter(repo, sources, compression, parent_keys, cache, workers, tensor_stats, bases, float_codecs)
     try:
         with timer.phase("write_chunks"):
             planner = ChunkPlanner(chunk_size or DEFAULT_CHUNK_SIZE)
@@ -229,8 +230,9 @@ class ChunkWriter:
 
     def __init__(self, repo: Repository, sources: list[TensorSource], compression: str | None,
                  parent_keys: set[str], cache: HashCache, workers: int, tensor_stats: bool = True,
-                 bases: DeltaBases | None = None):
+                 bases: DeltaBases | None = None, float_codecs: bool = True):
         self.repo = repo
+        self.float_codecs = float_codecs
         self.sources = sources
         self.bases = bases
         #: Codecs chosen per chunk from its bytes (delta against the parent, whole, or none).
@@ -327,6 +329,9 @@ class ChunkWriter:
             stats = [(source_index, _stats_of(source.tensor.dtype, _as_tensor(private)))] \
                 if self._wants_stats(source) else []
         row = None if job.packed or self.bases is None else self.bases.base_for(source_index, start, length)
+        if row is not None and self.bases is not None and not self.float_codecs \
+                and _chain_is_float(self.bases.table, row):
+            row = None  # a parent's float chunk, in a format without them: neither reused nor a base
         if row is not None and self.bases is not None and self.bases.table[row].hash == digest:
             return StoredChunk(self.bases.table[row], 0, stats, self.bases.table)
         floating = self.compression == "auto" and self._floating(job)
@@ -350,7 +355,7 @@ class ChunkWriter:
 
     def _floating(self, job: ChunkJob) -> bool:
         """Whether the job's bytes are the elements of one real floating-point tensor (not a pack)."""
-        return not job.packed and self.sources[job.parts[0][0]].tensor.dtype in _FLOAT_DTYPES
+        return self.float_codecs and not job.packed and self.sources[job.parts[0][0]].tensor.dtype in _FLOAT_DTYPES
 
     def _wants_stats(self, source: TensorSource) -> bool:
         return self.tensor_stats and source.stats is None
@@ -567,3 +572,12 @@ def _stats_of(dtype: torch.dtype, data: torch.Tensor) -> dict[str, Any]:
     for start in range(0, data.numel(), BLOCK_BYTES):
         accumulator.add_bytes(data[start : start + BLOCK_BYTES])
     return accumulator.result()
+
+
+def _chain_is_float(table: Sequence[Chunk], row: int | None) -> bool:
+    """Whether chunk ``row`` or a chunk it is stored against uses a float codec (format 1.11)."""
+    while row is not None:
+        if codecs.is_float(table[row].codec):
+            return True
+        row = table[row].base
+    return False

@@ -38,13 +38,14 @@ from ckptfmt.errors import (
 )
 from ckptfmt.format import layout
 from ckptfmt.format.chunk_table import stored_key
+from ckptfmt.format.features import refuse_unless_writable
 from ckptfmt.format.hashing import chunk_hash
 from ckptfmt.format.limits import MAX_DIMS, MAX_KEY_BYTES, check_name
 from ckptfmt.format.manifest import MAX_RANK, Chunk, Manifest, ShardEntry, TensorEntry, TensorTable
 from ckptfmt.format.signatures import SigningKey
 from ckptfmt.format.tensor_stats import merge_stats
 from ckptfmt.format.tiling import check_tiling
-from ckptfmt.format.values import format_key, state_path
+from ckptfmt.format.values import format_key, state_path, uses_per_rank
 from ckptfmt.metadata.environment import capture_environment, merge_environments
 from ckptfmt.metadata.rng import rng_entry
 from ckptfmt.metadata.timing import PhaseTimer, with_steps
@@ -232,7 +233,7 @@ def open_for_save(repo_url: str, options: SaveOptions, *, max_hold_s: float | No
                   ) -> tuple[Repository, Lease]:
     """The repository (created if missing) and a save lease that keeps a garbage collector away
     (spec 11.6); the caller releases the lease."""
-    repo = Repository.open(repo_url, options.storage_options, create=True)
+    repo = Repository.open(repo_url, options.storage_options, create=True, format_version=options.format_version)
     return repo, hold_save_lease(repo, max_hold_s=max_hold_s)
 
 
@@ -302,7 +303,16 @@ def manifest_for(name: str, options: SaveOptions, *, parent: str | None, chunks:
                 "steps": list(options.step_times or [])},
         totals=checkpoint_totals(tensors, chunks, new_bytes),
         provenance=provenance if provenance is not None else options.provenance,
+        version=options.format_version, requires=_state_features(state, options.format_version),
     )
+
+
+def _state_features(state: bytes, version: tuple[int, int]) -> frozenset[str]:
+    """The required features of the state's bytes (spec 13.2): per-rank values (1.1), if it holds any."""
+    if not uses_per_rank(state):
+        return frozenset()
+    refuse_unless_writable("per-rank-values", version, "a value that differs between ranks")
+    return frozenset({"per-rank-values"})
 
 
 def commit_manifest(repo: Repository, manifest: Manifest, lease: Lease, signer: SigningKey | None = None) -> None:
@@ -310,15 +320,16 @@ def commit_manifest(repo: Repository, manifest: Manifest, lease: Lease, signer: 
     lease has run out (a collector may have swept a chunk it reuses). With a ``signer``, the signature
     goes between the two (spec 10.3): a signed save is never seen committed and unsigned."""
     data = manifest.to_bytes()
-    Manifest.check(data, repo.storage.describe(manifest.name))  # never commit what readers refuse
+    checked = Manifest.from_bytes(data, repo.storage.describe(manifest.name))  # never commit what readers refuse
     digest = chunk_hash(data)
     key = layout.manifest_key(manifest.name, digest)
     repo.storage.write(key, data, durable=False)  # one fsync, the sync's, with its folder's
     repo.storage.sync([key])
     record = CommitRecord(
         name=manifest.name, manifest_hash=digest, manifest_size=len(data), step=manifest.step,
-        created_ns=manifest.created_ns, parent=manifest.parent, totals=manifest.totals,
+        created_ns=manifest.created_ns, parent=manifest.parent, totals=manifest.totals, version=manifest.version,
     )
+    repo.declare(manifest.version, checked.requires)  # before the checkpoint exists: readers learn at once
     if signer is not None:
         write_signature(repo, record, signer)
     lease.check("writing the commit record")

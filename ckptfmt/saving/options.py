@@ -19,8 +19,10 @@ import msgpack
 
 from ckptfmt.errors import ManifestError, UnsupportedValueError
 from ckptfmt.format import codecs
+from ckptfmt.format.features import first_version, parse_version, refuse_unless_writable, version_text
 from ckptfmt.format.limits import MAX_CHUNK_BYTES
 from ckptfmt.format.signatures import SigningKey
+from ckptfmt.format.version import FORMAT_VERSION, writable
 from ckptfmt.metadata.step_timer import decode_steps
 
 
@@ -39,9 +41,25 @@ DEFAULT_TIMEOUT_S = 600.0
 DIVERGENCE_POLICIES = ("warn", "raise", "ignore")
 #: Where a repository's storage is: one every rank sees, or each node's own (spec 9.8).
 SCOPES = ("job", "node")
+#: The version that brought signatures (spec 10.3): optional objects, not a required feature.
+SIGNATURES_FROM = (1, 7)
 #: Chunk writer threads per rank: they overlap hashing with other chunks' writes and fsyncs; on
 #: remote storage each holds a copy of its chunk, so 4 x 64 MiB bounds the memory.
 DEFAULT_WORKERS = 4
+
+
+
+def target_version(value: Any) -> tuple[int, int]:
+    """``format_version=`` as a (major, minor) this ckptfmt writes: None for its own, "1.6", or (1, 6)."""
+    if value is None:
+        return FORMAT_VERSION
+    if isinstance(value, str):
+        version = parse_version(value)
+    elif isinstance(value, tuple) and len(value) == 2 and all(type(v) is int for v in value):
+        version = value
+    else:
+        raise TypeError(f"format_version must be a string such as '1.6' or a (major, minor) pair, not {value!r}")
+    return writable(version)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -94,6 +112,9 @@ class SaveOptions:
     #: ``"job"``: the repository is one storage every rank sees; ``"node"``: the URL names each node's own
     #: storage (a node-local disk), which holds the boxes of that node's ranks (spec 9.8).
     scope: str = "job"
+    #: Write for readers of this format version (spec 13.3): ``"1.6"`` or ``(1, 6)``; None: this ckptfmt's own.
+    #: Options that version cannot express are refused, naming the version that first has them.
+    format_version: Any = None
 
     def __post_init__(self) -> None:
         step = self.step
@@ -133,10 +154,35 @@ class SaveOptions:
             object.__setattr__(self, "signer", SigningKey.load(self.signer))
         if self.scope not in SCOPES:
             raise ValueError(f"scope must be one of {', '.join(SCOPES)}, not {self.scope!r}")
+        object.__setattr__(self, "format_version", target_version(self.format_version))
+        self._refuse_what_the_version_lacks()
         if self.scope == "node" and self.compression in ("delta-zstd", "auto"):
             raise ValueError(f"compression={self.compression!r} stores chunks against the parent's, which a "
                              "node-scoped repository does not promise to hold on the same node: use 'zstd', "
                              "'shuffle-zstd', 'float-zstd' or none with scope='node'")
+
+    def _refuse_what_the_version_lacks(self) -> None:
+        """A ValueError for an option the target format cannot express ("auto" compression picks within it)."""
+        version = self.format_version
+        if self.compression == "float-zstd":
+            refuse_unless_writable("float-codecs", version, "compression='float-zstd'")
+        if self.compression == "delta-zstd":
+            refuse_unless_writable("delta-codecs", version, "compression='delta-zstd'")
+        if self.scope == "node":
+            refuse_unless_writable("node-placement", version, "scope='node'")
+        if self.signer is not None and version < SIGNATURES_FROM:
+            raise ValueError(f"signer= needs format {version_text(SIGNATURES_FROM)} (signatures, spec 10.3); "
+                             f"format {version_text(version)} cannot express it")
+
+    @property
+    def float_codecs(self) -> bool:
+        """Whether the target format has the float codecs ("auto" uses them only then)."""
+        return self.format_version >= first_version("float-codecs")
+
+    @property
+    def delta_codecs(self) -> bool:
+        """Whether the target format has delta chunks ("auto" and "delta-zstd" store against the parent only then)."""
+        return self.format_version >= first_version("delta-codecs")
 
     @classmethod
     def from_keywords(cls, caller: str, keywords: dict[str, Any]) -> SaveOptions:

@@ -145,7 +145,8 @@ def _write_and_commit(decision: dict, failure: Failure | None, url: str, name: s
                                        parent_keys=agreed.parent_keys, cache=DEFAULT_CACHE,
                                        chunk_size=options.chunk_size, workers=options.chunk_workers, timer=timer,
                                        tensor_stats=options.tensor_stats, bases=bases,
-                                       breaks=agreed.breaks[ranks.position] if agreed.breaks else ())
+                                       breaks=agreed.breaks[ranks.position] if agreed.breaks else (),
+                                       float_codecs=options.float_codecs)
             return {"stored": stored, **rank_record(ranks.rank, timer, ranks.topology_entry(), captured)}
         written, own_failure = _attempt(write)
         # The encoding's records of each tensor are spent once its chunks are stored: freed before the
@@ -206,7 +207,8 @@ class NodeRepository:
         if self.leader:
             self.repo, self.lease = open_for_save(self.repo_url, self.options)
         else:
-            self.repo = Repository.open(self.repo_url, self.options.storage_options, create=True)
+            self.repo = Repository.open(self.repo_url, self.options.storage_options, create=True,
+                                        format_version=self.options.format_version)
         return self.repo
 
     def commit(self, outcome: dict, signer: Any) -> None:
@@ -240,7 +242,7 @@ def _delta_bases(repo: Repository, agreed: Plan, entries: list[PlannedTensor], s
                  assigned: list[int], options: SaveOptions) -> DeltaBases | None:
     """The parent's chunks this member's boxes may be stored as deltas against (``compression`` delta-zstd or
     auto): the coordinator has the parent's manifest; the others read it (the plan carries only its name)."""
-    if agreed.parent_name is None or options.compression not in ("delta-zstd", "auto"):
+    if agreed.parent_name is None or options.compression not in ("delta-zstd", "auto") or not options.delta_codecs:
         return None
     parent = agreed.parent or repo.manifest(agreed.parent_name)
     return DeltaBases.for_entries(repo, parent, entries, [s.shape for s in sources], assigned)

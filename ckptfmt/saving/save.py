@@ -50,6 +50,7 @@ def save(
     gathered_steps: list | None = None,
     signer: Any = None,
     scope: str = "job",
+    format_version: str | tuple[int, int] | None = None,
     timer: StepTimer | None = None,
 ) -> str:
     """Save ``state`` (nested dicts/lists/tuples of tensors and plain values) as checkpoint ``url``.
@@ -122,6 +123,14 @@ def save(
     commit record once rank 0 has committed on its own; the manifest records
     which node holds which chunks (spec 9.8).
 
+    ``format_version="1.6"``: write for readers of that format version (spec
+    13.3): its table forms, codecs and fields only (``compression="auto"``
+    chooses among its codecs); an option it cannot express (``float-zstd``
+    before 1.11, a signer before 1.7, ``scope="node"`` before 1.10) is a
+    ValueError naming the version that first has it. A repository created by
+    such a save is readable by that version's readers; one whose marker is
+    already of a newer major stays so. None: this ckptfmt's own format.
+
     An asynchronous save of the same repository still running in this process
     is waited for first (its error, if it failed, is raised here).
     """
@@ -130,7 +139,7 @@ def save(
         compression=compression, step_times=step_times, parallelism=parallelism, workers=workers, rng=rng,
         provenance=provenance, before_commit=before_commit, process_group=process_group, coordinated=coordinated,
         timeout=timeout, tensor_stats=tensor_stats, on_divergence=on_divergence, gathered_steps=gathered_steps,
-        signer=signer, scope=scope,
+        signer=signer, scope=scope, format_version=format_version,
     )
     return save_with(state, url, options, timer=timer)
 

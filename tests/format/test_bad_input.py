@@ -640,7 +640,7 @@ def committed(tmp_path):
     ({"format": "other"}, ManifestError),
     ({"version": "1.0"}, ManifestError),
     ({"version": [1]}, ManifestError),
-    ({"version": [2, 0]}, UnsupportedVersionError),
+    ({"version": [3, 0]}, UnsupportedVersionError),
     ({"version": [0, 9]}, UnsupportedVersionError),
 ])
 def test_hostile_commit_records(committed, change, error):
@@ -678,21 +678,21 @@ def test_newer_major_versions_are_refused(repo_url):
     ckptfmt.save(state, f"{repo_url}/b")
     storage = open_storage(repo_url)
 
-    rewrite_manifest(storage, "a", lambda d: d.update(version=[2, 0]))
-    with pytest.raises(UnsupportedVersionError, match="upgrade ckptfmt"):
+    rewrite_manifest(storage, "a", lambda d: d.update(version=[3, 0]))
+    with pytest.raises(UnsupportedVersionError, match="written by a newer ckptfmt; upgrade to read it"):
         ckptfmt.load(f"{repo_url}/a")
 
     commit = json.loads(storage.read(layout.commit_key("b"), max_size=ANY_SIZE))
-    storage.write(layout.commit_key("b"), json.dumps({**commit, "version": [2, 1]}).encode())
+    storage.write(layout.commit_key("b"), json.dumps({**commit, "version": [3, 1]}).encode())
     with pytest.raises(UnsupportedVersionError):
         ckptfmt.load(f"{repo_url}/b")
 
-    storage.write(layout.MARKER_KEY, json.dumps({"format": "ckptfmt-repository", "version": [2, 0]}).encode())
+    storage.write(layout.MARKER_KEY, json.dumps({"format": "ckptfmt-repository", "version": [3, 0]}).encode())
     for call in (lambda: Repository.open(repo_url), lambda: ckptfmt.load(repo_url),
                  lambda: ckptfmt.save(state, f"{repo_url}/c"), lambda: ckptfmt.verify(repo_url)):
         with pytest.raises(UnsupportedVersionError):
             call()
-    assert json.loads(storage.read(layout.MARKER_KEY, max_size=ANY_SIZE))["version"] == [2, 0]  # not overwritten
+    assert json.loads(storage.read(layout.MARKER_KEY, max_size=ANY_SIZE))["version"] == [3, 0]  # not overwritten
     assert not storage.exists(layout.commit_key("c"))
 
 

@@ -68,7 +68,7 @@ def test_a_copy_record_of_another_manifest_or_damaged_counts_for_nothing(two_nod
 
 @pytest.mark.parametrize(("document", "message"), [
     ({"format": "ckptfmt-signature"}, "not a copy record"),
-    ({"format": "ckptfmt-copy", "version": [2, 0]}, "unsupported version"),
+    ({"format": "ckptfmt-copy", "version": "1.10"}, "malformed version"),
     ({"format": "ckptfmt-copy", "version": [1, 10], "host": "../x"}, "host must be a host name"),
     ({"format": "ckptfmt-copy", "version": [1, 10], "host": "b", "manifest": "ab"}, "64 hex digits"),
     ({"format": "ckptfmt-copy", "version": [1, 10], "host": "b", "manifest": "a" * 64, "copied_ns": 1,

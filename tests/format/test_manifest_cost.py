@@ -21,7 +21,7 @@ import ckptfmt
 from ckptfmt import ManifestError
 from ckptfmt.format import codecs, layout, unpacking
 from ckptfmt.format import manifest as manifest_module
-from ckptfmt.format.manifest import FORMAT_VERSION, MANIFEST_FORMAT, Manifest
+from ckptfmt.format.manifest import MANIFEST_FORMAT, Manifest
 from ckptfmt.format.tiling import check_tiling
 from ckptfmt.storage.factory import open_storage
 from ckptfmt.tools.diff import diff
@@ -32,7 +32,7 @@ HASH = "ab" * 32
 
 def manifest_bytes(chunks: list[dict], tensors: list[dict]) -> bytes:
     return msgpack.packb({
-        "format": MANIFEST_FORMAT, "version": list(FORMAT_VERSION), "name": "m", "step": 1, "created_ns": 1,
+        "format": MANIFEST_FORMAT, "version": [1, 15], "name": "m", "step": 1, "created_ns": 1,
         "parent": None, "chunks": chunks, "tensors": tensors, "state": b"\x80", "user": b"\x80",
     }, use_bin_type=True)
 

@@ -23,7 +23,7 @@ import ckptfmt
 from ckptfmt import ManifestError
 from ckptfmt.format import manifest as manifest_module
 from ckptfmt.format import shards as shards_module
-from ckptfmt.format.manifest import FORMAT_VERSION, MANIFEST_FORMAT, Chunk, Manifest, TensorEntry
+from ckptfmt.format.manifest import MANIFEST_FORMAT, Chunk, Manifest, TensorEntry
 from ckptfmt.format.shards import Piece, ShardEntry, ShardGrid
 from ckptfmt.storage.factory import open_storage
 from tests.support.helpers import rewrite_manifest
@@ -130,7 +130,7 @@ HASH = "ab" * 32
 def grid_manifest(grid: dict, shape=(8, 6), chunks: int = 4, size: int = 48, before: int = 0) -> bytes:
     """A manifest whose tensor 'w' has ``grid``, after ``before`` tensors of the spec's example grid."""
     return msgpack.packb({
-        "format": MANIFEST_FORMAT, "version": list(FORMAT_VERSION), "name": "m", "step": 1, "created_ns": 1,
+        "format": MANIFEST_FORMAT, "version": [1, 15], "name": "m", "step": 1, "created_ns": 1,
         "parent": None, "chunks": [{"hash": f"{i:064x}", "codec": "none", "size": size, "stored_size": size}
                                    for i in range(chunks)],
         "tensors": [*({"key": f"good{i}", "dtype": "float32", "shape": [8, 6], "shards": GOOD} for i in range(before)),

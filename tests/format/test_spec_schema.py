@@ -233,7 +233,7 @@ def _bad_manifests(good: dict, rows: list, chunks: list):
     yield "empty key", edit(lambda d: d["tensors"][0].update(key=""))
     yield "traversal name", edit(lambda d: d.update(name="../etc"))
     yield "reserved name", edit(lambda d: d.update(name="chunks"))
-    yield "major version 2", edit(lambda d: d.update(version=[2, 0]))
+    yield "major version 3", edit(lambda d: d.update(version=[3, 0]))
     yield "state not bin", edit(lambda d: d.update(state=[]))
     yield "wrong format", edit(lambda d: d.update(format="safetensors"))
 
@@ -258,14 +258,14 @@ def test_broken_documents_fail_the_schemas(saved):
         ("fractional step", {"step": 3.5}),
         ("bool size", {"manifest_size": True}),
         ("traversal parent", {"parent": "a/b"}),
-        ("major 2", {"version": [2, 0]}),
+        ("major 3", {"version": [3, 0]}),
     ]:
         assert not commit_validator.is_valid({**commit, **change}), what
     assert not commit_validator.is_valid({k: v for k, v in commit.items() if k != "manifest"})
 
     marker_validator = _validator("repository.schema.json")
     assert not marker_validator.is_valid({"format": "ckptfmt-repository"})
-    assert not marker_validator.is_valid({"format": "ckptfmt-repository", "version": [2, 0]})
+    assert not marker_validator.is_valid({"format": "ckptfmt-repository", "version": [3, 0]})
     assert marker_validator.is_valid({"format": "ckptfmt-repository", "version": [1, 7], "future": True})
 
 

@@ -58,6 +58,8 @@ from tests.support.spec_reader import (
 
 SPEC = Path(__file__).resolve().parents[2] / "spec"
 FORMAT = (SPEC / "FORMAT.md").read_text(encoding="utf-8")
+#: The list of versions, oldest first (moved out of FORMAT.md at 2.0).
+CHANGES = (SPEC / "CHANGES.md").read_text(encoding="utf-8")
 MARKERS = ("readers", "writers", "optional")
 _HEADING = re.compile(r"^(#{2,3}) (\d+)(?:\.(\d+))?\.? (.*)$", re.M)
 
@@ -215,7 +217,7 @@ def test_the_version_the_text_names_is_the_version_written(worked_example):
 
 
 def test_the_changelog_runs_oldest_first_up_to_this_version():
-    versions = FORMAT[FORMAT.index("**Versions**"):FORMAT.index("Contents:")]
+    versions = CHANGES
     found = [(int(m[2]), int(m[3]), int(m[1] or 1))
              for m in re.finditer(r"^- \*\*(?:Revision (\d+) of |Version )(\d+)\.(\d+)\*\*", versions, re.M)]
     assert len(found) >= 5 and found == sorted(found) and len(set(found)) == len(found)
@@ -230,7 +232,7 @@ def test_every_json_example_of_the_text_validates_against_its_schema():
     assert set(formats) == set(SCHEMA_OF_FORMAT), formats  # every kind of JSON file has an example
     for example in examples:
         validate(example)
-        assert not VALIDATORS[SCHEMA_OF_FORMAT[example["format"]]].is_valid({**example, "version": [2, 0]})
+        assert not VALIDATORS[SCHEMA_OF_FORMAT[example["format"]]].is_valid({**example, "version": [3, 0]})
         if example["format"] == "ckptfmt-manifest":  # elided, the example still names tensors, chunks, a state
             assert example["tensors"] and example["chunks"] and example["state"]["$bin"]
 
@@ -1085,7 +1087,8 @@ def _metadata_fields() -> tuple[set[str], set[str]]:
         for choice in node.get("oneOf", []):
             found |= types(choice)
         return found
-    optional = {name: types(node) for name, node in schema["properties"].items() if name not in schema["required"]}
+    optional = {name: types(node) for name, node in schema["properties"].items()
+                if name not in schema["required"] and name != "requires"}  # §13.2: a flat array of names
     containers = {name for name, kinds in optional.items() if kinds & {"object", "array"}}
     return containers, {name for name in containers if "object" in optional[name]}
 
@@ -1149,17 +1152,18 @@ def test_a_piece_offset_has_one_bound_in_both_forms_of_shards(tmp_path):
 # -- the text against itself: versions and cross-references ----------------------------------
 
 def _spec_texts(changelog: bool = True) -> dict[str, str]:
-    """FORMAT.md (without its changelog, which names versions as historical facts, if not ``changelog``),
-    ANALYTICS.md, and every schema's text."""
-    history = FORMAT[FORMAT.index("**Versions**"):FORMAT.index("Contents:")]
-    texts = {"FORMAT.md": FORMAT if changelog else FORMAT.replace(history, ""),
-             "ANALYTICS.md": (SPEC / "ANALYTICS.md").read_text()}
+    """FORMAT.md, ANALYTICS.md, every schema's text, and CHANGES.md (which names versions as historical
+    facts) if ``changelog``."""
+    texts = {"FORMAT.md": FORMAT, "ANALYTICS.md": (SPEC / "ANALYTICS.md").read_text()}
+    if changelog:
+        texts["CHANGES.md"] = CHANGES
     texts.update({path.name: path.read_text() for path in SPEC.glob("*.schema.json")})
     return texts
 
 
-#: "1.0 to 1.5", "up to 1.6", "up to version 1.6": format versions (major 1), not figures ("1.3x to 1.6x", "1.5 GiB").
-_RANGE = re.compile(r"\b(1)\.(\d+)\s+(?:to|up\s+to|through)\s+(1)\.(\d+)|\bup\s+to\s+(?:version\s+)?(1)\.(\d+)")
+#: "1.0 to 1.5", "up to 1.6", "up to version 1.6": format versions, not figures ("1.3x to 1.6x", "1.5 GiB").
+_RANGE = re.compile(r"\b([12])\.(\d+)\s+(?:to|up\s+to|through)\s+([12])\.(\d+)"
+                    r"|\bup\s+to\s+(?:version\s+)?([12])\.(\d+)")
 _NOT_A_VERSION = re.compile(r"\.\d|x\b|\s*(?:s\b|[KMGT]i?B\b|%)")
 
 

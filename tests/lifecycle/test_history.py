@@ -129,7 +129,7 @@ def test_a_history_object_of_another_major_version_is_reported_and_the_rest_stil
     remove(repo, ["step-2", "step-4"])
     first = history_keys(repo)[0]
     doc = msgpack.unpackb(Path(url, first.key).read_bytes())
-    newer = msgpack.packb({**doc, "version": [2, 0]}, use_bin_type=True)
+    newer = msgpack.packb({**doc, "version": [3, 0]}, use_bin_type=True)
     Path(url, first.key).unlink()
     key = HistoryKey(first.created_ns, first.name, chunk_hash(newer))
     Path(url, key.key).write_bytes(newer)

@@ -320,7 +320,7 @@ DAMAGE = {
     "bad record": lambda ref: json.dumps({"format": "ckptfmt-index-pack", "version": [1, 2],
                                           "records": [{"format": "ckptfmt-commit", "name": "../x"}]}).encode(),
     "count differs from its key": lambda ref: encode_pack([]),
-    "other major": lambda ref: json.dumps({"format": "ckptfmt-index-pack", "version": [2, 0],
+    "other major": lambda ref: json.dumps({"format": "ckptfmt-index-pack", "version": [3, 0],
                                            "records": []}).encode(),
     "oversized": lambda ref: b" " * (MAX_INDEX_PACK_BYTES + 1),
 }

@@ -113,6 +113,18 @@ def chunk_key(digest: str, codec: str, base_digest: str | None = None) -> str:
 _NAME_CHARS = set("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-")
 
 
+#: FORMAT.md 13.2: the required features this reader implements (all of format 2.0's).
+FEATURES = frozenset({"per-rank-values", "delta-codecs", "shard-grids", "node-placement", "float-codecs",
+                      "tensor-columns", "chunk-columns", "rng-words", "grid-columns"})
+
+
+def _readable(doc: dict) -> bool:
+    """FORMAT.md 13: major 1 (no ``requires``), or major 2 requiring only features this reader implements."""
+    major = doc["version"][0]
+    return major == 1 or major == 2 and len(set(doc["requires"])) == len(doc["requires"]) \
+        and set(doc["requires"]) <= FEATURES
+
+
 class SpecReader:
     """Reads one checkpoint as FORMAT.md section 12 describes; no ckptfmt code."""
 
@@ -121,18 +133,18 @@ class SpecReader:
         assert name not in ("chunks", "ckptfmt.json")
         self.repo = repo
         marker = json.loads((repo / "ckptfmt.json").read_bytes())
-        assert marker["format"] == "ckptfmt-repository" and marker["version"][0] == 1
+        assert marker["format"] == "ckptfmt-repository" and _readable(marker)
         commit_path = repo / name / "COMMIT"
         assert commit_path.stat().st_size <= 64 * 2**10
         commit = json.loads(commit_path.read_bytes())
-        assert commit["format"] == "ckptfmt-commit" and commit["version"][0] == 1
+        assert commit["format"] == "ckptfmt-commit" and _readable(commit)
         assert commit["name"] == name
         path = repo / name / f"manifest-{commit['manifest']}.msgpack"
         assert path.stat().st_size == commit["manifest_size"]
         data = path.read_bytes()
         assert blake3_hex(data) == commit["manifest"]
         self.manifest = unpack(data)
-        assert self.manifest["format"] == "ckptfmt-manifest" and self.manifest["version"][0] == 1
+        assert self.manifest["format"] == "ckptfmt-manifest" and _readable(self.manifest)
         assert self.manifest["name"] == name
         self.chunks = chunk_rows(self.manifest["chunks"])
         self.tensors = tensor_rows(self.manifest["tensors"])
