@@ -13,6 +13,15 @@ is also read back from the destination and its hash compared once it has
 arrived (``verify=False`` skips that read, which doubles the traffic on an
 object store).
 
+With ``format_version=`` (spec 13.3) the destination is for readers of that
+version: a checkpoint they read as it is is copied as above; any other is
+re-encoded for them (``lifecycle.rewrite``: its manifest in that version's forms,
+chunks stored with codecs it lacks stored again with codecs it has, the others
+copied or shared), which gives it a new manifest and commit record. The source's
+signatures do not sign that record: they are dropped and counted, or ``signer=``
+signs it. A checkpoint using what the version cannot express is refused, named,
+before anything of it is written.
+
 The destination's chunks are listed once per call (a paginated listing on
 object stores rather than a request per chunk), under a save lease held until
 the last commit (docs/design/leases-and-gc.md).
@@ -24,26 +33,38 @@ import functools
 import os
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 from fsspec.callbacks import Callback, NoOpCallback
 
 from ckptfmt._deprecation import renamed_arguments
-from ckptfmt.errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError, CorruptDataError
+from ckptfmt.errors import (
+    CheckpointError,
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CheckpointWarning,
+    CorruptDataError,
+)
 from ckptfmt.format import codecs, layout
 from ckptfmt.format.chunk_table import delta_depth, stored_key
+from ckptfmt.format.features import version_text
 from ckptfmt.format.hashing import check_chunk, chunk_hash
 from ckptfmt.format.limits import check_name
-from ckptfmt.format.manifest import OPTIONAL_FIELDS, Chunk
+from ckptfmt.format.manifest import OPTIONAL_FIELDS, Chunk, Manifest
+from ckptfmt.format.signatures import SigningKey
+from ckptfmt.lifecycle import rewrite
 from ckptfmt.loading.chunkio import ChunkReader
 from ckptfmt.repository.chunk_reads import read_chunk
 from ckptfmt.repository.history import copy_histories
 from ckptfmt.repository.leases import Lease, save_lease
 from ckptfmt.repository.repository import CommitRecord, Repository
-from ckptfmt.repository.signatures import copy_signatures
+from ckptfmt.repository.signatures import copy_signatures, signatures, write_signature
 from ckptfmt.saving.chunker import DEFAULT_CHUNK_SIZE
+from ckptfmt.saving.options import SIGNATURES_FROM, target_version
 from ckptfmt.storage.budget import ByteBudget
 
 
@@ -69,13 +90,24 @@ class ReplicationReport:
     signatures_copied: int = 0
     #: History objects (spec 4.5: the run history of removed checkpoints) written to the destination.
     histories_copied: int = 0
+    #: ``format_version=``: the version written for ("1.6"), None for a copy byte for byte.
+    format_version: str | None = None
+    #: Checkpoints of ``copied`` re-encoded for ``format_version`` (new manifests and commit records).
+    rewritten: tuple[str, ...] = ()
+    #: Chunks stored again with a codec ``format_version`` has (counted in ``chunks_copied`` too).
+    chunks_reencoded: int = 0
+    #: Signatures of the rewritten checkpoints in the source, which do not sign their new manifests.
+    signatures_dropped: int = 0
+    #: Signatures ``signer=`` made of rewritten checkpoints.
+    signatures_written: int = 0
 
 
 @renamed_arguments(progress="callback")
 def replicate(src: str | os.PathLike | Repository, dst: str | os.PathLike | Repository,
               name: str | Iterable[str] | None = None, *, storage_options: dict | None = None,
               dst_storage_options: dict | None = None, workers: int = 8, verify: bool = True,
-              callback: Callback | None = None, yield_to: Callable[[], object] | None = None) -> ReplicationReport:
+              callback: Callback | None = None, yield_to: Callable[[], object] | None = None,
+              format_version: str | tuple[int, int] | None = None, signer: Any = None) -> ReplicationReport:
     """Copy checkpoints of repository ``src`` to repository ``dst`` (created if missing).
 
     ``name``: a checkpoint name or several; None copies every committed
@@ -90,20 +122,40 @@ def replicate(src: str | os.PathLike | Repository, dst: str | os.PathLike | Repo
     checkpoint manager pauses replication while the training loop saves.
     Every history object of ``src`` (spec 4.5: the run history of its removed
     checkpoints) that ``dst`` lacks is copied too, whatever ``name`` says.
+
+    ``format_version`` ("1.6" or (1, 6)): write for readers of that version
+    (spec 13.3; see the module docstring). A ``dst`` created here gets a marker
+    of that version; an existing one whose marker is newer is written all the
+    same, with a warning (its marker only rises). ``signer`` (as ``save``'s: a PEM
+    file, a key) signs the checkpoints rewritten for ``format_version``, whose
+    source signatures are dropped. Without ``format_version``, a ``dst`` created
+    here gets the version of the source's marker.
     """
     if not (isinstance(workers, int) and workers >= 1):
         raise ValueError("workers must be a positive integer")
+    version = None if format_version is None else target_version(format_version)
+    if signer is not None:
+        if version is None:
+            raise ValueError("signer= signs the checkpoints rewritten for format_version=; give that too")
+        if version < SIGNATURES_FROM:
+            raise ValueError(f"signer= needs format {version_text(SIGNATURES_FROM)} (signatures, spec 10.3); "
+                             f"format {version_text(version)} cannot express it")
+        signer = SigningKey.load(signer)
     started = time.perf_counter()
     source = _repository(src, storage_options, create=False)
-    target = _repository(dst, dst_storage_options, create=True)
+    target = _repository(dst, dst_storage_options, create=True, format_version=version or source.format_version)
+    if version is not None and target.format_version > version:
+        warnings.warn(f"{target.url}: the repository's marker declares format {version_text(target.format_version)}"
+                      f", newer than {version_text(version)}: readers of format {version_text(version)} cannot "
+                      "open it, though the checkpoints copied now are written for them", CheckpointWarning,
+                      stacklevel=2)
     copied: list[str] = []
     present: list[str] = []
     missing: list[CommitRecord] = []
-    copier = _Copier(source, target, workers, verify, callback or NoOpCallback(), yield_to)
+    copier = _Copier(source, target, workers, verify, callback or NoOpCallback(), yield_to, version, signer)
     for record in _records(source, name):
-        if _on_target(source, target, record):
+        if copier.on_target(record):
             present.append(record.name)
-            copier.signatures_copied += copy_signatures(source, target, record)
         else:
             missing.append(record)
     if missing:
@@ -111,13 +163,22 @@ def replicate(src: str | os.PathLike | Repository, dst: str | os.PathLike | Repo
             copier.stored = target.storage.find(layout.CHUNKS_DIR)
             for record in missing:
                 (copied if copier.copy(record, lease) else present).append(record.name)
-    histories = copy_histories(source, target, verify=verify)
+    if version is None:
+        histories = copy_histories(source, target, verify=verify)
+    else:
+        histories = rewrite.copy_histories_at(source, target, version)
+    reencoder = copier.reencoder
     return ReplicationReport(
         source=source.url, destination=target.url, copied=tuple(copied), present=tuple(present),
-        chunks_copied=copier.chunks_copied, chunks_skipped=copier.chunks_skipped,
-        bytes_copied=copier.bytes_copied, bytes_skipped=copier.bytes_skipped,
+        chunks_copied=copier.chunks_copied + (reencoder.chunks_written if reencoder else 0),
+        chunks_skipped=copier.chunks_skipped + (reencoder.chunks_found if reencoder else 0),
+        bytes_copied=copier.bytes_copied + (reencoder.bytes_written if reencoder else 0),
+        bytes_skipped=copier.bytes_skipped + (reencoder.bytes_found if reencoder else 0),
         seconds=time.perf_counter() - started, signatures_copied=copier.signatures_copied,
-        histories_copied=histories,
+        histories_copied=histories, format_version=None if version is None else version_text(version),
+        rewritten=tuple(name for name in copied if name in copier.rewritten),
+        chunks_reencoded=reencoder.chunks_written if reencoder else 0,
+        signatures_dropped=copier.signatures_dropped, signatures_written=copier.signatures_written,
     )
 
 
@@ -154,12 +215,15 @@ def commit_copy(source: Repository, target: Repository, record: CommitRecord, le
     return committed
 
 
-def _repository(repo: str | os.PathLike | Repository, options: dict | None, *, create: bool) -> Repository:
+def _repository(repo: str | os.PathLike | Repository, options: dict | None, *, create: bool,
+                format_version: tuple[int, int] | None = None) -> Repository:
     if isinstance(repo, Repository):
         if options:
             raise ValueError("storage options apply to repository URLs, not to Repository objects")
         return repo
-    return Repository.open(repo, options, create=create)
+    if format_version is None:
+        return Repository.open(repo, options, create=create)
+    return Repository.open(repo, options, create=create, format_version=format_version)
 
 
 def _records(source: Repository, name: str | Iterable[str] | None) -> list[CommitRecord]:
@@ -189,8 +253,12 @@ class _Copier:
     """Copies checkpoints' chunks, manifests and commit records to the target; counts what it did."""
 
     def __init__(self, source: Repository, target: Repository, workers: int, verify: bool, progress: Callback,
-                 yield_to: Callable[[], object] | None = None):
+                 yield_to: Callable[[], object] | None = None, version: tuple[int, int] | None = None,
+                 signer: SigningKey | None = None):
         self.yield_to = yield_to
+        #: ``format_version=``: the version written for (None: copies byte for byte), and who signs rewrites.
+        self.version = version
+        self.signer = signer
         self.source = source
         self.target = target
         self.workers = workers
@@ -204,18 +272,114 @@ class _Copier:
         self.budget = ByteBudget(workers * DEFAULT_CHUNK_SIZE)
         self.lock = threading.Lock()
         self.chunks_copied = self.chunks_skipped = self.bytes_copied = self.bytes_skipped = 0
-        self.signatures_copied = 0
+        self.signatures_copied = self.signatures_dropped = self.signatures_written = 0
         self.total = 0
+        #: Checkpoints this call rewrote for ``version``, and what stores their chunks again.
+        self.rewritten: set[str] = set()
+        self.reencoder: rewrite.Reencoder | None = None
+        #: Source manifests read whole (``version``), by name: the checks and the rewrite share them.
+        self._manifests: dict[str, Manifest] = {}
+
+    def on_target(self, record: CommitRecord) -> bool:
+        """Whether the target has this checkpoint already (its signatures the target lacks are copied
+        then); CheckpointExistsError if it has another of that name. With ``version``, a copy rewritten
+        for it by an earlier call counts (``signer`` signs it if it has not), and one newer than it is an
+        error."""
+        if self.version is None:
+            if not _on_target(self.source, self.target, record):
+                return False
+            self.signatures_copied += copy_signatures(self.source, self.target, record)
+            return True
+        try:
+            theirs = self.target.commit(record.name)
+        except CheckpointNotFoundError:
+            return False
+        where = self.target.storage.describe(record.name)
+        if theirs.manifest_hash == record.manifest_hash:
+            if not rewrite.readable_at(self._manifest(record), self.version):
+                raise CheckpointExistsError(
+                    f"{where}: holds this checkpoint as format {version_text(theirs.version)}, newer than "
+                    f"{version_text(self.version)}; remove it there to rewrite it for format "
+                    f"{version_text(self.version)}")
+            self.signatures_copied += copy_signatures(self.source, self.target, record)
+            return True
+        mine = self._manifest(record)
+        if rewrite.readable_at(mine, self.version) or not rewrite.same_checkpoint(
+                mine, self.target.manifest(record.name, theirs), self.version):
+            return _on_target(self.source, self.target, record)  # raises: a different checkpoint
+        if self.signer is not None:
+            self.signatures_written += write_signature(self.target, theirs, self.signer)[1]
+        return True
+
+    def _manifest(self, record: CommitRecord) -> Manifest:
+        """The source's manifest of ``record``, read whole once."""
+        manifest = self._manifests.get(record.name)
+        if manifest is None:
+            manifest = self._manifests[record.name] = self.source.manifest(record.name, record)
+        return manifest
 
     def copy(self, record: CommitRecord, lease: Lease) -> bool:
         """Copy one checkpoint, committing it last; False if another writer committed it meanwhile."""
-        manifest = self.source.manifest(record.name, record, skip=OPTIONAL_FIELDS)
+        if self.version is not None:
+            manifest = self._manifests.pop(record.name, None) or self.source.manifest(record.name, record)
+            if not rewrite.readable_at(manifest, self.version):
+                return self._rewrite(record, manifest, lease)
+        else:
+            manifest = self.source.manifest(record.name, record, skip=OPTIONAL_FIELDS)
+        keys = self._copy_rows(record.name, manifest.chunks, manifest.parent, set())
+        committed = self._commit(record, manifest.requires, lease)
+        self.good.update(keys)
+        return committed
+
+    def _rewrite(self, record: CommitRecord, manifest: Manifest, lease: Lease) -> bool:
+        """Commit ``record``'s checkpoint re-encoded for ``self.version`` (``lifecycle.rewrite``): the rows
+        whose codec the version has copied as they are, the others stored again, then the new manifest,
+        its signature (``signer``) and its commit record. False if another writer committed it meanwhile."""
+        assert self.version is not None
+        where = self.source.storage.describe(record.name)
+        rewrite.refuse_inexpressible(manifest, self.version, where)  # before anything of it is written
+        chosen = rewrite.plan(manifest.chunks, self.version)
+        keys = self._copy_rows(record.name, manifest.chunks, manifest.parent, set(chosen.codecs))
+        if self.reencoder is None:
+            self.reencoder = rewrite.Reencoder(self.source, self.target, self.workers, self.verify, self.budget,
+                                               self.stored, self.yield_to)
+        try:
+            chunks = self.reencoder.run(manifest.chunks, chosen)
+        except CheckpointError as error:
+            raise type(error)(f"{error} (checkpoint {record.name!r} not replicated)") from None
+        data, parsed = rewrite.rewritten(manifest, chunks, self.version, self.target.storage.describe(record.name))
+        new = rewrite.record_for(record, data, self.version)
+        key = layout.manifest_key(new.name, new.manifest_hash)
+        self.target.storage.write(key, data)
+        self.target.storage.sync([key])
+        with self.lock:
+            self.bytes_copied += len(data)
+        self.signatures_dropped += sum(1 for found in signatures(self.source, record.name)
+                                       if found.signature is not None and found.signature.verifies(record))
+        if self.signer is not None:  # before the commit record: a signed copy is never seen unsigned
+            self.signatures_written += write_signature(self.target, new, self.signer)[1]
+        lease.check("writing the commit record")
+        self.target.declare(self.version, parsed.requires)
+        try:
+            self.target.create_commit(new)
+        except CheckpointExistsError:  # a rival sync's rewrite of the same checkpoint is fine
+            theirs = self.target.manifest(record.name)
+            if not rewrite.same_checkpoint(manifest, theirs, self.version):
+                raise
+            return False
+        self.rewritten.add(record.name)
+        self.good.update(keys | {stored_key(chunks, chunks[i]) for i in chosen.codecs})
+        return True
+
+    def _copy_rows(self, name: str, table: list[Chunk], parent: str | None, leave: set[int]) -> set[str]:
+        """Copy the chunks of ``table`` (the rows of ``leave`` left out) that the target lacks, made durable;
+        the keys of those copied or found."""
         # Bases before the deltas stored against them (spec 5.5), though a delta is checked against its
         # base's bytes in the source, so the order is for readers of a half-copied repository only.
-        order = sorted(range(len(manifest.chunks)), key=lambda i: delta_depth(manifest.chunks, i))
-        chunks = list({stored_key(manifest.chunks, manifest.chunks[i]): (manifest.chunks, i) for i in order}.items())
+        order = sorted((i for i in range(len(table)) if i not in leave), key=lambda i: delta_depth(table, i))
+        chunks = list({stored_key(table, table[i]): (table, i) for i in order}.items())
         local = self.target.storage.cheap_exists
-        trusted = self._parent_chunks(manifest.parent) if local else set()
+        trusted = self._parent_chunks(parent) if local else set()
         jobs = []
         for key, (table, index) in chunks:
             chunk = table[index]
@@ -226,12 +390,10 @@ class _Copier:
                 jobs.append((key, (table, index), size))
         self.total += sum(table[index].stored_size for _, (table, index), _ in jobs)
         self.progress.set_size(self.total)
-        written, found = self._run(jobs, record.name)
+        written, found = self._run(jobs, name)
         self.target.storage.sync(written)
         self.target.storage.make_durable(found)  # left by a killed run, which may not have made them durable
-        committed = self._commit(record, manifest.requires, lease)
-        self.good.update(key for key, _ in chunks)
-        return committed
+        return {key for key, _ in chunks}
 
     def _parent_chunks(self, parent: str | None) -> set[str]:
         """Chunk keys of the target's copy of ``parent``: committed there, so present and durable."""
