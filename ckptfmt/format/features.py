@@ -35,6 +35,8 @@ FEATURES: dict[str, Feature] = {f.name: f for f in (
     Feature("chunk-columns", (1, 13), "the chunk table in columns, spec 6.13"),
     Feature("rng-words", (1, 13), "Python generator states as a bin of 625 words, spec 9.1"),
     Feature("grid-columns", (1, 14), "shard grids in the tensor columns, spec 6.12"),
+    Feature("ml-dsa-65", (2, 0), "ML-DSA-65 signatures (FIPS 204), spec 10.3"),
+    Feature("ed25519+ml-dsa-65", (2, 0), "hybrid Ed25519 and ML-DSA-65 signatures, both verified, spec 10.3"),
 )}
 
 

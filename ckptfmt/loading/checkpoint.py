@@ -28,8 +28,8 @@ _Self = TypeVar("_Self", bound="Checkpoint")
 class Checkpoint:
     """A committed checkpoint's commit record, manifest, metadata and tensor table.
 
-    ``trusted_keys``: Ed25519 public keys; the checkpoint opens only if one of them signed it
-    (spec 10.3), else SignatureError names it.
+    ``trusted_keys``: public keys (Ed25519, ML-DSA-65 or hybrid); the checkpoint opens only if one of
+    them signed it (spec 10.3), else SignatureError names it.
     """
 
     #: What torch dtypes, Sizes and devices in the value trees decode to (``format.values``).

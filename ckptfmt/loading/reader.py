@@ -418,9 +418,10 @@ def load(url: str | os.PathLike, *, map_location: str | torch.device | None = "c
     (done when ``load`` returns); with no good copy anywhere, the error names the
     tensor, the chunk and every place looked at.
 
-    ``trusted_keys``: Ed25519 public keys (``.pub`` files of ``ckptfmt keygen``, key objects); the
-    checkpoint is read only if one of them signed it (spec 10.3), else SignatureError names it
-    (unsigned, signed by other keys, or a signature that does not verify: forged or damaged).
+    ``trusted_keys``: public keys (``.pub`` files of ``ckptfmt keygen``: Ed25519, ML-DSA-65 or the hybrid of
+    both; key objects); the checkpoint is read only if one of them signed it (spec 10.3), else SignatureError
+    names it (unsigned, signed by other keys, or a signature that does not verify: forged or damaged; for a
+    hybrid key, both its signatures must verify).
 
     ``verify``: ``True`` (the default) hashes every chunk read; ``"once"`` skips a local chunk file that
     this process has already checked (by a ``verify``, a ``load`` or a read) and that is unchanged

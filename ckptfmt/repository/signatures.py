@@ -11,13 +11,14 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from ckptfmt.errors import CheckpointError, CheckpointNotFoundError, StorageError
+from ckptfmt.errors import CheckpointError, CheckpointNotFoundError, StorageError, UnsupportedVersionError
 from ckptfmt.format.commit_record import CommitRecord
 from ckptfmt.format.signatures import (
     MAX_SIGNATURE_BYTES,
     Signature,
     SignatureError,
     SigningKey,
+    entry_key_id,
     is_signature_entry,
     signature_key,
 )
@@ -31,6 +32,8 @@ class Found:
     key: str
     signature: Signature | None
     damage: str | None = None
+    #: The object requires a feature this ckptfmt lacks (a newer algorithm): unreadable, not damaged.
+    newer: bool = False
 
 
 def write_signature(repo: Repository, record: CommitRecord, key: SigningKey) -> tuple[str, bool]:
@@ -52,16 +55,27 @@ def signatures(repo: Repository, name: str) -> list[Found]:
         if not is_signature_entry(entry):
             continue
         key = f"{name}/{entry}"
-        parse = functools.partial(Signature.from_bytes, where=repo.storage.describe(key))
+        where = repo.storage.describe(key)
+        parse = functools.partial(Signature.from_bytes, where=where)
         try:
-            found.append(Found(key, repo.storage.read_checked(key, max_size=MAX_SIGNATURE_BYTES, check=parse)))
+            found.append(_named(key, repo.storage.read_checked(key, max_size=MAX_SIGNATURE_BYTES, check=parse), where))
         except CheckpointNotFoundError:  # removed since the listing
             continue
         except StorageError:
             raise
+        except UnsupportedVersionError as exc:
+            found.append(Found(key, None, str(exc), newer=True))
         except CheckpointError as exc:
             found.append(Found(key, None, str(exc)))
     return found
+
+
+def _named(key: str, signature: Signature, where: str) -> Found:
+    """A parsed object, which counts as absent (damage) unless its name's key id is its ``key_id`` (spec 10.3)."""
+    if entry_key_id(key) == signature.key_id:
+        return Found(key, signature)
+    return Found(key, None, f"{where}: named for key {entry_key_id(key)} but holds key {signature.key_id}'s "
+                            "signature; it counts as absent")
 
 
 def copy_signatures(source: Repository, target: Repository, record: CommitRecord) -> int:
@@ -88,6 +102,8 @@ def signature_problems(repo: Repository, record: CommitRecord) -> list[str]:
     problems = []
     for found in signatures(repo, record.name):
         where = repo.storage.describe(found.key)
+        if found.newer:  # a newer algorithm's: not damaged, only beyond this reader
+            continue
         if found.signature is None:
             problems.append(f"{found.damage}")
         elif not found.signature.verifies(record):
@@ -123,11 +139,15 @@ def judge(repo: Repository, record: CommitRecord, trusted: dict[str, bytes]) -> 
     if failed:
         return Verdict(None, "bad-signature", f"{where}: the signature by trusted key {failed[0]} does not verify: "
                        "the checkpoint or its signature changed after it was signed (forged or damaged)")
+    newer = [e for e in found if e.newer and entry_key_id(e.key) in trusted]
+    if newer:
+        return Verdict(None, "unsigned", f"{where}: cannot check the signature by trusted key "
+                       f"{entry_key_id(newer[0].key)} ({newer[0].damage})")
     others = sorted({e.signature.key_id for e in found if e.signature is not None})
     if others:
         return Verdict(None, "unsigned", f"{where}: signed only by keys not trusted ({', '.join(others)}; "
                        f"trusted: {keys})")
-    damaged = [e.damage for e in found if e.damage]
+    damaged = [e.damage for e in found if e.damage and not e.newer]  # a newer one by another key: not trusting
     if damaged:
         return Verdict(None, "bad-signature", f"{where}: no readable signature by a trusted key ({damaged[0]})")
     return Verdict(None, "unsigned", f"{where}: not signed by a trusted key (trusted: {keys}); `ckptfmt sign` "

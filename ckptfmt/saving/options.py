@@ -21,7 +21,7 @@ from ckptfmt.errors import ManifestError, UnsupportedValueError
 from ckptfmt.format import codecs
 from ckptfmt.format.features import first_version, parse_version, refuse_unless_writable, version_text
 from ckptfmt.format.limits import MAX_CHUNK_BYTES
-from ckptfmt.format.signatures import SigningKey
+from ckptfmt.format.signatures import SigningKey, signature_features
 from ckptfmt.format.version import FORMAT_VERSION, writable
 from ckptfmt.metadata.step_timer import decode_steps
 
@@ -106,8 +106,9 @@ class SaveOptions:
     #: Every rank's training steps, gathered for a save that one rank makes (a framework that writes
     #: from rank 0): ``[{"rank", "host", "steps": StepTimer.snapshot()}]`` (``distributed.steps.gather_steps``).
     gathered_steps: list | None = None
-    #: Sign the checkpoint (spec 10.3) with this Ed25519 private key: a PEM file (``ckptfmt keygen``), a
-    #: ``cryptography`` key or a ``SigningKey``; loaded once, here. The key never enters the repository.
+    #: Sign the checkpoint (spec 10.3) with this private key (Ed25519; ML-DSA-65 or hybrid from format 2.0): a
+    #: PEM file (``ckptfmt keygen``), ``cryptography`` keys or a ``SigningKey``; loaded once, here. The key never
+    #: enters the repository.
     signer: Any = None
     #: ``"job"``: the repository is one storage every rank sees; ``"node"``: the URL names each node's own
     #: storage (a node-local disk), which holds the boxes of that node's ranks (spec 9.8).
@@ -173,6 +174,8 @@ class SaveOptions:
         if self.signer is not None and version < SIGNATURES_FROM:
             raise ValueError(f"signer= needs format {version_text(SIGNATURES_FROM)} (signatures, spec 10.3); "
                              f"format {version_text(version)} cannot express it")
+        for feature in signature_features(self.signer.algorithm) if self.signer is not None else ():
+            refuse_unless_writable(feature, version, f"signer= (an {self.signer.algorithm} key)")  # ML-DSA: 2.0
 
     @property
     def float_codecs(self) -> bool:
