@@ -1,0 +1,329 @@
+"""Writing for older readers, measured against the readers themselves (spec 13.3): for every format version
+1.N, today's ckptfmt saves with ``format_version="1.N"`` a rich state limited to what 1.N expresses, and the
+ckptfmt of the commit that introduced 1.N (tests/support/old_trees.py) lists, verifies and loads every
+checkpoint and finds every tensor and plain value bit for bit as saved. A checkpoint and repository of the
+default format 2.0 are refused by every 1.x tree as "upgrade" (an UnsupportedVersionError naming 2.0), never
+misread as damage. Exhaustive: 16 old trees, one process each (about a minute on 2 cores).
+
+The helpers here are shared with tests/support/compat_matrix.py, which prints the compatibility table of
+docs/compatibility.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import ckptfmt
+from tests.corpus import typed_json
+from tests.corpus.generate import VERSIONS
+from tests.support.old_trees import ROOT, run_in_tree
+
+sys.modules.setdefault("typed_json", typed_json)  # writer.py imports it by its bare name (it runs in old trees)
+from tests.corpus import writer
+
+#: Old trees read at once (the machine's cores).
+PARALLEL = 2
+#: The folder of typed_json.py, which the reader program imports (it imports no ckptfmt).
+CORPUS = Path(typed_json.__file__).resolve().parent
+
+
+def numbers(version: str) -> tuple[int, int]:
+    major, minor = version.split(".")
+    return int(major), int(minor)
+
+
+# -- today's writer ----------------------------------------------------------------------------------------------
+def save_floor(version: str | None, repo: Path, key: Path | None) -> dict:
+    """Today's ckptfmt saves into ``repo`` with ``format_version=version`` (None: the default, 2.0) every
+    checkpoint that version expresses, and returns what it saved: per checkpoint, as tests/corpus's
+    writer describes it (typed JSON of the state as a load returns it, each tensor's sha256, codecs, step),
+    and the public key that signed it, if any. ``key``: a private key (PEM) to sign with from 1.7."""
+    target = numbers(version) if version else ckptfmt.FORMAT_VERSION
+    has = {feature: target >= since for feature, since in writer.SINCE.items()}
+    floor = {"format_version": version} if version else {}
+    out: dict = {}
+
+    def save(name: str, state: dict, step: int, compression: str | None, **options: Any) -> None:
+        url = ckptfmt.save(state, f"{repo}/{name}", step=step, metadata=writer.METADATA, compression=compression,
+                           **floor, **options)
+        key_id = ckptfmt.SigningKey.load(options["signer"]).key_id if "signer" in options else None
+        out[name] = writer.describe(url, writer.as_loaded(state), key_id)
+        out[name]["trusted"] = f"{options['signer']}.pub" if "signer" in options else None
+
+    signed = {"signer": str(key)} if key and has["signatures"] else {}
+    no_rng = {"rng": []} if has["rng_argument"] else {}
+    save("values", writer.values_state(target), 1, None, **signed)  # this process's RNG states: the RNG form
+    save("shuffle", writer.codec_state(False, 2), 2, "shuffle-zstd", **no_rng)
+    if has["delta_codecs"]:
+        save("delta", writer.codec_state(True, 3), 3, "delta-zstd", **no_rng)
+    if has["float_codecs"]:
+        save("float", writer.codec_state(False, 4), 4, "float-zstd", **no_rng)
+        save("float-delta", writer.codec_state(True, 5), 5, "auto", **no_rng)
+    else:  # "auto" picks within the version: deltas from 1.5, no float codec
+        save("auto", writer.codec_state(True, 6), 6, "auto", **no_rng)
+    return out
+
+
+def corpus_written(version: str) -> dict:
+    """What the 1.N tree's own writer saved in tests/corpus/v1.N (its expected.json's checkpoints), with the
+    corpus test key's public half as the trusted key of a signed one."""
+    expected = json.loads((CORPUS / f"v{version}" / "expected.json").read_text())
+    public = CORPUS / "keys" / "corpus-test-key.pem.pub"
+    return {name: {**written, "trusted": str(public) if written["signed_by"] else None}
+            for name, written in expected["checkpoints"].items()}
+
+
+# -- a reader: an old tree's or today's ---------------------------------------------------------------------------
+#: Run under a tree: argv[1] is typed_json's folder, argv[2] a JSON list of jobs {"repo", "names": {name:
+#: trusted public key or null}}. For each job it lists the repository's commits, verifies it (and each
+#: signed checkpoint with its key), loads and opens each named checkpoint, and prints, for each step, what it
+#: found or the exception (class and message): the reader's side of the comparison. API used: that of 1.0,
+#: plus ``trusted_keys`` for a signed checkpoint where the tree has it (1.7 on; before, no key is checked).
+READER = r"""
+import inspect, json, os, sys
+sys.path.append(sys.argv[1])
+import typed_json
+import ckptfmt
+
+SIGNATURES = "trusted_keys" in inspect.signature(ckptfmt.load).parameters
+
+def attempt(step):
+    try:
+        return {"ok": step()}
+    except Exception as exc:
+        return {"error": [type(exc).__name__, str(exc)]}
+
+def commits(repo):
+    return [record.name for record in ckptfmt.Repository.open(repo).commits()]
+
+def verify(url, **keys):
+    report = ckptfmt.verify(url, **keys)
+    return {"ok": report.ok, "checkpoints": sorted(report.checkpoints),
+            "problems": [f"{p.kind}: {p.message}" for p in report.problems][:5]}
+
+def read(url, **keys):
+    found = {}
+    state = typed_json.encode(ckptfmt.load(url, **keys), found)
+    tensors, first = {}, {}
+    for key, tensor in found.items():
+        tensors[key] = typed_json.describe_tensor(tensor)
+        if id(tensor) in first:
+            tensors[key]["same_as"] = first[id(tensor)]
+        first.setdefault(id(tensor), key)
+    with ckptfmt.open(url, **keys) as reader:
+        listed = reader.keys()
+        codecs = sorted({chunk.codec for chunk in reader.manifest.chunks})
+        meta = reader.metadata
+    return {"state": state, "tensors": tensors, "keys": listed, "codecs": codecs, "step": meta["step"],
+            "format_version": meta["format_version"], "metadata": typed_json.encode(meta["user"])}
+
+results = []
+for job in json.loads(sys.argv[2]):
+    repo = job["repo"]
+    found = {"commits": attempt(lambda: commits(repo)), "verify": attempt(lambda: verify(repo)), "checkpoints": {}}
+    for name, trusted in job["names"].items():
+        keys = {"trusted_keys": [trusted]} if trusted and SIGNATURES else {}
+        found["checkpoints"][name] = attempt(lambda: read(f"{repo}/{name}", **keys))
+        if keys:
+            found["checkpoints"][name]["verify"] = attempt(lambda: verify(f"{repo}/{name}", **keys))
+    results.append(found)
+sys.stdout.write(json.dumps(results))
+sys.stdout.flush()
+os._exit(0)  # no interpreter teardown (old trees' threads)
+"""
+
+
+def jobs_for(repos: list[tuple[Path, dict]]) -> str:
+    return json.dumps([{"repo": str(repo), "names": {name: written["trusted"] for name, written in saved.items()}}
+                       for repo, saved in repos])
+
+
+def read_in_tree(version: str, repos: list[tuple[Path, dict]], timeout: float = 300) -> list[dict]:
+    """What the ckptfmt of format ``version``'s commit finds in each (repository, what was saved in it)."""
+    return run_in_tree(VERSIONS[version], READER, str(CORPUS), jobs_for(repos), timeout=timeout)
+
+
+def read_today(repos: list[tuple[Path, dict]], timeout: float = 300) -> list[dict]:
+    """The same reader program, run by today's ckptfmt (this venv's install) in a process of its own."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, "-c", READER, str(CORPUS), jobs_for(repos)], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=timeout, check=True)
+    return json.loads(result.stdout)
+
+
+def read_everywhere(readers: list[str], repos: list[tuple[Path, dict]]) -> dict[str, list[dict]]:
+    """Each reader ("1.N": that tree's, "today") on every repository, PARALLEL trees at a time."""
+    def one(reader: str) -> list[dict]:
+        return read_today(repos) if reader == "today" else read_in_tree(reader, repos)
+
+    with ThreadPoolExecutor(PARALLEL) as pool:
+        return dict(zip(readers, pool.map(one, readers)))
+
+
+# -- comparing -----------------------------------------------------------------------------------------------------
+def mismatches(found: dict, saved: dict) -> list[str]:
+    """What a reader found in a repository that differs from what was saved in it: [] when it listed every
+    checkpoint in order, verified the repository and each signed checkpoint, and loaded each bit for bit."""
+    wrong = []
+    if found["commits"] != {"ok": list(saved)}:
+        wrong.append(f"commits: {found['commits']}")
+    verified = found["verify"].get("ok")
+    if not (verified and verified["ok"] and verified["checkpoints"] == sorted(saved)):
+        wrong.append(f"verify: {found['verify']}")
+    for name, written in saved.items():
+        got = found["checkpoints"][name]
+        if "error" in got:
+            wrong.append(f"{name}: {got['error']}")
+            continue
+        read = got["ok"]
+        expected_tensors = dict(written["tensors"])
+        for field in ("state", "step", "format_version", "metadata", "codecs"):
+            if read[field] != written[field]:
+                wrong.append(f"{name}: {field} differs")
+        if read["tensors"] != expected_tensors:
+            differ = sorted(k for k in set(read["tensors"]) | set(expected_tensors)
+                            if read["tensors"].get(k) != expected_tensors.get(k))
+            wrong.append(f"{name}: tensors differ: {differ[:8]}")
+        if read["keys"] != list(expected_tensors):
+            wrong.append(f"{name}: keys listed differ")
+        if "verify" in got and got["verify"] != {"ok": {"ok": True, "checkpoints": [name], "problems": []}}:
+            wrong.append(f"{name}: signed verify: {got['verify']}")
+    return wrong
+
+
+def first_error(found: dict) -> tuple[str, str] | None:
+    """The exception of the first step that raised one (listing, verify, a checkpoint's load), if any."""
+    for step in (found["commits"], found["verify"], *found["checkpoints"].values()):
+        if "error" in step:
+            return tuple(step["error"])  # type: ignore[return-value]
+    return None
+
+
+def is_refusal(error: tuple[str, str]) -> bool:
+    """An error that says the data is newer than the reader ("upgrade"), not that it is damaged."""
+    kind, message = error
+    return kind == "UnsupportedVersionError" and "upgrade" in message
+
+
+def cell(found: dict, saved: dict) -> str:
+    """A compatibility-table cell: "reads bit-exactly", "refuses: <message>" or "fails: <what>"."""
+    wrong = mismatches(found, saved)
+    if not wrong:
+        return "reads bit-exactly"
+    error = first_error(found)
+    if error and is_refusal(error):
+        return f"refuses: {error[0]}: {error[1]}"
+    if error:
+        return f"fails: {error[0]}: {error[1]}"
+    return f"fails: {wrong[0]}"
+
+
+# -- the tests -----------------------------------------------------------------------------------------------------
+def with_marker_of(repo: Path, copy: Path, version: tuple[int, int]) -> Path:
+    """A copy of ``repo`` whose marker declares ``version`` (1.x: no ``requires``): what a reader finds past
+    the marker, in its commit records and manifests."""
+    shutil.copytree(repo, copy)
+    doc = json.loads((copy / "ckptfmt.json").read_text())
+    doc["version"] = list(version)
+    doc.pop("requires", None)
+    (copy / "ckptfmt.json").write_text(json.dumps(doc))
+    return copy
+
+
+def refusal(tree: str, where: str) -> list[str]:
+    """What the 1.x tree ``tree`` raises for an object of format 2.0 at ``where`` (measured: the same words
+    from 1.0 to 1.15)."""
+    return ["UnsupportedVersionError",
+            f"{where}: format version 2.0 is not readable by this ckptfmt (reads 1.x); upgrade ckptfmt"]
+
+
+def signed_and_checked(tree: str, saved: dict) -> list[str]:
+    """The signed checkpoints that the reader program verifies with their key under ``tree`` (1.7 on)."""
+    return [name for name, written in saved.items() if written["trusted"] and numbers(tree) >= (1, 7)]
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory) -> dict:
+    """Today's writer at every floor and at the default, each into a fresh repository; then each floor's own
+    tree reads its floor's repository, the default one, and a copy of that whose marker says 1.0 (one
+    process per tree), and today's reader reads them all."""
+    scratch = tmp_path_factory.mktemp("matrix")
+    key = scratch / "signing.pem"
+    ckptfmt.generate_key(key)
+    saved = {version: (scratch / f"floor-{version}", save_floor(version, scratch / f"floor-{version}", key))
+             for version in VERSIONS}
+    default = (scratch / "default", save_floor(None, scratch / "default", key))
+    past_marker = (with_marker_of(default[0], scratch / "marker-1.0", (1, 0)), default[1])
+
+    def one(version: str) -> list[dict]:
+        return read_in_tree(version, [saved[version], default, past_marker])
+
+    with ThreadPoolExecutor(PARALLEL) as pool:
+        old = dict(zip(VERSIONS, pool.map(one, VERSIONS)))
+    today = read_today([*saved.values(), default])
+    return {"saved": saved, "default": default, "past_marker": past_marker, "old": old,
+            "today": dict(zip([*VERSIONS, None], today))}
+
+
+@pytest.mark.exhaustive
+@pytest.mark.parametrize("version", list(VERSIONS))
+def test_the_floors_own_tree_reads_what_today_writes_for_it_bit_for_bit(measured, version):
+    repo, saved = measured["saved"][version]
+    assert {tuple(written["format_version"]) for written in saved.values()} == {numbers(version)}
+    found = measured["old"][version][0]
+    assert mismatches(found, saved) == []
+    signed = [name for name, written in saved.items() if written["signed_by"]]
+    assert signed == (["values"] if numbers(version) >= (1, 7) else [])
+    assert all("verify" in found["checkpoints"][name] for name in signed)  # checked with the key, by the tree
+
+
+@pytest.mark.exhaustive
+@pytest.mark.parametrize("version", list(VERSIONS))
+def test_every_old_tree_refuses_a_default_repository_at_its_marker_as_newer(measured, version):
+    """Listing, verify and every checkpoint's load: an UnsupportedVersionError that names format 2.0 and
+    says to upgrade, raised by the repository marker before any checkpoint is parsed, never a damage error."""
+    repo, saved = measured["default"]
+    found = measured["old"][version][1]
+    expected = {"error": refusal(version, f"{repo}/ckptfmt.json")}
+    assert found["commits"] == expected
+    assert found["verify"] == expected
+    assert {name: got.get("error") for name, got in found["checkpoints"].items()} == {
+        name: expected["error"] for name in saved}
+    assert [got["verify"] for got in found["checkpoints"].values() if "verify" in got] == [
+        expected for _ in signed_and_checked(version, saved)]
+
+
+@pytest.mark.exhaustive
+@pytest.mark.parametrize("version", list(VERSIONS))
+def test_past_the_marker_every_old_tree_refuses_each_checkpoint_at_its_commit_record(measured, version):
+    """Were the marker to say 1.0 (it never does once a 2.0 checkpoint is committed), each load is still
+    refused as newer, at the commit record, and verify reports that refusal, not damage."""
+    repo, saved = measured["past_marker"]
+    found = measured["old"][version][2]
+    refused = {name: refusal(version, f"{repo}/{name}/COMMIT: commit record") for name in saved}
+    assert {name: got.get("error") for name, got in found["checkpoints"].items()} == refused
+    assert found["verify"]["ok"]["problems"] == [f"bad-checkpoint: {refused[name][1]}" for name in sorted(saved)][:5]
+    assert [got["verify"]["ok"]["problems"] for got in found["checkpoints"].values() if "verify" in got] == [
+        [f"bad-checkpoint: {refused[name][1]}"] for name in signed_and_checked(version, saved)]
+
+
+@pytest.mark.exhaustive
+@pytest.mark.parametrize("version", list(VERSIONS))
+def test_todays_reader_reads_what_each_floor_wrote(measured, version):
+    assert mismatches(measured["today"][version], measured["saved"][version][1]) == []
+
+
+@pytest.mark.exhaustive
+def test_todays_reader_reads_the_default(measured):
+    repo, saved = measured["default"]
+    assert {tuple(written["format_version"]) for written in saved.values()} == {ckptfmt.FORMAT_VERSION}
+    assert mismatches(measured["today"][None], saved) == []
