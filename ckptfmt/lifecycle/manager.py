@@ -118,8 +118,10 @@ class CheckpointManager:
         if managed:
             raise TypeError(f"CheckpointManager sets {managed[0]!r} itself for each save; "
                             f"pass it to save() or to the manager's own arguments")
-        #: The options of every save, checked now rather than at the first save.
-        self.save_options = SaveOptions.from_keywords("CheckpointManager", save_options)
+        #: The options of every save, checked now rather than at the first save: with the first tier's
+        #: scope, which each save sets (a node-scoped tier needs format 1.10, ``format_version=``).
+        self.save_options = SaveOptions.from_keywords("CheckpointManager", save_options).replace(
+            scope=self.tiers[0].scope)
         #: The asynchronous saver, with its staging buffers (freed by ``close``).
         self.saver = AsyncSaver() if async_save else None
         self.group = distributed_group(process_group)

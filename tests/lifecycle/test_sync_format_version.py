@@ -12,8 +12,10 @@ that checkpoint is written; a repository V's readers read already is copied byte
 from __future__ import annotations
 
 import argparse
+import hashlib
 import io
 import json
+import subprocess
 import warnings
 
 import msgpack
@@ -32,7 +34,9 @@ from ckptfmt.lifecycle.replicate import replicate
 from ckptfmt.lifecycle.signing import generate_key
 from ckptfmt.repository.repository import Repository
 from ckptfmt.storage.factory import open_storage
-from tests.support.helpers import ANY_SIZE, assert_same
+from tests.corpus.generate import VERSIONS
+from tests.support.helpers import ANY_SIZE, assert_same, needs_tool
+from tests.support.old_trees import ROOT, run_in_tree
 
 NAMES = ["a", "b", "c"]
 
@@ -130,6 +134,48 @@ def assert_same_checkpoints(src: str, dst: str) -> None:
         assert_same(ckptfmt.load(f"{src}/{name}"), ckptfmt.load(f"{dst}/{name}"), name)
     report = ckptfmt.verify(dst)
     assert report.ok and sorted(report.checkpoints) == NAMES
+
+
+#: Run under the ckptfmt that introduced a version: loads every checkpoint of a repository, prints each tensor's
+#: sha256 and what verify says.
+OLD_READER = """
+import hashlib, json, sys
+import torch, ckptfmt
+url = sys.argv[1]
+tensors = {}
+for name in sys.argv[2:]:
+    for key, value in ckptfmt.load(f"{url}/{name}").items():
+        if isinstance(value, torch.Tensor):
+            data = value.contiguous().view(torch.uint8).numpy().tobytes()
+            tensors[f"{name}/{key}"] = hashlib.sha256(data).hexdigest()
+report = ckptfmt.verify(url)
+print(json.dumps({"tensors": tensors, "ok": report.ok, "problems": [str(p) for p in report.problems]}))
+"""
+SHALLOW = subprocess.run(["git", "rev-parse", "--is-shallow-repository"], cwd=ROOT, capture_output=True, text=True)
+
+
+def tensor_hashes(url: str) -> dict[str, str]:
+    hashes = {}
+    for name in NAMES:
+        for key, value in ckptfmt.load(f"{url}/{name}").items():
+            if isinstance(value, torch.Tensor):
+                data = value.contiguous().view(torch.uint8).numpy().tobytes()
+                hashes[f"{name}/{key}"] = hashlib.sha256(data).hexdigest()
+    return hashes
+
+
+@pytest.mark.slow
+@needs_tool(SHALLOW.stdout.strip() == "false", "needs the repository's history (not a shallow clone)")
+@pytest.mark.parametrize("version", ["1.0", "1.4", "1.6", "1.11"])
+def test_the_ckptfmt_of_that_version_reads_the_rewrite(version, source, tmp_path):
+    """The real reader of the version (the commit that introduced it) loads every tensor bit for bit and
+    verifies the destination."""
+    src, _ = source
+    dst = str(tmp_path / "dst")
+    replicate(src, dst, format_version=version)
+    found = run_in_tree(VERSIONS[version], OLD_READER, dst, *NAMES, timeout=300)
+    assert found["ok"] and not found["problems"]
+    assert found["tensors"] == tensor_hashes(src)
 
 
 @pytest.mark.parametrize("version", ["1.4", "1.6", "1.11"])
