@@ -15,7 +15,9 @@ import argparse
 import hashlib
 import io
 import json
+import os
 import subprocess
+import sys
 import warnings
 
 import msgpack
@@ -314,3 +316,33 @@ def test_a_newer_copy_at_the_destination_is_an_error(source, tmp_path):
         warnings.simplefilter("ignore", CheckpointWarning)
         with pytest.raises(CheckpointExistsError, match="newer than 1.6"):
             replicate(src, dst, format_version="1.6")
+
+
+def test_run_histories_are_written_for_the_version(tmp_path):
+    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    ckptfmt.save({"w": torch.arange(100.0)}, f"{src}/a", step=1)
+    ckptfmt.save({"w": torch.arange(100.0) + 1}, f"{src}/b", step=2)
+    Repository.open(src).remove("a")  # keeps a's run history (spec 4.5), an object of format 2.0
+    report = replicate(src, dst, format_version="1.11")
+    assert report.copied == ("b",) and report.histories_copied == 1
+    (entry,) = open_storage(dst).list("_history")
+    doc = msgpack.unpackb(stored(dst, f"_history/{entry}"), raw=False)
+    assert doc["version"] == [1, 11] and doc["name"] == "a" and "requires" not in doc
+    assert ckptfmt.verify(dst).ok
+    assert replicate(src, dst, format_version="1.11").histories_copied == 0  # the rewritten one counts
+
+
+def test_s3_destination(source, s3_bucket):
+    src, _ = source
+    dst = f"{s3_bucket}/dst"
+    report = replicate(src, dst, format_version="1.6")
+    assert report.rewritten == tuple(NAMES) and report.chunks_reencoded > 0
+    assert_written_for(dst, (1, 6))
+    assert_same_checkpoints(src, dst)
+
+
+def test_help_fits_80_columns():
+    result = subprocess.run([sys.executable, "-m", "ckptfmt.cli", "sync", "--help"], capture_output=True, text=True,
+                            env={**os.environ, "COLUMNS": "80"}, check=True)
+    assert "--format-version V" in result.stdout and "--sign KEY" in result.stdout
+    assert max(map(len, result.stdout.splitlines())) <= 80
