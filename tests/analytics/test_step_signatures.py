@@ -65,6 +65,50 @@ def test_digests_are_blake3_of_each_state_as_the_spec_says():
     assert digests["torch"] == blake3.blake3(torch.get_rng_state().numpy().tobytes()).digest(16)
 
 
+def test_tracked_generators_are_digested_over_the_state_bytes_the_spec_names():
+    """Spec 9.4, generator state bytes: a torch Generator's get_state(), a random.Random's 625 words, a numpy
+    MT19937's key words and position; another bit generator's state map as sorted text (ckptfmt's form)."""
+    made = {"sampler": torch.Generator().manual_seed(1), "random": random.Random(2),
+            "mt": np.random.Generator(np.random.MT19937(3)), "legacy": np.random.RandomState(4),
+            "pcg": np.random.default_rng(5)}
+    made["mt"].random(3)
+    digests = RngDigests(made).digests()
+
+    def mt_bytes(bit_generator) -> bytes:
+        state = bit_generator.state["state"]
+        return np.asarray(state["key"], "<u4").tobytes() + int(state["pos"]).to_bytes(4, "little", signed=True)
+
+    def sorted_text(value):
+        if isinstance(value, dict):
+            return sorted((str(k), sorted_text(v)) for k, v in value.items())
+        return value.tolist() if isinstance(value, np.ndarray) else value
+
+    expected = {"sampler": made["sampler"].get_state().numpy().tobytes(),
+                "random": np.array(made["random"].getstate()[1], dtype="<u4").tobytes(),
+                "mt": mt_bytes(made["mt"].bit_generator), "legacy": mt_bytes(made["legacy"]._bit_generator),
+                "pcg": repr(sorted_text(made["pcg"].bit_generator.state)).encode()}
+    assert {name: digests[name] for name in made} == {name: blake3.blake3(data).digest(16)
+                                                     for name, data in expected.items()}
+
+
+def test_a_batch_of_tensors_is_digested_as_the_spec_describes():
+    """Spec 9.4, batch_kind 2: depth first (a dict's values in order), each tensor's description (torch dtype
+    name or numpy's dtype.str, then the shape as "(32, 128)", "(8,)", "()") then its bytes; strings skipped;
+    the batch size is the first non-zero leading dimension."""
+    x, y = torch.arange(6, dtype=torch.float32).reshape(2, 3), np.arange(4, dtype="<i8")
+    scalar, empty = torch.tensor(5, dtype=torch.int64), torch.zeros(0, 2, dtype=torch.bfloat16)
+    timer = ckptfmt.StepTimer(system_interval=None)
+    records = signed_steps(timer, range(1), lambda step: timer.batch_tensors(
+        {"empty": empty, "x": x, "rest": [y, "a label", (scalar,)]}))
+    digest = blake3.blake3()
+    for text, data in (("bfloat16(0, 2)", b""), ("float32(2, 3)", x.numpy().tobytes()), ("<i8(4,)", y.tobytes()),
+                       ("int64()", scalar.numpy().tobytes())):
+        digest.update(text.encode())
+        digest.update(data)
+    assert (records.batch_kind[0], records.batch_size[0]) == (2, 2)
+    assert records.batch[0].tobytes() == digest.digest(16)
+
+
 def test_a_data_loaders_generator_is_tracked_by_name():
     generator = torch.Generator().manual_seed(5)
     timer = ckptfmt.StepTimer(system_interval=None, generators={"sampler": generator})
