@@ -33,6 +33,7 @@ from ckptfmt.format.chunk_table import stored_key
 from ckptfmt.format.manifest import Manifest
 from ckptfmt.format.shards import chunk_rows
 from ckptfmt.format.signatures import TrustedKeys, trusted_public_keys
+from ckptfmt.format.values import decode_tree
 from ckptfmt.loading.chunkio import ChunkReader
 from ckptfmt.repository.copies import copy_records
 from ckptfmt.repository.history import history_keys, read_history
@@ -141,7 +142,7 @@ def verify(url: str | os.PathLike, *, storage_options: dict | None = None,
                 raise  # no such checkpoint
             report.problems.append(Problem("bad-checkpoint", name, str(exc)))
             continue
-        report.problems += _signature_problems(repo, record, trusted)
+        report.problems += _signature_problems(repo, record, trusted) + _value_tree_problems(name, manifests[name])
     if ignored:
         _report_lost_commits(repo, ignored, manifests, report)
     if whole_repository:
@@ -173,6 +174,23 @@ def _signature_problems(repo: Repository, record: CommitRecord, trusted: dict[st
         if verdict.problem is not None and not (found and verdict.problem == "bad-signature"):
             found.append(Problem(verdict.problem, record.name, verdict.message))
     return found
+
+
+def _value_tree_problems(name: str, manifest: Manifest) -> list[Problem]:
+    """The state and the user metadata decode (spec 7) and every tensor reference is within the table:
+    what a load meets once every chunk has been read, found without reading one."""
+    tensors = len(manifest.tensors)
+
+    def in_table(index: int) -> None:
+        if not 0 <= index < tensors:
+            raise ManifestError(f"the state refers to tensor {index}, the table has {tensors}")
+
+    try:
+        decode_tree(manifest.state, in_table)
+        decode_tree(manifest.user)
+    except CheckpointError as exc:
+        return [Problem("bad-checkpoint", name, str(exc))]
+    return []
 
 
 def _history_problems(repo: Repository) -> tuple[int, list[Problem]]:

@@ -145,6 +145,8 @@ class SpecReader:
         assert blake3_hex(data) == commit["manifest"]
         self.manifest = unpack(data)
         assert self.manifest["format"] == "ckptfmt-manifest" and _readable(self.manifest)
+        if self.manifest["version"][0] >= 2:
+            assert features_used(self.manifest) <= set(self.manifest["requires"]), "a feature used, not declared"
         assert self.manifest["name"] == name
         self.chunks = chunk_rows(self.manifest["chunks"])
         self.tensors = tensor_rows(self.manifest["tensors"])
@@ -196,7 +198,10 @@ class SpecReader:
         numel = math.prod(shape)
         out = bytearray(numel * width)
         covered = 0
-        for shard in shard_maps(entry["shards"], shape, width):
+        shards = shard_maps(entry["shards"], shape, width)
+        if isinstance(entry["shards"], list):
+            _check_no_overlap([s for s in shards if math.prod(s["shape"])])
+        for shard in shards:
             offsets, box = shard["offsets"], shard["shape"]
             assert len(offsets) == len(box) == len(shape)
             assert all(o + n <= d for o, n, d in zip(offsets, box, shape))
@@ -210,6 +215,63 @@ class SpecReader:
             _place(out, shape, width, offsets, box, data)
         assert covered == numel
         return entry, bytes(out)
+
+    def value_tree(self):
+        """The manifest's ``state`` decoded as msgpack, extensions left as they are (their JSON image is
+        ``{"$ext", "$data"}``), once every tensor reference in it, however nested, is checked (FORMAT.md 7.2)."""
+        tree = msgpack.unpackb(self.manifest["state"], raw=False, strict_map_key=False)
+        _check_references(tree, len(self.tensors))
+        return tree
+
+
+def _check_references(value, tensors: int) -> None:
+    """FORMAT.md 7.2: extension 1 holds an index below the table's length; 2, 4, 5, 6 and 13 hold trees."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, msgpack.ExtType):
+            if item.code == 1:
+                index = unpack(item.data)
+                assert type(index) is int and 0 <= index < tensors, f"tensor reference {index} out of range"
+            elif item.code in (2, 4, 5, 6, 13):
+                stack.append(msgpack.unpackb(item.data, raw=False, strict_map_key=False))
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+        elif isinstance(item, dict):
+            stack.extend(item)
+            stack.extend(item.values())
+
+
+def _check_no_overlap(shards: list[dict]) -> None:
+    """FORMAT.md 6.5: no two shards of non-zero volume of a list of shards overlap."""
+    for a, b in itertools.combinations(shards, 2):
+        assert not all(oa < ob + nb and ob < oa + na for oa, na, ob, nb in
+                       zip(a["offsets"], a["shape"], b["offsets"], b["shape"])), "shards overlap"
+
+
+def features_used(manifest: dict) -> set[str]:
+    """FORMAT.md 13.2: the features a manifest's table forms and codecs use (those this reader can see)."""
+    used = set()
+    tensors, chunks = manifest["tensors"], manifest["chunks"]
+    if isinstance(tensors, dict):
+        used.add("tensor-columns")
+        if "grids" in tensors:
+            used |= {"grid-columns", "shard-grids"}
+        rows = [row for row in tensors.get("rows", []) if row is not None]
+    else:
+        rows = tensors
+    if any(isinstance(row.get("shards"), dict) for row in rows):
+        used.add("shard-grids")
+    if isinstance(chunks, dict):
+        used.add("chunk-columns")
+        codecs = set(chunks["codecs"])
+    else:
+        codecs = {row["codec"] for row in chunks}
+    if any(is_delta(codec) for codec in codecs):
+        used.add("delta-codecs")
+    if any(codec.startswith("float") for codec in codecs):
+        used.add("float-codecs")
+    return used
 
 
 def xor(data: bytes, base: bytes) -> bytes:
@@ -461,4 +523,11 @@ def write_by_spec(repo: Path, name: str) -> dict:
 
 
 def unpack(data: bytes):
-    return msgpack.unpackb(data, raw=False, strict_map_key=False)
+    """msgpack data whose maps have unique keys (FORMAT.md 6.1)."""
+    return msgpack.unpackb(data, raw=False, strict_map_key=False, object_pairs_hook=_unique_map)
+
+
+def _unique_map(pairs: list) -> dict:
+    found = dict(pairs)
+    assert len(found) == len(pairs), "a map has a key twice"
+    return found
