@@ -51,7 +51,7 @@ MLDSA_CRYPTOGRAPHY = "48.0"
 #: The first line of every signed message: what it is, and the version of its layout.
 MESSAGE_HEADER = "ckptfmt-signature-v1"
 #: A signature object's size limit: 4 KiB for a 1.x object (Ed25519 only), 16 KiB for a format-2 object
-#: (a hybrid one is about 7.5 KiB). Readers read up to the larger and check the smaller by version.
+#: (a hybrid one is about 7.3 KiB). Readers read up to the larger and check the smaller by version.
 MAX_SIGNATURE_BYTES_1 = 4096
 MAX_SIGNATURE_BYTES = 16384
 _PREFIX, _SUFFIX = "signature-", ".json"
