@@ -419,7 +419,8 @@ def _load_pem(path: str | os.PathLike, *, private: bool) -> tuple:
     except (ValueError, TypeError) as exc:
         raise SignatureError(f"{where}: not a PEM {kind} key ({exc})") from None
     except UnsupportedAlgorithm as exc:  # a kind of key this cryptography cannot load (ML-DSA before 48.0)
-        raise SignatureError(f"{where}: a {kind} key this cryptography cannot load ({exc})") from None
+        raise SignatureError(f"{where}: a {kind} key this cryptography cannot load ({exc}; ML-DSA keys need "
+                             f"cryptography>={MLDSA_CRYPTOGRAPHY})") from None
 
 
 def _who() -> str:

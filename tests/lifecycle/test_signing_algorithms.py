@@ -9,6 +9,7 @@ import base64
 import hashlib
 import json
 import os
+import sys
 from pathlib import Path
 
 import jsonschema
@@ -291,3 +292,22 @@ def test_object_size_limits_by_version(tmp_path, keys):
     with pytest.raises(ManifestError, match="over a 1.x object's 4096"):
         Signature.from_bytes(padded, "a")
     assert Signature.from_bytes(json.dumps({**json.loads(padded), "version": [2, 0], "requires": []}).encode(), "a")
+
+
+def test_a_cryptography_without_ml_dsa_says_which_release_it_needs(tmp_path, keys, monkeypatch):
+    """cryptography before 48.0 has no ``mldsa`` module (its import fails): ML-DSA keys are refused naming
+    the release that brought it, and Ed25519 works as before."""
+    repo = tmp_path / "repo"
+    ckptfmt.save(state(1), repo / "a", step=1, signer=keys["ml-dsa-65"][0])
+    raw = SigningKey.load(keys["ml-dsa-65"][0]).public_key
+    from cryptography.hazmat.primitives import asymmetric
+
+    monkeypatch.delattr(asymmetric, "mldsa")
+    monkeypatch.setitem(sys.modules, "cryptography.hazmat.primitives.asymmetric.mldsa", None)
+    with pytest.raises(SignatureError, match=r"ML-DSA needs cryptography>=48\.0 built with ML-DSA \(this is "
+                                             r"cryptography [\d.]+\)"):
+        generate_key(tmp_path / "new", algorithm="ml-dsa-65")
+    with pytest.raises(SignatureError, match=r"ML-DSA needs cryptography>=48\.0"):
+        ckptfmt.load(repo / "a", trusted_keys=raw)
+    ckptfmt.save(state(2), repo / "b", step=2, signer=keys["ed25519"][0])
+    assert ckptfmt.load(repo / "b", trusted_keys=keys["ed25519"][1])["step"] == 2
