@@ -20,7 +20,7 @@ chunks stored with codecs it lacks stored again with codecs it has, the others
 copied or shared), which gives it a new manifest and commit record. The source's
 signatures do not sign that record: they are dropped and counted, or ``signer=``
 signs it. A checkpoint using what the version cannot express is refused, named,
-before anything of it is written.
+before anything is written.
 
 The destination's chunks are listed once per call (a paginated listing on
 object stores rather than a request per chunk), under a save lease held until
@@ -54,7 +54,7 @@ from ckptfmt.format.chunk_table import delta_depth, stored_key
 from ckptfmt.format.features import version_text
 from ckptfmt.format.hashing import check_chunk, chunk_hash
 from ckptfmt.format.limits import check_name
-from ckptfmt.format.manifest import OPTIONAL_FIELDS, Chunk, Manifest
+from ckptfmt.format.manifest import OPTIONAL_FIELDS, Chunk, Manifest, optional_fields_except
 from ckptfmt.format.signatures import SigningKey
 from ckptfmt.lifecycle import rewrite
 from ckptfmt.loading.chunkio import ChunkReader
@@ -143,6 +143,12 @@ def replicate(src: str | os.PathLike | Repository, dst: str | os.PathLike | Repo
         signer = SigningKey.load(signer)
     started = time.perf_counter()
     source = _repository(src, storage_options, create=False)
+    records = _records(source, name)
+    if version is not None:  # what the version cannot express is refused before anything is written
+        for record in records:
+            if record.version > version:
+                manifest = source.manifest(record.name, record, skip=optional_fields_except("placement"))
+                rewrite.refuse_inexpressible(manifest, version, source.storage.describe(record.name))
     target = _repository(dst, dst_storage_options, create=True, format_version=version or source.format_version)
     if version is not None and target.format_version > version:
         warnings.warn(f"{target.url}: the repository's marker declares format {version_text(target.format_version)}"
@@ -153,7 +159,7 @@ def replicate(src: str | os.PathLike | Repository, dst: str | os.PathLike | Repo
     present: list[str] = []
     missing: list[CommitRecord] = []
     copier = _Copier(source, target, workers, verify, callback or NoOpCallback(), yield_to, version, signer)
-    for record in _records(source, name):
+    for record in records:
         if copier.on_target(record):
             present.append(record.name)
         else:

@@ -272,9 +272,9 @@ def test_what_the_version_cannot_express_is_refused(tmp_path):
     code, out, err = sync_cli(src, dst, "--format-version", "1.0")
     assert code == 2 and len(err.strip().splitlines()) == 1
     assert "b" in err and "per-rank-values" in err and "1.1" in err and "1.0 cannot express it" in err
-    repo = Repository.open(dst)
-    assert repo.names() == ["a"]  # the one before it is there, nothing of 'b'
-    assert not open_storage(dst).list("b")
+    assert not open_storage(dst).exists(layout.MARKER_KEY)  # refused before anything was written
+    code, _, err = sync_cli(src, dst, "--format-version", "1.0", "--name", "a")
+    assert code == 0 and Repository.open(dst).names() == ["a"]  # what the version expresses goes
     with pytest.raises(UnsupportedVersionError, match="per-rank-values"):
         replicate(src, str(tmp_path / "other"), format_version="1.0")
     # From 1.1 it is expressible.
