@@ -47,10 +47,15 @@ def _format_version(value: str) -> str:
 def sync_command(args, console: Console) -> int:
     """Replicate ``args.src`` to ``args.dst``; print a one-line summary, or JSON with ``args.json``."""
     from ckptfmt.cli.render import ByteProgress  # imported when it runs: CLI startup
+    from ckptfmt.format.features import parse_version, version_text
     from ckptfmt.lifecycle.replicate import replicate
+    from ckptfmt.saving.options import SIGNATURES_FROM
 
     if args.sign is not None and args.format_version is None:
         raise UnsupportedValueError("--sign signs the checkpoints rewritten for --format-version; give that too")
+    if args.sign is not None and parse_version(args.format_version) < SIGNATURES_FROM:
+        raise UnsupportedValueError(f"--sign needs format {version_text(SIGNATURES_FROM)} (signatures, spec 10.3); "
+                                    f"format {args.format_version} cannot express it")
     with ByteProgress("copying", quiet=args.json) as progress:
         try:
             report = replicate(args.src, args.dst, args.name, verify=args.verify, callback=progress,

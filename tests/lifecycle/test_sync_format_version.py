@@ -285,7 +285,7 @@ def test_bad_options_are_one_line_errors(source, tmp_path):
     src, key = source
     dst = str(tmp_path / "dst")
     code, _, err = sync_cli(src, dst, "--format-version", "1.6", "--sign", key)
-    assert code == 2 and len(err.strip().splitlines()) == 1 and "needs format 1.7" in err
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "--sign needs format 1.7" in err
     code, _, err = sync_cli(src, dst, "--sign", key)
     assert code == 2 and len(err.strip().splitlines()) == 1 and "--format-version" in err
     with pytest.raises(SystemExit):
