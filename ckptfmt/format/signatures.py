@@ -277,7 +277,8 @@ class SigningKey:
         self._parts = tuple(private_key) if isinstance(private_key, tuple) else (private_key,)
         self.algorithm = "+".join(_private_part(key) for key in self._parts)
         if self.algorithm not in ALGORITHMS:
-            raise TypeError(f"a signing key is one of {', '.join(ALGORITHMS)}, not {self.algorithm}")
+            kinds = " and ".join(type(key).__name__ for key in self._parts)
+            raise TypeError(f"a signing key is one of {', '.join(ALGORITHMS)}, not {kinds}")
         self.public_key = b"".join(key.public_key().public_bytes_raw() for key in self._parts)
         self.key_id = key_id(self.public_key)
         self.signer = signer if signer is not None else _who()
@@ -304,7 +305,7 @@ class SigningKey:
                                      f"blocks in this order)") from None
         try:
             return cls(key)
-        except (TypeError, AttributeError):
+        except TypeError:
             raise TypeError(f"signer must be a key file, a private key of {', '.join(ALGORITHMS)} or a "
                             f"SigningKey, not {type(key).__name__}") from None
 
