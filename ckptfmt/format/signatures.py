@@ -109,7 +109,7 @@ def check_writable(algorithm: str, record: CommitRecord) -> None:
     """SignatureError unless ``record``'s format version can express an ``algorithm`` signature."""
     for feature in signature_features(algorithm):
         try:
-            refuse_unless_writable(feature, record.version, f"a {algorithm} signature")
+            refuse_unless_writable(feature, record.version, f"an {algorithm} signature")
         except ValueError as exc:
             raise SignatureError(f"{record.name}: {exc}; sign it with an Ed25519 key") from None
 

@@ -241,7 +241,7 @@ def test_a_format_1_save_refuses_an_ml_dsa_signer_and_signing_refuses_it_too(tmp
     ckptfmt.save(state(1), repo / "a", step=1, format_version="1.9")
     assert main(["sign", str(repo), "--key", str(keys["ml-dsa-65"][0])]) == 2
     err = capsys.readouterr().err
-    assert "a: a ml-dsa-65 signature needs format 2.0" in err and "format 1.9 cannot express it" in err
+    assert "a: an ml-dsa-65 signature needs format 2.0" in err and "format 1.9 cannot express it" in err
     assert not list((repo / "a").glob("signature-*.json"))
     # Ed25519 signs it, as an object of the checkpoint's own version, which a 1.9 reader reads.
     assert main(["sign", str(repo), "--key", str(keys["ed25519"][0])]) == 0
