@@ -3,7 +3,8 @@
 ckptfmt of the commit that introduced 1.N (tests/support/old_trees.py) lists, verifies and loads every
 checkpoint and finds every tensor and plain value bit for bit as saved. A checkpoint and repository of the
 default format 2.0 are refused by every 1.x tree as "upgrade" (an UnsupportedVersionError naming 2.0), never
-misread as damage. Exhaustive: 16 old trees, one process each (about a minute on 2 cores).
+misread as damage. Exhaustive: 16 old trees, one process each, and 5 collective saves on 2 ranks (about
+90 seconds on 2 idle cores, under 3 minutes on busy ones).
 
 The helpers here are shared with tests/support/compat_matrix.py, which prints the compatibility table of
 docs/compatibility.md.
@@ -32,6 +33,9 @@ from tests.corpus import writer
 
 #: Old trees read at once (the machine's cores).
 PARALLEL = 2
+#: The floors that also get collective saves (2 ranks): the first with per-rank values, the last and the
+#: first with shard grids, the first with node scope, the last with grids as rows.
+COLLECTIVE = ("1.1", "1.5", "1.6", "1.10", "1.13")
 #: The folder of typed_json.py, which the reader program imports (it imports no ckptfmt).
 CORPUS = Path(typed_json.__file__).resolve().parent
 
@@ -70,7 +74,52 @@ def save_floor(version: str | None, repo: Path, key: Path | None) -> dict:
         save("float-delta", writer.codec_state(True, 5), 5, "auto", **no_rng)
     else:  # "auto" picks within the version: deltas from 1.5, no float codec
         save("auto", writer.codec_state(True, 6), 6, "auto", **no_rng)
+    # Tensors over several chunks (64 KiB each), stored against the parent's chunks of another size.
+    save("chunked", writer.codec_state(False, 7), 7, "auto", chunk_size=65536, **no_rng)
     return out
+
+
+#: One rank of a collective save by today's ckptfmt (argv: tests/corpus, version, repo, file store, rank,
+#: world): the corpus writer's collective state (a replicated tensor, DTensors sharded by rows and by
+#: columns: a shard grid from 1.6, a per-rank value), and from 1.10 the same with scope="node". Rank 0
+#: prints what was saved.
+RANK = r"""
+import json, os, sys
+from datetime import timedelta
+sys.path.insert(0, sys.argv[1])
+import torch.distributed as dist
+import ckptfmt
+import writer
+
+version, repo, store, rank, world = sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]), int(sys.argv[6])
+dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                        timeout=timedelta(seconds=60))
+state, loaded = writer.collective_state(rank)
+out = {}
+for name, step, options in (("collective", 8, {}), ("node", 9, {"scope": "node"})):
+    if name == "node" and tuple(map(int, version.split("."))) < writer.SINCE["node_scope"]:
+        continue
+    url = ckptfmt.save(state, f"{repo}/{name}", step=step, metadata=writer.METADATA, timeout=60, rng=[],
+                       format_version=version, **options)
+    if rank == 0:
+        out[name] = {**writer.describe(url, loaded), "trusted": None}
+sys.stdout.write(json.dumps(out))
+sys.stdout.flush()
+os._exit(0)
+"""
+
+
+def save_collective(version: str, repo: Path, store: Path) -> dict:
+    """Today's ckptfmt saves the collective checkpoints for ``version`` on writer.WORLD gloo ranks, each a
+    process of its own; returns what rank 0 says was saved."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-c", RANK, str(CORPUS), version, str(repo), str(store)]
+    ranks = [subprocess.Popen([*command, str(rank), str(writer.WORLD)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for rank in range(writer.WORLD)]
+    outputs = [rank.communicate(timeout=300) for rank in ranks]
+    for rank, (_, stderr) in zip(ranks, outputs):
+        assert rank.returncode == 0, stderr[-4000:]
+    return json.loads(outputs[0][0])
 
 
 def corpus_written(version: str) -> dict:
@@ -261,6 +310,9 @@ def measured(tmp_path_factory) -> dict:
     ckptfmt.generate_key(key)
     saved = {version: (scratch / f"floor-{version}", save_floor(version, scratch / f"floor-{version}", key))
              for version in VERSIONS}
+    for version in COLLECTIVE:
+        repo, written = saved[version]
+        written.update(save_collective(version, repo, scratch / f"store-{version}"))
     default = (scratch / "default", save_floor(None, scratch / "default", key))
     past_marker = (with_marker_of(default[0], scratch / "marker-1.0", (1, 0)), default[1])
 
@@ -281,6 +333,7 @@ def test_the_floors_own_tree_reads_what_today_writes_for_it_bit_for_bit(measured
     assert {tuple(written["format_version"]) for written in saved.values()} == {numbers(version)}
     found = measured["old"][version][0]
     assert mismatches(found, saved) == []
+    assert ("collective" in saved, "node" in saved) == (version in COLLECTIVE, version in COLLECTIVE[3:])
     signed = [name for name, written in saved.items() if written["signed_by"]]
     assert signed == (["values"] if numbers(version) >= (1, 7) else [])
     assert all("verify" in found["checkpoints"][name] for name in signed)  # checked with the key, by the tree
