@@ -25,7 +25,8 @@ import ckptfmt
 from ckptfmt.cli import advise, health, lifecycle, signing, sync
 from ckptfmt.cli.shared import SHOW_LIMIT
 from ckptfmt.errors import CheckpointError, CheckpointWarning
-from ckptfmt.format.version import FORMAT_VERSION
+from ckptfmt.format.features import version_text
+from ckptfmt.format.version import FORMAT_VERSION, OLDEST_READ
 from ckptfmt.tools.output import Output
 
 #: The entry point group of commands that live outside the core.
@@ -61,7 +62,8 @@ def build_parser(*, plugins: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--stats", action="store_true",
                    help="also recompute each tensor's recorded statistics from its bytes")
     p.add_argument("--trusted-key", dest="trusted_keys", action="append", metavar="KEY.pub",
-                   help="an Ed25519 public key; a checkpoint no trusted key signed is a problem (repeatable)")
+                   help="a public key (any algorithm of ckptfmt keygen); a checkpoint no trusted key signed is a "
+                        "problem (repeatable)")
     p.set_defaults(run=command("checking", "verify"))
 
     p = sub.add_parser("diff", help="compare two checkpoints")
@@ -165,10 +167,12 @@ def command(module: str, function: str):
 
 
 class _Version(argparse.Action):
-    """``--version``: the package's version, read from its metadata only when asked for."""
+    """``--version``: the package's version (read from its metadata only when asked for) and the format
+    versions it reads and writes: the two halves of what a release promises (CHANGELOG.md)."""
 
     def __call__(self, parser, namespace, values, option_string=None):
-        print(f"ckptfmt {ckptfmt.__version__} (writes format {'.'.join(map(str, FORMAT_VERSION))})")  # noqa: T201
+        writes = version_text(FORMAT_VERSION)
+        print(f"ckptfmt {ckptfmt.__version__}, reads format {version_text(OLDEST_READ)}-{writes}, writes {writes}")  # noqa: T201
         parser.exit()
 
 

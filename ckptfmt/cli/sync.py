@@ -28,7 +28,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="write for readers of format V (e.g. 1.6): checkpoints they cannot read are re-encoded "
                         "(new manifests; their signatures are dropped)")
     p.add_argument("--sign", metavar="KEY",
-                   help="sign the checkpoints rewritten for --format-version with this Ed25519 private key")
+                   help="sign the checkpoints rewritten for --format-version with this private key")
     p.set_defaults(run=sync_command)
 
 

@@ -110,8 +110,8 @@ def save(
     made by one rank (``ckptfmt.distributed.steps.gather_steps``; frameworks
     that write from rank 0 only), stored as each rank's.
 
-    ``signer``: an Ed25519 private key (a PEM file: ``ckptfmt keygen``, a
-    ``cryptography`` key, a ``ckptfmt.SigningKey``) that signs the checkpoint
+    ``signer``: a private key, Ed25519, ML-DSA-65 or the hybrid of both (a PEM
+    file: ``ckptfmt keygen``, a ``cryptography`` key, a ``ckptfmt.SigningKey``) that signs the checkpoint
     (spec 10.3) before it is committed: readers given its public key
     (``trusted_keys=``, ``verify --trusted-key``) then refuse any checkpoint it
     did not sign. The key never enters the repository. In a collective save
