@@ -346,3 +346,25 @@ def test_help_fits_80_columns():
                             env={**os.environ, "COLUMNS": "80"}, check=True)
     assert "--format-version V" in result.stdout and "--sign KEY" in result.stdout
     assert max(map(len, result.stdout.splitlines())) <= 80
+
+
+def test_chunks_stored_again_earlier_are_checked_and_shared(source, tmp_path):
+    """A later sync finds the chunks an earlier one stored again (the float bases of 'a' that the deltas
+    of 'b' and 'c' name): intact ones are used as they are, a damaged one is written again."""
+    src, _ = source
+    dst = str(tmp_path / "dst")
+    first = replicate(src, dst, name="a", format_version="1.4")
+    assert first.chunks_reencoded > 0
+    reencoded = sorted(used_keys(dst) - used_keys(src))
+    with open(f"{dst}/{reencoded[0]}", "r+b") as file:  # a flipped byte: it no longer decodes to its hash
+        file.seek(-1, 2)
+        last = file.read(1)
+        file.seek(-1, 2)
+        file.write(bytes([last[0] ^ 1]))
+    Repository.open(dst).remove("a")
+    report = replicate(src, dst, format_version="1.4")
+    assert report.copied == tuple(NAMES) and report.chunks_skipped > 0
+    # Stored again now: the damaged one and those of 'b' and 'c' alone, not the others of the first run.
+    assert report.chunks_reencoded == len(used_keys(dst) - used_keys(src)) - len(reencoded) + 1
+    assert chunk_files(dst) == used_keys(dst)
+    assert_same_checkpoints(src, dst)
