@@ -51,11 +51,11 @@ from ckptfmt.errors import (
 )
 from ckptfmt.format import codecs, layout
 from ckptfmt.format.chunk_table import delta_depth, stored_key
-from ckptfmt.format.features import version_text
+from ckptfmt.format.features import refuse_unless_writable, version_text
 from ckptfmt.format.hashing import check_chunk, chunk_hash
 from ckptfmt.format.limits import check_name
 from ckptfmt.format.manifest import OPTIONAL_FIELDS, Chunk, Manifest, optional_fields_except
-from ckptfmt.format.signatures import SigningKey
+from ckptfmt.format.signatures import SigningKey, signature_features
 from ckptfmt.lifecycle import rewrite
 from ckptfmt.loading.chunkio import ChunkReader
 from ckptfmt.repository.chunk_reads import read_chunk
@@ -141,6 +141,8 @@ def replicate(src: str | os.PathLike | Repository, dst: str | os.PathLike | Repo
             raise ValueError(f"signer= needs format {version_text(SIGNATURES_FROM)} (signatures, spec 10.3); "
                              f"format {version_text(version)} cannot express it")
         signer = SigningKey.load(signer)
+        for feature in signature_features(signer.algorithm):  # ML-DSA keys: format 2.0
+            refuse_unless_writable(feature, version, f"signer= (an {signer.algorithm} key)")
     started = time.perf_counter()
     source = _repository(src, storage_options, create=False)
     records = _records(source, name)

@@ -368,3 +368,14 @@ def test_chunks_stored_again_earlier_are_checked_and_shared(source, tmp_path):
     assert report.chunks_reencoded == len(used_keys(dst) - used_keys(src)) - len(reencoded) + 1
     assert chunk_files(dst) == used_keys(dst)
     assert_same_checkpoints(src, dst)
+
+
+def test_an_ml_dsa_key_is_refused_below_2_0(source, tmp_path):
+    src, _ = source
+    key, _, _ = generate_key(tmp_path / "pq", algorithm="ml-dsa-65")
+    dst = str(tmp_path / "dst")
+    with pytest.raises(ValueError, match="needs format 2.0"):
+        replicate(src, dst, format_version="1.11", signer=key)
+    code, _, err = sync_cli(src, dst, "--format-version", "1.11", "--sign", key)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "ml-dsa-65" in err
+    assert not open_storage(dst).exists(layout.MARKER_KEY)
