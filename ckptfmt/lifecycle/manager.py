@@ -127,7 +127,8 @@ class CheckpointManager:
         self.group = distributed_group(process_group)
         self.is_coordinator = self.group is None or torch.distributed.get_rank(self.group) == 0
         #: With a node-scoped first tier across ranks: each node's copies of the others' chunks.
-        self.peers = (PeerCopies(self.tiers[0], self.group, self.tiers[0].replicas, DEFAULT_TIMEOUT_S)
+        self.peers = (PeerCopies(self.tiers[0], self.group, self.tiers[0].replicas, DEFAULT_TIMEOUT_S,
+                                 self.save_options.format_version)
                       if self.tiers[0].scope == "node" and self.group is not None else None)
         #: Replication, retention and collection; the group's rank 0 has one, and with a node-scoped first
         #: tier each other node's lowest rank, for its own node's tier (retention and collection only).

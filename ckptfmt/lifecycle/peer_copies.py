@@ -36,6 +36,7 @@ from ckptfmt.format.commit_record import CommitRecord
 from ckptfmt.format.hashing import check_chunk
 from ckptfmt.format.manifest import Chunk, Manifest, optional_fields_except
 from ckptfmt.format.signatures import is_signature_entry
+from ckptfmt.format.version import FORMAT_VERSION
 from ckptfmt.groups.process_group import RankGroup, peer_group
 from ckptfmt.lifecycle.housekeeping import Tier
 from ckptfmt.lifecycle.replicate import commit_copy, copy_rows
@@ -69,8 +70,11 @@ class PeerCopies:
     """One rank's part in the peer copies of ``tier`` (node-scoped) over ``group``: made by every rank
     together; only the nodes' leaders copy."""
 
-    def __init__(self, tier: Tier, group, replicas: int, timeout_s: float):
+    def __init__(self, tier: Tier, group, replicas: int, timeout_s: float,
+                 format_version: tuple[int, int] = FORMAT_VERSION):
         self.tier = tier
+        #: The version a node tier this creates is written for (its saves' ``format_version=``).
+        self.format_version = format_version
         self.ranks = RankGroup(group, timeout_s, "finding each node's leader")
         self.host = socket.gethostname()
         hosts = self.ranks.broadcast(self.ranks.gather(self.host))
@@ -96,7 +100,8 @@ class PeerCopies:
         if self._broken is not None:
             return [f"peer copy of {name} skipped: {self._broken}"]
         try:
-            repo = Repository.open(self.tier.url, self.tier.storage_options, create=True)
+            repo = Repository.open(self.tier.url, self.tier.storage_options, create=True,
+                                   format_version=self.format_version)
             record = repo.commit(name)
             manifest: Manifest | None = repo.manifest(name, record, skip=_SKIPPED)
             digest: str | None = record.manifest_hash
@@ -179,8 +184,9 @@ class PeerCopies:
             return [self._broken]
 
     def _drain(self, names: list[str], target: Tier, yield_to: Callable[[], object] | None) -> list[str]:
-        repo = Repository.open(self.tier.url, self.tier.storage_options, create=True)
-        shared = Repository.open(target.url, target.storage_options, create=True)
+        repo = Repository.open(self.tier.url, self.tier.storage_options, create=True,
+                               format_version=self.format_version)
+        shared = Repository.open(target.url, target.storage_options, create=True, format_version=repo.format_version)
         failures: dict[str, str] = {}
         records, manifests = {}, {}
         with save_lease(shared) as lease:  # from before the first chunk to after rank 0's commit
@@ -255,7 +261,8 @@ class PeerCopies:
     def _agree_and_fill(self) -> tuple[int | None, list[str], str | None]:
         """On a leader: the step agreed, what was fetched, and what failed here (None: nothing)."""
         try:
-            repo = Repository.open(self.tier.url, self.tier.storage_options, create=True)
+            repo = Repository.open(self.tier.url, self.tier.storage_options, create=True,
+                                   format_version=self.format_version)
             inventory = _inventory(repo, self.host)
         except CheckpointError as exc:  # this node's tier is unreadable: it holds nothing, and says so
             repo, inventory = None, {}

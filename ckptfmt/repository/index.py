@@ -32,6 +32,7 @@ from ckptfmt.errors import (
     CheckpointWarning,
     ManifestError,
     StorageError,
+    UnsupportedVersionError,
     quoted,
 )
 from ckptfmt.format.commit_record import CommitRecord
@@ -130,12 +131,16 @@ def decode_pack(data: bytes, ref: PackRef, where: str) -> list[CommitRecord]:
         raise IndexDamagedError(f"{where}: {exc}") from None
     except (ValueError, TypeError, RecursionError) as exc:
         raise IndexDamagedError(f"{where}: not valid JSON ({exc})") from None
-    if not isinstance(doc, dict) or doc.get("format") != PACK_FORMAT or not isinstance(doc.get("records"), list):
+    if not isinstance(doc, dict) or doc.get("format") != PACK_FORMAT:
         raise IndexDamagedError(f"{where}: not a ckptfmt index pack")
     try:
         check_object(doc, where)
+        if not isinstance(doc.get("records"), list):
+            raise IndexDamagedError(f"{where}: the pack's records are not an array")
         records = [CommitRecord.from_dict(r, f"{where}: record {i}") for i, r in enumerate(doc["records"])]
-    except CheckpointError as exc:  # a malformed record, or a pack of another major version
+    except UnsupportedVersionError:
+        raise  # written by a newer ckptfmt: "upgrade", never damage to work around (spec 13.2)
+    except CheckpointError as exc:  # a malformed record
         raise IndexDamagedError(str(exc)) from None
     newest = max((r.created_ns for r in records), default=None)
     if len(records) != ref.count or newest != ref.newest_ns:

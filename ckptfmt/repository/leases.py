@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from ckptfmt._platform import process_gone, process_identity
 from ckptfmt.errors import CheckpointError, StorageError
-from ckptfmt.format.features import version_fields
+from ckptfmt.format.features import check_object, version_fields
 from ckptfmt.format.layout import LEASES_DIR
 from ckptfmt.format.maps import unique_map
 from ckptfmt.repository.repository import Repository
@@ -175,6 +175,7 @@ def _parse(data: bytes, key: str) -> LeaseRecord:
     doc = json.loads(data, object_pairs_hook=unique_map)
     if not isinstance(doc, dict) or doc.get("format") != LEASE_FORMAT or doc.get("kind") not in (SAVE, GC):
         raise ValueError("not a ckptfmt lease")
+    check_object(doc, key)  # a newer one is unreadable here: it counts as live (fail safe)
     expires = doc["expires_ns"]
     if type(expires) is not int:
         raise TypeError("expires_ns is not an integer")

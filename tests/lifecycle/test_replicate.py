@@ -28,8 +28,9 @@ from ckptfmt import CheckpointExistsError, CheckpointNotFoundError, CorruptDataE
 from ckptfmt.cli import _run
 from ckptfmt.cli.sync import register
 from ckptfmt.format import layout
+from ckptfmt.format.version import FORMAT_VERSION
 from ckptfmt.lifecycle.replicate import replicate
-from ckptfmt.repository.repository import Repository
+from ckptfmt.repository.repository import Repository, marker_bytes
 from ckptfmt.storage.base import Storage
 from ckptfmt.storage.factory import open_storage
 from tests.support.helpers import ANY_SIZE, assert_same, make_root
@@ -252,7 +253,7 @@ def test_damage_on_arrival_is_caught_and_removed(tmp_path, memory_root):
     real = open_storage(f"{memory_root}/dst")
     target = Repository(_LossyMemoryStorage(real.fs, real.root, real.url))
     target.storage.makedirs("")
-    target.storage.create(layout.MARKER_KEY, Repository._marker_bytes())
+    target.storage.create(layout.MARKER_KEY, marker_bytes(FORMAT_VERSION, frozenset()))
 
     with pytest.raises(CorruptDataError, match="the copy read back differs"):
         replicate(src, target, workers=1)
