@@ -67,8 +67,10 @@ _CHUNK_COLUMNS_FROM = (1, 13)
 _GRID_COLUMNS_FROM = (1, 14)
 #: Shard grids (1.6, spec 6.11): a tensor's shards as a map, lists of maps before.
 _GRIDS_FROM = (1, 6)
-#: Python generator states as one bin (1.13, spec 9.1), arrays of ints before.
-_RNG_WORDS_FROM = (1, 13)
+#: Python generator states as one bin (spec 9.1), arrays of ints before: written from 1.14 though 1.13 has
+#: the form, because the commit that brought format 1.13 (db32f5c) restores only the ints (the bin came
+#: with d9323e9, still 1.13), and every 1.13 reader restores the ints.
+_RNG_WORDS_FROM = (1, 14)
 
 
 @dataclass

@@ -1,19 +1,21 @@
 """Writing for older readers, measured against the readers themselves (spec 13.3): for every format version
 1.N, today's ckptfmt saves with ``format_version="1.N"`` a rich state limited to what 1.N expresses, and the
 ckptfmt of the commit that introduced 1.N (tests/support/old_trees.py) lists, verifies and loads every
-checkpoint and finds every tensor and plain value bit for bit as saved. A checkpoint and repository of the
-default format 2.0 are refused by every 1.x tree as "upgrade" (an UnsupportedVersionError naming 2.0), never
-misread as damage. Exhaustive: 16 old trees, one process each, and 5 collective saves on 2 ranks (about
-90 seconds on 2 idle cores, under 3 minutes on busy ones).
+checkpoint and finds every tensor and plain value bit for bit as saved, and its ``restore_rng`` puts the
+generators where the saving process had them (this found the floor 1.13 writing Python's generator state
+in a form that 1.13's own commit cannot restore: tests/format/test_floor_forms.py). A checkpoint and
+repository of the default format 2.0 are refused by every 1.x tree as "upgrade" (an
+UnsupportedVersionError naming 2.0), never misread as damage. Exhaustive: 16 old trees, one process
+each, and 5 collective saves on 2 ranks (about 90 seconds on 2 idle cores, under 3 minutes on busy ones).
 
 The helpers here are shared with tests/support/compat_matrix.py, which prints the compatibility table of
 docs/compatibility.md.
 """
-
 from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -21,7 +23,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
+import torch
 
 import ckptfmt
 from tests.corpus import typed_json
@@ -65,7 +69,10 @@ def save_floor(version: str | None, repo: Path, key: Path | None) -> dict:
 
     signed = {"signer": str(key)} if key and has["signatures"] else {}
     no_rng = {"rng": []} if has["rng_argument"] else {}
+    seed_generators(target[1])
     save("values", writer.values_state(target), 1, None, **signed)  # this process's RNG states: the RNG form
+    seed_generators(target[1])
+    out["values"]["rng"] = draws()  # what a restore of the values checkpoint's RNG states draws next
     save("shuffle", writer.codec_state(False, 2), 2, "shuffle-zstd", **no_rng)
     if has["delta_codecs"]:
         save("delta", writer.codec_state(True, 3), 3, "delta-zstd", **no_rng)
@@ -122,6 +129,19 @@ def save_collective(version: str, repo: Path, store: Path) -> dict:
     return json.loads(outputs[0][0])
 
 
+def seed_generators(seed: int) -> None:
+    """Put the Python, numpy and torch generators in a known state."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def draws() -> dict:
+    """The next value of each generator, exactly (float.hex)."""
+    return {"python": random.random().hex(), "numpy": float(np.random.random()).hex(),
+            "torch": torch.rand(1, dtype=torch.float64).item().hex()}
+
+
 def corpus_written(version: str) -> dict:
     """What the 1.N tree's own writer saved in tests/corpus/v1.N (its expected.json's checkpoints), with the
     corpus test key's public half as the trusted key of a signed one."""
@@ -134,16 +154,20 @@ def corpus_written(version: str) -> dict:
 # -- a reader: an old tree's or today's ---------------------------------------------------------------------------
 #: Run under a tree: argv[1] is typed_json's folder, argv[2] a JSON list of jobs {"repo", "names": {name:
 #: trusted public key or null}}. For each job it lists the repository's commits, verifies it (and each
-#: signed checkpoint with its key), loads and opens each named checkpoint, and prints, for each step, what it
+#: signed checkpoint with its key), loads and opens each named checkpoint, restores the RNG states of those
+#: in "rng" and draws from each generator, and prints, for each step, what it
 #: found or the exception (class and message): the reader's side of the comparison. API used: that of 1.0,
 #: plus ``trusted_keys`` for a signed checkpoint where the tree has it (1.7 on; before, no key is checked).
 READER = r"""
-import inspect, json, os, sys
+import inspect, json, os, random, sys
 sys.path.append(sys.argv[1])
+import numpy as np
+import torch
 import typed_json
 import ckptfmt
 
 SIGNATURES = "trusted_keys" in inspect.signature(ckptfmt.load).parameters
+RNG_TRUST = "trusted_keys" in inspect.signature(ckptfmt.restore_rng).parameters
 
 def attempt(step):
     try:
@@ -175,6 +199,11 @@ def read(url, **keys):
     return {"state": state, "tensors": tensors, "keys": listed, "codecs": codecs, "step": meta["step"],
             "format_version": meta["format_version"], "metadata": typed_json.encode(meta["user"])}
 
+def restored(url, **keys):
+    ckptfmt.restore_rng(url, rank=0, **(keys if RNG_TRUST else {}))
+    return {"python": random.random().hex(), "numpy": float(np.random.random()).hex(),
+            "torch": torch.rand(1, dtype=torch.float64).item().hex()}
+
 results = []
 for job in json.loads(sys.argv[2]):
     repo = job["repo"]
@@ -182,6 +211,8 @@ for job in json.loads(sys.argv[2]):
     for name, trusted in job["names"].items():
         keys = {"trusted_keys": [trusted]} if trusted and SIGNATURES else {}
         found["checkpoints"][name] = attempt(lambda: read(f"{repo}/{name}", **keys))
+        if name in job["rng"]:
+            found["checkpoints"][name]["rng"] = attempt(lambda: restored(f"{repo}/{name}", **keys))
         if keys:
             found["checkpoints"][name]["verify"] = attempt(lambda: verify(f"{repo}/{name}", **keys))
     results.append(found)
@@ -192,7 +223,8 @@ os._exit(0)  # no interpreter teardown (old trees' threads)
 
 
 def jobs_for(repos: list[tuple[Path, dict]]) -> str:
-    return json.dumps([{"repo": str(repo), "names": {name: written["trusted"] for name, written in saved.items()}}
+    return json.dumps([{"repo": str(repo), "names": {name: written["trusted"] for name, written in saved.items()},
+                        "rng": [name for name, written in saved.items() if "rng" in written]}
                        for repo, saved in repos])
 
 
@@ -244,6 +276,8 @@ def mismatches(found: dict, saved: dict) -> list[str]:
             wrong.append(f"{name}: tensors differ: {differ[:8]}")
         if read["keys"] != list(expected_tensors):
             wrong.append(f"{name}: keys listed differ")
+        if "rng" in written and got["rng"] != {"ok": written["rng"]}:
+            wrong.append(f"{name}: restored RNG states draw {got['rng']}, not {written['rng']}")
         if "verify" in got and got["verify"] != {"ok": {"ok": True, "checkpoints": [name], "problems": []}}:
             wrong.append(f"{name}: signed verify: {got['verify']}")
     return wrong
