@@ -96,17 +96,18 @@ class Repository:
 
     @classmethod
     def open(cls, url: str | os.PathLike, storage_options: dict | None = None, *, create: bool = False,
-             format_version: tuple[int, int] = FORMAT_VERSION) -> Repository:
+             format_version: tuple[int, int] = FORMAT_VERSION, features: frozenset[str] = frozenset()) -> Repository:
         """The repository at ``url``; with ``create``, make it (marker included) when missing, for readers of
-        ``format_version``."""
+        ``format_version``, declaring ``features`` (format 2: those its first checkpoint will require)."""
         repo = cls(open_storage(url, storage_options))
         if repo.storage.exists(layout.MARKER_KEY):
             repo.check_marker()
         elif create:
             repo.storage.makedirs("")
             try:
-                repo.storage.create(layout.MARKER_KEY, marker_bytes(format_version, frozenset()))
-                repo.index_version, repo.format_version = INDEX_VERSION, format_version
+                declared = features if format_version[0] >= 2 else frozenset()
+                repo.storage.create(layout.MARKER_KEY, marker_bytes(format_version, declared))
+                repo.index_version, repo.format_version, repo.features = INDEX_VERSION, format_version, declared
             except FileExistsError:  # another writer created it first
                 repo.check_marker()
         else:

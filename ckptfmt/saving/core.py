@@ -233,7 +233,8 @@ def open_for_save(repo_url: str, options: SaveOptions, *, max_hold_s: float | No
                   ) -> tuple[Repository, Lease]:
     """The repository (created if missing) and a save lease that keeps a garbage collector away
     (spec 11.6); the caller releases the lease."""
-    repo = Repository.open(repo_url, options.storage_options, create=True, format_version=options.format_version)
+    repo = Repository.open(repo_url, options.storage_options, create=True, format_version=options.format_version,
+                           features=options.marker_features)
     return repo, hold_save_lease(repo, max_hold_s=max_hold_s)
 
 

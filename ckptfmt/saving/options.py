@@ -178,6 +178,16 @@ class SaveOptions:
             refuse_unless_writable(feature, version, f"signer= (an {self.signer.algorithm} key)")  # ML-DSA: 2.0
 
     @property
+    def marker_features(self) -> frozenset[str]:
+        """The required features every manifest of this save uses (spec 13.2), which a repository it creates
+        declares at once: the tables in columns, RNG words where RNG states are taken, placement. A save
+        that needs more (grids, a codec) adds them before its commit (``Repository.declare``)."""
+        if self.format_version[0] < 2:
+            return frozenset()
+        return frozenset({"tensor-columns", "chunk-columns", *(["rng-words"] if self.rng is None else []),
+                          *(["node-placement"] if self.scope == "node" else [])})
+
+    @property
     def float_codecs(self) -> bool:
         """Whether the target format has the float codecs ("auto" uses them only then)."""
         return self.format_version >= first_version("float-codecs")

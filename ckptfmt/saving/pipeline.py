@@ -208,7 +208,8 @@ class NodeRepository:
             self.repo, self.lease = open_for_save(self.repo_url, self.options)
         else:
             self.repo = Repository.open(self.repo_url, self.options.storage_options, create=True,
-                                        format_version=self.options.format_version)
+                                        format_version=self.options.format_version,
+                                        features=self.options.marker_features)
         return self.repo
 
     def commit(self, outcome: dict, signer: Any) -> None:
