@@ -6,7 +6,7 @@ generators where the saving process had them (this found the floor 1.13 writing 
 in a form that 1.13's own commit cannot restore: tests/format/test_floor_forms.py). A checkpoint and
 repository of the default format 2.0 are refused by every 1.x tree as "upgrade" (an
 UnsupportedVersionError naming 2.0), never misread as damage. Exhaustive: 16 old trees, one process
-each, and 5 collective saves on 2 ranks (about 90 seconds on 2 idle cores, under 3 minutes on busy ones).
+each, and 6 collective saves on 2 ranks (about 90 seconds on 2 idle cores, under 3 minutes on busy ones).
 
 The helpers here are shared with tests/support/compat_matrix.py, which prints the compatibility table of
 docs/compatibility.md.
@@ -37,9 +37,10 @@ from tests.corpus import writer
 
 #: Old trees read at once (the machine's cores).
 PARALLEL = 2
-#: The floors that also get collective saves (2 ranks): the first with per-rank values, the last and the
-#: first with shard grids, the first with node scope, the last with grids as rows.
-COLLECTIVE = ("1.1", "1.5", "1.6", "1.10", "1.13")
+#: The floors that also get collective saves (2 ranks): the first with per-rank values, the first with
+#: replica divergence records, the last and the first with shard grids, the first with node scope, the
+#: last with grids as rows.
+COLLECTIVE = ("1.1", "1.4", "1.5", "1.6", "1.10", "1.13")
 #: The folder of typed_json.py, which the reader program imports (it imports no ckptfmt).
 CORPUS = Path(typed_json.__file__).resolve().parent
 
@@ -178,10 +179,13 @@ def attempt(step):
 def commits(repo):
     return [record.name for record in ckptfmt.Repository.open(repo).commits()]
 
+STATS = {"stats": True} if "stats" in inspect.signature(ckptfmt.verify).parameters else {}
+
 def verify(url, **keys):
-    report = ckptfmt.verify(url, **keys)
+    report = ckptfmt.verify(url, **STATS, **keys)
     return {"ok": report.ok, "checkpoints": sorted(report.checkpoints),
-            "problems": [f"{p.kind}: {p.message}" for p in report.problems][:5]}
+            "problems": [f"{p.kind}: {p.message}" for p in report.problems][:5],
+            "warnings": list(getattr(report, "warnings", []))[:5]}
 
 def read(url, **keys):
     found = {}
@@ -367,7 +371,12 @@ def test_the_floors_own_tree_reads_what_today_writes_for_it_bit_for_bit(measured
     assert {tuple(written["format_version"]) for written in saved.values()} == {numbers(version)}
     found = measured["old"][version][0]
     assert mismatches(found, saved) == []
-    assert ("collective" in saved, "node" in saved) == (version in COLLECTIVE, version in COLLECTIVE[3:])
+    # The 1.1 and 1.2 trees (before the commit index and leases of 1.3) note the folders they skip.
+    skipped = ["ignored 2 entries that are not committed checkpoints (foreign files, invalid names or unfinished "
+               "saves): _index, _leases"] if version in ("1.1", "1.2") else []
+    assert found["verify"]["ok"]["warnings"] == skipped
+    assert ("collective" in saved, "node" in saved) == (version in COLLECTIVE,
+                                                        version in COLLECTIVE and numbers(version) >= (1, 10))
     signed = [name for name, written in saved.items() if written["signed_by"]]
     assert signed == (["values"] if numbers(version) >= (1, 7) else [])
     assert all("verify" in found["checkpoints"][name] for name in signed)  # checked with the key, by the tree
@@ -414,3 +423,17 @@ def test_todays_reader_reads_the_default(measured):
     repo, saved = measured["default"]
     assert {tuple(written["format_version"]) for written in saved.values()} == {ckptfmt.FORMAT_VERSION}
     assert mismatches(measured["today"][None], saved) == []
+
+
+@pytest.mark.exhaustive
+@pytest.mark.xfail(strict=True, reason="a repository that today's ckptfmt creates for format 1.1 or 1.2 keeps a "
+                   "commit index (1.3), which a 1.1 or 1.2 writer saving into it does not update: today's reader "
+                   "takes the index's newest as the latest (ckptfmt/repository, not a writer's form)")
+def test_the_latest_of_a_floor_1_2_repository_is_what_a_1_2_writer_saved_last(tmp_path):
+    repo = tmp_path / "repo"
+    ckptfmt.save({"w": torch.ones(2)}, f"{repo}/today", format_version="1.2")
+    saved = run_in_tree(VERSIONS["1.2"], "import json, sys, torch, ckptfmt\n"
+                        "ckptfmt.save({'w': torch.zeros(2)}, sys.argv[1])\nprint(json.dumps('saved'))", f"{repo}/old")
+    assert saved == "saved"
+    assert [record.name for record in ckptfmt.Repository.open(repo).commits()] == ["today", "old"]
+    assert ckptfmt.Repository.open(repo).latest_record().name == "old"
