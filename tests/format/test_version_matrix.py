@@ -70,8 +70,10 @@ def save_floor(version: str | None, repo: Path, key: Path | None) -> dict:
 
     signed = {"signer": str(key)} if key and has["signatures"] else {}
     no_rng = {"rng": []} if has["rng_argument"] else {}
+    values = writer.values_state(target)
+    values.setdefault("sharded", writer.sharded_tensors())  # at 1.0 too: shard lists (the 1.0 writer had no API)
     seed_generators(target[1])
-    save("values", writer.values_state(target), 1, None, **signed)  # this process's RNG states: the RNG form
+    save("values", values, 1, None, **signed)  # this process's RNG states: the RNG form
     seed_generators(target[1])
     out["values"]["rng"] = draws()  # what a restore of the values checkpoint's RNG states draws next
     save("shuffle", writer.codec_state(False, 2), 2, "shuffle-zstd", **no_rng)
