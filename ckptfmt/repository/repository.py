@@ -106,8 +106,9 @@ class Repository:
             repo.storage.makedirs("")
             try:
                 declared = features if format_version[0] >= 2 else frozenset()
-                repo.storage.create(layout.MARKER_KEY, marker_bytes(format_version, declared))
-                repo.index_version, repo.format_version, repo.features = INDEX_VERSION, format_version, declared
+                index = INDEX_VERSION if format_version >= INDEXED_FROM else None  # writers before 1.3 keep none
+                repo.storage.create(layout.MARKER_KEY, marker_bytes(format_version, declared, index))
+                repo.index_version, repo.format_version, repo.features = index, format_version, declared
             except FileExistsError:  # another writer created it first
                 repo.check_marker()
         else:
@@ -457,6 +458,11 @@ class Repository:
         ):
             raise ManifestError(f"{where}: name, step, created_ns or parent differ from the commit record")
         return manifest
+
+
+#: The commit index came with format 1.3 (spec 4.4): a repository for older writers has none, since they
+#: would save without updating it and the index's latest would stay behind theirs.
+INDEXED_FROM = (1, 3)
 
 
 def marker_bytes(version: tuple[int, int], features: frozenset[str], index: int | None = INDEX_VERSION) -> bytes:
