@@ -335,24 +335,22 @@ class SigningKey:
 
 def _private_part(key: Any) -> str:
     """The part a ``cryptography`` private key is ("?" for another kind)."""
-    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-
-    if isinstance(key, Ed25519PrivateKey):
-        return "ed25519"
-    mldsa = _mldsa_or_none()
-    if mldsa is not None and isinstance(key, mldsa.MLDSA65PrivateKey):
-        return "ml-dsa-65"
-    return "?"
+    return _part(key, "Private")
 
 
 def _public_part(key: Any) -> str:
     """The part a ``cryptography`` public key is ("?" for another kind)."""
-    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+    return _part(key, "Public")
 
-    if isinstance(key, Ed25519PublicKey):
+
+def _part(key: Any, half: str) -> str:
+    """The algorithm of a ``cryptography`` key of ``half`` ("Private" or "Public"), "?" for another kind."""
+    from cryptography.hazmat.primitives.asymmetric import ed25519
+
+    if isinstance(key, getattr(ed25519, f"Ed25519{half}Key")):
         return "ed25519"
     mldsa = _mldsa_or_none()
-    if mldsa is not None and isinstance(key, mldsa.MLDSA65PublicKey):
+    if mldsa is not None and isinstance(key, getattr(mldsa, f"MLDSA65{half}Key")):
         return "ml-dsa-65"
     return "?"
 

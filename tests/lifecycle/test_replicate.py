@@ -9,8 +9,6 @@ read back and checked.
 
 from __future__ import annotations
 
-import argparse
-import io
 import json
 import signal
 import subprocess
@@ -21,19 +19,16 @@ import pytest
 import torch
 import zstandard
 from fsspec.callbacks import Callback
-from rich.console import Console
 
 import ckptfmt
 from ckptfmt import CheckpointExistsError, CheckpointNotFoundError, CorruptDataError
-from ckptfmt.cli import _run
-from ckptfmt.cli.sync import register
 from ckptfmt.format import layout
 from ckptfmt.format.version import FORMAT_VERSION
 from ckptfmt.lifecycle.replicate import replicate
 from ckptfmt.repository.repository import Repository, marker_bytes
 from ckptfmt.storage.base import Storage
 from ckptfmt.storage.factory import open_storage
-from tests.support.helpers import ANY_SIZE, assert_same, make_root
+from tests.support.helpers import ANY_SIZE, assert_same, make_root, sync_cli
 
 
 def state(seed: int, n: int = 200_000) -> dict:
@@ -327,17 +322,6 @@ def test_survives_s3_faults_or_fails_cleanly(tmp_path, s3_bucket, make_s3_proxy)
 
     replicate(src, dst)
     assert ckptfmt.verify(dst).ok and Repository.open(dst).names() == ["a", "b"]
-
-
-def sync_cli(*argv: str) -> tuple[int, str, str]:
-    """Run ``ckptfmt sync`` the way the CLI does (a parser with its command registered)."""
-    parser = argparse.ArgumentParser(prog="ckptfmt")
-    parser.add_argument("--debug", action="store_true")
-    register(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["sync", *argv])
-    out, err = Console(file=io.StringIO(), width=200), Console(file=io.StringIO(), width=200)
-    code = _run(args, out, err)
-    return code, out.file.getvalue(), err.file.getvalue()
 
 
 def test_cli_sync(tmp_path):

@@ -11,9 +11,7 @@ that checkpoint is written; a repository V's readers read already is copied byte
 
 from __future__ import annotations
 
-import argparse
 import hashlib
-import io
 import json
 import os
 import subprocess
@@ -23,12 +21,9 @@ import warnings
 import msgpack
 import pytest
 import torch
-from rich.console import Console
 
 import ckptfmt
 from ckptfmt import CheckpointExistsError
-from ckptfmt.cli import _run
-from ckptfmt.cli.sync import register
 from ckptfmt.errors import CheckpointWarning, UnsupportedVersionError
 from ckptfmt.format import layout
 from ckptfmt.format.codecs import is_delta, is_float
@@ -37,7 +32,7 @@ from ckptfmt.lifecycle.signing import generate_key
 from ckptfmt.repository.repository import Repository
 from ckptfmt.storage.factory import open_storage
 from tests.corpus.generate import VERSIONS
-from tests.support.helpers import ANY_SIZE, assert_same, needs_tool
+from tests.support.helpers import ANY_SIZE, assert_same, needs_tool, sync_cli
 from tests.support.old_trees import ROOT, run_in_tree
 
 NAMES = ["a", "b", "c"]
@@ -71,17 +66,6 @@ def source(tmp_path_factory):
     codecs = {chunk.codec for name in NAMES for chunk in Repository.open(src).manifest(name).chunks}
     assert {"float4-zstd", "floatdelta4-zstd", "delta4-zstd"} <= codecs  # what the rewrite must handle
     return src, key
-
-
-def sync_cli(*argv: str) -> tuple[int, str, str]:
-    """Run ``ckptfmt sync`` the way the CLI does (a parser with its command registered)."""
-    parser = argparse.ArgumentParser(prog="ckptfmt")
-    parser.add_argument("--debug", action="store_true")
-    register(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["sync", *argv])
-    out, err = Console(file=io.StringIO(), width=200), Console(file=io.StringIO(), width=200)
-    code = _run(args, out, err)
-    return code, out.file.getvalue(), err.file.getvalue()
 
 
 def manifest_doc(url: str, name: str) -> dict:

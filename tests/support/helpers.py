@@ -231,3 +231,23 @@ def make_root(kind: str, request, tmp_path) -> str:
     if kind == "s3":
         return request.getfixturevalue("s3_bucket") + "/store"
     raise AssertionError(kind)
+
+
+def sync_cli(*argv: str) -> tuple[int, str, str]:
+    """Run ``ckptfmt sync`` the way the CLI does (a parser with its command registered): exit code, output,
+    errors."""
+    import argparse
+    import io
+
+    from rich.console import Console
+
+    from ckptfmt.cli import _run
+    from ckptfmt.cli.sync import register
+
+    parser = argparse.ArgumentParser(prog="ckptfmt")
+    parser.add_argument("--debug", action="store_true")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["sync", *argv])
+    out, err = Console(file=io.StringIO(), width=200), Console(file=io.StringIO(), width=200)
+    code = _run(args, out, err)
+    return code, out.file.getvalue(), err.file.getvalue()
