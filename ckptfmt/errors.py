@@ -6,7 +6,11 @@ Subclasses also derive from the builtin they resemble (as zarr does), so that
 
 from __future__ import annotations
 
+import os
 import reprlib
+import sys
+import types
+import warnings
 
 
 class CheckpointError(Exception):
@@ -77,6 +81,18 @@ class CheckpointWarning(UserWarning):
 
     Filter it like any warning: ``warnings.simplefilter("ignore", ckptfmt.CheckpointWarning)``.
     """
+
+
+def warn_caller(message: str) -> None:
+    """Warn (``CheckpointWarning``) at the innermost frame outside ckptfmt: the user's line that called it,
+    however deep inside ckptfmt the warning arose (a fixed ``stacklevel`` names a ckptfmt line whenever the
+    call path changes)."""
+    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    frame: types.FrameType | None = sys._getframe(1)
+    level = 2  # stacklevel 2: this function's caller
+    while frame is not None and frame.f_code.co_filename.startswith(package):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, CheckpointWarning, stacklevel=level)
 
 
 _QUOTE = reprlib.Repr()

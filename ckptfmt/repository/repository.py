@@ -25,6 +25,7 @@ from ckptfmt.errors import (
     StorageError,
     UnsupportedVersionError,
     quoted,
+    warn_caller,
 )
 from ckptfmt.format import layout
 from ckptfmt.format.commit_record import CommitRecord
@@ -127,10 +128,9 @@ class Repository:
             newer = max(was, version)
             if newer > was:
                 refused = "now refuse it" if newer[0] > was[0] else "cannot read that checkpoint"
-                warnings.warn(f"{self.url}: a checkpoint of format {version_text(version)} makes the repository "
-                              f"format {version_text(newer)}: readers of format {version_text(was)} {refused} "
-                              f"(save with format_version=\"{version_text(was)}\" to keep it readable by them)",
-                              CheckpointWarning, stacklevel=4)
+                warn_caller(f"{self.url}: a checkpoint of format {version_text(version)} makes the repository "
+                            f"format {version_text(newer)}: readers of format {version_text(was)} {refused} "
+                            f"(save with format_version=\"{version_text(was)}\" to keep it readable by them)")
             kept = self.features | features if newer[0] >= 2 else frozenset()
             self.storage.write(layout.MARKER_KEY, marker_bytes(newer, kept, doc.get("index")))
         raise StorageError(f"{self.url}: the repository marker kept changing while this save declared "

@@ -168,3 +168,12 @@ def test_the_cli_says_upgrade_in_one_line(newer_repository, command):
     assert result.returncode != 0 and result.stdout == ""
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "upgrade" in lines[0] and "Traceback" not in result.stderr, result.stderr
+
+
+def test_a_save_that_raises_the_marker_warns_at_the_callers_line(tmp_path):
+    """The warning names the readers it shuts out, and points at the user's save, not a line of ckptfmt."""
+    ckptfmt.save({"w": torch.ones(2)}, tmp_path / "repo" / "old", format_version="1.6")
+    with pytest.warns(ckptfmt.CheckpointWarning, match="readers of format 1.6 now refuse it") as caught:
+        ckptfmt.save({"w": torch.ones(2)}, tmp_path / "repo" / "new")
+    assert [warning.filename for warning in caught] == [__file__]
+    assert Repository.open(tmp_path / "repo").format_version == (2, 0)
