@@ -15,8 +15,10 @@ from ckptfmt.cli import main
 from ckptfmt.format.layout import chunk_key
 from ckptfmt.metadata.step_timer import decode_steps
 from ckptfmt.repository.copies import copy_records
+from tests.corpus.generate import VERSIONS
 from tests.support.helpers import needs_tool
 from tests.support.hosts import FAKETIME_LIBRARY, clock_offset
+from tests.support.old_trees import run_in_tree
 
 pytestmark = pytest.mark.distributed
 
@@ -172,6 +174,35 @@ def assert_moments(restored: dict, saved: dict) -> None:
 def table(step: int) -> torch.Tensor:
     """hosts_manager.py's table at ``step``, whole."""
     return torch.arange(64 * 8, dtype=torch.float32).reshape(64, 8) + step
+
+
+@pytest.mark.exhaustive  # make test keeps the manager across hosts at today's format
+def test_a_manager_for_format_1_10_writes_every_tier_for_its_readers(hosts):
+    """CheckpointManager(format_version="1.10") across 2 hosts: the node tiers (created on each node, the
+    peer copies included) and the shared tier the nodes drain to (created by a drain) are repositories of
+    format 1.10, and the ckptfmt of 1.10 lists, verifies and loads each of them."""
+    local, shared = hosts.local / "run", hosts.shared / "run"
+    hosts.torchrun("hosts_manager.py", 2, str(local), str(shared), "4", "--format-version", "1.10")
+    repositories = [host.disk / "run" for host in hosts.hosts] + [shared]
+    for repo in repositories:
+        assert ckptfmt.Repository.open(str(repo)).format_version == (1, 10), repo
+    found = run_in_tree(VERSIONS["1.10"], OLD_READER, *map(str, repositories), timeout=300)
+    assert found == [{"names": ["step-000000002", "step-000000004"], "ok": True, "loaded": True}] * 3
+
+
+#: Run by the ckptfmt of format 1.10: each repository's checkpoints, its verify (on the node whose disk it
+#: is: 1.10's verify checks the chunks of the machine it runs on, here the test's, which holds them all),
+#: and a load of the newest.
+OLD_READER = """
+import json, sys
+import ckptfmt
+out = []
+for repo in sys.argv[1:]:
+    names = ckptfmt.Repository.open(repo).names()
+    loaded = ckptfmt.load(f"{repo}/{names[-1]}")
+    out.append({"names": names, "ok": ckptfmt.verify(repo).ok, "loaded": isinstance(loaded, dict)})
+print(json.dumps(out))
+"""
 
 
 @pytest.mark.exhaustive  # 4 hosts: make test keeps the 2-host runs

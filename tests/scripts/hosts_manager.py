@@ -38,6 +38,7 @@ def main() -> None:
     parser.add_argument("steps", type=int)
     parser.add_argument("--out")
     parser.add_argument("--table", action="store_true")
+    parser.add_argument("--format-version", help="save for readers of this format version (1.10 on: node tiers)")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     torch.manual_seed(0)
@@ -51,7 +52,8 @@ def main() -> None:
     def state(step: int) -> dict:
         extra = {"table": distribute_tensor(rows + step, mesh, [Shard(0)])} if args.table else {}
         return {"model": model, "optimizer": optimizer, "step": step, **extra}
-    with ckptfmt.CheckpointManager(tiers=tiers, keep_last=2, interval=2, housekeeping="thread") as manager:
+    with ckptfmt.CheckpointManager(tiers=tiers, keep_last=2, interval=2, housekeeping="thread",
+                                   format_version=args.format_version) as manager:
         into = state(0)
         restored = manager.restore(into=into)
         if args.out is not None:
