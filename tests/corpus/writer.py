@@ -14,10 +14,8 @@ calls use (``save``'s keywords, ``Sharded``, ``PerRank``, ``SigningKey``, ``open
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import os
 import sys
 from collections import OrderedDict
 from datetime import timedelta
@@ -284,8 +282,6 @@ def main() -> None:
         result = one_rank(numbers, repo, rest[0], *map(int, rest[1:]))
     sys.stdout.write(json.dumps(result))
     sys.stdout.flush()
-    if importlib.util.find_spec("ckptfmt._teardown") is None:  # a tree from before ckptfmt's exit handling
-        os._exit(0)  # (issue 46): gloo's threads can abort its interpreter teardown, a bug of the past
 
 
 if __name__ == "__main__":

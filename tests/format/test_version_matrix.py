@@ -163,7 +163,7 @@ def corpus_written(version: str) -> dict:
 #: found or the exception (class and message): the reader's side of the comparison. API used: that of 1.0,
 #: plus ``trusted_keys`` for a signed checkpoint where the tree has it (1.7 on; before, no key is checked).
 READER = r"""
-import importlib.util, inspect, json, os, random, sys
+import inspect, json, random, sys
 sys.path.append(sys.argv[1])
 import numpy as np
 import torch
@@ -225,8 +225,6 @@ for job in json.loads(sys.argv[2]):
     results.append(found)
 sys.stdout.write(json.dumps(results))
 sys.stdout.flush()
-if importlib.util.find_spec("ckptfmt._teardown") is None:  # a tree from before ckptfmt's exit handling
-    os._exit(0)  # (issue 46): its threads can abort the interpreter's teardown, a bug of the past
 """
 
 
