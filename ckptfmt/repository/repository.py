@@ -119,7 +119,10 @@ class Repository:
     def declare(self, version: tuple[int, int], features: frozenset[str]) -> None:
         """Make the marker declare what a checkpoint about to be committed needs (spec 13.2): the newest
         version of its checkpoints, and from format 2 their required features, so that a reader that cannot
-        read one refuses the repository at once. Writers that race each rewrite until theirs are in."""
+        read one refuses the repository at once. Writers that race each rewrite until theirs are in. A marker
+        only rises, so what this object last read of it answers without a read when it covers them already."""
+        if version <= self.format_version and (version[0] < 2 or features <= self.features):
+            return
         for _ in range(_DECLARE_TRIES):
             doc = self._read_marker()
             was = self.format_version
