@@ -39,6 +39,7 @@ from ckptfmt.errors import CheckpointError, CheckpointWarning, CollectiveError
 from ckptfmt.format.manifest import Manifest, ShardEntry, TensorEntry
 from ckptfmt.format.placement import NodeChunks, Placement
 from ckptfmt.format.values import encode_tree
+from ckptfmt.groups.nodes import NodeLayout
 from ckptfmt.groups.ranks import Ranks
 from ckptfmt.metadata.timing import PhaseTimer
 from ckptfmt.metadata.topology import topology_record
@@ -128,7 +129,7 @@ def _write_and_commit(decision: dict, failure: Failure | None, url: str, name: s
         warnings.warn(f"{replicas.message(agreed.divergences, url)}; each was stored from a rank of its majority",
                       CheckpointWarning, stacklevel=4)
 
-    node = NodeRepository(agreed, ranks, repo_url, options) if agreed.nodes else None
+    node = NodeRepository(agreed.nodes, ranks, repo_url, options) if agreed.nodes is not None else None
     with ExitStack() as releasing:  # a leader's save lease on its node, however the save ends
         if node is not None:
             releasing.callback(node.release)
@@ -195,11 +196,10 @@ class NodeRepository:
     repository, holds a save lease on it from the write to the node's commit, and commits there the
     manifest the coordinator committed on its own node."""
 
-    def __init__(self, plan: Plan, ranks: Ranks, repo_url: str, options: SaveOptions):
+    def __init__(self, nodes: NodeLayout, ranks: Ranks, repo_url: str, options: SaveOptions):
         self.repo_url, self.options = repo_url, options
-        node = plan.node_of[ranks.position]
-        self.leader = (not ranks.is_coordinator and plan.node_of.index(node) == ranks.position
-                       and node != plan.node_of[0])
+        node = nodes.node_of[ranks.position]
+        self.leader = node != 0 and nodes.leaders[node] == ranks.position  # node 0 is the coordinator's
         self.repo: Repository | None = None
         self.lease: Lease | None = None
 
@@ -338,18 +338,18 @@ def _manifest(plan: Plan, reports: list[dict], ranks: Ranks, name: str, options:
                             steps_only=[steps_record(entry, start_ns) for entry in gathered])
     if ranks.collective and options.on_divergence != "ignore":
         manifest.replicas = {"checked": plan.replicas_checked, "divergent": [d.record() for d in plan.divergences]}
-    if plan.nodes:
-        manifest.placement = _placement(plan, tables, ranks)
-        manifest.totals["nodes"] = len(plan.nodes)
+    if plan.nodes is not None:
+        manifest.placement = _placement(plan.nodes, tables, ranks)
+        manifest.totals["nodes"] = len(plan.nodes.hosts)
     return manifest
 
 
-def _placement(plan: Plan, tables: ManifestTables, ranks: Ranks) -> Placement:
+def _placement(nodes: NodeLayout, tables: ManifestTables, ranks: Ranks) -> Placement:
     """Which chunk rows each node holds: those its members wrote or found stored there (spec 9.8)."""
-    held: list[set[int]] = [set() for _ in plan.nodes]
-    members: list[list[int]] = [[] for _ in plan.nodes]
-    for position, node in enumerate(plan.node_of):
+    held: list[set[int]] = [set() for _ in nodes.hosts]
+    members: list[list[int]] = [[] for _ in nodes.hosts]
+    for position, node in enumerate(nodes.node_of):
         held[node].update(tables.rows(position))
         members[node].append(ranks.rank_of(position))
     return Placement(tuple(NodeChunks(host, tuple(members[index]), tuple(sorted(held[index])))
-                           for index, host in enumerate(plan.nodes)))
+                           for index, host in enumerate(nodes.hosts)))

@@ -11,12 +11,14 @@ bytes. A save by one process is the same plan with one member: its tree is kept 
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ckptfmt._collector import collector_paused
 from ckptfmt.errors import CheckpointError
 from ckptfmt.format.manifest import Manifest
 from ckptfmt.format.values import TensorRef, decode_tree, encode_tree
+from ckptfmt.groups.nodes import NodeLayout
 from ckptfmt.repository.leases import Lease
 from ckptfmt.repository.repository import Repository
 from ckptfmt.saving import replicas
@@ -95,10 +97,8 @@ class Plan:
     replicas_checked: int = 0
     #: The parent's manifest, on the coordinator (the others read it when they need it).
     parent: Manifest | None = None
-    #: A node-scoped repository's nodes (hosts, in order of their first member) and each member's node;
-    #: empty for a job-scoped one.
-    nodes: list[str] = field(default_factory=list)
-    node_of: list[int] = field(default_factory=list)
+    #: A node-scoped repository's nodes and each member's (None for a job-scoped one).
+    nodes: NodeLayout | None = None
     #: Per member, where in its sources a new sequence starts (packs do not cross it): node scope only.
     breaks: list[list[int]] = field(default_factory=list)
 
@@ -136,13 +136,11 @@ def _plan(plans: list[RankPlan], rank_of, repo: Repository, lease: Lease, name: 
         order = list(numbers)
     tensors = _tensors(plans, order, rank_of)
     assigned = _assign(tensors, len(plans))
-    nodes: list[str] = []
-    node_of: list[int] = []
+    nodes: NodeLayout | None = None
     breaks: list[list[int]] = []
     if options.scope == "node":
-        nodes = list(dict.fromkeys(plan.host for plan in plans))
-        node_of = [nodes.index(plan.host) for plan in plans]
-        assigned, breaks = _node_sequences(tensors, assigned, node_of)
+        nodes = NodeLayout.of([plan.host for plan in plans])
+        assigned, breaks = _node_sequences(tensors, assigned, nodes.node_of)
     meshes = [mesh for plan in plans for mesh in plan.meshes]
     user = encode_tree({} if options.metadata is None else options.metadata)
     shared = [(tensor, box) for tensor in tensors for box in tensor.boxes if len(box.holders) > 1 and box.prints]
@@ -151,7 +149,7 @@ def _plan(plans: list[RankPlan], rank_of, repo: Repository, lease: Lease, name: 
                    for tensor, box in shared if len(groups := box.groups()) > 1]
     return Plan(repo, lease, parent_name, parent_keys, state, user, tensors, assigned,
                 [m for i, m in enumerate(meshes) if m not in meshes[:i]], differences, divergences, len(shared),
-                parent, nodes, node_of, breaks)
+                parent, nodes, breaks)
 
 
 def _ref(keys: list[str], index: int) -> TensorRef:
@@ -242,7 +240,7 @@ def _assign(tensors: list[MergedTensor], members: int) -> list[list[int]]:
 
 
 
-def _node_sequences(tensors: list[MergedTensor], assigned: list[list[int]], node_of: list[int]
+def _node_sequences(tensors: list[MergedTensor], assigned: list[list[int]], node_of: Sequence[int]
                     ) -> tuple[list[list[int]], list[list[int]]]:
     """For a node-scoped repository: every node whose members hold a box stores it too, in chunks of the
     same names as its writer's. Each writer's boxes are cut into sequences by the members of the other
