@@ -74,7 +74,7 @@ class Housekeeper:
         #: the next tiers' upkeep, are rank 0's).
         self.copies = copies
         #: True: the first tier is node-scoped across nodes, and its nodes' leaders drain it to the next
-        #: tier themselves (``PeerCopies.drain``): only the later tiers are copied here.
+        #: tier themselves (``peer_drains.drain``): only the later tiers are copied here.
         self.drained = drained
         self._running = threading.Event()
         self._running.set()

@@ -45,12 +45,16 @@ from ckptfmt.errors import (
     StorageError,
 )
 from ckptfmt.format.signatures import SignatureError
+from ckptfmt.groups.nodes import NodeLayout
 from ckptfmt.groups.process_group import RankGroup, distributed_group
 from ckptfmt.lifecycle.advise import auto_interval
 from ckptfmt.lifecycle.housekeeping import Housekeeper, Tier, tier_records
 from ckptfmt.lifecycle.housekeeping_process import SUPPORTED as PROCESS_SUPPORTED
 from ckptfmt.lifecycle.housekeeping_process import HousekeepingProcess
-from ckptfmt.lifecycle.peer_copies import PeerCopies
+from ckptfmt.lifecycle.peer_copies import copy_to_peers
+from ckptfmt.lifecycle.peer_drains import drain
+from ckptfmt.lifecycle.peer_refills import restore_point
+from ckptfmt.lifecycle.peers import NodePeers
 from ckptfmt.lifecycle.retention import METRICS_KEY, Retention
 from ckptfmt.loading.reader import load, restore_rng
 from ckptfmt.loading.resume_check import record_resume
@@ -126,10 +130,13 @@ class CheckpointManager:
         self.saver = AsyncSaver() if async_save else None
         self.group = distributed_group(process_group)
         self.is_coordinator = self.group is None or torch.distributed.get_rank(self.group) == 0
-        #: With a node-scoped first tier across ranks: each node's copies of the others' chunks.
-        self.peers = (PeerCopies(self.tiers[0], self.group, self.tiers[0].replicas, DEFAULT_TIMEOUT_S,
-                                 self.save_options.format_version)
-                      if self.tiers[0].scope == "node" and self.group is not None else None)
+        #: With a node-scoped first tier across ranks: the job's nodes, found once, and this rank's place
+        #: among their leaders, who copy each node's chunks to the others, drain and refill.
+        self.peers: NodePeers | None = None
+        if self.tiers[0].scope == "node" and self.group is not None:
+            ranks = RankGroup(self.group, DEFAULT_TIMEOUT_S, "finding each node's leader")
+            self.peers = NodePeers(self.tiers[0], ranks, NodeLayout.gather(ranks), self.tiers[0].replicas,
+                                   DEFAULT_TIMEOUT_S, self.save_options.format_version)
         #: Replication, retention and collection; the group's rank 0 has one, and with a node-scoped first
         #: tier each other node's lowest rank, for its own node's tier (retention and collection only).
         leads_node = self.peers is not None and self.peers.is_leader
@@ -312,7 +319,7 @@ class CheckpointManager:
         self.restored_step = self.restored_url = None
         self.fetched_from_peers = []
         if step is None and self.peers is not None:
-            step, self.fetched_from_peers = self.peers.restore_point()
+            step, self.fetched_from_peers = restore_point(self.peers)
             for fetched in self.fetched_from_peers:
                 warnings.warn(f"restore: {fetched}", CheckpointWarning, stacklevel=2)
         if step is None:
@@ -385,11 +392,11 @@ class CheckpointManager:
             with contextlib.suppress(BaseException):  # failed on every rank: each leader still takes its turn
                 save.result()
         assert self.peers is not None
-        problems = self.peers.copy(name, yield_to=self._not_saving.wait)
+        problems = copy_to_peers(self.peers, name, yield_to=self._not_saving.wait)
         if len(self.tiers) > 1:
             housekeeper = self.housekeeper
-            problems += self.peers.drain(self.tiers[1], housekeeper.wanted_next if housekeeper is not None else None,
-                                         yield_to=self._not_saving.wait)
+            problems += drain(self.peers, self.tiers[1], housekeeper.wanted_next if housekeeper is not None else None,
+                              yield_to=self._not_saving.wait)
         for problem in problems:
             warnings.warn(f"checkpoint manager: {problem}", CheckpointWarning, stacklevel=2)
 

@@ -1,4 +1,4 @@
-"""The pieces of a node-local tier's drain (lifecycle/peer_copies.py, issue 30 part 3) that need no
+"""The pieces of a node-local tier's drain (lifecycle/peer_drains.py, issue 30 part 3) that need no
 second host: each node copies its rows (``copy_rows``), the checkpoint is committed on the next tier
 only once every chunk is there (``commit_copy`` after the check). The drain itself, across simulated
 hosts, is in tests/hosts/."""
@@ -11,7 +11,7 @@ import torch
 import ckptfmt
 from ckptfmt.errors import CheckpointNotFoundError, CorruptDataError
 from ckptfmt.format.chunk_table import stored_key
-from ckptfmt.lifecycle.peer_copies import _check_every_chunk_there
+from ckptfmt.lifecycle.peer_drains import _check_every_chunk_there
 from ckptfmt.lifecycle.replicate import commit_copy, copy_rows
 from ckptfmt.repository.leases import save_lease
 from ckptfmt.repository.repository import Repository

@@ -1,0 +1,187 @@
+"""Refilling a node-scoped tier at a restore (docs/design/many-nodes.md, part 4; spec 9.8).
+
+The leaders pool what each node holds (its own rows, and its copies of others' from ``peer_copies``),
+agree on the newest checkpoint that every node's rows are somewhere for, and a node that lacks its own
+rows (its disk was replaced) gets them, with the manifest, commit record and signatures, from the first
+node holding a copy: its tier then holds the checkpoint again, and its ranks load it from there.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ckptfmt.errors import CheckpointError, CheckpointWarning
+from ckptfmt.format.commit_record import CommitRecord
+from ckptfmt.format.hashing import check_chunk
+from ckptfmt.format.manifest import Manifest
+from ckptfmt.format.signatures import is_signature_entry
+from ckptfmt.lifecycle.peers import SKIPPED, NodePeers, batches, pack, unpack
+from ckptfmt.repository.copies import copy_records
+from ckptfmt.repository.leases import save_lease
+from ckptfmt.repository.repository import Repository
+
+
+@dataclass(frozen=True)
+class Held:
+    """What one node's tier holds of one checkpoint: its manifest hash and step, and the placement hosts
+    whose rows are there (its own, if it is one of them, and its verified copies)."""
+
+    manifest_hash: str
+    step: int | None
+    created_ns: int
+    nodes: tuple[str, ...]
+    hosts: frozenset[str]
+
+
+_NOTHING = Held("", None, 0, (), frozenset())
+
+
+def restore_point(peers: NodePeers) -> tuple[int | None, list[str]]:
+    """The step of the newest checkpoint whose every node's rows are on some node, made whole on
+    every node (a node without its own rows gets them from a copy), or None where there is none;
+    and what was fetched from where, in words (the same on every rank). Every rank calls this."""
+    outcome: tuple[int | None, list[str], str | None] = (None, [], None)
+    if peers.is_leader:
+        outcome = _agree_and_fill(peers)
+    gathered = peers.ranks.gather(outcome)  # every leader has filled its tier, or failed to
+    decided = None
+    if gathered is not None:
+        failures = [failure for _, _, failure in gathered if failure is not None]
+        step, fetched, _ = gathered[0]
+        if failures:  # a node could not be made whole: the caller falls back to the other tiers
+            warnings.warn(f"restore from the nodes' copies given up: {failures[0]}", CheckpointWarning,
+                          stacklevel=3)
+            step, fetched = None, []
+        decided = (step, fetched)
+    return peers.ranks.broadcast(decided)
+
+
+def _agree_and_fill(peers: NodePeers) -> tuple[int | None, list[str], str | None]:
+    """On a leader: the step agreed, what was fetched, and what failed here (None: nothing)."""
+    try:
+        repo = peers.open_tier()
+        inventory = _inventory(repo, peers.host)
+    except CheckpointError as exc:  # this node's tier is unreadable: it holds nothing, and says so
+        repo, inventory = None, {}
+        failure: str | None = f"{peers.host}: {exc}"
+    else:
+        failure = None
+    inventories = [inventory] if peers.group is None else peers.all_gather(inventory)
+    chosen = _newest_whole(peers.nodes.hosts, inventories)
+    if chosen is None:
+        return None, [], failure
+    name, held = chosen
+    hosts = peers.nodes.hosts
+    fetched = []
+    for receiver, host in enumerate(hosts):  # the same hosts as the checkpoint's (_newest_whole)
+        if host in inventories[receiver].get(name, _NOTHING).hosts:
+            continue
+        donor = next(i for i, each in enumerate(inventories) if host in each.get(name, _NOTHING).hosts)
+        try:  # both ends go through every message, so that a failure leaves no one waiting
+            if peers.index == donor and repo is not None:
+                _send_checkpoint(peers, repo, name, host, receiver)
+            elif peers.index == receiver and repo is not None:
+                _receive_checkpoint(peers, repo, name, host, donor)
+        except CheckpointError as exc:
+            failure = failure or f"{peers.host}: {exc}"
+        fetched.append(f"{host}'s chunks of {name} from {hosts[donor]}'s copy")
+    return held.step, fetched, failure
+
+
+def _newest_whole(hosts: tuple[str, ...], inventories: list[dict[str, Held]]) -> tuple[str, Held] | None:
+    """The newest checkpoint (one manifest everywhere it is), saved by the job's nodes as they are
+    now (the same ``hosts``), of which every node's rows are held by some node."""
+    names: dict[str, Held] = {}
+    for inventory in inventories:
+        for name, held in inventory.items():
+            names.setdefault(name, held)
+    for name, held in sorted(names.items(), key=lambda item: (item[1].created_ns, item[0]), reverse=True):
+        if any(name in each and each[name].manifest_hash != held.manifest_hash for each in inventories):
+            continue
+        everywhere = frozenset().union(*(each[name].hosts for each in inventories if name in each))
+        if set(held.nodes) == set(hosts) and set(held.nodes) <= everywhere:
+            return name, held
+    return None
+
+
+def _send_checkpoint(peers: NodePeers, repo: Repository, name: str, host: str, receiver: int) -> None:
+    """To node ``receiver``: checkpoint ``name``'s small objects, then node ``host``'s chunks (or, where
+    they cannot be read here, what went wrong, and nothing more)."""
+    try:
+        record = repo.commit(name)
+        manifest = repo.manifest(name, record, skip=SKIPPED)
+        objects = {}
+        for entry in repo.storage.list(name):
+            if entry.startswith("manifest-") and record.manifest_hash in entry or is_signature_entry(entry):
+                key = f"{name}/{entry}"
+                objects[key] = repo.storage.read(key, max_size=max(record.manifest_size, 1 << 16))
+    except CheckpointError as exc:
+        dist.send_object_list([None, f"{peers.host}: {exc}"], group=peers.group, group_dst=receiver)
+        raise
+    dist.send_object_list([record.to_dict(), objects], group=peers.group, group_dst=receiver)
+    damaged: list[str] = []
+    for batch in batches(manifest.chunks, list(_rows_of(manifest, host))):
+        dist.send(pack(repo, manifest.chunks, batch, damaged), group=peers.group, group_dst=receiver)
+    if damaged:  # the receiver refuses the zeros sent in its place: neither node restores from this copy
+        raise CheckpointError(f"{name}: {damaged[0]}")
+
+
+def _receive_checkpoint(peers: NodePeers, repo: Repository, name: str, host: str, donor: int) -> None:
+    """From node ``donor``: checkpoint ``name`` whole on this node's tier, every object checked."""
+    message: list = [None, None]
+    dist.recv_object_list(message, group=peers.group, group_src=donor)
+    if message[0] is None:
+        raise CheckpointError(f"{name}: the copy on {peers.nodes.hosts[donor]} could not be read ({message[1]})")
+    where = repo.storage.describe(name)
+    record = CommitRecord.from_dict(message[0], where)
+    objects: dict[str, bytes] = message[1]
+    manifest_key = next(key for key in objects if key.startswith(f"{name}/manifest-"))
+    data = objects[manifest_key]
+    check_chunk(data, record.manifest_hash, repo.storage.describe(manifest_key))
+    manifest = Manifest.from_bytes(data, repo.storage.describe(manifest_key), skip=SKIPPED)
+    received, refused = [], []
+    for batch in batches(manifest.chunks, list(_rows_of(manifest, host))):
+        buffer = torch.empty(sum(manifest.chunks[row].stored_size for row in batch), dtype=torch.uint8)
+        dist.recv(buffer, group=peers.group, group_src=donor)
+        try:  # every message is taken, so that the donor is never left waiting
+            received += unpack(repo, manifest.chunks, batch, buffer)
+        except CheckpointError as exc:
+            refused.append(str(exc))
+    if refused:
+        raise CheckpointError(f"{name}: the copy from {peers.nodes.hosts[donor]} refused: {refused[0]}")
+    with save_lease(repo) as lease:  # checked on arrival; the load that follows reads and checks them again
+        repo.storage.sync([key for key, _ in received])
+        for key, value in objects.items():
+            repo.storage.write(key, value, durable=False)
+        repo.storage.sync(list(objects))
+        lease.check("writing the commit record")
+        repo.declare(record.version, manifest.requires)
+        repo.create_commit(record)
+
+
+def _inventory(repo: Repository, host: str) -> dict[str, Held]:
+    """What this node's tier holds of each committed checkpoint."""
+    found = {}
+    for record in repo.commits():
+        try:
+            manifest = repo.manifest(record.name, record, skip=SKIPPED)
+        except CheckpointError as exc:
+            warnings.warn(f"{repo.url} on {host}: {record.name} not counted ({exc})", CheckpointWarning, stacklevel=2)
+            continue
+        if manifest.placement is None:
+            continue
+        nodes = tuple(node.host for node in manifest.placement.nodes)
+        hosts = set(copy_records(repo, record.name, record.manifest_hash))
+        if host in nodes:
+            hosts.add(host)
+        found[record.name] = Held(record.manifest_hash, record.step, record.created_ns, nodes, frozenset(hosts))
+    return found
+
+
+def _rows_of(manifest: Manifest, host: str) -> tuple[int, ...]:
+    node = manifest.placement.node(host) if manifest.placement is not None else None
+    return node.rows if node is not None else ()
