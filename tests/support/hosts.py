@@ -4,9 +4,16 @@ Each host is a network namespace with one interface, ``eth0`` (10.77.0.N/24), jo
 by a bridge in a namespace of its own, so that traffic stays inside the namespaces the test made;
 its processes run in a UTS namespace (their own hostname: ``hostA``, ``hostB``, ...) and a mount
 namespace where a folder of its own is mounted at one path shared by every host, its *local disk*
-(``SimulatedHosts.local``), and an ``/etc/hosts`` naming every host. A test launches ranks on each host
+(``SimulatedHosts.local``), a memory of its own (a tmpfs, its ``/dev/shm``) at another such path
+(``SimulatedHosts.memory``), and an ``/etc/hosts`` naming every host. A test launches ranks on each host
 with ``torchrun --nnodes N`` over those addresses (``torchrun``), each launch with a timeout; the
 fixture kills what is left and removes what it made.
+
+Each host's memory is a tmpfs mounted in the test's own namespace (``Host.memory``, so the test sees
+and wipes it as it does ``Host.disk``) and bound at ``SimulatedHosts.memory`` on that host: it
+outlives the host's processes, as a node's /dev/shm outlives a killed job, until ``close`` unmounts
+it. Where a tmpfs cannot be mounted, each host's memory is a folder under /dev/shm instead
+(``SimulatedHosts.memory_is_tmpfs`` False), which ``close`` removes.
 
 Making namespaces needs root (CAP_SYS_ADMIN and CAP_NET_ADMIN) and iproute2's ``ip``. Where the
 machine cannot, ``SimulatedHosts.start`` raises ``HostsUnavailable`` saying why: a skip outside CI,
@@ -20,6 +27,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,19 +58,29 @@ class Host:
     namespace: str
     #: The folder mounted at ``SimulatedHosts.local`` on this host only.
     disk: Path
+    #: This host's memory (a tmpfs, its /dev/shm), mounted at ``SimulatedHosts.memory`` on this host only.
+    memory: Path
 
 
 class SimulatedHosts:
-    """``count`` hosts (``hostA``, ``hostB``, ...) on this machine; ``root`` holds their folders."""
+    """``count`` hosts (``hostA``, ``hostB``, ...) on this machine; ``root`` holds their folders.
+    ``memory_size``: the most each host's memory (tmpfs) holds (``mount -o size=``)."""
 
-    def __init__(self, count: int, root: Path):
+    def __init__(self, count: int, root: Path, memory_size: str = "1g"):
         self.root = Path(root)
         tag = f"ck{os.getpid() % 100000}"
         self.switch = f"{tag}sw"
-        self.hosts = [Host(f"host{chr(ord('A') + i)}", f"{SUBNET}.{i + 1}", f"{tag}h{i}", self.root / f"disk{i}")
-                      for i in range(count)]
+        self.hosts = [Host(f"host{chr(ord('A') + i)}", f"{SUBNET}.{i + 1}", f"{tag}h{i}", self.root / f"disk{i}",
+                           self.root / f"memory{i}") for i in range(count)]
         #: The path at which each host sees its own local disk.
         self.local = self.root / "local"
+        #: The path at which each host sees its own memory (a node-scoped tier there is a tier in memory).
+        self.memory = self.root / "memory"
+        self.memory_size = memory_size
+        #: Whether each host's memory is a tmpfs of its own (False: a folder under /dev/shm, see above).
+        self.memory_is_tmpfs = True
+        self._mounted: list[Path] = []
+        self._shm_folders: list[Path] = []
         #: A folder every host sees (the shared tier).
         self.shared = self.root / "shared"
         self._hosts_file = self.root / "etc-hosts"
@@ -74,8 +92,9 @@ class SimulatedHosts:
             raise HostsUnavailable("simulated hosts need root (network, UTS and mount namespaces)")
         if shutil.which("ip") is None or shutil.which("unshare") is None:
             raise HostsUnavailable("simulated hosts need iproute2's ip and util-linux's unshare")
-        for folder in (self.local, self.shared, *(host.disk for host in self.hosts)):
+        for folder in (self.local, self.shared, self.memory, *(host.disk for host in self.hosts)):
             folder.mkdir(parents=True, exist_ok=True)
+        self._memories()
         self._hosts_file.write_text("127.0.0.1 localhost\n"
                                     + "".join(f"{host.address} {host.name}\n" for host in self.hosts))
         try:
@@ -108,6 +127,35 @@ class SimulatedHosts:
                     pass
             subprocess.run(["ip", "netns", "del", namespace], capture_output=True)
         self._made.clear()
+        for mounted in reversed(self._mounted):  # lazily: a process of the test's may still hold a file there
+            subprocess.run(["umount", "--lazy", str(mounted)], capture_output=True)
+        self._mounted.clear()
+        for folder in self._shm_folders:
+            shutil.rmtree(folder, ignore_errors=True)
+        self._shm_folders.clear()
+
+    def _memories(self) -> None:
+        """Each host's memory: a tmpfs mounted at ``host.memory``; where one cannot be mounted, every host's
+        is a folder under /dev/shm instead, ``host.memory`` a link to it."""
+        for host in self.hosts:
+            host.memory.mkdir(parents=True, exist_ok=True)
+            result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={self.memory_size},mode=0755",
+                                     f"ckptfmt-{host.name}", str(host.memory)], capture_output=True, text=True)
+            if result.returncode != 0:
+                break
+            self._mounted.append(host.memory)
+        else:
+            return
+        self.memory_is_tmpfs = False
+        for mounted in self._mounted:
+            subprocess.run(["umount", "--lazy", str(mounted)], capture_output=True)
+        self._mounted.clear()
+        for host in self.hosts:
+            folder = Path(tempfile.mkdtemp(prefix=f"ckptfmt-{host.name}-", dir="/dev/shm"))
+            self._shm_folders.append(folder)
+            if host.memory.is_dir():
+                host.memory.rmdir()
+            host.memory.symlink_to(folder, target_is_directory=True)
 
     def _namespace(self, name: str) -> None:
         result = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True)
@@ -123,8 +171,9 @@ class SimulatedHosts:
     # -- running on a host -------------------------------------------------------------------------
     def command(self, host: Host, argv: list[str]) -> list[str]:
         """``argv`` as run on ``host``: in its network namespace, with its hostname, its local disk at
-        ``self.local`` and the hosts' names in /etc/hosts."""
+        ``self.local``, its memory at ``self.memory`` and the hosts' names in /etc/hosts."""
         setup = (f"hostname {host.name} && mount --bind {host.disk} {self.local} && "
+                 f"mount --bind {host.memory} {self.memory} && "
                  f"mount --bind {self._hosts_file} /etc/hosts && exec \"$@\"")
         return ["ip", "netns", "exec", host.namespace, "unshare", "--uts", "--mount", "--propagation", "private",
                 "sh", "-c", setup, "sh", *argv]
