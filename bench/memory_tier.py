@@ -186,7 +186,8 @@ def main() -> None:
 
 
 def report(figures: dict, what: str, args) -> None:
-    print(f"{what}; {args.mb} MiB state sharded over the ranks, {args.repeats} repeats (alternating order)")
+    sharded = "" if what.startswith("one process") else " sharded over the ranks"
+    print(f"{what}; {args.mb} MiB state{sharded}, {args.repeats} repeats (alternating order)")
     for mode in ("memory", "shared"):
         print(f"  restored from ({mode}): {', '.join(sorted(set(figures[mode]['from'])))}")
     for what_, label in (("restore_s", "restore"), ("stall_s", "save blocks"), ("wait_s", "wait() after")):
