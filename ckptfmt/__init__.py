@@ -39,6 +39,7 @@ _PUBLIC = {
     "SignatureError": "ckptfmt.format.signatures", "SigningKey": "ckptfmt.format.signatures",
     "OpaqueObject": "ckptfmt.format.values",
     "CheckpointManager": "ckptfmt.lifecycle.manager", "Tier": "ckptfmt.lifecycle.manager",
+    "ProtectReport": "ckptfmt.lifecycle.protect", "protect": "ckptfmt.lifecycle.protect",
     "RepairReport": "ckptfmt.lifecycle.repair", "repair": "ckptfmt.lifecycle.repair",
     "ReplicationReport": "ckptfmt.lifecycle.replicate", "replicate": "ckptfmt.lifecycle.replicate",
     "Retention": "ckptfmt.lifecycle.retention",
@@ -60,6 +61,7 @@ if TYPE_CHECKING:  # what the names are, for type checkers and editors
     from ckptfmt.format.values import OpaqueObject
     from ckptfmt.format.version import FORMAT_VERSION
     from ckptfmt.lifecycle.manager import CheckpointManager, Tier
+    from ckptfmt.lifecycle.protect import ProtectReport, protect
     from ckptfmt.lifecycle.repair import RepairReport, repair
     from ckptfmt.lifecycle.replicate import ReplicationReport, replicate
     from ckptfmt.lifecycle.retention import Retention
@@ -121,6 +123,7 @@ __all__ = [
     "InvalidNameError",
     "ManifestError",
     "OpaqueObject",
+    "ProtectReport",
     "PerRank",
     "PerRankValues",
     "RepairReport",
@@ -141,6 +144,7 @@ __all__ = [
     "VerifyReport",
     "load",
     "open",
+    "protect",
     "repair",
     "record_resume",
     "replicate",

@@ -24,6 +24,7 @@ def verify(args, console: Console) -> int:
         Output(console).json({
             "ok": report.ok, "checkpoints": report.checkpoints, "chunks_checked": report.chunks_checked,
             "bytes_checked": report.bytes_checked, "seconds": report.seconds,
+            "protected": report.protected, "parity_bytes_checked": report.parity_bytes_checked,
             **({"stats_checked": report.stats_checked} if args.stats else {}),
             "problems": [p.__dict__ | {"tensors": list(p.tensors)} for p in report.problems],
             "divergences": report.divergences,
@@ -33,6 +34,8 @@ def verify(args, console: Console) -> int:
     for message in report.warnings:
         warnings.warn(message, CheckpointWarning, stacklevel=1)
     checked = f", statistics of {counted(report.stats_checked, 'tensor')}" if args.stats else ""
+    if report.protected:
+        checked += f", {human_bytes(report.parity_bytes_checked)} of parity"
     summary = (f"{counted(len(report.checkpoints), 'checkpoint')}, {counted(report.chunks_checked, 'chunk')}, "
                f"{human_bytes(report.bytes_checked)}{checked} in {seconds(report.seconds)}{_rate(report)}")
     out = Output(console)
@@ -42,8 +45,11 @@ def verify(args, console: Console) -> int:
     out.line(Text.assemble(("DAMAGED", "bold red"), f": {counted(len(report.problems), 'problem')} in {summary}"))
     columns = [Column("checkpoint", KEY), Column("problem"), Column("chunk"), Column("tensors", NAME),
                Column("detail", TEXT)]
-    out.table(None, columns, ((p.checkpoint, p.kind, (p.chunk or "-")[:16], "\n".join(p.tensors) or "-", p.message)
-                              for p in report.problems))
+    out.table(None, columns, ((p.checkpoint, p.kind, (p.chunk or "-")[:16], "\n".join(p.tensors) or "-",
+                               p.message + (f" ({p.parity})" if p.parity else "")) for p in report.problems))
+    rebuildable = sum(" can rebuild" in (p.parity or "") for p in report.problems)
+    if rebuildable:
+        out.line(f"parity can rebuild {counted(rebuildable, 'of them', 'of them')}: ckptfmt repair {args.url}")
     return 1
 
 

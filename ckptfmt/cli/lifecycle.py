@@ -1,5 +1,6 @@
 """``ckptfmt rm REPO/NAME...`` and ``ckptfmt gc REPO``: delete checkpoints, reclaim their space;
-``ckptfmt repair REPO --from OTHER``: replace damaged objects with verified copies. Each command
+``ckptfmt repair REPO [--from OTHER]``: replace damaged objects with verified copies or rebuild them from
+parity; ``ckptfmt protect URL --parity K+M``: add that parity. Each command
 imports its work when it runs, so that building the parser stays cheap for every command."""
 
 from __future__ import annotations
@@ -42,13 +43,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(run=gc_command)
 
     p = subparsers.add_parser("repair", help="replace missing or damaged chunks, manifests and commit records "
-                                             "with verified copies from other repositories")
+                                             "with verified copies from other repositories, or rebuild them "
+                                             "from parity")
     p.add_argument("repo", help="repository URL")
     p.add_argument("--from", dest="sources", action="append", default=[], metavar="OTHER",
-                   help="a repository holding copies (another tier, a replica); repeatable, tried in order")
+                   help="a repository holding copies (another tier, a replica); repeatable, tried in order, "
+                        "before parity")
     p.add_argument("--dry-run", action="store_true", help="report what would be repaired, write nothing")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(run=repair_command)
+
+    p = subparsers.add_parser("protect", help="add Reed-Solomon parity to a checkpoint or every checkpoint of a "
+                                              "repository: repair then rebuilds lost objects with no replica")
+    p.add_argument("url", help="checkpoint or repository URL")
+    p.add_argument("--parity", default="8+2", metavar="K+M",
+                   help="K data pieces and M parity pieces a stripe: any M lost per stripe rebuild (default 8+2)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(run=protect_command)
+
 
 
 def rm_command(args, console: Console) -> int:
@@ -107,11 +119,13 @@ def _summary(repo: Repository, doomed: list[str], report: GcReport) -> str:
     if report.busy:
         return (f"{repo.url}: {removed}; no chunk deleted: held back by {counted(len(report.busy), 'live save lease')}"
                 f" (a running save, or a killed one's until it expires): {'; '.join(report.busy)}; run gc again then")
-    freed = (f"{verb} {human_bytes(report.chunk_bytes + report.other_bytes)}: "
-             f"{counted(report.chunks, 'unreferenced chunk')} and {counted(report.other, 'other file')} (manifests "
-             "and leftovers of removed or failed saves)")
+    parity = f", {counted(report.parity, 'parity object')}" if report.parity else ""
+    freed = (f"{verb} {human_bytes(report.chunk_bytes + report.parity_bytes + report.other_bytes)}: "
+             f"{counted(report.chunks, 'unreferenced chunk')}{parity} and {counted(report.other, 'other file')} "
+             "(manifests and leftovers of removed or failed saves)")
+    kept_parity = f" and {human_bytes(report.kept_parity_bytes)} of parity" if report.kept_parity else ""
     return (f"{repo.url}: {removed}; {freed}; {counted(report.kept_chunks, 'chunk')}, "
-            f"{human_bytes(report.kept_bytes)} kept for the remaining checkpoints")
+            f"{human_bytes(report.kept_bytes)}{kept_parity} kept for the remaining checkpoints")
 
 
 def repair_command(args, console: Console) -> int:
@@ -136,7 +150,7 @@ def repair_command(args, console: Console) -> int:
                   [Column("object", KEY), Column("kind"), Column("from", NAME), Column("damage", TEXT)],
                   ((f.key, f.kind, f.source, f.damage) for f in report.fixed))
     if report.unrepaired:
-        out.table("not repaired: no good copy",
+        out.table("not repaired: no good copy, and parity could not rebuild it",
                   [Column("checkpoint", KEY), Column("object", NAME), Column("tensors", NAME),
                    Column("damage and sources", TEXT)],
                   ((u.checkpoint, u.key or "manifest, commit record", "\n".join(u.tensors) or "-",
@@ -144,6 +158,34 @@ def repair_command(args, console: Console) -> int:
     if report.verified is not None and not report.verified.ok and not report.unrepaired:
         out.line(f"still damaged after the repair: {report.verified.problems[0].message}")
     return 0 if report.ok else 1
+
+
+def protect_command(args, console: Console) -> int:
+    from ckptfmt.cli.render import ByteProgress
+    from ckptfmt.lifecycle.protect import protect
+
+    try:
+        with ByteProgress("protecting", quiet=args.json) as progress:
+            report = protect(args.url, args.parity, callback=progress)
+    except ValueError as exc:  # a K+M the code cannot have
+        raise CheckpointError(str(exc)) from None
+    if args.json:
+        Output(console).json({"url": report.url, "k": report.k, "m": report.m, "seconds": report.seconds,
+                              "protected": [p.__dict__ for p in report.protected], "unchanged": report.unchanged})
+        return 0
+    out = Output(console)
+    data = sum(p.stored_bytes for p in report.protected)
+    parity = sum(p.parity_bytes for p in report.protected)
+    share = f" ({parity / data:.0%} of the data)" if data else ""
+    out.line(f"{report.url}: protected {counted(len(report.protected), 'checkpoint')} with parity "
+             f"{report.k}+{report.m} in {seconds(report.seconds)}: {human_bytes(parity)} of parity{share}"
+             + (f"; {counted(len(report.unchanged), 'checkpoint')} had it already" if report.unchanged else ""))
+    if report.protected:
+        out.table(None, [Column("checkpoint", KEY), Column("objects", right=True), Column("data", right=True),
+                         Column("parity", right=True), Column("stripes", right=True)],
+                  ((p.name, str(p.objects), human_bytes(p.stored_bytes), human_bytes(p.parity_bytes), str(p.stripes))
+                   for p in report.protected))
+    return 0
 
 
 def _repair_summary(report: RepairReport) -> str:

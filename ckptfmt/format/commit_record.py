@@ -32,6 +32,8 @@ class CommitRecord:
     totals: dict
     #: The format version it is written for (spec 13): the save's.
     version: tuple[int, int] = FORMAT_VERSION
+    #: The hash of the checkpoint's parity record (spec 5.6, 2.1), None when it has no parity.
+    parity: str | None = None
 
     @property
     def stats(self) -> dict:
@@ -50,6 +52,7 @@ class CommitRecord:
             "created_ns": self.created_ns,
             "parent": self.parent,
             "stats": self.totals,
+            **({"parity": self.parity} if self.parity is not None else {}),
         }
 
     def to_bytes(self) -> bytes:
@@ -88,6 +91,7 @@ class CommitRecord:
                 parent=check_name(parent) if parent is not None else None,
                 totals=stats,
                 version=version,
+                parity=check_hash(doc["parity"]) if doc.get("parity") is not None else None,
             )
         except CheckpointError as exc:
             raise type(exc)(f"{where}: {exc}") from None

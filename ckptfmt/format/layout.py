@@ -6,6 +6,7 @@
     REPO/NAME/COMMIT                           its commit record, written last
     REPO/_index/...                            the commit index (index.py)
     REPO/_leases/...                           leases of running saves and collectors (leases.py)
+    REPO/_parity/...                           parity objects and copies of parity records (parity_record.py)
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ CHUNKS_DIR = "chunks"
 COMMIT_NAME = "COMMIT"
 #: Save and gc leases (spec 11.6); not a valid checkpoint name, like the commit index's ``_index``.
 LEASES_DIR = "_leases"
+#: Parity objects and copies of parity records (spec 5.6, 2.1).
+PARITY_DIR = "_parity"
 
 
 def chunk_key(digest: str, codec: str, base: str | None = None) -> str:

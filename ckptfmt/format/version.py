@@ -8,7 +8,7 @@ from typing import Any
 from ckptfmt.errors import ManifestError, UnsupportedVersionError, quoted
 
 #: The version of the format this ckptfmt writes unless told to write for an older reader: [major, minor].
-FORMAT_VERSION = (2, 0)
+FORMAT_VERSION = (2, 1)
 
 #: The oldest version it reads: every version since is read forever (spec 13).
 OLDEST_READ = (1, 0)
@@ -30,9 +30,9 @@ def check_version(version: Any, what: str) -> tuple[int, int]:
 
 
 def writable(version: tuple[int, int]) -> tuple[int, int]:
-    """``version`` if this ckptfmt can write for it (1.0-1.15 and its own), else a ValueError."""
-    if not (OLDEST_READ <= version <= LAST_1X or version == FORMAT_VERSION):
+    """``version`` if this ckptfmt can write for it (1.0-1.15 and 2.0 to its own), else a ValueError."""
+    if not (OLDEST_READ <= version <= LAST_1X or (FORMAT_VERSION[0], 0) <= version <= FORMAT_VERSION):
         raise ValueError(f"cannot write format {version[0]}.{version[1]}: this ckptfmt writes "
                          f"{OLDEST_READ[0]}.{OLDEST_READ[1]}-{LAST_1X[0]}.{LAST_1X[1]} and "
-                         f"{FORMAT_VERSION[0]}.{FORMAT_VERSION[1]}")
+                         f"{FORMAT_VERSION[0]}.0-{FORMAT_VERSION[0]}.{FORMAT_VERSION[1]}")
     return version

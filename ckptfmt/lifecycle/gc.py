@@ -20,13 +20,15 @@ import re
 import time
 from dataclasses import asdict, dataclass, field
 
-from ckptfmt.errors import CheckpointError, CheckpointNotFoundError
+from ckptfmt.errors import CheckpointError, CheckpointNotFoundError, CorruptDataError
 from ckptfmt.format import layout
 from ckptfmt.format.chunk_table import stored_key
 from ckptfmt.format.limits import is_valid_name
 from ckptfmt.format.manifest import OPTIONAL_FIELDS
+from ckptfmt.format.parity_record import record_digest
 from ckptfmt.repository.leases import SAVE, Lease, live_leases, try_gc_lease
 from ckptfmt.repository.lost_commits import lost_commits
+from ckptfmt.repository.parity import RECORDS_DIR, parity_keys, read_record, stored_digests
 from ckptfmt.repository.repository import CommitRecord, Repository
 
 _CHUNK_NAME = re.compile(r"[0-9a-f]{64}(\.[a-z0-9-]+)?")
@@ -48,6 +50,12 @@ class GcReport:
     #: Chunks that committed checkpoints still reference.
     kept_chunks: int = 0
     kept_bytes: int = 0
+    #: Parity objects (spec 5.6) no committed checkpoint's parity record names, and their bytes.
+    parity: int = 0
+    parity_bytes: int = 0
+    #: Parity objects and record copies kept for the remaining checkpoints, and their bytes.
+    kept_parity: int = 0
+    kept_parity_bytes: int = 0
     #: Live save leases that kept the sweep from running (nothing was deleted then).
     busy: list[str] = field(default_factory=list)
     seconds: float = 0.0
@@ -70,6 +78,10 @@ class _Mark:
     chunks: dict[str, int]
     other: dict[str, int]
     kept_bytes: int
+    #: Unreferenced parity objects; the parity objects and record copies kept, and their bytes.
+    parity: dict[str, int] = field(default_factory=dict)
+    kept_parity: int = 0
+    kept_parity_bytes: int = 0
 
 
 def remove(repo: Repository, names: list[str]) -> list[str]:
@@ -83,7 +95,8 @@ def remove(repo: Repository, names: list[str]) -> list[str]:
     """
     for name in names:
         repo.storage.refuse_links(layout.commit_key(name))
-        if not repo.storage.exists(layout.commit_key(name)) and not repo.storage.list(name):
+        if not repo.storage.exists(layout.commit_key(name)) and not repo.storage.list(name) and not \
+                stored_digests(repo.storage, name, folder=False):
             raise CheckpointNotFoundError(f"{repo.storage.describe(name)}: no such checkpoint (no commit record)")
     for name in names:
         repo.remove(name)
@@ -107,7 +120,8 @@ def collect(repo: Repository, *, dry_run: bool = False, wait_s: float = 0.0,
     started = time.perf_counter()
     known = {} if known is None else known
     mark = _mark(repo, assume_removed, known)
-    report = GcReport(dry_run=dry_run, kept_chunks=len(mark.referenced), kept_bytes=mark.kept_bytes)
+    report = GcReport(dry_run=dry_run, kept_chunks=len(mark.referenced), kept_bytes=mark.kept_bytes,
+                      kept_parity=mark.kept_parity, kept_parity_bytes=mark.kept_parity_bytes)
     if not dry_run:
         lease, report.busy = try_gc_lease(repo, drain_s=wait_s)
         if lease is None:
@@ -123,6 +137,7 @@ def collect(repo: Repository, *, dry_run: bool = False, wait_s: float = 0.0,
         finally:
             lease.release()
     report.chunks, report.chunk_bytes = len(mark.chunks), sum(mark.chunks.values())
+    report.parity, report.parity_bytes = len(mark.parity), sum(mark.parity.values())
     report.other, report.other_bytes = len(mark.other), sum(mark.other.values())
     report.seconds = time.perf_counter() - started
     return report
@@ -140,11 +155,16 @@ def _mark(repo: Repository, assume_removed: frozenset[str], known: dict[str, fro
     referenced: set[str] = set()
     for record in records.values():
         referenced.update(_chunk_keys(repo, record, known))
+    parity = _ParityMark(repo, records, assume_removed)
     manifests = {layout.manifest_key(r.name, r.manifest_hash) for r in records.values()}
-    chunks, other, kept_bytes = {}, {}, 0
+    chunks: dict[str, int] = {}
+    other: dict[str, int] = {}
+    kept_bytes = 0
     for key, size in objects.items():
         top, _, rest = key.partition("/")
-        if top == layout.CHUNKS_DIR and rest:
+        if top == layout.PARITY_DIR and rest:
+            parity.sort(key, size, other)
+        elif top == layout.CHUNKS_DIR and rest:
             if key in referenced:
                 kept_bytes += size
             elif _CHUNK_NAME.fullmatch(key.rsplit("/", 1)[-1]) or _is_temporary(key):
@@ -154,7 +174,54 @@ def _mark(repo: Repository, assume_removed: frozenset[str], known: dict[str, fro
                 other[key] = size
         elif top in assume_removed and rest:
             other[key] = size
-    return _Mark(records, referenced, chunks, other, kept_bytes)
+    return _Mark(records, referenced, chunks, other, kept_bytes, parity.unreferenced, parity.kept, parity.kept_bytes)
+
+
+class _ParityMark:
+    """Sorts the parity objects and record copies (spec 5.6) into kept and garbage: a parity object is kept
+    while a committed checkpoint's record names it, a record copy while its checkpoint's commit record
+    does. A copy of a checkpoint with no commit record proves a commit that was lost (copies are written
+    after the commit, deleted before a removal): the collection stops, as for any lost commit."""
+
+    def __init__(self, repo: Repository, records: dict[str, CommitRecord], assume_removed: frozenset[str]):
+        self.repo, self.records, self.assume_removed = repo, records, assume_removed
+        self.unreferenced: dict[str, int] = {}
+        self.kept = self.kept_bytes = 0
+        self.named: set[str] | None = set()  # None: a record could not be read, so every parity object stays
+        for record in records.values():
+            if record.parity is None:
+                continue
+            try:
+                found = read_record(repo.storage, record.name, record.parity)
+            except CheckpointNotFoundError:
+                continue
+            except CorruptDataError:
+                self.named = None
+                break
+            self.named.update(parity_keys(found.record))
+
+    def sort(self, key: str, size: int, other: dict[str, int]) -> None:
+        parts = key.split("/")
+        if parts[1] == "records" and len(parts) == 4:
+            name, digest = parts[2], record_digest(parts[3])
+            record = self.records.get(name)
+            if record is not None and digest == record.parity:
+                self._keep(size)
+            elif record is not None or name in self.assume_removed or digest is None:
+                other[key] = size
+            else:
+                raise CheckpointError(f"cannot collect garbage: {self.repo.storage.describe(key)} holds the parity "
+                                      f"record of checkpoint {name!r}, whose commit record is gone: "
+                                      f"`ckptfmt repair {self.repo.url}` rebuilds it from parity; or, if it was being "
+                                      f"removed, `ckptfmt rm {self.repo.url}/{name}` finishes the removal")
+        elif self.named is None or key in self.named:
+            self._keep(size)
+        else:
+            self.unreferenced[key] = size
+
+    def _keep(self, size: int) -> None:
+        self.kept += 1
+        self.kept_bytes += size
 
 
 def _refuse_lost_commits(repo: Repository, objects: dict[str, int], records: dict[str, CommitRecord],
@@ -210,6 +277,16 @@ def _spare_new_commits(repo: Repository, mark: _Mark, known: dict[str, frozenset
             continue
         for key in _chunk_keys(repo, record, known):
             mark.chunks.pop(key, None)
+        if record.parity is not None:  # committed since the mark, or protected since
+            try:
+                spared = parity_keys(read_record(repo.storage, name, record.parity).record)
+            except CheckpointError:
+                spared = set(mark.parity)
+            for key in spared:
+                mark.parity.pop(key, None)
+            for key in [k for k in mark.other if k.startswith(f"{RECORDS_DIR}/{name}/")]:
+                if record_digest(key.rsplit("/", 1)[-1]) == record.parity:
+                    del mark.other[key]
         for key in [k for k in mark.other if k.startswith(f"{name}/")]:
             del mark.other[key]
     mark.records = now
@@ -217,11 +294,13 @@ def _spare_new_commits(repo: Repository, mark: _Mark, known: dict[str, frozenset
 
 def _sweep(repo: Repository, mark: _Mark, lease: Lease) -> None:
     """Delete the candidates in batches, each after checking that the gc lease still holds."""
-    keys = sorted(mark.chunks) + sorted(mark.other)
+    keys = sorted(mark.chunks) + sorted(mark.parity) + sorted(mark.other)
     for start in range(0, len(keys), _BATCH):
         lease.check("deleting garbage")
         repo.storage.delete_many(keys[start : start + _BATCH])
     for folder in sorted({k.split("/", 1)[0] for k in mark.other} - set(mark.records)):
+        repo.storage.remove_folder(folder)
+    for folder in sorted({k.rsplit("/", 1)[0] for k in mark.other if k.startswith(f"{RECORDS_DIR}/")}):
         repo.storage.remove_folder(folder)
     if repo.indexed:  # no save runs: entries of failed saves and records of removed checkpoints go (spec 4.4)
         lease.check("rebuilding the commit index")

@@ -16,8 +16,10 @@ from dataclasses import dataclass, field
 
 from ckptfmt.errors import CheckpointError, CheckpointNotFoundError
 from ckptfmt.lifecycle.gc import collect, remove
+from ckptfmt.lifecycle.protect import protect
 from ckptfmt.lifecycle.replicate import replicate
 from ckptfmt.lifecycle.retention import Retention, metrics_reader
+from ckptfmt.repository.protection import parse_parity
 from ckptfmt.repository.repository import CommitRecord, Repository
 from ckptfmt.saving.options import SCOPES
 
@@ -34,7 +36,9 @@ class Tier:
     node), which holds the boxes of that node's ranks (``ckptfmt.save(scope="node")``, spec 9.8); only
     the first, fastest tier may be one. ``replicas``: for a node-scoped tier, how many other nodes
     keep a verified copy of each node's chunks of every checkpoint (``peer_copies``), so that losing
-    that many nodes' disks loses no checkpoint.
+    that many nodes' disks loses no checkpoint. ``parity``: ``"K+M"`` Reed-Solomon parity for this
+    tier's checkpoints (spec 5.6; None: the manager's ``parity=``, if any): the first tier's saves write
+    it, a later tier's copies get it once they arrive (``protect``).
     """
 
     url: str
@@ -42,12 +46,18 @@ class Tier:
     storage_options: dict | None = field(default=None, hash=False)
     scope: str = "job"
     replicas: int = 1
+    parity: str | None = None
 
     def __post_init__(self) -> None:
         if self.scope not in SCOPES:
             raise ValueError(f"a tier's scope must be one of {', '.join(SCOPES)}, not {self.scope!r}")
         if isinstance(self.replicas, bool) or not isinstance(self.replicas, int) or self.replicas < 0:
             raise ValueError(f"a tier's replicas must be a number of nodes >= 0, not {self.replicas!r}")
+        if self.parity is not None:
+            parse_parity(self.parity)
+            if self.scope == "node":
+                raise ValueError("a node-scoped tier's nodes each hold their own chunks: its checkpoints are "
+                                 "protected by peer copies (replicas), not by parity=")
 
 
 def tier_records(tier: Tier) -> list[CommitRecord]:
@@ -107,10 +117,18 @@ class Housekeeper:
             if index == 0 and self.drained:
                 continue
             self._attempt(problems, f"replicating to {target.url}", functools.partial(
-                replicate, source.url, target.url, self._wanted(source, target),
-                storage_options=source.storage_options, dst_storage_options=target.storage_options,
-                workers=REPLICATION_WORKERS, yield_to=self._running.wait))
+                self._copy, source, target))
         return problems
+
+    def _copy(self, source: Tier, target: Tier) -> None:
+        """Copy what ``target`` lacks and keeps; where it has its own parity, protect each copy with it
+        (a copy arrives with the source's parity, which ``protect`` keeps when it is the same code)."""
+        report = replicate(source.url, target.url, self._wanted(source, target),
+                           storage_options=source.storage_options, dst_storage_options=target.storage_options,
+                           workers=REPLICATION_WORKERS, yield_to=self._running.wait)
+        if target.parity is not None:
+            for name in report.copied:
+                protect(f"{target.url}/{name}", target.parity, storage_options=target.storage_options)
 
     def retain(self) -> list[str]:
         """Apply each tier's retention and collect its garbage; what failed, in words."""

@@ -85,9 +85,11 @@ class CheckpointManager:
     ``mtbf`` (``ckptfmt advise``). ``housekeeping``: where copies to the
     next tiers run: ``"process"`` (a child process, Linux), ``"thread"`` (the
     manager's thread, with retention and collection), ``"auto"`` (the process
-    where available, unless a tier is in this process's memory). Other keyword
-    arguments (``compression``, ``chunk_size``, ``parallelism``, ...) go to
-    ``ckptfmt.save``.
+    where available, unless a tier is in this process's memory). ``parity="8+2"``:
+    Reed-Solomon parity on every tier that gives none of its own
+    (``Tier(..., parity=...)``; spec 5.6): the first tier's saves write it, the
+    next tiers' copies carry it or get their tier's. Other keyword arguments
+    (``compression``, ``chunk_size``, ``parallelism``, ...) go to ``ckptfmt.save``.
     """
 
     def __init__(self, repo: str | os.PathLike | None = None, *, keep_last: int | None = None,
@@ -101,7 +103,7 @@ class CheckpointManager:
             raise ValueError("give either repo or tiers (fastest first)")
         default = Retention(keep_last=keep_last, keep_every=keep_every, keep_best=keep_best, keep_within=keep_within)
         given = [repo] if repo is not None else tiers or []
-        self.tiers = [_tier(t, default, storage_options) for t in given]
+        self.tiers = [_tier(t, default, storage_options, save_options.get("parity")) for t in given]
         if not self.tiers:
             raise ValueError("tiers must name at least one repository")
         if any(tier.scope == "node" for tier in self.tiers[1:]):
@@ -125,7 +127,7 @@ class CheckpointManager:
         #: The options of every save, checked now rather than at the first save: with the first tier's
         #: scope, which each save sets (a node-scoped tier needs format 1.10, ``format_version=``).
         self.save_options = SaveOptions.from_keywords("CheckpointManager", save_options).replace(
-            scope=self.tiers[0].scope)
+            scope=self.tiers[0].scope, parity=self.tiers[0].parity)
         #: The asynchronous saver, with its staging buffers (freed by ``close``).
         self.saver = AsyncSaver() if async_save else None
         self.group = distributed_group(process_group)
@@ -451,10 +453,14 @@ def _other_repositories(tiers: list[Tier], reading: Tier) -> list[Repository]:
     return others
 
 
-def _tier(tier: str | os.PathLike | Tier, default: Retention, storage_options: dict | None) -> Tier:
-    if isinstance(tier, Tier):
-        return tier if tier.retention is not None else dataclasses.replace(tier, retention=default)
-    return Tier(os.fspath(tier).rstrip("/"), default, storage_options)
+def _tier(tier: str | os.PathLike | Tier, default: Retention, storage_options: dict | None,
+          parity: str | None) -> Tier:
+    """A tier with the manager's retention and parity where it has none of its own (a node-scoped tier
+    takes no parity: its peer copies protect it)."""
+    if not isinstance(tier, Tier):
+        return Tier(os.fspath(tier).rstrip("/"), default, storage_options, parity=parity)
+    return dataclasses.replace(tier, retention=tier.retention or default,
+                               parity=tier.parity or (parity if tier.scope == "job" else None))
 
 
 def _parts(into: Any) -> dict[str, Any]:

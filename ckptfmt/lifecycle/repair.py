@@ -1,5 +1,6 @@
 """repair(): replace a repository's damaged or missing chunks, manifests and commit records with verified
-copies from other repositories (its other tiers, replicas, a backup): self-healing (spec 11.8).
+copies from other repositories (its other tiers, replicas, a backup), then rebuild what they could not
+mend from the checkpoints' parity (spec 5.6, ``parity_repair.py``): self-healing (spec 11.8).
 
 Chunks are named by the hash of their decoded bytes, and a replicated checkpoint is the same manifest
 bytes on every tier, so any repository holding an object of the same name holds exactly what was lost:
@@ -19,7 +20,6 @@ import os
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 from fsspec.callbacks import Callback
 
@@ -30,6 +30,8 @@ from ckptfmt.format.commit_record import CommitRecord
 from ckptfmt.format.hashing import check_chunk
 from ckptfmt.format.limits import MAX_MARKER_BYTES, is_valid_name
 from ckptfmt.format.manifest import Chunk, Manifest
+from ckptfmt.lifecycle.parity_repair import parity_lost_commits, rebuild_checkpoints, rebuild_objects
+from ckptfmt.lifecycle.repair_report import Fix, RepairReport, Unrepaired
 from ckptfmt.repository.chunk_copies import find_copy
 from ckptfmt.repository.history import history_keys, read_history, read_history_bytes
 from ckptfmt.repository.leases import save_lease
@@ -38,49 +40,6 @@ from ckptfmt.repository.signatures import signatures
 from ckptfmt.storage.base import Storage
 from ckptfmt.storage.factory import open_storage
 from ckptfmt.tools.verify import Problem, VerifyReport, check_chunks, verify
-
-
-@dataclass(frozen=True)
-class Fix:
-    """One object replaced (or, in a dry run, that would be)."""
-
-    kind: str  # "marker", "chunk", "manifest", "commit-record", "signature", "history"
-    key: str  # its key in the repaired repository
-    source: str  # where the verified replacement was read
-    damage: str  # what was wrong with it
-    checkpoints: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class Unrepaired:
-    """Damage no source had a good copy for."""
-
-    kind: str  # "chunk", "checkpoint" (its commit record or manifest) or "history"
-    checkpoint: str
-    damage: str
-    tried: str  # what each source had instead
-    key: str | None = None
-    tensors: tuple[str, ...] = ()
-
-
-@dataclass
-class RepairReport:
-    """What a ``repair`` call found and did."""
-
-    url: str
-    sources: list[str]
-    dry_run: bool
-    checkpoints: list[str] = field(default_factory=list)
-    fixed: list[Fix] = field(default_factory=list)
-    unrepaired: list[Unrepaired] = field(default_factory=list)
-    #: The repository verified after the repair (None: a dry run, or nothing could be read).
-    verified: VerifyReport | None = None
-    seconds: float = 0.0
-
-    @property
-    def ok(self) -> bool:
-        """Nothing is left damaged: nothing was, or everything was repaired and then verified."""
-        return not self.unrepaired and (self.dry_run or self.verified is None or self.verified.ok)
 
 
 def repair(url: str | os.PathLike, sources: Sequence[str | os.PathLike] = (), *, storage_options: dict | None = None,
@@ -107,13 +66,17 @@ def repair(url: str | os.PathLike, sources: Sequence[str | os.PathLike] = (), *,
         if marker_damage is not None:
             _repair_marker(repo, others, marker_damage, report)
         listing = repo.listing()
-        report.checkpoints = listing.checkpoints + _lost_commits(repo, others, listing.ignored)
+        lost = _lost_commits(repo, others, listing.ignored)
+        lost += [name for name in parity_lost_commits(repo) if name not in lost]
+        report.checkpoints = listing.checkpoints + sorted(lost)
         manifests = _repair_checkpoints(repo, others, report)
+        rebuild_checkpoints(repo, report, manifests)
         _repair_signatures(repo, others, list(manifests), report)
         _repair_histories(repo, others, report)
         damage = VerifyReport(url=repo.url, checkpoints=list(manifests))
         check_chunks(repo, manifests, damage, callback, workers=workers)
         _repair_chunks(repo, others, manifests, damage.problems, report, workers)
+        rebuild_objects(repo, manifests, report)
     if not dry_run and (report.fixed or report.unrepaired):
         report.verified = verify(url, storage_options=storage_options, workers=workers)
     elif not dry_run:

@@ -29,6 +29,7 @@ the last commit (docs/design/leases-and-gc.md).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import threading
@@ -61,6 +62,7 @@ from ckptfmt.loading.chunkio import ChunkReader
 from ckptfmt.repository.chunk_reads import read_chunk
 from ckptfmt.repository.history import copy_histories
 from ckptfmt.repository.leases import Lease, save_lease
+from ckptfmt.repository.parity import copy_parity, write_copies
 from ckptfmt.repository.repository import CommitRecord, Repository
 from ckptfmt.repository.signatures import copy_signatures, signatures, write_signature
 from ckptfmt.saving.chunker import DEFAULT_CHUNK_SIZE
@@ -529,6 +531,18 @@ class _Copier:
         with self.lock:
             self.bytes_copied += len(data)
         self.signatures_copied += copy_signatures(self.source, self.target, record)  # signed when it appears
+        parity = None
+        if record.parity is not None:  # copied with the chunks it protects (spec 5.6)
+            copied = copy_parity(self.source.storage, self.target.storage, record.name, record.parity)
+            if copied is None:
+                warnings.warn(f"{self.source.storage.describe(record.name)}: its parity cannot be read whole; "
+                              "copied without it (`ckptfmt repair` mends it on the source)", CheckpointWarning,
+                              stacklevel=2)
+                record = dataclasses.replace(record, parity=None)
+            else:
+                parity = copied[0]
+                with self.lock:
+                    self.bytes_copied += copied[1]
         lease.check("writing the commit record")
         self.target.declare(record.version, requires)
         try:
@@ -537,6 +551,8 @@ class _Copier:
             if not _on_target(self.source, self.target, record):
                 raise
             return False
+        if parity is not None and record.parity is not None:
+            write_copies(self.target.storage, parity, record.parity)
         return True
 
 

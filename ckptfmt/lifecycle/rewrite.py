@@ -234,7 +234,8 @@ def rewritten(manifest: Manifest, chunks: list[Chunk], version: tuple[int, int],
 
 def record_for(record: CommitRecord, data: bytes, version: tuple[int, int]) -> CommitRecord:
     """The commit record of the rewritten manifest ``data``: the source's, with the new manifest."""
-    return dataclasses.replace(record, manifest_hash=chunk_hash(data), manifest_size=len(data), version=version)
+    return dataclasses.replace(record, manifest_hash=chunk_hash(data), manifest_size=len(data), version=version,
+                               parity=None)  # the parity of the manifest it replaces protects none of this one
 
 
 def same_checkpoint(source: Manifest, theirs: Manifest, version: tuple[int, int]) -> bool:

@@ -37,6 +37,7 @@ from ckptfmt.format.maps import unique_map
 from ckptfmt.format.progress import PROGRESS_DIR
 from ckptfmt.format.version import FORMAT_VERSION
 from ckptfmt.repository.index import INDEX_DIR, CommitIndex, IndexDamagedError, read_each
+from ckptfmt.repository.parity import remove_copies, stored_digests
 from ckptfmt.repository.pointers import POINTER_SUFFIX, read_pointer
 from ckptfmt.storage.base import Storage
 from ckptfmt.storage.factory import check_no_parent_segments, open_storage
@@ -121,12 +122,12 @@ class Repository:
         version of its checkpoints, and from format 2 their required features, so that a reader that cannot
         read one refuses the repository at once. Writers that race each rewrite until theirs are in. A marker
         only rises, so what this object last read of it answers without a read when it covers them already."""
-        if version <= self.format_version and (version[0] < 2 or features <= self.features):
+        if self._covers(version, features):
             return
         for _ in range(_DECLARE_TRIES):
             doc = self._read_marker()
             was = self.format_version
-            if version <= was and (version[0] < 2 or features <= self.features):
+            if self._covers(version, features):
                 return
             newer = max(was, version)
             if newer > was:
@@ -138,6 +139,14 @@ class Repository:
             self.storage.write(layout.MARKER_KEY, marker_bytes(newer, kept, doc.get("index")))
         raise StorageError(f"{self.url}: the repository marker kept changing while this save declared "
                            f"{', '.join(sorted(features)) or 'its format version'} in it")
+
+    def _covers(self, version: tuple[int, int], features: frozenset[str]) -> bool:
+        """Whether the marker as last read already shuts out every reader that cannot read a checkpoint of
+        ``version`` using ``features``: from format 2 a minor adds only what readers of its major ignore or
+        a feature it declares (spec 13.1), so a marker of that major with those features covers it."""
+        if version[0] < 2:
+            return version <= self.format_version
+        return version[0] <= self.format_version[0] and features <= self.features
 
     def check_marker(self, *, hint: bool = True) -> None:
         """Read and check the marker; a damaged one's error says how to repair it (``hint``)."""
@@ -169,7 +178,7 @@ class Repository:
         checkpoints, ignored = [], []
         for entry in self.storage.list(""):
             if entry in (layout.MARKER_KEY, layout.CHUNKS_DIR, INDEX_DIR, layout.LEASES_DIR, HISTORY_DIR,
-                         PROGRESS_DIR):
+                         PROGRESS_DIR, layout.PARITY_DIR):
                 continue
             if is_valid_name(entry) and self.storage.exists(layout.commit_key(entry)):
                 checkpoints.append(entry)
@@ -394,9 +403,11 @@ class Repository:
         already gone (a removal interrupted half way) goes too. Its chunks stay for the collector.
         Packed index records of it are then ignored by readers: its name is gone from the listing."""
         key = layout.commit_key(check_name(name))
-        if not self.storage.exists(key) and not self.storage.list(name):
+        copies = stored_digests(self.storage, name, folder=False)
+        if not self.storage.exists(key) and not self.storage.list(name) and not copies:
             raise CheckpointNotFoundError(f"{self.storage.describe(name)}: no such checkpoint (no commit record)")
         self._archive_history(name)
+        remove_copies(self.storage, name)  # first: a copy outside the folder would let a repair bring it back
         self.storage.delete(key)
         self.storage.delete_many([f"{name}/{entry}" for entry in self.storage.list(name)])
         self.storage.remove_folder(name)

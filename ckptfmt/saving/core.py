@@ -50,6 +50,8 @@ from ckptfmt.metadata.environment import capture_environment, merge_environments
 from ckptfmt.metadata.rng import rng_entry
 from ckptfmt.metadata.timing import PhaseTimer, with_steps
 from ckptfmt.repository.leases import Lease, hold_save_lease
+from ckptfmt.repository.protecting import finish_protection, protect_checkpoint
+from ckptfmt.repository.protection import parse_parity
 from ckptfmt.repository.repository import CommitRecord, Repository
 from ckptfmt.repository.signatures import write_signature
 from ckptfmt.saving.chunk_writer import checkpoint_totals
@@ -316,10 +318,13 @@ def _state_features(state: bytes, version: tuple[int, int]) -> frozenset[str]:
     return frozenset({"per-rank-values"})
 
 
-def commit_manifest(repo: Repository, manifest: Manifest, lease: Lease, signer: SigningKey | None = None) -> None:
+def commit_manifest(repo: Repository, manifest: Manifest, lease: Lease, signer: SigningKey | None = None,
+                    parity: str | None = None) -> None:
     """Write the manifest, then the commit record that makes the checkpoint exist, unless the save's
     lease has run out (a collector may have swept a chunk it reuses). With a ``signer``, the signature
-    goes between the two (spec 10.3): a signed save is never seen committed and unsigned."""
+    goes between the two (spec 10.3): a signed save is never seen committed and unsigned. With ``parity``
+    ("K+M", spec 5.6), the parity of the manifest and every chunk goes before the commit record, which
+    names it, and the record's copies after it."""
     data = manifest.to_bytes()
     checked = Manifest.from_bytes(data, repo.storage.describe(manifest.name))  # never commit what readers refuse
     digest = chunk_hash(data)
@@ -331,7 +336,12 @@ def commit_manifest(repo: Repository, manifest: Manifest, lease: Lease, signer: 
         created_ns=manifest.created_ns, parent=manifest.parent, totals=manifest.totals, version=manifest.version,
     )
     repo.declare(manifest.version, checked.requires)  # before the checkpoint exists: readers learn at once
+    added = None
+    if parity is not None:
+        record, added = protect_checkpoint(repo, record, checked, *parse_parity(parity), commit=False)
     if signer is not None:
         write_signature(repo, record, signer)
     lease.check("writing the commit record")
     repo.create_commit(record)
+    if added is not None and record.parity is not None:
+        finish_protection(repo, added, record.parity)

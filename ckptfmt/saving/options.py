@@ -24,6 +24,7 @@ from ckptfmt.format.limits import MAX_CHUNK_BYTES
 from ckptfmt.format.signatures import SigningKey, signature_features
 from ckptfmt.format.version import FORMAT_VERSION, writable
 from ckptfmt.metadata.step_timer import decode_steps
+from ckptfmt.repository.protection import parse_parity
 
 
 class _Latest:
@@ -116,6 +117,9 @@ class SaveOptions:
     #: Write for readers of this format version (spec 13.3): ``"1.6"`` or ``(1, 6)``; None: this ckptfmt's own.
     #: Options that version cannot express are refused, naming the version that first has them.
     format_version: Any = None
+    #: Reed-Solomon parity written with the checkpoint (spec 5.6, 2.1), ``"K+M"`` such as ``"8+2"``: any M lost
+    #: or damaged objects of each stripe of K then rebuild (``ckptfmt repair``) with no replica. None: none.
+    parity: str | None = None
 
     def __post_init__(self) -> None:
         step = self.step
@@ -157,6 +161,11 @@ class SaveOptions:
             raise ValueError(f"scope must be one of {', '.join(SCOPES)}, not {self.scope!r}")
         object.__setattr__(self, "format_version", target_version(self.format_version))
         self._refuse_what_the_version_lacks()
+        if self.parity is not None:
+            parse_parity(self.parity)
+            if self.scope == "node":
+                raise ValueError("parity= protects a checkpoint whose objects one storage holds; a node-scoped "
+                                 "tier's nodes each hold their own: give its Tier redundancy instead")
         if self.scope == "node" and self.compression in ("delta-zstd", "auto"):
             raise ValueError(f"compression={self.compression!r} stores chunks against the parent's, which a "
                              "node-scoped repository does not promise to hold on the same node: use 'zstd', "
@@ -176,6 +185,8 @@ class SaveOptions:
                              f"format {version_text(version)} cannot express it")
         for feature in signature_features(self.signer.algorithm) if self.signer is not None else ():
             refuse_unless_writable(feature, version, f"signer= (an {self.signer.algorithm} key)")  # ML-DSA: 2.0
+        if self.parity is not None:
+            refuse_unless_writable("parity", version, "parity=")
 
     @property
     def marker_features(self) -> frozenset[str]:

@@ -169,7 +169,7 @@ def _write_and_commit(decision: dict, failure: Failure | None, url: str, name: s
             if options.before_commit is not None:
                 options.before_commit()
             with collector_paused():
-                commit_manifest(repo, manifest, lease, options.signer)
+                commit_manifest(repo, manifest, lease, options.signer, options.parity)
             committed.append(manifest)
             return repo.storage.describe(name)
         outcome, failure = _coordinate(results, ranks, commit)

@@ -51,6 +51,7 @@ def save(
     signer: Any = None,
     scope: str = "job",
     format_version: str | tuple[int, int] | None = None,
+    parity: str | None = None,
     timer: StepTimer | None = None,
 ) -> str:
     """Save ``state`` (nested dicts/lists/tuples of tensors and plain values) as checkpoint ``url``.
@@ -131,6 +132,12 @@ def save(
     such a save is readable by that version's readers; one whose marker is
     already of a newer major stays so. None: this ckptfmt's own format.
 
+    ``parity="8+2"``: protect the checkpoint with Reed-Solomon parity (spec
+    5.6, format 2.1): its objects striped 8 at a time with 2 parity objects a
+    stripe, so that any 2 lost or damaged objects of a stripe rebuild with
+    ``ckptfmt repair`` and no replica (about M/K more bytes stored). Parity is
+    written before the commit record, which names it.
+
     An asynchronous save of the same repository still running in this process
     is waited for first (its error, if it failed, is raised here).
     """
@@ -139,7 +146,7 @@ def save(
         compression=compression, step_times=step_times, parallelism=parallelism, workers=workers, rng=rng,
         provenance=provenance, before_commit=before_commit, process_group=process_group, coordinated=coordinated,
         timeout=timeout, tensor_stats=tensor_stats, on_divergence=on_divergence, gathered_steps=gathered_steps,
-        signer=signer, scope=scope, format_version=format_version,
+        signer=signer, scope=scope, format_version=format_version, parity=parity,
     )
     return save_with(state, url, options, timer=timer)
 

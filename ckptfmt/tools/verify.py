@@ -31,6 +31,7 @@ from ckptfmt.errors import (
 from ckptfmt.format import layout
 from ckptfmt.format.chunk_table import stored_key
 from ckptfmt.format.manifest import Manifest
+from ckptfmt.format.parity_record import record_key
 from ckptfmt.format.shards import chunk_rows
 from ckptfmt.format.signatures import TrustedKeys, trusted_public_keys
 from ckptfmt.format.values import decode_tree
@@ -45,6 +46,7 @@ from ckptfmt.storage.budget import ByteBudget
 from ckptfmt.storage.factory import open_storage
 from ckptfmt.tools import describe
 from ckptfmt.tools.formatting import counted
+from ckptfmt.tools.parity_check import annotate, check_parity
 
 if TYPE_CHECKING:
     from ckptfmt.tools.stats_check import StatsCheck
@@ -55,13 +57,16 @@ class Problem:
     """One thing found wrong: what, where, and which tensors it damages."""
 
     kind: str  # "missing-chunk", "corrupt-chunk", "bad-checkpoint", "missing-commit", "unsigned", "bad-signature",
-    # "wrong-stats", "bad-history"
+    # "wrong-stats", "bad-history", "bad-parity"
     checkpoint: str
     message: str
     chunk: str | None = None
     tensors: tuple[str, ...] = ()
-    #: The damaged chunk's key in the repository (a chunk of one hash may be stored under several codecs).
+    #: The damaged object's key in the repository (a chunk of one hash may be stored under several codecs;
+    #: also a manifest or a parity object).
     key: str | None = None
+    #: In a checkpoint with parity (spec 5.6): whether parity can rebuild the object, for people.
+    parity: str | None = None
 
 
 @dataclass
@@ -85,6 +90,9 @@ class VerifyReport:
     divergences: list[dict] = field(default_factory=list)
     #: History objects (spec 4.5: removed checkpoints' run history) read and checked, repositories only.
     histories_checked: int = 0
+    #: Checkpoints with parity (spec 5.6) whose parity was checked, and the parity bytes read.
+    protected: list[str] = field(default_factory=list)
+    parity_bytes_checked: int = 0
 
     @property
     def ok(self) -> bool:
@@ -128,19 +136,24 @@ def verify(url: str | os.PathLike, *, storage_options: dict | None = None,
         names = [name]
     report = VerifyReport(url=os.fspath(url), checkpoints=names)
     manifests: dict[str, Manifest] = {}
+    protected: dict[str, CommitRecord] = {}
     for name in names:
         if _is_set(cancel):
             report.cancelled = True
             break
+        record = None
         try:
             record = repo.commit(name)
+            if record.parity is not None:
+                protected[name] = record
             manifests[name] = repo.manifest(name, record)
         except StorageError:  # the store failed, not the data: no verdict
             raise
         except CheckpointError as exc:
             if not whole_repository and not repo.storage.exists(layout.commit_key(name)):
                 raise  # no such checkpoint
-            report.problems.append(Problem("bad-checkpoint", name, str(exc)))
+            manifest_key = None if record is None else layout.manifest_key(name, record.manifest_hash)
+            report.problems.append(Problem("bad-checkpoint", name, str(exc), key=manifest_key))
             continue
         report.problems += _signature_problems(repo, record, trusted) + _value_tree_problems(name, manifests[name])
     if ignored:
@@ -162,8 +175,32 @@ def verify(url: str | os.PathLike, *, storage_options: dict | None = None,
         for wrong in check.finish(repo):
             report.problems.append(Problem("wrong-stats", wrong.checkpoint, wrong.message, tensors=(wrong.tensor,)))
         report.stats_checked = len(check.tensors) + len(check.streamed)
+    if protected and not report.cancelled:
+        _check_parity(repo, protected, report, callback, workers)
     report.seconds = time.perf_counter() - started
     return report
+
+
+def _check_parity(repo: Repository, protected: dict[str, CommitRecord], report: VerifyReport, callback: Callback,
+                  workers: int) -> None:
+    """Check each protected checkpoint's parity record and objects (spec 5.6), report what is damaged in
+    them, and say of every damaged object whether parity rebuilds it."""
+    checks = {}
+    for name, record in protected.items():
+        assert record.parity is not None
+        found = checks[name] = check_parity(repo.storage, name, record.parity, workers=workers, callback=callback)
+        report.parity_bytes_checked += found.bytes_checked
+        if found.error is not None:
+            report.problems.append(Problem("bad-parity", name, found.error,
+                                           key=record_key(name, record.parity)))
+        for key, why in found.damaged_copies:
+            report.problems.append(Problem("bad-parity", name, f"{repo.storage.describe(key)}: "
+                                           f"{'missing' if why == 'missing' else why}", key=key,
+                                           parity="another copy restores it"))
+        for key, why in sorted(found.bad_parity.items()):
+            report.problems.append(Problem("bad-parity", name, why, key=key))
+    report.protected = sorted(checks)
+    report.problems = annotate(report.problems, checks)
 
 
 def _signature_problems(repo: Repository, record: CommitRecord, trusted: dict[str, bytes] | None) -> list[Problem]:

@@ -137,12 +137,13 @@ def commands(repo: Path, out: Path, source: Path) -> list[tuple[str, list[str]]]
         ("export b", ["export", b, str(out / "dcp"), "--format", "dcp"]),
         ("export b as deepspeed", ["export", b, str(out / "ds"), "--format", "deepspeed"]),
         ("import", ["import", str(source), str(repo / "imported")]),
+        ("protect", ["protect", str(repo), "--parity", "2+1"]),
     ]
 
 
 #: Exit codes on an intact repository: b was not imported from DeepSpeed, so it has no DeepSpeed layout.
 WORKS = {"ls": 0, "show b": 0, "show latest": 0, "verify": 0, "verify b": 0, "diff": 1, "export b": 0,
-         "export b as deepspeed": 2, "import": 0}  # diff: a and b differ
+         "export b as deepspeed": 2, "import": 0, "protect": 0}  # diff: a and b differ
 
 
 def expected_codes(what: str) -> dict[str, int]:
@@ -152,15 +153,16 @@ def expected_codes(what: str) -> dict[str, int]:
     if what in ("strays", "odd-metadata"):  # ignored, and shown as text
         return WORKS
     if what == "newer-major" or target == "marker":  # nothing can be read without the marker
-        return {**dict.fromkeys(WORKS, 2), "import": 0 if how == "missing" else 2}  # (a save writes a new one)
+        return {**dict.fromkeys(WORKS, 2), "import": 0 if how == "missing" else 2,  # (a save writes a new one,
+                "protect": 0 if how == "missing" else 2}  # which protect then finds)
     if what == "chunks-dir-is-a-file":  # every chunk missing: listing and metadata still work
-        return {**WORKS, "verify": 1, "verify b": 1, "diff": 2, "export b": 2, "import": 2}
-    if target == "chunk":  # b's tensor w
-        return {**WORKS, "verify": 1, "verify b": 1, "diff": 2, "export b": 2}
+        return {**WORKS, "verify": 1, "verify b": 1, "diff": 2, "export b": 2, "import": 2, "protect": 2}
+    if target == "chunk":  # b's tensor w: protect refuses to protect damage
+        return {**WORKS, "verify": 1, "verify b": 1, "diff": 2, "export b": 2, "protect": 2}
     if what == "commit-missing":  # b is no checkpoint, but the commit index names it: verify reports it
         return {**WORKS, "show b": 2, "verify": 1, "verify b": 2, "diff": 2, "export b": 2}
     # b's commit record or manifest (all-damaged: a's and b's records) cannot be read
-    return {**WORKS, "show b": 2, "verify": 1, "verify b": 1, "diff": 2, "export b": 2,
+    return {**WORKS, "show b": 2, "verify": 1, "verify b": 1, "diff": 2, "export b": 2, "protect": 2,
             "show latest": 2 if target == "manifest" or what == "all-damaged" else 0}  # the latest record is b's
 
 

@@ -358,6 +358,32 @@ def test_repair_without_a_good_copy(damaged, run, mode):
     assert unfolded(mode, result.out, [u["checkpoint"] for u in left] + [t for u in left for t in u["tensors"]]) == []
 
 
+def test_protect(copy, run, mode):
+    result = run("protect", copy, "--parity", "3+1")
+    assert result.code == 0, result.err
+    check_layout(mode, result.out)
+    assert unfolded(mode, result.out, NAMES) == []
+    assert "with parity 3+1" in words(result.out)
+    doc = json_of(run("protect", copy, "--parity", "3+1", "--json"))
+    assert doc["unchanged"] == NAMES and doc["protected"] == []
+
+
+def test_verify_and_repair_from_parity(copy, run, mode):
+    assert run("protect", copy, "--parity", "2+1").code == 0
+    chunks = sorted(p for p in (copy / "chunks").rglob("*") if p.is_file())
+    chunks[0].unlink()
+    result = run("verify", copy)
+    assert result.code == 1
+    check_layout(mode, result.out)
+    assert "parity 2+1 can rebuild it" in words(result.out) and "parity can rebuild 1 of them" in words(result.out)
+    problems = json_of(run("verify", copy, "--json"))["problems"]
+    assert [p["parity"] for p in problems] == ["parity 2+1 can rebuild it"]
+    result = run("repair", copy)
+    assert result.code == 0, result.err
+    check_layout(mode, result.out)
+    assert "repaired 1 object" in words(result.out) and "parity 2+1" in words(result.out)
+
+
 # -- the analytics commands ----------------------------------------------------------------------------------
 
 

@@ -29,7 +29,7 @@ import ckptfmt
 
 #: The first format version that writes each feature the writer uses.
 SINCE = {"shards": (1, 1), "rng_argument": (1, 1), "delta_codecs": (1, 5), "signatures": (1, 7),
-         "node_scope": (1, 10), "float_codecs": (1, 11)}
+         "node_scope": (1, 10), "float_codecs": (1, 11), "parity": (2, 1)}
 #: The format's dtypes (spec 8), all known to ckptfmt since 1.0.
 DTYPES = ["bool", "uint8", "uint16", "uint32", "uint64", "int8", "int16", "int32", "int64", "float16", "bfloat16",
           "float32", "float64", "complex32", "complex64", "complex128", "float8_e4m3fn", "float8_e4m3fnuz",
@@ -240,6 +240,8 @@ def solo(version: tuple[int, int], repo: str, key: Path) -> dict:
         out[name] = describe(url, as_loaded(state), options["signer"].key_id if "signer" in options else None)
 
     signed = {"signer": signing_key(key)} if has(version, "signatures") else {}
+    if has(version, "parity"):  # the values' checkpoint carries parity: its chunks rebuild from what this writer wrote
+        signed["parity"] = "2+1"
     # Checkpoints but the first hold no RNG states, as an import's (10 KB a manifest saved), where save takes rng=.
     no_rng = {"rng": []} if has(version, "rng_argument") else {}
     save("values", values_state(version), 1, None, **signed)

@@ -21,6 +21,7 @@ from ckptfmt.format.features import FEATURES, check_declared, version_fields
 from ckptfmt.format.hashing import chunk_hash
 from ckptfmt.format.history import History, HistoryKey
 from ckptfmt.format.progress import Progress, ProgressKey
+from ckptfmt.format.version import FORMAT_VERSION
 from ckptfmt.repository.index import PackRef, decode_pack, encode_pack
 from ckptfmt.repository.leases import read_leases
 from ckptfmt.repository.repository import Repository, marker_bytes, parse_marker
@@ -124,7 +125,7 @@ def test_a_feature_used_but_not_declared_is_malformed():
 
 
 def test_every_feature_names_its_version_and_every_version_writes_only_its_own():
-    assert all(feature.since <= (2, 0) for feature in FEATURES.values())
+    assert all(feature.since <= FORMAT_VERSION for feature in FEATURES.values())
     assert version_fields((1, 6)) == {"version": [1, 6]}
     assert version_fields((2, 0), {"tensor-columns", "chunk-columns"}) == {
         "version": [2, 0], "requires": ["chunk-columns", "tensor-columns"]}
@@ -176,4 +177,4 @@ def test_a_save_that_raises_the_marker_warns_at_the_callers_line(tmp_path):
     with pytest.warns(ckptfmt.CheckpointWarning, match="readers of format 1.6 now refuse it") as caught:
         ckptfmt.save({"w": torch.ones(2)}, tmp_path / "repo" / "new")
     assert [warning.filename for warning in caught] == [__file__]
-    assert Repository.open(tmp_path / "repo").format_version == (2, 0)
+    assert Repository.open(tmp_path / "repo").format_version == FORMAT_VERSION

@@ -29,6 +29,7 @@ from ckptfmt.format.signatures import (
     public_size,
     signature_size,
 )
+from ckptfmt.format.version import FORMAT_VERSION
 from ckptfmt.lifecycle.signing import generate_key
 from ckptfmt.repository.repository import Repository
 from tests.support.helpers import rewrite_manifest
@@ -121,7 +122,7 @@ def test_save_verify_and_open_with_a_trusted_key_of_each_algorithm(tmp_path, key
     path = signature_path(repo / "a")
     data = path.read_bytes()
     doc = json.loads(data)
-    assert doc["algorithm"] == algorithm and doc["version"] == [2, 0]
+    assert doc["algorithm"] == algorithm and doc["version"] == list(FORMAT_VERSION)
     assert doc["requires"] == ([] if algorithm == "ed25519" else [algorithm])
     assert len(base64.b64decode(doc["public_key"])) == public_size(algorithm)
     assert len(base64.b64decode(doc["signature"])) == signature_size(algorithm)

@@ -27,6 +27,7 @@ from ckptfmt import CheckpointExistsError
 from ckptfmt.errors import CheckpointWarning, UnsupportedVersionError
 from ckptfmt.format import layout
 from ckptfmt.format.codecs import is_delta, is_float
+from ckptfmt.format.version import FORMAT_VERSION
 from ckptfmt.lifecycle.replicate import replicate
 from ckptfmt.lifecycle.signing import generate_key
 from ckptfmt.repository.repository import Repository
@@ -282,11 +283,11 @@ def test_bad_options_are_one_line_errors(source, tmp_path):
 def test_newer_destination_marker_warns_and_rises_not(source, tmp_path):
     src, _ = source
     dst = str(tmp_path / "dst")
-    ckptfmt.save({"x": torch.zeros(3)}, f"{dst}/other")  # a format-2.0 repository
+    ckptfmt.save({"x": torch.zeros(3)}, f"{dst}/other")  # a repository of this ckptfmt's format
     with pytest.warns(CheckpointWarning, match="newer than 1.6"):
         report = replicate(src, dst, format_version="1.6")
     assert report.rewritten == tuple(NAMES)
-    assert json.loads(stored(dst, layout.MARKER_KEY))["version"] == [2, 0]
+    assert json.loads(stored(dst, layout.MARKER_KEY))["version"] == list(FORMAT_VERSION)
     for name in NAMES:
         assert manifest_doc(dst, name)["version"] == [1, 6]
     assert ckptfmt.verify(dst).ok

@@ -185,6 +185,7 @@ def test_the_cli_finds_the_commands_of_the_converters_and_the_tui():
         "rm",
         "gc",
         "repair",
+        "protect",
         "sync",
         "keygen",
         "sign",

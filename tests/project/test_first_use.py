@@ -75,7 +75,7 @@ def test_import_into_a_bare_name_is_one_error_line_and_creates_nothing(tmp_path)
 def test_version(tmp_path):
     result = cli("--version", cwd=tmp_path)
     assert result.returncode == 0
-    assert result.stdout.strip() == f"ckptfmt {ckptfmt.__version__}, reads format 1.0-2.0, writes 2.0"
-    assert re.fullmatch(r"\d+\.\d+\.\d+", ckptfmt.__version__)
+    assert result.stdout.strip() == f"ckptfmt {ckptfmt.__version__}, reads format 1.0-2.1, writes 2.1"
+    assert re.fullmatch(r"\d+\.\d+\.\d+(\.dev\d+)?", ckptfmt.__version__)
     changelog = (Path(__file__).resolve().parents[2] / "CHANGELOG.md").read_text()
     assert f"\n## {ckptfmt.__version__} " in changelog, "every release has its CHANGELOG.md section"

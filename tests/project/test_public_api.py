@@ -12,12 +12,12 @@ DOCUMENTED_ATTRIBUTES = {"ckptfmt.Repository.open"}
 #: ``ckptfmt.__all__``.
 TOP_LEVEL = [
     "CheckpointError", "CheckpointExistsError", "CheckpointManager", "CheckpointNotFoundError", "CheckpointReader",
-    "CheckpointWarning", "CollectiveError", "CorruptDataError", "FORMAT_VERSION", "InvalidNameError",
-    "ManifestError", "OpaqueObject", "PerRank", "PerRankValues", "RepairReport", "ReplicationReport", "Repository",
-    "ResumeRecord", "Retention", "Shard", "Sharded", "SignatureError", "SigningKey", "StateMismatchError", "StepTimer",
-    "StorageError", "Tier", "UnsafePathError", "UnsupportedValueError", "UnsupportedVersionError", "VerifyReport",
-    "async_save", "generate_key", "load", "open", "record_resume", "repair", "replicate", "restore_rng", "save", "sign",
-    "verify",
+    "CheckpointWarning", "CollectiveError", "CorruptDataError", "FORMAT_VERSION", "InvalidNameError", "ManifestError",
+    "OpaqueObject", "PerRank", "PerRankValues", "ProtectReport", "RepairReport", "ReplicationReport", "Repository",
+    "ResumeRecord", "Retention", "Shard", "Sharded", "SignatureError", "SigningKey", "StateMismatchError",
+    "StepTimer", "StorageError", "Tier", "UnsafePathError", "UnsupportedValueError", "UnsupportedVersionError",
+    "VerifyReport", "async_save", "generate_key", "load", "open", "protect", "record_resume", "repair", "replicate",
+    "restore_rng", "save", "sign", "verify",
 ]
 #: The ``__all__`` of the public subpackages: the DCP storage layer, analytics, converters and the TUI.
 SUBPACKAGES = {

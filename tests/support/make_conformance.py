@@ -7,8 +7,10 @@ slimmed: the optional run metadata (environment, timing, RNG states) is dropped 
 the commit index from the repository, so that the suite stays small; every other byte is the writer's.
 What each tensor must read as is taken from the values given to ``save``, never from a reader. Each
 refused case is an accepted one with one thing broken, re-hashed where needed so that the reader meets
-that thing and not an earlier check. tests/format/test_conformance.py runs ckptfmt and
-tests/support/spec_reader.py over the result.
+that thing and not an earlier check. The parity cases (spec 5.6) are the ``parity`` repository, protected by
+``ckptfmt.protect`` once slimmed, with objects lost (what a repairer rebuilds, each object's sha256 taken
+from the bytes before the damage) or with more lost than parity rebuilds, or a hostile parity record.
+tests/format/test_conformance.py runs ckptfmt and tests/support/spec_reader.py over the result.
 """
 
 from __future__ import annotations
@@ -83,6 +85,22 @@ def codec_state(changed: bool) -> tuple[dict, Tensors]:
             "small": tensors["small"]}, tensors
 
 
+def parity_state() -> tuple[dict, Tensors]:
+    """A float32 tensor of 256 KiB (smaller ones are packed, spec 5.2) cut at 32 KiB into eight chunks of
+    repeating values that shuffle4-zstd stores in a few hundred bytes each (none alike), and a pack: with the
+    manifest, ten protected objects of different sizes, so that 3+2 parity makes three stripes of three pieces
+    and one of a single piece (its other places zeros, spec 5.6)."""
+    g = torch.Generator().manual_seed(5)
+    parts = [torch.randint(-64, 64, (32 * (i + 1),), generator=g).repeat(8192 // (32 * (i + 1)) + 1)[:8192]
+             for i in range(8)]
+    tensors = {"big": (torch.cat(parts) * 0.125).to(torch.float32), "w": torch.randn(8, 16, generator=g),
+               "n": torch.tensor(-5), "h": torch.arange(12, dtype=torch.bfloat16)}
+    return {**tensors, "step": 7}, tensors
+
+
+#: The parity every parity case carries (spec 5.6), added by ``ckptfmt.protect`` once the checkpoint is slimmed.
+PARITY = "3+2"
+
 #: name -> (checkpoints in order: (name, state builder, save options)), what the case shows.
 ACCEPTED: dict[str, tuple[list[tuple[str, Callable, dict]], str]] = {
     "basic": ([("step-1", basic_state, {})],
@@ -105,6 +123,9 @@ ACCEPTED: dict[str, tuple[list[tuple[str, Callable, dict]], str]] = {
                  "format 1.6: tensor and chunk tables as arrays of maps, a shard grid of 1.6 in a map"),
     "signed": ([("step-1", basic_state, {})],
                "signed by keys/conformance-test-key.pem (Ed25519): accepted when that key is trusted"),
+    "parity": ([("step-1", parity_state, {"chunk_size": 32768, "compression": "shuffle-zstd"})],
+               f"protected by {PARITY} parity (spec 5.6, format 2.1): a reader reads it as if it had none; the "
+               "parity cases below are this repository with objects lost"),
 }
 
 
@@ -120,6 +141,9 @@ def write_accepted(name: str, repos: Path, key: Path) -> list[dict]:
     slim(repo)
     if name == "signed":
         ckptfmt.sign(repo / "step-1", key)
+    if name == "parity":
+        ckptfmt.protect(repo, PARITY)
+        shutil.rmtree(repo / "_leases", ignore_errors=True)
     cases = []
     for checkpoint, tensors in expected:
         manifest = read_manifest(repo, checkpoint)
@@ -387,6 +411,217 @@ def _forge_signature(repo: Path) -> None:
     path.write_text(json.dumps(doc))
 
 
+# -- the parity cases (spec 5.6) ---------------------------------------------------------------------------
+
+def parity_record(repo: Path, name: str = "step-1") -> dict:
+    """Checkpoint ``name``'s parity record, the one its commit record names."""
+    digest = json.loads((repo / name / "COMMIT").read_bytes())["parity"]
+    return unpack((repo / name / f"parity-{digest}.msgpack").read_bytes())
+
+
+def parity_path(repo: Path, digest: str, place: int) -> Path:
+    return repo / "_parity" / digest[:2] / f"{digest}.{place}"
+
+
+def _stripe(doc: dict, *, manifest: bool, full: bool = True) -> list:
+    """The first stripe that holds the manifest (``manifest``) or not, of K pieces (``full``) or fewer."""
+    return next(s for s in doc["stripes"] if any(doc["objects"][p[0]].endswith(".msgpack") for p in s[1]) == manifest
+                and (len(s[1]) == doc["k"]) == full)
+
+
+def _chunks_of(doc: dict, stripe: list) -> list[Path]:
+    return [Path(doc["objects"][obj]) for obj, _, _ in stripe[1] if not doc["objects"][obj].endswith(".msgpack")]
+
+
+def _lose(repo: Path, keys) -> None:
+    for key in keys:
+        (repo / key).unlink()
+
+
+def _lose_chunks(repo: Path, count: int, *, stripe: int = 0) -> None:
+    """``count`` chunks of the ``stripe``-th stripe of K chunks deleted."""
+    doc = parity_record(repo)
+    full = [s for s in doc["stripes"] if len(s[1]) == doc["k"] and not any(
+        doc["objects"][p[0]].endswith(".msgpack") for p in s[1])]
+    _lose(repo, _chunks_of(doc, full[stripe])[:count])
+
+
+def _damage_chunks(repo: Path) -> None:
+    """In a stripe of K chunks, one chunk with a byte flipped (its size right: only decoding and hashing it
+    finds it) and one cut short; and the single piece of the stripe with fewer than K pieces deleted."""
+    doc = parity_record(repo)
+    full = [s for s in doc["stripes"] if len(s[1]) == doc["k"] and not any(
+        doc["objects"][p[0]].endswith(".msgpack") for p in s[1])]
+    flipped, cut = _chunks_of(doc, full[1])[:2]
+    flip_byte(repo / flipped, (repo / flipped).stat().st_size // 2)
+    (repo / cut).write_bytes((repo / cut).read_bytes()[:-5])
+    _lose(repo, _chunks_of(doc, _stripe(doc, manifest=False, full=False)))
+
+
+def _lose_manifest_and_chunk(repo: Path) -> None:
+    doc = parity_record(repo)
+    stripe = _stripe(doc, manifest=True)
+    _lose(repo, [f"step-1/manifest-{doc['manifest']}.msgpack", _chunks_of(doc, stripe)[0]])
+
+
+def _damage_parity(repo: Path) -> None:
+    """The manifest's stripe: a parity object with a byte flipped and a chunk deleted; another stripe: a
+    parity object cut short (rebuilt from its data pieces alone)."""
+    doc = parity_record(repo)
+    stripe = _stripe(doc, manifest=True)
+    flip_byte(parity_path(repo, stripe[2][0], 0), 7)
+    _lose(repo, _chunks_of(doc, stripe)[:1])
+    other = _stripe(doc, manifest=False)
+    path = parity_path(repo, other[2][1], 1)
+    path.write_bytes(path.read_bytes()[:-1])
+
+
+def _lose_folder(repo: Path) -> None:
+    shutil.rmtree(repo / "step-1")
+
+
+def _too_many(repo: Path) -> None:
+    """M chunks of a stripe deleted and one of its parity objects damaged: M+1 of its pieces lost."""
+    doc = parity_record(repo)
+    full = [s for s in doc["stripes"] if len(s[1]) == doc["k"] and not any(
+        doc["objects"][p[0]].endswith(".msgpack") for p in s[1])]
+    _lose(repo, _chunks_of(doc, full[0])[:doc["m"]])
+    flip_byte(parity_path(repo, full[0][2][1], 1), 3)
+
+
+def _uncommitted(repo: Path) -> None:
+    """What a save killed before its commit leaves (spec 5.6): the folder's record, no commit record, no copy
+    of the record outside the folder."""
+    (repo / "step-1" / "COMMIT").unlink()
+    shutil.rmtree(repo / "_parity" / "records")
+
+
+def replace_record(repo: Path, change: Callable[[dict], object], *, rehash: bool = True) -> None:
+    """Change the parity record; with ``rehash``, it is stored under its new hash (folder and M copies) and
+    the commit record names it, so that a repairer meets the change, not a hash mismatch; without, the new
+    bytes replace every copy under the old name."""
+    commit = json.loads((repo / "step-1" / "COMMIT").read_bytes())
+    old = commit["parity"]
+    doc = parity_record(repo)
+    change(doc)
+    data = msgpack.packb(doc, use_bin_type=True)
+    paths = [repo / "step-1" / f"parity-{old}.msgpack", *sorted((repo / "_parity" / "records" / "step-1").iterdir())]
+    digest = blake3.blake3(data).hexdigest() if rehash else old
+    for path in paths:
+        path.unlink()
+        path.with_name(path.name.replace(old, digest)).write_bytes(data)
+    edit_commit(repo, "step-1", lambda r: r.update(parity=digest))
+
+
+def _stripe_of(doc: dict, obj: int) -> list:
+    return next(s for s in doc["stripes"] if any(p[0] == obj for p in s[1]))
+
+
+def _a_lost_chunk(repo: Path) -> int:
+    """A chunk of a stripe of K chunks deleted (its index in the record): a good record rebuilds it."""
+    doc = parity_record(repo)
+    full = [s for s in doc["stripes"] if len(s[1]) == doc["k"] and not any(
+        doc["objects"][p[0]].endswith(".msgpack") for p in s[1])]
+    obj = full[0][1][0][0]
+    _lose(repo, [doc["objects"][obj]])
+    return obj
+
+
+def _hostile(change: Callable[[dict, int], object], *, rehash: bool = True) -> Callable[[Path], None]:
+    """A chunk lost (index ``obj`` in the record), then the record changed by ``change(doc, obj)``."""
+    def damage(repo: Path) -> None:
+        obj = _a_lost_chunk(repo)
+        replace_record(repo, lambda doc: change(doc, obj), rehash=rehash)
+    return damage
+
+
+def _piece_past_object(doc: dict, obj: int) -> None:
+    stripe = _stripe_of(doc, doc["stripes"][0][1][0][0])
+    piece = stripe[1][-1]
+    piece[2] = doc["sizes"][piece[0]] + 1  # within the stripe's length, one byte past its object's end
+    assert piece[2] <= stripe[0]
+
+
+def _parity_name_not_hex(doc: dict, obj: int) -> None:
+    _stripe_of(doc, obj)[2][0] = "../../../../" + "0" * 52  # 64 characters, not 64 hex digits
+
+
+def _object_outside(doc: dict, obj: int) -> None:
+    doc["objects"][obj] = "../x"  # a naive repairer writes what it rebuilds outside the repository
+
+
+def _overlap(doc: dict, obj: int) -> None:
+    lone = next(s for s in doc["stripes"] if len(s[1]) < doc["k"])
+    lone[1].append([obj, 0, min(lone[0], doc["sizes"][obj])])  # bytes of the object a second time
+
+
+#: name -> (what, (problem, "rebuild") or None: rebuilt, how to damage the parity repository).
+PARITY_CASES: dict[str, tuple[str, tuple[str, str] | None, Callable[[Path], object]]] = {
+    "parity-chunks-lost": ("M chunks of one stripe deleted: rebuilt from the other K pieces", None,
+                           lambda repo: _lose_chunks(repo, 2)),
+    "parity-chunks-damaged": ("a chunk with a byte flipped (found by decoding and hashing it, spec 5.4) and a "
+                              "chunk cut short in one stripe, and the single piece of a stripe of fewer than K "
+                              "pieces deleted (its other places are zeros)", None, _damage_chunks),
+    "parity-manifest-lost": ("the manifest and a chunk of its stripe deleted: the manifest is rebuilt first "
+                             "(checked by its hash), then the chunk (checked through the rebuilt manifest)", None,
+                             _lose_manifest_and_chunk),
+    "parity-object-damaged": ("a parity object with a byte flipped and a chunk deleted in one stripe (two "
+                              "erasures), a parity object cut short in another: all three rebuilt", None,
+                              _damage_parity),
+    "parity-folder-lost": ("the checkpoint's folder deleted (commit record, manifest, record): a copy of the "
+                           "record outside the folder proves the commit; the manifest, the commit record and "
+                           "the record in the folder are rebuilt", None, _lose_folder),
+    "parity-too-many-lost": ("M chunks of a stripe deleted and one of its parity objects damaged: M+1 pieces "
+                             "of a stripe lost, nothing of it may be written", ("not-rebuildable", "rebuild"),
+                             _too_many),
+    "parity-uncommitted": ("no commit record and no copy of the record outside the folder (a save killed before "
+                           "its commit): the commit record must not be rebuilt from the folder's record",
+                           ("not-committed", "rebuild"), _uncommitted),
+    "parity-piece-past-object": ("a chunk lost; the record has a piece that runs one byte past its object",
+                                 ("invalid-manifest", "rebuild"), _hostile(_piece_past_object)),
+    "parity-name-not-hex": ("a chunk lost; a parity object of its stripe is named '../../../../000...' (64 "
+                            "characters, not 64 hex digits)", ("invalid-manifest", "rebuild"),
+                            _hostile(_parity_name_not_hex)),
+    "parity-object-outside": ("a chunk lost; the record names it '../x', a key outside the repository",
+                              ("invalid-manifest", "rebuild"), _hostile(_object_outside)),
+    "parity-k-plus-m-over-256": ("a chunk lost; the record says K = 255, M = 2 (K + M over 256)",
+                                 ("invalid-manifest", "rebuild"), _hostile(lambda doc, obj: doc.update(k=255))),
+    "parity-pieces-overlap": ("a chunk lost; the record gives its first bytes a second piece, in another stripe "
+                              "(the pieces do not tile it)", ("invalid-manifest", "rebuild"), _hostile(_overlap)),
+    "parity-record-renamed": ("a chunk lost; every copy of the record holds other bytes than its name's (two "
+                              "parity names swapped): no good copy", ("corrupt-data", "rebuild"),
+                              _hostile(lambda doc, obj: doc["stripes"][0][2].reverse(), rehash=False)),
+}
+
+
+def files_of(repo: Path) -> dict[str, bytes]:
+    return {p.relative_to(repo).as_posix(): p.read_bytes() for p in sorted(repo.rglob("*")) if p.is_file()}
+
+
+def write_parity_case(name: str, repos: Path, accepted: dict) -> dict:
+    """The parity repository with objects lost; what a repairer rebuilds from it (spec 5.6), or refuses."""
+    what, refused, damage = PARITY_CASES[name]
+    repo = repos / name
+    shutil.copytree(repos / "parity", repo)
+    before = files_of(repo)
+    commit = "step-1/COMMIT"
+    damage(repo)
+    after = files_of(repo)
+    # Lost: what the damage deleted or changed; not the record and commit record a hostile case rewrote.
+    rewritten = {key for key in before if "/parity-" in key} | {commit} if refused and refused[0] in (
+        "invalid-manifest", "corrupt-data") else set()
+    lost = sorted(key for key in before if after.get(key) != before[key] and key not in rewritten)
+    case = {"name": name, "repository": f"repos/{name}", "checkpoint": "step-1", "what": what, "lost": lost}
+    if refused:
+        return {**case, "expect": "refuse", "problem": refused[0], "when": refused[1]}
+    case |= {"expect": "rebuild", "rebuilt": {key: hashlib.sha256(before[key]).hexdigest()
+                                              for key in lost if key != commit}}
+    if commit in lost:
+        case["commit"] = json.loads(before[commit])
+    base = accepted["parity"]
+    return {**case, **{key: base[key] for key in ("tensors", "metadata", "codecs", "state", "user")}}
+
+
 def write_refused(name: str, repos: Path, accepted: dict[str, dict]) -> dict:
     source, (problem, when), what, damage = REFUSED[name]
     repo = repos / name
@@ -414,6 +649,8 @@ def main() -> None:
     last = {case["repository"].removeprefix("repos/"): case for case in cases}
     for name in REFUSED:
         cases.append(write_refused(name, repos, last))
+    for name in PARITY_CASES:
+        cases.append(write_parity_case(name, repos, last))
     (ROOT / "cases.json").write_text(json.dumps({"format": "ckptfmt-conformance", "cases": cases}, indent=1) + "\n")
     size = sum(p.stat().st_size for p in ROOT.rglob("*") if p.is_file())
     digest = hashlib.sha256((ROOT / "cases.json").read_bytes()).hexdigest()[:12]

@@ -8,6 +8,7 @@ import base64
 import itertools
 import json
 import math
+import re
 import struct
 from pathlib import Path
 
@@ -111,6 +112,14 @@ def chunk_key(digest: str, codec: str, base_digest: str | None = None) -> str:
 
 
 _NAME_CHARS = set("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-")
+_HEX64 = re.compile("[0-9a-f]{64}")
+
+
+def check_name(name) -> str:
+    """FORMAT.md 4.2: a checkpoint name, before it builds any key."""
+    assert isinstance(name, str) and 1 <= len(name) <= 128 and name[0].isalnum() and name.isascii()
+    assert set(name) <= _NAME_CHARS and name.lower() not in ("chunks", "ckptfmt.json")
+    return name
 
 
 #: FORMAT.md 13.2: the required features this reader implements (all of format 2.0's).
@@ -128,20 +137,18 @@ def _readable(doc: dict) -> bool:
 class SpecReader:
     """Reads one checkpoint as FORMAT.md section 12 describes; no ckptfmt code."""
 
-    def __init__(self, repo: Path, name: str):
-        assert name[0].isalnum() and set(name) <= _NAME_CHARS and len(name) <= 128
-        assert name not in ("chunks", "ckptfmt.json")
+    def __init__(self, repo: Path, name: str, *, objects: dict[str, bytes] | None = None):
+        """``objects``: bytes to read in place of stored objects, by key (rebuilt ones, FORMAT.md 5.6)."""
+        check_name(name)
         self.repo = repo
+        self.objects = dict(objects or {})
         marker = json.loads((repo / "ckptfmt.json").read_bytes())
         assert marker["format"] == "ckptfmt-repository" and _readable(marker)
-        commit_path = repo / name / "COMMIT"
-        assert commit_path.stat().st_size <= 64 * 2**10
-        commit = json.loads(commit_path.read_bytes())
+        commit = json.loads(self.stored(f"{name}/COMMIT", limit=64 * 2**10))
         assert commit["format"] == "ckptfmt-commit" and _readable(commit)
         assert commit["name"] == name
-        path = repo / name / f"manifest-{commit['manifest']}.msgpack"
-        assert path.stat().st_size == commit["manifest_size"]
-        data = path.read_bytes()
+        assert _HEX64.fullmatch(commit["manifest"])
+        data = self.stored(f"{name}/manifest-{commit['manifest']}.msgpack", size=commit["manifest_size"])
         assert blake3_hex(data) == commit["manifest"]
         self.manifest = unpack(data)
         assert self.manifest["format"] == "ckptfmt-manifest" and _readable(self.manifest)
@@ -167,9 +174,8 @@ class SpecReader:
             assert depth < _MAX_DELTA_DEPTH, "at most 16 bases deep"
         else:
             assert "base" not in row, "a base only for the delta codecs"
-        path = self.repo / chunk_key(digest, codec, None if base is None else self.chunks[base]["hash"])
-        assert path.stat().st_size == row["stored_size"], "stored size checked before reading"
-        stored = path.read_bytes()
+        stored = self.stored(chunk_key(digest, codec, None if base is None else self.chunks[base]["hash"]),
+                             size=row["stored_size"])
         if codec == "none":
             data = stored
         elif codec.startswith("float"):
@@ -186,6 +192,17 @@ class SpecReader:
         assert blake3_hex(data) == digest, f"chunk {index} is corrupt"
         self.chunks_read += 1
         self._decoded[index] = data
+        return data
+
+    def stored(self, key: str, *, size: int | None = None, limit: int | None = None) -> bytes:
+        """Object ``key``'s bytes (its stand-in of ``objects`` first), its size checked before it is read:
+        exactly ``size``, at most ``limit``."""
+        path = self.repo / key
+        found = len(self.objects[key]) if key in self.objects else path.stat().st_size
+        assert size is None or found == size, "stored size checked before reading"
+        assert limit is None or found <= limit
+        data = self.objects[key] if key in self.objects else path.read_bytes()
+        assert size is None or len(data) == size
         return data
 
     def tensor_bytes(self, key: str) -> tuple[dict, bytes]:
@@ -531,3 +548,304 @@ def _unique_map(pairs: list) -> dict:
     found = dict(pairs)
     assert len(found) == len(pairs), "a map has a key twice"
     return found
+
+
+# -- FORMAT.md 5.6: rebuilding from parity ------------------------------------------------------------------
+
+class NotRebuildable(Exception):
+    """A stripe lost more than M of its K+M pieces (FORMAT.md 5.6): what it held cannot be rebuilt."""
+
+
+#: FORMAT.md 5.6: the record's limits (a record at most as large as a manifest, 6.1; sizes up to 4 GiB).
+_MAX_RECORD_BYTES = 256 * 2**20
+_MAX_OBJECT_BYTES = 4 * 2**30
+#: FORMAT.md 4.1: a chunk's key, its codec one of 5.3's and a base's hash exactly for the delta codecs.
+_CHUNK_KEY = re.compile(r"chunks/([0-9a-f]{2})/(\1[0-9a-f]{62})(?:\.([a-z0-9-]+)(?:\.([0-9a-f]{64}))?)?")
+
+
+def parse_parity_record(data: bytes, name: str) -> dict:
+    """FORMAT.md 5.6: checkpoint ``name``'s parity record, every rule of "The record" checked (a broken one
+    is refused as a damaged manifest is: AssertionError)."""
+    assert len(data) <= _MAX_RECORD_BYTES
+    doc = unpack(data)
+    assert isinstance(doc, dict) and doc["format"] == "ckptfmt-parity"
+    version, requires = doc["version"], doc["requires"]
+    assert type(version) is list and len(version) == 2 and all(type(v) is int for v in version)
+    assert version[0] == 2 and version[1] >= 1, "records came with 2.1; a newer major is not this code"
+    assert type(requires) is list and "parity" in requires and len(set(requires)) == len(requires)
+    assert set(requires) <= FEATURES | {"parity"}, "a feature this reader does not know: upgrade"
+    assert doc["name"] == check_name(doc["name"]) == name
+    assert isinstance(doc["manifest"], str) and _HEX64.fullmatch(doc["manifest"])
+    assert doc["code"] == "rs-vandermonde-gf256", "a reader refuses another code"
+    k, m = doc["k"], doc["m"]
+    assert type(k) is int and type(m) is int and k >= 1 and m >= 1, "K and M ints, at least 1"
+    assert k + m <= 256, f"K + M = {k + m}: over 256 (GF(2^8) has 256 distinct x_r)"
+    objects, sizes = doc["objects"], doc["sizes"]
+    assert type(objects) is list and type(sizes) is list and len(objects) == len(sizes)
+    assert len(set(objects)) == len(objects), "each object once"
+    for key in objects:
+        assert isinstance(key, str)
+        if key != f"{name}/manifest-{doc['manifest']}.msgpack":
+            found = _CHUNK_KEY.fullmatch(key)
+            assert found, f"{key!r} is neither this checkpoint's manifest nor a chunk key"
+            codec = found.group(3) or "none"
+            assert found.group(3) != "none" and codec in _WIDTHS and (found.group(4) is not None) == is_delta(codec)
+    assert all(type(size) is int and 0 <= size <= _MAX_OBJECT_BYTES for size in sizes)
+    stripes = doc["stripes"]
+    assert type(stripes) is list and stripes, "a non-empty array of stripes"
+    covered: list[list[tuple[int, int]]] = [[] for _ in objects]
+    for stripe in stripes:
+        assert type(stripe) is list and len(stripe) == 3
+        length, pieces, parity = stripe
+        assert type(length) is int and 1 <= length <= _MAX_OBJECT_BYTES
+        assert type(pieces) is list and 1 <= len(pieces) <= k
+        for piece in pieces:
+            assert type(piece) is list and len(piece) == 3 and all(type(v) is int for v in piece)
+            obj, offset, size = piece
+            assert 0 <= obj < len(objects) and offset >= 0 and 0 < size <= length
+            assert offset + size <= sizes[obj], "a piece within its object"
+            covered[obj].append((offset, size))
+        assert type(parity) is list and len(parity) == m
+        assert all(isinstance(p, str) and _HEX64.fullmatch(p) for p in parity), "M names of 64 hex digits"
+    for obj, size in enumerate(sizes):  # the pieces of each object, in order of offset, tile it
+        end = 0
+        for offset, piece_size in sorted(covered[obj]):
+            assert offset == end, f"object {obj}: its pieces overlap or leave a gap"
+            end += piece_size
+        assert end == size, f"object {obj}: its pieces end at {end}, not at its size"
+    return doc
+
+
+def parity_key(digest: str, place: int) -> str:
+    """FORMAT.md 4.1 and 5.6: the key of the parity object at place ``place`` of its stripe."""
+    assert _HEX64.fullmatch(digest)
+    return f"_parity/{digest[:2]}/{digest}.{place}"
+
+
+def record_keys(repo: Path, name: str, digest: str | None) -> list[str]:
+    """The keys that may hold checkpoint ``name``'s parity record ``digest``: the record in the folder, then
+    its copies outside it (those stored; FORMAT.md 5.6 numbers them 1 ... M). ``digest`` None: the commit
+    record is gone, and only a copy outside the folder proves a commit: the copies of whichever record
+    they hold (one, or this reader cannot tell which)."""
+    copies = [p.name for p in sorted((repo / "_parity" / "records" / check_name(name)).glob("parity-*.msgpack"))]
+    found = [re.fullmatch(r"parity-([0-9a-f]{64})\.([1-9][0-9]*)\.msgpack", c) for c in copies]
+    if digest is None:
+        digests = {f.group(1) for f in found if f}
+        if not digests:
+            raise FileNotFoundError(f"{name}: no commit record, no copy of a parity record outside its folder")
+        assert len(digests) == 1, "copies of two records: which one the commit named is unknown"
+        (digest,) = digests
+        inside = []
+    else:
+        assert _HEX64.fullmatch(digest)
+        inside = [f"{name}/parity-{digest}.msgpack"]
+    return inside + [f"_parity/records/{name}/{f.group(0)}" for f in sorted(found, key=lambda f: int(f.group(2)))
+                     if f and f.group(1) == digest]
+
+
+def _gf_tables() -> None:
+    import reedsolo
+    reedsolo.init_tables(prim=0x11D)  # FORMAT.md 5.6: GF(2^8), x^8 + x^4 + x^3 + x^2 + 1, alpha = 2
+
+
+def gf_invert(matrix: list[list[int]]) -> list[list[int]]:
+    """The inverse of a square matrix over GF(2^8), by Gauss-Jordan elimination (reedsolo's arithmetic)."""
+    import reedsolo
+    n = len(matrix)
+    rows = [list(row) + [int(r == c) for c in range(n)] for r, row in enumerate(matrix)]
+    for col in range(n):
+        pivot = next((r for r in range(col, n) if rows[r][col]), None)
+        assert pivot is not None, "a singular matrix: these K rows of G are not independent"
+        rows[col], rows[pivot] = rows[pivot], rows[col]
+        scale = reedsolo.gf_inverse(rows[col][col])
+        rows[col] = [reedsolo.gf_mul(v, scale) for v in rows[col]]
+        for r in range(n):
+            if r != col and rows[r][col]:
+                factor = rows[r][col]
+                rows[r] = [a ^ reedsolo.gf_mul(factor, b) for a, b in zip(rows[r], rows[col])]
+    return [row[n:] for row in rows]
+
+
+def gf_matmul(a: list[list[int]], b: list[list[int]]) -> list[list[int]]:
+    import reedsolo
+    out = []
+    for row in a:
+        line = []
+        for c in range(len(b[0])):
+            total = 0
+            for t, value in enumerate(row):
+                total ^= reedsolo.gf_mul(value, b[t][c])
+            line.append(total)
+        out.append(line)
+    return out
+
+
+def generator_matrix(k: int, m: int) -> list[list[int]]:
+    """FORMAT.md 5.6: G = V * inverse(V_K), V[r][c] = x_r^c with x_0 = 0 (0^0 = 1), x_r = 2^(r-1)."""
+    import reedsolo
+    _gf_tables()
+
+    def power(x: int, c: int) -> int:  # reedsolo's gf_pow takes 0^c as 1: the spec's 0^0 = 1, 0^c = 0
+        return (1 if c == 0 else 0) if x == 0 else reedsolo.gf_pow(x, c)
+
+    xs = [0] + [reedsolo.gf_pow(2, r - 1) for r in range(1, k + m)]
+    v = [[power(x, c) for c in range(k)] for x in xs]
+    g = gf_matmul(v, gf_invert(v[:k]))
+    assert g[:k] == [[int(r == c) for c in range(k)] for r in range(k)], "systematic: the top K rows are I"
+    return g
+
+
+def combine(coefficients: list[int], pieces: list[bytes], length: int) -> bytes:
+    """Byte b of the result: the sum over j of coefficients[j] * byte b of pieces[j], in GF(2^8)."""
+    import reedsolo
+    out = bytearray(length)
+    for coefficient, piece in zip(coefficients, pieces):
+        if coefficient:
+            for b in range(length):
+                out[b] ^= reedsolo.gf_mul(coefficient, piece[b])
+    return bytes(out)
+
+
+class ParityRepairer:
+    """Rebuilds checkpoint ``name``'s lost or damaged objects from its parity, as FORMAT.md 5.6 says ("Rebuilding"),
+    with no ckptfmt code: finds the record (through the commit record, or, where that is gone, a copy outside
+    the folder), finds what is lost, solves each stripe that lost pieces from K of the others, checks every
+    rebuilt object against its name. Writes nothing: ``rebuild`` returns the bytes, by key."""
+
+    def __init__(self, repo: Path, name: str):
+        self.repo, self.name = repo, check_name(name)
+        commit_path = repo / name / "COMMIT"
+        self.commit = json.loads(commit_path.read_bytes()) if commit_path.exists() else None
+        digest = None
+        if self.commit is not None:
+            assert self.commit["name"] == name and self.commit.get("parity") is not None, "no parity"
+            digest = self.commit["parity"]
+        self.record_keys = record_keys(repo, name, digest)
+        self.digest = digest or self.record_keys[0].split("parity-")[1][:64]
+        self.record_bytes = None
+        for key in self.record_keys:  # any one good copy serves
+            data = self._read(key, limit=_MAX_RECORD_BYTES)
+            if data is not None and blake3_hex(data) == self.digest:
+                self.record_bytes = data
+                break
+        assert self.record_bytes is not None, "no copy of the parity record hashes to its name"
+        self.record = parse_parity_record(self.record_bytes, name)
+        if self.commit is not None:
+            assert self.record["manifest"] == self.commit["manifest"], "the record of another manifest"
+        self.k, self.m = self.record["k"], self.record["m"]
+        self.keys, self.sizes = self.record["objects"], self.record["sizes"]
+        self.manifest_key = f"{name}/manifest-{self.record['manifest']}.msgpack"
+        assert self.manifest_key in self.keys, "the manifest is among the protected objects"
+
+    def _read(self, key: str, *, size: int | None = None, limit: int | None = None) -> bytes | None:
+        """Object ``key``'s bytes; None if it is missing or not of ``size`` bytes (checked before reading)."""
+        path = self.repo / key
+        if not path.is_file() or size is not None and path.stat().st_size != size:
+            return None
+        if limit is not None and path.stat().st_size > limit:
+            return None
+        return path.read_bytes()
+
+    def rebuild(self) -> dict[str, bytes]:
+        """Every lost or damaged object the parity covers (the manifest, chunks, parity objects, the record's
+        copies, the commit record where a copy outside the folder proves the commit), rebuilt and checked.
+        NotRebuildable where a stripe lost more than M pieces; AssertionError where a rebuilt object fails
+        its check."""
+        out: dict[str, bytes] = {}
+        # What is lost: objects missing or of the wrong size; parity objects missing, not of their stripe's
+        # length, or not hashing to their names; the manifest when it does not hash to its name.
+        self.held = {i: self._read(key, size=size) for i, (key, size) in enumerate(zip(self.keys, self.sizes))}
+        self.parity: dict[str, bytes | None] = {}
+        for length, _, names in self.record["stripes"]:
+            for place, digest in enumerate(names):
+                data = self._read(parity_key(digest, place), size=length)
+                good = data is not None and blake3_hex(data) == digest
+                self.parity[parity_key(digest, place)] = data if good else None
+        index = self.keys.index(self.manifest_key)
+        manifest = self.held[index]
+        if manifest is None or blake3_hex(manifest) != self.record["manifest"]:
+            self.held[index] = None
+            manifest = self._rebuild_objects([index])[index]  # the manifest first: the chunks' checks need it
+            assert blake3_hex(manifest) == self.record["manifest"] and len(manifest) == self.sizes[index]
+            out[self.manifest_key] = self.held[index] = manifest
+        commit = self.commit
+        if commit is None:  # FORMAT.md 5.6: rebuilt from the manifest, the record's hash and size of it
+            doc = unpack(manifest)
+            commit = {"format": "ckptfmt-commit", "version": doc["version"], "name": self.name,
+                      "manifest": self.record["manifest"], "manifest_size": len(manifest), "step": doc.get("step"),
+                      "created_ns": doc["created_ns"], "parent": doc.get("parent"), "stats": doc.get("stats"),
+                      "parity": self.digest}
+            if doc["version"][0] >= 2:
+                commit["requires"] = []
+            out[f"{self.name}/COMMIT"] = json.dumps(commit, indent=1).encode()
+        # The chunks: each decoded and hashed (FORMAT.md 5.4) through a reader of the (rebuilt) manifest.
+        reader = SpecReader(self.repo, self.name, objects=out)
+        rows = {chunk_key(r["hash"], r["codec"], reader.chunks[r["base"]]["hash"] if "base" in r else None): i
+                for i, r in enumerate(reader.chunks)}
+        for i, key in enumerate(self.keys):
+            if i != index and self.held[i] is not None and not self._chunk_ok(reader, rows, key):
+                self.held[i] = None
+        lost = [i for i in self.held if self.held[i] is None]
+        rebuilt = self._rebuild_objects(lost)
+        checker = SpecReader(self.repo, self.name, objects={**out, **{self.keys[i]: d for i, d in rebuilt.items()}})
+        for i, data in rebuilt.items():
+            assert self._chunk_ok(checker, rows, self.keys[i]), f"rebuilt {self.keys[i]} fails its check"
+            out[self.keys[i]] = self.held[i] = data
+        # Lost parity objects: their stripes' pieces are all known now; each is checked against its name.
+        for length, pieces, names in self.record["stripes"]:
+            for i, digest in enumerate(names):
+                if self.parity[parity_key(digest, i)] is None:
+                    data = self._encode(length, pieces)[i]
+                    assert blake3_hex(data) == digest, f"rebuilt parity object {digest} fails its check"
+                    out[parity_key(digest, i)] = self.parity[parity_key(digest, i)] = data
+        # The record's M+1 copies (the checkpoint is committed, or a copy outside the folder proved it): one
+        # good copy serves to restore the others.
+        for key in [f"{self.name}/parity-{self.digest}.msgpack"] + [
+                f"_parity/records/{self.name}/parity-{self.digest}.{i}.msgpack" for i in range(1, self.m + 1)]:
+            if self._read(key) != self.record_bytes:
+                out[key] = self.record_bytes
+        return out
+
+    def _chunk_ok(self, reader: SpecReader, rows: dict[str, int], key: str) -> bool:
+        assert key in rows, f"{key} is not a chunk of the manifest"
+        reader._decoded.pop(rows[key], None)
+        try:
+            reader.chunk(rows[key])
+        except Exception:  # any failed check of FORMAT.md 5.4: the chunk is damaged
+            return False
+        return True
+
+    def _piece(self, pieces: list, j: int, length: int) -> bytes | None:
+        """Place j (< K) of a stripe: its j-th piece's bytes zero-padded to ``length``; zeros past its pieces."""
+        if j >= len(pieces):
+            return bytes(length)
+        obj, offset, size = pieces[j]
+        data = self.held[obj]
+        return None if data is None else data[offset:offset + size] + bytes(length - size)
+
+    def _encode(self, length: int, pieces: list) -> list[bytes]:
+        g = generator_matrix(self.k, self.m)
+        data = [self._piece(pieces, j, length) for j in range(self.k)]
+        return [combine(g[self.k + i], data, length) for i in range(self.m)]
+
+    def _rebuild_objects(self, lost: list[int]) -> dict[int, bytes]:
+        """The bytes of objects ``lost`` (held as None), from the stripes that hold their pieces."""
+        k, m = self.k, self.m
+        g = generator_matrix(k, m)
+        assembled = {i: bytearray(self.sizes[i]) for i in lost}
+        for length, pieces, names in self.record["stripes"]:
+            if not any(obj in assembled for obj, _, _ in pieces):
+                continue
+            places = [self._piece(pieces, j, length) for j in range(k)] + [
+                self.parity[parity_key(d, i)] for i, d in enumerate(names)]
+            known = [j for j, data in enumerate(places) if data is not None]
+            if len(known) < k:
+                raise NotRebuildable(f"a stripe lost {k + m - len(known)} of its pieces; K+M = {k}+{m} rebuilds {m}")
+            rows = known[:k]  # any K of the others
+            solve = gf_invert([g[j] for j in rows])  # the K pieces of places 0 ... K-1 from those K
+            for j, (obj, offset, size) in enumerate(pieces):
+                if obj in assembled:
+                    coefficients = gf_matmul([g[j]], solve)[0]
+                    piece = combine(coefficients, [places[r] for r in rows], length)
+                    assembled[obj][offset:offset + size] = piece[:size]
+        return {i: bytes(data) for i, data in assembled.items()}

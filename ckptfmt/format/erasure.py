@@ -1,0 +1,101 @@
+"""The Reed-Solomon erasure code of parity (spec 5.6): K data pieces and M parity pieces per stripe, any K
+of the K+M enough to rebuild the others.
+
+The code is the systematic Vandermonde code over GF(2^8) that zfec implements (polynomial 0x11d, the
+generator matrix defined in spec 5.6), so the parity bytes are defined by the spec, not by the library:
+a second reader may rebuild with any GF(2^8) arithmetic. zfec does the field arithmetic (ckptfmt never
+does its own) and releases the GIL while it works, so stripes encode on several threads.
+
+Pieces are processed in column segments (the code works byte by byte across the pieces), so memory is
+K+M segments whatever a stripe's piece length; a piece shorter than the stripe is zero past its end,
+and a stripe with fewer than K pieces has all-zero pieces in the remaining places.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping, Sequence
+
+#: The code's name in a parity record (spec 5.6).
+CODE = "rs-vandermonde-gf256"
+#: Pieces of one stripe, data and parity together: the field has 256 elements.
+MAX_STRIPE_PIECES = 256
+#: Bytes of each piece processed at once.
+SEGMENT = 4 * 2**20
+
+Buffer = bytes | bytearray | memoryview
+
+
+def check_parameters(k: int, m: int) -> None:
+    """Raise ValueError unless K data and M parity pieces make a code of this family."""
+    if not (type(k) is int and type(m) is int and k >= 1 and m >= 1 and k + m <= MAX_STRIPE_PIECES):
+        raise ValueError(f"parity {k}+{m}: K and M must be at least 1 and K+M at most {MAX_STRIPE_PIECES}")
+
+
+@functools.lru_cache(maxsize=32)
+def _encoder(k: int, m: int):
+    import zfec  # imported on first use: only repositories with parity need it
+
+    return zfec.Encoder(k, k + m)
+
+
+@functools.lru_cache(maxsize=32)
+def _decoder(k: int, m: int):
+    import zfec
+
+    return zfec.Decoder(k, k + m)
+
+
+@functools.lru_cache(maxsize=4)
+def _zeros(size: int) -> bytes:
+    return bytes(size)
+
+
+def _segment(piece: Buffer, start: int, size: int) -> Buffer:
+    """Bytes [start, start+size) of ``piece``, zero past its end."""
+    view = memoryview(piece)[start : start + size]
+    if len(view) == size:
+        return view
+    return bytes(view) + _zeros(size - len(view))
+
+
+def encode(pieces: Sequence[Buffer], k: int, m: int, length: int) -> list[bytes]:
+    """The M parity pieces of a stripe of ``length`` bytes whose data pieces are ``pieces`` (at most K,
+    each at most ``length`` bytes)."""
+    check_parameters(k, m)
+    if len(pieces) > k or any(len(p) > length for p in pieces):
+        raise ValueError("a stripe holds at most K pieces, none longer than the stripe")
+    parity = [bytearray(length) for _ in range(m)]
+    wanted = tuple(range(k, k + m))
+    for start in range(0, length, SEGMENT):
+        size = min(SEGMENT, length - start)
+        blocks = tuple(_segment(p, start, size) for p in pieces) + (_zeros(size),) * (k - len(pieces))
+        for out, block in zip(parity, _encoder(k, m).encode(blocks, wanted)):
+            out[start : start + size] = block
+    return [bytes(p) for p in parity]
+
+
+def rebuild(available: Mapping[int, Buffer], k: int, m: int, length: int, count: int,
+            wanted: Sequence[int]) -> dict[int, bytes]:
+    """Pieces ``wanted`` of a stripe (indices: data 0..K-1, parity K..K+M-1) from ``available`` ones,
+    which must hold at least K. ``count``: the stripe's data pieces (the places from ``count`` to K-1
+    are zero pieces, known without reading anything). Each rebuilt piece is ``length`` bytes."""
+    check_parameters(k, m)
+    known: dict[int, Buffer] = {i: _zeros(0) for i in range(count, k)}  # all zero: a segment each, below
+    known.update((i, p) for i, p in available.items() if 0 <= i < k + m and not count <= i < k)
+    if len(known) < k:
+        raise ValueError(f"{len(known)} of the stripe's pieces are known, {k} are needed")
+    chosen = sorted(known)[:k]
+    rebuilt = {i: bytearray(length) for i in wanted}
+    for start in range(0, length, SEGMENT):
+        size = min(SEGMENT, length - start)
+        blocks = tuple(_segment(known[i], start, size) for i in chosen)
+        data = _decoder(k, m).decode(blocks, tuple(chosen))
+        parity_wanted = tuple(i for i in wanted if i >= k)
+        parity = dict(zip(parity_wanted, _encoder(k, m).encode(tuple(data), parity_wanted))) if parity_wanted else {}
+        for i in wanted:
+            rebuilt[i][start : start + size] = data[i] if i < k else parity[i]
+    return {i: bytes(b) for i, b in rebuilt.items()}
+
+
+__all__ = ["CODE", "MAX_STRIPE_PIECES", "check_parameters", "encode", "rebuild"]
