@@ -44,6 +44,7 @@ VERSIONS = {
     "1.14": "a354416b3eb52a3394e745524fc7bfe30f969274",
     "1.15": "131ce17eb9e5bf63d460eff6f7b9ae444141e859",
     "2.0": "654017651623efc92ce23b8be83c8d5150ea4e1b",
+    "2.1": "753ec7812a0f7bbedffc58eef8755a5ab040a803",
 }
 WRITER = HERE / "writer.py"
 #: The test key the writers of 1.7 on sign with (made by the first of them to need it).
