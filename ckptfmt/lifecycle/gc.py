@@ -28,7 +28,7 @@ from ckptfmt.format.manifest import OPTIONAL_FIELDS
 from ckptfmt.format.parity_record import record_digest
 from ckptfmt.repository.leases import SAVE, Lease, live_leases, try_gc_lease
 from ckptfmt.repository.lost_commits import lost_commits
-from ckptfmt.repository.parity import RECORDS_DIR, parity_keys, read_record, stored_digests
+from ckptfmt.repository.parity import RECORDS_DIR, parity_keys, read_record, removed_manifests, stored_digests
 from ckptfmt.repository.repository import CommitRecord, Repository
 
 _CHUNK_NAME = re.compile(r"[0-9a-f]{64}(\.[a-z0-9-]+)?")
@@ -207,7 +207,7 @@ class _ParityMark:
             record = self.records.get(name)
             if record is not None and digest == record.parity:
                 self._keep(size)
-            elif record is not None or name in self.assume_removed or digest is None:
+            elif record is not None or name in self.assume_removed or digest is None or self._removed(name, digest):
                 other[key] = size
             else:
                 raise CheckpointError(f"cannot collect garbage: {self.repo.storage.describe(key)} holds the parity "
@@ -218,6 +218,14 @@ class _ParityMark:
             self._keep(size)
         else:
             self.unreferenced[key] = size
+
+    def _removed(self, name: str, digest: str) -> bool:
+        """Whether the copy is a leftover of a removal that knew no parity (a history object records it)."""
+        try:
+            found = read_record(self.repo.storage, name, digest)
+        except CorruptDataError:
+            return False  # unreadable: no proof either way, so no deletion
+        return found.record.manifest_hash in removed_manifests(self.repo, name)
 
     def _keep(self, size: int) -> None:
         self.kept += 1

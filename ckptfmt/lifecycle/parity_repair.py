@@ -31,12 +31,16 @@ from ckptfmt.tools.parity_check import ParityCheck, check_parity, read_parity
 def parity_lost_commits(repo: Repository) -> list[str]:
     """Names whose commit record is gone (their folder too, perhaps) while a parity record of theirs is
     kept outside the folder: written only after a commit and deleted before a removal, such a copy proves
-    the checkpoint was committed (spec 5.6)."""
+    the checkpoint was committed (spec 5.6), unless a history object says it was removed (by a writer that
+    knew no parity and left the copies behind)."""
     lost = []
     for name in repo.storage.list(stored_parity.RECORDS_DIR):
         if not is_valid_name(name) or repo.storage.exists(layout.commit_key(name)):
             continue
-        if any(_record_of(repo, name, d) for d in stored_parity.stored_digests(repo.storage, name, folder=False)):
+        records = [r for d in stored_parity.stored_digests(repo.storage, name, folder=False)
+                   if (r := _record_of(repo, name, d)) is not None]
+        removed = stored_parity.removed_manifests(repo, name) if records else set()
+        if any(r.manifest_hash not in removed for r in records):
             lost.append(name)
     return lost
 
@@ -56,7 +60,9 @@ def _records(repo: Repository, name: str, commit: CommitRecord | None) -> list[t
     readable commit record, those of the copies outside its folder (or, where its damaged commit record is
     still there, in it), provided they all name one manifest: never a choice between two checkpoints."""
     if commit is not None:
-        found = _record_of(repo, name, commit.parity) if commit.parity else None
+        if commit.parity is None:
+            return []
+        found = _record_of(repo, name, commit.parity)
         return [(commit.parity, found)] if found is not None and found.manifest_hash == commit.manifest_hash else []
     digests = stored_parity.stored_digests(repo.storage, name, folder=False) or (
         stored_parity.stored_digests(repo.storage, name) if repo.storage.exists(layout.commit_key(name)) else set())

@@ -6,7 +6,9 @@ Local disk, memory:// and the S3 test server take one path."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import subprocess
 from collections import Counter
 
 import pytest
@@ -24,7 +26,9 @@ from ckptfmt.repository.parity import RECORDS_DIR, read_record
 from ckptfmt.repository.repository import Repository
 from ckptfmt.storage.factory import open_storage
 from ckptfmt.tools.verify import verify
+from tests.corpus.generate import VERSIONS
 from tests.support.helpers import assert_same
+from tests.support.old_trees import ROOT, run_in_tree
 
 pytestmark = pytest.mark.s3
 
@@ -331,3 +335,54 @@ def test_k_of_one_keeps_m_copies_and_equal_parity_bytes_stay_apart(tmp_path):
     storage.delete_many([record.objects[stripe.pieces[0].obj][0], stripe.keys[0]])
     assert repair(url).ok
     assert_same(saved, ckptfmt.load(f"{url}/a"))
+
+
+#: What ckptfmt 1.0.0 (format 2.0, before parity) does with a protected 2.1 repository: lists, verifies and
+#: loads every checkpoint, then removes "a" and collects the garbage its own way.
+OLD_READER = """
+import hashlib, json, sys
+import torch, ckptfmt
+from ckptfmt.lifecycle.gc import collect, remove
+url = sys.argv[1]
+repo = ckptfmt.Repository.open(url)
+tensors = {}
+for name in repo.names():
+    for key, value in ckptfmt.load(f"{url}/{name}").items():
+        if isinstance(value, torch.Tensor):
+            data = value.contiguous().view(torch.uint8).numpy().tobytes()
+            tensors[f"{name}/{key}"] = hashlib.sha256(data).hexdigest()
+report = ckptfmt.verify(url)
+remove(repo, ["a"])
+collect(repo)
+print(json.dumps({"names": repo.names(), "tensors": tensors, "ok": report.ok,
+                  "problems": [str(p) for p in report.problems]}))
+"""
+
+
+@pytest.mark.skipif(subprocess.run(["git", "rev-parse", "--is-shallow-repository"], cwd=ROOT, capture_output=True,
+                                   text=True).stdout.strip() != "false", reason="needs the repository's history")
+def test_ckptfmt_of_format_2_0_reads_a_protected_repository_and_its_gc_keeps_the_parity(tmp_path):
+    url = str(tmp_path / "repo")
+    ckptfmt.save(state(17), f"{url}/a", parity="2+1")
+    saved = state(18)
+    ckptfmt.save(saved, f"{url}/b", parity="2+1")
+    expected = {f"{name}/{key}": hashlib.sha256(value.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+                for name in ("a", "b") for key, value in ckptfmt.load(f"{url}/{name}").items()
+                if isinstance(value, torch.Tensor)}
+    found = run_in_tree(VERSIONS["2.0"], OLD_READER, url, timeout=300)
+    assert found["ok"] and not found["problems"] and found["tensors"] == expected
+    assert found["names"] == ["b"]
+    # What the old collector left: b's parity whole, and a's parity and record copies (it knows no parity).
+    # Today's repair rebuilds b from it and takes a's copies for what they are, the leftovers of a removal
+    # its history records (not a lost commit); today's gc then takes what is a's.
+    storage = open_storage(url)
+    assert storage.list(f"{RECORDS_DIR}/a")
+    lost = _lose_per_stripe(_parity_record(url, "b"), 1)
+    storage.delete_many(lost)
+    report = repair(url)
+    assert report.ok and sorted(f.key for f in report.fixed) == sorted(lost)
+    assert_same(saved, ckptfmt.load(f"{url}/b"))
+    collect(Repository.open(url))
+    assert not storage.list(f"{RECORDS_DIR}/a")
+    assert {k for k in storage.find(layout.PARITY_DIR) if not k.startswith(RECORDS_DIR)} == {
+        key for s in _parity_record(url, "b").stripes for key in s.keys}
