@@ -16,6 +16,8 @@ Usage (from the repository root)::
 3. The bytes: parity stored per byte of data, against one peer copy (a full copy: 1.0).
 4. Rebuilding: with M chunks of a stripe deleted from the last saved checkpoint, ``repair`` with no
    replica, and its throughput over the bytes it rebuilt.
+5. The asynchronous save: the time ``async_save`` blocks the caller, with parity and without (the parity is
+   computed in the background with the rest of the save), and the time until its commit.
 """
 
 from __future__ import annotations
@@ -155,6 +157,24 @@ def main() -> int:
         assert report.ok, report.unrepaired
         console.print(f"repair of {m} lost chunks ({rebuilt / 2**20:.0f} MiB) from parity alone: {seconds:.2f} s, "
                       "verification of the repository included")
+
+        blocked: dict[bool, list[float]] = {True: [], False: []}
+        done: dict[bool, list[float]] = {True: [], False: []}
+        for repeat in range(args.repeats + 1):
+            for with_parity in ((True, False) if repeat % 2 else (False, True)):
+                tag += 1
+                refresh_content(state, tag)
+                url = str(scratch.fresh(f"async-{with_parity}") / "repo" / "step-1")
+                start = time.perf_counter()
+                future = ckptfmt.async_save(state, url, parity=args.parity if with_parity else None)
+                returned = time.perf_counter()
+                future.result()
+                if repeat:
+                    blocked[with_parity].append(returned - start)
+                    done[with_parity].append(time.perf_counter() - start)
+        console.print(f"async_save, median of {args.repeats}: blocks {statistics.median(blocked[True]):.3f} s with "
+                      f"parity, {statistics.median(blocked[False]):.3f} s without; committed after "
+                      f"{statistics.median(done[True]):.3f} s with, {statistics.median(done[False]):.3f} s without")
     return 0
 
 

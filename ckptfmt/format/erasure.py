@@ -20,8 +20,9 @@ from collections.abc import Mapping, Sequence
 CODE = "rs-vandermonde-gf256"
 #: Pieces of one stripe, data and parity together: the field has 256 elements.
 MAX_STRIPE_PIECES = 256
-#: Bytes of each piece processed at once.
-SEGMENT = 4 * 2**20
+#: Bytes of each piece processed at once: ckptfmt's pieces (16 MiB at most) in one call, longer ones of
+#: another writer's records in segments, so that memory stays K+M segments.
+SEGMENT = 16 * 2**20
 
 Buffer = bytes | bytearray | memoryview
 
@@ -65,14 +66,15 @@ def encode(pieces: Sequence[Buffer], k: int, m: int, length: int) -> list[bytes]
     check_parameters(k, m)
     if len(pieces) > k or any(len(p) > length for p in pieces):
         raise ValueError("a stripe holds at most K pieces, none longer than the stripe")
-    parity = [bytearray(length) for _ in range(m)]
     wanted = tuple(range(k, k + m))
+    segments = []
     for start in range(0, length, SEGMENT):
         size = min(SEGMENT, length - start)
         blocks = tuple(_segment(p, start, size) for p in pieces) + (_zeros(size),) * (k - len(pieces))
-        for out, block in zip(parity, _encoder(k, m).encode(blocks, wanted)):
-            out[start : start + size] = block
-    return [bytes(p) for p in parity]
+        segments.append(_encoder(k, m).encode(blocks, wanted))
+    if len(segments) == 1:
+        return list(segments[0])  # zfec's own buffers: no copy
+    return [b"".join(parts) for parts in zip(*segments)]
 
 
 def rebuild(available: Mapping[int, Buffer], k: int, m: int, length: int, count: int,
@@ -86,16 +88,16 @@ def rebuild(available: Mapping[int, Buffer], k: int, m: int, length: int, count:
     if len(known) < k:
         raise ValueError(f"{len(known)} of the stripe's pieces are known, {k} are needed")
     chosen = sorted(known)[:k]
-    rebuilt = {i: bytearray(length) for i in wanted}
+    parity_wanted = tuple(i for i in wanted if i >= k)
+    segments: dict[int, list] = {i: [] for i in wanted}
     for start in range(0, length, SEGMENT):
         size = min(SEGMENT, length - start)
         blocks = tuple(_segment(known[i], start, size) for i in chosen)
         data = _decoder(k, m).decode(blocks, tuple(chosen))
-        parity_wanted = tuple(i for i in wanted if i >= k)
         parity = dict(zip(parity_wanted, _encoder(k, m).encode(tuple(data), parity_wanted))) if parity_wanted else {}
         for i in wanted:
-            rebuilt[i][start : start + size] = data[i] if i < k else parity[i]
-    return {i: bytes(b) for i, b in rebuilt.items()}
+            segments[i].append(data[i] if i < k else parity[i])
+    return {i: parts[0] if len(parts) == 1 else b"".join(parts) for i, parts in segments.items()}
 
 
 __all__ = ["CODE", "MAX_STRIPE_PIECES", "check_parameters", "encode", "rebuild"]
