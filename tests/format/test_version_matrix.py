@@ -4,8 +4,8 @@ ckptfmt of the commit that introduced 1.N (tests/support/old_trees.py) lists, ve
 checkpoint and finds every tensor and plain value bit for bit as saved, and its ``restore_rng`` puts the
 generators where the saving process had them (this found the floor 1.13 writing Python's generator state
 in a form that 1.13's own commit cannot restore: tests/format/test_floor_forms.py). A checkpoint and
-repository of the default format 2.0 are refused by every 1.x tree as "upgrade" (an
-UnsupportedVersionError naming 2.0), never misread as damage. Exhaustive: 16 old trees, one process
+repository of the default format 2.x are refused by every 1.x tree as "upgrade" (an
+UnsupportedVersionError naming it), never misread as damage. Exhaustive: 16 old trees, one process
 each, and 6 collective saves on 2 ranks (about 90 seconds on 2 idle cores, under 3 minutes on busy ones).
 
 The helpers here are shared with tests/support/compat_matrix.py, which prints the compatibility table of
@@ -28,6 +28,7 @@ import pytest
 import torch
 
 import ckptfmt
+from ckptfmt.format.version import FORMAT_VERSION
 from tests.corpus import typed_json
 from tests.corpus.generate import VERSIONS
 from tests.support.old_trees import ROOT, run_in_tree
@@ -37,7 +38,7 @@ from tests.corpus import writer
 
 #: Old trees read at once (the machine's cores).
 PARALLEL = 2
-#: The format-1 versions: today's writer writes each for its own tree (the 2.0 of the corpus is today's).
+#: The format-1 versions: today's writer writes each for its own tree (2.x is today's own).
 FLOORS = [version for version in VERSIONS if version.startswith("1.")]
 #: The floors that also get collective saves (2 ranks): the first with per-rank values, the first with
 #: replica divergence records, the last and the first with shard grids, the first with node scope, the
@@ -331,10 +332,11 @@ def with_marker_of(repo: Path, copy: Path, version: tuple[int, int]) -> Path:
 
 
 def refusal(tree: str, where: str) -> list[str]:
-    """What the 1.x tree ``tree`` raises for an object of format 2.0 at ``where`` (measured: the same words
-    from 1.0 to 1.15)."""
+    """What the 1.x tree ``tree`` raises for an object of today's format 2.x at ``where`` (measured: the same
+    words from 1.0 to 1.15)."""
+    written = f"{FORMAT_VERSION[0]}.{FORMAT_VERSION[1]}"
     return ["UnsupportedVersionError",
-            f"{where}: format version 2.0 is not readable by this ckptfmt (reads 1.x); upgrade ckptfmt"]
+            f"{where}: format version {written} is not readable by this ckptfmt (reads 1.x); upgrade ckptfmt"]
 
 
 def signed_and_checked(tree: str, saved: dict) -> list[str]:
