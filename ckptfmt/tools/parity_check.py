@@ -52,20 +52,22 @@ class ParityCheck:
         lost = {i for key in lost_keys if (i := self.index(key)) is not None}
         objects, parity = rebuildable(self.record, lost, set(self.bad_parity))
         counts = erasures(self.record, lost, set(self.bad_parity))
-        worst = max(counts, default=0)
         code = f"{self.record.k}+{self.record.m}"
+
+        def cannot(stripes: list[int]) -> str:
+            return f"parity {code} cannot rebuild it: a stripe of it lost {max(counts[s] for s in stripes)} pieces"
+
         out = {}
         for key in lost_keys:
             i = self.index(key)
             if i is None:
                 out[key] = "parity does not cover it"
-            elif i in objects:
-                out[key] = f"parity {code} can rebuild it"
             else:
-                out[key] = f"parity {code} cannot rebuild it: a stripe lost {worst} pieces"
+                out[key] = f"parity {code} can rebuild it" if i in objects else cannot(
+                    [s for s, stripe in enumerate(self.record.stripes) if any(p.obj == i for p in stripe.pieces)])
         for key in self.bad_parity:
-            out[key] = (f"parity {code} can rebuild it" if key in parity else
-                                       f"parity {code} cannot rebuild it: a stripe lost {worst} pieces")
+            out[key] = f"parity {code} can rebuild it" if key in parity else cannot(
+                [s for s, stripe in enumerate(self.record.stripes) if key in stripe.keys])
         return out
 
 
