@@ -33,6 +33,7 @@ def copy_to_peers(peers: NodePeers, name: str, yield_to: Callable[[], object] | 
         return []
     if peers.broken is not None:
         return [f"peer copy of {name} skipped: {peers.broken}"]
+    repo: Repository | None = None
     try:
         repo = peers.open_tier()
         record = repo.commit(name)
@@ -55,11 +56,14 @@ def copy_to_peers(peers: NodePeers, name: str, yield_to: Callable[[], object] | 
     return problems
 
 
-def _exchange(peers: NodePeers, repo: Repository, name: str, manifest: Manifest | None, digest: str | None,
+def _exchange(peers: NodePeers, repo: Repository | None, name: str, manifest: Manifest | None, digest: str | None,
               to: int | None, source: int | None, yield_to: Callable[[], object] | None) -> list[str]:
     """One shift of the ring: this node's rows to node ``to``, node ``source``'s rows from it (None:
-    not that way); both sides cut the same batches from the manifest, so every message is expected."""
-    assert manifest is not None or (to is None and source is None)
+    not that way); both sides cut the same batches from the manifest, so every message is expected.
+    A node that holds no checkpoint (``repo`` None: its tier could not even be opened) moves nothing."""
+    if repo is None or manifest is None:
+        assert to is None and source is None
+        return []
     hosts = peers.nodes.hosts
     outgoing = _rows_for(manifest, hosts[peers.index], hosts[to]) if to is not None else []
     incoming = _rows_for(manifest, hosts[source], hosts[peers.index]) if source is not None else []

@@ -5,6 +5,8 @@ hosts, is in tests/hosts/."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -15,6 +17,7 @@ from ckptfmt.lifecycle.peer_drains import _check_every_chunk_there
 from ckptfmt.lifecycle.replicate import commit_copy, copy_rows
 from ckptfmt.repository.leases import save_lease
 from ckptfmt.repository.repository import Repository
+from tests.support.helpers import torchrun
 
 
 @pytest.fixture
@@ -53,3 +56,14 @@ def test_a_damaged_chunk_in_a_nodes_part_is_never_sent(node_and_shared):
     with pytest.raises(CorruptDataError, match="not replicated"):
         copy_rows(node, shared, record, [0], workers=1)
     assert stored_key(chunks, chunks[0]) not in shared.storage.find("chunks")
+
+
+@pytest.mark.distributed
+def test_a_leader_whose_node_tier_cannot_be_opened_still_takes_its_turn(tmp_path):
+    """A node whose tier cannot be opened holds no checkpoint: its leader takes its turns of the peer copy
+    (the others expect it) and neither side copies anything (it raised UnboundLocalError before)."""
+    (tmp_path / "a-file").write_text("not a folder")
+    torchrun("peer_copy_unopened_tier.py", 2, str(tmp_path), str(tmp_path / "out"))
+    for rank in range(2):
+        found = json.loads((tmp_path / f"out.{rank}.json").read_text())
+        assert found == {"problems": [], "broken": None}, (rank, found)
