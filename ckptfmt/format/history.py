@@ -21,6 +21,7 @@ import msgpack
 from ckptfmt.errors import CheckpointError, CorruptDataError, ManifestError, quoted
 from ckptfmt.format.features import version_fields
 from ckptfmt.format.hashing import chunk_hash
+from ckptfmt.format.layout import HISTORY_DIR
 from ckptfmt.format.limits import MAX_MANIFEST_BYTES, check_hash, check_name
 from ckptfmt.format.maps import unpack_object
 from ckptfmt.format.version import FORMAT_VERSION
@@ -30,8 +31,6 @@ if TYPE_CHECKING:
     from ckptfmt.format.manifest import Manifest
 
 HISTORY_FORMAT = "ckptfmt-history"
-#: Where history objects live; not a valid checkpoint name, so readers of 1.7 and older ignore it (spec 4.1).
-HISTORY_DIR = "_history"
 #: A history object holds at most what a manifest may.
 MAX_HISTORY_BYTES = MAX_MANIFEST_BYTES
 _KEY = re.compile(r"(\d{19})\.([A-Za-z0-9][A-Za-z0-9._-]{0,127})\.([0-9a-f]{64})\.msgpack")

@@ -1,26 +1,67 @@
-"""Where things live in a repository: the keys of the marker, chunks, manifests and commits.
+"""Where things live in a repository (spec 4.1): the keys of the marker, chunks, manifests and commits,
+and the one registry of the side objects beside them.
 
     REPO/ckptfmt.json                          the marker: format name and version
     REPO/chunks/<h[0:2]>/<h>[.<codec>[.<b>]]   content-addressed chunks (b: a delta's base chunk)
     REPO/NAME/manifest-<manifest hash>.msgpack one checkpoint's manifest
     REPO/NAME/COMMIT                           its commit record, written last
-    REPO/_index/...                            the commit index (index.py)
-    REPO/_leases/...                           leases of running saves and collectors (leases.py)
-    REPO/_parity/...                           parity objects and copies of parity records (parity_record.py)
+
+Every other object is a side object of ``SIDE_OBJECTS``: in a folder of its own at the top (not a valid
+checkpoint name, so readers that do not know it ignore it) or beside a checkpoint's manifest. The modules
+named there parse their own keys; what lists a repository or a checkpoint's folder asks this registry.
 """
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass
+
 from ckptfmt.format.codecs import NONE, check_codec, is_delta
-from ckptfmt.format.limits import check_hash, check_name
+from ckptfmt.format.limits import HASH_PATTERN, check_hash, check_name
 
 MARKER_KEY = "ckptfmt.json"
 CHUNKS_DIR = "chunks"
 COMMIT_NAME = "COMMIT"
-#: Save and gc leases (spec 11.6); not a valid checkpoint name, like the commit index's ``_index``.
+#: The side objects' folders at the top: not valid checkpoint names (spec 4.2).
+INDEX_DIR = "_index"
 LEASES_DIR = "_leases"
-#: Parity objects and copies of parity records (spec 5.6, 2.1).
+HISTORY_DIR = "_history"
+PROGRESS_DIR = "_progress"
 PARITY_DIR = "_parity"
+
+
+@dataclass(frozen=True)
+class SideObject:
+    """One kind of side object: what it is, where it lives, its key scheme (for people: its module parses
+    it), the version that brought it and the module that owns it."""
+
+    what: str
+    scheme: str
+    since: tuple[int, int]
+    module: str
+    #: Its top-level folder, or None: it lives in a checkpoint's folder, its entries starting with ``prefix``.
+    folder: str | None = None
+    prefix: str | None = None
+
+
+SIDE_OBJECTS = (
+    SideObject("commit index", "_index/e/<created_ns>.<NAME>.<m>, _index/p/<seq>.<count>.<newest_ns>.<tag>.json",
+               (1, 3), "repository/index.py", folder=INDEX_DIR),
+    SideObject("lease", "_leases/<kind>-<16 hex>.json", (1, 3), "repository/leases.py", folder=LEASES_DIR),
+    SideObject("run history", "_history/<created_ns>.<NAME>.<h>.msgpack", (1, 8), "format/history.py",
+               folder=HISTORY_DIR),
+    SideObject("progress", "_progress/<started_ns>.<rank>.<pid>.msgpack", (1, 9), "format/progress.py",
+               folder=PROGRESS_DIR),
+    SideObject("parity object, parity record copy",
+               "_parity/<p[:2]>/<p>.<j>, _parity/records/NAME/parity-<r>.<i>.msgpack", (2, 1),
+               "format/parity_record.py", folder=PARITY_DIR),
+    SideObject("signature", "NAME/signature-<key id>.json", (1, 7), "format/signatures.py", prefix="signature-"),
+    SideObject("copy record", "NAME/copy-<host>.json", (1, 10), "format/copies.py", prefix="copy-"),
+    SideObject("parity record", "NAME/parity-<r>.msgpack", (2, 1), "format/parity_record.py", prefix="parity-"),
+)
+#: The top-level entries that are no checkpoint: the marker, the chunk store and the side objects' folders.
+RESERVED_ENTRIES = frozenset({MARKER_KEY, CHUNKS_DIR, *(o.folder for o in SIDE_OBJECTS if o.folder)})
+_MANIFEST_ENTRY = re.compile(r"manifest-([0-9a-f]{64})\.msgpack")
 
 
 def chunk_key(digest: str, codec: str, base: str | None = None) -> str:
@@ -35,6 +76,17 @@ def chunk_key(digest: str, codec: str, base: str | None = None) -> str:
 
 def manifest_key(name: str, digest: str) -> str:
     return f"{check_name(name)}/manifest-{check_hash(digest)}.msgpack"
+
+
+def manifest_digest(entry: str) -> str | None:
+    """The manifest hash a checkpoint folder's entry names (``manifest-<hash>.msgpack``), else None."""
+    match = _MANIFEST_ENTRY.fullmatch(entry)
+    return match[1] if match is not None and HASH_PATTERN.fullmatch(match[1]) else None
+
+
+def manifest_digests(entries: list[str]) -> set[str]:
+    """The manifest hashes a checkpoint folder's entries name."""
+    return {d for d in map(manifest_digest, entries) if d is not None}
 
 
 def commit_key(name: str) -> str:

@@ -20,13 +20,12 @@ import msgpack
 
 from ckptfmt.errors import ManifestError, quoted
 from ckptfmt.format.features import version_fields
+from ckptfmt.format.layout import PROGRESS_DIR
 from ckptfmt.format.limits import MAX_MANIFEST_BYTES
 from ckptfmt.format.maps import unpack_object
 from ckptfmt.format.version import FORMAT_VERSION
 
 PROGRESS_FORMAT = "ckptfmt-progress"
-#: Where progress objects live; not a valid checkpoint name, so older readers ignore it (spec 4.1).
-PROGRESS_DIR = "_progress"
 #: A progress object holds at most what a manifest may.
 MAX_PROGRESS_BYTES = MAX_MANIFEST_BYTES
 _KEY = re.compile(r"(\d{19})\.(\d{1,10})\.(\d{1,10})\.msgpack")

@@ -26,9 +26,10 @@ from ckptfmt.format.chunk_table import stored_key
 from ckptfmt.format.limits import is_valid_name
 from ckptfmt.format.manifest import OPTIONAL_FIELDS
 from ckptfmt.format.parity_record import record_digest
+from ckptfmt.repository.history import removed_manifests
 from ckptfmt.repository.leases import SAVE, Lease, live_leases, try_gc_lease
 from ckptfmt.repository.lost_commits import lost_commits
-from ckptfmt.repository.parity import RECORDS_DIR, parity_keys, read_record, removed_manifests, stored_digests
+from ckptfmt.repository.parity import RECORDS_DIR, parity_keys, read_record, stored_digests
 from ckptfmt.repository.repository import CommitRecord, Repository
 
 _CHUNK_NAME = re.compile(r"[0-9a-f]{64}(\.[a-z0-9-]+)?")
@@ -170,7 +171,7 @@ def _mark(repo: Repository, assume_removed: frozenset[str], known: dict[str, fro
             elif _CHUNK_NAME.fullmatch(key.rsplit("/", 1)[-1]) or _is_temporary(key):
                 chunks[key] = size
         elif is_valid_name(top) and rest and key not in manifests and key != layout.commit_key(top):
-            if top not in records or rest.startswith("manifest-") or _is_temporary(key):
+            if top not in records or layout.manifest_digest(rest) is not None or _is_temporary(key):
                 other[key] = size
         elif top in assume_removed and rest:
             other[key] = size

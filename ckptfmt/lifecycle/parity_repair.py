@@ -23,6 +23,7 @@ from ckptfmt.format.parity_record import ParityRecord, record_key
 from ckptfmt.lifecycle.repair_report import Fix, RepairReport, Unrepaired
 from ckptfmt.repository import parity as stored_parity
 from ckptfmt.repository.checkpoint_objects import CheckpointObjects
+from ckptfmt.repository.history import removed_manifests
 from ckptfmt.repository.protection import rebuild
 from ckptfmt.repository.repository import Repository
 from ckptfmt.tools.parity_check import ParityCheck, check_parity, read_parity
@@ -39,7 +40,7 @@ def parity_lost_commits(repo: Repository) -> list[str]:
             continue
         records = [r for d in stored_parity.stored_digests(repo.storage, name, folder=False)
                    if (r := _record_of(repo, name, d)) is not None]
-        removed = stored_parity.removed_manifests(repo, name) if records else set()
+        removed = removed_manifests(repo, name) if records else set()
         if any(r.manifest_hash not in removed for r in records):
             lost.append(name)
     return lost

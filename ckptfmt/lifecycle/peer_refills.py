@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ckptfmt.errors import CheckpointError, CheckpointWarning
+from ckptfmt.format import layout
 from ckptfmt.format.commit_record import CommitRecord
 from ckptfmt.format.hashing import check_chunk
 from ckptfmt.format.manifest import Manifest
@@ -116,7 +117,7 @@ def _send_checkpoint(peers: NodePeers, repo: Repository, name: str, host: str, r
         manifest = repo.manifest(name, record, skip=SKIPPED)
         objects = {}
         for entry in repo.storage.list(name):
-            if entry.startswith("manifest-") and record.manifest_hash in entry or is_signature_entry(entry):
+            if layout.manifest_digest(entry) == record.manifest_hash or is_signature_entry(entry):
                 key = f"{name}/{entry}"
                 objects[key] = repo.storage.read(key, max_size=max(record.manifest_size, 1 << 16))
     except CheckpointError as exc:

@@ -242,9 +242,7 @@ def _repair_histories(repo: Repository, others: list[Repository], report: Repair
 
 def _manifest_hashes(repo: Repository, name: str) -> set[str]:
     """The manifest hashes that the manifest files in checkpoint ``name``'s folder are named by."""
-    prefix, suffix = "manifest-", ".msgpack"
-    return {entry[len(prefix):-len(suffix)] for entry in repo.storage.list(name)
-            if entry.startswith(prefix) and entry.endswith(suffix)}
+    return layout.manifest_digests(repo.storage.list(name))
 
 
 def _good_checkpoint(other: Repository, name: str, wanted: set[str],

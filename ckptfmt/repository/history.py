@@ -13,8 +13,16 @@ import warnings
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from ckptfmt.errors import CheckpointWarning, CorruptDataError, ManifestError, UnsupportedVersionError
-from ckptfmt.format.history import HISTORY_DIR, MAX_HISTORY_BYTES, History, HistoryKey
+from ckptfmt.errors import (
+    CheckpointError,
+    CheckpointWarning,
+    CorruptDataError,
+    ManifestError,
+    StorageError,
+    UnsupportedVersionError,
+)
+from ckptfmt.format.history import MAX_HISTORY_BYTES, History, HistoryKey
+from ckptfmt.format.layout import HISTORY_DIR
 
 if TYPE_CHECKING:
     from ckptfmt.format.commit_record import CommitRecord
@@ -65,6 +73,21 @@ def read_histories(repo: Repository, keys: Iterable[HistoryKey]) -> list[History
             warnings.warn(f"skipping a history object: {exc}", stacklevel=2, category=CheckpointWarning)
     return histories
 
+
+
+def removed_manifests(repo: Repository, name: str) -> set[str]:
+    """The manifest hashes of checkpoints named ``name`` whose removal a history object records (spec 4.5:
+    written before the commit record goes); parity record copies of them are leftovers (spec 5.6)."""
+    found = set()
+    for key in history_keys(repo):
+        if key.name == name:
+            try:
+                found.add(read_history(repo, key).manifest_hash)
+            except StorageError:
+                raise
+            except CheckpointError:
+                continue
+    return found
 
 
 def copy_histories(source: Repository, target: Repository, *, verify: bool = True) -> int:

@@ -37,12 +37,12 @@ from ckptfmt.errors import (
 )
 from ckptfmt.format.commit_record import CommitRecord
 from ckptfmt.format.features import check_object, version_fields
+from ckptfmt.format.layout import INDEX_DIR
 from ckptfmt.format.limits import MAX_INDEX_PACK_BYTES, is_valid_name
 from ckptfmt.format.maps import unique_map
 from ckptfmt.format.version import FORMAT_VERSION
 from ckptfmt.storage.base import Storage
 
-INDEX_DIR = "_index"
 ENTRIES_DIR = f"{INDEX_DIR}/e"
 PACKS_DIR = f"{INDEX_DIR}/p"
 PACK_FORMAT = "ckptfmt-index-pack"

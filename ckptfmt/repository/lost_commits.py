@@ -18,8 +18,6 @@ from ckptfmt.format import layout
 from ckptfmt.format.limits import is_valid_name
 from ckptfmt.repository.repository import Repository
 
-_PREFIX, _SUFFIX = "manifest-", ".msgpack"
-
 
 @dataclass(frozen=True)
 class LostCommit:
@@ -67,8 +65,7 @@ def lost_commits(repo: Repository, uncommitted: list[str], parents: dict[str, st
 
 def _manifest_hashes(repo: Repository, name: str) -> set[str]:
     """The hashes of the manifests in checkpoint ``name``'s folder, by their file names."""
-    return {entry[len(_PREFIX):-len(_SUFFIX)] for entry in repo.storage.list(name)
-            if entry.startswith(_PREFIX) and entry.endswith(_SUFFIX)}
+    return layout.manifest_digests(repo.storage.list(name))
 
 
 def _indexed(repo: Repository) -> tuple[dict[str, set[str]], dict[str, set[str]]]:

@@ -10,7 +10,6 @@ checked on its own; any good copy will do.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from ckptfmt.errors import CheckpointError, CheckpointNotFoundError, CorruptDataError, StorageError
 from ckptfmt.format.hashing import chunk_hash
@@ -22,11 +21,7 @@ from ckptfmt.format.parity_record import (
     record_digest,
     record_key,
 )
-from ckptfmt.repository.history import history_keys, read_history
 from ckptfmt.storage.base import Storage
-
-if TYPE_CHECKING:
-    from ckptfmt.repository.repository import Repository
 
 #: Where the copies of the records live, one folder per checkpoint name.
 RECORDS_DIR = f"{PARITY_DIR}/records"
@@ -126,21 +121,6 @@ def remove_copies(storage: Storage, name: str, keep: str | None = None) -> None:
         storage.remove_folder(folder)
 
 
-def removed_manifests(repo: Repository, name: str) -> set[str]:
-    """The manifest hashes of checkpoints named ``name`` whose removal a history object records (spec 4.5:
-    written before the commit record goes): their copies outside the folder are leftovers, not proof."""
-    found = set()
-    for key in history_keys(repo):
-        if key.name == name:
-            try:
-                found.add(read_history(repo, key).manifest_hash)
-            except StorageError:
-                raise
-            except CheckpointError:
-                continue
-    return found
-
-
 def copy_parity(source: Storage, target: Storage, name: str, digest: str) -> tuple[ParityRecord, int] | None:
     """Copy checkpoint ``name``'s parity record (into its folder) and the parity objects ``target`` lacks,
     each checked against its name, before its commit record is copied; ``write_copies`` follows the commit.
@@ -175,4 +155,4 @@ def parity_keys(record: ParityRecord) -> set[str]:
 
 
 __all__ = ["FoundRecord", "RECORDS_DIR", "copy_parity", "parity_keys", "read_record", "record_keys",
-           "remove_copies", "removed_manifests", "stored_digests", "write_copies", "write_record"]
+           "remove_copies", "stored_digests", "write_copies", "write_record"]

@@ -27,7 +27,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ckptfmt.errors import CheckpointError, CheckpointWarning
-from ckptfmt.format.progress import MAX_PROGRESS_BYTES, PROGRESS_DIR, Progress, ProgressKey
+from ckptfmt.format.layout import PROGRESS_DIR
+from ckptfmt.format.progress import MAX_PROGRESS_BYTES, Progress, ProgressKey
 from ckptfmt.repository.repository import Repository
 
 #: Seconds between rewrites of a process's progress object by default (``StepTimer(progress_interval=...)``).

@@ -31,12 +31,11 @@ from ckptfmt.format import layout
 from ckptfmt.format.commit_record import CommitRecord
 from ckptfmt.format.features import check_object, version_fields, version_text
 from ckptfmt.format.hashing import check_chunk
-from ckptfmt.format.history import HISTORY_DIR, History, HistoryKey
+from ckptfmt.format.history import History, HistoryKey
 from ckptfmt.format.limits import MAX_COMMIT_BYTES, MAX_MARKER_BYTES, check_name, is_valid_name
 from ckptfmt.format.maps import unique_map
-from ckptfmt.format.progress import PROGRESS_DIR
 from ckptfmt.format.version import FORMAT_VERSION
-from ckptfmt.repository.index import INDEX_DIR, CommitIndex, IndexDamagedError, read_each
+from ckptfmt.repository.index import CommitIndex, IndexDamagedError, read_each
 from ckptfmt.repository.parity import remove_copies, stored_digests
 from ckptfmt.repository.pointers import POINTER_SUFFIX, read_pointer
 from ckptfmt.storage.base import Storage
@@ -177,8 +176,7 @@ class Repository:
         """
         checkpoints, ignored = [], []
         for entry in self.storage.list(""):
-            if entry in (layout.MARKER_KEY, layout.CHUNKS_DIR, INDEX_DIR, layout.LEASES_DIR, HISTORY_DIR,
-                         PROGRESS_DIR, layout.PARITY_DIR):
+            if entry in layout.RESERVED_ENTRIES:
                 continue
             if is_valid_name(entry) and self.storage.exists(layout.commit_key(entry)):
                 checkpoints.append(entry)

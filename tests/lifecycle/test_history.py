@@ -18,7 +18,8 @@ from ckptfmt.analytics import stragglers, tables
 from ckptfmt.cli import main as cli_main
 from ckptfmt.errors import CheckpointWarning
 from ckptfmt.format.hashing import chunk_hash
-from ckptfmt.format.history import HISTORY_DIR, History, HistoryKey
+from ckptfmt.format.history import History, HistoryKey
+from ckptfmt.format.layout import HISTORY_DIR
 from ckptfmt.lifecycle.gc import collect, remove
 from ckptfmt.lifecycle.repair import repair
 from ckptfmt.lifecycle.replicate import replicate
