@@ -1,10 +1,11 @@
 """``ckptfmt ls``: a repository's checkpoints, from their commit records alone: no manifest is parsed, so
-neither numpy nor torch is loaded."""
+neither numpy nor torch is loaded; and the space parity takes, from one listing of ``_parity/``."""
 
 from __future__ import annotations
 
 from rich.console import Console
 
+from ckptfmt.format import layout
 from ckptfmt.repository.pointers import POINTER_SUFFIX, pointers
 from ckptfmt.repository.repository import CommitRecord, Repository
 from ckptfmt.tools.formatting import counted, human_bytes, human_time, text
@@ -20,12 +21,14 @@ def ls(args, console: Console) -> int:
         Output(console).json([{
             **r.totals, "name": r.name, "step": r.step, "created_ns": r.created_ns, "parent": r.parent,
             "parent_exists": r.parent is None or r.parent in names, "manifest": r.manifest_hash,
-            "pointers": pointed.get(r.name, []),
+            "pointers": pointed.get(r.name, []), "parity": r.parity,
         } for r in records])
         return 0
     columns = [Column("name", KEY), Column("step", right=True), Column("created"), Column("size", right=True),
                Column("new bytes", right=True), Column("parent", NAME)]
-    Output(console).table(f"{repo.url}: {counted(len(records), 'checkpoint')}", columns, (
+    parity = repo.storage.find(layout.PARITY_DIR)  # one listing: what parity (spec 5.6) adds to the space
+    space = f"; parity {human_bytes(sum(parity.values()))} in {counted(len(parity), 'object')}" if parity else ""
+    Output(console).table(f"{repo.url}: {counted(len(records), 'checkpoint')}{space}", columns, (
         (_listed_name(r, pointed), text(r.step), human_time(r.created_ns),
          human_bytes(r.totals.get("stored_bytes")), human_bytes(r.totals.get("new_bytes")),
          "-" if r.parent is None else r.parent if r.parent in names else f"{r.parent} (removed)")
