@@ -21,7 +21,7 @@ def ls(args, console: Console) -> int:
         Output(console).json([{
             **r.totals, "name": r.name, "step": r.step, "created_ns": r.created_ns, "parent": r.parent,
             "parent_exists": r.parent is None or r.parent in names, "manifest": r.manifest_hash,
-            "pointers": pointed.get(r.name, []), "parity": r.parity,
+            "pointers": pointed.get(r.name, []),
         } for r in records])
         return 0
     columns = [Column("name", KEY), Column("step", right=True), Column("created"), Column("size", right=True),
