@@ -352,7 +352,9 @@ class _Copier:
         keys = self._copy_rows(record.name, manifest.chunks, manifest.parent, set(chosen.codecs))
         if self.reencoder is None:
             self.reencoder = rewrite.Reencoder(self.source, self.target, self.workers, self.verify, self.budget,
-                                               self.stored, self.yield_to)
+                                               self.stored, self.yield_to, self.progress)
+        self.total += self.reencoder.pending_bytes(manifest.chunks, chosen)
+        self.progress.set_size(self.total)
         try:
             chunks = self.reencoder.run(manifest.chunks, chosen)
         except CheckpointError as error:

@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 
 import msgpack
+from fsspec.callbacks import Callback, NoOpCallback
 
 from ckptfmt.errors import CheckpointNotFoundError, CorruptDataError, UnsupportedVersionError
 from ckptfmt.format import codecs, layout
@@ -127,7 +128,8 @@ class Reencoder:
     """Stores chunks again with the codecs of a plan; remembers what it stored across checkpoints."""
 
     def __init__(self, source: Repository, target: Repository, workers: int, verify: bool, budget: ByteBudget,
-                 stored: dict[str, int], yield_to: Callable[[], object] | None = None):
+                 stored: dict[str, int], yield_to: Callable[[], object] | None = None,
+                 progress: Callback | None = None):
         self.source = source
         self.target = target
         self.workers = workers
@@ -136,10 +138,17 @@ class Reencoder:
         #: The target's chunk keys and sizes as listed (its objects may be damaged: checked before use).
         self.stored = stored
         self.yield_to = yield_to
+        #: Counts each row's source bytes once it is stored again or found (fsspec).
+        self.progress = progress or NoOpCallback()
         #: Keys stored again or found intact by this object, and their stored sizes.
         self.done: dict[str, int] = {}
         self.lock = threading.Lock()
         self.chunks_written = self.bytes_written = self.chunks_found = self.bytes_found = 0
+
+    def pending_bytes(self, chunks: list[Chunk], chosen: Plan) -> int:
+        """The source's stored bytes of the plan's rows not stored yet, each object once: what ``run`` counts."""
+        keys = {chosen.key(chunks, index): chunks[index].stored_size for index in chosen.codecs}
+        return sum(size for key, size in keys.items() if key not in self.done)
 
     def run(self, chunks: list[Chunk], chosen: Plan) -> list[Chunk]:
         """The chunk table with the plan's rows stored again (made durable) and their new stored sizes."""
@@ -175,7 +184,7 @@ class Reencoder:
         key = chosen.key(chunks, index)
         base_index = chunk.base if codecs.is_delta(codec) else None
         with self.lock:
-            if key in self.done:
+            if key in self.done:  # counted when it was stored
                 return self.done[key], False
         with self.budget.take(3 * chunk.size):
             data = reader.read(index)  # decoded and verified, through its bases
@@ -186,6 +195,7 @@ class Reencoder:
                     self.done[key] = size
                     self.chunks_found += 1
                     self.bytes_found += size
+                self.progress.relative_update(chunk.stored_size)
                 return size, False
             stored = bytes(codecs.encode(codec, memoryview(data), base))
             del data
@@ -196,6 +206,7 @@ class Reencoder:
             self.done[key] = len(stored)
             self.chunks_written += 1
             self.bytes_written += len(stored)
+        self.progress.relative_update(chunk.stored_size)
         return len(stored), True
 
     def _intact(self, key: str, chunk: Chunk, codec: str, size: int, base: bytes | memoryview | None) -> bool:
