@@ -1,8 +1,9 @@
 """Protecting a checkpoint's stored objects with parity, and rebuilding lost ones from it (spec 5.6).
 
 ckptfmt's striping (a writer's choice; a reader follows the record): objects are cut into pieces of at
-most ``PIECE_LIMIT`` bytes, the pieces sorted longest first and dealt first-fit into stripes of K pieces
-from K different objects. A lost or damaged object is then one missing piece in each stripe it touches:
+most ``PIECE_LIMIT`` bytes, the pieces sorted longest first (among equal lengths, those of objects cut
+into the most pieces first, which must spread over that many stripes) and dealt first-fit into stripes of
+K pieces from K different objects. A lost or damaged object is then one missing piece in each stripe it touches:
 any M lost objects of a stripe rebuild, whatever their sizes, and the padding of short pieces stays small
 (pieces of similar length share a stripe). Whole objects are the unit because they are what storage loses
 and what BLAKE3 finds damaged. Memory is bounded by the pieces in flight: each object is read once and
@@ -44,7 +45,10 @@ def plan_stripes(sizes: list[int], k: int, piece_limit: int = PIECE_LIMIT) -> li
     """Stripes of at most ``k`` pieces of distinct objects covering objects of ``sizes`` (see the module)."""
     pieces = [Piece(obj, offset, min(piece_limit, size - offset))
               for obj, size in enumerate(sizes) for offset in range(0, size, piece_limit)]
-    pieces.sort(key=lambda p: (-p.length, p.obj, p.offset))
+    # An object of n pieces needs n stripes: dealt first, its pieces open them, and the objects of one piece
+    # fill them up; dealt last, they would open stripes that only shorter pieces are left to fill (padding).
+    count = Counter(p.obj for p in pieces)
+    pieces.sort(key=lambda p: (-p.length, -count[p.obj], p.obj, p.offset))
     stripes: list[list[Piece]] = []
     members: list[set[int]] = []
     open_stripes: list[int] = []  # indices of stripes with room, oldest first
