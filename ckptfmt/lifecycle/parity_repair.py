@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ckptfmt.errors import CheckpointError, CheckpointNotFoundError, StorageError
+from ckptfmt.errors import CheckpointError, StorageError
 from ckptfmt.format import layout
 from ckptfmt.format.commit_record import CommitRecord
 from ckptfmt.format.hashing import chunk_hash
@@ -72,7 +72,7 @@ def _records(repo: Repository, name: str, commit: CommitRecord | None) -> list[t
 
 
 def _rebuilt_checkpoint(repo: Repository, name: str, damage: str, report: RepairReport) -> Manifest | None:
-    commit = _commit_or_none(repo, name)
+    commit = repo.readable_commit(name)
     for digest, record in _records(repo, name, commit):
         manifest_key = layout.manifest_key(name, record.manifest_hash)
         index = next(i for i, (key, _) in enumerate(record.objects) if key == manifest_key)
@@ -127,7 +127,7 @@ def rebuild_objects(repo: Repository, manifests: dict[str, Manifest], report: Re
             lost.setdefault(entry.key, []).append(entry)
     notes: dict[str, list[str]] = {}
     for name, manifest in manifests.items():
-        commit = _commit_or_none(repo, name)
+        commit = repo.readable_commit(name)
         if commit is None or commit.parity is None:
             continue
         found = check_parity(repo.storage, name, commit.parity)
@@ -222,15 +222,6 @@ def _record_of(repo: Repository, name: str, digest: str) -> ParityRecord | None:
     except StorageError:
         raise
     except CheckpointError:
-        return None
-
-
-def _commit_or_none(repo: Repository, name: str) -> CommitRecord | None:
-    try:
-        return repo.commit(name)
-    except StorageError:
-        raise
-    except (CheckpointNotFoundError, CheckpointError):
         return None
 
 

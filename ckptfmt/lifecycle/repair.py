@@ -130,20 +130,11 @@ def _lost_commits(repo: Repository, others: list[Repository], ignored: list[str]
         if not is_valid_name(name):
             continue
         for other in others:
-            record = _record_or_none(other, name)
+            record = other.readable_commit(name)
             if record and repo.storage.exists(layout.manifest_key(name, record.manifest_hash)):
                 lost.append(name)
                 break
     return lost
-
-
-def _record_or_none(repo: Repository, name: str) -> CommitRecord | None:
-    try:
-        return repo.commit(name)
-    except StorageError:
-        raise
-    except CheckpointError:
-        return None
 
 
 def _repair_checkpoints(repo: Repository, others: list[Repository], report: RepairReport) -> dict[str, Manifest]:
@@ -158,7 +149,7 @@ def _repair_checkpoints(repo: Repository, others: list[Repository], report: Repa
             raise
         except CheckpointError as exc:
             damage = str(exc)
-        ours = _record_or_none(repo, name)
+        ours = repo.readable_commit(name)
         # Which checkpoint this was: its commit record's manifest hash or, the record lost, the hashes in its
         # manifests' names; a source's checkpoint of that name with another manifest is another checkpoint.
         wanted = {ours.manifest_hash} if ours is not None else _manifest_hashes(repo, name)
@@ -193,10 +184,10 @@ def _repair_signatures(repo: Repository, others: list[Repository], names: list[s
     """Restore the signature objects (spec 10.3) a source holds for a checkpoint and this repository lacks
     or holds damaged; each must sign this very checkpoint under its own key."""
     for name in names:
-        ours = _record_or_none(repo, name)
+        ours = repo.readable_commit(name)
         here = {found.key: found for found in signatures(repo, name)}
         for other in others:
-            theirs = _record_or_none(other, name)
+            theirs = other.readable_commit(name)
             record = ours or theirs
             if theirs is None or record is None or theirs.manifest_hash != record.manifest_hash:
                 continue

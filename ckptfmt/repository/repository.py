@@ -194,6 +194,11 @@ class Repository:
         read = dict(zip(unread, read_each(self.storage, self._commit_or_error, unread)))
         return [(name, vouched.get(name) or read[name]) for name in names]
 
+    def readable_commit(self, name: str) -> CommitRecord | None:
+        """``commit(name)``, or None where there is none or it cannot be read (a store failure raises)."""
+        found = self._commit_or_error(name)
+        return found if isinstance(found, CommitRecord) else None
+
     def _commit_or_error(self, name: str) -> CommitRecord | CheckpointError | None:
         """``commit(name)``; None where there is none, the error where it is damaged. A store failure raises:
         unreadable now is not damaged, and skipping it would change "latest"."""
