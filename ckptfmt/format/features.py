@@ -38,6 +38,7 @@ FEATURES: dict[str, Feature] = {f.name: f for f in (
     Feature("ml-dsa-65", (2, 0), "ML-DSA-65 signatures (FIPS 204), spec 10.3"),
     Feature("ed25519+ml-dsa-65", (2, 0), "hybrid Ed25519 and ML-DSA-65 signatures, both verified, spec 10.3"),
     Feature("parity", (2, 1), "Reed-Solomon parity records that rebuild lost or damaged objects, spec 5.6"),
+    Feature("node-parity", (2, 1), "parity across a node-scoped checkpoint's nodes, spec 9.8"),
 )}
 
 

@@ -58,6 +58,8 @@ SIDE_OBJECTS = (
     SideObject("signature", "NAME/signature-<key id>.json", (1, 7), "format/signatures.py", prefix="signature-"),
     SideObject("copy record", "NAME/copy-<host>.json", (1, 10), "format/copies.py", prefix="copy-"),
     SideObject("parity record", "NAME/parity-<r>.msgpack", (2, 1), "format/parity_record.py", prefix="parity-"),
+    SideObject("node parity", "NAME/node-parity-<host>.msgpack, NAME/node-parity-<host>.<round>.<j>.bin", (2, 1),
+               "format/node_parity.py", prefix="node-parity-"),
 )
 #: The top-level entries that are no checkpoint: the marker, the chunk store and the side objects' folders.
 RESERVED_ENTRIES = frozenset({MARKER_KEY, CHUNKS_DIR, *(o.folder for o in SIDE_OBJECTS if o.folder)})

@@ -23,6 +23,8 @@ from ckptfmt.repository.protection import parse_parity
 from ckptfmt.repository.repository import CommitRecord, Repository
 from ckptfmt.saving.options import SCOPES
 
+#: How a node-scoped tier survives lost nodes: full copies on peers, or parity across the nodes.
+REDUNDANCIES = ("copies", "parity")
 #: Chunks copied to the next tier at a time: few, so that a save starting meanwhile soon has the machine
 #: back (copying pauses for it, but what is already queued finishes).
 REPLICATION_WORKERS = 2
@@ -47,17 +49,24 @@ class Tier:
     scope: str = "job"
     replicas: int = 1
     parity: str | None = None
+    redundancy: str = "copies"
 
     def __post_init__(self) -> None:
         if self.scope not in SCOPES:
             raise ValueError(f"a tier's scope must be one of {', '.join(SCOPES)}, not {self.scope!r}")
         if isinstance(self.replicas, bool) or not isinstance(self.replicas, int) or self.replicas < 0:
             raise ValueError(f"a tier's replicas must be a number of nodes >= 0, not {self.replicas!r}")
+        if self.redundancy not in REDUNDANCIES:
+            raise ValueError(f"a tier's redundancy must be one of {', '.join(REDUNDANCIES)}, not {self.redundancy!r}")
+        if self.redundancy == "parity" and self.scope != "node":
+            raise ValueError("redundancy='parity' stripes a node-scoped tier's nodes with each other: a tier of "
+                             "scope 'job' takes parity='K+M' instead")
         if self.parity is not None:
             parse_parity(self.parity)
             if self.scope == "node":
                 raise ValueError("a node-scoped tier's nodes each hold their own chunks: its checkpoints are "
-                                 "protected by peer copies (replicas), not by parity=")
+                                 "protected by peer copies or parity across nodes (replicas=, redundancy=), "
+                                 "not by parity=")
 
 
 def tier_records(tier: Tier) -> list[CommitRecord]:

@@ -44,6 +44,7 @@ from ckptfmt.errors import (
     ManifestError,
     StorageError,
 )
+from ckptfmt.format.features import refuse_unless_writable
 from ckptfmt.format.signatures import SignatureError
 from ckptfmt.groups.nodes import NodeLayout
 from ckptfmt.groups.process_group import RankGroup, distributed_group
@@ -53,6 +54,7 @@ from ckptfmt.lifecycle.housekeeping_process import SUPPORTED as PROCESS_SUPPORTE
 from ckptfmt.lifecycle.housekeeping_process import HousekeepingProcess
 from ckptfmt.lifecycle.peer_copies import copy_to_peers
 from ckptfmt.lifecycle.peer_drains import drain
+from ckptfmt.lifecycle.peer_parity import protect_across_nodes
 from ckptfmt.lifecycle.peer_refills import restore_point
 from ckptfmt.lifecycle.peers import NodePeers
 from ckptfmt.lifecycle.retention import METRICS_KEY, Retention
@@ -128,6 +130,8 @@ class CheckpointManager:
         #: scope, which each save sets (a node-scoped tier needs format 1.10, ``format_version=``).
         self.save_options = SaveOptions.from_keywords("CheckpointManager", save_options).replace(
             scope=self.tiers[0].scope, parity=self.tiers[0].parity)
+        if self.tiers[0].redundancy == "parity":
+            refuse_unless_writable("node-parity", self.save_options.format_version, "Tier(redundancy='parity')")
         #: The asynchronous saver, with its staging buffers (freed by ``close``).
         self.saver = AsyncSaver() if async_save else None
         self.group = distributed_group(process_group)
@@ -394,7 +398,8 @@ class CheckpointManager:
             with contextlib.suppress(BaseException):  # failed on every rank: each leader still takes its turn
                 save.result()
         assert self.peers is not None
-        problems = copy_to_peers(self.peers, name, yield_to=self._not_saving.wait)
+        protect = protect_across_nodes if self.tiers[0].redundancy == "parity" else copy_to_peers
+        problems = protect(self.peers, name, yield_to=self._not_saving.wait)
         if len(self.tiers) > 1:
             housekeeper = self.housekeeper
             problems += drain(self.peers, self.tiers[1], housekeeper.wanted_next if housekeeper is not None else None,

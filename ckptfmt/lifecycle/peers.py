@@ -9,6 +9,8 @@ that state and the wire format live here once.
 
 from __future__ import annotations
 
+import bisect
+
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -108,11 +110,52 @@ def unpack(repo: Repository, chunks: list[Chunk], rows: list[int], buffer: torch
     data, at, written = buffer.numpy(), 0, []
     for row in rows:
         chunk = chunks[row]
-        key = stored_key(chunks, chunk)
-        stored = data[at:at + chunk.stored_size].tobytes()
+        written.append(write_checked(repo, chunks, row, data[at:at + chunk.stored_size].tobytes(), "as received"))
         at += chunk.stored_size
-        where = f"{repo.storage.describe(key)} (as received)"
-        check_chunk(codecs.decode(chunk.codec, stored, chunk.size, where, None), chunk.hash, where)
-        repo.storage.write(key, stored, durable=False)
-        written.append((key, chunk))
     return written
+
+
+def write_checked(repo: Repository, chunks: list[Chunk], row: int, stored: bytes, how: str) -> tuple[str, Chunk]:
+    """Write row ``row``'s chunk from its ``stored`` bytes (got ``how``), checked against its name first."""
+    chunk = chunks[row]
+    key = stored_key(chunks, chunk)
+    where = f"{repo.storage.describe(key)} ({how})"
+    check_chunk(codecs.decode(chunk.codec, stored, chunk.size, where, None), chunk.hash, where)
+    repo.storage.write(key, stored, durable=False)
+    return key, chunk
+
+
+def as_tensor(data: bytes | bytearray | memoryview) -> torch.Tensor:
+    """``data`` as a uint8 tensor gloo can send (a copy: gloo wants memory it may write)."""
+    out = torch.empty(len(data), dtype=torch.uint8)
+    out.numpy()[:] = np.frombuffer(data, dtype=np.uint8)
+    return out
+
+
+class NodeStream:
+    """A node's stream (spec 9.8, parity across nodes): the stored bytes of its ``rows``, end to end, read
+    by ranges; each chunk is read once at a time and checked against its name."""
+
+    def __init__(self, repo: Repository, chunks: list[Chunk], rows: tuple[int, ...]):
+        self.repo, self.chunks, self.rows = repo, chunks, rows
+        self.starts = [0]
+        for row in rows:
+            self.starts.append(self.starts[-1] + chunks[row].stored_size)
+        self._cached: tuple[int, bytes] | None = None
+
+    def read(self, offset: int, length: int) -> bytearray:
+        """Bytes [offset, offset + length) of the stream (CheckpointError: a chunk of them is damaged)."""
+        out = bytearray()
+        position = bisect.bisect_right(self.starts, offset) - 1
+        while len(out) < length and position < len(self.rows):
+            stored = self._chunk(position)
+            begin = offset + len(out) - self.starts[position]
+            out += stored[begin:begin + length - len(out)]
+            position += 1
+        return out
+
+    def _chunk(self, position: int) -> bytes:
+        if self._cached is None or self._cached[0] != position:
+            chunk = self.chunks[self.rows[position]]
+            self._cached = (position, read_chunk(self.repo.storage, stored_key(self.chunks, chunk), chunk).stored)
+        return self._cached[1]

@@ -46,6 +46,7 @@ from ckptfmt.storage.budget import ByteBudget
 from ckptfmt.storage.factory import open_storage
 from ckptfmt.tools import describe
 from ckptfmt.tools.formatting import counted
+from ckptfmt.tools.node_parity_check import check_node_parity
 from ckptfmt.tools.parity_check import annotate, check_parity
 
 if TYPE_CHECKING:
@@ -177,6 +178,8 @@ def verify(url: str | os.PathLike, *, storage_options: dict | None = None,
         report.stats_checked = len(check.tensors) + len(check.streamed)
     if protected and not report.cancelled:
         _check_parity(repo, protected, report, callback, workers)
+    if not report.cancelled:
+        _check_node_parity(repo, manifests, node or socket.gethostname(), report)
     report.seconds = time.perf_counter() - started
     return report
 
@@ -201,6 +204,17 @@ def _check_parity(repo: Repository, protected: dict[str, CommitRecord], report: 
             report.problems.append(Problem("bad-parity", name, why, key=key))
     report.protected = sorted(checks)
     report.problems = annotate(report.problems, checks)
+
+
+def _check_node_parity(repo: Repository, manifests: dict[str, Manifest], node: str, report: VerifyReport) -> None:
+    """The parity across nodes ``node`` keeps of each node-scoped checkpoint it is a node of (spec 9.8)."""
+    for name, manifest in manifests.items():
+        if manifest.placement is None or manifest.placement.node(node) is None:
+            continue
+        found = check_node_parity(repo, name, repo.commit(name).manifest_hash, manifest, node)
+        if found is not None:
+            report.parity_bytes_checked += found.bytes_checked
+            report.problems += [Problem("bad-parity", name, why, key=key) for key, why in sorted(found.damaged.items())]
 
 
 def _signature_problems(repo: Repository, record: CommitRecord, trusted: dict[str, bytes] | None) -> list[Problem]:

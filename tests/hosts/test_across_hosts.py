@@ -13,6 +13,7 @@ import ckptfmt
 from ckptfmt.analytics import Thresholds, stragglers
 from ckptfmt.cli import main
 from ckptfmt.format.layout import chunk_key
+from ckptfmt.format.node_parity import NodeParityRecord, record_key
 from ckptfmt.metadata.step_timer import decode_steps
 from ckptfmt.repository.copies import copy_records
 from tests.corpus.generate import VERSIONS
@@ -278,3 +279,50 @@ def test_a_manager_restores_a_node_tier_at_another_world_size_resharded(hosts):
         assert restored["step"] == 4 and restored["fetched"] == []
         assert torch.equal(restored["table"], table(4)[32 * rank:32 * (rank + 1)]), rank
         assert restored["resumes"][0]["from"]["repository"] == str(local), rank
+
+
+@pytest.mark.exhaustive  # 4 hosts: make test keeps parity across 4 "nodes" of one machine
+@pytest.mark.parametrize("hosts", [4], indirect=True)
+def test_four_hosts_with_parity_across_nodes_rebuild_a_wiped_node_and_say_why_two_are_too_many(hosts):
+    """Issue 48 part 2: 4 hosts x 1 rank, a node tier protected by parity 1 across the nodes instead of
+    copies. Each node keeps its own rows and parity pieces of a third of a node's data (M/(N-M)), no
+    copy. hostC's disk wiped: its rows of step 4 are rebuilt from the other three's data and parity,
+    checked, and every rank restores bit for bit from its own disk. Then hostB's and hostC's disks
+    wiped: more than parity 1 survives, every rank says so, and the two restore from the shared tier."""
+    local, shared = hosts.local / "run", hosts.shared / "run"
+    hosts.torchrun("hosts_manager.py", 1, str(local), str(shared), "4", "--table", "--parity", "1")
+    parity_bytes = data_bytes = 0
+    for host in hosts.hosts:
+        repo = ckptfmt.Repository.open(str(host.disk / "run"))
+        record = repo.commit("step-000000004")
+        assert copy_records(repo, record.name, record.manifest_hash) == {}, host.name
+        manifest = repo.manifest(record.name)
+        parity = NodeParityRecord.from_bytes(repo.storage.read(record_key(record.name, host.name), max_size=1 << 20),
+                                             host.name)
+        assert parity.manifest_hash == record.manifest_hash and parity.pieces, host.name
+        parity.check_layout(manifest)
+        parity_bytes += parity.stored_bytes
+        data_bytes += sum(manifest.chunks[row].stored_size for row in manifest.placement.node(host.name).rows)
+        assert ckptfmt.verify(str(host.disk / "run"), node=host.name).ok
+    assert 0.30 < parity_bytes / data_bytes < 0.45, (parity_bytes, data_bytes)
+
+    shutil.rmtree(hosts.hosts[2].disk / "run")
+    hosts.torchrun("hosts_manager.py", 1, str(local), str(shared), "6", "--table", "--parity", "1",
+                   "--out", str(hosts.root / "wiped"))
+    for rank in range(4):
+        restored = torch.load(hosts.root / f"wiped.{rank}.pt")
+        assert restored["step"] == 4 and torch.equal(restored["table"], table(4)[16 * rank:16 * (rank + 1)]), rank
+        assert restored["resumes"][0]["from"]["repository"] == str(local), rank
+        assert restored["fetched"] == ["hostC's chunks of step-000000004 rebuilt from the parity across nodes"]
+    assert ckptfmt.verify(str(hosts.hosts[2].disk / "run"), node="hostC").ok
+
+    for host in hosts.hosts[1:3]:
+        shutil.rmtree(host.disk / "run")
+    results = hosts.torchrun("hosts_manager.py", 1, str(local), str(shared), "8", "--table", "--parity", "1",
+                             "--out", str(hosts.root / "two"))
+    for rank, result in enumerate(results):
+        assert "restore from the nodes' tiers given up: step-000000006: hostB, hostC lost: round" in result.stderr
+        assert "parity across nodes survives 1 lost node" in result.stderr
+        restored = torch.load(hosts.root / f"two.{rank}.pt")
+        assert restored["step"] == 6 and torch.equal(restored["table"], table(6)[16 * rank:16 * (rank + 1)]), rank
+        assert restored["resumes"][0]["from"]["repository"] == str(shared if rank in (1, 2) else local), rank

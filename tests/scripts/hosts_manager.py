@@ -1,6 +1,6 @@
 """A CheckpointManager across simulated hosts (tests/hosts/) with a node-local first tier.
 
-    torchrun --nnodes N --node_rank I ... hosts_manager.py LOCAL SHARED STEPS [--out OUT] [--table]
+    torchrun --nnodes N --node_rank I ... hosts_manager.py LOCAL SHARED STEPS [--out OUT] [--table] [--parity M]
 
 Data-parallel training with AdamW (gradients averaged every step); ``CheckpointManager(tiers=[Tier(LOCAL,
 scope="node"), SHARED], keep_last=2)`` restores the newest checkpoint every rank can read into the
@@ -9,7 +9,8 @@ every 2 steps to each node's own disk at LOCAL, and copies to the shared folder 
 shared tier). ``--table``: the state also holds an embedding table sharded over the ranks (a DTensor,
 ``arange + step``), so each node holds rows no other node's ranks hold. With OUT, each rank writes
 what it restored to OUT.RANK.pt (the step, the model, the optimizer's state, its rows of the table,
-where it came from, and what the manager fetched from other nodes' copies).
+where it came from, and what the manager fetched from other nodes' copies). ``--parity M``: the node tier
+is protected by parity across nodes (``redundancy="parity"``, ``replicas=M``) instead of peer copies.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ def main() -> None:
     parser.add_argument("--out")
     parser.add_argument("--table", action="store_true")
     parser.add_argument("--format-version", help="save for readers of this format version (1.10 on: node tiers)")
+    parser.add_argument("--parity", type=int, help="protect the node tier by parity across nodes surviving this "
+                                                   "many lost nodes (redundancy='parity') instead of peer copies")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     torch.manual_seed(0)
@@ -47,7 +50,9 @@ def main() -> None:
     batches = torch.Generator().manual_seed(dist.get_rank())
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     rows = torch.arange(64 * 8, dtype=torch.float32).reshape(64, 8)
-    tiers = [ckptfmt.Tier(args.local, scope="node"), *([] if args.shared == "none" else [args.shared])]
+    node_tier = ckptfmt.Tier(args.local, scope="node") if args.parity is None else \
+        ckptfmt.Tier(args.local, scope="node", redundancy="parity", replicas=args.parity)
+    tiers = [node_tier, *([] if args.shared == "none" else [args.shared])]
 
     def state(step: int) -> dict:
         extra = {"table": distribute_tensor(rows + step, mesh, [Shard(0)])} if args.table else {}

@@ -849,3 +849,68 @@ class ParityRepairer:
                     piece = combine(coefficients, [places[r] for r in rows], length)
                     assembled[obj][offset:offset + size] = piece[:size]
         return {i: bytes(data) for i, data in assembled.items()}
+
+
+def node_rounds(sizes: list[int], m: int, piece: int) -> list[tuple[int, list[int], list[tuple[int, bytes | None]]]]:
+    """FORMAT.md 9.8, "Parity across nodes": every round up to the last with data, as (r, its holders by
+    place, its data pieces as (node, (offset, length)) in node order), read from the text alone."""
+    n = len(sizes)
+    rounds, r = [], 0
+    given = [0] * n  # q: the earlier rounds in which each node was not a holder
+    while any(given[i] * piece < sizes[i] for i in range(n)):
+        holders = [(r + j) % n for j in range(m)]
+        data = []
+        for i in range(n):
+            if i not in holders:
+                start = given[i] * piece
+                data.append((i, (start, max(0, min(start + piece, sizes[i]) - start))))
+                given[i] += 1
+        rounds.append((r, holders, data))
+        r += 1
+    return rounds
+
+
+def node_parity(streams: list[bytes], m: int, piece: int) -> dict[tuple[int, int], bytes]:
+    """(r, j) -> holder j's parity piece of round r (rounds of length 0 have none): G[K+j] applied to the
+    round's data pieces, each zero-padded to the round's length."""
+    k = len(streams) - m
+    g = generator_matrix(k, m)
+    out = {}
+    for r, _, data in node_rounds([len(s) for s in streams], m, piece):
+        length = max(size for _, (_, size) in data)
+        if length:
+            pieces = [streams[i][start:start + size].ljust(length, b"\0") for i, (start, size) in data]
+            for j in range(m):
+                out[r, j] = combine(g[k + j], pieces, length)
+    return out
+
+
+def node_rebuild(known: dict[int, bytes], parity: dict[tuple[int, int], bytes], sizes: list[int], m: int,
+                 piece: int) -> dict[int, bytes]:
+    """The streams of the nodes not in ``known`` (at most M), from the known streams and the parity pieces
+    of the holders still there: in each round, K known pieces by code index (data place k: k, parity
+    place j: K + j), the rows of G for them inverted, the lost data pieces solved."""
+    n, k = len(sizes), len(sizes) - m
+    g = generator_matrix(k, m)
+    lost = [i for i in range(n) if i not in known]
+    rebuilt = {i: bytearray() for i in lost}
+    for r, holders, data in node_rounds(sizes, m, piece):
+        length = max(size for _, (_, size) in data)
+        wanted = [(place, i, size) for place, (i, (_, size)) in enumerate(data) if i in rebuilt and size]
+        if not wanted:
+            continue
+        rows, pieces = [], []
+        for place, (i, (start, size)) in enumerate(data):
+            if i in known:
+                rows.append(place)
+                pieces.append(known[i][start:start + size].ljust(length, b"\0"))
+        for j, holder in enumerate(holders):
+            if holder in known and (r, j) in parity:
+                rows.append(k + j)
+                pieces.append(parity[r, j])
+        if len(rows) < k:
+            raise NotRebuildable(f"round {r} keeps {len(rows)} pieces, {k} are needed")
+        inverse = gf_invert([g[row] for row in rows[:k]])
+        for place, i, size in wanted:
+            rebuilt[i] += combine(inverse[place], pieces[:k], length)[:size]
+    return {i: bytes(b) for i, b in rebuilt.items()}
