@@ -64,6 +64,7 @@ class Layout:
         hosts = [node.host for node in placement.nodes] if placement is not None else []
         if sorted(hosts) != sorted(peers.nodes.hosts):
             raise CheckpointError(f"its nodes ({', '.join(hosts)}) are not the job's ({', '.join(peers.nodes.hosts)})")
+        assert placement is not None  # the hosts above match the job's: a placement was there
         self.hosts = hosts
         self.rank = [peers.nodes.hosts.index(host) for host in hosts]  # placement index -> group rank
         self.me = hosts.index(peers.host)
@@ -157,7 +158,7 @@ def _exchange(peers: NodePeers, repo: Repository, name: str, layout: Layout, str
     kept: dict[tuple[int, int], bytes] = {}
     for stripe in period:
         if stripe.length and stripe.holders[0] == me:
-            pieces = [memoryview(incoming[stripe.index, node].numpy()) if length else b""
+            pieces = [incoming[stripe.index, node].numpy().data if length else b""
                       for node, _, length in stripe.data]
             parity = erasure.encode(pieces, k, m, stripe.length)
             kept[stripe.index, 0] = bytes(parity[0])

@@ -61,6 +61,7 @@ def held_parity(repo: Repository, name: str, host: str, manifest_hash: str, mani
     except CheckpointError as exc:
         warnings.warn(f"node parity not counted: {exc}", CheckpointWarning, stacklevel=2)
         return None
+    assert manifest.placement is not None  # check_layout refuses a manifest without one
     hosts = tuple(node.host for node in manifest.placement.nodes)
     return ParityHeld(hosts, stripes, frozenset((p.index, p.place) for p in record.pieces))
 
@@ -146,11 +147,12 @@ def rebuild_rows(peers: NodePeers, repo: Repository | None, name: str, manifest:
     raised after (CheckpointError)."""
     stripes_k = len(steps[0].sources) if steps else 0
     writer = None
-    if manifest is not None and any(me in step.receivers for step in steps):
-        writer = StreamWriter(repo, manifest.chunks, tuple(manifest.placement.nodes[me].rows))
+    if repo is not None and manifest is not None and any(me in step.receivers for step in steps):
+        writer = StreamWriter(repo, manifest.chunks, _rows(manifest, me))
     sending = _Pieces(repo, name, peers.host, manifest, me)
     for step in steps:
-        works, incoming = [], {}
+        works: list = []
+        incoming: dict[int, torch.Tensor] = {}
         for receiver in step.receivers:
             for index, node, length in step.sources:
                 if not length:
@@ -164,8 +166,7 @@ def rebuild_rows(peers: NodePeers, repo: Repository | None, name: str, manifest:
         for work in works:
             work.wait()
         if me in step.receivers and writer is not None:
-            available = {index: memoryview(incoming[index].numpy()) if length else b""
-                         for index, _, length in step.sources}
+            available = {index: incoming[index].numpy().data if length else b"" for index, _, length in step.sources}
             mine = next(i for i, (node, _, _) in enumerate(step.stripe.data) if node == me)
             rebuilt = erasure.rebuild(available, stripes_k, len(step.stripe.holders), step.stripe.length,
                                       stripes_k, [mine])[mine]
@@ -187,7 +188,7 @@ class _Pieces:
         self.digests: dict[tuple[int, int], str] = {}
         if repo is None or manifest is None:
             return
-        self.stream = NodeStream(repo, manifest.chunks, tuple(manifest.placement.nodes[me].rows))
+        self.stream = NodeStream(repo, manifest.chunks, _rows(manifest, me))
         key = record_key(name, host)
         try:
             record = NodeParityRecord.from_bytes(repo.storage.read(key, max_size=MAX_RECORD_BYTES),
@@ -210,6 +211,12 @@ class _Pieces:
         except CheckpointError as exc:
             self.problems.append(f"not sent for the rebuild: {exc}")
             return bytes(length)
+
+
+def _rows(manifest: Manifest, node: int) -> tuple[int, ...]:
+    """The chunk rows of placement node ``node`` (by index), in order: its stream's."""
+    assert manifest.placement is not None  # a checkpoint with parity across nodes is node-scoped
+    return tuple(manifest.placement.nodes[node].rows)
 
 
 __all__ = ["ParityHeld", "Step", "StreamWriter", "held_parity", "plan", "rebuild_rows"]

@@ -135,8 +135,11 @@ def _parity_plan(hosts: tuple[str, ...], inventories: list[dict[str, Held]], nam
                  missing: set[str]) -> list[Step]:
     """The rounds that rebuild the ``missing`` nodes' rows of ``name`` from the parity across nodes."""
     at = {host: hosts.index(host) for host in held.nodes}  # placement host -> job node
-    parity = {p: inventories[at[host]][name].parity for p, host in enumerate(held.nodes)
-              if name in inventories[at[host]] and inventories[at[host]][name].parity is not None}
+    parity: dict[int, ParityHeld] = {}
+    for p, host in enumerate(held.nodes):
+        kept = inventories[at[host]].get(name, _NOTHING).parity
+        if kept is not None:
+            parity[p] = kept
     if not parity:
         raise CheckpointError(f"{', '.join(sorted(missing))}'s rows are on no node, and no node keeps parity of them")
     intact = {p for p, host in enumerate(held.nodes) if host in inventories[at[host]].get(name, _NOTHING).hosts}
