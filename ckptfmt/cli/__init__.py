@@ -168,11 +168,15 @@ def command(module: str, function: str):
 
 class _Version(argparse.Action):
     """``--version``: the package's version (read from its metadata only when asked for) and the format
-    versions it reads and writes: the two halves of what a release promises (CHANGELOG.md)."""
+    versions it reads and writes: the two halves of what a release promises (CHANGELOG.md); then which
+    kernels run (C, or numpy where the extension was not built)."""
 
     def __call__(self, parser, namespace, values, option_string=None):
+        from ckptfmt import kernels
+
         writes = version_text(FORMAT_VERSION)
         print(f"ckptfmt {ckptfmt.__version__}, reads format {version_text(OLDEST_READ)}-{writes}, writes {writes}")  # noqa: T201
+        print(f"kernels: {kernels.describe()}")  # noqa: T201
         parser.exit()
 
 

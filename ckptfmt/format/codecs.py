@@ -242,7 +242,7 @@ def _float_encode(data: memoryview | bytes, width: int) -> memoryview:
     count = whole // width
     out = np.empty(8 * width + len(raw), dtype=np.uint8)  # every plane raw: the most it can take
     planes = out[8 * width : 8 * width + whole].reshape(width, count)
-    _split_planes(raw[:whole].view(_UINT[width]), planes)
+    _kernels().split_planes(raw[:whole].view(_UINT[width]), planes)
     lengths = []
     offset = 8 * width
     for j in range(width):
@@ -261,34 +261,11 @@ def _float_encode(data: memoryview | bytes, width: int) -> memoryview:
     return out.data
 
 
-#: Elements rotated or interleaved at a time: a block and its scratch stay in the CPU's cache, which
-#: makes the float codec's numpy passes 1.2-1.6x faster than over whole arrays (bench/float_codec.py).
-_BLOCK = 1 << 16
+def _kernels() -> Any:
+    """ckptfmt.kernels (C or numpy), imported on first use: numpy stays out of the CLI's start."""
+    from ckptfmt import kernels
 
-
-def _split_planes(values: Any, planes: Any) -> None:
-    """``planes[j]`` = byte ``j`` of every element of ``values`` (a uint array) rotated left by one bit.
-    Bytes of 2-byte elements are taken by shifting and casting (2.3x faster than a strided copy, which is
-    faster for 4 and 8 bytes)."""
-    import numpy as np
-
-    width, total = values.itemsize, len(values)
-    scratch = np.empty((2, min(_BLOCK, total)), dtype=values.dtype)
-    for start in range(0, total, _BLOCK):
-        block = values[start : start + _BLOCK]
-        rotated, spare = scratch[0, : len(block)], scratch[1, : len(block)]
-        np.right_shift(block, 8 * width - 1, out=rotated)
-        np.left_shift(block, 1, out=spare)
-        np.bitwise_or(rotated, spare, out=rotated)
-        where = slice(start, start + len(block))
-        if width == 2:
-            np.copyto(planes[0, where], rotated, casting="unsafe")  # the cast keeps the low byte
-            np.right_shift(rotated, 8, out=spare)
-            np.copyto(planes[1, where], spare, casting="unsafe")
-        else:
-            rotated_bytes = rotated.view(np.uint8).reshape(len(block), width)
-            for j in range(width):
-                planes[j, where] = rotated_bytes[:, j]
+    return kernels
 
 
 def _plane_compressor() -> Any:
@@ -320,7 +297,7 @@ def _float_decode(stored: bytes | memoryview, size: int, width: int, where: str,
                                     dtype=np.uint8))
     out = np.empty(size, dtype=np.uint8)  # a new buffer: nothing of ``stored`` is aliased
     values = out[: count * width].view(_UINT[width])
-    _join_planes(planes, values)
+    _kernels().join_planes(planes, values)
     out[count * width :] = np.frombuffer(stored[offset:], dtype=np.uint8)
     return out.data
 
@@ -340,31 +317,6 @@ def _decompress_plane(frame: memoryview, count: int, j: int, where: str) -> byte
     if len(plane) != count:
         raise CorruptDataError(f"{where}: plane {j} decompressed to {len(plane)} bytes, not {count}")
     return plane
-
-
-def _join_planes(planes: list[Any], values: Any) -> None:
-    """Inverse of ``_split_planes``: each element of ``values`` (a uint array) from its bytes in ``planes``,
-    rotated back right by one bit; 2-byte elements by shifting and or-ing (1.4x faster than strided writes,
-    which are faster for 4 and 8 bytes)."""
-    import numpy as np
-
-    width, total = values.itemsize, len(values)
-    scratch = np.empty(min(_BLOCK, total), dtype=values.dtype)
-    for start in range(0, total, _BLOCK):
-        block = values[start : start + _BLOCK]
-        where = slice(start, start + len(block))
-        if width == 2:
-            np.copyto(block, planes[1][where])
-            np.left_shift(block, 8, out=block)
-            np.bitwise_or(block, planes[0][where], out=block)
-        else:
-            block_bytes = block.view(np.uint8).reshape(len(block), width)
-            for j, plane in enumerate(planes):
-                block_bytes[:, j] = plane[where]
-        low = scratch[: len(block)]
-        np.left_shift(block, 8 * width - 1, out=low)  # bit 0 (the sign) back to the top
-        np.right_shift(block, 1, out=block)
-        np.bitwise_or(block, low, out=block)
 
 
 def encode(codec: str, data: memoryview, base: memoryview | bytes | None = None) -> memoryview | bytes:

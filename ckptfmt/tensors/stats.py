@@ -19,14 +19,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from ckptfmt import kernels
 from ckptfmt.format.tensor_stats import COUNT_FIELDS, FLOAT_FIELDS, INTEGER_FIELDS, StatsRow, higher, lower
 
 #: Elements taken at a time by ``tensor_stats``: 8 MiB of float64 scratch at most per block.
 BLOCK_ELEMENTS = 1 << 20
 #: Blocks of float64 elements whose sum overflows are summed times this (exact: a power of two).
 _SCALE = 2.0**-64
-#: Float dtypes numpy has: their extremes and zeros are found without the float64 copy.
-_NUMPY_FLOATS = frozenset({torch.float32, torch.float64})
 #: A block norm above which its square would lose digits to overflow: kept as a norm (math.hypot).
 _LARGE_NORM = 2.0**500
 
@@ -135,14 +134,13 @@ class StatsAccumulator:
         if self.fields is COUNT_FIELDS or values.numel() == 0:
             return
         if self.fields is INTEGER_FIELDS:
-            if values.dtype == torch.bool:
-                values = values.view(torch.uint8)
-            self.zeros += values.numel() - int(torch.count_nonzero(values))
-            smallest, largest = torch.aminmax(values)
-            self._extremes(int(smallest), int(largest))
+            self._add_integers(values.view(torch.uint8) if values.dtype == torch.bool else values)
             return
-        # Every float dtype converts exactly to float64: one conversion into reused scratch, then
-        # BLAS reductions over it (half the time of torch's float64-accumulating reductions).
+        kind = _float_kind(values.dtype) if values.device.type == "cpu" else None
+        if kind is not None:
+            self._add_floats(values, *kind)
+            return
+        # On a device: every float dtype converts exactly to float64, in reused scratch, then reductions.
         if values.dtype == torch.float64:
             wide = values
         else:
@@ -156,14 +154,35 @@ class StatsAccumulator:
         self.finite += wide.numel()
         self.total += total
         self.squares += squares
-        # Extremes and zeros from numpy, on the elements as stored where it has their dtype (exact
-        # either way): its SIMD min, max and == 0 take 40% of the time torch's aminmax and
-        # count_nonzero take on a 1 MiB block.
-        array = (values if values.dtype in _NUMPY_FLOATS else wide).numpy()
-        low, high = _signed_zeros(float(array.min()), float(array.max()), np.signbit, array)
-        self._extremes(low, high)
-        if low <= 0 <= high:  # else there is no zero to count
-            self.zeros += int(np.count_nonzero(array == 0))
+        smallest, largest = torch.aminmax(wide)
+        self._extremes(*_signed_zeros(float(smallest), float(largest), torch.signbit, wide))
+        self.zeros += wide.numel() - int(torch.count_nonzero(wide))
+
+    def _add_integers(self, values: torch.Tensor) -> None:
+        if values.device.type == "cpu" and values.dtype in _NUMPY_INTS:
+            low, high, zeros = kernels.int_block(values.numpy())
+            self.zeros += zeros
+            self._extremes(low, high)
+            return
+        self.zeros += values.numel() - int(torch.count_nonzero(values))
+        smallest, largest = torch.aminmax(values)
+        self._extremes(int(smallest), int(largest))
+
+    def _add_floats(self, values: torch.Tensor, code: str, width: torch.dtype, table: np.ndarray | None) -> None:
+        """A block on the CPU, in one pass of the kernels (C or numpy: the same sums, spec 6.10's binary64)."""
+        total, squares, low, high, zeros, negative = kernels.float_block(values.view(width).numpy(), code, table)
+        if not (math.isfinite(total) and math.isfinite(squares)):  # NaN, infinities, or overflowing sums
+            wide = _scratch(values.numel())
+            wide.copy_(values)
+            self._add_unusual(wide)
+            return
+        self.finite += values.numel()
+        self.total += total
+        self.squares += squares
+        # -0.0 below +0.0 (spec 6.10): the kernel's extremes may be either zero of a tie
+        self._extremes((-0.0 if negative else 0.0) if low == 0 else low,
+                       (0.0 if zeros > negative else -0.0) if high == 0 else high)
+        self.zeros += zeros
 
     def _add_unusual(self, wide: torch.Tensor) -> None:
         """A block holding NaN or infinities, or float64 elements whose sum or squares overflow."""
@@ -224,6 +243,26 @@ def _signed_zeros(low: float, high: float, signbit, values) -> tuple[float, floa
         if high == 0:
             high = -0.0 if negative.all() else 0.0
     return low, high
+
+
+#: Integer dtypes whose elements numpy holds as they are (the kernels take them).
+_NUMPY_INTS = frozenset({torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64})
+#: The kernels' float kinds (ckptfmt.kernels): the code and the integer dtype of the element's width.
+_FLOAT_CODES = {torch.float64: ("d", torch.int64), torch.float32: ("f", torch.int32),
+                torch.bfloat16: ("b", torch.int16), torch.float16: ("e", torch.int16)}
+
+
+@functools.cache
+def _float_kind(dtype: torch.dtype) -> tuple[str, torch.dtype, np.ndarray | None] | None:
+    """``dtype``'s kernel kind (code, the width's integer dtype, the table of its values for the 8-bit
+    floats: torch's own conversion of every bit pattern, exact); None: no kernel takes it."""
+    if dtype in _FLOAT_CODES:
+        code, width = _FLOAT_CODES[dtype]
+        return code, width, None
+    if dtype.is_floating_point and dtype.itemsize == 1 and _has_arithmetic(dtype):
+        table = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).to(torch.float64).numpy()
+        return "t", torch.uint8, table
+    return None
 
 
 _SCRATCH = threading.local()

@@ -27,8 +27,9 @@ def test_quick_subset_of_fuzzed_inputs():
     assert not failures, f"{len(failures)} reads broke the contract; the first:\n{failures[0]}"
     assert report["over_time"] == [] and report["over_memory"] == [], report
     # The fuzzer really exercised the readers: every target and kind of mutation, refusals and successes.
-    assert set(report["by_target"]) == {"manifest", "commit", "marker"}
-    assert {"swap-type", "inflate-count", "duplicate-key", "deep-nesting", "damage-bytes"} <= set(report["mutations"])
+    assert set(report["by_target"]) == {"manifest", "commit", "marker", "chunk"}
+    assert {"swap-type", "inflate-count", "duplicate-key", "deep-nesting", "damage-bytes",
+            "plane-length"} <= set(report["mutations"])
     outcomes = report["outcomes"]
     assert outcomes.get("load: ok", 0) > 20 and outcomes.get("load: ManifestError", 0) > 100, outcomes
 

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = {"ckptfmt": ROOT / "ckptfmt", "ckptfmt.converters": ROOT / "converters", "ckptfmt.tui": ROOT / "tui"}
 #: The core's subpackages, lowest first: a module may import its own layer and those below it.
 LAYERS = [
-    {"errors", "_platform", "_deprecation", "_collector", "_teardown"},
+    {"errors", "_platform", "_deprecation", "_collector", "_teardown", "kernels"},
     {"format"},
     {"storage"},
     {"repository"},

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import os
 import re
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 import ckptfmt
+from ckptfmt import kernels
 from tests.support.documents import documented_paths, in_own_package
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -75,7 +77,10 @@ def test_import_into_a_bare_name_is_one_error_line_and_creates_nothing(tmp_path)
 def test_version(tmp_path):
     result = cli("--version", cwd=tmp_path)
     assert result.returncode == 0
-    assert result.stdout.strip() == f"ckptfmt {ckptfmt.__version__}, reads format 1.0-2.1, writes 2.1"
+    assert result.stdout.strip().splitlines() == [f"ckptfmt {ckptfmt.__version__}, reads format 1.0-2.1, writes 2.1",
+                                                  f"kernels: {kernels.describe()}"]
+    if os.environ.get("CKPTFMT_CI"):  # make setup builds the C kernels wherever CI runs (it has a compiler)
+        assert kernels.describe() == "native (C)"
     assert re.fullmatch(r"\d+\.\d+\.\d+(\.dev\d+)?", ckptfmt.__version__)
     changelog = (Path(__file__).resolve().parents[2] / "CHANGELOG.md").read_text()
     assert f"\n## {ckptfmt.__version__} " in changelog, "every release has its CHANGELOG.md section"

@@ -30,6 +30,7 @@ import math
 import random
 import shutil
 import statistics
+import struct
 import sys
 import tempfile
 import time
@@ -319,6 +320,10 @@ class Base:
     commits: list[dict]
     marker: bytes
     strings: list[str] = field(default_factory=list)
+    #: A checkpoint saved with the float codec, and its chunks of planes (spec 5.3): the "chunk" target.
+    float_record: dict = field(default_factory=dict)
+    float_manifest: bytes = b""
+    float_chunks: list[Path] = field(default_factory=list)
 
 
 def build_base(root: Path) -> Base:
@@ -327,6 +332,7 @@ def build_base(root: Path) -> Base:
         ckptfmt.save(base_state(i), repo / f"base{i}", step=i, compression=compression, chunk_size=chunk_size,
                      metadata={"lr": 1e-3, "tags": ["a", "b"], "nested": {"x": [1, 2, 3]}},
                      step_times=[0.1, 0.2], parallelism={"dp": 1}, provenance={"source_kind": "fuzz"})
+    ckptfmt.save(base_state(2), repo / "floats", step=2, compression="float-zstd", chunk_size=2**20)
     ckptfmt.save({"w": torch.ones(3)}, marker_repo / "only")
     storage = ckptfmt.Repository.open(repo).storage
     manifests, commits = [], []
@@ -336,13 +342,17 @@ def build_base(root: Path) -> Base:
         manifests.append(storage.read(layout.manifest_key(name, record["manifest"]), max_size=2**28))
     chunk_hashes = [row["hash"] for m in manifests for row in chunk_rows(msgpack.unpackb(m, raw=False)["chunks"])]
     marker = (marker_repo / layout.MARKER_KEY).read_bytes()
-    return Base(root, repo, marker_repo, manifests, commits, marker, strings=chunk_hashes[:4] + ["base0", "base1"])
+    record = json.loads(storage.read(layout.commit_key("floats"), max_size=2**20))
+    floats = storage.read(layout.manifest_key("floats", record["manifest"]), max_size=2**28)
+    planes = sorted(path for path in (repo / layout.CHUNKS_DIR).rglob("*") if path.suffix.startswith(".float"))
+    return Base(root, repo, marker_repo, manifests, commits, marker, strings=chunk_hashes[:4] + ["base0", "base1"],
+                float_record=record, float_manifest=floats, float_chunks=planes)
 
 
 @dataclass
 class Case:
     index: int
-    target: str  # "manifest", "commit" or "marker"
+    target: str  # "manifest", "commit", "marker" or "chunk" (a float codec's planes)
     mutations: list[str]
     seconds: float = 0.0
     cpu_seconds: float = 0.0
@@ -358,9 +368,11 @@ def make_case(base: Base, index: int, seed: int) -> tuple[Case, Callable[[], Non
     """Write case ``index`` into the repositories; returns it and a function that removes it."""
     rng = random.Random(seed * 1_000_003 + index)
     roll = rng.random()
-    target = "manifest" if roll < 0.7 else "commit" if roll < 0.9 else "marker"
+    target = "manifest" if roll < 0.65 else "commit" if roll < 0.8 else "marker" if roll < 0.9 else "chunk"
     which = rng.randrange(len(base.manifests))
     mutations = []
+    if target == "chunk":
+        return _damaged_planes_case(base, index, rng)
     if target == "marker":
         doc = json.loads(base.marker)
         data = _mutated_json(doc, rng, base, mutations)
@@ -391,6 +403,36 @@ def make_case(base: Base, index: int, seed: int) -> tuple[Case, Callable[[], Non
     (folder / f"manifest-{chunk_hash(manifest)}.msgpack").write_bytes(manifest)
     (folder / layout.COMMIT_NAME).write_bytes(commit)
     return Case(index, target, mutations), lambda: shutil.rmtree(folder)
+
+
+def _damaged_planes_case(base: Base, index: int, rng: random.Random) -> tuple[Case, Callable[[], None]]:
+    """A chunk of float planes damaged (its bytes, or one plane's length in its header set to an edge),
+    read through a checkpoint that names it: the decode must refuse it, whatever its header claims."""
+    path = rng.choice(base.float_chunks)
+    original = path.read_bytes()
+    if rng.random() < 0.5:
+        mutation, damaged = "damage-bytes", damage_bytes(original, rng)
+    else:
+        width = int(path.suffix.split("-")[0].removeprefix(".float"))  # the element width in bytes
+        lengths = list(struct.unpack_from(f"<{width}Q", original))
+        j = rng.randrange(width)
+        lengths[j] = rng.choice([0, 1, lengths[j] - 1, lengths[j] + 1, sum(lengths), 2**63, 2**64 - 1,
+                                 rng.randrange(2**32)]) % 2**64
+        mutation, damaged = "plane-length", struct.pack(f"<{width}Q", *lengths) + original[8 * width:]
+    path.write_bytes(damaged)
+    doc = decode_manifest(base.float_manifest)
+    doc["name"] = NAME
+    manifest = encode(doc)
+    record = {**base.float_record, "name": NAME, "manifest": chunk_hash(manifest), "manifest_size": len(manifest)}
+    folder = base.repo / NAME
+    folder.mkdir()
+    (folder / f"manifest-{chunk_hash(manifest)}.msgpack").write_bytes(manifest)
+    (folder / layout.COMMIT_NAME).write_bytes(json.dumps(record).encode())
+
+    def cleanup() -> None:
+        path.write_bytes(original)
+        shutil.rmtree(folder)
+    return Case(index, "chunk", [mutation]), cleanup
 
 
 def _mutated_json(doc: dict, rng: random.Random, base: Base, mutations: list[str]) -> bytes:
