@@ -325,9 +325,11 @@ class CheckpointManager:
         self.restored_step = self.restored_url = None
         self.fetched_from_peers = []
         if step is None and self.peers is not None:
-            step, self.fetched_from_peers = restore_point(self.peers)
+            step, self.fetched_from_peers, rebuilt = restore_point(self.peers)
             for fetched in self.fetched_from_peers:
                 warnings.warn(f"restore: {fetched}", CheckpointWarning, stacklevel=2)
+            if rebuilt is not None and self.peers.group is not None:  # the rebuilt nodes' parity, again
+                self._queue(self._copying.submit(self._protect_again, rebuilt))
         if step is None:
             step = self.latest() if self.tiers[0].scope == "job" or self.group is None else self._latest_everywhere()
             if step is None:
@@ -407,7 +409,14 @@ class CheckpointManager:
         for problem in problems:
             warnings.warn(f"checkpoint manager: {problem}", CheckpointWarning, stacklevel=2)
 
-    # -- interval="auto" -----------------------------------------------------------------------
+    def _protect_again(self, name: str) -> None:
+        """Checkpoint ``name``'s parity across the nodes computed again after a restore rebuilt nodes of it
+        (they held parity pieces of it that nothing rebuilt); the others rewrite theirs, the same bytes."""
+        assert self.peers is not None
+        for problem in protect_across_nodes(self.peers, name):
+            warnings.warn(f"checkpoint manager: {problem}", CheckpointWarning, stacklevel=2)
+
+        # -- interval="auto" -----------------------------------------------------------------------
     def _time_step(self, step: int) -> None:
         """One training step's time: since the previous call, which ended after any save."""
         now = time.perf_counter()

@@ -46,29 +46,32 @@ class Held:
 _NOTHING = Held("", None, 0, (), frozenset())
 
 
-def restore_point(peers: NodePeers) -> tuple[int | None, list[str]]:
+def restore_point(peers: NodePeers) -> tuple[int | None, list[str], str | None]:
     """The step of the newest checkpoint whose every node's rows are on some node, made whole on
-    every node (a node without its own rows gets them from a copy), or None where there is none;
-    and what was fetched from where, in words (the same on every rank). Every rank calls this."""
-    outcome: tuple[int | None, list[str], str | None] = (None, [], None)
+    every node (a node without its own rows gets them from a copy, or rebuilt from parity), or None
+    where there is none; what was fetched from where, in words; and the checkpoint rebuilt from parity
+    (its rebuilt nodes lack the parity they held: the caller computes it again), or None. The same on
+    every rank; every rank calls this."""
+    outcome: tuple[int | None, list[str], str | None, str | None] = (None, [], None, None)
     if peers.is_leader:
         outcome = _agree_and_fill(peers)
     gathered = peers.ranks.gather(outcome)  # every leader has filled its tier, or failed to
     decided = None
     if gathered is not None:
-        failures = [failure for _, _, failure in gathered if failure is not None]
-        step, fetched, _ = gathered[0]
+        failures = [failure for _, _, failure, _ in gathered if failure is not None]
+        step, fetched, _, rebuilt = gathered[0]
         if failures:  # a node could not be made whole: the caller falls back to the other tiers
-            step, fetched = None, []
-        decided = (step, fetched, failures[0] if failures else None)
-    step, fetched, failure = peers.ranks.broadcast(decided)
+            step, fetched, rebuilt = None, [], None
+        decided = (step, fetched, failures[0] if failures else None, rebuilt)
+    step, fetched, failure, rebuilt = peers.ranks.broadcast(decided)
     if failure is not None:  # on every rank: each one's log says why it reads another tier
         warnings.warn(f"restore from the nodes' tiers given up: {failure}", CheckpointWarning, stacklevel=3)
-    return step, fetched
+    return step, fetched, rebuilt
 
 
-def _agree_and_fill(peers: NodePeers) -> tuple[int | None, list[str], str | None]:
-    """On a leader: the step agreed, what was fetched, and what failed here (None: nothing)."""
+def _agree_and_fill(peers: NodePeers) -> tuple[int | None, list[str], str | None, str | None]:
+    """On a leader: the step agreed, what was fetched, what failed here (None: nothing), and the
+    checkpoint rebuilt from parity (None: none)."""
     try:
         repo = peers.open_tier()
         inventory = _inventory(repo, peers.host)
@@ -80,7 +83,7 @@ def _agree_and_fill(peers: NodePeers) -> tuple[int | None, list[str], str | None
     inventories = [inventory] if peers.group is None else peers.all_gather(inventory)
     chosen, why = _newest_whole(peers.nodes.hosts, inventories)
     if chosen is None:
-        return None, [], failure or why
+        return None, [], failure or why, None
     name, held, steps = chosen
     hosts = peers.nodes.hosts
     fetched, lost = [], []
@@ -102,7 +105,7 @@ def _agree_and_fill(peers: NodePeers) -> tuple[int | None, list[str], str | None
     if lost:
         failure = _rebuild(peers, repo, name, held, steps or [], inventories, lost) or failure
         fetched += [f"{hosts[receiver]}'s chunks of {name} rebuilt from the parity across nodes" for receiver in lost]
-    return held.step, fetched, failure
+    return held.step, fetched, failure, name if lost else None
 
 
 def _newest_whole(hosts: tuple[str, ...], inventories: list[dict[str, Held]]

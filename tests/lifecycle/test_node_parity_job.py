@@ -27,7 +27,8 @@ def test_a_tier_takes_parity_across_nodes_only_where_it_is_node_scoped_and_writt
 
 @pytest.mark.distributed
 def test_a_wiped_node_is_rebuilt_from_parity_and_two_wiped_with_m_1_restore_from_the_shared_tier(tmp_path):
-    """M=1: one wiped node's rows are rebuilt bit for bit from the other three's data and parity; two
+    """M=1: one wiped node's rows are rebuilt bit for bit from the other three's data and parity, and the
+    parity it held is computed again in the background; two
     wiped are more than the parity survives: every rank says why, and the wiped nodes' ranks read the
     shared tier while the others read their own."""
     shared, out = tmp_path / "shared", tmp_path / "out"
@@ -39,6 +40,7 @@ def test_a_wiped_node_is_rebuilt_from_parity_and_two_wiped_with_m_1_restore_from
         first, second = report["restores"]
         assert first["step"] == 6 and first["from"] == "memory://run/step-000000006" and first["equal"], first
         assert first["fetched"] == ["nodeB's chunks of step-000000006 rebuilt from the parity across nodes"]
+        assert report["parity_again"], rank  # nodeB's parity of step 6 too, every node's checked by verify
         # the wiped nodes' ranks read the shared tier, the others their own
         where = f"{shared}/step-000000006" if rank in (1, 2) else "memory://run/step-000000006"
         assert second["step"] == 6 and second["from"] == where and second["equal"], second

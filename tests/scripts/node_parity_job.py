@@ -8,7 +8,8 @@ node tier at ``memory://run`` (each process's memory is its own: a node's own di
 model, its AdamW moments and a table sharded over the ranks (each node holds rows no other holds). The
 manager saves at steps 2, 4 and 6, protected by parity M, and copies to SHARED. Then:
 
-1. rank 1's tier is wiped, and ``restore`` rebuilds its rows of step 6 from the others' parity;
+1. rank 1's tier is wiped, and ``restore`` rebuilds its rows of step 6 from the others' parity (and,
+   in the background, the parity it held);
 2. ranks 1 and 2's tiers are wiped, and ``restore`` (more nodes lost than M) says why the nodes cannot
    rebuild step 6 and restores it from SHARED.
 
@@ -86,6 +87,11 @@ def main() -> None:
                 "warnings": [str(w.message) for w in caught],
                 "equal": torch.equal(into["table"].to_local(), expected)
                 and all(torch.equal(value, saved[key]) for key, value in model.state_dict().items())})
+            if wiped == [1]:  # the rebuilt node's parity is computed again, in the background
+                manager.wait()
+                again = ckptfmt.Repository.open("memory://run")
+                report["parity_again"] = again.storage.exists(record_key(name, host)) and ckptfmt.verify(
+                    "memory://run", node=host).ok
         if rank in (0, 3):  # the nodes never wiped: their tiers hold what they saved
             report["verify"] = damage_and_verify(repo, name, host, record)
     with open(f"{out}.{rank}.json", "w") as file:
