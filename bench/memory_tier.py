@@ -69,27 +69,11 @@ def job(memory: str, drain: str, shared: str, size_mb: int, repeats: int, out: s
         for repeat in range(repeats):
             order = list(modes) if repeat % 2 == 0 else list(reversed(modes))
             for mode in order:
-                with torch.no_grad():
-                    for value in state.values():
-                        value.add_(1.0)
-                barrier()
-                began = time.perf_counter()
-                managers[mode].save(repeat + 1, state)
-                saved = time.perf_counter()
-                managers[mode].wait()
-                barrier()
-                figures[mode]["stall_s"].append(slowest(saved - began))
-                figures[mode]["wait_s"].append(slowest(time.perf_counter() - saved))
+                save_timed(managers[mode], state, repeat + 1, figures[mode])
             for mode in order:
                 if mode == "shared" and rank() == 0:
                     evict(shared)
-                with ckptfmt.CheckpointManager(tiers=modes[mode], keep_last=2, housekeeping="thread") as manager:
-                    barrier()
-                    began = time.perf_counter()
-                    manager.restore(into=state)
-                    barrier()
-                    figures[mode]["restore_s"].append(time.perf_counter() - began)
-                    assert manager.restored_step == repeat + 1, (mode, manager.restored_step)
+                restore_timed(modes[mode], state, repeat + 1, figures[mode])
                 figures[mode]["from"].append(pending_resumes()[-1]["from"]["repository"])
     finally:
         for manager in managers.values():
@@ -98,6 +82,35 @@ def job(memory: str, drain: str, shared: str, size_mb: int, repeats: int, out: s
         Path(out).write_text(json.dumps(figures))
     if ranks:
         dist.destroy_process_group()
+
+
+def save_timed(manager: ckptfmt.CheckpointManager, state: dict, step: int, figures: dict[str, list]) -> None:
+    """On every rank: ``state`` changed (every weight), then saved by ``manager`` at ``step``; how long the
+    save blocked the loop and the ``wait()`` after it took, the slowest rank's, appended to ``figures``."""
+    with torch.no_grad():
+        for value in state.values():
+            value.add_(1.0)
+    barrier()
+    began = time.perf_counter()
+    manager.save(step, state)
+    saved = time.perf_counter()
+    manager.wait()
+    barrier()
+    figures["stall_s"].append(slowest(saved - began))
+    figures["wait_s"].append(slowest(time.perf_counter() - saved))
+
+
+def restore_timed(tiers: list, state: dict, step: int, figures: dict[str, list]) -> list[str]:
+    """On every rank: a new manager over ``tiers`` restores ``state``, which must come back at ``step``;
+    the time until every rank is done appended to ``figures``; what it fetched from other nodes."""
+    with ckptfmt.CheckpointManager(tiers=tiers, keep_last=2, housekeeping="thread") as manager:
+        barrier()
+        began = time.perf_counter()
+        manager.restore(into=state)
+        barrier()
+        figures["restore_s"].append(time.perf_counter() - began)
+        assert manager.restored_step == step, (tiers, manager.restored_step)
+        return manager.fetched_from_peers
 
 
 def make_state(size_mb: int, ranks: bool) -> dict:

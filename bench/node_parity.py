@@ -33,13 +33,12 @@ import shutil
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from harness import evict
-from memory_tier import barrier, make_state, slowest
+from memory_tier import make_state, restore_timed, save_timed
 
 import ckptfmt
 from ckptfmt.format.node_parity import NodeParityRecord, record_key
@@ -65,17 +64,7 @@ def job(local: str, shared: str, size_mb: int, repeats: int, out: str) -> None:
         for repeat in range(repeats):
             order = list(MODES) if repeat % 2 == 0 else list(reversed(MODES))
             for mode in order:
-                with torch.no_grad():
-                    for value in state.values():
-                        value.add_(1.0)
-                barrier()
-                began = time.perf_counter()
-                managers[mode].save(repeat + 1, state)
-                saved = time.perf_counter()
-                managers[mode].wait()
-                barrier()
-                figures[mode]["stall_s"].append(slowest(saved - began))
-                figures[mode]["wait_s"].append(slowest(time.perf_counter() - saved))
+                save_timed(managers[mode], state, repeat + 1, figures[mode])
             figures["bytes"] = node_bytes(local)
             if dist.get_rank() == WIPED:
                 for mode in ("parity", "copies"):
@@ -83,14 +72,7 @@ def job(local: str, shared: str, size_mb: int, repeats: int, out: str) -> None:
             for mode in order:
                 if mode == "shared" and dist.get_rank() == 0:
                     evict(shared)
-                with ckptfmt.CheckpointManager(tiers=tiers[mode], keep_last=1, housekeeping="thread") as manager:
-                    barrier()
-                    began = time.perf_counter()
-                    manager.restore(into=state)
-                    barrier()
-                    figures[mode]["restore_s"].append(time.perf_counter() - began)
-                    assert manager.restored_step == repeat + 1, (mode, manager.restored_step)
-                    figures[mode]["fetched"] = manager.fetched_from_peers
+                figures[mode]["fetched"] = restore_timed(tiers[mode], state, repeat + 1, figures[mode])
     finally:
         for manager in managers.values():
             manager.close()

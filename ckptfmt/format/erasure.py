@@ -33,6 +33,28 @@ def check_parameters(k: int, m: int) -> None:
         raise ValueError(f"parity {k}+{m}: K and M must be at least 1 and K+M at most {MAX_STRIPE_PIECES}")
 
 
+def check_coded_object(doc: dict, what: str, feature: str) -> tuple[tuple[int, int], str, str]:
+    """The checks every record of this code starts with (spec 5.6, 9.8): its version and required
+    ``feature`` (declared, from format 2.1), this code, a checkpoint name and a manifest hash; returns the
+    version, the name and the manifest hash. ManifestError (or the version's error) otherwise."""
+    from ckptfmt.errors import ManifestError, quoted
+    from ckptfmt.format.features import check_declared, check_object
+    from ckptfmt.format.limits import HASH_PATTERN, is_valid_name
+
+    version, declared = check_object(doc, what)
+    check_declared([feature], declared, version, what)
+    if version < (2, 1):
+        raise ManifestError(f"{what}s came with format 2.1, this one says {version[0]}.{version[1]}")
+    if doc.get("code") != CODE:
+        raise ManifestError(f"unknown code {quoted(doc.get('code'))} (this ckptfmt knows {CODE!r})")
+    name, manifest = doc["name"], doc["manifest"]
+    if not is_valid_name(name):
+        raise ManifestError(f"name {quoted(name)} is not a checkpoint name")
+    if not isinstance(manifest, str) or not HASH_PATTERN.fullmatch(manifest):
+        raise ManifestError(f"manifest must be 64 hex digits, found {quoted(manifest)}")
+    return version, name, manifest
+
+
 @functools.lru_cache(maxsize=32)
 def _encoder(k: int, m: int):
     import zfec  # imported on first use: only repositories with parity need it
@@ -100,4 +122,4 @@ def rebuild(available: Mapping[int, Buffer], k: int, m: int, length: int, count:
     return {i: parts[0] if len(parts) == 1 else b"".join(parts) for i, parts in segments.items()}
 
 
-__all__ = ["CODE", "MAX_STRIPE_PIECES", "check_parameters", "encode", "rebuild"]
+__all__ = ["CODE", "MAX_STRIPE_PIECES", "check_coded_object", "check_parameters", "encode", "rebuild"]

@@ -4,11 +4,14 @@ so that no two readers differ on which value wins."""
 from __future__ import annotations
 
 import json
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import msgpack
 
 from ckptfmt.errors import CheckpointError, ManifestError, quoted
+
+T = TypeVar("T")
 
 
 def unique_map(pairs: list[tuple]) -> dict:
@@ -65,3 +68,16 @@ def unpack_object(data: bytes, where: str, fmt: str, max_bytes: int) -> dict:
     except CheckpointError as exc:
         raise type(exc)(f"{where}: {exc}") from None
     return doc
+
+
+def parse_object(data: bytes, where: str, fmt: str, max_bytes: int, parse: Callable[[dict], T]) -> T:
+    """A msgpack object of format ``fmt`` (``unpack_object``) turned into ``parse``'s result, every error
+    naming ``where``: a CheckpointError as raised, a missing or mistyped member as a malformed object."""
+    doc = unpack_object(data, where, fmt, max_bytes)
+    try:
+        return parse(doc)
+    except CheckpointError as exc:
+        raise type(exc)(f"{where}: {exc}") from None
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ManifestError(f"{where}: malformed {fmt.removeprefix('ckptfmt-').replace('-', ' ')} record "
+                            f"({exc})") from None

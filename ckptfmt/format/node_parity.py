@@ -19,12 +19,12 @@ from dataclasses import dataclass
 
 import msgpack
 
-from ckptfmt.errors import CheckpointError, ManifestError, quoted
-from ckptfmt.format.erasure import CODE, check_parameters
-from ckptfmt.format.features import check_declared, check_object, version_fields
-from ckptfmt.format.limits import HASH_PATTERN, NAME_PATTERN, check_name, is_valid_name
+from ckptfmt.errors import ManifestError, quoted
+from ckptfmt.format.erasure import CODE, check_coded_object, check_parameters
+from ckptfmt.format.features import version_fields
+from ckptfmt.format.limits import HASH_PATTERN, NAME_PATTERN, check_name
 from ckptfmt.format.manifest import Manifest
-from ckptfmt.format.maps import unpack_object
+from ckptfmt.format.maps import parse_object
 from ckptfmt.format.version import FORMAT_VERSION
 
 NODE_PARITY_FORMAT = "ckptfmt-node-parity"
@@ -151,13 +151,7 @@ class NodeParityRecord:
     def from_bytes(cls, data: bytes, where: str) -> NodeParityRecord:
         """The record in ``data``, every member checked by itself; ``check_layout`` checks it against its
         checkpoint. Errors name ``where``."""
-        doc = unpack_object(data, where, NODE_PARITY_FORMAT, MAX_RECORD_BYTES)
-        try:
-            return _parse(doc)
-        except CheckpointError as exc:
-            raise type(exc)(f"{where}: {exc}") from None
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ManifestError(f"{where}: malformed node parity record ({exc})") from None
+        return parse_object(data, where, NODE_PARITY_FORMAT, MAX_RECORD_BYTES, _parse)
 
     def check_layout(self, manifest: Manifest) -> NodeStripes:
         """The stripes of ``manifest``'s nodes under this record, which must list exactly the non-empty
@@ -188,17 +182,8 @@ class NodeParityRecord:
 
 
 def _parse(doc: dict) -> NodeParityRecord:
-    version, declared = check_object(doc, "node parity record")
-    check_declared([FEATURE], declared, version, "node parity record")
-    if version < (2, 1):
-        raise ManifestError(f"node parity records came with format 2.1, this one says {version[0]}.{version[1]}")
-    if doc.get("code") != CODE:
-        raise ManifestError(f"unknown code {quoted(doc.get('code'))} (this ckptfmt knows {CODE!r})")
-    name, manifest, holder = doc["name"], doc["manifest"], doc["holder"]
-    if not is_valid_name(name):
-        raise ManifestError(f"name {quoted(name)} is not a checkpoint name")
-    if not isinstance(manifest, str) or not HASH_PATTERN.fullmatch(manifest):
-        raise ManifestError(f"manifest must be 64 hex digits, found {quoted(manifest)}")
+    version, name, manifest = check_coded_object(doc, "node parity record", FEATURE)
+    holder = doc["holder"]
     if not isinstance(holder, str) or not NAME_PATTERN.fullmatch(holder):
         raise ManifestError(f"holder must be a host name, found {quoted(holder)}")
     m, piece = doc["m"], doc["piece"]

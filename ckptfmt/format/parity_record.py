@@ -15,10 +15,10 @@ from dataclasses import dataclass
 
 import msgpack
 
-from ckptfmt.errors import CheckpointError, ManifestError, quoted
+from ckptfmt.errors import ManifestError, quoted
 from ckptfmt.format import codecs
-from ckptfmt.format.erasure import CODE, check_parameters
-from ckptfmt.format.features import check_declared, version_fields
+from ckptfmt.format.erasure import CODE, check_coded_object, check_parameters
+from ckptfmt.format.features import version_fields
 from ckptfmt.format.layout import PARITY_DIR
 from ckptfmt.format.limits import (
     HASH_PATTERN,
@@ -26,9 +26,8 @@ from ckptfmt.format.limits import (
     MAX_MANIFEST_BYTES,
     check_hash,
     check_name,
-    is_valid_name,
 )
-from ckptfmt.format.maps import unpack_object
+from ckptfmt.format.maps import parse_object
 from ckptfmt.format.version import FORMAT_VERSION
 
 PARITY_FORMAT = "ckptfmt-parity"
@@ -102,34 +101,16 @@ class ParityRecord:
     @classmethod
     def from_bytes(cls, data: bytes, where: str) -> ParityRecord:
         """The record in ``data``, every member checked (spec 5.6); errors name ``where``."""
-        doc = unpack_object(data, where, PARITY_FORMAT, MAX_RECORD_BYTES)
-        try:
-            return _parse(doc)
-        except CheckpointError as exc:
-            raise type(exc)(f"{where}: {exc}") from None
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ManifestError(f"{where}: malformed parity record ({exc})") from None
+        return parse_object(data, where, PARITY_FORMAT, MAX_RECORD_BYTES, _parse)
 
 
 def _parse(doc: dict) -> ParityRecord:
-    from ckptfmt.format.features import check_object
-
-    version, declared = check_object(doc, "parity record")
-    check_declared([FEATURE], declared, version, "parity record")
-    if version < (2, 1):
-        raise ManifestError(f"parity records came with format 2.1, this one says {version[0]}.{version[1]}")
-    if doc.get("code") != CODE:
-        raise ManifestError(f"unknown code {quoted(doc.get('code'))} (this ckptfmt knows {CODE!r})")
+    version, name, manifest = check_coded_object(doc, "parity record", FEATURE)
     k, m = doc["k"], doc["m"]
     try:
         check_parameters(k, m)
     except ValueError as exc:
         raise ManifestError(str(exc)) from None
-    name, manifest = doc["name"], doc["manifest"]
-    if not is_valid_name(name):
-        raise ManifestError(f"name {quoted(name)} is not a checkpoint name")
-    if not isinstance(manifest, str) or not HASH_PATTERN.fullmatch(manifest):
-        raise ManifestError(f"manifest must be 64 hex digits, found {quoted(manifest)}")
     objects = _objects(doc["objects"], doc["sizes"], name, manifest)
     stripes = doc["stripes"]
     if type(stripes) is not list or not stripes:

@@ -66,20 +66,25 @@ static inline double load_table8(const unsigned char *data, const double *table,
 /* numpy's pairwise_sum (loops_utils.h.src), of the elements and of their squares at once, seeing every
  * element once in the leaves: lanes j = 0..7 are numpy's 8 accumulators, each with its own extremes and
  * zero counts so that the leaf loop has no branch. */
+/* Elements [first, last) added one at a time to s and q, as numpy's pairwise_sum does outside its
+ * 8-accumulator blocks. */
+#define SCALAR_LOOP(LOAD, first, last)                                                                    \
+    for (Py_ssize_t k = (first); k < (last); k++) {                                                       \
+        double x = LOAD(data, table, start + k);                                                          \
+        s += x;                                                                                           \
+        q += x * x;                                                                                       \
+        seen->low = x < seen->low ? x : seen->low;                                                        \
+        seen->high = x > seen->high ? x : seen->high;                                                     \
+        seen->zeros += x == 0.0;                                                                          \
+        seen->negative_zeros += (x == 0.0) & (signbit(x) != 0);                                           \
+    }
+
 #define DEFINE_PAIRWISE(NAME, LOAD)                                                                       \
     static void NAME(const unsigned char *data, const double *table, Py_ssize_t start, Py_ssize_t n,      \
                      Seen *seen, double *sum, double *squares) {                                          \
         if (n < 8) {                                                                                      \
             double s = 0.0, q = 0.0;                                                                      \
-            for (Py_ssize_t i = 0; i < n; i++) {                                                          \
-                double x = LOAD(data, table, start + i);                                                  \
-                s += x;                                                                                   \
-                q += x * x;                                                                               \
-                seen->low = x < seen->low ? x : seen->low;                                                \
-                seen->high = x > seen->high ? x : seen->high;                                             \
-                seen->zeros += x == 0.0;                                                                  \
-                seen->negative_zeros += (x == 0.0) & (signbit(x) != 0);                                   \
-            }                                                                                             \
+            SCALAR_LOOP(LOAD, 0, n);                                                                      \
             *sum = s;                                                                                     \
             *squares = q;                                                                                 \
         } else if (n <= PW_BLOCKSIZE) {                                                                   \
@@ -113,15 +118,7 @@ static inline double load_table8(const unsigned char *data, const double *table,
                 seen->zeros += zc[j];                                                                     \
                 seen->negative_zeros += nz[j];                                                            \
             }                                                                                             \
-            for (; i < n; i++) {                                                                          \
-                double x = LOAD(data, table, start + i);                                                  \
-                s += x;                                                                                   \
-                q += x * x;                                                                               \
-                seen->low = x < seen->low ? x : seen->low;                                                \
-                seen->high = x > seen->high ? x : seen->high;                                             \
-                seen->zeros += x == 0.0;                                                                  \
-                seen->negative_zeros += (x == 0.0) & (signbit(x) != 0);                                   \
-            }                                                                                             \
+            SCALAR_LOOP(LOAD, i, n);                                                                      \
             *sum = s;                                                                                     \
             *squares = q;                                                                                 \
         } else {                                                                                          \
