@@ -199,7 +199,8 @@ def test_the_version_the_text_names_is_the_version_written(worked_example):
     assert f"(ckptfmt: {_version_text(FORMAT_VERSION)})" in section("13")
     # Every table row that describes a `version` member names this version and no other.
     version_rows = [line for line in FORMAT.splitlines() if line.startswith("| `version` |")]
-    assert len(version_rows) == 7  # manifest, commit record, marker, signature, lease, copy record, parity
+    assert len(version_rows) == 8  # manifest, commit record, marker, signature, lease, copy record, parity
+    # record, node parity record
     # record (the index pack's is in prose)
     for row in version_rows:
         assert re.findall(r"`\[\d+, \d+\]`", row) == [_version_text(FORMAT_VERSION)], row
