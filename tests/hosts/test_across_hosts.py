@@ -281,6 +281,15 @@ def test_a_manager_restores_a_node_tier_at_another_world_size_resharded(hosts):
         assert restored["resumes"][0]["from"]["repository"] == str(local), rank
 
 
+#: Run by the ckptfmt released as 1.0.0 (format 2.0) on a node's tier: its checkpoints, and its verify as that node.
+OLD_NODE_READER = """
+import json, sys
+import ckptfmt
+repo, node = sys.argv[1:]
+print(json.dumps({"names": ckptfmt.Repository.open(repo).names(), "ok": ckptfmt.verify(repo, node=node).ok}))
+"""
+
+
 @pytest.mark.exhaustive  # 4 hosts: make test keeps parity across 4 "nodes" of one machine
 @pytest.mark.parametrize("hosts", [4], indirect=True)
 def test_four_hosts_with_parity_across_nodes_rebuild_a_wiped_node_and_say_why_two_are_too_many(hosts):
@@ -305,6 +314,11 @@ def test_four_hosts_with_parity_across_nodes_rebuild_a_wiped_node_and_say_why_tw
         data_bytes += sum(manifest.chunks[row].stored_size for row in manifest.placement.node(host.name).rows)
         assert ckptfmt.verify(str(host.disk / "run"), node=host.name).ok
     assert 0.30 < parity_bytes / data_bytes < 0.45, (parity_bytes, data_bytes)
+    # ckptfmt 1.0.0 (format 2.0, before parity across nodes) reads every node's tier as before: it lists
+    # the checkpoints and verifies each node's rows there, ignoring the node-parity entries of the folders
+    for host in hosts.hosts:
+        found = run_in_tree(VERSIONS["2.0"], OLD_NODE_READER, str(host.disk / "run"), host.name, timeout=300)
+        assert found == {"names": ["step-000000002", "step-000000004"], "ok": True}, (host.name, found)
 
     shutil.rmtree(hosts.hosts[2].disk / "run")
     hosts.torchrun("hosts_manager.py", 1, str(local), str(shared), "6", "--table", "--parity", "1",
