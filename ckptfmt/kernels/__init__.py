@@ -37,7 +37,7 @@ _INT_KINDS = {np.dtype(np.int8): "b", np.dtype(np.uint8): "B", np.dtype(np.int16
 
 def describe() -> str:
     """Which kernels run, in words (``ckptfmt --version``)."""
-    return "native (C)" if NATIVE else f"numpy ({_MISSING})"
+    return f"native (C, {_native.vectors()} vectors)" if _native is not None else f"numpy ({_MISSING})"
 
 
 @functools.cache
@@ -49,10 +49,11 @@ def fp16_table() -> np.ndarray:
 def float_block(raw: np.ndarray, kind: str, table: np.ndarray | None = None) -> tuple[float, float, float, float,
                                                                                       int, int]:
     """One block of at least one float element: (sum, sum of squares, min, max, zeros, negative zeros).
-    ``raw`` is a contiguous 1-D array of the kind's elements (any dtype of that item size). The sums are
-    binary64 in numpy's order; when the block holds NaN or infinities, or its sums overflow, they are not
-    finite and the extremes are unspecified. A zero extreme may be either zero (the caller knows from
-    the counts which zeros there are)."""
+    ``raw`` is a contiguous 1-D array of the kind's elements (any dtype of that item size); kind "e" is
+    IEEE half, whatever the table. The sums are binary64 in the kernels' order of lanes (c_kernels.c);
+    when the block holds NaN or infinities, or its sums overflow, they are not finite and the extremes
+    are unspecified. A zero extreme may be either zero (the caller knows from the counts which zeros
+    there are)."""
     if kind == "e" and table is None:
         table = fp16_table()
     if _native is not None:

@@ -1,17 +1,23 @@
 /* ckptfmt's native kernels (ckptfmt/kernels/__init__.py chooses them or the numpy fallback, which gives
  * identical results): arithmetic over buffers Python has already validated, nothing parsed here.
  *
- *   float_block(buffer, kind, table)  one pass over float elements (kind d: f64, f: f32, b: bf16; e: 16-bit
- *                                     and t: 8-bit through a table of every bit pattern's float64 value):
- *                                     their binary64 sum and sum of squares in numpy 2's order
- *                                     (np.add.reduce of the float64 values: 0.0 plus their pairwise sum,
- *                                     blocks of at most 128 summed with 8 accumulators), min, max (by <,
- *                                     so either zero of a tie), zeros, and how many zeros are -0.0.
+ *   float_block(buffer, kind, table)  float elements (kind d: f64, f: f32, b: bf16, e: IEEE half; e, and
+ *                                     t, 8-bit, through a table of every bit pattern's float64 value where
+ *                                     the CPU has no conversion): their binary64 sum and sum of squares in
+ *                                     the lanes' order (below), min, max (by <, so either zero of a tie),
+ *                                     zeros, and how many zeros are -0.0.
  *   int_block(buffer, kind)           min, max and zeros of integer elements.
  *   split_planes(values, width, out)  byte j of every element rotated left by one bit -> plane j of out.
  *   join_planes(planes, width, out)   the inverse.
+ *   vectors([name])                   the vector loops in use ("avx2" or "base"), or chooses them.
  *
- * Built with -ffp-contract=off: a fused multiply-add would round x*x + r once, numpy rounds twice.
+ * The lanes' order, which numpy_kernels.py computes too: element i is added to lane i mod 64, each lane a
+ * sequential binary64 sum from +0.0; the lanes are then folded in halves (lane k += lane k + h, for h = 32,
+ * 16, ..., 1) and the sum is +0.0 + lane 0. Every lane is sequential, so the compiler may vectorize the
+ * loop without reassociating a sum; numpy's add.reduce over the first axis of a (rows, 64) array adds row
+ * after row. Built with -ffp-contract=off: a fused multiply-add would round x*x + r once, numpy twice.
+ * A 1 MiB block takes 50-60 us in float64 or float32, 140-170 us in fp16 or bf16 (twice the elements)
+ * with AVX2 on the 2-core EPYC VM of docs/performance.md.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -19,124 +25,385 @@
 #include <stdint.h>
 #include <string.h>
 
-#define PW_BLOCKSIZE 128
+#define LANES 64
+/* Rows of LANES elements taken at a time, summed and then scanned for extremes and zeros while they are
+ * in the L1 cache (16 KiB of float32). */
+#define ROWS 64
 
-/* What the leaves of the pairwise sum see besides the sums: extremes, zeros, negative zeros. */
 typedef struct {
+    double sums[LANES], squares[LANES];
     double low, high;
     Py_ssize_t zeros, negative_zeros;
-} Seen;
+} Block;
 
-static inline double load_f64(const unsigned char *data, const double *table, Py_ssize_t i) {
+/* ---- Scalar loops: the table kinds (a lookup per element) and the last partial row of every kind ---- */
+
+/* Element i as float64 (the sums), as its own type (the extremes), and whether it is a zero or -0.0. */
+static inline double f64_at(const unsigned char *data, const double *table, Py_ssize_t i) {
     double v;
     (void)table;
     memcpy(&v, data + 8 * i, 8);
     return v;
 }
+static inline uint64_t f64_bits(const unsigned char *data, Py_ssize_t i) {
+    uint64_t v;
+    memcpy(&v, data + 8 * i, 8);
+    return v;
+}
+static inline int f64_zero(const unsigned char *data, const double *table, Py_ssize_t i) {
+    (void)table;
+    return (f64_bits(data, i) << 1) == 0;
+}
+static inline int f64_negative_zero(const unsigned char *data, const double *table, Py_ssize_t i) {
+    (void)table;
+    return f64_bits(data, i) == UINT64_C(0x8000000000000000);
+}
 
-static inline double load_f32(const unsigned char *data, const double *table, Py_ssize_t i) {
+static inline float f32_value(const unsigned char *data, const double *table, Py_ssize_t i) {
     float v;
     (void)table;
     memcpy(&v, data + 4 * i, 4);
-    return (double)v;
+    return v;
+}
+static inline double f32_at(const unsigned char *data, const double *table, Py_ssize_t i) {
+    return (double)f32_value(data, table, i);
+}
+static inline uint32_t f32_bits(const unsigned char *data, Py_ssize_t i) {
+    uint32_t v;
+    memcpy(&v, data + 4 * i, 4);
+    return v;
+}
+static inline int f32_zero(const unsigned char *data, const double *table, Py_ssize_t i) {
+    (void)table;
+    return (uint32_t)(f32_bits(data, i) << 1) == 0;
+}
+static inline int f32_negative_zero(const unsigned char *data, const double *table, Py_ssize_t i) {
+    (void)table;
+    return f32_bits(data, i) == UINT32_C(0x80000000);
 }
 
-static inline double load_bf16(const unsigned char *data, const double *table, Py_ssize_t i) {
+static inline uint16_t u16_at(const unsigned char *data, Py_ssize_t i) {
     uint16_t h;
-    uint32_t bits;
+    memcpy(&h, data + 2 * i, 2);
+    return h;
+}
+static inline float bf16_value(const unsigned char *data, const double *table, Py_ssize_t i) {
+    uint32_t bits = (uint32_t)u16_at(data, i) << 16;
     float v;
     (void)table;
-    memcpy(&h, data + 2 * i, 2);
-    bits = (uint32_t)h << 16;
     memcpy(&v, &bits, 4);
-    return (double)v;
+    return v;
+}
+static inline double bf16_at(const unsigned char *data, const double *table, Py_ssize_t i) {
+    return (double)bf16_value(data, table, i);
+}
+static inline int bf16_zero(const unsigned char *data, const double *table, Py_ssize_t i) {
+    (void)table;
+    return (u16_at(data, i) & 0x7fff) == 0;
+}
+static inline int bf16_negative_zero(const unsigned char *data, const double *table, Py_ssize_t i) {
+    (void)table;
+    return u16_at(data, i) == 0x8000;
 }
 
 /* fp16 and the 8-bit floats through a table of every bit pattern's value (65536 or 256 float64). */
-static inline double load_table16(const unsigned char *data, const double *table, Py_ssize_t i) {
-    uint16_t h;
-    memcpy(&h, data + 2 * i, 2);
-    return table[h];
+static inline double table16_at(const unsigned char *data, const double *table, Py_ssize_t i) {
+    return table[u16_at(data, i)];
 }
-
-static inline double load_table8(const unsigned char *data, const double *table, Py_ssize_t i) {
+static inline double table8_at(const unsigned char *data, const double *table, Py_ssize_t i) {
     return table[data[i]];
 }
+static inline int table16_zero(const unsigned char *data, const double *table, Py_ssize_t i) {
+    return table16_at(data, table, i) == 0.0;
+}
+static inline int table16_negative_zero(const unsigned char *data, const double *table, Py_ssize_t i) {
+    double v = table16_at(data, table, i);
+    return (v == 0.0) & (signbit(v) != 0);
+}
+static inline int table8_zero(const unsigned char *data, const double *table, Py_ssize_t i) {
+    return table8_at(data, table, i) == 0.0;
+}
+static inline int table8_negative_zero(const unsigned char *data, const double *table, Py_ssize_t i) {
+    double v = table8_at(data, table, i);
+    return (v == 0.0) & (signbit(v) != 0);
+}
 
-/* numpy's pairwise_sum (loops_utils.h.src), of the elements and of their squares at once, seeing every
- * element once in the leaves: lanes j = 0..7 are numpy's 8 accumulators, each with its own extremes and
- * zero counts so that the leaf loop has no branch. */
-/* Elements [first, last) added one at a time to s and q, as numpy's pairwise_sum does outside its
- * 8-accumulator blocks. */
-#define SCALAR_LOOP(LOAD, first, last)                                                                    \
-    for (Py_ssize_t k = (first); k < (last); k++) {                                                       \
-        double x = LOAD(data, table, start + k);                                                          \
-        s += x;                                                                                           \
-        q += x * x;                                                                                       \
-        seen->low = x < seen->low ? x : seen->low;                                                        \
-        seen->high = x > seen->high ? x : seen->high;                                                     \
-        seen->zeros += x == 0.0;                                                                          \
-        seen->negative_zeros += (x == 0.0) & (signbit(x) != 0);                                           \
-    }
-
-#define DEFINE_PAIRWISE(NAME, LOAD)                                                                       \
-    static void NAME(const unsigned char *data, const double *table, Py_ssize_t start, Py_ssize_t n,      \
-                     Seen *seen, double *sum, double *squares) {                                          \
-        if (n < 8) {                                                                                      \
-            double s = 0.0, q = 0.0;                                                                      \
-            SCALAR_LOOP(LOAD, 0, n);                                                                      \
-            *sum = s;                                                                                     \
-            *squares = q;                                                                                 \
-        } else if (n <= PW_BLOCKSIZE) {                                                                   \
-            double r[8], p[8], lo[8], hi[8];                                                              \
-            Py_ssize_t zc[8], nz[8], i;                                                                   \
-            for (int j = 0; j < 8; j++) {                                                                 \
-                double x = LOAD(data, table, start + j);                                                  \
-                r[j] = x;                                                                                 \
-                p[j] = x * x;                                                                             \
-                lo[j] = x;                                                                                \
-                hi[j] = x;                                                                                \
-                zc[j] = x == 0.0;                                                                         \
-                nz[j] = (x == 0.0) & (signbit(x) != 0);                                                   \
+/* Rows [first, first + rows) of LANES elements added to the lanes one element at a time. */
+#define DEFINE_SCALAR_SUMS(NAME, AT)                                                                      \
+    static void NAME(const unsigned char *data, const double *table, Py_ssize_t first, Py_ssize_t rows,  \
+                     Block *block) {                                                                      \
+        for (Py_ssize_t r = first; r < first + rows; r++) {                                               \
+            for (int k = 0; k < LANES; k++) {                                                             \
+                double x = AT(data, table, r * LANES + k);                                                \
+                block->sums[k] += x;                                                                      \
+                block->squares[k] += x * x;                                                               \
             }                                                                                             \
-            for (i = 8; i < n - (n % 8); i += 8) {                                                        \
-                for (int j = 0; j < 8; j++) {                                                             \
-                    double x = LOAD(data, table, start + i + j);                                          \
-                    r[j] += x;                                                                            \
-                    p[j] += x * x;                                                                        \
-                    lo[j] = x < lo[j] ? x : lo[j];                                                        \
-                    hi[j] = x > hi[j] ? x : hi[j];                                                        \
-                    zc[j] += x == 0.0;                                                                    \
-                    nz[j] += (x == 0.0) & (signbit(x) != 0);                                              \
-                }                                                                                         \
-            }                                                                                             \
-            double s = ((r[0] + r[1]) + (r[2] + r[3])) + ((r[4] + r[5]) + (r[6] + r[7]));                 \
-            double q = ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7]));                 \
-            for (int j = 0; j < 8; j++) {                                                                 \
-                seen->low = lo[j] < seen->low ? lo[j] : seen->low;                                        \
-                seen->high = hi[j] > seen->high ? hi[j] : seen->high;                                     \
-                seen->zeros += zc[j];                                                                     \
-                seen->negative_zeros += nz[j];                                                            \
-            }                                                                                             \
-            SCALAR_LOOP(LOAD, i, n);                                                                      \
-            *sum = s;                                                                                     \
-            *squares = q;                                                                                 \
-        } else {                                                                                          \
-            Py_ssize_t n2 = n / 2;                                                                        \
-            double s1, q1, s2, q2;                                                                        \
-            n2 -= n2 % 8;                                                                                 \
-            NAME(data, table, start, n2, seen, &s1, &q1);                                                 \
-            NAME(data, table, start + n2, n - n2, seen, &s2, &q2);                                        \
-            *sum = s1 + s2;                                                                               \
-            *squares = q1 + q2;                                                                           \
         }                                                                                                 \
     }
 
-DEFINE_PAIRWISE(pairwise_f64, load_f64)
-DEFINE_PAIRWISE(pairwise_f32, load_f32)
-DEFINE_PAIRWISE(pairwise_bf16, load_bf16)
-DEFINE_PAIRWISE(pairwise_table16, load_table16)
-DEFINE_PAIRWISE(pairwise_table8, load_table8)
+/* Elements [start, start + n), n >= 1: extremes by < and > (either zero of a tie) and zero counts. */
+#define DEFINE_SCALAR_EXTREMES(NAME, TYPE, VALUE, ZERO, NEGATIVE_ZERO)                                    \
+    static void NAME(const unsigned char *data, const double *table, Py_ssize_t start, Py_ssize_t n,      \
+                     Block *block) {                                                                      \
+        TYPE lo = VALUE(data, table, start), hi = lo;                                                     \
+        for (Py_ssize_t i = start; i < start + n; i++) {                                                  \
+            TYPE x = VALUE(data, table, i);                                                               \
+            lo = x < lo ? x : lo;                                                                         \
+            hi = x > hi ? x : hi;                                                                         \
+            block->zeros += ZERO(data, table, i);                                                         \
+            block->negative_zeros += NEGATIVE_ZERO(data, table, i);                                       \
+        }                                                                                                 \
+        block->low = (double)lo < block->low ? (double)lo : block->low;                                   \
+        block->high = (double)hi > block->high ? (double)hi : block->high;                                \
+    }
+
+/* The last partial row, elements [whole, n): the same lanes and extremes, one element at a time. */
+#define DEFINE_TAIL(NAME, AT, EXTREMES)                                                                   \
+    static void NAME(const unsigned char *data, const double *table, Py_ssize_t whole, Py_ssize_t n,      \
+                     Block *block) {                                                                      \
+        for (Py_ssize_t i = whole; i < n; i++) {                                                          \
+            double x = AT(data, table, i);                                                                \
+            block->sums[i - whole] += x;                                                                  \
+            block->squares[i - whole] += x * x;                                                           \
+        }                                                                                                 \
+        if (n > whole)                                                                                    \
+            EXTREMES(data, table, whole, n - whole, block);                                               \
+    }
+
+/* A whole block: ROWS rows at a time summed then scanned, then the last partial row. */
+#define DEFINE_BLOCK(NAME, SUMS, ROW_EXTREMES, TAIL)                                                      \
+    static void NAME(const unsigned char *data, const double *table, Py_ssize_t n, Block *block) {       \
+        Py_ssize_t rows = n / LANES;                                                                      \
+        for (Py_ssize_t r = 0; r < rows; r += ROWS) {                                                     \
+            Py_ssize_t take = rows - r < ROWS ? rows - r : ROWS;                                          \
+            SUMS(data, table, r, take, block);                                                            \
+            ROW_EXTREMES(data, table, r * LANES, take * LANES, block);                                    \
+        }                                                                                                 \
+        TAIL(data, table, rows * LANES, n, block);                                                        \
+    }
+
+#define DEFINE_SCALAR_KIND(KIND)                                                                          \
+    DEFINE_SCALAR_SUMS(KIND##_sums, KIND##_at)                                                            \
+    DEFINE_SCALAR_EXTREMES(KIND##_extremes, double, KIND##_at, KIND##_zero, KIND##_negative_zero)         \
+    DEFINE_TAIL(KIND##_tail, KIND##_at, KIND##_extremes)                                                  \
+    DEFINE_BLOCK(KIND##_block, KIND##_sums, KIND##_extremes, KIND##_tail)
+
+DEFINE_SCALAR_KIND(table16)
+DEFINE_SCALAR_KIND(table8)
+DEFINE_SCALAR_EXTREMES(f64_extremes, double, f64_at, f64_zero, f64_negative_zero)
+DEFINE_SCALAR_EXTREMES(f32_extremes, float, f32_value, f32_zero, f32_negative_zero)
+DEFINE_SCALAR_EXTREMES(bf16_extremes, float, bf16_value, bf16_zero, bf16_negative_zero)
+DEFINE_TAIL(f64_tail, f64_at, f64_extremes)
+DEFINE_TAIL(f32_tail, f32_at, f32_extremes)
+DEFINE_TAIL(bf16_tail, bf16_at, bf16_extremes)
+
+/* ---- Vector loops over whole rows: f64, f32 and bf16 ----
+ *
+ * GCC and clang vector extensions, instantiated for VB-byte vectors: 16 (SSE2, NEON: any 64-bit CPU) and,
+ * on x86-64 with GCC, 32 under the avx2 target, chosen at import by what the CPU supports. A vector of
+ * 32 bytes compiled for SSE2 alone is lowered element by element, hence one instantiation per width. Loads
+ * go through memcpy, so nothing needs to be aligned; a comparison gives -1 where it holds. */
+#define DEFINE_VECTOR_TYPES(SFX, VB)                                                                      \
+    typedef double vd_##SFX __attribute__((vector_size(VB)));           /* W = VB / 8 doubles */          \
+    typedef float vfw_##SFX __attribute__((vector_size(VB / 2)));       /* W floats */                    \
+    typedef uint16_t vhw_##SFX __attribute__((vector_size(VB / 4)));    /* W 16-bit */                    \
+    typedef uint32_t vuw_##SFX __attribute__((vector_size(VB / 2)));    /* W 32-bit */                    \
+    typedef float vf_##SFX __attribute__((vector_size(VB)));            /* VB / 4 floats */               \
+    typedef uint32_t vu_##SFX __attribute__((vector_size(VB)));                                           \
+    typedef int32_t vi_##SFX __attribute__((vector_size(VB)));                                            \
+    typedef uint16_t vh_##SFX __attribute__((vector_size(VB / 2)));     /* VB / 4 16-bit */               \
+    typedef uint64_t vul_##SFX __attribute__((vector_size(VB)));                                          \
+    typedef int64_t vl_##SFX __attribute__((vector_size(VB)));
+
+#define DEFINE_VECTOR_KERNELS(SFX, WIDEN, LESSER_F, GREATER_F, LESSER_D, GREATER_D)                       \
+    /* W elements from i on, as float64 (the sums). */                                                    \
+    static inline vd_##SFX f64_doubles_##SFX(const unsigned char *data, Py_ssize_t i) {                   \
+        vd_##SFX v;                                                                                       \
+        memcpy(&v, data + 8 * i, sizeof v);                                                               \
+        return v;                                                                                         \
+    }                                                                                                     \
+    static inline vd_##SFX f32_doubles_##SFX(const unsigned char *data, Py_ssize_t i) {                   \
+        vfw_##SFX v;                                                                                      \
+        memcpy(&v, data + 4 * i, sizeof v);                                                               \
+        return WIDEN(v, vd_##SFX);                                                                        \
+    }                                                                                                     \
+    /* A vector of elements from i on, as bits of the type the extremes compare. */                      \
+    static inline vul_##SFX f64_bits_##SFX(const unsigned char *data, Py_ssize_t i) {                     \
+        vul_##SFX v;                                                                                      \
+        memcpy(&v, data + 8 * i, sizeof v);                                                               \
+        return v;                                                                                         \
+    }                                                                                                     \
+    static inline vu_##SFX f32_bits_##SFX(const unsigned char *data, Py_ssize_t i) {                      \
+        vu_##SFX v;                                                                                       \
+        memcpy(&v, data + 4 * i, sizeof v);                                                               \
+        return v;                                                                                         \
+    }                                                                                                     \
+    static inline vu_##SFX bf16_bits_##SFX(const unsigned char *data, Py_ssize_t i) {                     \
+        vh_##SFX h;                                                                                       \
+        memcpy(&h, data + 2 * i, sizeof h);                                                               \
+        return __builtin_convertvector(h, vu_##SFX) << 16; /* as float32: the same value, zero and sign */ \
+    }                                                                                                     \
+    DEFINE_VECTOR_SUMS(f64_sums_##SFX, vd_##SFX, f64_doubles_##SFX)                                       \
+    DEFINE_VECTOR_SUMS(f32_sums_##SFX, vd_##SFX, f32_doubles_##SFX)                                       \
+    DEFINE_VECTOR_SUMS(bf16_sums_##SFX, vd_##SFX, bf16_doubles_##SFX)                                     \
+    DEFINE_VECTOR_EXTREMES(f64_row_extremes_##SFX, vul_##SFX, vd_##SFX, vl_##SFX, f64_bits_##SFX,        \
+                           LESSER_D, GREATER_D)                                                           \
+    DEFINE_VECTOR_EXTREMES(f32_row_extremes_##SFX, vu_##SFX, vf_##SFX, vi_##SFX, f32_bits_##SFX,         \
+                           LESSER_F, GREATER_F)                                                           \
+    DEFINE_VECTOR_EXTREMES(bf16_row_extremes_##SFX, vu_##SFX, vf_##SFX, vi_##SFX, bf16_bits_##SFX,       \
+                           LESSER_F, GREATER_F)                                                           \
+    DEFINE_BLOCK(f64_block_##SFX, f64_sums_##SFX, f64_row_extremes_##SFX, f64_tail)                       \
+    DEFINE_BLOCK(f32_block_##SFX, f32_sums_##SFX, f32_row_extremes_##SFX, f32_tail)                       \
+    DEFINE_BLOCK(bf16_block_##SFX, bf16_sums_##SFX, bf16_row_extremes_##SFX, bf16_tail)
+
+/* Rows [first, first + rows) added to the lanes, four vectors of W lanes at a time, their sums and squares
+ * held in eight registers (named variables: an array of them would live in memory). */
+#define DEFINE_VECTOR_SUMS(NAME, D, DOUBLES)                                                              \
+    static inline void NAME(const unsigned char *data, const double *table, Py_ssize_t first,            \
+                            Py_ssize_t rows, Block *block) {                                              \
+        const int w = (int)(sizeof(D) / sizeof(double));                                                 \
+        (void)table;                                                                                      \
+        for (int g = 0; g < LANES; g += 4 * w) {                                                          \
+            D s0, s1, s2, s3, q0, q1, q2, q3;                                                             \
+            memcpy(&s0, block->sums + g, sizeof(D));                                                      \
+            memcpy(&s1, block->sums + g + w, sizeof(D));                                                  \
+            memcpy(&s2, block->sums + g + 2 * w, sizeof(D));                                              \
+            memcpy(&s3, block->sums + g + 3 * w, sizeof(D));                                              \
+            memcpy(&q0, block->squares + g, sizeof(D));                                                   \
+            memcpy(&q1, block->squares + g + w, sizeof(D));                                               \
+            memcpy(&q2, block->squares + g + 2 * w, sizeof(D));                                           \
+            memcpy(&q3, block->squares + g + 3 * w, sizeof(D));                                           \
+            for (Py_ssize_t r = first; r < first + rows; r++) {                                           \
+                Py_ssize_t i = r * LANES + g;                                                             \
+                D x0 = DOUBLES(data, i), x1 = DOUBLES(data, i + w);                                       \
+                D x2 = DOUBLES(data, i + 2 * w), x3 = DOUBLES(data, i + 3 * w);                           \
+                s0 += x0;                                                                                 \
+                s1 += x1;                                                                                 \
+                s2 += x2;                                                                                 \
+                s3 += x3;                                                                                 \
+                q0 += x0 * x0;                                                                            \
+                q1 += x1 * x1;                                                                            \
+                q2 += x2 * x2;                                                                            \
+                q3 += x3 * x3;                                                                            \
+            }                                                                                             \
+            memcpy(block->sums + g, &s0, sizeof(D));                                                      \
+            memcpy(block->sums + g + w, &s1, sizeof(D));                                                  \
+            memcpy(block->sums + g + 2 * w, &s2, sizeof(D));                                              \
+            memcpy(block->sums + g + 3 * w, &s3, sizeof(D));                                              \
+            memcpy(block->squares + g, &q0, sizeof(D));                                                   \
+            memcpy(block->squares + g + w, &q1, sizeof(D));                                               \
+            memcpy(block->squares + g + 2 * w, &q2, sizeof(D));                                           \
+            memcpy(block->squares + g + 3 * w, &q3, sizeof(D));                                           \
+        }                                                                                                 \
+    }
+
+/* Elements [start, start + n) of whole rows, two vectors at a time: extremes by LESSER and GREATER,
+ * zeros where the bits but the sign's are 0, negative zeros where only the sign's is set. BITS is the
+ * elements' bits, VALUE their float type, MASK a comparison's. */
+#define DEFINE_VECTOR_EXTREMES(NAME, BITS, VALUE, MASK, LOAD_BITS, LESSER, GREATER)                       \
+    static inline void NAME(const unsigned char *data, const double *table, Py_ssize_t start,            \
+                            Py_ssize_t n, Block *block) {                                                 \
+        const int w = (int)(sizeof(BITS) / sizeof(((BITS){0})[0]));                                       \
+        const BITS sign = ~((BITS){0} + (~(BITS){0} >> 1)), magnitude = ~sign;                            \
+        VALUE lo0 = (VALUE)LOAD_BITS(data, start), hi0 = lo0, lo1 = lo0, hi1 = lo0;                       \
+        MASK zeros0 = {0}, zeros1 = {0}, negative0 = {0}, negative1 = {0};                                \
+        (void)table;                                                                                      \
+        for (Py_ssize_t i = start; i < start + n; i += 2 * w) {                                           \
+            BITS b0 = LOAD_BITS(data, i), b1 = LOAD_BITS(data, i + w);                                    \
+            VALUE x0 = (VALUE)b0, x1 = (VALUE)b1;                                                         \
+            lo0 = LESSER(VALUE, MASK, x0, lo0);                                                           \
+            lo1 = LESSER(VALUE, MASK, x1, lo1);                                                           \
+            hi0 = GREATER(VALUE, MASK, x0, hi0);                                                          \
+            hi1 = GREATER(VALUE, MASK, x1, hi1);                                                          \
+            zeros0 -= (MASK)((b0 & magnitude) == 0);                                                      \
+            zeros1 -= (MASK)((b1 & magnitude) == 0);                                                      \
+            negative0 -= (MASK)(b0 == sign);                                                              \
+            negative1 -= (MASK)(b1 == sign);                                                              \
+        }                                                                                                 \
+        for (int k = 0; k < w; k++) {                                                                     \
+            double lo = lo0[k] < lo1[k] ? lo0[k] : lo1[k], hi = hi0[k] > hi1[k] ? hi0[k] : hi1[k];        \
+            block->low = lo < block->low ? lo : block->low;                                               \
+            block->high = hi > block->high ? hi : block->high;                                            \
+            block->zeros += zeros0[k] + zeros1[k];                                                        \
+            block->negative_zeros += negative0[k] + negative1[k];                                         \
+        }                                                                                                 \
+    }
+
+/* x < y ? x : y and x > y ? x : y, element by element (a NaN x keeps y, as the scalar loop's does). */
+#define BLEND_LESSER(VALUE, MASK, x, y) ((VALUE)(((MASK)(x) & (MASK)((x) < (y))) | ((MASK)(y) & ~(MASK)((x) < (y)))))
+#define BLEND_GREATER(VALUE, MASK, x, y) ((VALUE)(((MASK)(x) & (MASK)((x) > (y))) | ((MASK)(y) & ~(MASK)((x) > (y)))))
+
+#define CONVERT(v, TYPE) __builtin_convertvector(v, TYPE)
+
+DEFINE_VECTOR_TYPES(base, 16)
+/* bf16 elements as float64: their bits are a float32's upper half. */
+static inline vd_base bf16_doubles_base(const unsigned char *data, Py_ssize_t i) {
+    vhw_base h;
+    memcpy(&h, data + 2 * i, sizeof h);
+    vuw_base bits = __builtin_convertvector(h, vuw_base) << 16;
+    return __builtin_convertvector((vfw_base)bits, vd_base);
+}
+DEFINE_VECTOR_KERNELS(base, CONVERT, BLEND_LESSER, BLEND_GREATER, BLEND_LESSER, BLEND_GREATER)
+
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+#define HAVE_AVX2_KERNELS 1
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wpsabi" /* 32-byte vectors passed between inlined functions only */
+#pragma GCC push_options
+#pragma GCC target("avx2,f16c")
+/* vminps(x, y) is x < y ? x : y exactly, vmaxps(x, y) x > y ? x : y: one instruction for a blend's three. */
+#define AVX2_LESSER_F(VALUE, MASK, x, y) __builtin_ia32_minps256(x, y)
+#define AVX2_GREATER_F(VALUE, MASK, x, y) __builtin_ia32_maxps256(x, y)
+#define AVX2_LESSER_D(VALUE, MASK, x, y) __builtin_ia32_minpd256(x, y)
+#define AVX2_GREATER_D(VALUE, MASK, x, y) __builtin_ia32_maxpd256(x, y)
+/* GCC 12 converts 4 floats to 4 doubles in two halves and a merge; vcvtps2pd does it in one. */
+#define AVX2_WIDEN(v, TYPE) __builtin_ia32_cvtps2pd256(v)
+DEFINE_VECTOR_TYPES(avx2, 32)
+typedef short vhalf_avx2 __attribute__((vector_size(16)));
+typedef long long vquad_avx2 __attribute__((vector_size(16)));
+/* Four bf16 loaded as one integer (a partial vector stored then loaded whole stalls the loop), each put
+ * in the upper half of a float32 by interleaving with zeros. */
+static inline vd_avx2 bf16_doubles_avx2(const unsigned char *data, Py_ssize_t i) {
+    uint64_t four;
+    memcpy(&four, data + 2 * i, 8);
+    vquad_avx2 h = {(long long)four, 0};
+    vhalf_avx2 floats = __builtin_ia32_punpcklwd128((vhalf_avx2){0}, (vhalf_avx2)h);
+    return __builtin_ia32_cvtps2pd256((vfw_avx2)floats);
+}
+DEFINE_VECTOR_KERNELS(avx2, AVX2_WIDEN, AVX2_LESSER_F, AVX2_GREATER_F, AVX2_LESSER_D, AVX2_GREATER_D)
+
+/* fp16 by the CPU's conversion (F16C, which every AVX2 CPU has): exact, as the table's values are. */
+static inline vd_avx2 fp16_doubles_avx2(const unsigned char *data, Py_ssize_t i) {
+    uint64_t four; /* as bf16's */
+    memcpy(&four, data + 2 * i, 8);
+    vquad_avx2 h = {(long long)four, 0};
+    return __builtin_ia32_cvtps2pd256(__builtin_ia32_vcvtph2ps((vhalf_avx2)h));
+}
+static inline vu_avx2 fp16_bits_avx2(const unsigned char *data, Py_ssize_t i) {
+    vhalf_avx2 h;
+    memcpy(&h, data + 2 * i, 16);
+    return (vu_avx2)__builtin_ia32_vcvtph2ps256(h); /* as float32: the same value, zero and sign */
+}
+DEFINE_VECTOR_SUMS(fp16_sums_avx2, vd_avx2, fp16_doubles_avx2)
+DEFINE_VECTOR_EXTREMES(fp16_row_extremes_avx2, vu_avx2, vf_avx2, vi_avx2, fp16_bits_avx2, AVX2_LESSER_F,
+                       AVX2_GREATER_F)
+DEFINE_BLOCK(fp16_block_avx2, fp16_sums_avx2, fp16_row_extremes_avx2, table16_tail)
+#pragma GCC pop_options
+#pragma GCC diagnostic pop
+#else
+#define HAVE_AVX2_KERNELS 0
+#endif
+
+/* Whether the CPU runs the avx2 instantiation (AVX2 and F16C): set at import. */
+static int use_avx2 = 0;
+
+/* The lanes folded in halves, then +0.0 + lane 0 (a sum of -0.0s is +0.0, as numpy's reductions give). */
+static double folded(double *lanes) {
+    for (int h = LANES / 2; h >= 1; h /= 2)
+        for (int k = 0; k < h; k++)
+            lanes[k] = lanes[k] + lanes[k + h];
+    return 0.0 + lanes[0];
+}
 
 static int item_size(int kind) {
     switch (kind) {
@@ -174,21 +441,23 @@ static PyObject *float_block(PyObject *self, PyObject *args) {
         goto done;
     }
     Py_ssize_t n = view.len / size;
-    Seen seen = {INFINITY, -INFINITY, 0, 0};
-    double sum = 0.0, squares = 0.0;
+    Block block = {{0.0}, {0.0}, INFINITY, -INFINITY, 0, 0};
+    double sum, squares;
     const unsigned char *data = view.buf;
     const double *values = table.buf;
     Py_BEGIN_ALLOW_THREADS
     switch (kind) {
-    case 'd': pairwise_f64(data, values, 0, n, &seen, &sum, &squares); break;
-    case 'f': pairwise_f32(data, values, 0, n, &seen, &sum, &squares); break;
-    case 'b': pairwise_bf16(data, values, 0, n, &seen, &sum, &squares); break;
-    case 'e': pairwise_table16(data, values, 0, n, &seen, &sum, &squares); break;
-    default: pairwise_table8(data, values, 0, n, &seen, &sum, &squares); break;
+    case 'd': (use_avx2 ? f64_block_avx2 : f64_block_base)(data, values, n, &block); break;
+    case 'f': (use_avx2 ? f32_block_avx2 : f32_block_base)(data, values, n, &block); break;
+    case 'b': (use_avx2 ? bf16_block_avx2 : bf16_block_base)(data, values, n, &block); break;
+    case 'e': (use_avx2 ? fp16_block_avx2 : table16_block)(data, values, n, &block); break;
+    default: table8_block(data, values, n, &block); break;
     }
-    sum = 0.0 + sum; /* numpy's reduce starts from the identity: a sum of -0.0s is +0.0 */
+    sum = folded(block.sums);
+    squares = folded(block.squares);
     Py_END_ALLOW_THREADS
-    result = Py_BuildValue("(dddd" "nn)", sum, squares, seen.low, seen.high, seen.zeros, seen.negative_zeros);
+    result = Py_BuildValue("(dddd" "nn)", sum, squares, block.low, block.high, block.zeros,
+                           block.negative_zeros);
 done:
     PyBuffer_Release(&view);
     if (table.obj != NULL)
@@ -350,7 +619,32 @@ done:
     return result;
 }
 
+/* vectors() -> the vector loops in use, "avx2" or "base"; vectors(name) chooses them (the tests run both). */
+static PyObject *vectors(PyObject *self, PyObject *args) {
+    const char *name = NULL;
+    if (!PyArg_ParseTuple(args, "|s", &name))
+        return NULL;
+    if (name != NULL) {
+        int avx2 = strcmp(name, "avx2") == 0;
+        if (!avx2 && strcmp(name, "base") != 0) {
+            PyErr_Format(PyExc_ValueError, "vectors: \"base\" or \"avx2\", not \"%s\"", name);
+            return NULL;
+        }
+#if HAVE_AVX2_KERNELS
+        if (avx2 && !(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c"))) {
+#else
+        if (avx2) {
+#endif
+            PyErr_SetString(PyExc_ValueError, "vectors: this build or CPU has no avx2 kernels");
+            return NULL;
+        }
+        use_avx2 = avx2;
+    }
+    return PyUnicode_FromString(use_avx2 ? "avx2" : "base");
+}
+
 static PyMethodDef methods[] = {
+    {"vectors", vectors, METH_VARARGS, "the vector loops in use, or chosen"},
     {"float_block", float_block, METH_VARARGS, "sum, squares, min, max, zeros, negative zeros"},
     {"int_block", int_block, METH_VARARGS, "min, max, zeros"},
     {"split_planes", split_planes, METH_VARARGS, "planes of rotated elements"},
@@ -360,4 +654,10 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "ckptfmt.kernels.c_kernels", NULL, -1, methods};
 
-PyMODINIT_FUNC PyInit_c_kernels(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit_c_kernels(void) {
+#if HAVE_AVX2_KERNELS
+    __builtin_cpu_init();
+    use_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+#endif
+    return PyModule_Create(&module);
+}

@@ -15,7 +15,7 @@ from ckptfmt.kernels import numpy_kernels
 from ckptfmt.tensors.stats import _float_kind, tensor_stats
 
 pytestmark = pytest.mark.skipif(not kernels.NATIVE, reason="the C kernels are not built here")
-LENGTHS = [1, 2, 7, 8, 9, 15, 16, 17, 127, 128, 129, 255, 256, 257, 1000, 4097, 65537]
+LENGTHS = [1, 2, 7, 8, 9, 15, 16, 17, 63, 64, 65, 127, 128, 129, 255, 256, 257, 1000, 4095, 4096, 4097, 4161, 65537]
 FLOATS = [torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2]
 
 
@@ -23,6 +23,29 @@ def native():
     from ckptfmt.kernels import c_kernels
 
     return c_kernels
+
+
+def vector_sets() -> list[str]:
+    """The C kernels' vector loops this CPU runs: "base" (16-byte vectors) always, "avx2" where it can."""
+    if not kernels.NATIVE:
+        return ["base"]
+    chosen = native().vectors()
+    try:
+        native().vectors("avx2")
+    except ValueError:
+        return ["base"]
+    finally:
+        native().vectors(chosen)
+    return ["base", "avx2"]
+
+
+@pytest.fixture(params=vector_sets())
+def vectors(request):
+    """Each vector set in turn, the one chosen at import restored after."""
+    chosen = native().vectors()
+    native().vectors(request.param)
+    yield request.param
+    native().vectors(chosen)
 
 
 def values(dtype: torch.dtype, n: int, seed: int, special: str) -> torch.Tensor:
@@ -59,7 +82,7 @@ def same(a: float, b: float) -> bool:
 
 @pytest.mark.parametrize("dtype", FLOATS, ids=str)
 @pytest.mark.parametrize("special", ["plain", "zeros", "denormals", "nan", "inf", "huge"])
-def test_float_blocks_agree_with_numpy(dtype, special):
+def test_float_blocks_agree_with_numpy(dtype, special, vectors):
     code, width, table = _float_kind(dtype)
     table = kernels.fp16_table() if code == "e" else table
     for seed, n in enumerate(LENGTHS):
@@ -72,11 +95,34 @@ def test_float_blocks_agree_with_numpy(dtype, special):
             assert got[2] == want[2] and got[3] == want[3], (n, got, want)  # extremes by value
 
 
-def test_the_sums_are_numpys_own_reduction_and_the_zero_sum_is_positive():
-    wide = np.random.default_rng(3).standard_normal(100_003)
+def sum_by_definition(values) -> float:
+    """The kernels' order written out element by element (c_kernels.c's header): lanes i mod 64, each
+    summed from +0.0, folded in halves, then +0.0 + lane 0."""
+    lanes = [0.0] * 64
+    for i, x in enumerate(values):
+        lanes[i % 64] += x
+    half = 32
+    while half:
+        lanes[:half] = [lanes[k] + lanes[k + half] for k in range(half)]
+        half //= 2
+    return 0.0 + lanes[0]
+
+
+def test_the_sums_follow_the_lanes_order_and_the_zero_sum_is_positive(vectors):
+    wide = np.random.default_rng(3).standard_normal(100_003) * 10.0 ** (np.arange(100_003) % 13)
     total, squares, *_ = native().float_block(wide, "d", None)
-    assert total == np.add.reduce(wide) and squares == np.add.reduce(wide * wide)
+    assert total == sum_by_definition(wide.tolist()) and squares == sum_by_definition((wide * wide).tolist())
+    assert total != math.fsum(wide) or squares != math.fsum(wide * wide)  # an order that rounds, tested as one
     assert math.copysign(1, native().float_block(np.full(9, -0.0), "d", None)[0]) == 1.0
+    assert math.copysign(1, numpy_kernels.float_block(np.full(200, -0.0), "d", None)[0]) == 1.0
+
+
+def test_numpy_sums_its_lanes_in_order_on_large_blocks(vectors):
+    """numpy's add.reduce over the first axis adds row after row however many rows (no pairwise or
+    buffered reordering): checked where the lanes are 50,000 rows deep."""
+    wide = np.random.default_rng(5).standard_normal(64 * 50_000 + 5) * 1e3
+    assert native().float_block(wide, "d", None)[:2] == numpy_kernels.float_block(wide, "d", None)[:2]
+    assert numpy_kernels.float_block(wide, "d", None)[0] == sum_by_definition(wide.tolist())
 
 
 @pytest.mark.parametrize("dtype", [np.int8, np.uint8, np.int16, np.int32, np.int64])
@@ -110,6 +156,8 @@ def test_bad_arguments_are_refused_not_read_past():
         native().float_block(b"", "d", None)
     with pytest.raises(ValueError, match="table of 65536"):
         native().float_block(b"\x00\x00", "e", np.zeros(3))
+    with pytest.raises(ValueError, match="base. or .avx2"):
+        native().vectors("avx512")
     with pytest.raises(ValueError, match="unknown float kind"):
         native().float_block(b"\x00" * 8, "x", None)
     with pytest.raises(ValueError, match="split_planes"):
