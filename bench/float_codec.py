@@ -24,6 +24,10 @@ the codecs' order reversed every other repeat. Codecs:
 Prints, per dtype and buffer, each codec's ratio (original / stored), compress and decompress GB/s
 of original bytes (median and range over the repeats), and the median, over the repeats, of the
 float codec's speed divided by ZipNN's in the same repeat. Every decode is checked bit for bit.
+
+Then the state as a user saves it: the final model's ``state_dict()`` and AdamW's, through
+``ckptfmt.save`` with each ``compression``, the ratio of its tensors' bytes to the chunks stored.
+With ``--dim 128`` every tensor is under 256 KiB, so every one is in a pack (spec 5.2).
 """
 
 from __future__ import annotations
@@ -31,21 +35,23 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from delta import training
+from delta import _cloned, training
 
+import ckptfmt
 from ckptfmt.format import codecs
 
 
-def train(dtype: torch.dtype, steps: int, dim: int, layers: int) -> tuple[dict, dict]:
+def train(dtype: torch.dtype, steps: int, dim: int, layers: int) -> tuple[dict, dict, dict]:
     """The run's (state 10 steps before the end, final state): {"weights", "exp_avg", "exp_avg_sq"}
-    as one flat tensor each."""
-    kept = {}
+    as one flat tensor each; and the final state as saved: {"model": state_dict, "optim": AdamW's}."""
+    kept, saved = {}, {}
     for step, model, optimizer in training(dtype, steps, dim, layers):
         if step in (steps - 10, steps):
             moments = optimizer.state.values()
@@ -54,7 +60,30 @@ def train(dtype: torch.dtype, steps: int, dim: int, layers: int) -> tuple[dict, 
                 "exp_avg": torch.cat([s["exp_avg"].flatten() for s in moments]),
                 "exp_avg_sq": torch.cat([s["exp_avg_sq"].flatten() for s in moments]),
             }
-    return kept[steps - 10], kept[steps]
+        if step == steps:
+            saved = {"model": {k: v.clone() for k, v in model.state_dict().items()},
+                     "optim": _cloned(optimizer.state_dict())}
+    return kept[steps - 10], kept[steps], saved
+
+
+def saved_ratios(state: dict) -> dict[str, tuple[float, int, int]]:
+    """compression -> (tensor bytes / stored chunk bytes, packs, chunks) of ``state`` saved with it."""
+    tensors = [v for part in state.values() for v in part.values() if isinstance(v, torch.Tensor)] + [
+        v for entry in state["optim"]["state"].values() for v in entry.values() if isinstance(v, torch.Tensor)]
+    original = sum(t.numel() * t.element_size() for t in tensors)
+    ratios = {}
+    with tempfile.TemporaryDirectory(prefix="ckptfmt-bench-float-") as root:
+        for compression in ("shuffle-zstd", "float-zstd", "auto"):
+            url = f"{root}/{compression}/step-1"
+            ckptfmt.save(state, url, compression=compression)
+            with ckptfmt.open(url) as reader:
+                chunks = reader.manifest.chunks
+                largest = max(t.numel() * t.element_size() for t in tensors)
+                ratios[compression] = (original / sum(c.stored_size for c in chunks), len(chunks), largest)
+            loaded = ckptfmt.load(url)
+            if not all(torch.equal(a, b) for a, b in zip(loaded["model"].values(), state["model"].values())):
+                raise AssertionError(f"{compression} did not load the model bit for bit")
+    return ratios
 
 
 def _zipnn(dtype: torch.dtype):  # type: ignore[no-untyped-def]
@@ -133,8 +162,10 @@ def main() -> None:
     torch.set_num_threads(1)
     rows = []
     totals: dict[tuple[str, str], list[int]] = {}
+    saves = []
     for dtype, steps in ((torch.bfloat16, args.bf16_steps), (torch.float32, args.steps)):
-        before, after = train(dtype, steps, args.dim, args.layers)
+        before, after, state = train(dtype, steps, args.dim, args.layers)
+        saves.append((str(dtype).removeprefix("torch."), saved_ratios(state)))
         for part in ("weights", "exp_avg", "exp_avg_sq"):
             data = after[part].contiguous().view(torch.uint8).numpy().tobytes()
             base = before[part].contiguous().view(torch.uint8).numpy().tobytes()
@@ -159,6 +190,13 @@ def main() -> None:
     print("\nAll three buffers together (ratio of the sums):")
     for (dtype_name, name), (original, stored) in totals.items():
         print(f"  {dtype_name:8} {name:8} {original / stored:.3f}")
+    print("\nThe state saved (model and AdamW state dicts), tensor bytes / stored chunk bytes:")
+    for dtype_name, ratios in saves:
+        zipnn = totals.get((dtype_name, "zipnn"))
+        against = f"; ZipNN on the three buffers {zipnn[0] / zipnn[1]:.3f}" if zipnn else ""
+        shown = ", ".join(f"{c} {r:.3f}" for c, (r, _, _) in ratios.items())
+        chunks, largest = ratios["auto"][1], ratios["auto"][2]
+        print(f"  {dtype_name:8} {shown}{against} ({chunks} chunks; largest tensor {largest / 1024:.0f} KiB)")
 
 
 if __name__ == "__main__":

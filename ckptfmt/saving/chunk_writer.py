@@ -125,7 +125,7 @@ def store_sources(repo: Repository, sources: list[TensorSource], *, compression:
                 if index in starts:
                     for job in planner.finish():
                         writer.submit(job)
-                source_refs, ready = planner.add(index, source.nbytes, source.itemsize)
+                source_refs, ready = planner.add(index, source.nbytes, source.itemsize, writer.pack_group(source))
                 refs.append(source_refs)
                 for job in ready:
                     writer.submit(job)
@@ -353,9 +353,20 @@ class ChunkWriter:
             codec, encoded = codecs.NONE, private
         return self._put(job, codec, digest, lambda key: self._write_encoded(key, encoded), stats, base)
 
+    def pack_group(self, source: TensorSource) -> torch.dtype | None:
+        """The pack group of a small source: its dtype where the float codec may store it (a pack of one
+        float dtype is stored as that dtype's tensors are, spec 5.2), else None (the mixed pack)."""
+        dtype = source.tensor.dtype
+        if self.float_codecs and self.compression in ("float-zstd", "auto") and dtype in _FLOAT_DTYPES:
+            return dtype
+        return None
+
     def _floating(self, job: ChunkJob) -> bool:
-        """Whether the job's bytes are the elements of one real floating-point tensor (not a pack)."""
-        return self.float_codecs and not job.packed and self.sources[job.parts[0][0]].tensor.dtype in _FLOAT_DTYPES
+        """Whether the job's bytes are the elements of real floating-point tensors of one dtype: one
+        tensor's chunk, or a pack of one float dtype's tensors."""
+        if job.packed:
+            return job.group is not None
+        return self.float_codecs and self.sources[job.parts[0][0]].tensor.dtype in _FLOAT_DTYPES
 
     def _wants_stats(self, source: TensorSource) -> bool:
         return self.tensor_stats and source.stats is None

@@ -250,10 +250,60 @@ def test_a_save_stores_floating_point_tensors_with_the_float_codecs(tmp_path, co
     used = _codecs_of(repo, "a")
     assert used["bf16"] == used["fp16"] == {"float2-zstd"}
     assert used["fp32"] == {"float4-zstd"} and used["fp64"] == {"float8-zstd"}
-    assert used["int"] == {"shuffle8-zstd"} and used["small"] <= {"zstd", "none"}  # a pack: no float codec
+    assert used["int"] == {"shuffle8-zstd"}
+    assert used["small"] <= {"float4-zstd", "shuffle4-zstd", "none"}  # a pack of float32 alone: as float32 is stored
     # The second implementation, written from the spec alone, reads every tensor bit for bit.
     reader = SpecReader(repo, "a")
     assert all(reader.tensor_bytes(k)[1] == v.view(torch.uint8).numpy().tobytes() for k, v in state.items())
+
+
+def _chunk_rows_of(repo, name: str) -> dict[str, set[int]]:
+    reader = SpecReader(repo, name)
+    return {entry["key"]: {p[0] for shard in entry["shards"] for p in shard["pieces"]} for entry in reader.tensors}
+
+
+def _small_state() -> dict:
+    """A small model's tensors, every one under 256 KiB, dtypes interleaved: 70 float32 of 64 KiB (more
+    than a pack of 4 MiB holds), 18 bfloat16 and 5 float16 matrices, an int64 step, a bool mask."""
+    gen = torch.Generator().manual_seed(7)
+    state: dict = {}
+    for layer in range(70):
+        state[f"fp32.{layer}"] = torch.randn(128, 128, generator=gen) * 0.02
+        if layer % 4 == 0:
+            state[f"bf16.{layer}"] = (torch.randn(128, 64, generator=gen) * 0.02).bfloat16()
+        if layer % 16 == 0:
+            state[f"fp16.{layer}"] = (torch.randn(64, 64, generator=gen) * 0.02).half()
+    state["step"], state["mask"] = torch.tensor(1000), torch.ones(77, dtype=torch.bool)
+    return state
+
+
+@pytest.mark.parametrize("compression", ["float-zstd", "auto"])
+def test_small_tensors_are_packed_by_float_dtype_and_take_its_float_codec(tmp_path, compression):
+    """Spec 5.2: a pack per floating dtype (and one for the rest), each filled in order and closed when
+    full; the float packs stored with their dtype's float codec, which stores them smaller than the one
+    mixed pack of zstd that shuffle-zstd still writes."""
+    repo, state = tmp_path / "repo", _small_state()
+    ckptfmt.save(state, f"{repo}/a", compression=compression)
+    ckptfmt.save(state, f"{repo}/b", compression="shuffle-zstd")
+    reader, rows, used = SpecReader(repo, "a"), _chunk_rows_of(repo, "a"), _codecs_of(repo, "a")
+    by_dtype: dict[str, set[int]] = {}
+    for key, chunk_rows in rows.items():
+        by_dtype.setdefault(key.split(".")[0] if "." in key else "other", set()).update(chunk_rows)
+    assert all(not (by_dtype[a] & by_dtype[b]) for a in by_dtype for b in by_dtype if a < b), by_dtype
+    assert len(by_dtype["fp32"]) == 2 and len(by_dtype["bf16"]) == len(by_dtype["fp16"]) == len(by_dtype["other"]) == 1
+    assert set().union(*(used[k] for k in state if k.startswith("fp32"))) == {"float4-zstd"}
+    assert set().union(*(used[k] for k in state if k.startswith("bf16"))) == {"float2-zstd"}
+    assert set().union(*(used[k] for k in state if k.startswith("fp16"))) == {"float2-zstd"}
+    assert used["step"] == used["mask"] and used["step"] <= {"zstd", "none"}
+    # each float pack holds its tensors in their order, 64-byte aligned, the first full before the next
+    fp32_places = [(p[0], p[1]) for k in state if k.startswith("fp32")
+                   for p in next(e for e in reader.tensors if e["key"] == k)["shards"][0]["pieces"]]
+    assert fp32_places == sorted(fp32_places) and all(offset % 64 == 0 for _, offset in fp32_places)
+    assert all(reader.tensor_bytes(k)[1] == v.reshape(-1).view(torch.uint8).numpy().tobytes() for k, v in state.items())
+    assert all(torch.equal(ckptfmt.load(f"{repo}/a")[k], v) for k, v in state.items())
+    stored = {name: sum(c["stored_size"] for c in SpecReader(repo, name).chunks) for name in ("a", "b")}
+    assert stored["a"] < 0.93 * stored["b"], stored  # the float codec on the packs: 8% or more smaller
+    assert len({r for chunk_rows in _chunk_rows_of(repo, "b").values() for r in chunk_rows}) == 2  # one sequence
 
 
 def test_auto_stores_a_moved_float_tensor_as_the_smaller_delta(tmp_path):
