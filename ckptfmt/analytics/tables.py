@@ -37,7 +37,8 @@ from ckptfmt.format.history import History, HistoryKey
 from ckptfmt.format.manifest import Manifest, optional_fields_except
 from ckptfmt.format.shards import chunk_rows
 from ckptfmt.format.tensor_stats import FLOAT_FIELDS
-from ckptfmt.metadata.step_timer import decode_steps
+from ckptfmt.metadata.rng_digests import RNG_DIGEST_BYTES
+from ckptfmt.metadata.step_timer import BATCH_DIGEST_BYTES, decode_steps
 from ckptfmt.metadata.system import decode_samples
 from ckptfmt.repository.history import read_histories, removed_histories
 from ckptfmt.repository.repository import CommitRecord, Repository
@@ -88,29 +89,37 @@ def build(items: Iterable[tuple[str, Repository, Sequence[CommitRecord | History
     if not children_possible() or any(in_process_memory(repo.url) for _, repo, _ in items):
         processes = 1  # no child can start here, or a memory:// repository lives in this process only
     shares = _shares(items, processes)
+    words = seed_words(items)
     if len(shares) == 1:
-        return _build_here(items, workers)
+        return _build_here(items, workers, words)
     try:
-        tasks = [pickle.dumps(([(run, repo.url, chosen) for run, repo, chosen in share], storage_options, workers))
-                 for share in shares[1:]]
+        tasks = [pickle.dumps(([(run, repo.url, chosen) for run, repo, chosen in share], storage_options, workers,
+                               words)) for share in shares[1:]]
     except (pickle.PicklingError, TypeError, AttributeError):  # storage options a child cannot be given
-        return _build_here(items, workers)
+        return _build_here(items, workers, words)
     children: list[TableProcess] = []
     try:
         try:
             children.extend(TableProcess(WORKER_MODULE, task) for task in tasks)
         except OSError:  # no child can start here (no interpreter, descriptors or processes left)
-            return _build_here(items, workers)
-        built = [_build_here(shares[0], workers)]
+            return _build_here(items, workers, words)
+        built = [_build_here(shares[0], workers, words)]
         for share, child in zip(shares[1:], children):
             try:
                 built.append(child.result())
             except TaskRefused:  # an object of the storage options only this process can rebuild
-                built.append(_build_here(share, workers))
+                built.append(_build_here(share, workers, words))
     finally:
         for child in children:
             child.stop()
     return joined(built)
+
+
+def seed_words(items: Iterable[tuple[str, Repository, Sequence[CommitRecord | HistoryKey]]]) -> list[str]:
+    """The words every share's dictionaries start with, in order: each run's label and its checkpoints'
+    names. Shares that meet the hosts in the same order (ranks in order) then have the same dictionary,
+    and ``joined`` keeps their indices as they are (no copy, and no page of a child's tables touched)."""
+    return list(dict.fromkeys(word for run, _, chosen in items for word in (run, *(item.name for item in chosen))))
 
 
 def joined(built: Sequence[Mapping[str, pa.Table]]) -> dict[str, pa.Table]:
@@ -128,8 +137,37 @@ def joined(built: Sequence[Mapping[str, pa.Table]]) -> dict[str, pa.Table]:
                             else pa.nulls(piece.num_rows, types[column]) for column in order}) for piece in pieces]
         if name == "environments":
             pieces = _first_of_each_environment(pieces)
-        result[name] = pa.concat_tables(pieces).unify_dictionaries()
+        table = pa.concat_tables(pieces)
+        for index, field in enumerate(table.schema):
+            if pa.types.is_dictionary(field.type):
+                table = table.set_column(index, field, _one_dictionary(table.column(index)))
+        result[name] = table
     return result
+
+
+def _one_dictionary(column: pa.ChunkedArray) -> pa.ChunkedArray:
+    """A dictionary column's chunks over one dictionary: the first chunk's, then the words later chunks add.
+    A chunk whose dictionary starts that one keeps its indices (shares seeded with the same words mostly
+    have the same dictionary: ``seed_words``); others' are mapped (``unify_dictionaries`` maps every chunk's,
+    a copy of each share's indices, and touches every page of the children's)."""
+    if column.num_chunks <= 1:
+        return column
+    ids: dict[Any, int] = {}
+    mappings: list[tuple[pa.Array, np.ndarray | None]] = []  # each distinct dictionary, and its ids (None: the same)
+    chunks = []
+    for chunk in column.chunks:
+        dictionary = chunk.dictionary
+        mapping = next((m for d, m in mappings if d is dictionary or d.equals(dictionary)), False)
+        if mapping is False:
+            values = dictionary.to_pylist()
+            mapped = np.fromiter((ids.setdefault(value, len(ids)) for value in values), np.int32, len(values))
+            mapping = None if np.array_equal(mapped, np.arange(len(values))) else mapped
+            mappings.append((dictionary, mapping))
+        chunks.append(chunk.indices if mapping is None else pc.take(pa.array(mapping, pa.int32()), chunk.indices))
+    words = pa.array(list(ids), column.type.value_type)
+    # Not checked again (safe=False): checking reads every index, every page of a child's tables.
+    return pa.chunked_array([pa.DictionaryArray.from_arrays(indices.cast(column.type.index_type), words, safe=False)
+                             for indices in chunks], column.type)
 
 
 def _first_of_each_environment(pieces: list[pa.Table]) -> list[pa.Table]:
@@ -146,8 +184,9 @@ def _first_of_each_environment(pieces: list[pa.Table]) -> list[pa.Table]:
 
 def build_share(task: tuple) -> dict[str, pa.Table]:
     """A child's share (``table_worker``): (run, URL, chosen) of each run, the storage options, workers."""
-    share, storage_options, workers = task
-    return _build_here([(run, Repository.open(url, storage_options), chosen) for run, url, chosen in share], workers)
+    share, storage_options, workers, words = task
+    return _build_here([(run, Repository.open(url, storage_options), chosen) for run, url, chosen in share], workers,
+                       words)
 
 
 #: The module whose ``main(fd)`` a child runs (``processes.TableProcess``).
@@ -183,11 +222,12 @@ def _shares(items: Sequence[tuple[str, Repository, Sequence[CommitRecord | Histo
 
 
 def _build_here(items: Iterable[tuple[str, Repository, Sequence[CommitRecord | HistoryKey]]],
-                workers: int | None) -> dict[str, pa.Table]:
-    """The tables of ``items``, built in this process."""
+                workers: int | None, words: Sequence[str] = ()) -> dict[str, pa.Table]:
+    """The tables of ``items``, built in this process; ``words`` start the dictionaries of ``steps`` and
+    ``system`` (``seed_words``)."""
     environment = Environment()
-    builders: list[TableBuilder] = [Checkpoints(), Saves(), Steps(), Tensors(), environment,
-                                    EnvironmentFields(environment), System(), TensorStats(), Resumes()]
+    builders: list[TableBuilder] = [Checkpoints(), Saves(), Steps(words), Tensors(), environment,
+                                    EnvironmentFields(environment), System(words), TensorStats(), Resumes()]
     for run, repo, chosen in items:
         readers = workers or (LOCAL_READ_WORKERS if repo.storage.cheap_exists else READ_WORKERS)
         for record, manifest in _manifests(repo, chosen, readers):
@@ -465,32 +505,42 @@ class Steps:
     """One row per training step of a rank (spec 9.4), with a column per phase (``phase_<name>``) and per
     metric (``metric_<name>``) met anywhere in the run.
 
-    Step records are bins of little-endian numbers: each becomes a numpy view,
-    and the table is built from whole arrays, not Python values. Every
-    ``WINDOW_ROWS`` rows the views become Arrow arrays (a chunk of each column),
-    so the manifests' bytes are let go as the table grows; strings are
+    Step records are bins of little-endian numbers: each is decoded as numpy
+    views and copied at once into the window's growing columns (``_Growing``),
+    so a manifest is let go as soon as it is added (views kept for a window held
+    some 40 manifests' step bytes, and left the heap fragmented around them when
+    they went). Every ``WINDOW_ROWS`` rows or so the window's columns become
+    Arrow arrays without a copy (a chunk of each column); strings are
     dictionary-encoded (a run's millions of steps share a few names and hosts).
     """
 
     WINDOW_ROWS = 2**18
     reads_history = True
 
-    def __init__(self):
-        self.words = _Words()
-        self.chunks: list[tuple[int, dict[str, pa.Array]]] = []  # (rows, arrays; string columns as ids)
+    def __init__(self, words: Sequence[str] = ()):
+        self.words = _Words(words)
+        self.chunks: list[tuple[int, dict[str, pa.Array]]] = []  # (rows, arrays)
+        self.capacity = 1024  # rows a window's columns start with: the last window's, once there is one
         self._start_window()
 
     def _start_window(self) -> None:
-        self.parts: dict[str, list[np.ndarray]] = {name: [] for name in _STEP_PARTS}
-        #: (run, checkpoint, rank, host, rows) per rank record: constant over its rows, expanded at the end.
-        self.repeats: list[tuple[int, int, int, int, int]] = []
-        self.named: dict[str, list[tuple[int, np.ndarray, np.ndarray | None]]] = {}  # (first row, values, missing)
-        #: phase_<name>: (first row, seconds); NaN where the step had none, which is null in the table.
-        self.phases: dict[str, list[tuple[int, np.ndarray]]] = {}
-        self.digests: dict[str, list[tuple[int, np.ndarray]]] = {}  # rng_<generator>: (first row, count x 16)
+        self.fixed = {name: _Growing(dtype, self.capacity, width) for name, dtype, width in _STEP_COLUMNS}
+        #: phase_<name> (NaN where the step had none: null in the table), metric_<name> (NaN, with
+        #: ``missing``) and rng_<generator> (zeros where unread: null), in the order met.
+        self.named: dict[str, _Growing] = {}
+        self.missing: dict[str, _Growing] = {}  # metric_<name>: True where the step recorded none
         self.rows = 0
+        self.added = 0  # the rows of the last manifest added
+
+    def _named(self, name: str, dtype: Any, fill: Any, width: int = 1) -> _Growing:
+        column = self.named.get(name)
+        if column is None:
+            column = self.named[name] = _Growing(dtype, self.capacity, width, fill)
+        return column
 
     def add(self, run: str, record: _Saved, manifest: _Saved, where: str) -> None:
+        first = self.rows
+        fixed = self.fixed
         for index, rank_record in enumerate(_rank_records(manifest, where)):
             if rank_record.get("steps") is None:
                 continue
@@ -499,58 +549,53 @@ class Steps:
             rank = rank_record.get("rank")
             if type(rank) is not int:
                 raise ManifestError(f"{where}: timing.ranks[{index}].rank is not an int")
-            self.repeats.append((self.words.id(run), self.words.id(record.name), rank,
-                                 self.words.id(str(rank_record.get("host"))), count))
+            for name, value in (("run", self.words.id(run)), ("checkpoint", self.words.id(record.name)),
+                                ("rank", rank), ("host", self.words.id(str(rank_record.get("host"))))):
+                fixed[name].fill(value, count)
             for name in _STEP_PARTS:
-                self.parts[name].append(getattr(columns, name))
+                fixed[name].extend(getattr(columns, name))
             for name, values in columns.phases.items():
-                self.phases.setdefault(f"phase_{name}", []).append((self.rows, values))
+                self._named(f"phase_{name}", np.float64, np.nan).extend(values, self.rows)
             for name, values in columns.metrics.items():
-                self.named.setdefault(f"metric_{name}", []).append((self.rows, values,
-                                                                    columns.metrics_missing.get(name)))
+                self._named(f"metric_{name}", np.float64, np.nan).extend(values, self.rows)
+                if f"metric_{name}" not in self.missing:
+                    self.missing[f"metric_{name}"] = _Growing(np.bool_, self.capacity, fill=True)
+                self.missing[f"metric_{name}"].extend(columns.metrics_missing.get(name, False), self.rows, count)
             for name, digests in columns.rng.items():
-                self.digests.setdefault(f"rng_{name}", []).append((self.rows, digests))
+                self._named(f"rng_{name}", np.uint8, 0, RNG_DIGEST_BYTES).extend(digests, self.rows)
             self.rows += count
+        self.added = self.rows - first
 
     def flush(self) -> None:
-        if self.rows >= self.WINDOW_ROWS:
+        """Close the window before the next manifest's rows would likely take it past ``WINDOW_ROWS``."""
+        if self.rows and self.rows + self.added > self.WINDOW_ROWS:
             self._close_window()
 
     def _close_window(self) -> None:
         if not self.rows:
             return
-        parts = {name: np.concatenate(p) for name, p in self.parts.items()}
-        repeats = np.array(self.repeats, dtype=np.int64).reshape(-1, 5)
+        rows = self.rows
+        parts = {name: column.values(rows) for name, column in self.fixed.items()}
         no_batch = parts["batch_size"] < 0
-        arrays = {name: pa.array(np.repeat(repeats[:, column], repeats[:, 4]), pa.int32())
-                  for column, name in ((0, "run"), (1, "checkpoint"), (3, "host"))}
+        np.floor_divide(parts["start_ns"], 1000, out=parts["start_ns"])  # microseconds, in place
+        arrays = {name: pa.array(parts[name]) for name in ("run", "checkpoint", "rank", "host", "step")}
         arrays.update({
-            "rank": pa.array(np.repeat(repeats[:, 2], repeats[:, 4])), "step": pa.array(parts["step"]),
-            "start": pa.array(parts["start_ns"] // 1000).view(_TIME), "duration_s": pa.array(parts["duration_s"]),
-            "batch": pa.Array.from_buffers(pa.binary(16), self.rows,
-                                           [_validity(~no_batch), pa.py_buffer(parts["batch"].tobytes())]),
+            "start": pa.array(parts["start_ns"]).view(_TIME), "duration_s": pa.array(parts["duration_s"]),
+            "batch": pa.Array.from_buffers(pa.binary(16), rows, [_validity(~no_batch), pa.py_buffer(parts["batch"])]),
             "batch_size": pa.array(parts["batch_size"], mask=no_batch),
-            "batch_kind": pa.array(parts["batch_kind"].astype(np.int8)),
+            "batch_kind": pa.array(parts["batch_kind"].view(np.int8)),
         })
-        for generator, spans in self.digests.items():  # a generator's digest at each step's start, null where unread
-            digests = np.zeros((self.rows, 16), np.uint8)
-            for start, span in spans:
-                digests[start:start + len(span)] = span
-            read = np.asarray(digests.any(axis=1), dtype=bool)
-            arrays[generator] = pa.Array.from_buffers(pa.binary(16), self.rows,
-                                                      [_validity(read), pa.py_buffer(digests.tobytes())])
-        for name, pieces in self.named.items():
-            values, missing = np.full(self.rows, np.nan), np.ones(self.rows, bool)
-            for start, piece, piece_missing in pieces:
-                values[start:start + len(piece)] = piece
-                missing[start:start + len(piece)] = False if piece_missing is None else piece_missing
-            arrays[name] = pa.array(values, mask=missing)
-        for name, spans in self.phases.items():  # one isnan a column and window, not one a rank record
-            values = np.full(self.rows, np.nan)
-            for start, span in spans:
-                values[start:start + len(span)] = span
-            arrays[name] = pa.array(values, mask=np.isnan(values))
-        self.chunks.append((self.rows, arrays))
+        for name, column in self.named.items():
+            values = column.values(rows)
+            if name.startswith("rng_"):  # a generator's digest at each step's start, null where unread
+                read = np.asarray(values.any(axis=1), dtype=bool)
+                arrays[name] = pa.Array.from_buffers(pa.binary(16), rows, [_validity(read), pa.py_buffer(values)])
+            elif name in self.missing:
+                arrays[name] = pa.array(values, mask=self.missing[name].values(rows))
+            else:  # one isnan a column and window, not one a rank record
+                arrays[name] = pa.array(values, mask=np.isnan(values))
+        self.chunks.append((rows, arrays))
+        self.capacity = rows + self.added  # the next window's rows, likely: a manifest's more than this one's
         self._start_window()
 
     #: The columns every steps table has, first.
@@ -579,8 +624,8 @@ class Steps:
                 array = arrays.get(name)
                 if array is None:
                     array = pa.nulls(rows, type_)
-                elif type_ == _WORDS:
-                    array = pa.DictionaryArray.from_arrays(array, dictionary)
+                elif type_ == _WORDS:  # word ids: every one in the dictionary (not read again to check)
+                    array = pa.DictionaryArray.from_arrays(array, dictionary, safe=False)
                 pieces.append(array)
             columns[name] = pa.chunked_array(pieces, type=type_)
         return pa.table(columns)
@@ -588,7 +633,57 @@ class Steps:
 
 #: The arrays a steps table takes from each step record (StepColumns fields).
 _STEP_PARTS = ("step", "start_ns", "duration_s", "batch", "batch_size", "batch_kind")
+#: A window's fixed columns: (name, numpy type, values a row); run, checkpoint and host as word ids.
+_STEP_COLUMNS = (("run", np.int32, 1), ("checkpoint", np.int32, 1), ("rank", np.int64, 1), ("host", np.int32, 1),
+                 ("step", np.int64, 1), ("start_ns", np.int64, 1), ("duration_s", np.float64, 1),
+                 ("batch", np.uint8, BATCH_DIGEST_BYTES), ("batch_size", np.int64, 1), ("batch_kind", np.uint8, 1))
 _WORDS = pa.dictionary(pa.int32(), pa.string())
+
+
+class _Growing:
+    """A column's values appended in place (a window of ``Steps``): a numpy buffer, doubled when full,
+    of ``width`` values a row; rows skipped (a phase first met after some steps) hold ``fill``."""
+
+    def __init__(self, dtype: Any, capacity: int, width: int = 1, fill: Any = 0):
+        self.blank, self.size = fill, 0
+        self.array = np.empty((capacity, width) if width > 1 else capacity, dtype)
+
+    def _reserve(self, end: int) -> None:
+        if end > len(self.array):
+            grown = np.empty((max(end, 2 * len(self.array)), *self.array.shape[1:]), self.array.dtype)
+            grown[:self.size] = self.array[:self.size]
+            self.array = grown
+
+    def _pad(self, row: int) -> None:
+        """``fill`` up to ``row``."""
+        if row > self.size:
+            self._reserve(row)
+            self.array[self.size:row] = self.blank
+            self.size = row
+
+    def fill(self, value: Any, count: int) -> None:
+        """``count`` rows of ``value``."""
+        self._reserve(self.size + count)
+        self.array[self.size:self.size + count] = value
+        self.size += count
+
+    def extend(self, values: Any, row: int | None = None, count: int | None = None) -> None:
+        """``values`` (an array, or one value for ``count`` rows) from ``row`` on (the rows before it
+        ``fill``), copied."""
+        if row is not None:
+            self._pad(row)
+        count = len(values) if count is None else count
+        self._reserve(self.size + count)
+        self.array[self.size:self.size + count] = values
+        self.size += count
+
+    def values(self, rows: int) -> np.ndarray:
+        """The first ``rows`` (``fill`` past those added), the buffer cut to them in place (``realloc``: no
+        copy; an Arrow array of a view would hold all of the buffer). No view of it may be held then."""
+        self._pad(rows)
+        if rows < len(self.array):
+            self.array.resize((rows, *self.array.shape[1:]), refcheck=False)
+        return self.array
 
 
 def _validity(valid: np.ndarray) -> pa.Buffer:
@@ -599,8 +694,8 @@ def _validity(valid: np.ndarray) -> pa.Buffer:
 class _Words:
     """Strings interned as int32 ids, for dictionary-encoded columns."""
 
-    def __init__(self):
-        self.ids: dict[str, int] = {}
+    def __init__(self, words: Sequence[str] = ()):
+        self.ids: dict[str, int] = {word: index for index, word in enumerate(dict.fromkeys(words))}
 
     def id(self, word: str) -> int:
         return self.ids.setdefault(word, len(self.ids))
@@ -638,8 +733,8 @@ class System:
 
     reads_history = True
 
-    def __init__(self):
-        self.words = _Words()
+    def __init__(self, words: Sequence[str] = ()):
+        self.words = _Words(words)
         self.repeats: list[tuple[int, int, int, int, float, int]] = []  # run, checkpoint, rank, host, interval, rows
         self.times: list[np.ndarray] = []
         self.named: dict[str, list[tuple[int, np.ndarray]]] = {}
