@@ -817,6 +817,7 @@ def test_delta_saves_use_the_codecs_section_5_5_names(delta_saves):
     assert said, "5.5 does not say which codec a delta save stores packs with"
     pack_codec = said[1]
     assert "a pack included, uncompressed (`none`)" in writers
+    assert "for a pack of\none such dtype's tensors, §5.2" in writers
     assert "(1 for elements of 16 bytes)" in writers
     for compression, (_, manifests) in delta_saves.items():
         for manifest in manifests:
@@ -830,8 +831,11 @@ def test_delta_saves_use_the_codecs_section_5_5_names(delta_saves):
                 floating = compression == "auto" and entry["dtype"] in FLOAT_DTYPES
                 for row in rows:
                     codec = chunks[row]["codec"]
-                    if entry["key"] == "small":  # a pack
-                        assert codec in ({pack_codec} if compression == "delta-zstd" else {pack_codec, "none"})
+                    if entry["key"] == "small":  # a pack: with "auto", of its float dtype alone (5.2), weighed so
+                        if floating:
+                            assert codec in {f"float{width}-zstd", f"shuffle{width}-zstd", "none"}, codec
+                        else:
+                            assert codec in ({pack_codec} if compression == "delta-zstd" else {pack_codec, "none"})
                     elif "base" in chunks[row]:
                         expected = {f"delta{width if width <= 8 else 1}-zstd"} | (
                             {f"floatdelta{width}-zstd"} if floating else set())
