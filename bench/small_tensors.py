@@ -1,6 +1,7 @@
 """Many small tensors (issue 31, part 2): a save and a load of N tensors of 8 floats against torch.save
 + fsync and torch.load of the same dict, their peak memory, the manifest's bytes per tensor, and its
-parse against msgpack's own unpack of the same bytes (part 5), and that of a table of sharded tensors
+parse against msgpack's own unpack of the same bytes (part 5), ``ckptfmt.open`` and every key against
+that unpack (issue 49 part 3), and the parse of a table of sharded tensors
 (format 1.14: their shard grids in the tensor columns), against the same table in 1.13's form (a row
 and a grid map each).
 
@@ -108,6 +109,26 @@ def parse_ratio(data: bytes, repeats: int, unpacked: bytes | None = None, entrie
     return statistics.median(unpacks), statistics.median(parses), ratios
 
 
+def open_ratio(url: str, data: bytes, repeats: int) -> tuple[float, float, list[float]]:
+    """Median seconds of msgpack's unpack of ``data`` (the manifest's bytes) and of ``ckptfmt.open(url)``
+    and its ``keys()`` (the commit record and manifest read from the page cache, the manifest hashed and
+    parsed, every key listed), and the per-repeat ratios; the cyclic collector off, as in ``parse_ratio``."""
+    def open_and_list() -> None:
+        with ckptfmt.open(url) as reader:
+            reader.keys()
+    gc.disable()
+    unpacks, opens, ratios = [], [], []
+    for repeat in range(repeats):
+        times = {}
+        for which in ((0, 1) if repeat % 2 == 0 else (1, 0)):
+            times[which] = timed((lambda: msgpack.unpackb(data, raw=False, strict_map_key=False), open_and_list)[which])
+        unpacks.append(times[0])
+        opens.append(times[1])
+        ratios.append(times[1] / times[0])
+    gc.enable()
+    return statistics.median(unpacks), statistics.median(opens), ratios
+
+
 def spread(values: list[float]) -> str:
     return f"{statistics.median(values):.2f}x (range {min(values):.2f}-{max(values):.2f})"
 
@@ -162,6 +183,9 @@ def main() -> None:
         console.print(f"manifest: {len(data) / 2**20:.1f} MiB, its tensor table {table / count:.0f} bytes per "
                       f"tensor beyond its key (statistics {stats / count:.0f} of them)")
         timed_parse("manifest parse", data, args.repeats)
+        unpack, opened, ratios = open_ratio(str(folder / "repo" / "a"), data, args.repeats)
+        console.print(f"ckptfmt.open and every key: {opened * 1e3:.1f} ms against msgpack's unpack of the manifest "
+                      f"{unpack * 1e3:.2f} ms: {spread(ratios)} per repeat")
         timed_parse("manifest parse, then every entry read (built)", data, args.repeats, entries=True)
         rows = dataclasses.replace(manifest, version=(1, 11)).to_bytes()  # the same table, one map per tensor
         timed_parse(f"manifest parse against msgpack's unpack of the same table as rows (1.11, "
