@@ -539,32 +539,50 @@ class Steps:
         return column
 
     def add(self, run: str, record: _Saved, manifest: _Saved, where: str) -> None:
-        first = self.rows
-        fixed = self.fixed
+        """A manifest's step records, decoded as views and copied into the window's columns a column at a
+        time (a call per column and manifest, not per rank record: 64 ranks' records cost 64 times the
+        calls), the views let go when it returns."""
+        decoded: list[tuple[Any, int, int]] = []  # (columns, rank, host id) per record with steps
         for index, rank_record in enumerate(_rank_records(manifest, where)):
             if rank_record.get("steps") is None:
                 continue
             columns = decode_steps(rank_record["steps"], f"{where}: timing.ranks[{index}].steps")
-            count = columns.count
             rank = rank_record.get("rank")
             if type(rank) is not int:
                 raise ManifestError(f"{where}: timing.ranks[{index}].rank is not an int")
-            for name, value in (("run", self.words.id(run)), ("checkpoint", self.words.id(record.name)),
-                                ("rank", rank), ("host", self.words.id(str(rank_record.get("host"))))):
-                fixed[name].fill(value, count)
-            for name in _STEP_PARTS:
-                fixed[name].extend(getattr(columns, name))
+            decoded.append((columns, rank, self.words.id(str(rank_record.get("host")))))
+        counts = np.array([columns.count for columns, _, _ in decoded], dtype=np.int64)
+        fixed, first = self.fixed, self.rows
+        fixed["run"].fill(self.words.id(run), int(counts.sum()))
+        fixed["checkpoint"].fill(self.words.id(record.name), int(counts.sum()))
+        fixed["rank"].extend(np.repeat(np.array([rank for _, rank, _ in decoded], dtype=np.int64), counts))
+        fixed["host"].extend(np.repeat(np.array([host for _, _, host in decoded], dtype=np.int64), counts))
+        for name in _STEP_PARTS:
+            fixed[name].extend_many([getattr(columns, name) for columns, _, _ in decoded])
+        named: dict[str, list[tuple[int, Any]]] = {}  # column -> (first row, values) of each record holding it
+        missing: dict[str, list[tuple[int, Any]]] = {}
+        row = first
+        for columns, _, _ in decoded:
             for name, values in columns.phases.items():
-                self._named(f"phase_{name}", np.float64, np.nan).extend(values, self.rows)
+                named.setdefault(f"phase_{name}", []).append((row, values))
             for name, values in columns.metrics.items():
-                self._named(f"metric_{name}", np.float64, np.nan).extend(values, self.rows)
-                if f"metric_{name}" not in self.missing:
-                    self.missing[f"metric_{name}"] = _Growing(np.bool_, self.capacity, fill=True)
-                self.missing[f"metric_{name}"].extend(columns.metrics_missing.get(name, False), self.rows, count)
+                named.setdefault(f"metric_{name}", []).append((row, values))
+                gaps = columns.metrics_missing.get(name)
+                missing.setdefault(f"metric_{name}", []).append(
+                    (row, np.zeros(columns.count, dtype=np.bool_) if gaps is None else gaps))
             for name, digests in columns.rng.items():
-                self._named(f"rng_{name}", np.uint8, 0, RNG_DIGEST_BYTES).extend(digests, self.rows)
-            self.rows += count
-        self.added = self.rows - first
+                named.setdefault(f"rng_{name}", []).append((row, digests))
+            row += columns.count
+        for name, pieces in named.items():
+            column = self._named(name, *((np.uint8, 0, RNG_DIGEST_BYTES) if name.startswith("rng_")
+                                         else (np.float64, np.nan)))
+            column.extend_runs(pieces)
+        for name, pieces in missing.items():
+            if name not in self.missing:
+                self.missing[name] = _Growing(np.bool_, self.capacity, fill=True)
+            self.missing[name].extend_runs(pieces)
+        self.rows = row
+        self.added = row - first
 
     def flush(self) -> None:
         """Close the window before the next manifest's rows would likely take it past ``WINDOW_ROWS``."""
@@ -667,15 +685,27 @@ class _Growing:
         self.array[self.size:self.size + count] = value
         self.size += count
 
-    def extend(self, values: Any, row: int | None = None, count: int | None = None) -> None:
-        """``values`` (an array, or one value for ``count`` rows) from ``row`` on (the rows before it
-        ``fill``), copied."""
-        if row is not None:
-            self._pad(row)
-        count = len(values) if count is None else count
+    def extend(self, values: np.ndarray) -> None:
+        """The rows of ``values``, copied."""
+        self.extend_many([values])
+
+    def extend_many(self, arrays: Sequence[np.ndarray]) -> None:
+        """The rows of ``arrays``, one after another, copied in one call."""
+        count = sum(len(values) for values in arrays)
         self._reserve(self.size + count)
-        self.array[self.size:self.size + count] = values
+        if arrays:
+            np.concatenate(arrays, out=self.array[self.size:self.size + count], casting="unsafe")
         self.size += count
+
+    def extend_runs(self, pieces: Sequence[tuple[int, np.ndarray]]) -> None:
+        """Each (first row, values) of ``pieces`` (rows increasing), the rows between them ``fill``: pieces
+        that follow each other with no gap are copied in one call."""
+        start = 0
+        for end in range(1, len(pieces) + 1):
+            if end == len(pieces) or pieces[end][0] != pieces[end - 1][0] + len(pieces[end - 1][1]):
+                self._pad(pieces[start][0])
+                self.extend_many([values for _, values in pieces[start:end]])
+                start = end
 
     def values(self, rows: int) -> np.ndarray:
         """The first ``rows`` (``fill`` past those added), the buffer cut to them in place (``realloc``: no

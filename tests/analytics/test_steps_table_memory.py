@@ -70,8 +70,11 @@ def test_a_window_is_cut_to_its_rows():
     values = growing.values(12)
     assert values.tolist() == [*range(10), 0, 0] and values.nbytes == 12 * 8 and values.base is None
     phase = TABLES._Growing(np.float64, 16, fill=np.nan)
-    phase.extend(np.ones(4), row=12)  # met from row 12 on
-    assert np.isnan(phase.values(16)[:12]).all() and phase.values(16)[12:].tolist() == [1.0] * 4
+    phase.extend_runs([(12, np.ones(2)), (14, np.full(2, 2.0))])  # met from row 12 on, two records in a run
+    assert np.isnan(phase.values(16)[:12]).all() and phase.values(16)[12:].tolist() == [1.0, 1.0, 2.0, 2.0]
+    gaps = TABLES._Growing(np.float64, 4, fill=np.nan)
+    gaps.extend_runs([(1, np.ones(2)), (5, np.full(1, 3.0))])  # rows 0, 3 and 4 fill; the buffer grows
+    assert np.array_equal(gaps.values(6), [np.nan, 1, 1, np.nan, np.nan, 3], equal_nan=True)
 
 
 def test_shares_with_one_dictionary_are_joined_without_copying_their_indices():
