@@ -36,6 +36,14 @@ typedef struct {
     Py_ssize_t zeros, negative_zeros;
 } Block;
 
+/* A TYPE (a scalar or a vector) from element i on, elements of SIZE bytes (memcpy: no alignment needed). */
+#define DEFINE_LOAD(NAME, TYPE, SIZE)                                                                     \
+    static inline TYPE NAME(const unsigned char *data, Py_ssize_t i) {                                    \
+        TYPE v;                                                                                           \
+        memcpy(&v, data + (SIZE) * i, sizeof v);                                                          \
+        return v;                                                                                         \
+    }
+
 /* ---- Scalar loops: the table kinds (a lookup per element) and the last partial row of every kind ---- */
 
 /* Element i as float64 (the sums), as its own type (the extremes), and whether it is a zero or -0.0. */
@@ -45,11 +53,7 @@ static inline double f64_at(const unsigned char *data, const double *table, Py_s
     memcpy(&v, data + 8 * i, 8);
     return v;
 }
-static inline uint64_t f64_bits(const unsigned char *data, Py_ssize_t i) {
-    uint64_t v;
-    memcpy(&v, data + 8 * i, 8);
-    return v;
-}
+DEFINE_LOAD(f64_bits, uint64_t, 8)
 static inline int f64_zero(const unsigned char *data, const double *table, Py_ssize_t i) {
     (void)table;
     return (f64_bits(data, i) << 1) == 0;
@@ -68,11 +72,7 @@ static inline float f32_value(const unsigned char *data, const double *table, Py
 static inline double f32_at(const unsigned char *data, const double *table, Py_ssize_t i) {
     return (double)f32_value(data, table, i);
 }
-static inline uint32_t f32_bits(const unsigned char *data, Py_ssize_t i) {
-    uint32_t v;
-    memcpy(&v, data + 4 * i, 4);
-    return v;
-}
+DEFINE_LOAD(f32_bits, uint32_t, 4)
 static inline int f32_zero(const unsigned char *data, const double *table, Py_ssize_t i) {
     (void)table;
     return (uint32_t)(f32_bits(data, i) << 1) == 0;
@@ -82,11 +82,7 @@ static inline int f32_negative_zero(const unsigned char *data, const double *tab
     return f32_bits(data, i) == UINT32_C(0x80000000);
 }
 
-static inline uint16_t u16_at(const unsigned char *data, Py_ssize_t i) {
-    uint16_t h;
-    memcpy(&h, data + 2 * i, 2);
-    return h;
-}
+DEFINE_LOAD(u16_at, uint16_t, 2)
 static inline float bf16_value(const unsigned char *data, const double *table, Py_ssize_t i) {
     uint32_t bits = (uint32_t)u16_at(data, i) << 16;
     float v;
@@ -216,32 +212,18 @@ DEFINE_TAIL(bf16_tail, bf16_at, bf16_extremes)
     typedef int64_t vl_##SFX __attribute__((vector_size(VB)));
 
 #define DEFINE_VECTOR_KERNELS(SFX, WIDEN, LESSER_F, GREATER_F, LESSER_D, GREATER_D)                       \
-    /* W elements from i on, as float64 (the sums). */                                                    \
-    static inline vd_##SFX f64_doubles_##SFX(const unsigned char *data, Py_ssize_t i) {                   \
-        vd_##SFX v;                                                                                       \
-        memcpy(&v, data + 8 * i, sizeof v);                                                               \
-        return v;                                                                                         \
-    }                                                                                                     \
+    /* W elements from i on, as float64 (the sums); a vector of them as the bits the extremes compare. */ \
+    DEFINE_LOAD(f64_doubles_##SFX, vd_##SFX, 8)                                                           \
+    DEFINE_LOAD(f32_floats_##SFX, vfw_##SFX, 4)                                                           \
     static inline vd_##SFX f32_doubles_##SFX(const unsigned char *data, Py_ssize_t i) {                   \
-        vfw_##SFX v;                                                                                      \
-        memcpy(&v, data + 4 * i, sizeof v);                                                               \
-        return WIDEN(v, vd_##SFX);                                                                        \
+        return WIDEN(f32_floats_##SFX(data, i), vd_##SFX);                                                \
     }                                                                                                     \
-    /* A vector of elements from i on, as bits of the type the extremes compare. */                      \
-    static inline vul_##SFX f64_bits_##SFX(const unsigned char *data, Py_ssize_t i) {                     \
-        vul_##SFX v;                                                                                      \
-        memcpy(&v, data + 8 * i, sizeof v);                                                               \
-        return v;                                                                                         \
-    }                                                                                                     \
-    static inline vu_##SFX f32_bits_##SFX(const unsigned char *data, Py_ssize_t i) {                      \
-        vu_##SFX v;                                                                                       \
-        memcpy(&v, data + 4 * i, sizeof v);                                                               \
-        return v;                                                                                         \
-    }                                                                                                     \
+    DEFINE_LOAD(f64_bits_##SFX, vul_##SFX, 8)                                                             \
+    DEFINE_LOAD(f32_bits_##SFX, vu_##SFX, 4)                                                              \
+    DEFINE_LOAD(bf16_halves_##SFX, vh_##SFX, 2)                                                           \
     static inline vu_##SFX bf16_bits_##SFX(const unsigned char *data, Py_ssize_t i) {                     \
-        vh_##SFX h;                                                                                       \
-        memcpy(&h, data + 2 * i, sizeof h);                                                               \
-        return __builtin_convertvector(h, vu_##SFX) << 16; /* as float32: the same value, zero and sign */ \
+        /* as float32: the same value, zero and sign */                                                   \
+        return __builtin_convertvector(bf16_halves_##SFX(data, i), vu_##SFX) << 16;                       \
     }                                                                                                     \
     DEFINE_VECTOR_SUMS(f64_sums_##SFX, vd_##SFX, f64_doubles_##SFX)                                       \
     DEFINE_VECTOR_SUMS(f32_sums_##SFX, vd_##SFX, f32_doubles_##SFX)                                       \
