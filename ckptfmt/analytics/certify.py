@@ -60,7 +60,7 @@ _CAUSE_OF_KIND = {"hyperparameters": "hyperparameters", "topology": "topology", 
 
 
 @dataclass(frozen=True)
-class Signature:
+class StepSignature:
     """One rank's step, as signed: what went in (batch, generators) and what came out (the bits of each
     output metric it recorded: ``OUTPUTS``)."""
 
@@ -139,9 +139,9 @@ class RunRecords:
         self.repo = Repository.open(url, storage_options)
         self.url, self.storage_options = self.repo.url, storage_options
         saves = saved_timings(self.repo)
-        self.signatures: dict[tuple[int, int], Signature] = {}
+        self.signatures: dict[tuple[int, int], StepSignature] = {}
         #: Every computation of a (rank, step), oldest first: a step computed again has several.
-        self.branches: dict[tuple[int, int], list[Signature]] = {}
+        self.branches: dict[tuple[int, int], list[StepSignature]] = {}
         self.resumes: list[dict] = []
         for saved_ns, timing in saves:
             for index, entry in enumerate((timing or {}).get("ranks") or []):
@@ -165,7 +165,7 @@ class RunRecords:
                     stored.add(resume.get("resumed_ns"))
                     self.resumes.append({**resume, "saved_ns": progress.written_ns})
         for key, branch in self.branches.items():  # each computation once (a save's record first), as they ran
-            unique: dict[int, Signature] = {}
+            unique: dict[int, StepSignature] = {}
             for signature in branch:
                 unique.setdefault(signature.start_ns, signature)
             self.branches[key] = sorted(unique.values(), key=lambda signature: signature.start_ns)
@@ -191,7 +191,7 @@ class RunRecords:
         outputs = {name: _bits(columns, name) for name in OUTPUTS}
         for row, step in enumerate(columns.step.tolist()):
             kind = int(columns.batch_kind[row])
-            self.branches.setdefault((rank, step), []).append(Signature(
+            self.branches.setdefault((rank, step), []).append(StepSignature(
                 batch_kind=kind, batch=bytes(columns.batch[row]) if kind else None,
                 rng={name: bytes(digests[row]) for name, digests in columns.rng.items() if digests[row].any()},
                 outputs={name: value for name, bits in outputs.items() if (value := bits[row]) is not None},
@@ -254,7 +254,7 @@ def _in_use(*runs: RunRecords) -> dict[int, set[str]]:
     return used
 
 
-def _differences(reference: dict[tuple[int, int], Signature], run: dict[tuple[int, int], Signature], step: int,
+def _differences(reference: dict[tuple[int, int], StepSignature], run: dict[tuple[int, int], StepSignature], step: int,
                  ranks: list[int], in_use: dict[int, set[str]] | None = None) -> dict[str, list[str]] | None:
     """What differs at ``step``, by kind (``data``, ``rng``, ``outputs``), with evidence; None where a
     rank's signatures share no output, so that equal inputs cannot be told to give equal outputs.
