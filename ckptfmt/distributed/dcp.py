@@ -214,7 +214,7 @@ class StorageWriter(dcp_storage.StorageWriter):
         if self.parent_name is None:
             return None, set()
         _, parent_keys, parent = resolve_parent(repo, self.parent_name)
-        if parent is None or self.options.compression not in ("delta-zstd", "auto"):
+        if parent is None or not self.options.stores_deltas:
             return None, parent_keys
         return DeltaBases(repo, parent, regions), parent_keys
 

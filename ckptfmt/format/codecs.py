@@ -58,6 +58,11 @@ DELTA_CODECS = frozenset({*(f"delta{w}-zstd" for w in _DELTA_WIDTHS), *FLOAT_DEL
 CODECS = frozenset({NONE, ZSTD, *(f"shuffle{w}-zstd" for w in _SHUFFLE_WIDTHS), *DELTA_CODECS, *FLOAT_CODECS})
 #: What ``compression`` may be set to; ``delta-zstd`` and ``auto`` choose a codec per chunk.
 COMPRESSIONS = (None, NONE, ZSTD, "shuffle-zstd", "float-zstd", "delta-zstd", "auto")
+#: The compressions that store a chunk against its parent's where that is smaller (spec 5.5).
+DELTA_COMPRESSIONS = frozenset({"delta-zstd", "auto"})
+#: The compressions that store floating-point elements with the float codecs (spec 5.3), a pack of one
+#: float dtype included (spec 5.2).
+FLOAT_COMPRESSIONS = frozenset({"float-zstd", "auto"})
 ZSTD_LEVEL = 1
 #: A mantissa plane is compressed only where that makes a sample of it this much smaller (2%).
 _PAYS = 0.98
@@ -85,7 +90,7 @@ def codec_for(compression: str | None, itemsize: int, floating: bool = False) ->
         return NONE
     if compression == ZSTD:
         return ZSTD
-    if compression in ("float-zstd", "auto") and floating and itemsize in _FLOAT_WIDTHS:
+    if compression in FLOAT_COMPRESSIONS and floating and itemsize in _FLOAT_WIDTHS:
         return f"float{itemsize}-zstd"
     if compression in ("shuffle-zstd", "float-zstd", "delta-zstd", "auto"):
         return f"shuffle{itemsize}-zstd" if itemsize in _SHUFFLE_WIDTHS else ZSTD

@@ -15,7 +15,7 @@ from ckptfmt.format.signatures import Signature, TrustedKeys, trusted_public_key
 from ckptfmt.format.values import MakeTorchValue, TorchValue, decode_tree
 from ckptfmt.loading.chunkio import ChunkReader
 from ckptfmt.loading.healing import ChunkHealer, HealFrom
-from ckptfmt.loading.verified_files import check_verify_mode
+from ckptfmt.loading.verified_files import VerifyMode, check_verify_mode
 from ckptfmt.repository.repository import CommitRecord, Repository, resolve
 from ckptfmt.repository.signatures import check_signed
 
@@ -37,7 +37,7 @@ class Checkpoint:
 
     def __init__(self, repository: Repository, name: str, *, trusted_keys: TrustedKeys = None,
                  heal_from: HealFrom = None, read: tuple[CommitRecord, Manifest] | None = None,
-                 verify: bool | str = True):
+                 verify: VerifyMode = True):
         """``read``: the checkpoint's commit record and whole manifest, where the caller has read them;
         ``verify``: how chunks are checked as they are read (``ckptfmt.load``)."""
         self.repository, self.name = repository, name

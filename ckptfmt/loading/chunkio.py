@@ -17,6 +17,7 @@ from ckptfmt.format.hashing import check_chunk
 from ckptfmt.format.manifest import Chunk
 from ckptfmt.loading import verified_files
 from ckptfmt.loading.healing import ChunkHealer
+from ckptfmt.loading.verified_files import VerifyMode
 from ckptfmt.repository.chunk_reads import missing_chunk_named, read_chunk
 from ckptfmt.storage.base import Storage
 
@@ -27,7 +28,7 @@ class ChunkReader:
     """Verified chunk reads, with a small shared cache for chunks several tensors use (packs)."""
 
     def __init__(self, storage: Storage, chunks: list[Chunk], healer: ChunkHealer | None = None,
-                 verify: bool | str = True, *, remember: bool = False):
+                 verify: VerifyMode = True, *, remember: bool = False):
         self.storage = storage
         self.chunks = chunks
         self.healer = healer

@@ -34,6 +34,7 @@ from ckptfmt.loading.loaded_fingerprints import (
     remember_load,
 )
 from ckptfmt.loading.threads import read_threads
+from ckptfmt.loading.verified_files import VerifyMode
 from ckptfmt.metadata.rng import apply_rng
 from ckptfmt.metadata.topology import current_rank
 from ckptfmt.repository.repository import CommitRecord, Repository, resolve
@@ -53,7 +54,7 @@ class CheckpointReader(Checkpoint):
 
     def __init__(self, url: str | os.PathLike, *, storage_options: dict | None = None,
                  map_location: str | torch.device | None = "cpu", mmap: bool = True,
-                 heal_from: HealFrom = None, trusted_keys: TrustedKeys = None, verify: bool | str = True):
+                 heal_from: HealFrom = None, trusted_keys: TrustedKeys = None, verify: VerifyMode = True):
         repository, name = resolve(url, storage_options)
         self._setup(repository, name, map_location, mmap, heal_from, trusted_keys, verify=verify)
 
@@ -71,7 +72,7 @@ class CheckpointReader(Checkpoint):
 
     def _setup(self, repository: Repository, name: str, map_location, mmap: bool, heal_from: HealFrom,
                trusted_keys: TrustedKeys, read: tuple[CommitRecord, Manifest] | None = None,
-               verify: bool | str = True) -> None:
+               verify: VerifyMode = True) -> None:
         if_distributed()
         Checkpoint.__init__(self, repository, name, trusted_keys=trusted_keys, heal_from=heal_from, read=read,
                             verify=verify)
@@ -382,7 +383,7 @@ def _uses_by_chunk(entry: TensorEntry) -> dict[int, list[tuple[int, int, Piece]]
 
 def open(url: str | os.PathLike, *, storage_options: dict | None = None,
          map_location: str | torch.device | None = "cpu", mmap: bool = True,
-         heal_from: HealFrom = None, trusted_keys: TrustedKeys = None, verify: bool | str = True) -> CheckpointReader:
+         heal_from: HealFrom = None, trusted_keys: TrustedKeys = None, verify: VerifyMode = True) -> CheckpointReader:
     """Open a checkpoint (or a repository's latest) for lazy reads. See ``load`` for ``mmap``,
     ``heal_from``, ``trusted_keys`` and ``verify``."""
     return CheckpointReader(url, storage_options=storage_options, map_location=map_location, mmap=mmap,
@@ -391,7 +392,7 @@ def open(url: str | os.PathLike, *, storage_options: dict | None = None,
 
 def load(url: str | os.PathLike, *, map_location: str | torch.device | None = "cpu",
          storage_options: dict | None = None, mmap: bool = True, into: Any = None, strict: bool = True,
-         heal_from: HealFrom = None, trusted_keys: TrustedKeys = None, verify: bool | str = True) -> Any:
+         heal_from: HealFrom = None, trusted_keys: TrustedKeys = None, verify: VerifyMode = True) -> Any:
     """Load a checkpoint's whole state, type-exact, with every chunk verified against its hash.
 
     On local disks, tensors that lie whole in one uncompressed chunk are, by

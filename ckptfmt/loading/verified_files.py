@@ -14,13 +14,16 @@ from __future__ import annotations
 import os
 import threading
 from collections import OrderedDict
+from typing import Literal
 
 from ckptfmt.storage.base import Storage
 
 #: Files remembered at most (the oldest are forgotten first).
 LIMIT = 1 << 17
 #: How a read checks chunks: every time, the first time in this process, or never (sizes only).
-VERIFY_MODES = (True, "once", False)
+#: How reads are checked: every read hashed (True), each local chunk file once a process ("once"), none.
+VerifyMode = Literal[True, "once", False]
+VERIFY_MODES: tuple[VerifyMode, ...] = (True, "once", False)
 
 FileIdentity = tuple[str, int, int, int, int, int]
 
@@ -28,7 +31,7 @@ _seen: OrderedDict[FileIdentity, None] = OrderedDict()
 _lock = threading.Lock()
 
 
-def check_verify_mode(verify: object) -> bool | str:
+def check_verify_mode(verify: object) -> VerifyMode:
     """``verify`` if it is one of ``VERIFY_MODES``; ValueError naming them otherwise."""
     if not any(verify is mode or (isinstance(mode, str) and verify == mode) for mode in VERIFY_MODES):
         raise ValueError(f"verify must be True, 'once' or False, not {verify!r}")

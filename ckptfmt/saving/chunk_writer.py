@@ -236,7 +236,7 @@ class ChunkWriter:
         self.sources = sources
         self.bases = bases
         #: Codecs chosen per chunk from its bytes (delta against the parent, whole, or none).
-        self.choosing = compression in ("delta-zstd", "auto")
+        self.choosing = compression in codecs.DELTA_COMPRESSIONS
         #: Whether to take each part's statistics (sources that come with theirs are passed over).
         self.tensor_stats = tensor_stats
         self.compression = compression
@@ -357,7 +357,7 @@ class ChunkWriter:
         """The pack group of a small source: its dtype where the float codec may store it (a pack of one
         float dtype is stored as that dtype's tensors are, spec 5.2), else None (the mixed pack)."""
         dtype = source.tensor.dtype
-        if self.float_codecs and self.compression in ("float-zstd", "auto") and dtype in _FLOAT_DTYPES:
+        if self.float_codecs and self.compression in codecs.FLOAT_COMPRESSIONS and dtype in _FLOAT_DTYPES:
             return dtype
         return None
 

@@ -166,7 +166,7 @@ class SaveOptions:
             if self.scope == "node":
                 raise ValueError("parity= protects a checkpoint whose objects one storage holds; a node-scoped "
                                  "tier's nodes each hold their own: give its Tier redundancy instead")
-        if self.scope == "node" and self.compression in ("delta-zstd", "auto"):
+        if self.scope == "node" and self.compression in codecs.DELTA_COMPRESSIONS:
             raise ValueError(f"compression={self.compression!r} stores chunks against the parent's, which a "
                              "node-scoped repository does not promise to hold on the same node: use 'zstd', "
                              "'shuffle-zstd', 'float-zstd' or none with scope='node'")
@@ -207,6 +207,12 @@ class SaveOptions:
     def delta_codecs(self) -> bool:
         """Whether the target format has delta chunks ("auto" and "delta-zstd" store against the parent only then)."""
         return self.format_version >= first_version("delta-codecs")
+
+    @property
+    def stores_deltas(self) -> bool:
+        """Whether this save stores chunks against the parent's where that is smaller: its compression
+        asks for it and its format has delta chunks (the one place that choice is made)."""
+        return self.compression in codecs.DELTA_COMPRESSIONS and self.delta_codecs
 
     @classmethod
     def from_keywords(cls, caller: str, keywords: dict[str, Any]) -> SaveOptions:

@@ -243,7 +243,7 @@ def _delta_bases(repo: Repository, agreed: Plan, entries: list[PlannedTensor], s
                  assigned: list[int], options: SaveOptions) -> DeltaBases | None:
     """The parent's chunks this member's boxes may be stored as deltas against (``compression`` delta-zstd or
     auto): the coordinator has the parent's manifest; the others read it (the plan carries only its name)."""
-    if agreed.parent_name is None or options.compression not in ("delta-zstd", "auto") or not options.delta_codecs:
+    if agreed.parent_name is None or not options.stores_deltas:
         return None
     parent = agreed.parent or repo.manifest(agreed.parent_name)
     return DeltaBases.for_entries(repo, parent, entries, [s.shape for s in sources], assigned)
