@@ -327,7 +327,9 @@ static inline vd_base bf16_doubles_base(const unsigned char *data, Py_ssize_t i)
 }
 DEFINE_VECTOR_KERNELS(base, CONVERT, BLEND_LESSER, BLEND_GREATER, BLEND_LESSER, BLEND_GREATER)
 
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+/* GCC 12 or later: "f16c" in __builtin_cpu_supports, and the builtins below as used; older compilers build
+ * the 16-byte vectors alone. */
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12 && defined(__x86_64__)
 #define HAVE_AVX2_KERNELS 1
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wpsabi" /* 32-byte vectors passed between inlined functions only */
