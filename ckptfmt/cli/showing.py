@@ -48,7 +48,7 @@ def _signatures(ckpt) -> list[dict]:
     found = []
     for entry in signatures(ckpt.repository, ckpt.name):
         sig = entry.signature
-        found.append({"key": entry.key, "key_id": sig.key_id if sig else None, "signer": sig.signer if sig else None,
+        found.append({"key": entry.key, "key_id": sig.key_id if sig else None, "signer": sig.signed_by if sig else None,
                       "created_ns": sig.created_ns if sig else None,
                       "intact": sig is not None and sig.verifies(ckpt.commit), "damage": entry.damage})
     return found

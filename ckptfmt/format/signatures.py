@@ -23,9 +23,11 @@ import json
 import os
 import re
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
+from ckptfmt._deprecation import renamed_arguments
 from ckptfmt.errors import CheckpointError, ManifestError, quoted
 from ckptfmt.format.commit_record import CommitRecord
 from ckptfmt.format.features import check_declared, check_object, refuse_unless_writable, version_fields
@@ -143,7 +145,8 @@ class Signature:
     manifest_hash: str
     signature: bytes
     created_ns: int
-    signer: str | None = None
+    #: Who signed, as the signing key said (free text; the object's ``signer`` field, spec 10.3).
+    signed_by: str | None = None
     #: The format version it is written for (spec 13): its checkpoint's.
     version: tuple[int, int] = FORMAT_VERSION
     algorithm: str = DEFAULT_ALGORITHM
@@ -154,9 +157,15 @@ class Signature:
             "algorithm": self.algorithm, "key_id": self.key_id, "public_key": _b64(self.public_key),
             "manifest": self.manifest_hash, "signature": _b64(self.signature), "created_ns": self.created_ns,
         }
-        if self.signer is not None:
-            doc["signer"] = self.signer
+        if self.signed_by is not None:
+            doc["signer"] = self.signed_by
         return json.dumps(doc, indent=1).encode()
+
+    @property
+    def signer(self) -> str | None:
+        """Deprecated: ``signed_by`` (a signer is a key; this is who signed)."""
+        warnings.warn("Signature.signer is deprecated: use Signature.signed_by", DeprecationWarning, stacklevel=2)
+        return self.signed_by
 
     @classmethod
     def from_bytes(cls, data: bytes, where: str) -> Signature:
@@ -271,9 +280,11 @@ def _unb64(text: object, size: int) -> bytes:
 class SigningKey:
     """A private key that signs checkpoints, of any algorithm of ``ALGORITHMS``: ``SigningKey.load("release.pem")``
     or around ``cryptography`` key objects (a hybrid key: the tuple of its Ed25519 and ML-DSA-65 keys).
-    ``signer``: free text stored with each signature (who signed, for messages); the user and host by default."""
+    ``signed_by``: free text stored with each signature (who signed, for messages); the user and host by
+    default."""
 
-    def __init__(self, private_key: Any, signer: str | None = None):
+    @renamed_arguments(signer="signed_by")
+    def __init__(self, private_key: Any, signed_by: str | None = None):
         self._parts = tuple(private_key) if isinstance(private_key, tuple) else (private_key,)
         self.algorithm = "+".join(_private_part(key) for key in self._parts)
         if self.algorithm not in ALGORITHMS:
@@ -281,7 +292,7 @@ class SigningKey:
             raise TypeError(f"a signing key is one of {', '.join(ALGORITHMS)}, not {kinds}")
         self.public_key = b"".join(key.public_key().public_bytes_raw() for key in self._parts)
         self.key_id = key_id(self.public_key)
-        self.signer = signer if signer is not None else _who()
+        self.signed_by = signed_by if signed_by is not None else _who()
 
     @classmethod
     def generate(cls, algorithm: str = DEFAULT_ALGORITHM) -> SigningKey:
@@ -323,13 +334,19 @@ class SigningKey:
         return b"".join(key.public_key().public_bytes(s.Encoding.PEM, s.PublicFormat.SubjectPublicKeyInfo)
                         for key in self._parts)
 
+    @property
+    def signer(self) -> str:
+        """Deprecated: ``signed_by`` (who signs with this key)."""
+        warnings.warn("SigningKey.signer is deprecated: use SigningKey.signed_by", DeprecationWarning, stacklevel=2)
+        return self.signed_by
+
     def sign(self, record: CommitRecord) -> Signature:
         """A signature of ``record``, an object of its checkpoint's format version (SignatureError when that
         version cannot express this algorithm)."""
         check_writable(self.algorithm, record)
         message = signed_message(record)
         signature = b"".join(key.sign(message) for key in self._parts)
-        return Signature(self.key_id, self.public_key, record.manifest_hash, signature, time.time_ns(), self.signer,
+        return Signature(self.key_id, self.public_key, record.manifest_hash, signature, time.time_ns(), self.signed_by,
                          record.version, self.algorithm)
 
 

@@ -312,3 +312,23 @@ def test_a_cryptography_without_ml_dsa_says_which_release_it_needs(tmp_path, key
         ckptfmt.load(repo / "a", trusted_keys=raw)
     ckptfmt.save(state(2), repo / "b", step=2, signer=keys["ed25519"][0])
     assert ckptfmt.load(repo / "b", trusted_keys=keys["ed25519"][1])["step"] == 2
+
+
+def test_who_signed_reads_as_signed_by_and_the_old_name_warns_and_works(tmp_path):
+    """Issue 50: ``signer`` is the key given to ``save``; who signed is ``signed_by`` on the key and on each
+    signature object (the object's JSON field stays ``signer``, spec 10.3)."""
+    from ckptfmt.repository.signatures import signatures
+
+    key = ckptfmt.SigningKey.generate()
+    with pytest.warns(DeprecationWarning, match="use signed_by="):
+        named = ckptfmt.SigningKey(key._parts[0], signer="release bot")
+    assert named.signed_by == "release bot"
+    with pytest.warns(DeprecationWarning, match="SigningKey.signed_by"):
+        assert named.signer == "release bot"
+    ckptfmt.save({"w": torch.ones(2)}, tmp_path / "repo" / "a", signer=named)
+    repo = ckptfmt.Repository.open(str(tmp_path / "repo"))
+    (entry,) = signatures(repo, "a")
+    assert entry.signature.signed_by == "release bot"
+    assert b'"signer": "release bot"' in entry.signature.to_bytes()
+    with pytest.warns(DeprecationWarning, match="Signature.signed_by"):
+        assert entry.signature.signer == "release bot"
