@@ -7,7 +7,7 @@ network and memory, a tmpfs mounted at one path on every host; needs root and ip
 under ``torchrun --nnodes HOSTS`` holds a state of ``--mb`` MiB (fp32 DTensors sharded over every
 rank, so each node holds its share and sends it to its peer) and two managers:
 
-- *memory*: ``CheckpointManager(tiers=[Tier(MEMORY, scope="node", replicas=1), DRAIN])``, each node's
+- *memory*: ``CheckpointManager(tiers=[Tier(MEMORY, scope="node", survives=1), DRAIN])``, each node's
   chunks in its own memory, copied to the next node's memory and drained to a folder on disk;
 - *shared*: ``CheckpointManager(tiers=[SHARED])``, a folder on disk every host sees.
 
@@ -60,7 +60,7 @@ def job(memory: str, drain: str, shared: str, size_mb: int, repeats: int, out: s
     if ranks:
         dist.init_process_group("gloo")
     state = make_state(size_mb, ranks)
-    modes = {"memory": [ckptfmt.Tier(memory, scope="node", replicas=1), drain], "shared": [shared]}
+    modes = {"memory": [ckptfmt.Tier(memory, scope="node", survives=1), drain], "shared": [shared]}
     figures: dict[str, dict[str, list]] = {mode: {"stall_s": [], "wait_s": [], "restore_s": [], "from": []}
                                            for mode in modes}
     managers = {mode: ckptfmt.CheckpointManager(tiers=tiers, keep_last=2, housekeeping="thread")

@@ -7,8 +7,8 @@ On hosts simulated with network namespaces (tests/support/hosts.py; needs root a
 one rank per host holds a state of ``--mb`` MiB (fp32 DTensors sharded over the ranks: each node holds its
 share) and three managers:
 
-- *parity*: ``tiers=[Tier(LOCAL/parity, scope="node", redundancy="parity", replicas=1)]``;
-- *copies*: ``tiers=[Tier(LOCAL/copies, scope="node", replicas=1)]`` (a full copy on the next node);
+- *parity*: ``tiers=[Tier(LOCAL/parity, scope="node", redundancy="parity", survives=1)]``;
+- *copies*: ``tiers=[Tier(LOCAL/copies, scope="node", survives=1)]`` (a full copy on the next node);
 - *shared*: ``tiers=[SHARED]``, a folder every host sees.
 
 Each repeat saves once with each (weights changed before each), in alternating order, timing how long
@@ -54,8 +54,8 @@ def job(local: str, shared: str, size_mb: int, repeats: int, out: str) -> None:
     """On every rank: the saves, wipes and restores above; rank 0 writes the figures to ``out``."""
     dist.init_process_group("gloo")
     state = make_state(size_mb, True)
-    tiers = {"parity": [ckptfmt.Tier(f"{local}/parity", scope="node", redundancy="parity", replicas=1)],
-             "copies": [ckptfmt.Tier(f"{local}/copies", scope="node", replicas=1)],
+    tiers = {"parity": [ckptfmt.Tier(f"{local}/parity", scope="node", redundancy="parity", survives=1)],
+             "copies": [ckptfmt.Tier(f"{local}/copies", scope="node", survives=1)],
              "shared": [shared]}
     figures: dict = {mode: {"stall_s": [], "wait_s": [], "restore_s": [], "fetched": []} for mode in MODES}
     managers = {mode: ckptfmt.CheckpointManager(tiers=tiers[mode], keep_last=1, housekeeping="thread")

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import functools
 import threading
+import warnings
 from dataclasses import dataclass, field
 
+from ckptfmt._deprecation import renamed_arguments
 from ckptfmt.errors import CheckpointError, CheckpointNotFoundError
 from ckptfmt.lifecycle.gc import collect, remove
 from ckptfmt.lifecycle.protect import protect
@@ -36,7 +38,7 @@ class Tier:
 
     ``scope="node"``: the URL names each node's own storage (a node-local disk, the same path on every
     node), which holds the boxes of that node's ranks (``ckptfmt.save(scope="node")``, spec 9.8); only
-    the first, fastest tier may be one. ``replicas``: for a node-scoped tier, how many other nodes
+    the first, fastest tier may be one. ``survives``: for a node-scoped tier, how many other nodes
     keep a verified copy of each node's chunks of every checkpoint (``peer_copies``), so that losing
     that many nodes' disks loses no checkpoint. ``parity``: ``"K+M"`` Reed-Solomon parity for this
     tier's checkpoints (spec 5.6; None: the manager's ``parity=``, if any): the first tier's saves write
@@ -47,15 +49,16 @@ class Tier:
     retention: Retention | None = None
     storage_options: dict | None = field(default=None, hash=False)
     scope: str = "job"
-    replicas: int = 1
+    survives: int = 1
     parity: str | None = None
     redundancy: str = "copies"
 
     def __post_init__(self) -> None:
         if self.scope not in SCOPES:
             raise ValueError(f"a tier's scope must be one of {', '.join(SCOPES)}, not {self.scope!r}")
-        if isinstance(self.replicas, bool) or not isinstance(self.replicas, int) or self.replicas < 0:
-            raise ValueError(f"a tier's replicas must be a number of nodes >= 0, not {self.replicas!r}")
+        if isinstance(self.survives, bool) or not isinstance(self.survives, int) or self.survives < 0:
+            raise ValueError("a tier's survives= (the lost nodes it survives) must be an int >= 0, not "
+                             f"{self.survives!r}")
         if self.redundancy not in REDUNDANCIES:
             raise ValueError(f"a tier's redundancy must be one of {', '.join(REDUNDANCIES)}, not {self.redundancy!r}")
         if self.redundancy == "parity" and self.scope != "node":
@@ -65,8 +68,18 @@ class Tier:
             parse_parity(self.parity)
             if self.scope == "node":
                 raise ValueError("a node-scoped tier's nodes each hold their own chunks: its checkpoints are "
-                                 "protected by peer copies or parity across nodes (replicas=, redundancy=), "
+                                 "protected by peer copies or parity across nodes (survives=, redundancy=), "
                                  "not by parity=")
+
+    @property
+    def replicas(self) -> int:
+        """Deprecated: ``survives`` (``replicas`` also names a manifest's replica divergence)."""
+        warnings.warn("Tier.replicas is deprecated: use Tier.survives", DeprecationWarning, stacklevel=2)
+        return self.survives
+
+
+#: ``Tier(..., replicas=K)``, its spelling before 1.2.0, still works (with a DeprecationWarning).
+Tier.__init__ = renamed_arguments(replicas="survives")(Tier.__init__)  # type: ignore[method-assign]
 
 
 def tier_records(tier: Tier) -> list[CommitRecord]:

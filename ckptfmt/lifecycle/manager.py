@@ -141,7 +141,7 @@ class CheckpointManager:
         self.peers: NodePeers | None = None
         if self.tiers[0].scope == "node" and self.group is not None:
             ranks = RankGroup(self.group, DEFAULT_TIMEOUT_S, "finding each node's leader")
-            self.peers = NodePeers(self.tiers[0], ranks, NodeLayout.gather(ranks), self.tiers[0].replicas,
+            self.peers = NodePeers(self.tiers[0], ranks, NodeLayout.gather(ranks), self.tiers[0].survives,
                                    DEFAULT_TIMEOUT_S, self.save_options.format_version)
         #: Replication, retention and collection; the group's rank 0 has one, and with a node-scoped first
         #: tier each other node's lowest rank, for its own node's tier (retention and collection only).

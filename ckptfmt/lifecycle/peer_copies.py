@@ -29,7 +29,7 @@ def copy_to_peers(peers: NodePeers, name: str, yield_to: Callable[[], object] | 
     """Send this node's chunks of checkpoint ``name`` to the next nodes and take the previous ones'
     (every leader calls this for every checkpoint, in the same order); what failed, in words.
     ``yield_to`` is called before each message and may block (while the training loop saves)."""
-    if peers.group is None or not peers.replicas:
+    if peers.group is None or not peers.survives:
         return []
     if peers.broken is not None:
         return [f"peer copy of {name} skipped: {peers.broken}"]
@@ -45,7 +45,7 @@ def copy_to_peers(peers: NodePeers, name: str, yield_to: Callable[[], object] | 
     count = len(peers.nodes.hosts)
     try:  # every leader takes its turn, whatever its own node holds: the others expect it
         digests = peers.all_gather(digest)
-        for shift in range(1, peers.replicas + 1):
+        for shift in range(1, peers.survives + 1):
             to, source = (peers.index + shift) % count, (peers.index - shift) % count
             sending = digest is not None and digests[to] == digest
             receiving = digest is not None and digests[source] == digest

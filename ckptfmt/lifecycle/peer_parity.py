@@ -77,7 +77,7 @@ def protect_across_nodes(peers: NodePeers, name: str,
                          yield_to: Callable[[], object] | None = None) -> list[str]:
     """Parity across the nodes for checkpoint ``name`` (every leader calls this for every checkpoint, in
     the same order); what failed, in words. ``yield_to`` is called before each period and may block."""
-    if peers.group is None or not peers.replicas:
+    if peers.group is None or not peers.survives:
         return []
     if peers.broken is not None:
         return [f"parity across nodes for {name} skipped: {peers.broken}"]
@@ -98,7 +98,7 @@ def protect_across_nodes(peers: NodePeers, name: str,
                                               f"{', '.join(missing)}"]
         assert repo is not None and manifest is not None
         try:
-            layout = Layout(peers, manifest, peers.replicas)
+            layout = Layout(peers, manifest, peers.survives)
         except (CheckpointError, ValueError) as exc:
             return [f"no parity across nodes for {name}: {exc}"]
         return _encode(peers, repo, name, digest, manifest, layout, yield_to)

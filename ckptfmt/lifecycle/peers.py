@@ -37,7 +37,7 @@ class NodePeers:
     """One rank's place among the leaders of ``tier`` (node-scoped), from the job's ``nodes`` over ``ranks``:
     made by every rank together; only the nodes' leaders join the leaders' ``group`` and move chunks."""
 
-    def __init__(self, tier: Tier, ranks: RankGroup, nodes: NodeLayout, replicas: int, timeout_s: float,
+    def __init__(self, tier: Tier, ranks: RankGroup, nodes: NodeLayout, survives: int, timeout_s: float,
                  format_version: tuple[int, int] = FORMAT_VERSION):
         self.tier = tier
         #: The version a node tier this creates is written for (its saves' ``format_version=``).
@@ -48,7 +48,8 @@ class NodePeers:
         self.index = nodes.node_of[ranks.rank]
         self.host = nodes.hosts[self.index]
         self.is_leader = nodes.leaders[self.index] == ranks.rank
-        self.replicas = max(0, min(replicas, len(nodes.hosts) - 1))
+        #: How many lost nodes the tier survives (peer copies, or parity pieces a round), at most the others.
+        self.survives = max(0, min(survives, len(nodes.hosts) - 1))
         self.group = None
         if self.is_leader and len(nodes.hosts) > 1:
             leaders = [ranks.global_ranks[leader] for leader in nodes.leaders]

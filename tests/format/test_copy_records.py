@@ -87,7 +87,12 @@ def test_copy_record_names_are_hosts_that_are_valid_names():
         copy_key("step-1", "../etc")
 
 
-def test_a_tiers_replicas_are_a_number_of_nodes():
-    assert ckptfmt.Tier("/nvme/run", scope="node").replicas == 1
-    with pytest.raises(ValueError, match="replicas must be a number of nodes >= 0"):
-        ckptfmt.Tier("/nvme/run", scope="node", replicas=-1)
+def test_the_lost_nodes_a_tier_survives_are_a_number_of_nodes():
+    assert ckptfmt.Tier("/nvme/run", scope="node").survives == 1
+    with pytest.raises(ValueError, match=r"survives= \(the lost nodes it survives\) must be an int >= 0"):
+        ckptfmt.Tier("/nvme/run", scope="node", survives=-1)
+    # Issue 50: its name until 1.2.0 warns and works, as a keyword and as an attribute.
+    with pytest.warns(DeprecationWarning, match="use survives="):
+        old = ckptfmt.Tier("/nvme/run", scope="node", replicas=2)
+    with pytest.warns(DeprecationWarning, match="Tier.survives"):
+        assert old.replicas == 2 and old == ckptfmt.Tier("/nvme/run", scope="node", survives=2)

@@ -13,8 +13,8 @@ from tests.support.helpers import torchrun
 
 
 def test_a_tier_takes_parity_across_nodes_only_where_it_is_node_scoped_and_written_for_2_1(tmp_path):
-    tier = ckptfmt.Tier("/nvme/run", scope="node", redundancy="parity", replicas=2)
-    assert (tier.redundancy, tier.replicas) == ("parity", 2)
+    tier = ckptfmt.Tier("/nvme/run", scope="node", redundancy="parity", survives=2)
+    assert (tier.redundancy, tier.survives) == ("parity", 2)
     assert ckptfmt.Tier("/nvme/run", scope="node").redundancy == "copies"
     with pytest.raises(ValueError, match="redundancy must be one of copies, parity, not 'mirror'"):
         ckptfmt.Tier("/nvme/run", scope="node", redundancy="mirror")

@@ -10,7 +10,7 @@ shared tier). ``--table``: the state also holds an embedding table sharded over 
 ``arange + step``), so each node holds rows no other node's ranks hold. With OUT, each rank writes
 what it restored to OUT.RANK.pt (the step, the model, the optimizer's state, its rows of the table,
 where it came from, and what the manager fetched from other nodes' copies). ``--parity M``: the node tier
-is protected by parity across nodes (``redundancy="parity"``, ``replicas=M``) instead of peer copies.
+is protected by parity across nodes (``redundancy="parity"``, ``survives=M``) instead of peer copies.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def main() -> None:
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     rows = torch.arange(64 * 8, dtype=torch.float32).reshape(64, 8)
     node_tier = ckptfmt.Tier(args.local, scope="node") if args.parity is None else \
-        ckptfmt.Tier(args.local, scope="node", redundancy="parity", replicas=args.parity)
+        ckptfmt.Tier(args.local, scope="node", redundancy="parity", survives=args.parity)
     tiers = [node_tier, *([] if args.shared == "none" else [args.shared])]
 
     def state(step: int) -> dict:

@@ -5,7 +5,7 @@ node's memory (a tmpfs: tests/support/hosts.py's ``SimulatedHosts.memory``).
         [--out OUT] [--die-after STEP --die-rank RANK]
 
 hosts_manager.py's job (data-parallel training with AdamW, an embedding table sharded over the ranks,
-``arange + step``), with ``CheckpointManager(tiers=[Tier(MEMORY, scope="node", replicas=1), SHARED],
+``arange + step``), with ``CheckpointManager(tiers=[Tier(MEMORY, scope="node", survives=1), SHARED],
 keep_last=2)``: restores the newest checkpoint every rank can read, then saves every 2 steps. At each
 save, each rank writes what it saved (the model, the optimizer's state, its rows of the table) to
 RECORD/STEP.RANK.pt, for the test to compare a restore with bit for bit. With OUT, each rank writes
@@ -48,7 +48,7 @@ def main() -> None:
     batches = torch.Generator().manual_seed(rank)
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     rows = torch.arange(64 * 8, dtype=torch.float32).reshape(64, 8)
-    tiers = [ckptfmt.Tier(args.memory, scope="node", replicas=1), args.shared]
+    tiers = [ckptfmt.Tier(args.memory, scope="node", survives=1), args.shared]
 
     def state(step: int) -> dict:
         return {"model": model, "optimizer": optimizer, "step": step,

@@ -52,7 +52,7 @@ def main() -> None:
         return {"model": model, "optimizer": optimizer, "step": step,
                 "table": distribute_tensor(rows * step, mesh, [Shard(0)])}
 
-    tiers = [ckptfmt.Tier("memory://run", scope="node", redundancy="parity", replicas=m), shared]
+    tiers = [ckptfmt.Tier("memory://run", scope="node", redundancy="parity", survives=m), shared]
     report: dict = {"restores": []}
     with ckptfmt.CheckpointManager(tiers=tiers, keep_last=2, interval=2, housekeeping="thread") as manager:
         for step in range(1, 7):
