@@ -66,8 +66,9 @@ def train(dtype: torch.dtype, steps: int, dim: int, layers: int) -> tuple[dict, 
     return kept[steps - 10], kept[steps], saved
 
 
-def saved_ratios(state: dict) -> dict[str, tuple[float, int, int]]:
-    """compression -> (tensor bytes / stored chunk bytes, packs, chunks) of ``state`` saved with it."""
+def saved_ratios(state: dict) -> tuple[dict[str, tuple[float, int]], int]:
+    """compression -> (tensor bytes / stored chunk bytes, chunks) of ``state`` saved with it; and the
+    largest tensor's bytes."""
     tensors = [v for part in state.values() for v in part.values() if isinstance(v, torch.Tensor)] + [
         v for entry in state["optim"]["state"].values() for v in entry.values() if isinstance(v, torch.Tensor)]
     original = sum(t.numel() * t.element_size() for t in tensors)
@@ -78,12 +79,11 @@ def saved_ratios(state: dict) -> dict[str, tuple[float, int, int]]:
             ckptfmt.save(state, url, compression=compression)
             with ckptfmt.open(url) as reader:
                 chunks = reader.manifest.chunks
-                largest = max(t.numel() * t.element_size() for t in tensors)
-                ratios[compression] = (original / sum(c.stored_size for c in chunks), len(chunks), largest)
+                ratios[compression] = (original / sum(c.stored_size for c in chunks), len(chunks))
             loaded = ckptfmt.load(url)
             if not all(torch.equal(a, b) for a, b in zip(loaded["model"].values(), state["model"].values())):
                 raise AssertionError(f"{compression} did not load the model bit for bit")
-    return ratios
+    return ratios, max(t.numel() * t.element_size() for t in tensors)
 
 
 def _zipnn(dtype: torch.dtype):  # type: ignore[no-untyped-def]
@@ -191,11 +191,11 @@ def main() -> None:
     for (dtype_name, name), (original, stored) in totals.items():
         print(f"  {dtype_name:8} {name:8} {original / stored:.3f}")
     print("\nThe state saved (model and AdamW state dicts), tensor bytes / stored chunk bytes:")
-    for dtype_name, ratios in saves:
+    for dtype_name, (ratios, largest) in saves:
         zipnn = totals.get((dtype_name, "zipnn"))
         against = f"; ZipNN on the three buffers {zipnn[0] / zipnn[1]:.3f}" if zipnn else ""
-        shown = ", ".join(f"{c} {r:.3f}" for c, (r, _, _) in ratios.items())
-        chunks, largest = ratios["auto"][1], ratios["auto"][2]
+        shown = ", ".join(f"{c} {r:.3f}" for c, (r, _) in ratios.items())
+        chunks = ratios["auto"][1]
         print(f"  {dtype_name:8} {shown}{against} ({chunks} chunks; largest tensor {largest / 1024:.0f} KiB)")
 
 

@@ -552,9 +552,9 @@ class Steps:
                 raise ManifestError(f"{where}: timing.ranks[{index}].rank is not an int")
             decoded.append((columns, rank, self.words.id(str(rank_record.get("host")))))
         counts = np.array([columns.count for columns, _, _ in decoded], dtype=np.int64)
-        fixed, first = self.fixed, self.rows
-        fixed["run"].fill(self.words.id(run), int(counts.sum()))
-        fixed["checkpoint"].fill(self.words.id(record.name), int(counts.sum()))
+        fixed, first, total = self.fixed, self.rows, int(counts.sum())
+        fixed["run"].fill(self.words.id(run), total)
+        fixed["checkpoint"].fill(self.words.id(record.name), total)
         fixed["rank"].extend(np.repeat(np.array([rank for _, rank, _ in decoded], dtype=np.int64), counts))
         fixed["host"].extend(np.repeat(np.array([host for _, _, host in decoded], dtype=np.int64), counts))
         for name in _STEP_PARTS:
