@@ -14,7 +14,6 @@ libraries' warnings show only with ``--debug``.
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import sys
 import warnings
@@ -22,8 +21,7 @@ import warnings
 from rich.console import Console
 
 import ckptfmt
-from ckptfmt.cli import advise, health, lifecycle, signing, sync
-from ckptfmt.cli.shared import SHOW_LIMIT
+from ckptfmt.cli import advise, analysis, checking, health, lifecycle, listing, showing, signing, sync
 from ckptfmt.errors import CheckpointError, CheckpointWarning
 from ckptfmt.format.features import version_text
 from ckptfmt.format.version import FORMAT_VERSION, OLDEST_READ
@@ -31,6 +29,10 @@ from ckptfmt.tools.output import Output
 
 #: The entry point group of commands that live outside the core.
 COMMANDS_GROUP = "ckptfmt.commands"
+#: The core commands' modules, in the order ``ckptfmt --help`` lists their commands. Each adds its commands
+#: with ``register(subparsers)``, as the entry points of ``COMMANDS_GROUP`` do, and imports the work of a
+#: command only when it runs: building the parser loads none of what the commands need (torch, pyarrow, fsspec).
+COMMAND_MODULES = (listing, showing, checking, analysis, health, lifecycle, sync, signing, advise)
 
 
 def build_parser(*, plugins: bool = True) -> argparse.ArgumentParser:
@@ -41,102 +43,8 @@ def build_parser(*, plugins: bool = True) -> argparse.ArgumentParser:
     parser.add_argument("--version", action=_Version, nargs=0,
                         help="show the package version and the format version it writes, and exit")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    p = sub.add_parser("ls", help="list a repository's checkpoints")
-    p.add_argument("repo", help="repository URL (local path, s3://, memory://)")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.set_defaults(run=command("listing", "ls"))
-
-    p = sub.add_parser("show", help="show a checkpoint's tensors and metadata")
-    p.add_argument("checkpoint", help="checkpoint URL REPO/NAME, or a repository for its latest")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.add_argument("--limit", type=int, default=None,
-                   help=f"tensors to list (0: all; default: {SHOW_LIMIT} in a terminal, all into a pipe)")
-    p.add_argument("--filter", metavar="PATTERN", default=None,
-                   help="only the tensors whose key holds PATTERN (a glob if it has * ? or [: 'model/*/weight')")
-    p.set_defaults(run=command("showing", "show"))
-
-    p = sub.add_parser("verify", help="check every byte of a checkpoint or a whole repository")
-    p.add_argument("url", help="checkpoint or repository URL")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.add_argument("--stats", action="store_true",
-                   help="also recompute each tensor's recorded statistics from its bytes")
-    p.add_argument("--trusted-key", dest="trusted_keys", action="append", metavar="KEY.pub",
-                   help="a public key (any algorithm of ckptfmt keygen); a checkpoint no trusted key signed is a "
-                        "problem (repeatable)")
-    p.set_defaults(run=command("checking", "verify"))
-
-    p = sub.add_parser("diff", help="compare two checkpoints")
-    p.add_argument("a")
-    p.add_argument("b")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.add_argument("--no-measure", dest="measure", action="store_false", help="do not read changed tensors")
-    p.add_argument("--limit", type=int, default=25, help="differing tensors to list (0: all)")
-    p.set_defaults(run=command("checking", "diff"))
-
-    p = sub.add_parser("analytics", help="a run's metadata as tables (needs ckptfmt[analytics])")
-    actions = p.add_subparsers(dest="action", required=True, metavar="ACTION")
-    e = actions.add_parser("export", help="write the tables of spec/ANALYTICS.md as Parquet or CSV files")
-    e.add_argument("repo", help="repository URL")
-    e.add_argument("out", help="folder for checkpoints.parquet, saves.parquet, steps.parquet, ...")
-    e.add_argument("--format", choices=["parquet", "csv"], default="parquet")
-    e.add_argument("--append", action="store_true",
-                   help="add the checkpoints not exported yet to a run-partitioned Parquet dataset: "
-                        "OUT/<table>/run=LABEL/part-N.parquet (reads only their manifests)")
-    e.add_argument("--run", dest="label", metavar="LABEL", default=None,
-                   help="with --append: the run's label (default: the repository's folder name)")
-    e.set_defaults(run=command("analysis", "analytics_export"))
-
-    p = sub.add_parser("stragglers", help="ranks that delayed the others, and slow saves (needs ckptfmt[analytics])")
-    p.add_argument("repo", help="repository URL of one run")
-    _min_delay_option(p)
-    p.add_argument("--explain", action="store_true",
-                   help="say why each rank straggled (data loading, CPU contention, memory, GPU, storage) from "
-                        "its system samples and save phases, and what to do")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.set_defaults(run=command("analysis", "stragglers"))
-
-    p = sub.add_parser("compare", help="compare two runs: identical? where they diverge, and why (needs "
-                                       "ckptfmt[analytics])")
-    p.add_argument("a", help="repository URL of one run")
-    p.add_argument("b", help="repository URL of the other")
-    p.add_argument("--atol", type=float, default=0.0, help="absolute tolerance for equal tensors")
-    p.add_argument("--rtol", type=float, default=0.0, help="relative tolerance for equal tensors")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.set_defaults(run=command("analysis", "compare"))
-
-    p = sub.add_parser("certify", help="does RUN reproduce REFERENCE bit for bit? If not, from which step and "
-                                       "why; with REFERENCE alone, each of its resumes (needs ckptfmt[analytics])")
-    p.add_argument("reference", help="repository URL of the reference run (alone: the run whose resumes to certify)")
-    p.add_argument("candidate", metavar="run", nargs="?", default=None,
-                   help="repository URL of the run to certify against it")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.set_defaults(run=command("analysis", "certify"))
-
-    p = sub.add_parser("goodput", help="where a run's wall time went: productive steps, data waits, save "
-                                       "stalls, restarts, steps computed again, straggler waits (needs "
-                                       "ckptfmt[analytics])")
-    p.add_argument("repo", help="repository URL of the run")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.set_defaults(run=command("analysis", "goodput"))
-
-    p = sub.add_parser("report", help="a run's figures and tables as one self-contained HTML file and/or PNGs "
-                                      "(needs ckptfmt[analytics])")
-    p.add_argument("repo", help="repository URL of the run")
-    p.add_argument("--compare", metavar="REPO_B", default=None, help="a second run to compare it with")
-    p.add_argument("--html", metavar="OUT.html", default=None, help="write the page here")
-    p.add_argument("--png", metavar="DIR", default=None, help="write each figure as DIR/<figure>.png")
-    p.add_argument("--deep", action="store_true", help="add each tensor group's relative update between "
-                                                       "checkpoints (reads the tensors that changed)")
-    _min_delay_option(p)
-    p.set_defaults(run=command("analysis", "report"))
-
-    health.register(sub)
-    lifecycle.register(sub)
-    sync.register(sub)
-    signing.register(sub)
-    advise.register(sub)
-
+    for module in COMMAND_MODULES:
+        module.register(sub)
     if plugins:
         from importlib.metadata import entry_points  # a scan of every installed package's metadata
 
@@ -156,14 +64,6 @@ def _debug_anywhere(parser: argparse.ArgumentParser) -> None:
                     command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                                          help="show tracebacks on errors")
                 _debug_anywhere(command)
-
-
-def command(module: str, function: str):
-    """Command ``function`` of ``ckptfmt.cli.<module>``, imported when it runs: building the parser loads
-    none of what the other commands need (``ckptfmt ls`` starts in a fraction of ``verify``'s imports)."""
-    def run(args, console: Console) -> int:
-        return getattr(importlib.import_module(f"{__name__}.{module}"), function)(args, console)
-    return run
 
 
 class _Version(argparse.Action):
@@ -202,12 +102,6 @@ class _Parser(argparse.ArgumentParser):
         self.print_usage(sys.stderr)
         Output(Console(stderr=True)).line(f"{self.prog}: error: {message}")
         sys.exit(2)
-
-
-def _min_delay_option(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--min-delay", type=float, default=None, metavar="SECONDS",
-                        help="report no delay shorter than this (default 0.01; raise it where the OS deschedules "
-                             "ranks for longer, as on oversubscribed machines)")
 
 
 def _register(plugin, sub: argparse._SubParsersAction) -> None:

@@ -1,8 +1,9 @@
 """The analysis commands that need ``ckptfmt.analytics`` (pyarrow): ``analytics export``, ``stragglers``,
-``compare`` and ``report``."""
+``compare``, ``certify``, ``goodput`` and ``report``. Each imports the analytics when it runs."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 
 from rich.console import Console
@@ -13,7 +14,80 @@ from ckptfmt.tools.formatting import counted, number, seconds, text, words, worl
 from ckptfmt.tools.output import KEY, NAME, TEXT, Column, Output
 
 
-def analytics_export(args, console: Console) -> int:
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``analytics export``, ``stragglers``, ``compare``, ``certify``, ``goodput`` and ``report`` to the
+    ``ckptfmt`` parser."""
+    p = subparsers.add_parser("analytics", help="a run's metadata as tables (needs ckptfmt[analytics])")
+    actions = p.add_subparsers(dest="action", required=True, metavar="ACTION")
+    e = actions.add_parser("export", help="write the tables of spec/ANALYTICS.md as Parquet or CSV files")
+    e.add_argument("repo", help="repository URL")
+    e.add_argument("out", help="folder for checkpoints.parquet, saves.parquet, steps.parquet, ...")
+    e.add_argument("--format", choices=["parquet", "csv"], default="parquet")
+    e.add_argument("--append", action="store_true",
+                   help="add the checkpoints not exported yet to a run-partitioned Parquet dataset: "
+                        "OUT/<table>/run=LABEL/part-N.parquet (reads only their manifests)")
+    e.add_argument("--run", dest="label", metavar="LABEL", default=None,
+                   help="with --append: the run's label (default: the repository's folder name)")
+    e.set_defaults(run=analytics_export_command)
+
+    p = subparsers.add_parser("stragglers", help="ranks that delayed the others, and slow saves (needs "
+                                                 "ckptfmt[analytics])")
+    p.add_argument("repo", help="repository URL of one run")
+    _min_delay_option(p)
+    p.add_argument("--explain", action="store_true",
+                   help="say why each rank straggled (data loading, CPU contention, memory, GPU, storage) from "
+                        "its system samples and save phases, and what to do")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(run=stragglers_command)
+
+    p = subparsers.add_parser("compare", help="compare two runs: identical? where they diverge, and why (needs "
+                                              "ckptfmt[analytics])")
+    p.add_argument("a", help="repository URL of one run")
+    p.add_argument("b", help="repository URL of the other")
+    p.add_argument("--atol", type=float, default=0.0, help="absolute tolerance for equal tensors")
+    p.add_argument("--rtol", type=float, default=0.0, help="relative tolerance for equal tensors")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(run=compare_command)
+    _register_runs(subparsers)
+
+
+def _register_runs(subparsers: argparse._SubParsersAction) -> None:
+    """``certify``, ``goodput`` and ``report``: what a run reproduces, where its time went, its report."""
+    p = subparsers.add_parser("certify", help="does RUN reproduce REFERENCE bit for bit? If not, from which step "
+                                              "and why; with REFERENCE alone, each of its resumes (needs "
+                                              "ckptfmt[analytics])")
+    p.add_argument("reference", help="repository URL of the reference run (alone: the run whose resumes to certify)")
+    p.add_argument("candidate", metavar="run", nargs="?", default=None,
+                   help="repository URL of the run to certify against it")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(run=certify_command)
+
+    p = subparsers.add_parser("goodput", help="where a run's wall time went: productive steps, data waits, save "
+                                              "stalls, restarts, steps computed again, straggler waits (needs "
+                                              "ckptfmt[analytics])")
+    p.add_argument("repo", help="repository URL of the run")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(run=goodput_command)
+
+    p = subparsers.add_parser("report", help="a run's figures and tables as one self-contained HTML file and/or "
+                                             "PNGs (needs ckptfmt[analytics])")
+    p.add_argument("repo", help="repository URL of the run")
+    p.add_argument("--compare", metavar="REPO_B", default=None, help="a second run to compare it with")
+    p.add_argument("--html", metavar="OUT.html", default=None, help="write the page here")
+    p.add_argument("--png", metavar="DIR", default=None, help="write each figure as DIR/<figure>.png")
+    p.add_argument("--deep", action="store_true", help="add each tensor group's relative update between "
+                                                       "checkpoints (reads the tensors that changed)")
+    _min_delay_option(p)
+    p.set_defaults(run=report_command)
+
+
+def _min_delay_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--min-delay", type=float, default=None, metavar="SECONDS",
+                        help="report no delay shorter than this (default 0.01; raise it where the OS deschedules "
+                             "ranks for longer, as on oversubscribed machines)")
+
+
+def analytics_export_command(args, console: Console) -> int:
     analytics = _analytics()
     if args.append:
         return _append(analytics, args, console)
@@ -42,7 +116,7 @@ def _append(analytics, args, console: Console) -> int:
     return 0
 
 
-def stragglers(args, console: Console) -> int:
+def stragglers_command(args, console: Console) -> int:
     analytics = _analytics()
     thresholds = _thresholds(args)
     report = analytics.stragglers(args.repo, thresholds=thresholds, explain=args.explain)
@@ -95,7 +169,7 @@ def _thresholds(args):
     return dataclasses.replace(thresholds, floor_s=args.min_delay)
 
 
-def report(args, console: Console) -> int:
+def report_command(args, console: Console) -> int:
     if args.html is None and args.png is None:
         raise CheckpointError("say where the report goes: --html OUT.html and/or --png DIR")
     _analytics()
@@ -112,7 +186,7 @@ def report(args, console: Console) -> int:
     return 0
 
 
-def compare(args, console: Console) -> int:
+def compare_command(args, console: Console) -> int:
     report = _analytics().compare(args.a, args.b, atol=args.atol, rtol=args.rtol)
     if args.json:
         Output(console).json(report.to_json())
@@ -142,7 +216,7 @@ def compare(args, console: Console) -> int:
     return found(not report.identical)
 
 
-def certify(args, console: Console) -> int:
+def certify_command(args, console: Console) -> int:
     """Exit 0: reproduces; 1: diverges; 2: cannot tell (the missing record named)."""
     from ckptfmt.analytics.certify import EXIT_CODES
 
@@ -180,7 +254,7 @@ def certify(args, console: Console) -> int:
     return _worst(certificates, EXIT_CODES)
 
 
-def goodput(args, console: Console) -> int:
+def goodput_command(args, console: Console) -> int:
     from ckptfmt.analytics.goodput import CATEGORY_NAMES
 
     result = _analytics().goodput(args.repo)

@@ -2,24 +2,46 @@
 
 from __future__ import annotations
 
+import argparse
 import warnings
 from typing import Any
 
 from rich.console import Console
 from rich.text import Text
 
-from ckptfmt.cli.render import ByteProgress
 from ckptfmt.cli.shared import found, jsonable
 from ckptfmt.errors import CheckpointWarning, quoted
-from ckptfmt.tools import diff as diff_module
 from ckptfmt.tools.formatting import counted, human_bytes, number, seconds, shape_text, short
 from ckptfmt.tools.output import KEY, NAME, TEXT, Column, Output
-from ckptfmt.tools.verify import verify as verify_url
 
 
-def verify(args, console: Console) -> int:
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the ``verify`` and ``diff`` commands to the ``ckptfmt`` parser."""
+    p = subparsers.add_parser("verify", help="check every byte of a checkpoint or a whole repository")
+    p.add_argument("url", help="checkpoint or repository URL")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--stats", action="store_true",
+                   help="also recompute each tensor's recorded statistics from its bytes")
+    p.add_argument("--trusted-key", dest="trusted_keys", action="append", metavar="KEY.pub",
+                   help="a public key (any algorithm of ckptfmt keygen); a checkpoint no trusted key signed is a "
+                        "problem (repeatable)")
+    p.set_defaults(run=verify_command)
+
+    p = subparsers.add_parser("diff", help="compare two checkpoints")
+    p.add_argument("a")
+    p.add_argument("b")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--no-measure", dest="measure", action="store_false", help="do not read changed tensors")
+    p.add_argument("--limit", type=int, default=25, help="differing tensors to list (0: all)")
+    p.set_defaults(run=diff_command)
+
+
+def verify_command(args, console: Console) -> int:
+    from ckptfmt.cli.render import ByteProgress  # each command's work, imported when it runs: CLI startup
+    from ckptfmt.tools.verify import verify
+
     with ByteProgress("verifying", quiet=args.json) as progress:
-        report = verify_url(args.url, callback=progress, stats=args.stats, trusted_keys=args.trusted_keys)
+        report = verify(args.url, callback=progress, stats=args.stats, trusted_keys=args.trusted_keys)
     if args.json:
         Output(console).json({
             "ok": report.ok, "checkpoints": report.checkpoints, "chunks_checked": report.chunks_checked,
@@ -64,8 +86,10 @@ def _rate(report) -> str:
     return f" ({human_bytes(report.bytes_checked / report.seconds)}/s)"
 
 
-def diff(args, console: Console) -> int:
-    report = diff_module.diff(args.a, args.b, measure=args.measure)
+def diff_command(args, console: Console) -> int:
+    from ckptfmt.tools.diff import diff
+
+    report = diff(args.a, args.b, measure=args.measure)
     if args.json:
         Output(console).json(jsonable({
             "a": report.a, "b": report.b,

@@ -3,16 +3,31 @@ neither numpy nor torch is loaded; and the space parity takes, from one listing 
 
 from __future__ import annotations
 
+import argparse
+from typing import TYPE_CHECKING
+
 from rich.console import Console
 
-from ckptfmt.format import layout
-from ckptfmt.repository.pointers import POINTER_SUFFIX, pointers
-from ckptfmt.repository.repository import CommitRecord, Repository
 from ckptfmt.tools.formatting import counted, human_bytes, human_time, text
 from ckptfmt.tools.output import KEY, NAME, Column, Output
 
+if TYPE_CHECKING:
+    from ckptfmt.repository.repository import CommitRecord
 
-def ls(args, console: Console) -> int:
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the ``ls`` command to the ``ckptfmt`` parser."""
+    p = subparsers.add_parser("ls", help="list a repository's checkpoints")
+    p.add_argument("repo", help="repository URL (local path, s3://, memory://)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(run=ls_command)
+
+
+def ls_command(args, console: Console) -> int:
+    from ckptfmt.format import layout  # the command's work, imported when it runs: CLI startup
+    from ckptfmt.repository.pointers import POINTER_SUFFIX, pointers
+    from ckptfmt.repository.repository import Repository
+
     repo = Repository.open(args.repo)
     records = repo.commits()
     names = {r.name for r in records}

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import argparse
 import difflib
 import fnmatch
 import json
@@ -10,14 +11,26 @@ import json
 from rich.console import Console
 
 from ckptfmt.cli.shared import SHOW_LIMIT, jsonable
-from ckptfmt.loading.checkpoint import Checkpoint
-from ckptfmt.repository.signatures import signatures
-from ckptfmt.tools import describe
 from ckptfmt.tools.formatting import human_bytes, human_time, seconds, shape_text, short
 from ckptfmt.tools.output import KEY, TEXT, Column, Output
 
 
-def show(args, console: Console) -> int:
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the ``show`` command to the ``ckptfmt`` parser."""
+    p = subparsers.add_parser("show", help="show a checkpoint's tensors and metadata")
+    p.add_argument("checkpoint", help="checkpoint URL REPO/NAME, or a repository for its latest")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--limit", type=int, default=None,
+                   help=f"tensors to list (0: all; default: {SHOW_LIMIT} in a terminal, all into a pipe)")
+    p.add_argument("--filter", metavar="PATTERN", default=None,
+                   help="only the tensors whose key holds PATTERN (a glob if it has * ? or [: 'model/*/weight')")
+    p.set_defaults(run=show_command)
+
+
+def show_command(args, console: Console) -> int:
+    from ckptfmt.loading.checkpoint import Checkpoint  # the command's work, imported when it runs: CLI startup
+    from ckptfmt.tools import describe
+
     with Checkpoint.open(args.checkpoint) as ckpt:
         meta = ckpt.metadata
         tensors = [ckpt.tensor_info(k) for k in ckpt.keys()]
@@ -45,6 +58,8 @@ def show(args, console: Console) -> int:
 def _signatures(ckpt) -> list[dict]:
     """The checkpoint's signature objects (spec 10.3): key id, signer, when, and whether each signs this
     checkpoint under its own key (who to trust is ``verify --trusted-key``'s question)."""
+    from ckptfmt.repository.signatures import signatures
+
     found = []
     for entry in signatures(ckpt.repository, ckpt.name):
         sig = entry.signature
@@ -71,6 +86,8 @@ def _show_tensors(out: Output, tensors: list, stats: list, args, keys: list[str]
     a shards column only when some tensor has several. Every column but the key fits 100 columns.
     ``--filter`` keeps the tensors whose key matches; a terminal lists SHOW_LIMIT of them unless
     ``--limit`` says otherwise, and says so; a pipe lists every one (a grep must find what is there)."""
+    from ckptfmt.tools import describe
+
     rows = [(t, s) for t, s in zip(tensors, stats) if args.filter is None or _matches(t.key, args.filter)]
     if args.filter is not None and not rows:
         near = difflib.get_close_matches(args.filter, keys, n=3)
@@ -101,6 +118,8 @@ def _matches(key: str, pattern: str) -> bool:
 
 def _metadata_rows(meta: dict) -> list[tuple[str, str]]:
     """Environment, RNG, topology, timing and user metadata, whatever their types (spec section 9)."""
+    from ckptfmt.tools import describe
+
     rows = describe.environment(meta)
     rows += [(f"rng rank {row.rank}", f"{row.generators}; torch seed {row.torch_seed}") for row in describe.rng(meta)]
     topology = dict(describe.topology(meta))
