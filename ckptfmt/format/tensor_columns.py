@@ -23,6 +23,7 @@ from ckptfmt.format.limits import MAX_CHUNK_BYTES, MAX_DIMS, MAX_KEY_BYTES, MAX_
 from ckptfmt.format.shards import MAX_RANK, Piece, ShardEntry, ShardGrid, column, pack_column
 from ckptfmt.format.tensor_entry import TENSOR_KINDS, Likeness, TensorEntry, TensorTable, check_table, likeness
 from ckptfmt.format.tensor_stats import COUNT_FIELDS, FLOAT_FIELDS, INTEGER_FIELDS, StatsRow, stat_sets
+from ckptfmt.kernels.keys import key_scan
 
 if TYPE_CHECKING:
     import numpy as np
@@ -213,7 +214,7 @@ def _exact(stat_set: int, name: str, column: list | np.ndarray) -> bool:
     return types <= _INT_OR_NIL and all(-_EXACT <= value <= _EXACT for value in present)
 
 
-_INT, _FLOAT_OR_NIL, _INT_OR_NIL, _STR = {int}, {float, type(None)}, {int, type(None)}, {str}
+_INT, _FLOAT_OR_NIL, _INT_OR_NIL = {int}, {float, type(None)}, {int, type(None)}
 
 
 # -- reading -------------------------------------------------------------------------------------
@@ -226,7 +227,8 @@ def parse_columns(doc: dict, chunk_sizes: np.ndarray, budget: Any,
     import numpy as np
 
     keys = doc.get("key")
-    if type(keys) is not list or not set(map(type, keys)) <= _STR:
+    stray, empty, over = key_scan(keys, MAX_KEY_BYTES) if type(keys) is list else (0, 0, -1)
+    if type(keys) is not list or stray >= 0:
         raise ManifestError("tensor columns: 'key' must be an array of strings")
     count = len(keys)
     if count > MAX_TENSORS:
@@ -264,7 +266,8 @@ def parse_columns(doc: dict, chunk_sizes: np.ndarray, budget: Any,
     too_big = np.flatnonzero(nbytes > MAX_TENSOR_BYTES)
     if len(too_big):
         raise ManifestError(f"{_what(keys, too_big[0])}: its shape is over the size limit")
-    _check_keys(keys, in_rows, len(row_at))
+    if empty != len(row_at) or over >= 0:
+        _name_bad_key(keys, in_rows)
     held = ~in_rows & ~in_grids & (nbytes > 0)
     budget.take(count - len(every_row_at), int(held.sum()))
     _check_pieces(chunk, offset, nbytes, held, in_rows | in_grids, chunk_sizes, keys)
@@ -398,12 +401,10 @@ def _what(keys: list[str], index: Any) -> str:
     return f"tensor {keys[index]!r}" if keys[index] else f"tensor {index}"
 
 
-def _check_keys(keys: list[str], in_rows: np.ndarray, rows: int) -> None:
-    """Every column entry's key holds 1 to MAX_KEY_BYTES bytes of UTF-8 (at most 4 bytes a character, so
-    only a long key is encoded to be measured); the ``rows`` entries' keys are empty (checked before).
-    The usual table is passed by two scans in C; an entry by entry search names the first bad key."""
-    if (0 if all(keys) else keys.count("")) == rows and max(map(len, keys), default=0) <= MAX_KEY_BYTES // 4:
-        return
+def _name_bad_key(keys: list[str], in_rows: np.ndarray) -> None:
+    """Refuse the first column entry whose key is empty or over MAX_KEY_BYTES bytes of UTF-8, found
+    entry by entry once ``key_scan`` has counted one (the entries of ``rows`` have empty keys, checked
+    before)."""
     for index, length in enumerate(map(len, keys)):
         if (length == 0 or length > MAX_KEY_BYTES // 4) and not in_rows[index] and (
                 not length or len(keys[index].encode("utf-8", "surrogatepass")) > MAX_KEY_BYTES):

@@ -9,9 +9,10 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple, Protocol, overload
 
 from ckptfmt._collector import collector_paused
-from ckptfmt.errors import ManifestError
+from ckptfmt.errors import ManifestError, quoted
 from ckptfmt.format.dtypes import itemsize
 from ckptfmt.format.shards import ShardEntry, ShardGrid
+from ckptfmt.kernels.keys import first_repeat
 
 #: What a loader rebuilds (spec 6.8), in the order the tensor columns number them (spec 6.12).
 TENSOR_KINDS = ("tensor", "parameter", "numpy")
@@ -50,12 +51,13 @@ def likeness(entry: TensorEntry) -> Likeness:
     return entry.dtype, entry.shape, entry.kind, entry.requires_grad, entry.same_as
 
 
-def check_table(keys: Sequence[str], entries: Iterable[TensorEntry], likeness_of: Callable[[int], Likeness]) -> None:
+def check_table(keys: list[str], entries: Iterable[TensorEntry], likeness_of: Callable[[int], Likeness]) -> None:
     """What a reader checks of a whole tensor table: no two ``keys`` alike, and each of ``entries`` with
     a ``same_as`` names an entry (``likeness_of(index)``) of the same dtype, shape, kind and
     requires_grad that has none."""
-    if len(set(keys)) != len(keys):
-        raise ManifestError("two tensors share one key")
+    repeat = first_repeat(keys)
+    if repeat is not None:
+        raise ManifestError(f"two tensors share one key: {quoted(keys[repeat])}")
     for entry in entries:
         if entry.same_as is not None and likeness_of(entry.same_as) != (*likeness(entry)[:4], None):
             raise ManifestError(f"tensor {entry.key!r}: same_as names a different tensor")

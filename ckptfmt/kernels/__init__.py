@@ -4,7 +4,8 @@ numpy otherwise, with identical results either way (tests/kernels/). Chosen once
 
 They hold arithmetic only, over buffers the caller has validated: a block's statistics (the float64
 sum and sum of squares, extremes, zeros and negative zeros), and the float codec's planes (spec 5.3).
-Nothing here parses what a file says.
+Nothing here parses what a file says. ``keys.py`` (its own C module, ``c_keys.c``) checks a manifest's
+keys once msgpack has decoded them: lengths, and no two alike.
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ import ckptfmt
 from ckptfmt.errors import ManifestError
 from ckptfmt.format.dtypes import ITEMSIZES
 from ckptfmt.format.manifest import Manifest
+from ckptfmt.kernels import keys as key_checks
 from tests.support.spec_reader import shard_maps, tensor_rows
 from tests.support.tensor_values import assert_stats_close
 
@@ -137,7 +138,7 @@ REFUSED = {
         f"<{len(t['key'])}I", *(2**20 if key == "w" else 0 for key in t["key"]))), "runs past chunk"),
     "empty key": (lambda t: t["key"].__setitem__(0, ""), "invalid key"),
     "key over 4096 bytes": (lambda t: t["key"].__setitem__(0, "é" * 2049), "invalid key"),
-    "two keys the same": (lambda t: t["key"].__setitem__(_key_index(t, "p"), "w"), "share one key"),
+    "two keys the same": (lambda t: t["key"].__setitem__(_key_index(t, "p"), "w"), "share one key: 'w'"),
     "a key the same as a row's": (lambda t: t["key"].__setitem__(0, t["rows"][0]["key"]), "share one key"),
     "same_as of a column entry of another kind": (  # tied's row names w, a column entry: made a parameter
         lambda t: t.update(kind=bytes(1 if key == "w" else k for key, k in zip(t["key"], t["kind"]))),
@@ -178,6 +179,24 @@ def test_every_rule_of_the_columns_is_refused_by_name(saved, mutation):
     assert words in str(caught.value) and str(caught.value).startswith("m: "), str(caught.value)
     with pytest.raises(ManifestError, match=re.escape(str(caught.value))):  # a save's own check: the same
         Manifest.check(data, "m")
+
+
+@pytest.mark.parametrize("mutation", ["key not strings", "empty key", "key over 4096 bytes", "two keys the same",
+                                      "a key the same as a row's"])
+def test_the_key_rules_are_refused_alike_by_the_python_key_checks(saved, mutation, monkeypatch):
+    """Where the C key checks are not built, Python's give the same refusal (ckptfmt/kernels/keys.py)."""
+    _, doc = saved
+    change, words = REFUSED[mutation]
+    bad = copy.deepcopy(doc)
+    change(bad["tensors"])
+    data = msgpack.packb(bad, use_bin_type=True)
+    messages = []
+    for native in (key_checks._native, None):
+        monkeypatch.setattr(key_checks, "_native", native)
+        with pytest.raises(ManifestError, match=re.escape(words)) as caught:
+            Manifest.from_bytes(data, "m")
+        messages.append(str(caught.value))
+    assert messages[0] == messages[1]
 
 
 def test_a_shape_with_a_zero_is_empty_whatever_its_other_dimensions(saved):
