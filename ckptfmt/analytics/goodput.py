@@ -37,6 +37,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ckptfmt._deprecation import renamed_arguments
 from ckptfmt.analytics.timings import saved_timings
 from ckptfmt.metadata.step_timer import decode_steps
 from ckptfmt.repository.progress import read_progress
@@ -100,13 +101,14 @@ class _Rank:
         return held + [save for save in self.saves if not recorded(save)]
 
 
-def goodput(run: str | os.PathLike, *, storage_options: dict | None = None, built: dict | None = None) -> Goodput:
-    """Split run ``run``'s wall time (see the module's docstring). ``built``: the run's ``tables``, where
-    the caller has them (the stragglers are found in their steps)."""
-    repo = Repository.open(run, storage_options)
+@renamed_arguments(run="repo")
+def goodput(repo: str | os.PathLike, *, storage_options: dict | None = None, built: dict | None = None) -> Goodput:
+    """Split the wall time of the run in repository ``repo`` (see the module's docstring). ``built``: the
+    run's ``tables``, where the caller has them (the stragglers are found in their steps)."""
+    opened = Repository.open(repo, storage_options)
     ranks: dict[int, _Rank] = {}
     world_sizes: list[dict] = []
-    for created_ns, timing in saved_timings(repo):
+    for created_ns, timing in saved_timings(opened):
         entries = [entry for entry in timing.get("ranks") or [] if isinstance(entry, dict)]
         if entries and (not world_sizes or world_sizes[-1]["world_size"] != len(entries)):
             world_sizes.append({"from_ns": created_ns, "world_size": len(entries)})
@@ -117,27 +119,27 @@ def goodput(run: str | os.PathLike, *, storage_options: dict | None = None, buil
             records = ranks.setdefault(rank, _Rank())
             if entry.get("steps") is not None:
                 records.computations |= _computations(decode_steps(entry["steps"],
-                                                                   f"{repo.url}: timing.ranks[{index}].steps"))
+                                                                   f"{opened.url}: timing.ranks[{index}].steps"))
             records.held += _held(entry.get("stalls"))
             stall = _stall(entry)
             if stall is not None:
                 records.saves.append(stall)
             records.resumes += [r for r in entry.get("resumes") or [] if isinstance(r, dict)]
-    for progress in read_progress(repo):
+    for progress in read_progress(opened):
         records = ranks.setdefault(progress.rank, _Rank())
         if progress.steps:
             records.computations |= _computations(decode_steps(progress.steps, f"progress of rank {progress.rank}"))
         records.held += _held(progress.stalls)  # also stored by a save, if one came after: stalls dedupes
         # a process that died before its first save after a resume: its resume is on record here alone
         records.resumes += [r for r in progress.resumes or [] if isinstance(r, dict)]
-    straggling = _straggler_waits(repo.url, storage_options, built) if len(ranks) > 1 else 0.0
+    straggling = _straggler_waits(opened.url, storage_options, built) if len(ranks) > 1 else 0.0
     per_rank = [_account(records, straggling) for records in ranks.values() if records.computations]
     if not per_rank:
-        return Goodput(repo.url, 0, 0.0, dict.fromkeys(CATEGORIES, 0.0), world_sizes=world_sizes)
+        return Goodput(opened.url, 0, 0.0, dict.fromkeys(CATEGORIES, 0.0), world_sizes=world_sizes)
     seconds = {name: float(np.mean([each.seconds[name] for each in per_rank])) for name in CATEGORIES}
     restarts = sorted((restart for each in per_rank for restart in each.restarts),
                       key=lambda restart: (restart["resumed_ns"], restart["rank"]))
-    return Goodput(repo.url, len(per_rank), float(np.mean([each.wall_s for each in per_rank])), seconds,
+    return Goodput(opened.url, len(per_rank), float(np.mean([each.wall_s for each in per_rank])), seconds,
                    restarts=restarts, world_sizes=world_sizes, steps_kept=max(each.kept for each in per_rank),
                    steps_recomputed=max(each.recomputed for each in per_rank))
 

@@ -15,7 +15,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
+import ckptfmt
 from ckptfmt.analytics.goodput import CATEGORIES, CATEGORY_NAMES, goodput
 from ckptfmt.cli import main
 from tests.support.helpers import SCRIPTS, script_env
@@ -183,3 +185,17 @@ def test_two_ranks_wait_on_their_straggler_and_each_records_its_restart(tmp_path
     assert sorted((r["rank"], r["from"]) for r in found.restarts) == [(0, "step-06"), (1, "step-06")]
     assert found.seconds["restarts"] > 0.1 and found.world_sizes[-1]["world_size"] == 2
     assert sum(found.seconds.values()) == pytest.approx(found.wall_s, rel=1e-6)
+
+
+def test_the_run_keyword_is_the_old_name_of_repo_and_warns(tmp_path):
+    """Issue 50: one-run analyses name the run's repository ``repo`` (``health(repo)``); ``run=`` still works."""
+    repo = tmp_path / "run"
+    timer = ckptfmt.StepTimer()
+    for step in range(3):
+        with timer.step(step):
+            pass
+    ckptfmt.save({"w": torch.ones(4)}, repo / "step-2", step=2, timer=timer)
+    with pytest.warns(DeprecationWarning, match=r"goodput\(run=...\) is deprecated: use repo="):
+        old = goodput(run=repo)
+    new = goodput(repo=repo)  # wall time runs to now: a run with no end recorded may still be running
+    assert (old.run, old.steps_kept, old.ranks) == (new.run, new.steps_kept, new.ranks) == (new.run, 3, 1)
