@@ -41,7 +41,7 @@ from ckptfmt.analytics.compare import Comparison, compare
 from ckptfmt.analytics.goodput import CATEGORY_NAMES, Goodput, goodput
 from ckptfmt.analytics.grids import StepGrid, slowest_save_phases
 from ckptfmt.analytics.health import HealthReport, health
-from ckptfmt.analytics.stragglers import Thresholds, episode_ranges, step_delays, stragglers
+from ckptfmt.analytics.stragglers import StragglerReport, Thresholds, episode_ranges, step_delays, stragglers
 from ckptfmt.analytics.tables import tables
 from ckptfmt.tools.formatting import counted, step_range, words, world_sizes
 
@@ -123,12 +123,12 @@ def _whole_numbers() -> MaxNLocator:
     return MaxNLocator(integer=True, min_n_ticks=1)
 
 
-def _step_heatmap(steps: pa.Table, found: dict) -> Figure | None:
+def _step_heatmap(steps: pa.Table, found: StragglerReport) -> Figure | None:
     if steps.num_rows == 0:
         return None
     grid = StepGrid(steps)
     figure, axes = _heatmap("Step time per rank", grid.steps, grid.ranks, grid.values("duration_s").T, "seconds")
-    marks = [(step, s["rank"]) for s in found["stragglers"] for step in s["steps"]]
+    marks = [(step, s.rank) for s in found.stragglers for step in s.steps]
     if marks:
         axes.scatter([m[0] for m in marks], [m[1] for m in marks], marker="x", color="red", s=30,
                      label="straggler (delayed the others)", gid="straggler-marks")
@@ -361,7 +361,7 @@ svg { max-width: 100%; height: auto; }
 """
 
 
-def _page(repo: str, built: dict, found: dict, well: HealthReport, comparison: Comparison | None, other,
+def _page(repo: str, built: dict, found: StragglerReport, well: HealthReport, comparison: Comparison | None, other,
           figures: list[Figure | Omitted], *, certificates: tuple[Certificate | None, list[Certificate]],
           spent: Goodput) -> str:
     e = html.escape
@@ -369,8 +369,8 @@ def _page(repo: str, built: dict, found: dict, well: HealthReport, comparison: C
     parts = [f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>ckptfmt report: {e(repo)}</title>"
              f"<style>{_STYLE}</style></head><body>",
              f"<h1>Run report: {e(repo)}</h1>",
-             f"<p>{counted(checkpoints.num_rows, 'checkpoint')}, {counted(found['steps'], 'recorded step')} on "
-             f"{counted(found['ranks'], 'rank')}.</p>"]
+             f"<p>{counted(checkpoints.num_rows, 'checkpoint')}, {counted(found.steps, 'recorded step')} on "
+             f"{counted(found.ranks, 'rank')}.</p>"]
     certificate, resumes = certificates
     if comparison is not None:
         parts += _comparison_section(comparison, other, certificate)
@@ -446,23 +446,22 @@ def _resumes_section(resumes: list[Certificate]) -> list[str]:
                                "parts not restored", "certificate"], rows)]
 
 
-def _stragglers_section(found: dict) -> list[str]:
+def _stragglers_section(found: StragglerReport) -> list[str]:
     """The stragglers, why they straggled and the slow saves."""
     parts = ["<h2>Stragglers</h2>",
              _table("stragglers", ["rank", "host", "kind", "steps", "phase", "delay (s)", "x median"],
-                    [[s["rank"], s["host"], s["kind"], episode_ranges(s["episodes"]), s["phase"],
-                      f"{s['delay_s']:.3f}", "-" if s["ratio"] is None else f"{s['ratio']:.1f}"]
-                     for s in found["stragglers"]])]
-    if found["explanations"]:
+                    [[s.rank, s.host, s.kind, episode_ranges(s.episodes), s.phase, f"{s.delay_s:.3f}",
+                      "-" if s.ratio is None else f"{s.ratio:.1f}"] for s in found.stragglers])]
+    if found.explanations:
         parts.append("<h2>Why they straggled</h2>")
         parts.append(_table("straggler-causes", ["rank", "host", "steps", "cause", "evidence", "what to do"],
                             [[e["rank"], e["host"], step_range(e["first_step"], e["last_step"]), c["cause"],
-                              c["evidence"], c["action"]] for e in found["explanations"] for c in e["causes"]]))
-    if found["slow_saves"]:
+                              c["evidence"], c["action"]] for e in found.explanations for c in e["causes"]]))
+    if found.slow_saves:
         parts.append("<h2>Slow saves</h2>")
         parts.append(_table("slow-saves", ["rank", "host", "checkpoints", "phases", "delay (s)"],
-                            [[s["rank"], s["host"], ", ".join(s["checkpoints"]), ", ".join(sorted(set(s["phases"]))),
-                              f"{s['delay_s']:.3f}"] for s in found["slow_saves"]]))
+                            [[s.rank, s.host, ", ".join(s.checkpoints), ", ".join(sorted(set(s.phases))),
+                              f"{s.delay_s:.3f}"] for s in found.slow_saves]))
     return parts
 
 

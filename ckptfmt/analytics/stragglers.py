@@ -62,13 +62,15 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, replace
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
 from ckptfmt._deprecation import renamed_arguments
+from ckptfmt.analytics._keyed import KeyedResult
 from ckptfmt.analytics.explain import explain as explain_episodes
 from ckptfmt.analytics.grids import StepGrid
 from ckptfmt.analytics.tables import tables
@@ -100,28 +102,108 @@ class Thresholds:
     busy_load: float = 1.0
 
 
+@dataclass(frozen=True)
+class Episode:
+    """A straggler's run of delayed steps (gaps of up to ``Thresholds.episode_gap`` steps bridged)."""
+
+    first_step: int
+    last_step: int
+    steps: int  # the delayed steps in it
+    delay_s: float  # their delays, summed
+    ratio: float | None  # the median of its steps' "x median" (None: every baseline too short to divide by)
+    phase: str  # the phase most of its steps were delayed in
+
+
+@dataclass(frozen=True)
+class Straggler:
+    """A rank that delayed the others: in which steps, by how much, in which phase."""
+
+    rank: int
+    host: str | None
+    steps: list[int]  # the delayed steps
+    delay_s: float  # its delays, summed
+    max_delay_s: float  # its worst step's
+    #: Its phase's time over the other ranks' median at its worst step; None where that median is shorter
+    #: than the least delay counted.
+    ratio: float | None
+    phase: str  # the phase most of its steps were delayed in
+    kind: str  # "persistent" (an episode spanning ``Thresholds.persistent`` of the run) or "transient"
+    episodes: list[Episode]
+
+
+@dataclass(frozen=True)
+class SlowHost:
+    """A host with two or more ranks slow in the same steps."""
+
+    host: str | None
+    ranks: list[int]  # its ranks that were slow together
+    of_ranks: int  # its ranks
+    steps: list[int]
+    delay_s: float
+
+
+@dataclass(frozen=True)
+class SlowSave:
+    """A rank whose own save phases lagged the other ranks'."""
+
+    rank: int
+    host: str | None
+    checkpoints: list[str]  # one entry per lagging phase: a checkpoint may come more than once
+    phases: list[str]  # the phase of each entry of ``checkpoints``
+    delay_s: float
+    ratio: float | None  # the largest "x median" of its phases; None where no baseline was long enough
+
+
+@dataclass(frozen=True)
+class StragglerReport(KeyedResult):
+    """What ``stragglers`` found in one run; ``to_json()`` is ``ckptfmt stragglers --json``'s output.
+
+    ``report["stragglers"]`` (the dict it was) still works, with a DeprecationWarning."""
+
+    steps: int  # the steps recorded (0 without step records)
+    ranks: int
+    stragglers: list[Straggler]  # the most delay first
+    hosts: list[SlowHost]
+    slow_saves: list[SlowSave]
+    #: With ``explain=True``: each episode's likely causes with their evidence and an action
+    #: (analytics/explain.py), as ``{"rank", "host", "first_step", "last_step", "phase", "samples", "causes"}``.
+    explanations: list[dict] | None = None
+
+    _returned_by = "stragglers()"
+
+    def to_json(self) -> dict:
+        found: dict[str, Any] = {"steps": self.steps, "ranks": self.ranks,
+                                 "stragglers": [asdict(s) for s in self.stragglers],
+                                 "hosts": [asdict(h) for h in self.hosts],
+                                 "slow_saves": [asdict(s) for s in self.slow_saves]}
+        if self.explanations is not None:
+            found["explanations"] = self.explanations
+        return found
+
+    def _as_dict(self) -> dict[str, Any]:
+        return self.to_json()
+
+
 @renamed_arguments(source="repo")
 def stragglers(repo: str | os.PathLike | Mapping[str, pa.Table], *, thresholds: Thresholds = Thresholds(),
-               storage_options: dict | None = None, explain: bool = False) -> dict:
+               storage_options: dict | None = None, explain: bool = False) -> StragglerReport:
     """The straggler report of one run: ``repo`` is its repository's URL or its ``tables()``.
 
-    Returns ``{"stragglers": [...], "hosts": [...], "slow_saves": [...], "steps": n, "ranks": n}``:
-    per straggler its rank, host, steps, total ``delay_s``, ``ratio`` (its phase's time over the ranks'
-    lower median at its worst step, None where that median is shorter than the least delay counted),
-    phase, ``kind`` (persistent or transient) and ``episodes``. ``explain``: also ``"explanations"``,
+    Returns the stragglers (the ranks that delayed the others, each with its episodes), the hosts where
+    several ranks were slow at once, the slow saves, and the steps and ranks judged. ``explain``: also
     each episode's likely causes with their evidence and an action (analytics/explain.py).
     """
     built = repo if isinstance(repo, Mapping) else tables(repo, storage_options=storage_options)
     steps = built["steps"]
-    report = {"steps": 0, "ranks": 0, "stragglers": [], "hosts": [], "slow_saves": []}
     if steps.num_rows:
         delays = step_delays(steps, thresholds, built.get("system"))
-        report.update(steps=delays.steps.size, ranks=delays.ranks.size,
-                      stragglers=_stragglers(delays, thresholds), hosts=_hosts(delays))
-    report["slow_saves"] = _slow_saves(built["saves"], thresholds)
+        found = StragglerReport(delays.steps.size, delays.ranks.size, _stragglers(delays, thresholds),
+                                _hosts(delays), _slow_saves(built["saves"], thresholds))
+    else:
+        found = StragglerReport(0, 0, [], [], _slow_saves(built["saves"], thresholds))
     if explain:
-        report["explanations"] = explain_episodes(built, report)
-    return report
+        found = replace(found, explanations=explain_episodes(built, found.to_json()))
+    return found
 
 
 @dataclass
@@ -254,7 +336,7 @@ def _ratio(values: np.ndarray, baseline: np.ndarray, least: np.ndarray | float) 
         return np.where(baseline >= least, values / baseline, np.nan)
 
 
-def _stragglers(delays: Delays, thresholds: Thresholds) -> list[dict]:
+def _stragglers(delays: Delays, thresholds: Thresholds) -> list[Straggler]:
     found = []
     for column, rank in enumerate(delays.ranks.tolist()):
         rows = np.nonzero(delays.delay_s[:, column] > 0)[0]
@@ -265,31 +347,33 @@ def _stragglers(delays: Delays, thresholds: Thresholds) -> list[dict]:
         longest = max(run[-1] - run[0] + 1 for run in runs)
         worst = rows[np.argmax(delays.delay_s[rows, column])]
         phases = delays.phase[rows, column].tolist()
-        found.append({
-            "rank": rank, "host": delays.hosts.get(rank),
-            "steps": delays.steps[rows].tolist(),
-            "delay_s": float(delays.delay_s[rows, column].sum()),
-            "max_delay_s": float(delays.delay_s[worst, column]),
-            "ratio": _finite(delays.ratio[worst, column]),
-            "phase": max(set(phases), key=phases.count),
-            "kind": "persistent" if longest >= max(thresholds.persistent * delays.steps.size,
-                                                   thresholds.persistent_steps) else "transient",
-            "episodes": episodes,
-        })
-    return sorted(found, key=lambda s: -s["delay_s"])
+        found.append(Straggler(
+            rank=rank, host=delays.hosts.get(rank),
+            steps=delays.steps[rows].tolist(),
+            delay_s=float(delays.delay_s[rows, column].sum()),
+            max_delay_s=float(delays.delay_s[worst, column]),
+            ratio=_finite(delays.ratio[worst, column]),
+            phase=max(set(phases), key=phases.count),
+            kind="persistent" if longest >= max(thresholds.persistent * delays.steps.size,
+                                                thresholds.persistent_steps) else "transient",
+            episodes=episodes,
+        ))
+    return sorted(found, key=lambda s: -s.delay_s)
 
 
-def _episode(delays: Delays, column: int, rows: np.ndarray) -> dict:
+def _episode(delays: Delays, column: int, rows: np.ndarray) -> Episode:
     phases = delays.phase[rows, column].tolist()
-    return {"first_step": int(delays.steps[rows[0]]), "last_step": int(delays.steps[rows[-1]]),
-            "steps": int(rows.size), "delay_s": float(delays.delay_s[rows, column].sum()),
-            "ratio": _finite(_nanmedian(delays.ratio[rows, column], axis=0)),
-            "phase": max(set(phases), key=phases.count)}
+    return Episode(first_step=int(delays.steps[rows[0]]), last_step=int(delays.steps[rows[-1]]),
+                   steps=int(rows.size), delay_s=float(delays.delay_s[rows, column].sum()),
+                   ratio=_finite(_nanmedian(delays.ratio[rows, column], axis=0)),
+                   phase=max(set(phases), key=phases.count))
 
 
-def episode_ranges(episodes: list[dict]) -> str:
-    """A straggler's episodes as text: ``4-7, 12``."""
-    return ", ".join(step_range(e["first_step"], e["last_step"]) for e in episodes)
+def episode_ranges(episodes: Sequence[Episode | Mapping[str, Any]]) -> str:
+    """A straggler's episodes as text: ``4-7, 12`` (``Straggler.episodes``, or their dicts in ``to_json()``)."""
+    spans = ((e.first_step, e.last_step) if isinstance(e, Episode) else (e["first_step"], e["last_step"])
+             for e in episodes)
+    return ", ".join(step_range(first, last) for first, last in spans)
 
 
 def _finite(value: float | np.ndarray) -> float | None:
@@ -297,7 +381,7 @@ def _finite(value: float | np.ndarray) -> float | None:
     return float(value) if np.isfinite(value) else None
 
 
-def _hosts(delays: Delays) -> list[dict]:
+def _hosts(delays: Delays) -> list[SlowHost]:
     """Hosts with two or more ranks slow in the same steps."""
     slow = delays.delay_s > 0
     by_host: dict[str | None, list[int]] = {}
@@ -309,13 +393,12 @@ def _hosts(delays: Delays) -> list[dict]:
         if not together.any():
             continue
         ranks = [int(delays.ranks[c]) for c in columns if slow[together, c].any()]
-        found.append({"host": host, "ranks": ranks, "of_ranks": len(columns),
-                      "steps": delays.steps[together].tolist(),
-                      "delay_s": float(delays.delay_s[together][:, columns].sum())})
-    return sorted(found, key=lambda h: -h["delay_s"])
+        found.append(SlowHost(host=host, ranks=ranks, of_ranks=len(columns), steps=delays.steps[together].tolist(),
+                              delay_s=float(delays.delay_s[together][:, columns].sum())))
+    return sorted(found, key=lambda h: -h.delay_s)
 
 
-def _slow_saves(saves: pa.Table, thresholds: Thresholds) -> list[dict]:
+def _slow_saves(saves: pa.Table, thresholds: Thresholds) -> list[SlowSave]:
     """Ranks whose own save phases lagged the other ranks', per checkpoint."""
     if saves.num_rows == 0:
         return []
@@ -351,4 +434,4 @@ def _slow_saves(saves: pa.Table, thresholds: Thresholds) -> list[dict]:
             ratio = _finite(times[row, column])
             if ratio is not None:
                 entry["ratio"] = max(entry["ratio"] or 0.0, ratio)
-    return sorted(found.values(), key=lambda e: -e["delay_s"])
+    return [SlowSave(**entry) for entry in sorted(found.values(), key=lambda e: -e["delay_s"])]

@@ -121,42 +121,41 @@ def stragglers_command(args, console: Console) -> int:
     thresholds = _thresholds(args)
     report = analytics.stragglers(args.repo, thresholds=thresholds, explain=args.explain)
     if args.json:
-        Output(console).json(report)
-        return found(report["stragglers"] or report["slow_saves"])
+        Output(console).json(report.to_json())
+        return found(report.stragglers or report.slow_saves)
     out = Output(console)
-    out.line(f"{args.repo}: {counted(report['steps'], 'step')} of {counted(report['ranks'], 'rank')}")
-    if report["stragglers"]:
+    out.line(f"{args.repo}: {counted(report.steps, 'step')} of {counted(report.ranks, 'rank')}")
+    if report.stragglers:
         columns = [Column("rank", right=True), Column("host", NAME), Column("kind"), Column("steps", TEXT),
                    Column("phase", NAME), *(Column(header, right=True) for header in ("delay", "worst", "x median"))]
-        out.table(f"{counted(len(report['stragglers']), 'straggler')} (delays in a rank's own phases, beyond the "
+        out.table(f"{counted(len(report.stragglers), 'straggler')} (delays in a rank's own phases, beyond the "
                   "jitter)", columns, (
-                      (str(s["rank"]), text(s["host"]), s["kind"], analytics.episode_ranges(s["episodes"]),
-                       s["phase"], seconds(s["delay_s"]), seconds(s["max_delay_s"]), _times(s["ratio"]))
-                      for s in report["stragglers"]))
+                      (str(s.rank), text(s.host), s.kind, analytics.episode_ranges(s.episodes), s.phase,
+                       seconds(s.delay_s), seconds(s.max_delay_s), _times(s.ratio)) for s in report.stragglers))
     else:
         out.line(f"no stragglers found: no rank was delayed in its own phases by {seconds(thresholds.floor_s)} "
                  "or more beyond the jitter")
-    if report["hosts"]:
+    if report.hosts:
         columns = [Column("host", KEY), Column("slow ranks", TEXT), Column("steps", TEXT),
                    Column("delay", right=True)]
         out.table("hosts with several slow ranks at once", columns, (
-            (text(h["host"]), f"{', '.join(map(str, h['ranks']))} of {h['of_ranks']}", _ranges(h["steps"]),
-             seconds(h["delay_s"])) for h in report["hosts"]))
-    if report["slow_saves"]:
+            (text(h.host), f"{', '.join(map(str, h.ranks))} of {h.of_ranks}", _ranges(h.steps), seconds(h.delay_s))
+            for h in report.hosts))
+    if report.slow_saves:
         columns = [Column("rank", right=True), Column("host", NAME), Column("checkpoints", TEXT),
                    Column("phases", TEXT), Column("delay", right=True), Column("x median", right=True)]
         out.table("slow saves (a rank's own save phases lagging the others')", columns, (
-            (str(e["rank"]), text(e["host"]), ", ".join(e["checkpoints"]), ", ".join(sorted(set(e["phases"]))),
-             seconds(e["delay_s"]), _times(e["ratio"])) for e in report["slow_saves"]))
-    if any(entry["ratio"] is None for entry in report["stragglers"] + report["slow_saves"]):
+            (str(e.rank), text(e.host), ", ".join(e.checkpoints), ", ".join(sorted(set(e.phases))),
+             seconds(e.delay_s), _times(e.ratio)) for e in report.slow_saves))
+    if any(entry.ratio is None for entry in [*report.stragglers, *report.slow_saves]):
         out.line(f"x median {_times(None)}: the phase's median is too short to compare with")
-    if args.explain and report["explanations"]:
+    if args.explain and report.explanations:
         columns = [Column("rank", right=True), Column("steps", right=True), Column("cause", NAME),
                    Column("evidence", TEXT), Column("what to do", TEXT)]
         out.table("why they straggled", columns, (
             (str(e["rank"]), _ranges(list(range(e["first_step"], e["last_step"] + 1))), c["cause"], c["evidence"],
-             c["action"]) for e in report["explanations"] for c in e["causes"]))
-    return found(report["stragglers"] or report["slow_saves"])
+             c["action"]) for e in report.explanations for c in e["causes"]))
+    return found(report.stragglers or report.slow_saves)
 
 
 def _thresholds(args):

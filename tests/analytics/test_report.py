@@ -36,6 +36,7 @@ from ckptfmt.analytics.report import (
     _updates,
     report,
 )
+from ckptfmt.analytics.stragglers import StragglerReport
 from tests.support import markers
 from tests.support.ddp_runs import NOISY_MACHINE, RUNS, flagged
 from tests.support.helpers import needs_tool
@@ -89,7 +90,7 @@ def test_the_page_holds_every_figure_and_table_and_needs_no_network(page):
     assert all(r.startswith("#") or r.startswith("data:") for r in references), references[:5]
     assert "<script" not in text and "@import" not in text
     # Every rank that slept is in the stragglers table (a rank the OS descheduled beyond the bound may be too).
-    slept = {s["rank"] for s in made["stragglers"]["stragglers"]}
+    slept = {s.rank for s in made["stragglers"].stragglers}
     assert {rank for rank, _ in RUNS["four"].injected()} <= slept
 
 
@@ -116,7 +117,7 @@ def test_the_heatmaps_label_their_axes_with_whole_steps_and_ranks(page, two_rank
 def test_the_step_heatmap_crosses_each_straggler_step_once(page):
     out, made = page
     marks = by_id(figure_svg(out, "step-time"), "straggler-marks")
-    assert len(marks) == 1 and len(list(marks[0].iter(f"{SVG}use"))) == len(flagged(made["stragglers"]))
+    assert len(marks) == 1 and len(list(marks[0].iter(f"{SVG}use"))) == len(flagged(made["stragglers"].to_json()))
 
 
 def test_a_comparison_plots_both_runs_metrics(page):
@@ -242,7 +243,7 @@ def test_a_one_step_range_is_one_step(sick_page):
     assert f"{SICK_LOSS_SPIKE}-{SICK_LOSS_SPIKE}" not in spikes.group(0)
     explained = {"rank": 3, "host": "h", "first_step": 20, "last_step": 20, "phase": "data", "samples": 2,
                  "causes": [{"cause": "data loading", "evidence": "e", "action": "a"}]}
-    found = {"stragglers": [], "slow_saves": [], "explanations": [explained]}
+    found = StragglerReport(steps=20, ranks=4, stragglers=[], hosts=[], slow_saves=[], explanations=[explained])
     section = "".join(_stragglers_section(found))
     assert "<td>20</td>" in section and "20-20" not in section
 

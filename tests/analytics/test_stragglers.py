@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import asdict
 
 import numpy as np
 import pyarrow as pa
@@ -35,29 +36,29 @@ def precision_recall(found: set, injected: set) -> tuple[float, float]:
 def test_the_ranks_that_slept_are_found_and_never_those_that_waited(ddp_runs, name):
     run = RUNS[name]
     report = stragglers(ddp_runs[name], thresholds=NOISY_MACHINE)
-    found, injected = flagged(report), run.injected()
-    assert report["steps"] == run.steps and report["ranks"] == run.world
-    assert injected <= found, (injected - found, report["stragglers"])  # every slept (rank, step)
+    found, injected = flagged(report.to_json()), run.injected()
+    assert report.steps == run.steps and report.ranks == run.world
+    assert injected <= found, (injected - found, report.stragglers)  # every slept (rank, step)
     slept_steps = {step for _, step in injected}
     waited = {(rank, step) for rank, step in found - injected if step in slept_steps}
-    assert not waited, report["stragglers"]  # the ranks that waited for a sleeper are never blamed
+    assert not waited, report.stragglers  # the ranks that waited for a sleeper are never blamed
     # Beside that, a rank the OS descheduled for over MIN_DELAY_S once in a run is a real delay: allowed.
     precision, _ = precision_recall(found, injected)
-    assert precision >= 0.8, (precision, report["stragglers"])
+    assert precision >= 0.8, (precision, report.stragglers)
     for sleep in run.sleeps:
-        straggler = next(s for s in report["stragglers"] if s["rank"] == sleep.rank)
-        episode = next(e for e in straggler["episodes"] if e["first_step"] <= sleep.first <= e["last_step"])
-        assert episode["phase"] == sleep.phase and episode["last_step"] >= sleep.last, straggler
-        assert SLEEP_S * 0.8 < straggler["max_delay_s"] < SLEEP_S * 2, straggler
-    assert all(s["kind"] == "transient" for s in report["stragglers"])
+        straggler = next(s for s in report.stragglers if s.rank == sleep.rank)
+        episode = next(e for e in straggler.episodes if e.first_step <= sleep.first <= e.last_step)
+        assert episode.phase == sleep.phase and episode.last_step >= sleep.last, straggler
+        assert SLEEP_S * 0.8 < straggler.max_delay_s < SLEEP_S * 2, straggler
+    assert all(s.kind == "transient" for s in report.stragglers)
 
 
 def test_ratios_are_given_only_against_a_baseline_beyond_the_jitter(ddp_runs):
     """A sleep in a data phase of a fraction of a millisecond is thousands of times that phase: said as None."""
     report = stragglers(ddp_runs["four"], thresholds=NOISY_MACHINE)
-    rank_1 = next(s for s in report["stragglers"] if s["rank"] == 1)
-    assert rank_1["phase"] == "data" and rank_1["ratio"] is None
-    assert all(e["ratio"] is None for e in rank_1["episodes"])
+    rank_1 = next(s for s in report.stragglers if s.rank == 1)
+    assert rank_1.phase == "data" and rank_1.ratio is None
+    assert all(e.ratio is None for e in rank_1.episodes)
 
 
 def test_total_step_time_would_not_have_told(ddp_runs):
@@ -81,7 +82,7 @@ def test_the_cli_prints_the_report_as_json(ddp_runs):
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 1, result.stderr  # stragglers found
     report = json.loads(result.stdout)
-    assert report["stragglers"] == stragglers(repo, thresholds=NOISY_MACHINE)["stragglers"]
+    assert report == stragglers(repo, thresholds=NOISY_MACHINE).to_json()  # the JSON is to_json()
     assert {(s["rank"], s["host"]) for s in report["stragglers"]} >= {(1, report["stragglers"][0]["host"])}
     assert {"rank", "host", "steps", "delay_s", "ratio", "phase", "kind", "episodes"} <= set(report["stragglers"][0])
     text = subprocess.run([sys.executable, "-m", "ckptfmt.cli", "stragglers", repo, *min_delay],
@@ -172,15 +173,40 @@ def empty_saves() -> pa.Table:
 def test_simulated_64_rank_runs_with_jitter(seed):
     steps, injected = simulated(seed=seed)
     report = stragglers({"steps": steps, "saves": empty_saves()})
-    precision, recall = precision_recall(flagged(report), injected)
+    precision, recall = precision_recall(flagged(report.to_json()), injected)
     assert precision >= 0.95 and recall >= 0.95, (seed, precision, recall)
-    rank_7 = next(s for s in report["stragglers"] if s["rank"] == 7)
-    assert rank_7["kind"] == "persistent" and rank_7["phase"] == "forward"
-    second_half = [e for e in rank_7["episodes"] if e["last_step"] >= 100]
-    assert second_half[0]["first_step"] <= 102 and second_half[-1]["last_step"] == 199
-    assert sum(e["steps"] for e in second_half) >= 90  # 60 ms in a 150 ms phase with 6% jitter: a few missed
-    node2 = next(h for h in report["hosts"] if h["host"] == "node2")
-    assert sorted(node2["ranks"]) == list(range(16, 24)) and {50, 51, 52, 53} <= set(node2["steps"])
+    rank_7 = next(s for s in report.stragglers if s.rank == 7)
+    assert rank_7.kind == "persistent" and rank_7.phase == "forward"
+    second_half = [e for e in rank_7.episodes if e.last_step >= 100]
+    assert second_half[0].first_step <= 102 and second_half[-1].last_step == 199
+    assert sum(e.steps for e in second_half) >= 90  # 60 ms in a 150 ms phase with 6% jitter: a few missed
+    node2 = next(h for h in report.hosts if h.host == "node2")
+    assert sorted(node2.ranks) == list(range(16, 24)) and {50, 51, 52, 53} <= set(node2.steps)
+
+
+def test_the_result_is_typed_and_its_json_keeps_the_keys_of_the_dict_it_was():
+    """``stragglers()`` returned a dict before its result was typed: ``to_json()`` is that dict (``--json``),
+    and indexing the result by its keys still works for a deprecation period, warning."""
+    steps, _ = simulated(seed=0)
+    report = stragglers({"steps": steps, "saves": empty_saves()})
+    as_json = report.to_json()
+    assert list(as_json) == ["steps", "ranks", "stragglers", "hosts", "slow_saves"]  # no explanations asked for
+    assert list(as_json["stragglers"][0]) == ["rank", "host", "steps", "delay_s", "max_delay_s", "ratio", "phase",
+                                              "kind", "episodes"]
+    assert list(as_json["stragglers"][0]["episodes"][0]) == ["first_step", "last_step", "steps", "delay_s",
+                                                             "ratio", "phase"]
+    assert list(as_json["hosts"][0]) == ["host", "ranks", "of_ranks", "steps", "delay_s"]
+    assert as_json["stragglers"] == [asdict(s) for s in report.stragglers] and json.loads(json.dumps(as_json))
+    with pytest.warns(DeprecationWarning, match=r"stragglers\(\)\['stragglers'\] is deprecated: use \.stragglers") \
+            as caught:
+        old = report["stragglers"]
+    assert old == as_json["stragglers"] and old[0]["rank"] == report.stragglers[0].rank
+    assert caught[0].filename == __file__  # the warning points at the caller's line
+    for key in ("steps", "ranks", "hosts", "slow_saves"):
+        with pytest.warns(DeprecationWarning, match=f"use \\.{key}"):
+            assert report[key] == as_json[key]
+    with pytest.warns(DeprecationWarning), pytest.raises(KeyError):
+        report["explanations"]  # as in the dict: there only with explain=True
 
 
 @pytest.mark.parametrize("ranks", [2, 3])
@@ -190,12 +216,12 @@ def test_simulated_runs_of_two_and_three_ranks(ranks, seed):
     one other rank, both ranks' jitter counts: the delays injected are twice the 64-rank run's."""
     steps, injected = simulated(ranks, seed=seed, transients=12, seconds=(0.12, 0.3), persistent_s=0.12)
     report = stragglers({"steps": steps, "saves": empty_saves()})
-    precision, recall = precision_recall(flagged(report), injected)
-    assert precision >= 0.95 and recall >= 0.95, (ranks, seed, precision, recall, report["stragglers"])
-    last = next(s for s in report["stragglers"] if s["rank"] == ranks - 1)
-    persistent = next(e for e in last["episodes"] if e["last_step"] == 199)
-    assert last["kind"] == "persistent" and persistent["first_step"] <= 100 and persistent["phase"] == "forward"
-    assert 1.7 < persistent["ratio"] < 1.9  # forward took (0.15 + 0.12) / 0.15 times the other ranks'
+    precision, recall = precision_recall(flagged(report.to_json()), injected)
+    assert precision >= 0.95 and recall >= 0.95, (ranks, seed, precision, recall, report.stragglers)
+    last = next(s for s in report.stragglers if s.rank == ranks - 1)
+    persistent = next(e for e in last.episodes if e.last_step == 199)
+    assert last.kind == "persistent" and persistent.first_step <= 100 and persistent.phase == "forward"
+    assert 1.7 < persistent.ratio < 1.9  # forward took (0.15 + 0.12) / 0.15 times the other ranks'
 
 
 @pytest.mark.parametrize("clock_s", [0.0, 1.0])
@@ -209,7 +235,7 @@ def test_a_rank_that_started_late_is_not_blamed_on_those_that_waited_for_it(cloc
     late_start[20:30, 1] = 0.2
     steps = synchronous_run(own, "forward", rng, late_start=late_start, clocks=np.array([0.0, clock_s]))
     report = stragglers({"steps": steps, "saves": empty_saves()})
-    assert report["stragglers"] == []
+    assert report.stragglers == []
 
 
 def test_a_run_without_stragglers_reports_none():
@@ -217,7 +243,7 @@ def test_a_run_without_stragglers_reports_none():
     steps = synchronous_run(jittered_phases(rng, 100, 64), "backward", rng,
                             clocks=rng.normal(0, 0.03, size=64))
     report = stragglers({"steps": steps, "saves": empty_saves()})
-    assert report["stragglers"] == [] and report["hosts"] == []
+    assert report.stragglers == [] and report.hosts == []
 
 
 def test_slow_saves_name_the_rank_and_phase():
@@ -234,8 +260,8 @@ def test_slow_saves_name_the_rank_and_phase():
         totals[row["name"], row["rank"]] = totals.get((row["name"], row["rank"]), 0.0) + row["duration_s"]
     saves = pa.Table.from_pylist([{**row, "rank_total_s": totals[row["name"], row["rank"]]} for row in rows])
     report = stragglers({"steps": simulated()[0].slice(0, 0), "saves": saves})
-    assert [(s["rank"], s["checkpoints"], s["phases"]) for s in report["slow_saves"]] == [(5, ["b"], ["write_chunks"])]
-    assert report["slow_saves"][0]["ratio"] > 2.5  # rank 3's short join is the others' wait: not reported
+    assert [(s.rank, s.checkpoints, s.phases) for s in report.slow_saves] == [(5, ["b"], ["write_chunks"])]
+    assert report.slow_saves[0].ratio > 2.5  # rank 3's short join is the others' wait: not reported
 
 
 def test_slow_saves_of_two_ranks_carry_the_whole_delay_and_ratios_only_against_a_real_baseline():
@@ -253,10 +279,10 @@ def test_slow_saves_of_two_ranks_carry_the_whole_delay_and_ratios_only_against_a
                              "duration_s": seconds * (1 + 0.01 * ((rank * 7 + len(checkpoint)) % 3)),
                              "rank_total_s": 1.5})
     report = stragglers({"steps": simulated(2, transients=0)[0].slice(0, 0), "saves": pa.Table.from_pylist(rows)})
-    slow = {s["rank"]: s for s in report["slow_saves"]}
-    assert sorted(slow) == [0, 1] and slow[1]["checkpoints"] == ["b"] and slow[0]["checkpoints"] == ["c"]
-    assert 1.9 < slow[1]["delay_s"] < 2.1 and 2.9 < slow[1]["ratio"] < 3.1
-    assert 0.29 < slow[0]["delay_s"] < 0.31 and slow[0]["ratio"] is None
+    slow = {s.rank: s for s in report.slow_saves}
+    assert sorted(slow) == [0, 1] and slow[1].checkpoints == ["b"] and slow[0].checkpoints == ["c"]
+    assert 1.9 < slow[1].delay_s < 2.1 and 2.9 < slow[1].ratio < 3.1
+    assert 0.29 < slow[0].delay_s < 0.31 and slow[0].ratio is None
 
 
 # -- a busy host ------------------------------------------------------------------------------------
@@ -319,7 +345,7 @@ def test_a_busy_hosts_scheduler_noise_is_no_straggler(ranks):
     found, injected = set(), set()
     for seed in range(12):
         built, slept = busy_host_run(ranks, seed)
-        found |= {(seed, *pair) for pair in flagged(stragglers(built))}
+        found |= {(seed, *pair) for pair in flagged(stragglers(built).to_json())}
         injected |= {(seed, *pair) for pair in slept}
     precision, recall = precision_recall(found, injected)
     assert precision >= 0.95 and recall == 1.0, (precision, recall, sorted(found - injected))
@@ -352,4 +378,4 @@ def test_a_run_without_phases_on_a_busy_host_reports_no_straggler():
     built, _ = busy_host_run(2, seed=0)
     steps = built["steps"].select(["rank", "host", "step", "start", "duration_s"])
     report = stragglers({**built, "steps": steps})
-    assert report["steps"] == 120 and report["stragglers"] == []
+    assert report.steps == 120 and report.stragglers == []

@@ -30,6 +30,7 @@ from ckptfmt.tui.widgets.charts import Fitted, bar_room
 
 if TYPE_CHECKING:  # analytics needs pyarrow: imported when the screen loads
     from ckptfmt.analytics.compare import Comparison, Difference
+    from ckptfmt.analytics.stragglers import StragglerReport
 
 #: Heatmap columns at most (fewer where the pane is narrower); more steps are grouped, each column showing
 #: its group's longest step.
@@ -139,19 +140,19 @@ class RunScreen(WorkerScreen):
         for row in findings(well):
             table.add_row(*row)
 
-    def _show(self, built: dict, found: dict, comparison: Comparison | None, certificate) -> None:
+    def _show(self, built: dict, found: StragglerReport, comparison: Comparison | None, certificate) -> None:
         from ckptfmt.analytics import episode_ranges
 
         self.query_one("#summary", Static).update(Text(
-            f"Run {self.url}: {built['checkpoints'].num_rows} checkpoints, {found['steps']} steps recorded on "
-            f"{found['ranks']} ranks, {len(found['stragglers'])} stragglers, {len(found['slow_saves'])} slow saves"))
+            f"Run {self.url}: {built['checkpoints'].num_rows} checkpoints, {found.steps} steps recorded on "
+            f"{found.ranks} ranks, {len(found.stragglers)} stragglers, {len(found.slow_saves)} slow saves"))
         self.query_one("#heatmap", Static).update(Fitted(lambda width: heatmap(built["steps"], found, width)))
         table = self.query_one("#stragglers", DataTable)
         for column in ("rank", "host", "kind", "steps", "phase", "delay", "x median"):
             table.add_column(column, key=column)
-        for s in found["stragglers"]:
-            table.add_row(str(s["rank"]), str(s["host"]), s["kind"], episode_ranges(s["episodes"]), s["phase"],
-                          seconds(s["delay_s"]), "-" if s["ratio"] is None else f"{s['ratio']:.1f}x")
+        for s in found.stragglers:
+            table.add_row(str(s.rank), str(s.host), s.kind, episode_ranges(s.episodes), s.phase, seconds(s.delay_s),
+                          "-" if s.ratio is None else f"{s.ratio:.1f}x")
         self.query_one("#timeline", Static).update(Fitted(lambda width: timeline(built["saves"], width)))
         if comparison is not None:
             self._show_comparison(comparison, certificate)
@@ -188,7 +189,7 @@ def difference_rows(differences: list[Difference], width: int) -> list[tuple[str
     return [(*row[:4], short(row[4], room), short(row[5], room), *row[6:]) for row in rows]
 
 
-def heatmap(steps, found: dict, width: int) -> RenderGroup | Text:
+def heatmap(steps, found: StragglerReport, width: int) -> RenderGroup | Text:
     """Ranks x steps as text in ``width`` cells: shades of step time, a red x where the rank delayed the
     others; steps are grouped where there are more than columns."""
     if steps.num_rows == 0:
@@ -205,7 +206,7 @@ def heatmap(steps, found: dict, width: int) -> RenderGroup | Text:
     with np.errstate(all="ignore"):  # each column: its group's longest step, per rank (NaN: none recorded)
         longest = np.nanmax(durations.reshape(columns, group, -1), axis=1)
     column_of = {step: index // group for index, step in enumerate(all_steps)}
-    slow = {(s["rank"], column_of[step]) for s in found["stragglers"] for step in s["steps"] if step in column_of}
+    slow = {(s.rank, column_of[step]) for s in found.stragglers for step in s.steps if step in column_of}
     top = (float(np.nanmax(longest)) if np.isfinite(longest).any() else 0.0) or 1.0
     grid = Table.grid(padding=(0, 1))
     grid.add_column(justify="right", no_wrap=True)
