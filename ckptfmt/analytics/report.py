@@ -36,6 +36,7 @@ import numpy as np
 import pyarrow as pa
 from matplotlib.ticker import MaxNLocator
 
+from ckptfmt.analytics._keyed import KeyedResult
 from ckptfmt.analytics.certify import Certificate, certify, certify_resumes, resumes_verdict
 from ckptfmt.analytics.compare import Comparison, compare
 from ckptfmt.analytics.goodput import CATEGORY_NAMES, Goodput, goodput
@@ -65,9 +66,39 @@ class Omitted:
     reason: str
 
 
+@dataclass(frozen=True)
+class RunReport(KeyedResult):
+    """What went into a run's report: the figures drawn and the analyses its tables show.
+
+    ``made["figures"]`` (the dict ``report`` returned before) still works, with a DeprecationWarning."""
+
+    figures: list[str]  # the ids of the figures drawn, in page order (those with nothing to draw left out)
+    stragglers: StragglerReport  # judged by the report's thresholds, with their explanations
+    comparison: Comparison | None  # with a run to compare with
+    health: HealthReport
+    certificate: Certificate | None  # does the run reproduce the one compared with, step by step
+    resumes: list[Certificate]  # each resume of the run, certified
+    goodput: Goodput
+
+    _returned_by = "report()"
+
+    def to_json(self) -> dict:
+        return {"figures": self.figures, "stragglers": self.stragglers.to_json(),
+                "comparison": None if self.comparison is None else self.comparison.to_json(),
+                "health": self.health.to_json(),
+                "certificate": None if self.certificate is None else self.certificate.to_json(),
+                "resumes": [c.to_json() for c in self.resumes], "goodput": self.goodput.to_json()}
+
+    def _as_dict(self) -> dict[str, Any]:
+        return {"figures": self.figures, "stragglers": self.stragglers.to_json(), "comparison": self.comparison,
+                "health": self.health, "certificate": self.certificate, "resumes": self.resumes,
+                "goodput": self.goodput}
+
+
 def report(repo: str | os.PathLike, *, html_path: str | os.PathLike | None = None,
            png_dir: str | os.PathLike | None = None, compare_with: str | os.PathLike | None = None,
-           thresholds: Thresholds = Thresholds(), storage_options: dict | None = None, deep: bool = False) -> dict:
+           thresholds: Thresholds = Thresholds(), storage_options: dict | None = None,
+           deep: bool = False) -> RunReport:
     """Write the report of run ``repo`` (compared with run ``compare_with`` if given) as ``html_path``
     and/or PNG files in ``png_dir``; returns what went in: figure ids, stragglers (judged by
     ``thresholds``), the comparison, the run's health (``deep``: with each tensor group's relative
@@ -100,8 +131,8 @@ def report(repo: str | os.PathLike, *, html_path: str | os.PathLike | None = Non
     finally:
         for figure in figures:
             plt.close(figure.figure)
-    return {"figures": [f.id for f in figures], "stragglers": found, "comparison": comparison, "health": well,
-            "certificate": certificate, "resumes": resumes, "goodput": spent}
+    return RunReport(figures=[f.id for f in figures], stragglers=found, comparison=comparison, health=well,
+                     certificate=certificate, resumes=resumes, goodput=spent)
 
 
 # -- figures ---------------------------------------------------------------------------------------

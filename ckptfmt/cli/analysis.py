@@ -181,7 +181,7 @@ def report_command(args, console: Console) -> int:
     out = Output(console)
     for where in (args.html, args.png):
         if where is not None:
-            out.line(f"wrote {where} ({counted(len(made['figures']), 'figure')}: {', '.join(made['figures'])})")
+            out.line(f"wrote {where} ({counted(len(made.figures), 'figure')}: {', '.join(made.figures)})")
     return 0
 
 

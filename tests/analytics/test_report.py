@@ -9,6 +9,7 @@ checks look for carry ids.
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -27,6 +28,7 @@ from ckptfmt.analytics.compare import CommonCheckpoint, Comparison
 from ckptfmt.analytics.health import HealthReport
 from ckptfmt.analytics.report import (
     Omitted,
+    RunReport,
     _delay_heatmap,
     _divergence,
     _metrics,
@@ -48,7 +50,7 @@ SVG = "{http://www.w3.org/2000/svg}"
 
 
 @pytest.fixture(scope="module")
-def page(ddp_runs, tmp_path_factory) -> tuple[Path, dict]:
+def page(ddp_runs, tmp_path_factory) -> tuple[Path, RunReport]:
     out = tmp_path_factory.mktemp("page")
     made = report(ddp_runs["four"], html_path=out / "report.html", png_dir=out / "png", compare_with=ddp_runs["two"],
                   thresholds=NOISY_MACHINE)
@@ -80,7 +82,7 @@ def text_of(element: ElementTree.Element) -> str:
 
 def test_the_page_holds_every_figure_and_table_and_needs_no_network(page):
     out, made = page
-    assert made["figures"] == FIGURES
+    assert made.figures == FIGURES
     text = (out / "report.html").read_text()
     for figure in FIGURES:
         assert re.search(rf"<figure id='figure-{figure}'><svg\b", text), figure
@@ -90,17 +92,34 @@ def test_the_page_holds_every_figure_and_table_and_needs_no_network(page):
     assert all(r.startswith("#") or r.startswith("data:") for r in references), references[:5]
     assert "<script" not in text and "@import" not in text
     # Every rank that slept is in the stragglers table (a rank the OS descheduled beyond the bound may be too).
-    slept = {s.rank for s in made["stragglers"].stragglers}
+    slept = {s.rank for s in made.stragglers.stragglers}
     assert {rank for rank, _ in RUNS["four"].injected()} <= slept
 
 
 def test_the_differences_table_shows_every_field_compare_records(page):
     out, made = page
     table = re.search(r"<table id='differences'>.*?</table>", (out / "report.html").read_text(), flags=re.S).group(0)
-    differences = [d.to_json() for d in made["comparison"].differences]
+    differences = [d.to_json() for d in made.comparison.differences]
     assert differences and table.count("<tr>") == len(differences) + 1
     for key in {key for d in differences for key in d}:
         assert f"<th>{key.replace('_', ' ')}</th>" in table
+
+
+def test_what_went_in_is_typed_and_the_dict_it_was_still_reads_with_a_warning(page):
+    """``report()`` returned a dict before its result was typed: indexing it by the dict's keys still works
+    (its stragglers as the dict ``stragglers()`` returned), warning; ``to_json()`` is all of it as JSON."""
+    _, made = page
+    with pytest.warns(DeprecationWarning, match=r"report\(\)\['figures'\] is deprecated: use \.figures") as caught:
+        assert made["figures"] == made.figures == FIGURES
+    assert caught[0].filename == __file__  # the warning points at the caller's line
+    with pytest.warns(DeprecationWarning, match=r"use \.stragglers"):
+        assert made["stragglers"] == made.stragglers.to_json()
+    for key in ("comparison", "health", "certificate", "resumes", "goodput"):
+        with pytest.warns(DeprecationWarning):
+            assert made[key] is getattr(made, key)
+    as_json = json.loads(json.dumps(made.to_json()))
+    assert list(as_json) == ["figures", "stragglers", "comparison", "health", "certificate", "resumes", "goodput"]
+    assert as_json["stragglers"] == made.stragglers.to_json() and as_json["comparison"]["identical"] is False
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -117,7 +136,7 @@ def test_the_heatmaps_label_their_axes_with_whole_steps_and_ranks(page, two_rank
 def test_the_step_heatmap_crosses_each_straggler_step_once(page):
     out, made = page
     marks = by_id(figure_svg(out, "step-time"), "straggler-marks")
-    assert len(marks) == 1 and len(list(marks[0].iter(f"{SVG}use"))) == len(flagged(made["stragglers"].to_json()))
+    assert len(marks) == 1 and len(list(marks[0].iter(f"{SVG}use"))) == len(flagged(made.stragglers.to_json()))
 
 
 def test_a_comparison_plots_both_runs_metrics(page):
@@ -133,7 +152,7 @@ def test_a_comparison_plots_both_runs_metrics(page):
 
 def test_the_divergence_cells_can_be_told_apart_and_carry_their_counts(page):
     out, made = page
-    checkpoints = made["comparison"].checkpoints
+    checkpoints = made.comparison.checkpoints
     groups = sorted({g for c in checkpoints for g in c.groups_differing})
     assert len(checkpoints) == 3 and groups == ["model"]  # every tensor differs: one colour throughout
     svg = figure_svg(out, "divergence")
@@ -202,7 +221,7 @@ def drawn_rows(chromium: str, flags: list[str], url: str, shot: Path) -> int:
 
 
 @pytest.fixture(scope="module")
-def sick_page(tmp_path_factory) -> tuple[Path, dict]:
+def sick_page(tmp_path_factory) -> tuple[Path, RunReport]:
     """The page of a run that falls ill on purpose (tests/support/runs.py), with its relative updates."""
     out = tmp_path_factory.mktemp("sick-page")
     sick_run(str(out / "run"))
@@ -211,7 +230,7 @@ def sick_page(tmp_path_factory) -> tuple[Path, dict]:
 
 def test_the_health_figures_show_the_norm_jump_the_nan_and_the_updates(sick_page):
     out, made = sick_page
-    assert {"norms", "non-finite", "updates"} <= set(made["figures"])
+    assert {"norms", "non-finite", "updates"} <= set(made.figures)
     text = (out / "report.html").read_text()
     assert f"NaN or Inf first in step-{SICK_NAN:04d} (step {SICK_NAN}): <code>model/0.bias</code>" in text
     assert "id='norm-jumps'" in text and "id='metric-spikes'" in text and "id='unchanged'" in text
@@ -219,7 +238,7 @@ def test_the_health_figures_show_the_norm_jump_the_nan_and_the_updates(sick_page
     assert by_id(norms, "norm-model.2") and by_id(norms, "norm-jumps")  # the scaled layer's line, the jumps circled
     assert "Tensors holding NaN or Inf: first at step 55" in text_of(figure_svg(out, "non-finite"))
     assert by_id(figure_svg(out, "updates"), "update-cells")
-    assert any(j["group"] == "model.2" and j["step"] == SICK_SCALED for j in made["health"].jumps)
+    assert any(j["group"] == "model.2" and j["step"] == SICK_SCALED for j in made.health.jumps)
 
 
 # -- what a reader sees: ranges, words, axes, and nothing drawn where there is nothing to draw -----------------
