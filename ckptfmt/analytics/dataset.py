@@ -25,7 +25,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from ckptfmt.analytics.tables import TABLE_NAMES, build, runs, saved
+from ckptfmt.analytics.table_build import build, runs, saved
+from ckptfmt.analytics.table_columns import TABLE_NAMES
 from ckptfmt.errors import CheckpointError
 from ckptfmt.format.history import HistoryKey
 from ckptfmt.repository.repository import Repository

@@ -1,7 +1,7 @@
-"""A child process building its share of a run's analytics tables (``tables.build``, ``processes``)."""
+"""A child process building its share of a run's analytics tables (``table_build.build``, ``processes``)."""
 
 from ckptfmt.analytics.processes import serve
-from ckptfmt.analytics.tables import build_share
+from ckptfmt.analytics.table_build import build_share
 
 
 def main(fd: int) -> None:

@@ -30,8 +30,8 @@ from ckptfmt.lifecycle.gc import remove
 from ckptfmt.repository.repository import Repository
 
 ROOT = Path(__file__).resolve().parents[2]
-#: The module (``ckptfmt.analytics.tables`` is its function).
-tables_module = importlib.import_module("ckptfmt.analytics.tables")
+#: The module that reads the manifests and history objects of the tables.
+build_module = importlib.import_module("ckptfmt.analytics.table_build")
 
 
 def save_checkpoints(repo: Path, first: int, count: int) -> None:
@@ -55,7 +55,7 @@ class Reads:
 
     def __init__(self, monkeypatch):
         self.count = 0
-        manifest, histories = Repository.manifest, tables_module.read_histories
+        manifest, histories = Repository.manifest, build_module.read_histories
 
         def counted_manifest(repo, *args, **kwargs):
             self.count += 1
@@ -66,7 +66,7 @@ class Reads:
             self.count += len(keys)
             return histories(repo, keys)
         monkeypatch.setattr(Repository, "manifest", counted_manifest)
-        monkeypatch.setattr(tables_module, "read_histories", counted_histories)
+        monkeypatch.setattr(build_module, "read_histories", counted_histories)
 
     def take(self) -> int:
         count, self.count = self.count, 0

@@ -3,6 +3,7 @@ same tables as one process builds, errors named as one process names them, a fai
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 import threading
@@ -19,8 +20,8 @@ from ckptfmt.repository.repository import Repository
 from tests.analytics.test_analytics_tables import train_and_save
 from tests.support.helpers import rewrite_manifest
 
-#: The module building the tables (the package binds the name ``tables`` to the function).
-TABLES = sys.modules["ckptfmt.analytics.tables"]
+#: The module building the tables and starting the children (``ckptfmt.analytics.tables`` re-exports its names).
+BUILD = importlib.import_module("ckptfmt.analytics.table_build")
 
 
 def later_checkpoints_differ(repo: str) -> None:
@@ -61,13 +62,13 @@ def plain(table: pa.Table) -> list[dict]:
 def children(monkeypatch) -> list:
     """The children started, and shares of one checkpoint allowed."""
     started = []
-    real = TABLES.TableProcess
+    real = BUILD.TableProcess
 
     def counted(*args):
         started.append(real(*args))
         return started[-1]
-    monkeypatch.setattr(TABLES, "TableProcess", counted)
-    monkeypatch.setattr(TABLES, "SHARE_MIN", 1)
+    monkeypatch.setattr(BUILD, "TableProcess", counted)
+    monkeypatch.setattr(BUILD, "SHARE_MIN", 1)
     return started
 
 
@@ -105,11 +106,11 @@ def test_a_damaged_manifest_in_a_childs_share_is_named_as_one_process_names_it(t
 def test_a_child_that_cannot_run_is_named_in_one_line(tmp_path, children, monkeypatch):
     repo = str(tmp_path / "run")
     train_and_save(repo, checkpoints=2, steps_each=1)
-    monkeypatch.setattr(TABLES, "WORKER_MODULE", "ckptfmt.analytics.no_such_module")
+    monkeypatch.setattr(BUILD, "WORKER_MODULE", "ckptfmt.analytics.no_such_module")
     with pytest.raises(ckptfmt.CheckpointError, match=r"failed \(exit 1: .*No module named") as info:
         analytics.tables(repo, processes=2)
     assert "\n" not in str(info.value)
-    monkeypatch.setattr(TABLES, "WORKER_MODULE", "tests.support.dying_table_worker")
+    monkeypatch.setattr(BUILD, "WORKER_MODULE", "tests.support.dying_table_worker")
     with pytest.raises(ckptfmt.CheckpointError, match=r"failed \(killed by SIGKILL\)$"):
         analytics.tables(repo, processes=2)
 

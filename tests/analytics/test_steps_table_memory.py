@@ -4,6 +4,7 @@ multi-process build joined without copying their dictionary indices."""
 
 from __future__ import annotations
 
+import importlib
 import sys
 
 import numpy as np
@@ -13,8 +14,9 @@ from ckptfmt import analytics
 from ckptfmt.repository.repository import Repository
 from tests.analytics.test_analytics_tables import train_and_save
 
-#: The module building the tables (the package binds the name ``tables`` to the function).
-TABLES = sys.modules["ckptfmt.analytics.tables"]
+#: The modules building the steps table and joining shares' tables.
+TIMING = importlib.import_module("ckptfmt.analytics.table_timing")
+JOIN = importlib.import_module("ckptfmt.analytics.table_join")
 WORDS = pa.dictionary(pa.int32(), pa.string())
 #: Bytes a row of each fixed column, as spec/ANALYTICS.md types it (a dictionary column: its int32 index).
 WIDTHS = {"run": 4, "checkpoint": 4, "rank": 8, "host": 4, "step": 8, "start": 8, "duration_s": 8, "batch": 16,
@@ -55,7 +57,7 @@ def test_a_manifest_is_let_go_once_its_steps_are_added(tmp_path):
     manifest = repo.manifest(record.name, record)
     stored = manifest.timing["ranks"][0]["steps"]
     held = {name: sys.getrefcount(stored[name]) for name in ("step", "start_ns", "duration_s", "batch")}
-    builder = TABLES.Steps()
+    builder = TIMING.Steps()
     builder.add("run", record, manifest, "here")
     builder.flush()
     # Copied, not viewed: a view would hold each manifest's bytes until its window of rows is closed.
@@ -65,14 +67,14 @@ def test_a_manifest_is_let_go_once_its_steps_are_added(tmp_path):
 
 
 def test_a_window_is_cut_to_its_rows():
-    growing = TABLES._Growing(np.int64, 1024)
+    growing = TIMING.Growing(np.int64, 1024)
     growing.extend(np.arange(10))
     values = growing.values(12)
     assert values.tolist() == [*range(10), 0, 0] and values.nbytes == 12 * 8 and values.base is None
-    phase = TABLES._Growing(np.float64, 16, fill=np.nan)
+    phase = TIMING.Growing(np.float64, 16, fill=np.nan)
     phase.extend_runs([(12, np.ones(2)), (14, np.full(2, 2.0))])  # met from row 12 on, two records in a run
     assert np.isnan(phase.values(16)[:12]).all() and phase.values(16)[12:].tolist() == [1.0, 1.0, 2.0, 2.0]
-    gaps = TABLES._Growing(np.float64, 4, fill=np.nan)
+    gaps = TIMING.Growing(np.float64, 4, fill=np.nan)
     gaps.extend_runs([(1, np.ones(2)), (5, np.full(1, 3.0))])  # rows 0, 3 and 4 fill; the buffer grows
     assert np.array_equal(gaps.values(6), [np.nan, 1, 1, np.nan, np.nan, 3], equal_nan=True)
 
@@ -84,7 +86,7 @@ def test_shares_with_one_dictionary_are_joined_without_copying_their_indices():
     longer = pa.DictionaryArray.from_arrays(pa.array([4, 2], pa.int32()), pa.array([*words, "node1"]))
     other = pa.DictionaryArray.from_arrays(pa.array([0, 1], pa.int32()), pa.array(["node2", "step-1"]))
     column = pa.chunked_array([first, same, longer, other])
-    joined = TABLES._one_dictionary(column)
+    joined = JOIN._one_dictionary(column)
     assert joined.to_pylist() == column.to_pylist()
     assert all(chunk.dictionary.equals(joined.chunks[0].dictionary) for chunk in joined.chunks)
     for before, after in zip(column.chunks[:3], joined.chunks[:3]):  # the same index buffers: no copy
