@@ -194,10 +194,8 @@ class StorageWriter(dcp_storage.StorageWriter):
                     regions.append(_region(item, keys, sources[-1].dtype, tuple(sources[-1].shape)))
             self.parent_name = (plan.storage_data or {}).get("parent")
             bases, parent_keys = self._delta_bases(repo, regions)
-        stored = store_sources(repo, sources, compression=self.options.compression, parent_keys=parent_keys,
-                               cache=DEFAULT_CACHE, chunk_size=self.options.chunk_size,
-                               workers=self.options.chunk_workers, timer=self.timer,
-                               tensor_stats=self.options.tensor_stats, bases=bases)
+        stored = store_sources(repo, sources, self.options.encoding, parent_keys=parent_keys, cache=DEFAULT_CACHE,
+                               timer=self.timer, bases=bases)
         for item, source, pieces, stats in zip(items, sources, stored.pieces, stored.stats):
             results.append(dcp_storage.WriteResult(item.index, source.nbytes, {"pieces": pieces, "stats": stats}))
         record = {"rank_record": self._rank_record(planner, steps), "chunks": stored.chunks,
@@ -214,7 +212,7 @@ class StorageWriter(dcp_storage.StorageWriter):
         if self.parent_name is None:
             return None, set()
         _, parent_keys, parent = resolve_parent(repo, self.parent_name)
-        if parent is None or not self.options.stores_deltas:
+        if parent is None or not self.options.encoding.stores_deltas:
             return None, parent_keys
         return DeltaBases(repo, parent, regions), parent_keys
 

@@ -55,7 +55,7 @@ class AsyncSaver:
         in_flight.wait_for_previous(url)  # also: the staging buffers are free again
         steps = step_records(timer)  # the steps up to the call, as the state is
         # The generators as they are now: the loop draws on while this saves.
-        rng = capture_states() if options.rng is None else None
+        rng = capture_states() if options.records_own_rng else None
         start_ns, start = time.time_ns(), time.perf_counter()
         area = self.staging_area(url)
         area.tensor_stats = options.tensor_stats

@@ -52,9 +52,10 @@ from ckptfmt.format.limits import MAX_CHUNK_BYTES
 from ckptfmt.format.manifest import Chunk, Piece, TensorEntry
 from ckptfmt.format.tensor_stats import merge_stats
 from ckptfmt.repository.repository import Repository
-from ckptfmt.saving.chunker import DEFAULT_CHUNK_SIZE, ChunkJob, ChunkPlanner, PieceRef
+from ckptfmt.saving.chunker import ChunkJob, ChunkPlanner, PieceRef
 from ckptfmt.saving.delta_bases import DeltaBases
 from ckptfmt.saving.hashcache import HashCache
+from ckptfmt.saving.options import Encoding
 from ckptfmt.storage.base import Staged
 from ckptfmt.tensors.sources import TensorSource
 from ckptfmt.tensors.stats import StatsAccumulator, stats_of_spans
@@ -103,22 +104,21 @@ class StoredSources:
     stats: list[Mapping[str, Any] | None]
 
 
-def store_sources(repo: Repository, sources: list[TensorSource], *, compression: str | None, parent_keys: set[str],
-                  cache: HashCache, chunk_size: int | None, workers: int, timer,
-                  tensor_stats: bool = True, bases: DeltaBases | None = None,
-                  breaks: Collection[int] = (), float_codecs: bool = True) -> StoredSources:
-    """Cut ``sources`` into chunks, store them (durably) and return the chunk table and pieces;
-    with ``tensor_stats``, each source's statistics too, taken as its bytes are hashed. ``bases``: the
-    parent's chunks that delta chunks may be stored against. ``breaks``: indices of sources that start
-    a new pack of small tensors (a sequence another writer stores alike). ``float_codecs``: whether the
-    format written has them (spec 13.3: a save for an older reader).
+def store_sources(repo: Repository, sources: list[TensorSource], encoding: Encoding, *, parent_keys: set[str],
+                  cache: HashCache, timer, bases: DeltaBases | None = None,
+                  breaks: Collection[int] = ()) -> StoredSources:
+    """Cut ``sources`` into chunks, store them (durably) as ``encoding`` says (a save's
+    ``SaveOptions.encoding``) and return the chunk table and pieces; with ``encoding.tensor_stats``, each
+    source's statistics too, taken as its bytes are hashed. ``bases``: the parent's chunks that delta
+    chunks may be stored against. ``breaks``: indices of sources that start a new pack of small tensors
+    (a sequence another writer stores alike).
 
     ``timer`` gets the phases ``write_chunks`` and ``sync``.
     """
-    writer = ChunkWriter(repo, sources, compression, parent_keys, cache, workers, tensor_stats, bases, float_codecs)
+    writer = ChunkWriter(repo, sources, encoding, parent_keys, cache, bases)
     try:
         with timer.phase("write_chunks"):
-            planner = ChunkPlanner(chunk_size or DEFAULT_CHUNK_SIZE)
+            planner = ChunkPlanner(encoding.chunk_size)
             refs: list[list[PieceRef]] = []
             starts = set(breaks)
             for index, source in enumerate(sources):
@@ -136,7 +136,7 @@ def store_sources(repo: Repository, sources: list[TensorSource], *, compression:
             writer.make_durable()
     finally:
         writer.close()
-    return _table(stored, refs, sources, tensor_stats)
+    return _table(stored, refs, sources, encoding.tensor_stats)
 
 
 class ChunkTable:
@@ -228,25 +228,21 @@ class ChunkWriter:
     or concurrent save) is made durable before the save commits.
     """
 
-    def __init__(self, repo: Repository, sources: list[TensorSource], compression: str | None,
-                 parent_keys: set[str], cache: HashCache, workers: int, tensor_stats: bool = True,
-                 bases: DeltaBases | None = None, float_codecs: bool = True):
+    def __init__(self, repo: Repository, sources: list[TensorSource], encoding: Encoding,
+                 parent_keys: set[str], cache: HashCache, bases: DeltaBases | None = None):
         self.repo = repo
-        self.float_codecs = float_codecs
+        self.encoding = encoding
         self.sources = sources
         self.bases = bases
-        #: Codecs chosen per chunk from its bytes (delta against the parent, whole, or none).
-        self.choosing = compression in codecs.DELTA_COMPRESSIONS
         #: Whether to take each part's statistics (sources that come with theirs are passed over).
-        self.tensor_stats = tensor_stats
-        self.compression = compression
+        self.tensor_stats = encoding.tensor_stats
         self.parent_keys = parent_keys
         self.cache = cache
-        self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckptfmt-save",
+        self.pool = ThreadPoolExecutor(max_workers=encoding.workers, thread_name_prefix="ckptfmt-save",
                                        initializer=single_threaded_kernels)
         # Jobs materialise their bytes only when they run (packs, compression, remote
         # copies), so this bounds both the queue and the memory in flight.
-        self.slots = threading.BoundedSemaphore(workers)
+        self.slots = threading.BoundedSemaphore(encoding.workers)
         self.futures: dict[int, Future] = {}
         #: Set by the first job that fails: no job is submitted after it (results() raises its error).
         self.failed = False
@@ -295,9 +291,9 @@ class ChunkWriter:
 
     # -- one job -------------------------------------------------------------------
     def _store(self, job: ChunkJob) -> StoredChunk:
-        if self.choosing:
+        if self.encoding.chooses_per_chunk:
             return self._store_chosen(job)
-        codec = codecs.codec_for(self.compression, job.itemsize, self._floating(job))
+        codec = codecs.codec_for(self.encoding.compression, job.itemsize, self._floating(job))
         data, address = self._bytes(job)
         if address is None:  # private bytes (a pack, a copy): hash and write them as they are
             return self._put(job, codec, chunk_hash(data), lambda key: self._write(key, codec, data),
@@ -329,13 +325,13 @@ class ChunkWriter:
             stats = [(source_index, _stats_of(source.tensor.dtype, _as_tensor(private)))] \
                 if self._wants_stats(source) else []
         row = None if job.packed or self.bases is None else self.bases.base_for(source_index, start, length)
-        if row is not None and self.bases is not None and not self.float_codecs \
+        if row is not None and self.bases is not None and not self.encoding.float_codecs \
                 and _chain_is_float(self.bases.table, row):
             row = None  # a parent's float chunk, in a format without them: neither reused nor a base
         if row is not None and self.bases is not None and self.bases.table[row].hash == digest:
             return StoredChunk(self.bases.table[row], 0, stats, self.bases.table)
-        floating = self.compression == "auto" and self._floating(job)
-        codec = codecs.codec_for(self.compression, job.itemsize, floating)
+        floating = self.encoding.weighs_codecs and self._floating(job)
+        codec = codecs.codec_for(self.encoding.compression, job.itemsize, floating)
         if floating:  # the float codec or the shuffle, whichever stores a sample smaller
             codec = codecs.smaller_on_sample([codec, codecs.codec_for("shuffle-zstd", job.itemsize)], private)
         encoded = codecs.encode(codec, private)
@@ -349,7 +345,7 @@ class ChunkWriter:
             delta = codecs.encode(delta_codec, private, base_bytes)
             if len(delta) < PAYS * len(encoded):
                 codec, encoded, base = delta_codec, delta, (self.bases.table, row)
-        if self.compression == "auto" and base is None and len(encoded) > PAYS * len(private):
+        if self.encoding.weighs_codecs and base is None and len(encoded) > PAYS * len(private):
             codec, encoded = codecs.NONE, private
         return self._put(job, codec, digest, lambda key: self._write_encoded(key, encoded), stats, base)
 
@@ -357,7 +353,7 @@ class ChunkWriter:
         """The pack group of a small source: its dtype where the float codec may store it (a pack of one
         float dtype is stored as that dtype's tensors are, spec 5.2), else None (the mixed pack)."""
         dtype = source.tensor.dtype
-        if self.float_codecs and self.compression in codecs.FLOAT_COMPRESSIONS and dtype in _FLOAT_DTYPES:
+        if self.encoding.float_coded and dtype in _FLOAT_DTYPES:
             return dtype
         return None
 
@@ -366,7 +362,7 @@ class ChunkWriter:
         tensor's chunk, or a pack of one float dtype's tensors."""
         if job.packed:
             return job.group is not None
-        return self.float_codecs and self.sources[job.parts[0][0]].tensor.dtype in _FLOAT_DTYPES
+        return self.encoding.float_codecs and self.sources[job.parts[0][0]].tensor.dtype in _FLOAT_DTYPES
 
     def _wants_stats(self, source: TensorSource) -> bool:
         return self.tensor_stats and source.stats is None

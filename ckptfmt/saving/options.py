@@ -10,6 +10,7 @@ from here instead of passing a dozen arguments along.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from ckptfmt.format.signatures import SigningKey, signature_features
 from ckptfmt.format.version import FORMAT_VERSION, writable
 from ckptfmt.metadata.step_timer import decode_steps
 from ckptfmt.repository.protection import parse_parity
+from ckptfmt.saving.chunker import DEFAULT_CHUNK_SIZE
 
 
 class _Latest:
@@ -47,7 +49,8 @@ SIGNATURES_FROM = (1, 7)
 #: Chunk writer threads per rank: they overlap hashing with other chunks' writes and fsyncs; on
 #: remote storage each holds a copy of its chunk, so 4 x 64 MiB bounds the memory.
 DEFAULT_WORKERS = 4
-
+#: The compressions that name a codec a format version may lack, and its feature ("auto" picks within it).
+_CODEC_FEATURES = {"float-zstd": "float-codecs", "delta-zstd": "delta-codecs"}
 
 
 def target_version(value: Any) -> tuple[int, int]:
@@ -64,8 +67,104 @@ def target_version(value: Any) -> tuple[int, int]:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Encoding:
+    """How a save stores its chunks: the part of its options the chunk writer reads (``SaveOptions.encoding``),
+    with each choice a compression implies decided here, once."""
+
+    #: One of ``format.codecs.COMPRESSIONS`` (checked by ``SaveOptions``).
+    compression: str | None = None
+    #: Bytes per chunk.
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+    #: Chunk writer threads.
+    workers: int = DEFAULT_WORKERS
+    #: Take each tensor's statistics (spec 6.10) as its bytes are hashed.
+    tensor_stats: bool = True
+    #: Whether the target format has the float codecs (1.11) and delta chunks (1.5) (spec 13.3).
+    float_codecs: bool = True
+    delta_codecs: bool = True
+
+    @property
+    def chooses_per_chunk(self) -> bool:
+        """Whether each chunk's codec is chosen from its bytes ("delta-zstd", "auto"): a private copy is
+        encoded whole and, where the parent has a chunk for its region, against it, and the smaller kept."""
+        return self.compression in codecs.DELTA_COMPRESSIONS
+
+    @property
+    def stores_deltas(self) -> bool:
+        """Whether chunks are stored against the parent's where that is smaller: the compression asks for
+        it and the format has delta chunks (the one place that choice is made)."""
+        return self.chooses_per_chunk and self.delta_codecs
+
+    @property
+    def weighs_codecs(self) -> bool:
+        """Whether each chunk's codec is weighed against the others ("auto"): the float codec against the
+        shuffle on a sample, and raw bytes where compression saves less than 10%."""
+        return self.compression == "auto"
+
+    @property
+    def float_coded(self) -> bool:
+        """Whether floating-point tensors (and packs of small tensors of one float dtype, spec 5.2) are
+        stored with the float codecs: the compression asks for them ("float-zstd", "auto") and the format
+        has them."""
+        return self.float_codecs and self.compression in codecs.FLOAT_COMPRESSIONS
+
+
+@dataclass(frozen=True, kw_only=True)
+class Group:
+    """Who saves together and how they agree: the part of a save's options the choice of ranks and the
+    collective protocol read (``SaveOptions.group``)."""
+
+    #: The process group (None: the default group, if any).
+    process_group: Any = None
+    #: None: collective under torch.distributed; False: this process alone; True: collective or an error.
+    coordinated: bool | None = None
+    #: Seconds a collective save waits for every rank at each of its steps.
+    timeout: float = DEFAULT_TIMEOUT_S
+    #: One of ``DIVERGENCE_POLICIES``.
+    on_divergence: str = "warn"
+    #: Every rank's steps, for a save one rank makes (``SaveOptions.gathered_steps``).
+    gathered_steps: list | None = None
+
+    @property
+    def alone(self) -> bool:
+        """Whether this process saves alone whatever process group there is (``coordinated=False``)."""
+        return self.coordinated is False
+
+    @property
+    def needs_group(self) -> bool:
+        """Whether a save with no process group to run over is an error (``coordinated=True``)."""
+        return self.coordinated is True
+
+    @property
+    def compares_replicas(self) -> bool:
+        """Whether a collective save compares the copies of each replicated tensor (spec 9.7): unless
+        ``on_divergence="ignore"``."""
+        return self.on_divergence != "ignore"
+
+    @property
+    def refuses_divergence(self) -> bool:
+        """Whether copies that differ fail the save on every rank (``on_divergence="raise"``) rather than
+        being recorded and warned of."""
+        return self.on_divergence == "raise"
+
+    def steps_of(self, rank: int) -> dict | None:
+        """The gathered entry of ``rank`` (its ``steps`` and ``resumes``), or None."""
+        return next((entry for entry in self.gathered_steps or () if entry["rank"] == rank), None)
+
+    def steps_besides(self, rank: int) -> list[dict]:
+        """The gathered entries of every rank but ``rank`` (the one saving, which records its own)."""
+        return [entry for entry in self.gathered_steps or () if entry["rank"] != rank]
+
+
+@dataclass(frozen=True, kw_only=True)
 class SaveOptions:
-    """How to save a checkpoint; every field is a keyword of ``ckptfmt.save`` (see its docstring)."""
+    """How to save a checkpoint; every field is a keyword of ``ckptfmt.save`` (see its docstring).
+
+    The fields are the keywords as given, flat as ``save`` takes them, each checked once; the parts of
+    the save read them grouped, each choice decided once: ``encoding`` (how chunks are stored: the chunk
+    writer's), ``group`` (who saves together and how they agree), and the predicates ``node_scoped``
+    (where the repository is) and ``records_own_rng`` (an import's states or this process's).
+    """
 
     #: The training step, stored in the commit record (a plain int once checked).
     step: int | None = None
@@ -163,10 +262,10 @@ class SaveOptions:
         self._refuse_what_the_version_lacks()
         if self.parity is not None:
             parse_parity(self.parity)
-            if self.scope == "node":
+            if self.node_scoped:
                 raise ValueError("parity= protects a checkpoint whose objects one storage holds; a node-scoped "
                                  "tier's nodes each hold their own: give its Tier redundancy instead")
-        if self.scope == "node" and self.compression in codecs.DELTA_COMPRESSIONS:
+        if self.node_scoped and self.encoding.chooses_per_chunk:
             raise ValueError(f"compression={self.compression!r} stores chunks against the parent's, which a "
                              "node-scoped repository does not promise to hold on the same node: use 'zstd', "
                              "'shuffle-zstd', 'float-zstd' or none with scope='node'")
@@ -174,11 +273,9 @@ class SaveOptions:
     def _refuse_what_the_version_lacks(self) -> None:
         """A ValueError for an option the target format cannot express ("auto" compression picks within it)."""
         version = self.format_version
-        if self.compression == "float-zstd":
-            refuse_unless_writable("float-codecs", version, "compression='float-zstd'")
-        if self.compression == "delta-zstd":
-            refuse_unless_writable("delta-codecs", version, "compression='delta-zstd'")
-        if self.scope == "node":
+        if self.compression in _CODEC_FEATURES:
+            refuse_unless_writable(_CODEC_FEATURES[self.compression], version, f"compression={self.compression!r}")
+        if self.node_scoped:
             refuse_unless_writable("node-placement", version, "scope='node'")
         if self.signer is not None and version < SIGNATURES_FROM:
             raise ValueError(f"signer= needs format {version_text(SIGNATURES_FROM)} (signatures, spec 10.3); "
@@ -195,24 +292,34 @@ class SaveOptions:
         that needs more (grids, a codec) adds them before its commit (``Repository.declare``)."""
         if self.format_version[0] < 2:
             return frozenset()
-        return frozenset({"tensor-columns", "chunk-columns", *(["rng-words"] if self.rng is None else []),
-                          *(["node-placement"] if self.scope == "node" else [])})
+        return frozenset({"tensor-columns", "chunk-columns", *(["rng-words"] if self.records_own_rng else []),
+                          *(["node-placement"] if self.node_scoped else [])})
+
+    @functools.cached_property
+    def encoding(self) -> Encoding:
+        """How this save stores its chunks, with what its target format has ("auto" uses the float codecs
+        only where it has them; deltas are stored only where it has delta chunks)."""
+        return Encoding(compression=self.compression, chunk_size=self.chunk_size or DEFAULT_CHUNK_SIZE,
+                        workers=self.workers or DEFAULT_WORKERS, tensor_stats=self.tensor_stats,
+                        float_codecs=self.format_version >= first_version("float-codecs"),
+                        delta_codecs=self.format_version >= first_version("delta-codecs"))
+
+    @functools.cached_property
+    def group(self) -> Group:
+        """Who saves together and how they agree."""
+        return Group(process_group=self.process_group, coordinated=self.coordinated, timeout=self.timeout,
+                     on_divergence=self.on_divergence, gathered_steps=self.gathered_steps)
 
     @property
-    def float_codecs(self) -> bool:
-        """Whether the target format has the float codecs ("auto" uses them only then)."""
-        return self.format_version >= first_version("float-codecs")
+    def node_scoped(self) -> bool:
+        """Whether the repository's URL names each node's own storage (``scope="node"``, spec 9.8)."""
+        return self.scope == "node"
 
     @property
-    def delta_codecs(self) -> bool:
-        """Whether the target format has delta chunks ("auto" and "delta-zstd" store against the parent only then)."""
-        return self.format_version >= first_version("delta-codecs")
-
-    @property
-    def stores_deltas(self) -> bool:
-        """Whether this save stores chunks against the parent's where that is smaller: its compression
-        asks for it and its format has delta chunks (the one place that choice is made)."""
-        return self.compression in codecs.DELTA_COMPRESSIONS and self.delta_codecs
+    def records_own_rng(self) -> bool:
+        """Whether the manifest records this process's RNG states (every rank's), rather than the entries
+        an import was given (``rng=``, converters)."""
+        return self.rng is None
 
     @classmethod
     def from_keywords(cls, caller: str, keywords: dict[str, Any]) -> SaveOptions:
@@ -221,11 +328,6 @@ class SaveOptions:
         if unknown:
             raise TypeError(f"{caller}() got an unexpected keyword argument {unknown[0]!r}")
         return cls(**keywords)
-
-    @property
-    def chunk_workers(self) -> int:
-        """The chunk writer threads to use."""
-        return self.workers or DEFAULT_WORKERS
 
     def replace(self, **changes: Any) -> SaveOptions:
         """A copy with ``changes``, checked again."""

@@ -97,7 +97,7 @@ def save_over(state: Any, url: str | os.PathLike, ranks: Ranks, options: SaveOpt
             with collector_paused():
                 encoded = encode_tree(state, collector, rank=ranks.rank)
             collector.forget()
-            compared = together and options.on_divergence != "ignore"  # replicas exist only in a group
+            compared = together and options.group.compares_replicas  # replicas exist only in a group
             return RankPlan(encoded, entries, [s.shape for s in sources], [s.nbytes for s in sources],
                             collector.meshes, replicas.fingerprints(sources) if compared else None,
                             socket.gethostname())
@@ -120,7 +120,7 @@ def _write_and_commit(decision: dict, failure: Failure | None, url: str, name: s
     """Steps 2 and 3 of the protocol, once the plan is broadcast."""
     _raise_failures(decision, url, failure, ranks)
     agreed: Plan = decision["ok"]
-    if agreed.divergences and options.on_divergence == "raise":  # every rank has the plan: all raise
+    if agreed.divergences and options.group.refuses_divergence:  # every rank has the plan: all raise
         raise CollectiveError(f"{replicas.message(agreed.divergences, url)}; nothing was committed "
                               "(on_divergence='raise')")
     if ranks.is_coordinator and agreed.differences:
@@ -142,12 +142,9 @@ def _write_and_commit(decision: dict, failure: Failure | None, url: str, name: s
             bases = _delta_bases(repo, agreed, entries, sources, assigned, options)
             entries.clear()  # spent: the agreed plan holds what the manifest needs (100,000 tensors: 13 MiB)
             with collector_paused():
-                stored = store_sources(repo, mine, compression=options.compression,
-                                       parent_keys=agreed.parent_keys, cache=DEFAULT_CACHE,
-                                       chunk_size=options.chunk_size, workers=options.chunk_workers, timer=timer,
-                                       tensor_stats=options.tensor_stats, bases=bases,
-                                       breaks=agreed.breaks[ranks.position] if agreed.breaks else (),
-                                       float_codecs=options.float_codecs)
+                stored = store_sources(repo, mine, options.encoding, parent_keys=agreed.parent_keys,
+                                       cache=DEFAULT_CACHE, timer=timer, bases=bases,
+                                       breaks=agreed.breaks[ranks.position] if agreed.breaks else ())
             return {"stored": stored, **rank_record(ranks.rank, timer, ranks.topology_entry(), captured)}
         written, own_failure = _attempt(write)
         # The encoding's records of each tensor are spent once its chunks are stored: freed before the
@@ -232,18 +229,18 @@ class NodeRepository:
 def _with_gathered_steps(captured: Captured, options: SaveOptions, rank: int) -> Captured:
     """This rank's training steps (and resumes) from ``gathered_steps`` (frameworks that save from rank 0
     gather every rank's), unless the save was given its own."""
-    mine = [entry for entry in options.gathered_steps or () if entry["rank"] == rank]
-    if captured.steps is not None or not mine:
+    mine = options.group.steps_of(rank)
+    if captured.steps is not None or mine is None:
         return captured
-    return dataclasses.replace(captured, steps=mine[0]["steps"],
-                               resumes=[*(captured.resumes or ()), *mine[0].get("resumes", ())])
+    return dataclasses.replace(captured, steps=mine["steps"],
+                               resumes=[*(captured.resumes or ()), *mine.get("resumes", ())])
 
 
 def _delta_bases(repo: Repository, agreed: Plan, entries: list[PlannedTensor], sources: list[TensorSource],
                  assigned: list[int], options: SaveOptions) -> DeltaBases | None:
     """The parent's chunks this member's boxes may be stored as deltas against (``compression`` delta-zstd or
     auto): the coordinator has the parent's manifest; the others read it (the plan carries only its name)."""
-    if agreed.parent_name is None or not options.stores_deltas:
+    if agreed.parent_name is None or not options.encoding.stores_deltas:
         return None
     parent = agreed.parent or repo.manifest(agreed.parent_name)
     return DeltaBases.for_entries(repo, parent, entries, [s.shape for s in sources], assigned)
@@ -326,7 +323,7 @@ def _manifest(plan: Plan, reports: list[dict], ranks: Ranks, name: str, options:
         tensors.append(tensor_entry(tensor.key, tensor.dtype, tensor.shape, shards, kind=tensor.kind,
                                     requires_grad=tensor.requires_grad, same_as=tensor.same_as))
     writers = sorted({ranks.rank_of(box.writer[0]) for tensor in plan.tensors for box in tensor.boxes})
-    gathered = [entry for entry in options.gathered_steps or () if entry["rank"] != ranks.rank]
+    gathered = options.group.steps_besides(ranks.rank)
     start_ns = reports[0]["timing"]["start_ns"]
     topology = topology_record([report["topology"] for report in reports], world_size=ranks.size,
                                writer_ranks=writers if ranks.collective else [ranks.rank],
@@ -336,7 +333,7 @@ def _manifest(plan: Plan, reports: list[dict], ranks: Ranks, name: str, options:
                             new_bytes=tables.chunks.new_bytes, state=plan.state, user=plan.user, records=reports,
                             topology=topology, collective=ranks.collective,
                             steps_only=[steps_record(entry, start_ns) for entry in gathered])
-    if ranks.collective and options.on_divergence != "ignore":
+    if ranks.collective and options.group.compares_replicas:
         manifest.replicas = {"checked": plan.replicas_checked, "divergent": [d.record() for d in plan.divergences]}
     if plan.nodes is not None:
         manifest.placement = _placement(plan.nodes, tables, ranks)

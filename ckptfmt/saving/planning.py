@@ -138,7 +138,7 @@ def _plan(plans: list[RankPlan], rank_of, repo: Repository, lease: Lease, name: 
     assigned = _assign(tensors, len(plans))
     nodes: NodeLayout | None = None
     breaks: list[list[int]] = []
-    if options.scope == "node":
+    if options.node_scoped:
         nodes = NodeLayout.of([plan.host for plan in plans])
         assigned, breaks = _node_sequences(tensors, assigned, nodes.node_of)
     meshes = [mesh for plan in plans for mesh in plan.meshes]

@@ -21,7 +21,7 @@ from ckptfmt.metadata.topology import current_rank
 from ckptfmt.repository.progress import bind as bind_progress
 from ckptfmt.saving import in_flight
 from ckptfmt.saving.core import Captured
-from ckptfmt.saving.options import DEFAULT_TIMEOUT_S, LATEST, SaveOptions
+from ckptfmt.saving.options import DEFAULT_TIMEOUT_S, LATEST, Group, SaveOptions
 from ckptfmt.saving.pipeline import EVERY_RANK, save_over
 from ckptfmt.tensors.stateful import states_taken
 
@@ -169,15 +169,15 @@ def save_with(state: Any, url: str | os.PathLike, options: SaveOptions, *, timer
 
 def run_save(state: Any, url: str | os.PathLike, options: SaveOptions, captured: Captured) -> str:
     """The save pipeline over the ranks saving together."""
-    return save_over(state, url, saving_ranks(url, options), options, captured)
+    return save_over(state, url, saving_ranks(url, options.group), options, captured)
 
 
-def saving_ranks(url: str | os.PathLike, options: SaveOptions) -> Ranks:
-    """Who saves: every rank of the process group under torch.distributed (unless ``coordinated=False``),
-    else this process alone, recording its rank in the job."""
-    group = None if options.coordinated is False else distributed_group(options.process_group)
+def saving_ranks(url: str | os.PathLike, options: Group) -> Ranks:
+    """Who saves (``options``: a save's ``SaveOptions.group``): every rank of the process group under
+    torch.distributed (unless ``coordinated=False``), else this process alone, recording its rank in the job."""
+    group = None if options.alone else distributed_group(options.process_group)
     if group is None:
-        if options.coordinated:
+        if options.needs_group:
             raise ValueError("coordinated=True needs an initialised torch.distributed process group")
         return SoloRanks(*current_rank())
     if options.gathered_steps is not None:
