@@ -26,18 +26,9 @@ import ckptfmt
 from ckptfmt.analytics import Thresholds
 from ckptfmt.analytics.compare import CommonCheckpoint, Comparison
 from ckptfmt.analytics.health import HealthReport
-from ckptfmt.analytics.report import (
-    Omitted,
-    RunReport,
-    _delay_heatmap,
-    _divergence,
-    _metrics,
-    _non_finite,
-    _norms,
-    _stragglers_section,
-    _updates,
-    report,
-)
+from ckptfmt.analytics.report import Omitted, RunReport, report
+from ckptfmt.analytics.report_figures import _delay_heatmap, _divergence, _metrics, _non_finite, _norms, _updates
+from ckptfmt.analytics.report_page import _stragglers_section
 from ckptfmt.analytics.stragglers import StragglerReport
 from tests.support import markers
 from tests.support.ddp_runs import NOISY_MACHINE, RUNS, flagged
