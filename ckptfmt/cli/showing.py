@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import argparse
-import difflib
 import fnmatch
 import json
 
@@ -90,6 +89,8 @@ def _show_tensors(out: Output, tensors: list, stats: list, args, keys: list[str]
 
     rows = [(t, s) for t, s in zip(tensors, stats) if args.filter is None or _matches(t.key, args.filter)]
     if args.filter is not None and not rows:
+        import difflib  # only for a filter that matches nothing: not at every CLI start
+
         near = difflib.get_close_matches(args.filter, keys, n=3)
         hint = f"; did you mean {', '.join(near)}?" if near else ""
         out.line(f"no tensor key matches {args.filter!r}{hint}")
