@@ -124,18 +124,49 @@ def verify(url: str | os.PathLike, *, storage_options: dict | None = None,
     trusted = None if trusted_keys is None else trusted_public_keys(trusted_keys)
     callback = callback or NoOpCallback()
     started = time.perf_counter()
-    storage = open_storage(url, storage_options)
-    whole_repository = storage.exists(layout.MARKER_KEY)
-    ignored: list[str] = []
-    if whole_repository:
-        repo = Repository(storage)
-        repo.check_marker()
-        listing = repo.listing()
-        names, ignored = listing.checkpoints, listing.ignored
-    else:
-        repo, name = resolve(url, storage_options)
-        names = [name]
+    repo, names, ignored, whole_repository = _target(url, storage_options)
     report = VerifyReport(url=os.fspath(url), checkpoints=names)
+    manifests, protected = _read_manifests(repo, names, whole_repository, trusted, cancel, report)
+    if ignored:
+        _report_lost_commits(repo, ignored, manifests, report)
+    if whole_repository:
+        report.histories_checked, problems = _history_problems(repo)
+        report.problems += problems
+    _report_divergences(manifests, report)
+    here = _rows_here(repo, manifests, node or socket.gethostname(), report)
+    check = _stats_check(manifests) if stats else None
+    check_chunks(repo, manifests, report, callback, workers, cancel, check, here)
+    if check is not None and not report.cancelled:
+        for wrong in check.finish(repo):
+            report.problems.append(Problem("wrong-stats", wrong.checkpoint, wrong.message, tensors=(wrong.tensor,)))
+        report.stats_checked = len(check.tensors) + len(check.streamed)
+    if protected and not report.cancelled:
+        _check_parity(repo, protected, report, callback, workers)
+    if not report.cancelled:
+        _check_node_parity(repo, manifests, node or socket.gethostname(), report)
+    report.seconds = time.perf_counter() - started
+    return report
+
+
+def _target(url: str | os.PathLike, storage_options: dict | None) -> tuple[Repository, list[str], list[str], bool]:
+    """What ``url`` names: (its repository, the checkpoints to verify, the listing's ignored entries,
+    whether it is the whole repository)."""
+    storage = open_storage(url, storage_options)
+    if not storage.exists(layout.MARKER_KEY):
+        repo, name = resolve(url, storage_options)
+        return repo, [name], [], False
+    repo = Repository(storage)
+    repo.check_marker()
+    listing = repo.listing()
+    return repo, listing.checkpoints, listing.ignored, True
+
+
+def _read_manifests(repo: Repository, names: list[str], whole_repository: bool, trusted: dict[str, bytes] | None,
+                    cancel: threading.Event | None,
+                    report: VerifyReport) -> tuple[dict[str, Manifest], dict[str, CommitRecord]]:
+    """The manifests of checkpoints ``names`` and the commit records of those with parity, each one's
+    signatures and value tree checked; one that cannot be read is a ``bad-checkpoint`` problem (but a
+    checkpoint URL naming no checkpoint raises, and so does a store that fails)."""
     manifests: dict[str, Manifest] = {}
     protected: dict[str, CommitRecord] = {}
     for name in names:
@@ -157,11 +188,11 @@ def verify(url: str | os.PathLike, *, storage_options: dict | None = None,
             report.problems.append(Problem("bad-checkpoint", name, str(exc), key=manifest_key))
             continue
         report.problems += _signature_problems(repo, record, trusted) + _value_tree_problems(name, manifests[name])
-    if ignored:
-        _report_lost_commits(repo, ignored, manifests, report)
-    if whole_repository:
-        report.histories_checked, problems = _history_problems(repo)
-        report.problems += problems
+    return manifests, protected
+
+
+def _report_divergences(manifests: dict[str, Manifest], report: VerifyReport) -> None:
+    """A warning, and the records, of each checkpoint whose replicated tensors differed between ranks."""
     for name, manifest in manifests.items():
         divergent = describe.replica_divergences({"replicas": manifest.replicas})
         if divergent:
@@ -169,19 +200,6 @@ def verify(url: str | os.PathLike, *, storage_options: dict | None = None,
                                    describe.records((manifest.replicas or {}).get("divergent"))]
             report.warnings.append(f"{name}: the copies of replicated tensors differed between ranks when it was "
                                    f"saved (the majority's was stored): {'; '.join(divergent)}")
-    here = _rows_here(repo, manifests, node or socket.gethostname(), report)
-    check = _stats_check(manifests) if stats else None
-    check_chunks(repo, manifests, report, callback, workers, cancel, check, here)
-    if check is not None and not report.cancelled:
-        for wrong in check.finish(repo):
-            report.problems.append(Problem("wrong-stats", wrong.checkpoint, wrong.message, tensors=(wrong.tensor,)))
-        report.stats_checked = len(check.tensors) + len(check.streamed)
-    if protected and not report.cancelled:
-        _check_parity(repo, protected, report, callback, workers)
-    if not report.cancelled:
-        _check_node_parity(repo, manifests, node or socket.gethostname(), report)
-    report.seconds = time.perf_counter() - started
-    return report
 
 
 def _check_parity(repo: Repository, protected: dict[str, CommitRecord], report: VerifyReport, callback: Callback,
