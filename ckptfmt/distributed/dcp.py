@@ -46,18 +46,13 @@ from ckptfmt.metadata.topology import current_rank, rank_entry, topology_record
 from ckptfmt.repository.leases import Lease
 from ckptfmt.repository.repository import Repository, split_checkpoint_url
 from ckptfmt.saving.chunk_writer import store_sources
-from ckptfmt.saving.core import (
-    Captured,
-    commit_manifest,
-    manifest_for,
-    open_for_save,
-    rank_record,
-    refuse_taken_name,
-    resolve_parent,
-)
+from ckptfmt.saving.core import commit_manifest
 from ckptfmt.saving.delta_bases import DeltaBases, Region
 from ckptfmt.saving.hashcache import DEFAULT_CACHE
+from ckptfmt.saving.manifests import manifest_for
+from ckptfmt.saving.opening import open_for_save, refuse_taken_name, resolve_parent
 from ckptfmt.saving.options import DEFAULT_WORKERS, LATEST, SaveOptions
+from ckptfmt.saving.records import Captured, rank_record
 from ckptfmt.saving.save import step_records
 from ckptfmt.saving.tables import ManifestTables, tensor_entry
 from ckptfmt.tensors.dtensors import meshes_of

@@ -31,8 +31,8 @@ from ckptfmt.metadata.step_timer import StepTimer
 from ckptfmt.metadata.topology import current_rank
 from ckptfmt.repository.progress import bind as bind_progress
 from ckptfmt.saving import in_flight
-from ckptfmt.saving.core import Captured
 from ckptfmt.saving.options import SaveOptions
+from ckptfmt.saving.records import Captured
 from ckptfmt.saving.save import run_save, step_records
 from ckptfmt.saving.staging import StagingArea
 from ckptfmt.tensors.stateful import states_taken

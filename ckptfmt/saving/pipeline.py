@@ -47,22 +47,18 @@ from ckptfmt.repository.leases import Lease
 from ckptfmt.repository.repository import Repository, split_checkpoint_url
 from ckptfmt.saving import replicas
 from ckptfmt.saving.chunk_writer import store_sources
-from ckptfmt.saving.core import (
-    Captured,
-    TensorCollector,
-    commit_manifest,
-    manifest_for,
-    open_for_save,
-    rank_record,
-    steps_record,
-)
+from ckptfmt.saving.core import commit_manifest
 from ckptfmt.saving.delta_bases import DeltaBases
 from ckptfmt.saving.hashcache import DEFAULT_CACHE
+from ckptfmt.saving.manifests import manifest_for
+from ckptfmt.saving.opening import open_for_save
 from ckptfmt.saving.options import SaveOptions
 from ckptfmt.saving.plan import PlannedTensor
 from ckptfmt.saving.planning import Plan, RankPlan, decide
+from ckptfmt.saving.records import Captured, rank_record, steps_record
 from ckptfmt.saving.state_merge import MAX_REPORTED
 from ckptfmt.saving.tables import ManifestTables, tensor_entry
+from ckptfmt.saving.tensor_collector import TensorCollector
 from ckptfmt.tensors.sources import TensorSource
 
 #: What a rank that waited in vain for the others is told.

@@ -22,7 +22,7 @@ from ckptfmt.groups.nodes import NodeLayout
 from ckptfmt.repository.leases import Lease
 from ckptfmt.repository.repository import Repository
 from ckptfmt.saving import replicas
-from ckptfmt.saving.core import open_for_save, refuse_taken_name, resolve_parent
+from ckptfmt.saving.opening import open_for_save, refuse_taken_name, resolve_parent
 from ckptfmt.saving.options import SaveOptions
 from ckptfmt.saving.plan import PlannedTensor
 from ckptfmt.saving.state_merge import merge_states

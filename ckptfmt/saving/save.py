@@ -20,9 +20,9 @@ from ckptfmt.metadata.step_timer import StepTimer
 from ckptfmt.metadata.topology import current_rank
 from ckptfmt.repository.progress import bind as bind_progress
 from ckptfmt.saving import in_flight
-from ckptfmt.saving.core import Captured
 from ckptfmt.saving.options import DEFAULT_TIMEOUT_S, LATEST, Group, SaveOptions
 from ckptfmt.saving.pipeline import EVERY_RANK, save_over
+from ckptfmt.saving.records import Captured
 from ckptfmt.tensors.stateful import states_taken
 
 

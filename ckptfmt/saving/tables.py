@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from ckptfmt.format.manifest import Chunk, Piece, ShardEntry, TensorEntry
+from ckptfmt.format.tensor_stats import merge_stats
 from ckptfmt.saving.chunk_writer import ChunkTable
-from ckptfmt.saving.core import merged_stats
 
 
 class ManifestTables:
@@ -58,3 +58,10 @@ def tensor_entry(key: str, dtype: str, shape: tuple[int, ...], shards: Sequence[
     return TensorEntry(key=key, dtype=dtype, shape=tuple(shape), shards=tuple(shard for shard, _ in ordered),
                        kind=kind, requires_grad=requires_grad, same_as=same_as,
                        stats=None if same_as is not None else merged_stats([stats for _, stats in ordered]))
+
+
+def merged_stats(parts: Sequence[Mapping | None]) -> Mapping | None:
+    """A tensor's statistics from its shards' (spec 6.10), or None when any shard has none."""
+    if not parts or any(part is None for part in parts):
+        return None
+    return merge_stats(parts)  # type: ignore[arg-type]

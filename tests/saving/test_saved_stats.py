@@ -304,8 +304,8 @@ def test_statistics_taken_on_the_device_while_staging_are_stored_without_a_host_
     """An asynchronous save of CUDA tensors reduces their statistics on the device as it stages them
     (staging.StagingArea); the save stores those and measures nothing again on the host. Driven here
     with the staged buffer's statistics handed over as the staging area hands them."""
-    from ckptfmt.saving.core import Captured
     from ckptfmt.saving.options import SaveOptions
+    from ckptfmt.saving.records import Captured
     from ckptfmt.saving.save import run_save
     from ckptfmt.saving.staging import memory_key
 
