@@ -20,7 +20,7 @@ from ckptfmt.analytics.processes import TableProcess, TaskRefused, children_poss
 from ckptfmt.analytics.table_columns import TABLE_NAMES, TableBuilder
 from ckptfmt.analytics.table_environment import Environment, EnvironmentFields
 from ckptfmt.analytics.table_join import joined
-from ckptfmt.analytics.table_rows import Checkpoints, Resumes, Saves, Tensors, TensorStats
+from ckptfmt.analytics.table_rows import Checkpoints, Resumes, Saves, Tensors, TensorStatsTable
 from ckptfmt.analytics.table_timing import Steps, System
 from ckptfmt.format.history import History, HistoryKey
 from ckptfmt.format.manifest import Manifest, optional_fields_except
@@ -130,7 +130,7 @@ def _build_here(items: Iterable[tuple[str, Repository, Sequence[CommitRecord | H
     ``system`` (``seed_words``)."""
     environment = Environment()
     builders: list[TableBuilder] = [Checkpoints(), Saves(), Steps(words), Tensors(), environment,
-                                    EnvironmentFields(environment), System(words), TensorStats(), Resumes()]
+                                    EnvironmentFields(environment), System(words), TensorStatsTable(), Resumes()]
     for run, repo, chosen in items:
         readers = workers or (LOCAL_READ_WORKERS if repo.storage.cheap_exists else READ_WORKERS)
         for record, manifest in _manifests(repo, chosen, readers):

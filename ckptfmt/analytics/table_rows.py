@@ -126,7 +126,7 @@ class Tensors(RowBuilder):
 _COUNTS = frozenset({"count", "nan", "posinf", "neginf", "zeros"})
 
 
-class TensorStats(RowBuilder):
+class TensorStatsTable(RowBuilder):
     """One row per checkpoint and tensor with recorded statistics (spec 6.10, format 1.4); a tensor that
     is the same object as an earlier one (``same_as``) is left out, as its statistics are that one's."""
 

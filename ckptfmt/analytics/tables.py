@@ -22,6 +22,7 @@ replaces one (``monkeypatch``) replaces it in the module that uses it.
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Iterable, Mapping
 
 import pyarrow as pa
@@ -49,7 +50,7 @@ from ckptfmt.analytics.table_environment import (
 )
 from ckptfmt.analytics.table_export import export
 from ckptfmt.analytics.table_join import joined
-from ckptfmt.analytics.table_rows import Checkpoints, Resumes, Saves, Tensors, TensorStats
+from ckptfmt.analytics.table_rows import Checkpoints, Resumes, Saves, Tensors, TensorStatsTable
 from ckptfmt.analytics.table_timing import Steps, System
 from ckptfmt.repository.repository import Repository
 
@@ -70,9 +71,19 @@ def tables(repos: str | os.PathLike | Iterable | Mapping[str, str | os.PathLike]
                  processes=processes)
 
 
+def __getattr__(name: str) -> type:
+    """The builder of the ``tensor_stats`` table was ``TensorStats`` here, a name the TUI's statistics of
+    a tensor's values also had (issue 50): the old name warns and works."""
+    if name == "TensorStats":
+        warnings.warn("ckptfmt.analytics.tables.TensorStats is renamed TensorStatsTable", DeprecationWarning,
+                      stacklevel=2)
+        return TensorStatsTable
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
     "FIRST_SHARE_EXTRA", "LOCAL_READ_WORKERS", "MAX_VALUE_CHARS", "READ_WORKERS", "SHARE_MIN", "SKIPPED_FIELDS",
     "TABLE_NAMES", "WORKER_MODULE", "Checkpoints", "Environment", "EnvironmentFields", "Resumes", "Saves", "Steps",
-    "System", "TableBuilder", "TensorStats", "Tensors", "build", "build_share", "environment_id", "export",
+    "System", "TableBuilder", "TensorStatsTable", "Tensors", "build", "build_share", "environment_id", "export",
     "flatten_fields", "joined", "runs", "saved", "seed_words", "tables",
 ]

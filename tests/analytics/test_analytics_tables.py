@@ -272,3 +272,15 @@ def test_resumes_hold_each_part_a_resume_compared_even_once_its_checkpoint_is_re
         ("step-2", "step-1", 1, "model", "equal"), ("step-2", "step-1", 1, "optimizer", "missing")]
     assert rows[1]["missing"] > 0 and rows[1]["keys"][0].startswith("optimizer/state/")
     assert (rows[0]["world_size_then"], rows[0]["world_size_now"], rows[0]["rank"]) == (1, 1, 0)
+
+
+def test_the_tensor_stats_builder_is_tensor_stats_table_and_its_old_name_warns():
+    """Issue 50: ``TensorStats`` also named the TUI's statistics of a tensor's values; the builder of the
+    ``tensor_stats`` table is ``TensorStatsTable``, its old name importable with a DeprecationWarning."""
+    from ckptfmt.analytics.table_rows import TensorStatsTable
+
+    with pytest.warns(DeprecationWarning, match="TensorStats is renamed TensorStatsTable"):
+        from ckptfmt.analytics.tables import TensorStats
+    assert TensorStats is TensorStatsTable
+    with pytest.raises(ImportError):
+        from ckptfmt.analytics.tables import NoSuchBuilder  # noqa: F401
