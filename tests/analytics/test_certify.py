@@ -242,7 +242,7 @@ def test_the_report_shows_the_certificate_and_the_runs_lineage(reference, tmp_pa
     faulty = resumed(tmp_path / "faulty", "optimizer dropped")
     made = report(faulty, html_path=tmp_path / "faulty.html", compare_with=reference)
     page = (tmp_path / "faulty.html").read_text()
-    assert made["certificate"].verdict == "diverged" and [c.verdict for c in made["resumes"]] == ["diverged"]
+    assert made.certificate.verdict == "diverged" and [c.verdict for c in made.resumes] == ["diverged"]
     assert "Certified against it: diverges at step 5 (load), after 6 steps compared." in page
     assert "<p id='resumes-verdict'>A resume diverged.</p>" in page
     row = re.search(r"<table id='resumes'>.*?<tbody><tr>(.*?)</tr>", page, flags=re.S).group(1)

@@ -59,8 +59,8 @@ def test_rank_zero_saves_every_ranks_steps_and_the_slow_rank_is_found(tmp_path):
     steps = tables(repo)["steps"]
     assert sorted(set(steps["rank"].to_pylist())) == [0, 1]
     report = stragglers(repo, thresholds=Thresholds(floor_s=0.1))
-    found = {(s["rank"], step) for s in report["stragglers"] for step in s["steps"]}
-    assert found == {(SLOW_RANK, step) for step in SLOW_STEPS}, report["stragglers"]
+    found = {(s.rank, step) for s in report.stragglers for step in s.steps}
+    assert found == {(SLOW_RANK, step) for step in SLOW_STEPS}, report.stragglers
 
 
 def test_gathered_steps_without_a_group_are_this_process_s():

@@ -40,8 +40,8 @@ def test_a_collective_save_to_a_shared_folder_records_each_ranks_host_and_finds_
         assert [(entry["rank"], entry["host"]) for entry in ranks] == [
             (0, "hostA"), (1, "hostA"), (2, "hostB"), (3, "hostB")]
     report = stragglers(str(repo), thresholds=Thresholds(floor_s=0.1))
-    found = {(s["rank"], s["host"], step) for s in report["stragglers"] for step in s["steps"]}
-    assert found == {(3, "hostB", step) for step in range(5, 8)}, report["stragglers"]
+    found = {(s.rank, s.host, step) for s in report.stragglers for step in s.steps}
+    assert found == {(3, "hostB", step) for step in range(5, 8)}, report.stragglers
     hosts.torchrun("hosts_restore.py", 1, f"{repo}/step-0012", "12")
 
 
@@ -56,8 +56,8 @@ def test_a_host_whose_clock_is_seconds_ahead_changes_no_straggler_found(hosts):
         starts = [decode_steps(entry["steps"], "step-0012").start_ns[0] for entry in reader.metadata["timing"]["ranks"]]
     assert starts[2] - starts[0] > 6e9 and starts[3] - starts[1] > 6e9  # hostB's clock is ahead
     report = stragglers(str(repo), thresholds=Thresholds(floor_s=0.1))
-    found = {(s["rank"], s["host"], step) for s in report["stragglers"] for step in s["steps"]}
-    assert found == {(3, "hostB", step) for step in range(5, 8)}, report["stragglers"]
+    found = {(s.rank, s.host, step) for s in report.stragglers for step in s.steps}
+    assert found == {(3, "hostB", step) for step in range(5, 8)}, report.stragglers
 
 
 def test_a_node_scoped_repository_holds_on_each_node_what_its_ranks_hold(hosts):

@@ -55,9 +55,9 @@ def test_two_ranks_resume_in_the_middle_of_an_epoch_exactly_and_show_the_slow_ra
     straight, resumed = tmp_path / "straight.pt", tmp_path / "resumed.pt"
     torchrun("accelerate_train.py", 2, "straight", "stateful", str(tmp_path / "a"), str(STEPS), str(straight))
     report = stragglers(str(tmp_path / "a"), thresholds=Thresholds(floor_s=0.1))
-    (slow,) = report["stragglers"]
-    assert (slow["rank"], slow["phase"]) == (1, "data")
-    assert slow["delay_s"] == pytest.approx(3 * 0.25, abs=0.1)
+    (slow,) = report.stragglers
+    assert (slow.rank, slow.phase) == (1, "data")
+    assert slow.delay_s == pytest.approx(3 * 0.25, abs=0.1)
     torchrun("accelerate_train.py", 2, "stop", "stateful", str(tmp_path / "run"), str(STEPS), "unused", "6")
     url = f"{tmp_path / 'run'}/step-000006"
     with ckptfmt.open(url) as reader:

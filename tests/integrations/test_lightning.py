@@ -319,8 +319,8 @@ def test_a_ddp_run_saved_by_rank_zero_holds_every_ranks_steps_and_finds_the_slow
         assert [entry["rank"] for entry in reader.metadata["timing"]["ranks"]] == [0, 1]
         assert reader.metadata["topology"]["writer_ranks"] == [0]
     report = stragglers(str(repo), thresholds=Thresholds(floor_s=0.1))
-    found = {(s["rank"], step) for s in report["stragglers"] for step in s["steps"]}
-    assert found == {(1, step) for step in range(10, 14)}, report["stragglers"]
+    found = {(s.rank, step) for s in report.stragglers for step in s.steps}
+    assert found == {(1, step) for step in range(10, 14)}, report.stragglers
     assert {progress.rank for progress in read_progress(ckptfmt.Repository.open(str(repo)))} == {0, 1}
     time_spent = analytics.goodput(str(repo))
     assert (time_spent.ranks, time_spent.steps_kept) == (2, 26)

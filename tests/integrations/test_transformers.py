@@ -217,10 +217,10 @@ def test_a_ddp_run_saves_collectively_resumes_exactly_and_shows_the_slow_rank(tm
         assert reader.metadata["topology"]["world_size"] == 2
         assert [entry["rank"] for entry in reader.metadata["rng"]] == [0, 1]
     report = stragglers(str(tmp_path / "a"), thresholds=Thresholds(floor_s=0.1))
-    (slow,) = report["stragglers"]
-    (episode,) = slow["episodes"]  # the Trainer's loader fetches a batch ahead: some steps hold two sleeps
-    assert (slow["rank"], slow["phase"], episode["first_step"], episode["last_step"]) == (1, "data", 10, 13)
-    assert slow["delay_s"] == pytest.approx(4 * 0.25, abs=0.1)
+    (slow,) = report.stragglers
+    (episode,) = slow.episodes  # the Trainer's loader fetches a batch ahead: some steps hold two sleeps
+    assert (slow.rank, slow.phase, episode.first_step, episode.last_step) == (1, "data", 10, 13)
+    assert slow.delay_s == pytest.approx(4 * 0.25, abs=0.1)
     torchrun("transformers_ddp.py", 2, str(tmp_path / "b"), str(tmp_path / "out_b"), "16", "8", str(tmp_path / "x"))
     assert steps_of(tmp_path / "b") == [8]
     torchrun("transformers_ddp.py", 2, str(tmp_path / "b"), str(tmp_path / "out_b"), "16", "0", str(resumed))

@@ -115,4 +115,5 @@ NOISY_MACHINE = Thresholds(floor_s=MIN_DELAY_S)
 
 
 def flagged(report: dict) -> set[tuple[int, int]]:
+    """The (rank, step) pairs a stragglers() report (as JSON) flags."""
     return {(s["rank"], step) for s in report["stragglers"] for step in s["steps"]}

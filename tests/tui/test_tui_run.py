@@ -24,7 +24,7 @@ from tests.tui.terminal import SMALL, region_lines, screen_lines
 @async_test
 async def test_the_run_screen_shows_stragglers_and_the_save_timeline(ddp_runs):
     run = ddp_runs["four"]
-    found = flagged(stragglers(run, thresholds=NOISY_MACHINE))
+    found = flagged(stragglers(run, thresholds=NOISY_MACHINE).to_json())
     assert RUNS["four"].injected() <= found
     app = create_app([run], min_delay=MIN_DELAY_S)
     async with app.run_test(size=SIZE) as pilot:
