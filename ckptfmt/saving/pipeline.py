@@ -116,71 +116,93 @@ def _write_and_commit(decision: dict, failure: Failure | None, url: str, name: s
     """Steps 2 and 3 of the protocol, once the plan is broadcast."""
     _raise_failures(decision, url, failure, ranks)
     agreed: Plan = decision["ok"]
-    if agreed.divergences and options.group.refuses_divergence:  # every rank has the plan: all raise
-        raise CollectiveError(f"{replicas.message(agreed.divergences, url)}; nothing was committed "
-                              "(on_divergence='raise')")
-    if ranks.is_coordinator and agreed.differences:
-        warnings.warn(_differences_message(agreed.differences), CheckpointWarning, stacklevel=4)
-    if ranks.is_coordinator and agreed.divergences:
-        warnings.warn(f"{replicas.message(agreed.divergences, url)}; each was stored from a rank of its majority",
-                      CheckpointWarning, stacklevel=4)
-
+    _heed_differences(agreed, url, ranks, options)
     node = NodeRepository(agreed.nodes, ranks, repo_url, options) if agreed.nodes is not None else None
     with ExitStack() as releasing:  # a leader's save lease on its node, however the save ends
         if node is not None:
             releasing.callback(node.release)
-
-        def write() -> dict:
-            repo = agreed.repo or (node.open() if node is not None
-                                   else Repository.open(repo_url, options.storage_options))
-            assigned = agreed.assigned[ranks.position]
-            mine = [sources[i] for i in assigned]
-            bases = _delta_bases(repo, agreed, entries, sources, assigned, options)
-            entries.clear()  # spent: the agreed plan holds what the manifest needs (100,000 tensors: 13 MiB)
-            with collector_paused():
-                stored = store_sources(repo, mine, options.encoding, parent_keys=agreed.parent_keys,
-                                       cache=DEFAULT_CACHE, timer=timer, bases=bases,
-                                       breaks=agreed.breaks[ranks.position] if agreed.breaks else ())
-            return {"stored": stored, **rank_record(ranks.rank, timer, ranks.topology_entry(), captured)}
-        written, own_failure = _attempt(write)
+        written, own_failure = _attempt(
+            lambda: _write(agreed, node, repo_url, sources, entries, timer, ranks, options, captured))
         # The encoding's records of each tensor are spent once its chunks are stored: freed before the
         # manifest is built (a save of 100,000 small tensors peaks there).
         sources.clear()
         entries.clear()  # where the write failed before it let go of them
         with timer.phase("wait_ranks") if ranks.count > 1 else nullcontext():
             results = ranks.gather(_report(written, own_failure, ranks.position))
-
         committed: list[Manifest] = []
-
-        def commit(reports: list[dict]) -> str:
-            repo, lease = agreed.repo, agreed.lease
-            assert repo is not None and lease is not None  # run on the coordinator, which holds both
-            reports[0]["timing"] = timer.record(ranks.rank, captured.steps, captured.resumes)  # with its wait
-            with collector_paused():
-                manifest = _manifest(agreed, reports, ranks, name, options)
-            agreed.tensors.clear()  # their boxes are the manifest's shards now: freed before it is written and checked
-            if options.before_commit is not None:
-                options.before_commit()
-            with collector_paused():
-                commit_manifest(repo, manifest, lease, options.signer, options.parity)
-            committed.append(manifest)
-            return repo.storage.describe(name)
-        outcome, failure = _coordinate(results, ranks, commit)
+        outcome, failure = _coordinate(
+            results, ranks, lambda reports: _commit(agreed, reports, committed, name, timer, ranks, options, captured))
         if node is not None and committed and outcome is not None:  # the other nodes' leaders commit it on theirs
             outcome = {**outcome, "manifest": committed[0]}
-        try:
-            outcome = ranks.broadcast(outcome)
-            if node is not None:
-                node.commit(outcome, options.signer)
-        except CollectiveError as exc:
-            if ranks.is_coordinator and outcome is not None and "ok" in outcome:
-                return outcome["ok"]  # committed; a rank went away after reporting its chunks durable
-            if not ranks.is_coordinator and own_failure is None:
-                raise CollectiveError(f"{exc}; the coordinator had every rank's chunks and may have committed "
-                                      f"{url}: ckptfmt ls shows whether it did") from None
-            raise
-        _raise_failures(outcome, url, own_failure or failure, ranks)
-        return outcome["ok"]
+        return _outcome(outcome, own_failure or failure, own_failure, node, url, ranks, options)
+
+
+def _heed_differences(agreed: Plan, url: str, ranks: Ranks, options: SaveOptions) -> None:
+    """What the plan found between the members' states: replicas whose copies differ fail the save on every
+    member (``on_divergence="raise"``: every member has the plan) or are warned of by the coordinator, with
+    the values that differed."""
+    if agreed.divergences and options.group.refuses_divergence:
+        raise CollectiveError(f"{replicas.message(agreed.divergences, url)}; nothing was committed "
+                              "(on_divergence='raise')")
+    if ranks.is_coordinator and agreed.differences:
+        warnings.warn(_differences_message(agreed.differences), CheckpointWarning, stacklevel=5)
+    if ranks.is_coordinator and agreed.divergences:
+        warnings.warn(f"{replicas.message(agreed.divergences, url)}; each was stored from a rank of its majority",
+                      CheckpointWarning, stacklevel=5)
+
+
+def _write(agreed: Plan, node: NodeRepository | None, repo_url: str, sources: list[TensorSource],
+           entries: list[PlannedTensor], timer: PhaseTimer, ranks: Ranks, options: SaveOptions,
+           captured: Captured) -> dict:
+    """Step 2 on this member: store the boxes the plan gave it (against the parent's where its encoding
+    stores deltas), and report its chunks with its own record."""
+    repo = agreed.repo or (node.open() if node is not None else Repository.open(repo_url, options.storage_options))
+    assigned = agreed.assigned[ranks.position]
+    mine = [sources[i] for i in assigned]
+    bases = _delta_bases(repo, agreed, entries, sources, assigned, options)
+    entries.clear()  # spent: the agreed plan holds what the manifest needs (100,000 tensors: 13 MiB)
+    with collector_paused():
+        stored = store_sources(repo, mine, options.encoding, parent_keys=agreed.parent_keys, cache=DEFAULT_CACHE,
+                               timer=timer, bases=bases,
+                               breaks=agreed.breaks[ranks.position] if agreed.breaks else ())
+    return {"stored": stored, **rank_record(ranks.rank, timer, ranks.topology_entry(), captured)}
+
+
+def _commit(agreed: Plan, reports: list[dict], committed: list[Manifest], name: str, timer: PhaseTimer,
+            ranks: Ranks, options: SaveOptions, captured: Captured) -> str:
+    """Step 3 on the coordinator, which holds the repository and the save lease: the manifest from every
+    member's report, ``before_commit``, then the commit (kept in ``committed``); returns the checkpoint's URL."""
+    repo, lease = agreed.repo, agreed.lease
+    assert repo is not None and lease is not None  # run on the coordinator, which holds both
+    reports[0]["timing"] = timer.record(ranks.rank, captured.steps, captured.resumes)  # with its wait
+    with collector_paused():
+        manifest = _manifest(agreed, reports, ranks, name, options)
+    agreed.tensors.clear()  # their boxes are the manifest's shards now: freed before it is written and checked
+    if options.before_commit is not None:
+        options.before_commit()
+    with collector_paused():
+        commit_manifest(repo, manifest, lease, options.signer, options.parity)
+    committed.append(manifest)
+    return repo.storage.describe(name)
+
+
+def _outcome(outcome: dict | None, failure: Failure | None, own_failure: Failure | None,
+             node: NodeRepository | None, url: str, ranks: Ranks, options: SaveOptions) -> str:
+    """The end of step 3 on every member: the coordinator's outcome, broadcast (and committed on each other
+    node, by its leader); the checkpoint's URL, or the failures raised."""
+    try:
+        outcome = ranks.broadcast(outcome)
+        if node is not None:
+            node.commit(outcome, options.signer)
+    except CollectiveError as exc:
+        if ranks.is_coordinator and outcome is not None and "ok" in outcome:
+            return outcome["ok"]  # committed; a rank went away after reporting its chunks durable
+        if not ranks.is_coordinator and own_failure is None:
+            raise CollectiveError(f"{exc}; the coordinator had every rank's chunks and may have committed "
+                                  f"{url}: ckptfmt ls shows whether it did") from None
+        raise
+    _raise_failures(outcome, url, failure, ranks)
+    return outcome["ok"]
 
 
 class NodeRepository:
@@ -214,7 +236,7 @@ class NodeRepository:
             commit_manifest(self.repo, outcome["manifest"], self.lease, signer)
         except CheckpointError as exc:
             warnings.warn(f"{self.repo.url} on {socket.gethostname()}: the checkpoint committed by rank 0 could "
-                          f"not be committed on this node ({exc})", CheckpointWarning, stacklevel=5)
+                          f"not be committed on this node ({exc})", CheckpointWarning, stacklevel=6)
 
     def release(self) -> None:
         if self.lease is not None:
