@@ -124,7 +124,7 @@ class CkptfmtCheckpointIO(CheckpointIO):
             metadata={"lightning": {"path": pointer, "epoch": checkpoint.get("epoch"), "global_step": step}},
             **options)
         url = f"{repo.url}/{name}"
-        points = current_rank()[0] == 0 or save_options.coordinated is False
+        points = current_rank()[0] == 0 or save_options.group.alone
         try:
             if self.saver is None:
                 save_with(checkpoint, url, save_options, timer=timer)

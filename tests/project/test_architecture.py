@@ -182,3 +182,33 @@ def test_the_repository_tracks_only_the_documented_top_level():
         pytest.skip("not a git checkout (an unpacked sdist)")
     tracked = {path.split("/")[0] for path in result.stdout.splitlines()}
     assert tracked <= TOP_LEVEL, sorted(tracked - TOP_LEVEL)
+
+
+#: The core modules each client on top may import beyond the public API (docs/architecture.md, "the
+#: reader's surface"): what a checkpoint holds and how it is read and shown, never what saves, stores or
+#: coordinates ranks. A new import outside its set belongs in the docs' list first, or in the public API.
+READERS_SURFACE = {
+    "ckptfmt.converters": {"ckptfmt.format.values", "ckptfmt.format.rng_states", "ckptfmt.tensors.values",
+                           "ckptfmt.tensors.dtypes", "ckptfmt.tensors.sharded", "ckptfmt.metadata.timing",
+                           "ckptfmt.repository.repository", "ckptfmt.tools.formatting", "ckptfmt.tools.output",
+                           "ckptfmt.tools.diff"},
+    "ckptfmt.tui": {"ckptfmt.format.manifest", "ckptfmt.format.shards", "ckptfmt.format.dtypes",
+                    "ckptfmt.loading.checkpoint", "ckptfmt.loading.reader", "ckptfmt.repository.repository",
+                    "ckptfmt.tools.describe", "ckptfmt.tools.diff", "ckptfmt.tools.verify", "ckptfmt.tools.formatting",
+                    "ckptfmt.tools.output", "ckptfmt.analytics", "ckptfmt.analytics.tables",
+                    "ckptfmt.analytics.stragglers", "ckptfmt.analytics.compare", "ckptfmt.analytics.certify",
+                    "ckptfmt.analytics.grids"},
+}
+PUBLIC_API = {"ckptfmt", "ckptfmt.errors"}
+
+
+@pytest.mark.parametrize("client", sorted(READERS_SURFACE))
+def test_the_converters_and_the_tui_import_the_public_api_and_their_readers_surface_only(client):
+    imported = {target for module, targets in graph().items() if module.startswith(client) for target in targets
+                if not target.startswith(client) and target.startswith("ckptfmt")}
+    assert imported - PUBLIC_API - READERS_SURFACE[client] == set()
+    docs = (ROOT / "docs" / "architecture.md").read_text()
+    listed = docs[docs.index(f"- {client.removeprefix('ckptfmt.')}/:"):]
+    listed = listed[:listed.index("\n\n")]
+    for module in READERS_SURFACE[client]:
+        assert f"`{module.removeprefix('ckptfmt.').replace('.', '/')}.py`" in listed or f"`{module}`" in listed, module
