@@ -226,10 +226,7 @@ def parse_columns(doc: dict, chunk_sizes: np.ndarray, budget: Any,
     row form's are. The entries are built from the checked columns when read (``TensorTable``)."""
     import numpy as np
 
-    keys = doc.get("key")
-    stray, empty, over = key_scan(keys, MAX_KEY_BYTES) if type(keys) is list else (0, 0, -1)
-    if type(keys) is not list or stray >= 0:
-        raise ManifestError("tensor columns: 'key' must be an array of strings")
+    keys, empty, over = _keys(doc.get("key"))
     count = len(keys)
     if count > MAX_TENSORS:
         raise ManifestError("too many chunks or tensors")
@@ -399,6 +396,15 @@ def _what(keys: list[str], index: Any) -> str:
     """An entry, for an error: by its key, or by its number where the key is empty (an entry of rows)."""
     index = int(index)
     return f"tensor {keys[index]!r}" if keys[index] else f"tensor {index}"
+
+
+def _keys(keys: Any) -> tuple[list[str], int, int]:
+    """The 'key' column, an array of strings, with ``key_scan``'s count of empty keys and its first
+    over-long one (-1: none)."""
+    stray, empty, over = key_scan(keys, MAX_KEY_BYTES) if type(keys) is list else (0, 0, -1)
+    if type(keys) is not list or stray >= 0:
+        raise ManifestError("tensor columns: 'key' must be an array of strings")
+    return keys, empty, over
 
 
 def _name_bad_key(keys: list[str], in_rows: np.ndarray) -> None:
