@@ -174,63 +174,96 @@ def _host_ranks(steps: pa.Table) -> dict[str, list[int]]:
 def _causes(rank: int, host: str, phase: str, start: float, end: float, inside: np.ndarray, outside: np.ndarray,
             samples: _Samples, neighbours: list[int], saves: pa.Table, waited: float | None) -> list[dict]:
     """The episode's causes, likeliest first; ``waited``: the share of its steps' time spent in ``data``."""
-    causes: list[tuple[float, dict]] = []
     where = f"rank {rank}"
-    span = end - start
-    # Data loading: the share of the steps' time spent waiting for data.
+    weighed = [_data_loading(where, phase, waited),
+               _cpu_contention(rank, host, phase, start, end, inside, outside, samples, neighbours),
+               _memory_pressure(rank, host, inside, samples),
+               _gpu_throttled(rank, host, inside, outside, samples),
+               _storage_io(rank, start, end, inside, outside, samples, saves)]
+    causes = [cause for cause in weighed if cause is not None]
+    if not causes:
+        sampled = "no system sample" if inside.size == 0 else f"{inside.size} system samples"
+        return [{"cause": "unexplained", "evidence": f"{sampled} in these steps show none of the known causes",
+                 "action": f"profile {where}'s {phase} phase"}]
+    return [cause for _, cause in sorted(causes, key=lambda c: -c[0])]
+
+
+def _data_loading(where: str, phase: str, waited: float | None) -> tuple[float, dict] | None:
+    """Data loading: the share of the steps' time spent waiting for data."""
     if phase == "data" or (waited is not None and waited >= 0.5):
         waiting = (f"{where} waited for its data {waited:.0%} of the time in these steps" if waited is not None
                    else f"{where} was slowest in its data phase in these steps")
-        causes.append((waited or 0.5, {
+        return (waited or 0.5, {
             "cause": "data loading", "evidence": waiting,
             "action": f"give {where}'s data loader more workers (num_workers), prefetch or pin memory, and check "
-                      "the storage it reads from"}))
-    # CPU contention: the process got less CPU than usual while it computed, or was switched out more.
+                      "the storage it reads from"})
+    return None
+
+
+def _cpu_contention(rank: int, host: str, phase: str, start: float, end: float, inside: np.ndarray,
+                    outside: np.ndarray, samples: _Samples, neighbours: list[int]) -> tuple[float, dict] | None:
+    """CPU contention: the process got less CPU than usual while it computed, or was switched out more."""
+    where = f"rank {rank}"
     cpu_in = _sum(samples.rate(rank, "cpu_user_s", inside), samples.rate(rank, "cpu_system_s", inside))
     cpu_out = _sum(samples.rate(rank, "cpu_user_s", outside), samples.rate(rank, "cpu_system_s", outside))
     switches_in = samples.rate(rank, "ctx_involuntary", inside)
     switches_out = samples.rate(rank, "ctx_involuntary", outside)
     starved = phase != "data" and cpu_in is not None and cpu_out and cpu_in <= CONTENDED * cpu_out
     switched = switches_in is not None and switches_out is not None and switches_in >= SWITCHES * max(switches_out, 1.0)
-    if starved or switched:
-        evidence = []
-        if cpu_in is not None and cpu_out:
-            evidence.append(f"its process got {cpu_in:.2f} CPUs against {cpu_out:.2f} elsewhere in the run")
-        if switches_in is not None:
-            evidence.append(f"{switches_in:.0f} involuntary context switches a second (usually "
-                            f"{switches_out or 0:.0f})")
-        busy, cpus = samples.mean(rank, "host_cpu_busy", inside), samples.mean(rank, "host_cpus", inside)
-        others = None
-        if busy is not None and cpus:  # the host's busy CPUs less what the job's ranks on it used
-            job = 0.0
-            for neighbour in neighbours:
-                window = samples.split(neighbour, start, end)[0]
-                job += _sum(samples.rate(neighbour, "cpu_user_s", window),
-                            samples.rate(neighbour, "cpu_system_s", window)) or 0.0
-            others = busy * cpus - job
-        saturated = others is not None and busy is not None and busy >= SATURATED and others >= 0.5
-        if saturated:
-            evidence.append(f"host {host} was busy on {busy:.0%} of its {cpus:.0f} CPUs, {others:.1f} of them not "
-                            "this job's ranks")
-        causes.append((1.0 + (1 - cpu_in / cpu_out if starved and cpu_in is not None and cpu_out else 0.0), {
-            "cause": "host saturated by other processes" if saturated else "CPU contention",
-            "evidence": "; ".join(evidence),
-            "action": (f"drain or exclude host {host}, or stop what else runs on it" if saturated else
-                       f"give {where} CPUs of its own (pin it, and keep other work off its cores)")}))
-    # Memory pressure on the host.
+    if not (starved or switched):
+        return None
+    evidence = []
+    if cpu_in is not None and cpu_out:
+        evidence.append(f"its process got {cpu_in:.2f} CPUs against {cpu_out:.2f} elsewhere in the run")
+    if switches_in is not None:
+        evidence.append(f"{switches_in:.0f} involuntary context switches a second (usually "
+                        f"{switches_out or 0:.0f})")
+    busy, cpus = samples.mean(rank, "host_cpu_busy", inside), samples.mean(rank, "host_cpus", inside)
+    others = None
+    if busy is not None and cpus:  # the host's busy CPUs less what the job's ranks on it used
+        job = 0.0
+        for neighbour in neighbours:
+            window = samples.split(neighbour, start, end)[0]
+            job += _sum(samples.rate(neighbour, "cpu_user_s", window),
+                        samples.rate(neighbour, "cpu_system_s", window)) or 0.0
+        others = busy * cpus - job
+    saturated = others is not None and busy is not None and busy >= SATURATED and others >= 0.5
+    if saturated:
+        evidence.append(f"host {host} was busy on {busy:.0%} of its {cpus:.0f} CPUs, {others:.1f} of them not "
+                        "this job's ranks")
+    return (1.0 + (1 - cpu_in / cpu_out if starved and cpu_in is not None and cpu_out else 0.0), {
+        "cause": "host saturated by other processes" if saturated else "CPU contention",
+        "evidence": "; ".join(evidence),
+        "action": (f"drain or exclude host {host}, or stop what else runs on it" if saturated else
+                   f"give {where} CPUs of its own (pin it, and keep other work off its cores)")})
+
+
+def _memory_pressure(rank: int, host: str, inside: np.ndarray, samples: _Samples) -> tuple[float, dict] | None:
+    """Memory pressure on the host."""
     available = samples.mean(rank, "host_mem_available_bytes", inside, np.nanmin)
     total = samples.mean(rank, "host_mem_total_bytes", inside)
     if available is not None and total and available / total < MEMORY_FREE:
-        causes.append((1.0, {
+        return (1.0, {
             "cause": "memory pressure", "evidence": f"host {host} had {available / total:.1%} of its memory available",
-            "action": f"free memory on host {host} (other processes, page cache pressure) or give the job more"}))
-    # A throttled or hot GPU.
+            "action": f"free memory on host {host} (other processes, page cache pressure) or give the job more"})
+    return None
+
+
+def _gpu_throttled(rank: int, host: str, inside: np.ndarray, outside: np.ndarray,
+                   samples: _Samples) -> tuple[float, dict] | None:
+    """A throttled or hot GPU."""
     gpu = _gpu_evidence(samples, rank, inside, outside)
     if gpu:
-        causes.append((1.0, {"cause": "GPU throttled", "evidence": "; ".join(gpu),
-                             "action": f"check the cooling and power of {where}'s GPU on host {host}; drain the "
-                                       "host if it persists"}))
-    # Storage I/O: a save of this rank during the window, or far more bytes written than usual.
+        return (1.0, {"cause": "GPU throttled", "evidence": "; ".join(gpu),
+                      "action": f"check the cooling and power of rank {rank}'s GPU on host {host}; drain the "
+                                "host if it persists"})
+    return None
+
+
+def _storage_io(rank: int, start: float, end: float, inside: np.ndarray, outside: np.ndarray, samples: _Samples,
+                saves: pa.Table) -> tuple[float, dict] | None:
+    """Storage I/O: a save of this rank during the window, or far more bytes written than usual."""
+    span = end - start
     saving = _save_overlap(saves, rank, start, end)
     written_in, written_out = samples.rate(rank, "disk_write_bytes", inside), samples.rate(rank, "disk_write_bytes",
                                                                                            outside)
@@ -239,14 +272,10 @@ def _causes(rank: int, host: str, phase: str, start: float, end: float, inside: 
         evidence = [f"it was saving ({saving:.2f} s of save phases in these {span:.2f} s)"] if saving else []
         if written_in is not None:
             evidence.append(f"it wrote {written_in / 1e6:.0f} MB/s (usually {(written_out or 0) / 1e6:.0f})")
-        causes.append((0.9, {"cause": "storage I/O during a save", "evidence": "; ".join(evidence),
-                             "action": "save to a fast local tier first (CheckpointManager tiers), save "
-                                       "asynchronously (async_save), or save less often (ckptfmt advise)"}))
-    if not causes:
-        sampled = "no system sample" if inside.size == 0 else f"{inside.size} system samples"
-        return [{"cause": "unexplained", "evidence": f"{sampled} in these steps show none of the known causes",
-                 "action": f"profile {where}'s {phase} phase"}]
-    return [cause for _, cause in sorted(causes, key=lambda c: -c[0])]
+        return (0.9, {"cause": "storage I/O during a save", "evidence": "; ".join(evidence),
+                      "action": "save to a fast local tier first (CheckpointManager tiers), save "
+                                "asynchronously (async_save), or save less often (ckptfmt advise)"})
+    return None
 
 
 def _sum(*values: float | None) -> float | None:
