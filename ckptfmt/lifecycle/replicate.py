@@ -136,33 +136,32 @@ def replicate(src: str | os.PathLike | Repository, dst: str | os.PathLike | Repo
     if not (isinstance(workers, int) and workers >= 1):
         raise ValueError("workers must be a positive integer")
     version = None if format_version is None else target_version(format_version)
-    if signer is not None:
-        if version is None:
-            raise ValueError("signer= signs the checkpoints rewritten for format_version=; give that too")
-        if version < SIGNATURES_FROM:
-            raise ValueError(f"signer= needs format {version_text(SIGNATURES_FROM)} (signatures, spec 10.3); "
-                             f"format {version_text(version)} cannot express it")
-        signer = SigningKey.load(signer)
-        for feature in signature_features(signer.algorithm):  # ML-DSA keys: format 2.0
-            refuse_unless_writable(feature, version, f"signer= (an {signer.algorithm} key)")
+    signer = _signing_key(signer, version)
     started = time.perf_counter()
     source = _repository(src, storage_options, create=False)
     records = _records(source, name)
     if version is not None:  # what the version cannot express is refused before anything is written
-        for record in records:
-            if record.version > version:
-                manifest = source.manifest(record.name, record, skip=optional_fields_except("placement"))
-                rewrite.refuse_inexpressible(manifest, version, source.storage.describe(record.name))
+        _refuse_inexpressible(source, records, version)
     target = _repository(dst, dst_storage_options, create=True, format_version=version or source.format_version)
     if version is not None and target.format_version > version:
         warnings.warn(f"{target.url}: the repository's marker declares format {version_text(target.format_version)}"
                       f", newer than {version_text(version)}: readers of format {version_text(version)} cannot "
                       "open it, though the checkpoints copied now are written for them", CheckpointWarning,
                       stacklevel=2)
+    copier = _Copier(source, target, workers, verify, callback or NoOpCallback(), yield_to, version, signer)
+    copied, present = _copy(copier, target, records)
+    if version is None:
+        histories = copy_histories(source, target, verify=verify)
+    else:
+        histories = rewrite.copy_histories_at(source, target, version)
+    return _report(source, target, copier, copied, present, histories, version, started)
+
+
+def _copy(copier: _Copier, target: Repository, records: list[CommitRecord]) -> tuple[list[str], list[str]]:
+    """Each checkpoint of ``records`` copied unless ``target`` has it: (the names copied, those present)."""
     copied: list[str] = []
     present: list[str] = []
     missing: list[CommitRecord] = []
-    copier = _Copier(source, target, workers, verify, callback or NoOpCallback(), yield_to, version, signer)
     for record in records:
         if copier.on_target(record):
             present.append(record.name)
@@ -173,10 +172,34 @@ def replicate(src: str | os.PathLike | Repository, dst: str | os.PathLike | Repo
             copier.stored = target.storage.find(layout.CHUNKS_DIR)
             for record in missing:
                 (copied if copier.copy(record, lease) else present).append(record.name)
-    if version is None:
-        histories = copy_histories(source, target, verify=verify)
-    else:
-        histories = rewrite.copy_histories_at(source, target, version)
+    return copied, present
+
+
+def _signing_key(signer: Any, version: tuple[int, int] | None) -> SigningKey | None:
+    """``replicate``'s ``signer=`` loaded, once checked against its ``format_version=``."""
+    if signer is not None:
+        if version is None:
+            raise ValueError("signer= signs the checkpoints rewritten for format_version=; give that too")
+        if version < SIGNATURES_FROM:
+            raise ValueError(f"signer= needs format {version_text(SIGNATURES_FROM)} (signatures, spec 10.3); "
+                             f"format {version_text(version)} cannot express it")
+        signer = SigningKey.load(signer)
+        for feature in signature_features(signer.algorithm):  # ML-DSA keys: format 2.0
+            refuse_unless_writable(feature, version, f"signer= (an {signer.algorithm} key)")
+    return signer
+
+
+def _refuse_inexpressible(source: Repository, records: list[CommitRecord], version: tuple[int, int]) -> None:
+    """Raise, naming it, for a checkpoint to copy that uses what format ``version`` cannot express."""
+    for record in records:
+        if record.version > version:
+            manifest = source.manifest(record.name, record, skip=optional_fields_except("placement"))
+            rewrite.refuse_inexpressible(manifest, version, source.storage.describe(record.name))
+
+
+def _report(source: Repository, target: Repository, copier: _Copier, copied: list[str], present: list[str],
+            histories: int, version: tuple[int, int] | None, started: float) -> ReplicationReport:
+    """What ``replicate`` did: the copier's counts with its re-encoder's (``format_version=``)."""
     reencoder = copier.reencoder
     return ReplicationReport(
         source=source.url, destination=target.url, copied=tuple(copied), present=tuple(present),
