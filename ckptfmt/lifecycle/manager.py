@@ -105,53 +105,23 @@ class CheckpointManager:
             raise ValueError("give either repo or tiers (fastest first)")
         default = Retention(keep_last=keep_last, keep_every=keep_every, keep_best=keep_best, keep_within=keep_within)
         given = [repo] if repo is not None else tiers or []
-        self.tiers = [_tier(t, default, storage_options, save_options.get("parity")) for t in given]
-        if not self.tiers:
-            raise ValueError("tiers must name at least one repository")
-        if any(tier.scope == "node" for tier in self.tiers[1:]):
-            raise ValueError("only the first tier may be node-scoped (each node's own disk); the next tiers "
-                             "are where every node's checkpoints go")
-        if interval not in (None, "auto") and (isinstance(interval, bool) or not isinstance(interval, int)
-                                               or interval < 1):
-            raise ValueError(f"interval must be None, a positive number of steps or 'auto', not {interval!r}")
-        self.interval = interval
-        self.mtbf_s = mtbf.total_seconds() if isinstance(mtbf, timedelta) else float(mtbf)
-        if not self.mtbf_s > 0:
-            raise ValueError("mtbf must be positive")
-        if housekeeping not in ("auto", "thread", "process"):
-            raise ValueError(f"housekeeping must be 'auto', 'thread' or 'process', not {housekeeping!r}")
+        self.tiers = _tiers(given, default, storage_options, save_options.get("parity"))
+        self.interval, self.mtbf_s = _schedule(interval, mtbf, housekeeping)
         self.async_save = async_save
         self.name_format = name_format
-        managed = sorted(set(save_options) & _MANAGED_OPTIONS)
-        if managed:
-            raise TypeError(f"CheckpointManager sets {managed[0]!r} itself for each save; "
-                            f"pass it to save() or to the manager's own arguments")
         #: The options of every save, checked now rather than at the first save: with the first tier's
         #: scope, which each save sets (a node-scoped tier needs format 1.10, ``format_version=``).
-        self.save_options = SaveOptions.from_keywords("CheckpointManager", save_options).replace(
-            scope=self.tiers[0].scope, parity=self.tiers[0].parity)
-        if self.tiers[0].redundancy == "parity":
-            refuse_unless_writable("node-parity", self.save_options.format_version, "Tier(redundancy='parity')")
+        self.save_options = _save_options(save_options, self.tiers[0])
         #: The asynchronous saver, with its staging buffers (freed by ``close``).
         self.saver = AsyncSaver() if async_save else None
         self.group = distributed_group(process_group)
         self.is_coordinator = self.group is None or torch.distributed.get_rank(self.group) == 0
         #: With a node-scoped first tier across ranks: the job's nodes, found once, and this rank's place
         #: among their leaders, who copy each node's chunks to the others, drain and refill.
-        self.peers: NodePeers | None = None
-        if self.tiers[0].scope == "node" and self.group is not None:
-            ranks = RankGroup(self.group, DEFAULT_TIMEOUT_S, "finding each node's leader")
-            self.peers = NodePeers(self.tiers[0], ranks, NodeLayout.gather(ranks), self.tiers[0].survives,
-                                   DEFAULT_TIMEOUT_S, self.save_options.format_version)
+        self.peers = _peers(self.tiers[0], self.group, self.save_options.format_version)
         #: Replication, retention and collection; the group's rank 0 has one, and with a node-scoped first
         #: tier each other node's lowest rank, for its own node's tier (retention and collection only).
-        leads_node = self.peers is not None and self.peers.is_leader
-        self.housekeeper: Housekeeper | HousekeepingProcess | None = None
-        drained = self.peers is not None and self.peers.group is not None and len(self.tiers) > 1
-        if self.is_coordinator:
-            self.housekeeper = _housekeeper(self.tiers, gc_wait_s, housekeeping, drained)
-        elif leads_node:
-            self.housekeeper = Housekeeper(self.tiers, gc_wait_s, copies=False)
+        self.housekeeper = _own_housekeeper(self.tiers, self.peers, self.is_coordinator, gc_wait_s, housekeeping)
         self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptfmt-manager")
         #: The peer copies' thread (a node's leader): apart, as every leader must copy each checkpoint in turn.
         self._copying = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptfmt-peer-copies")
@@ -440,6 +410,64 @@ class CheckpointManager:
             next_save = shared[0]
         self._next_save = next_save
         self._plan_at = None if next_save is not None else step + PLAN_AFTER_STEPS
+
+
+def _tiers(given: list, default: Retention, storage_options: dict | None, parity: str | None) -> list[Tier]:
+    """The manager's tiers (``_tier``), checked: at least one, and only the first node-scoped."""
+    tiers = [_tier(t, default, storage_options, parity) for t in given]
+    if not tiers:
+        raise ValueError("tiers must name at least one repository")
+    if any(tier.scope == "node" for tier in tiers[1:]):
+        raise ValueError("only the first tier may be node-scoped (each node's own disk); the next tiers "
+                         "are where every node's checkpoints go")
+    return tiers
+
+
+def _schedule(interval: int | str | None, mtbf: timedelta | float,
+              housekeeping: str) -> tuple[int | str | None, float]:
+    """The manager's ``interval`` and ``mtbf`` (in seconds), checked, with its ``housekeeping``."""
+    if interval not in (None, "auto") and (isinstance(interval, bool) or not isinstance(interval, int)
+                                           or interval < 1):
+        raise ValueError(f"interval must be None, a positive number of steps or 'auto', not {interval!r}")
+    mtbf_s = mtbf.total_seconds() if isinstance(mtbf, timedelta) else float(mtbf)
+    if not mtbf_s > 0:
+        raise ValueError("mtbf must be positive")
+    if housekeeping not in ("auto", "thread", "process"):
+        raise ValueError(f"housekeeping must be 'auto', 'thread' or 'process', not {housekeeping!r}")
+    return interval, mtbf_s
+
+
+def _save_options(save_options: dict[str, Any], first: Tier) -> SaveOptions:
+    """The manager's save options, checked, with the first tier's scope and parity."""
+    managed = sorted(set(save_options) & _MANAGED_OPTIONS)
+    if managed:
+        raise TypeError(f"CheckpointManager sets {managed[0]!r} itself for each save; "
+                        f"pass it to save() or to the manager's own arguments")
+    options = SaveOptions.from_keywords("CheckpointManager", save_options).replace(
+        scope=first.scope, parity=first.parity)
+    if first.redundancy == "parity":
+        refuse_unless_writable("node-parity", options.format_version, "Tier(redundancy='parity')")
+    return options
+
+
+def _peers(first: Tier, group: Any, format_version: Any) -> NodePeers | None:
+    """With a node-scoped first tier across ranks: the job's nodes, found now (collective); else None."""
+    if first.scope == "node" and group is not None:
+        ranks = RankGroup(group, DEFAULT_TIMEOUT_S, "finding each node's leader")
+        return NodePeers(first, ranks, NodeLayout.gather(ranks), first.survives, DEFAULT_TIMEOUT_S, format_version)
+    return None
+
+
+def _own_housekeeper(tiers: list[Tier], peers: NodePeers | None, is_coordinator: bool, gc_wait_s: float,
+                     housekeeping: str) -> Housekeeper | HousekeepingProcess | None:
+    """This rank's housekeeper: the coordinator's (``_housekeeper``), a node leader's own (no copies), or None."""
+    leads_node = peers is not None and peers.is_leader
+    drained = peers is not None and peers.group is not None and len(tiers) > 1
+    if is_coordinator:
+        return _housekeeper(tiers, gc_wait_s, housekeeping, drained)
+    if leads_node:
+        return Housekeeper(tiers, gc_wait_s, copies=False)
+    return None
 
 
 def _housekeeper(tiers: list[Tier], gc_wait_s: float, where: str,
