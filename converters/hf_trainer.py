@@ -110,6 +110,46 @@ def read(path: str) -> Imported:
     state: dict[str, Any] = {}
 
     # trainer_state.json: step and training metadata
+    step = _step(folder, names, metadata, notes)
+
+    for name in ("config.json", "generation_config.json"):
+        if name in names:
+            config = _json(folder, name)
+            metadata[name.replace(".json", "")] = config
+            if isinstance(config, dict) and isinstance(config.get("transformers_version"), str):
+                versions.setdefault("transformers", config["transformers_version"])
+
+    # model weights
+    weights = _model(folder, names, state, metadata, versions, opaque, notes)
+    weights_path = os.path.join(folder, weights[0])
+
+    consumed = {TRAINER_STATE, "config.json", "generation_config.json", weights[0]}
+    consumed.update(_shard_files(weights_path) if weights[0].endswith(".index.json") else ())
+    for name, key in ((OPTIMIZER, "optimizer"), (SCHEDULER, "scheduler"), (SCALER, "scaler"),
+                      (TRAINING_ARGS, "training_args")):
+        if name in names:
+            state[key] = _torch_part(os.path.join(folder, name), key, opaque, notes)
+            consumed.add(name)
+        elif name in (OPTIMIZER, SCHEDULER):
+            notes.append(f"no {name} in the folder")
+
+    # RNG states
+    rng_files = _rng_files(folder)
+    rng = _rng_states(folder, rng_files, notes)
+    consumed.update(name for _, name in rng_files)
+    left = sorted(n + ("/" if os.path.isdir(os.path.join(folder, n)) else "") for n in names - consumed)
+    if left:
+        notes.append(f"not imported: {', '.join(left)}")
+
+    if opaque:
+        shown = ", ".join(opaque[:10]) + (" ..." if len(opaque) > 10 else "")
+        notes.append(f"{len(opaque)} object(s) kept opaque (pickled, never run): {shown}")
+    return Imported(state=state, kind="hf-trainer", step=step, metadata=metadata, rng=rng or None,
+                    versions=versions, opaque=opaque, notes=notes)
+
+
+def _step(folder: str, names: set[str], metadata: dict[str, Any], notes: list[str]) -> int | None:
+    """The step, from trainer_state.json (whose keys go to ``metadata``) or else the folder's name."""
     step: int | None = None
     trainer_state = _json(folder, TRAINER_STATE) if TRAINER_STATE in names else None
     if trainer_state is not None:
@@ -133,15 +173,12 @@ def read(path: str) -> Imported:
             notes.append(f"step {step} taken from the folder name")
         else:
             notes.append("no step found (no trainer_state.json global_step, folder not named checkpoint-N)")
+    return step
 
-    for name in ("config.json", "generation_config.json"):
-        if name in names:
-            config = _json(folder, name)
-            metadata[name.replace(".json", "")] = config
-            if isinstance(config, dict) and isinstance(config.get("transformers_version"), str):
-                versions.setdefault("transformers", config["transformers_version"])
 
-    # model weights
+def _model(folder: str, names: set[str], state: dict[str, Any], metadata: dict[str, Any], versions: dict[str, str],
+           opaque: list[str], notes: list[str]) -> tuple[str, str]:
+    """The model weights read into ``state["model"]``; (their file, how they are stored)."""
     weights = next(((name, how) for name, how in WEIGHTS if name in names), None)
     if weights is None:
         raise CheckpointNotFoundError(
@@ -160,35 +197,18 @@ def read(path: str) -> Imported:
     metadata["model_weights"] = weights[0]
     if weights[0].startswith("adapter_"):
         notes.append(f"only the adapter weights ({weights[0]}) are in this folder")
+    return weights
 
-    consumed = {TRAINER_STATE, "config.json", "generation_config.json", weights[0]}
-    consumed.update(_shard_files(weights_path) if weights[0].endswith(".index.json") else ())
-    for name, key in ((OPTIMIZER, "optimizer"), (SCHEDULER, "scheduler"), (SCALER, "scaler"),
-                      (TRAINING_ARGS, "training_args")):
-        if name in names:
-            state[key] = _torch_part(os.path.join(folder, name), key, opaque, notes)
-            consumed.add(name)
-        elif name in (OPTIMIZER, SCHEDULER):
-            notes.append(f"no {name} in the folder")
 
-    # RNG states
-    rng_files = _rng_files(folder)
+def _rng_states(folder: str, rng_files: list[tuple[int, str]], notes: list[str]) -> list:
+    """The RNG state of each rank's file (one file a rank)."""
     ranks = [rank for rank, _ in rng_files]
     if len(set(ranks)) != len(ranks):
         raise CheckpointError(f"{folder}: two RNG files for one rank ({', '.join(n for _, n in rng_files)})")
     rng = [_rng_entry(os.path.join(folder, name), rank, notes) for rank, name in rng_files]
-    consumed.update(name for _, name in rng_files)
     if not rng:
         notes.append("no rng_state*.pth: no RNG states recorded")
-    left = sorted(n + ("/" if os.path.isdir(os.path.join(folder, n)) else "") for n in names - consumed)
-    if left:
-        notes.append(f"not imported: {', '.join(left)}")
-
-    if opaque:
-        shown = ", ".join(opaque[:10]) + (" ..." if len(opaque) > 10 else "")
-        notes.append(f"{len(opaque)} object(s) kept opaque (pickled, never run): {shown}")
-    return Imported(state=state, kind="hf-trainer", step=step, metadata=metadata, rng=rng or None,
-                    versions=versions, opaque=opaque, notes=notes)
+    return rng
 
 
 def _json(folder: str, name: str) -> Any:
