@@ -316,37 +316,11 @@ def read(path: str) -> Imported:
     notes: list[str] = []
     metadata: dict[str, Any] = {}
     index_path = _find_index(path)
+    weight_map: dict[str, str] | None
     if index_path is not None:
-        weight_map, index_meta = _read_index(index_path)
-        folder = os.path.dirname(index_path) or "."
-        by_shard: dict[str, list[str]] = {}
-        for name, shard in weight_map.items():
-            by_shard.setdefault(shard, []).append(name)
-        shards = list(by_shard)
-        for shard, names in by_shard.items():
-            if not os.path.isfile(os.path.join(folder, shard)):
-                raise CheckpointNotFoundError(
-                    f"{index_path}: shard file {os.path.join(folder, shard)} is missing "
-                    f"({len(names)} tensor(s), e.g. {names[0]!r})"
-                )
-        headers = [read_header(os.path.join(folder, shard)) for shard in shards]
-        for header, shard in zip(headers, shards):
-            present = {s.name for s in header.tensors}
-            for name in by_shard[shard]:
-                if name not in present:
-                    raise CorruptDataError(
-                        f"{header.path}: tensor {name!r}, listed in {index_path}, is not in this shard"
-                    )
-        metadata["safetensors_index"] = os.path.basename(index_path)
-        metadata["safetensors_index_metadata"] = {str(k): v for k, v in index_meta.items()}
-        total = index_meta.get("total_size")
-        listed_bytes = sum(
-            s.end - s.begin for h in headers for s in h.tensors if weight_map.get(s.name) == _rel(folder, h.path)
-        )
-        if isinstance(total, int) and total != listed_bytes:
-            notes.append(f"{index_path}: metadata total_size is {total}, the listed tensors hold {listed_bytes} bytes")
+        weight_map, folder, headers = _indexed_headers(index_path, metadata, notes)
     else:
-        weight_map = None
+        weight_map, folder = None, ""
         if os.path.isdir(path):
             files = sorted(n for n in os.listdir(path) if n.endswith(SUFFIX) and os.path.isfile(os.path.join(path, n)))
             if not files:
@@ -354,7 +328,53 @@ def read(path: str) -> Imported:
             headers = [read_header(os.path.join(path, n)) for n in files]
         else:
             headers = [read_header(path)]
+    state = _tensors(headers, weight_map, folder, notes)
+    _file_metadata(headers, metadata, notes)
+    versions = {}
+    fmt = (metadata["safetensors_metadata"] or {}).get("format")
+    if fmt is not None:
+        versions["safetensors_format"] = fmt
+    return Imported(state=state, kind="safetensors", step=None, metadata=metadata, rng=None,
+                    versions=versions, opaque=[], notes=notes)
 
+
+def _indexed_headers(index_path: str, metadata: dict[str, Any],
+                     notes: list[str]) -> tuple[dict[str, str], str, list[Header]]:
+    """An index's weight map, folder and shards' headers, each shard checked to hold what it lists."""
+    weight_map, index_meta = _read_index(index_path)
+    folder = os.path.dirname(index_path) or "."
+    by_shard: dict[str, list[str]] = {}
+    for name, shard in weight_map.items():
+        by_shard.setdefault(shard, []).append(name)
+    shards = list(by_shard)
+    for shard, names in by_shard.items():
+        if not os.path.isfile(os.path.join(folder, shard)):
+            raise CheckpointNotFoundError(
+                f"{index_path}: shard file {os.path.join(folder, shard)} is missing "
+                f"({len(names)} tensor(s), e.g. {names[0]!r})"
+            )
+    headers = [read_header(os.path.join(folder, shard)) for shard in shards]
+    for header, shard in zip(headers, shards):
+        present = {s.name for s in header.tensors}
+        for name in by_shard[shard]:
+            if name not in present:
+                raise CorruptDataError(
+                    f"{header.path}: tensor {name!r}, listed in {index_path}, is not in this shard"
+                )
+    metadata["safetensors_index"] = os.path.basename(index_path)
+    metadata["safetensors_index_metadata"] = {str(k): v for k, v in index_meta.items()}
+    total = index_meta.get("total_size")
+    listed_bytes = sum(
+        s.end - s.begin for h in headers for s in h.tensors if weight_map.get(s.name) == _rel(folder, h.path)
+    )
+    if isinstance(total, int) and total != listed_bytes:
+        notes.append(f"{index_path}: metadata total_size is {total}, the listed tensors hold {listed_bytes} bytes")
+    return weight_map, folder, headers
+
+
+def _tensors(headers: list[Header], weight_map: dict[str, str] | None, folder: str,
+             notes: list[str]) -> dict[str, torch.Tensor]:
+    """Every file's tensors, mapped: the index's copy of a name where there is one, in the index's order."""
     state: dict[str, torch.Tensor] = {}
     origin: dict[str, str] = {}
     for header in headers:
@@ -373,7 +393,11 @@ def read(path: str) -> Imported:
         state = {name: state[name] for name in weight_map if name in state} | {
             name: t for name, t in state.items() if name not in weight_map
         }
+    return state
 
+
+def _file_metadata(headers: list[Header], metadata: dict[str, Any], notes: list[str]) -> None:
+    """The files' ``__metadata__`` into ``metadata``: what they share, and each shard's where they differ."""
     metas = [h.metadata for h in headers]
     distinct = [m for i, m in enumerate(metas) if m is not None and m not in metas[:i]]
     if len(distinct) <= 1:  # None: no file has a __metadata__ (an export then writes none either)
@@ -385,12 +409,6 @@ def read(path: str) -> Imported:
         metadata["safetensors_shard_metadata"] = {os.path.basename(h.path): dict(h.metadata or {}) for h in headers}
         notes.append("the shards' __metadata__ differ: each is kept under safetensors_shard_metadata")
     metadata["safetensors_files"] = [os.path.basename(h.path) for h in headers]
-    versions = {}
-    fmt = (metadata["safetensors_metadata"] or {}).get("format")
-    if fmt is not None:
-        versions["safetensors_format"] = fmt
-    return Imported(state=state, kind="safetensors", step=None, metadata=metadata, rng=None,
-                    versions=versions, opaque=[], notes=notes)
 
 
 def _rel(folder: str, path: str) -> str:
