@@ -169,6 +169,17 @@ def _properties(node: Any, where: str) -> tuple[torch.dtype, bool]:
 def read_metadata(folder: str) -> DcpMetadata:
     """Parse ``FOLDER/.metadata`` (restricted: nothing in it is imported or run) into plain data."""
     where = os.path.join(folder, METADATA_NAME)
+    root = _unpickled(where)
+    top = _dict_fields(root, "Metadata", where, ("state_dict_metadata",))
+    entries = _entries(top, where)
+    storage = _storage_index(top, where)
+    planner_data = _planner_data(top)
+    version = top.get("version")
+    return DcpMetadata(entries, storage, planner_data, version if type(version) is str else None)
+
+
+def _unpickled(where: str) -> Any:
+    """The ``.metadata`` file at ``where``, unpickled under the restrictions (its classes as nodes)."""
     try:
         with open(where, "rb") as f:
             data = f.read(MAX_PICKLE_BYTES + 1)
@@ -183,7 +194,11 @@ def read_metadata(folder: str) -> DcpMetadata:
         root = RestrictedUnpickler(BudgetReader(data), torch_files=load_object).load_checked()
     except PickleError as exc:
         raise CheckpointError(f"{where}: {exc}") from None
-    top = _dict_fields(root, "Metadata", where, ("state_dict_metadata",))
+    return root
+
+
+def _entries(top: dict, where: str) -> dict[str, TensorMeta | BytesMeta]:
+    """``state_dict_metadata``: each key's tensor (dtype, size, chunks) or bytes entry, checked."""
     sdm = top["state_dict_metadata"]
     if type(sdm) is not dict:
         raise _bad(where, "state_dict_metadata is not a dict")
@@ -211,7 +226,11 @@ def read_metadata(folder: str) -> DcpMetadata:
                                       f"lies outside the tensor's shape {list(size)}")
             chunks.append(Chunk(offsets, sizes))
         entries[fqn] = TensorMeta(dtype, size, tuple(chunks), requires_grad)
+    return entries
 
+
+def _storage_index(top: dict, where: str) -> dict[tuple[str, tuple[int, ...] | None], StorageInfo]:
+    """``storage_data``: where each item's bytes are (file inside the folder, offset, length, transforms)."""
     storage_data = top.get("storage_data")
     if type(storage_data) is not dict:
         raise _bad(where, "storage_data is missing (not written by FileSystemWriter?)")
@@ -231,7 +250,11 @@ def read_metadata(folder: str) -> DcpMetadata:
         if not isinstance(transforms, (list, tuple)) or not all(type(t) is str for t in transforms):
             raise _bad(where, "transform_descriptors is malformed")
         storage[(index["fqn"], offset)] = StorageInfo(path, begin, length, tuple(transforms))
+    return storage
 
+
+def _planner_data(top: dict) -> dict[str, tuple]:
+    """``planner_data``: each key's path in the nested state dict, where well formed."""
     planner = top.get("planner_data")
     planner_data: dict[str, tuple] = {}
     if type(planner) is dict:
@@ -239,11 +262,7 @@ def read_metadata(folder: str) -> DcpMetadata:
             if type(fqn) is str and type(path) in (tuple, list) and path \
                     and all(type(p) in (str, int) for p in path):
                 planner_data[fqn] = tuple(path)
-    version = top.get("version")
-    return DcpMetadata(entries, storage, planner_data, version if type(version) is str else None)
-
-
-# --------------------------------------------------------------------------- detect / read
+    return planner_data
 
 
 def _folder(path: str) -> str:
