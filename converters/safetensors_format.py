@@ -1,4 +1,6 @@
-"""safetensors files: import (single files, sharded sets with an index, folders) and the writer export uses.
+"""safetensors files: import (single files, sharded sets with an index, folders). The writer export uses
+is ``safetensors_writer``, the dtype tables ``safetensors_dtypes``; their public names are importable
+from here too.
 
 The format: an 8-byte little-endian header length N, N bytes of JSON
 ``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {str: str}}``,
@@ -19,14 +21,16 @@ import os
 import posixpath
 import struct
 import sys
-from collections import Counter
-from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ckptfmt.converters.importer import Imported
+from ckptfmt.converters.safetensors_dtypes import NO_TORCH_DTYPE, PACKED, SAFETENSORS_DTYPES
+from ckptfmt.converters.safetensors_dtypes import TORCH_TO_SAFETENSORS as TORCH_TO_SAFETENSORS  # re-exported
+from ckptfmt.converters.safetensors_writer import OutTensor as OutTensor  # re-exported
+from ckptfmt.converters.safetensors_writer import write_file as write_file  # re-exported
 from ckptfmt.errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -38,32 +42,7 @@ INDEX_NAME = "model.safetensors.index.json"
 SUFFIX = ".safetensors"
 #: A header longer than this is refused as absurd (safetensors' own limit is 100 MB).
 MAX_HEADER = 100_000_000
-_ALIGN = 8
 
-#: safetensors dtype -> (torch dtype name, bytes per torch element). F4 packs two
-#: 4-bit values per byte: safetensors counts the 4-bit values in the shape's last
-#: dimension, torch's float4_e2m1fn_x2 counts the bytes.
-SAFETENSORS_DTYPES: dict[str, tuple[str, int]] = {
-    "F64": ("float64", 8), "F32": ("float32", 4), "F16": ("float16", 2), "BF16": ("bfloat16", 2),
-    "I64": ("int64", 8), "I32": ("int32", 4), "I16": ("int16", 2), "I8": ("int8", 1),
-    "U64": ("uint64", 8), "U32": ("uint32", 4), "U16": ("uint16", 2), "U8": ("uint8", 1),
-    "BOOL": ("bool", 1), "C64": ("complex64", 8),
-    "F8_E4M3": ("float8_e4m3fn", 1), "F8_E4M3FNUZ": ("float8_e4m3fnuz", 1),
-    "F8_E5M2": ("float8_e5m2", 1), "F8_E5M2FNUZ": ("float8_e5m2fnuz", 1),
-    "F8_E8M0": ("float8_e8m0fnu", 1), "F4": ("float4_e2m1fn_x2", 1),
-}
-#: safetensors dtypes that torch has no dtype for.
-_NO_TORCH_DTYPE = {"F6_E2M3", "F6_E3M2"}
-_PACKED = {"F4": 2}  # values per torch element
-#: torch dtype -> safetensors dtype, for the export writer.
-TORCH_TO_SAFETENSORS: dict[torch.dtype, str] = {
-    getattr(torch, name): st for st, (name, _) in SAFETENSORS_DTYPES.items()
-    if isinstance(getattr(torch, name, None), torch.dtype)
-}
-#: safetensors' Dtype enum order, narrowest first: its writer puts the highest first, then sorts by name.
-_WRITE_RANK = {st: rank for rank, st in enumerate((
-    "BOOL", "F4", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0", "F8_E4M3FNUZ", "F8_E5M2FNUZ",
-    "I16", "U16", "F16", "BF16", "I32", "U32", "F32", "C64", "F64", "I64", "U64"))}
 
 
 # -- parsing -----------------------------------------------------------------------------------------------
@@ -192,7 +171,7 @@ def _tensor_spec(path: str, name: str, entry: Any, buffer_len: int) -> TensorSpe
     st_dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
     if not isinstance(st_dtype, str):
         raise CorruptDataError(f"{where}: missing or non-string dtype")
-    if st_dtype in _NO_TORCH_DTYPE:
+    if st_dtype in NO_TORCH_DTYPE:
         raise CheckpointError(f"{where}: dtype {st_dtype} has no torch equivalent and cannot be imported")
     if st_dtype not in SAFETENSORS_DTYPES:
         raise CorruptDataError(f"{where}: unknown dtype {st_dtype!r}")
@@ -208,7 +187,7 @@ def _tensor_spec(path: str, name: str, entry: Any, buffer_len: int) -> TensorSpe
     if not 0 <= begin <= end <= buffer_len:
         raise CorruptDataError(f"{where}: data_offsets [{begin}, {end}] lie outside the {buffer_len}-byte buffer")
     torch_shape = tuple(shape)
-    per = _PACKED.get(st_dtype, 1)
+    per = PACKED.get(st_dtype, 1)
     if per > 1:
         if not shape or shape[-1] % per:
             raise CorruptDataError(f"{where}: {st_dtype} shape {shape} needs an even last dimension")
@@ -413,85 +392,3 @@ def _file_metadata(headers: list[Header], metadata: dict[str, Any], notes: list[
 
 def _rel(folder: str, path: str) -> str:
     return os.path.relpath(path, folder).replace(os.sep, "/")
-
-
-# -- writing (export) -------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class OutTensor:
-    """A tensor to write: its name, torch dtype and shape, and how to read it when its turn comes."""
-
-    name: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    load: Callable[[], Any]
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
-
-
-def _header_bytes(tensors: list[OutTensor], metadata: dict[str, str] | None) -> bytes:
-    """The length and JSON header as safetensors writes them: compact, padded with spaces to 8 bytes."""
-    header: dict[str, Any] = {}
-    if metadata is not None:
-        header["__metadata__"] = metadata
-    position = 0
-    for t in tensors:
-        st = TORCH_TO_SAFETENSORS[t.dtype]
-        shape = list(t.shape)
-        if st in _PACKED:
-            if not shape:
-                raise CheckpointError(f"tensor {t.name!r}: a 0-d {t.dtype} tensor has no safetensors shape")
-            shape[-1] *= _PACKED[st]
-        header[t.name] = {"dtype": st, "shape": shape, "data_offsets": [position, position + t.nbytes]}
-        position += t.nbytes
-    raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-    raw += b" " * (-(8 + len(raw)) % _ALIGN)  # the buffer starts 8-aligned, as safetensors writes it
-    return struct.pack("<Q", len(raw)) + raw
-
-
-def write_file(path: str, tensors: Iterable[OutTensor], metadata: dict[str, str] | None = None) -> int:
-    """Write a safetensors file reading one tensor at a time; returns the bytes written.
-
-    The file is the one safetensors' own writer makes of the same tensors and metadata:
-    tensors ordered by dtype, widest first (so each is aligned to its element size),
-    then by name, and the same header bytes.
-    """
-    if sys.byteorder != "little":  # pragma: no cover
-        raise CheckpointError("writing safetensors on a big-endian machine is not supported")
-    ordered = sorted(tensors, key=_write_order)
-    names = [t.name for t in ordered]
-    repeated = sorted(name for name, count in Counter(names).items() if count > 1)
-    if repeated:
-        raise CheckpointError(f"{path}: tensor name(s) given twice: {', '.join(map(repr, repeated))}")
-    if "__metadata__" in names:
-        raise CheckpointError(f"{path}: a tensor cannot be named '__metadata__' in safetensors")
-    header = _header_bytes(ordered, metadata)
-    written = len(header)
-    with open(path, "wb") as f:
-        f.write(header)
-        for t in ordered:
-            value = t.load()
-            tensor = torch.from_numpy(value) if not isinstance(value, torch.Tensor) else value.detach()
-            if tensor.dtype != t.dtype or tuple(tensor.shape) != t.shape:
-                raise CheckpointError(
-                    f"tensor {t.name!r}: read {tensor.dtype} {tuple(tensor.shape)}, expected {t.dtype} {t.shape}"
-                )
-            if tensor.numel():
-                tensor = tensor.cpu().resolve_conj().resolve_neg().contiguous()
-                f.write(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
-            written += t.nbytes
-            del value, tensor
-        f.flush()
-        os.fsync(f.fileno())
-    return written
-
-
-def _write_order(t: OutTensor) -> tuple[int, str]:
-    """safetensors' writer order: the widest dtype first (by its enum), then the name."""
-    st = TORCH_TO_SAFETENSORS.get(t.dtype)
-    if st is None:
-        raise CheckpointError(f"tensor {t.name!r}: dtype {t.dtype} has no safetensors equivalent")
-    return -_WRITE_RANK[st], t.name
