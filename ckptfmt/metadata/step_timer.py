@@ -16,8 +16,8 @@ timer only once the checkpoint is committed: after a failed save the next one
 stores them. Records are columns, one
 list per field, a row per step; a save stores each column as one msgpack bin of
 little-endian numbers (spec 9.4), which readers take with one copy (numpy,
-Arrow) instead of decoding a msgpack value per step. The timer costs two clock
-reads and a dict update per phase.
+Arrow) instead of decoding a msgpack value per step (that stored form: ``step_records``). The
+timer costs two clock reads and a dict update per phase.
 """
 
 from __future__ import annotations
@@ -27,26 +27,23 @@ import sys
 import threading
 import time
 import weakref
-from dataclasses import dataclass
 from typing import Any
 
 import blake3
 import numpy as np
 
-from ckptfmt.errors import ManifestError
 from ckptfmt.metadata.resumes import take_resumed_progress
-from ckptfmt.metadata.rng_digests import RNG_DIGEST_BYTES, RngDigests
+from ckptfmt.metadata.rng_digests import RngDigests
+from ckptfmt.metadata.step_records import BATCH_DIGEST_BYTES as BATCH_DIGEST_BYTES  # re-exported
+from ckptfmt.metadata.step_records import BATCH_INDICES, BATCH_NONE, BATCH_TENSORS, encode_steps
+from ckptfmt.metadata.step_records import StepColumns as StepColumns  # re-exported
+from ckptfmt.metadata.step_records import decode_steps as decode_steps  # re-exported
 from ckptfmt.metadata.system import DEFAULT_INTERVAL_S as DEFAULT_SYSTEM_INTERVAL_S
 from ckptfmt.metadata.system import SystemSampler
 from ckptfmt.repository.progress import DEFAULT_INTERVAL_S
 
 #: Seconds between rewrites of a process's progress object (spec 4.6) by default.
 DEFAULT_PROGRESS_INTERVAL_S = DEFAULT_INTERVAL_S
-#: Bytes of a batch digest (BLAKE3 of the indices as little-endian int64).
-BATCH_DIGEST_BYTES = 16
-#: What a step's batch digest was taken of (spec 9.4 ``batch_kind``).
-_BATCH_NONE, _BATCH_INDICES, _BATCH_TENSORS = 0, 1, 2
-_I64, _F64 = np.dtype("<i8"), np.dtype("<f8")
 
 
 class StepTimer:
@@ -170,7 +167,7 @@ class StepTimer:
         hasher = self._current.hasher
         if hasher is None:
             hasher = self._current.hasher = blake3.blake3()
-        elif self._current.batch_kind != _BATCH_INDICES:
+        elif self._current.batch_kind != BATCH_INDICES:
             raise ValueError("StepTimer.batch() in a step that recorded its batch's tensors: use one or the other")
         hasher.update(values.tobytes())
         self._current.batch_size += values.size
@@ -184,9 +181,9 @@ class StepTimer:
         current = self._current
         if current.hasher is None:
             current.hasher = blake3.blake3()
-        elif current.batch_kind != _BATCH_TENSORS:
+        elif current.batch_kind != BATCH_TENSORS:
             raise ValueError("StepTimer.batch_tensors() in a step that recorded sample indices: use one or the other")
-        current.batch_kind = _BATCH_TENSORS
+        current.batch_kind = BATCH_TENSORS
         samples = _digest_tensors(batch, current.hasher)
         if current.batch_size == 0:
             current.batch_size = samples
@@ -315,7 +312,7 @@ class StepTimer:
         _append_row(columns["phases"], {name: ns / 1e9 for name, ns in step.phases.items()}, rows)
         columns["batch"].append(None if step.hasher is None else step.hasher.digest(BATCH_DIGEST_BYTES))
         columns["batch_size"].append(step.batch_size if step.hasher is not None else None)
-        columns["batch_kind"].append(_BATCH_NONE if step.hasher is None else step.batch_kind)
+        columns["batch_kind"].append(BATCH_NONE if step.hasher is None else step.batch_kind)
         _append_row(columns["metrics"], step.metrics, rows)
         _append_row(columns["rng"], step.rng, rows)
 
@@ -331,7 +328,7 @@ class _Step:
         self.running: tuple[str, int] | None = None
         self.hasher: blake3.blake3 | None = None
         self.batch_size = 0
-        self.batch_kind = _BATCH_INDICES
+        self.batch_kind = BATCH_INDICES
         self.metrics: dict[str, float] = {}
         self.rng: dict[str, bytes] = {}
 
@@ -425,99 +422,3 @@ def _indices(indices: Any) -> np.ndarray:
     if not (np.issubdtype(array.dtype, np.integer) or array.size == 0):
         raise ValueError(f"StepTimer.batch() takes integer indices, got {array.dtype}")
     return np.ascontiguousarray(array.reshape(-1), dtype="<i8")
-
-
-
-# -- the stored form (spec 9.4) -----------------------------------------------------------------
-@dataclass
-class StepColumns:
-    """One rank's stored steps, decoded: numpy arrays of ``count`` rows each."""
-
-    count: int
-    step: np.ndarray  # int64
-    start_ns: np.ndarray  # int64, wall clock
-    duration_s: np.ndarray  # float64
-    batch: np.ndarray  # uint8, count x 16
-    batch_size: np.ndarray  # int64, -1: no batch recorded
-    phases: dict[str, np.ndarray]  # float64 seconds, NaN: the step had none
-    metrics: dict[str, np.ndarray]  # float64
-    metrics_missing: dict[str, np.ndarray]  # bool: the step recorded no such metric
-    #: uint8 per step: what ``batch`` digests (0 nothing, 1 sample indices, 2 the batch's tensors; 1.8).
-    batch_kind: np.ndarray
-    #: Generator name -> uint8, count x 16: its state's digest at the step's start, zeros where not read (1.8).
-    rng: dict[str, np.ndarray]
-
-
-def encode_steps(columns: dict) -> dict:
-    """The stored form of a timer's columns: a count, and one bin of little-endian numbers per column."""
-    count = len(columns["step"])
-
-    def floats(values: list) -> bytes:  # float(): a metric may be a device tensor, read only now
-        return np.array([np.nan if v is None else float(v) for v in values], dtype=_F64).tobytes()
-    record = {
-        "count": count,
-        "step": np.array(columns["step"], dtype=_I64).tobytes(),
-        "start_ns": np.array(columns["start_ns"], dtype=_I64).tobytes(),
-        "duration_s": np.array(columns["duration_s"], dtype=_F64).tobytes(),
-        "batch": b"".join(bytes(BATCH_DIGEST_BYTES) if d is None else d for d in columns["batch"]),
-        "batch_size": np.array([-1 if n is None else n for n in columns["batch_size"]], dtype=_I64).tobytes(),
-        "phases": {name: floats(values) for name, values in columns["phases"].items()},
-        "metrics": {name: floats(values) for name, values in columns["metrics"].items()},
-    }
-    missing = {name: np.array([v is None for v in values], dtype=np.uint8).tobytes()
-               for name, values in columns["metrics"].items() if None in values}
-    if missing:
-        record["metrics_missing"] = missing
-    if any(kind == _BATCH_TENSORS for kind in columns.get("batch_kind", ())):
-        record["batch_kind"] = bytes(columns["batch_kind"])
-    if columns.get("rng"):
-        zeros = bytes(RNG_DIGEST_BYTES)
-        record["rng"] = {name: b"".join(zeros if d is None else d for d in values)
-                         for name, values in columns["rng"].items()}
-    return record
-
-
-def decode_steps(record: Any, where: str) -> StepColumns:
-    """A stored step record as arrays, or a ManifestError naming ``where`` and what is wrong."""
-    if not isinstance(record, dict):
-        raise ManifestError(f"{where}: not a map")
-    count = record.get("count")
-    if type(count) is not int or count < 0:
-        raise ManifestError(f"{where}: count is not a non-negative int")
-
-    def column(value: Any, what: str, dtype: np.dtype, width: int = 1) -> np.ndarray:
-        if type(value) is not bytes or len(value) != count * width * dtype.itemsize:
-            raise ManifestError(f"{where}: {what} is not {count * width} {dtype.name} values as bytes")
-        array = np.frombuffer(value, dtype=dtype)
-        return array.reshape(count, width) if width > 1 else array
-
-    def named(value: Any, what: str, dtype: np.dtype) -> dict[str, np.ndarray]:
-        if value is None:
-            return {}
-        if not isinstance(value, dict) or not all(type(k) is str for k in value):
-            raise ManifestError(f"{where}: {what} is not a map of names")
-        return {name: column(v, f"{what}.{name}", dtype) for name, v in value.items()}
-    step = column(record.get("step"), "step", _I64)
-    batch_size = column(record.get("batch_size"), "batch_size", _I64)
-    kind = record.get("batch_kind")
-    batch_kind = (batch_size >= 0).astype(np.uint8) if kind is None else column(kind, "batch_kind", np.dtype(np.uint8))
-    if kind is not None and (batch_kind > _BATCH_TENSORS).any():
-        raise ManifestError(f"{where}: batch_kind holds a value other than 0, 1 and 2")
-    rng = record.get("rng")
-    if rng is not None and (not isinstance(rng, dict) or not all(type(k) is str for k in rng)):
-        raise ManifestError(f"{where}: rng is not a map of names")
-    return StepColumns(
-        count=count,
-        step=step,
-        start_ns=column(record.get("start_ns"), "start_ns", _I64),
-        duration_s=column(record.get("duration_s"), "duration_s", _F64),
-        batch=column(record.get("batch"), "batch", np.dtype(np.uint8), BATCH_DIGEST_BYTES),
-        batch_size=batch_size,
-        phases=named(record.get("phases"), "phases", _F64),
-        metrics=named(record.get("metrics"), "metrics", _F64),
-        metrics_missing={k: v.astype(bool) for k, v in
-                         named(record.get("metrics_missing"), "metrics_missing", np.dtype(np.uint8)).items()},
-        batch_kind=batch_kind,
-        rng={name: column(value, f"rng.{name}", np.dtype(np.uint8), RNG_DIGEST_BYTES)
-             for name, value in (rng or {}).items()},
-    )
