@@ -7,7 +7,7 @@ strings interned for dictionary-encoded columns.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -137,6 +137,20 @@ def rank_records(manifest: Manifest | Saved, where: str) -> list[dict]:
     for index, record in enumerate(records):
         as_map(record, where, f"timing.ranks[{index}]")
     return records
+
+
+def records_holding(manifest: Manifest | Saved, where: str, field: str,
+                    decode: Callable[[Any, str], Any]) -> Iterator[tuple[Any, int, dict]]:
+    """(``decode`` of its ``field``, its rank, the record) of each per-rank timing record holding
+    ``field``, decoded first, its rank then checked to be an int."""
+    for index, record in enumerate(rank_records(manifest, where)):
+        if record.get(field) is None:
+            continue
+        decoded = decode(record[field], f"{where}: timing.ranks[{index}].{field}")
+        rank = record.get("rank")
+        if type(rank) is not int:
+            raise ManifestError(f"{where}: timing.ranks[{index}].rank is not an int")
+        yield decoded, rank, record
 
 
 class Words:

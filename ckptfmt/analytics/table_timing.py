@@ -10,8 +10,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from ckptfmt.analytics.table_columns import TIME, Saved, Words, rank_records
-from ckptfmt.errors import ManifestError
+from ckptfmt.analytics.table_columns import TIME, Saved, Words, records_holding
 from ckptfmt.metadata.rng_digests import RNG_DIGEST_BYTES
 from ckptfmt.metadata.step_timer import BATCH_DIGEST_BYTES, decode_steps
 from ckptfmt.metadata.system import decode_samples
@@ -59,13 +58,7 @@ class Steps:
         time (a call per column and manifest, not per rank record: 64 ranks' records cost 64 times the
         calls), the views let go when it returns."""
         decoded: list[tuple[Any, int, int]] = []  # (columns, rank, host id) per record with steps
-        for index, rank_record in enumerate(rank_records(manifest, where)):
-            if rank_record.get("steps") is None:
-                continue
-            columns = decode_steps(rank_record["steps"], f"{where}: timing.ranks[{index}].steps")
-            rank = rank_record.get("rank")
-            if type(rank) is not int:
-                raise ManifestError(f"{where}: timing.ranks[{index}].rank is not an int")
+        for columns, rank, rank_record in records_holding(manifest, where, "steps", decode_steps):
             decoded.append((columns, rank, self.words.id(str(rank_record.get("host")))))
         counts = np.array([columns.count for columns, _, _ in decoded], dtype=np.int64)
         fixed, first, total = self.fixed, self.rows, int(counts.sum())
@@ -251,13 +244,7 @@ class System:
         self.rows = 0
 
     def add(self, run: str, record: Saved, manifest: Saved, where: str) -> None:
-        for index, rank_record in enumerate(rank_records(manifest, where)):
-            if rank_record.get("system") is None:
-                continue
-            columns = decode_samples(rank_record["system"], f"{where}: timing.ranks[{index}].system")
-            rank = rank_record.get("rank")
-            if type(rank) is not int:
-                raise ManifestError(f"{where}: timing.ranks[{index}].rank is not an int")
+        for columns, rank, rank_record in records_holding(manifest, where, "system", decode_samples):
             interval = np.nan if columns.interval_s is None else columns.interval_s
             self.repeats.append((self.words.id(run), self.words.id(record.name), rank,
                                  self.words.id(str(rank_record.get("host"))), interval, columns.count))

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from ckptfmt.errors import ManifestError
+from ckptfmt.metadata.column_records import column_reader, record_count
 from ckptfmt.metadata.rng_digests import RNG_DIGEST_BYTES
 
 #: Bytes of a batch digest (BLAKE3 of the indices as little-endian int64).
@@ -69,17 +70,8 @@ def encode_steps(columns: dict) -> dict:
 
 def decode_steps(record: Any, where: str) -> StepColumns:
     """A stored step record as arrays, or a ManifestError naming ``where`` and what is wrong."""
-    if not isinstance(record, dict):
-        raise ManifestError(f"{where}: not a map")
-    count = record.get("count")
-    if type(count) is not int or count < 0:
-        raise ManifestError(f"{where}: count is not a non-negative int")
-
-    def column(value: Any, what: str, dtype: np.dtype, width: int = 1) -> np.ndarray:
-        if type(value) is not bytes or len(value) != count * width * dtype.itemsize:
-            raise ManifestError(f"{where}: {what} is not {count * width} {dtype.name} values as bytes")
-        array = np.frombuffer(value, dtype=dtype)
-        return array.reshape(count, width) if width > 1 else array
+    count = record_count(record, where)
+    column = column_reader(count, where)
 
     def named(value: Any, what: str, dtype: np.dtype) -> dict[str, np.ndarray]:
         if value is None:

@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from ckptfmt.errors import ManifestError
+from ckptfmt.metadata.column_records import column_reader, record_count
 
 _I64, _F64 = np.dtype("<i8"), np.dtype("<f8")
 #: The default seconds between samples.
@@ -257,16 +258,8 @@ def encode_samples(times: list[int], rows: list[dict[str, float]], interval: flo
 
 def decode_samples(record: Any, where: str) -> SystemColumns:
     """A stored ``system`` record as arrays, or a ManifestError naming ``where`` and what is wrong."""
-    if not isinstance(record, dict):
-        raise ManifestError(f"{where}: not a map")
-    count = record.get("count")
-    if type(count) is not int or count < 0:
-        raise ManifestError(f"{where}: count is not a non-negative int")
-
-    def column(value: Any, what: str, dtype: np.dtype) -> np.ndarray:
-        if type(value) is not bytes or len(value) != count * dtype.itemsize:
-            raise ManifestError(f"{where}: {what} is not {count} {dtype.name} values as bytes")
-        return np.frombuffer(value, dtype=dtype)
+    count = record_count(record, where)
+    column = column_reader(count, where)
     interval = record.get("interval_s")
     if interval is not None and (type(interval) not in (int, float) or not interval > 0):
         raise ManifestError(f"{where}: interval_s is not a positive number or nil")
